@@ -1,0 +1,599 @@
+"""Lazy global tensors: a global shape, a dtype, and `read_box(box)` that reads only that box.
+
+A box is a tuple of `(start, stop)` pairs, one per dimension, in global element coordinates.
+Every source format describes its tensors as compositions of the views below; nothing is read
+until a box is asked for, and each view asks its inputs only for the boxes it needs.
+
+Views:
+- `ArrayTensor`    an in-memory numpy array.
+- `StoredTensor`   C-contiguous bytes at an offset of a file (one pread per contiguous run).
+- `Concat`         parts joined along an axis (tensor-parallel shards, pipeline chunks).
+- `Stack`          parts stacked on a new axis (layers).
+- `Slice`          a box of another tensor (vocab trim, one third of a fused qkv).
+- `Transpose`      axes permuted (`[out, in]` to `[in, out]`).
+- `Reshape`        the same elements in C order under another shape (a flat 1-D range split
+                   across ranks, then reshaped: ZeRO, Megatron distributed optimizer, Paddle v2).
+- `Take`           indices along an axis (RoPE row permutation).
+- `Cast`           another dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hybridckpt.errors import FormatError
+from hybridckpt.io.byte_source import ByteSource
+
+Box = tuple[tuple[int, int], ...]
+
+
+def full_box(shape: Sequence[int]) -> Box:
+    return tuple((0, int(n)) for n in shape)
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(b - a for a, b in box)
+
+
+def normalize_box(shape: Sequence[int], index) -> Box:
+    """Turn a tuple of slices (as `jax.make_array_from_callback` passes) into a Box."""
+    if index is None:
+        return full_box(shape)
+    if not isinstance(index, tuple):
+        index = (index,)
+    index = index + (slice(None),) * (len(shape) - len(index))
+    box = []
+    for s, n in zip(index, shape, strict=True):
+        if isinstance(s, slice):
+            a, b, step = s.indices(n)
+            if step != 1:
+                raise ValueError(f"strided index {s} is not a box")
+            box.append((a, max(a, b)))
+        else:
+            i = int(s) % n
+            box.append((i, i + 1))
+    return tuple(box)
+
+
+def _check_box(t: LazyTensor, box: Box) -> None:
+    if len(box) != len(t.shape) or any(
+        not (0 <= a <= b <= n) for (a, b), n in zip(box, t.shape, strict=True)
+    ):
+        raise ValueError(f"box {box} is outside shape {t.shape}")
+
+
+def flat_boxes(shape: Sequence[int], start: int, stop: int) -> Iterator[Box]:
+    """Boxes (at most 2*ndim) that cover the C-order flat range `[start, stop)` of `shape`, in order."""
+    if start >= stop:
+        return
+    if not shape:
+        yield ()
+        return
+    inner = math.prod(shape[1:])
+    rest = tuple(shape[1:])
+    r0, c0 = divmod(start, inner)
+    r1, c1 = divmod(stop, inner)
+    if r0 == r1:
+        for b in flat_boxes(rest, c0, c1):
+            yield ((r0, r0 + 1),) + b
+        return
+    if c0:
+        for b in flat_boxes(rest, c0, inner):
+            yield ((r0, r0 + 1),) + b
+        r0 += 1
+    if r1 > r0:
+        yield ((r0, r1),) + full_box(rest)
+    if c1:
+        for b in flat_boxes(rest, 0, c1):
+            yield ((r1, r1 + 1),) + b
+
+
+def box_runs(shape: Sequence[int], box: Box) -> tuple[np.ndarray, int]:
+    """The C-order flat runs of `box` inside `shape`: (run start indices [n_runs], run length).
+
+    Runs are maximal: trailing dimensions the box covers fully are merged into one run.
+    """
+    nd = len(shape)
+    if nd == 0:
+        return np.zeros(1, dtype=np.int64), 1
+    if any(b == a for a, b in box):
+        return np.zeros(0, dtype=np.int64), 0
+    k = nd - 1  # the last dimension the box does not cover fully, walking from the right
+    while k > 0 and box[k] == (0, shape[k]):
+        k -= 1
+    inner = math.prod(shape[k + 1 :])
+    run_len = (box[k][1] - box[k][0]) * inner
+    strides = [math.prod(shape[i + 1 :]) for i in range(nd)]
+    starts = np.array([box[k][0] * strides[k]], dtype=np.int64)
+    for i in range(k - 1, -1, -1):
+        a, b = box[i]
+        offs = np.arange(a, b, dtype=np.int64) * strides[i]
+        starts = (offs[:, None] + starts[None, :]).reshape(-1)
+    return starts, run_len
+
+
+class LazyTensor:
+    """A global tensor whose boxes can be read on demand. Subclasses implement `read_box`."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    def read_box(self, box: Box) -> np.ndarray:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # -- conveniences -------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * np.dtype(self.dtype).itemsize
+
+    def read(self, index=None) -> np.ndarray:
+        """Read a box given as slices (or everything when `index` is None)."""
+        box = normalize_box(self.shape, index)
+        _check_box(self, box)
+        return self.read_box(box)
+
+    def read_flat(self, start: int, stop: int) -> np.ndarray:
+        """The C-order flat elements `[start, stop)` as a 1-D array."""
+        parts = [self.read_box(b).reshape(-1) for b in flat_boxes(self.shape, start, stop)]
+        if not parts:
+            return np.empty(0, dtype=self.dtype)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def materialize(self) -> np.ndarray:
+        """The whole tensor in memory (only where the user asked for a whole tensor)."""
+        return self.read_box(full_box(self.shape))
+
+
+@dataclass(frozen=True, eq=False)
+class ArrayTensor(LazyTensor):
+    """An in-memory array seen as a lazy tensor."""
+
+    array: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.array.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.array.dtype
+
+    def read_box(self, box: Box) -> np.ndarray:
+        return np.ascontiguousarray(self.array[tuple(slice(a, b) for a, b in box)])
+
+
+@dataclass(frozen=True, eq=False)
+class StoredTensor(LazyTensor):
+    """C-contiguous little-endian elements at byte `offset` of a file; `shape`, `dtype` as stored."""
+
+    source: ByteSource
+    offset: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    def read_box(self, box: Box) -> np.ndarray:
+        out = np.empty(box_shape(box), dtype=self.dtype)
+        if out.size == 0:
+            return out
+        starts, run_len = box_runs(self.shape, box)
+        item = out.dtype.itemsize
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        nbytes = run_len * item
+        # merge runs that touch, then read each with one pread
+        pos = 0
+        i = 0
+        n = len(starts)
+        while i < n:
+            j = i + 1
+            while j < n and starts[j] == starts[j - 1] + run_len:
+                j += 1
+            length = (j - i) * nbytes
+            self.source.read_into(self.offset + int(starts[i]) * item, view[pos : pos + length])
+            pos += length
+            i = j
+        return out
+
+    def read_flat(self, start: int, stop: int) -> np.ndarray:
+        out = np.empty(max(0, stop - start), dtype=self.dtype)
+        item = out.dtype.itemsize
+        self.source.read_into(self.offset + start * item, memoryview(out.view(np.uint8)))
+        return out
+
+
+@dataclass(frozen=True, eq=False)
+class Slice(LazyTensor):
+    """The box `region` of `src`, re-based at zero."""
+
+    src: LazyTensor
+    region: Box
+
+    def __post_init__(self):
+        _check_box(self.src, self.region)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return box_shape(self.region)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.src.dtype
+
+    def read_box(self, box: Box) -> np.ndarray:
+        return self.src.read_box(
+            tuple((r0 + a, r0 + b) for (a, b), (r0, _) in zip(box, self.region, strict=True))
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class Concat(LazyTensor):
+    """`parts` joined along `axis`; all other dimensions and the dtype must agree."""
+
+    parts: tuple[LazyTensor, ...]
+    axis: int
+    _bounds: tuple[int, ...] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        if not self.parts:
+            raise ValueError("Concat needs at least one part")
+        ref = self.parts[0]
+        ax = self.axis % ref.ndim
+        object.__setattr__(self, "axis", ax)
+        bounds = [0]
+        for p in self.parts:
+            if p.ndim != ref.ndim or any(
+                p.shape[i] != ref.shape[i] for i in range(ref.ndim) if i != ax
+            ):
+                raise FormatError(
+                    f"cannot concatenate shapes {[q.shape for q in self.parts]} on axis {ax}"
+                )
+            if np.dtype(p.dtype) != np.dtype(ref.dtype):
+                raise FormatError(
+                    f"cannot concatenate dtypes {[str(q.dtype) for q in self.parts]}"
+                )
+            bounds.append(bounds[-1] + p.shape[ax])
+        object.__setattr__(self, "_bounds", tuple(bounds))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        s = list(self.parts[0].shape)
+        s[self.axis] = self._bounds[-1]
+        return tuple(s)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.parts[0].dtype
+
+    def read_box(self, box: Box) -> np.ndarray:
+        a, b = box[self.axis]
+        pieces = []
+        for p, lo, hi in zip(self.parts, self._bounds[:-1], self._bounds[1:], strict=True):
+            s, e = max(a, lo), min(b, hi)
+            if s < e or (a == b == lo and not pieces):
+                sub = list(box)
+                sub[self.axis] = (s - lo, e - lo) if s < e else (0, 0)
+                pieces.append(p.read_box(tuple(sub)))
+        if not pieces:
+            return np.empty(box_shape(box), dtype=self.dtype)
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=self.axis)
+
+
+@dataclass(frozen=True, eq=False)
+class Stack(LazyTensor):
+    """`parts` (same shape and dtype) stacked on a new leading axis: shape `[n, *part.shape]`."""
+
+    parts: tuple[LazyTensor, ...]
+
+    def __post_init__(self):
+        if not self.parts:
+            raise ValueError("Stack needs at least one part")
+        shapes = {p.shape for p in self.parts}
+        dtypes = {np.dtype(p.dtype) for p in self.parts}
+        if len(shapes) != 1 or len(dtypes) != 1:
+            raise FormatError(
+                f"cannot stack parts of shapes {sorted(shapes)} and dtypes {sorted(map(str, dtypes))}"
+            )
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.parts),) + self.parts[0].shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.parts[0].dtype
+
+    def read_box(self, box: Box) -> np.ndarray:
+        out = np.empty(box_shape(box), dtype=self.dtype)
+        a, b = box[0]
+        for i in range(a, b):
+            out[i - a] = self.parts[i].read_box(box[1:])
+        return out
+
+
+@dataclass(frozen=True, eq=False)
+class Transpose(LazyTensor):
+    """`src` with axes permuted: output axis i is `src` axis `perm[i]` (numpy semantics)."""
+
+    src: LazyTensor
+    perm: tuple[int, ...]
+
+    def __post_init__(self):
+        if sorted(self.perm) != list(range(self.src.ndim)):
+            raise ValueError(f"bad permutation {self.perm} for shape {self.src.shape}")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.src.shape[p] for p in self.perm)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.src.dtype
+
+    def read_box(self, box: Box) -> np.ndarray:
+        src_box = [None] * len(self.perm)
+        for i, p in enumerate(self.perm):
+            src_box[p] = box[i]
+        return np.ascontiguousarray(self.src.read_box(tuple(src_box)).transpose(self.perm))
+
+
+@dataclass(frozen=True, eq=False)
+class Reshape(LazyTensor):
+    """The elements of `src` in C order, under `shape` (same element count)."""
+
+    src: LazyTensor
+    shape: tuple[int, ...]
+
+    def __post_init__(self):
+        if math.prod(self.shape) != self.src.size:
+            raise FormatError(
+                f"cannot reshape {self.src.shape} ({self.src.size} elements) to {self.shape}"
+            )
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.src.dtype
+
+    def read_flat(self, start: int, stop: int) -> np.ndarray:
+        return self.src.read_flat(start, stop)
+
+    def read_box(self, box: Box) -> np.ndarray:
+        out = np.empty(box_shape(box), dtype=self.dtype)
+        if out.size == 0:
+            return out
+        starts, run_len = box_runs(self.shape, box)
+        flat = out.reshape(-1)
+        # merge runs that touch so a whole-row box becomes one read
+        pos, i, n = 0, 0, len(starts)
+        while i < n:
+            j = i + 1
+            while j < n and starts[j] == starts[j - 1] + run_len:
+                j += 1
+            length = (j - i) * run_len
+            flat[pos : pos + length] = self.src.read_flat(int(starts[i]), int(starts[i]) + length)
+            pos += length
+            i = j
+        return out
+
+
+@dataclass(frozen=True, eq=False)
+class Take(LazyTensor):
+    """`src` indexed by `indices` along `axis` (output row i is source row `indices[i]`).
+
+    A box reads the hull of the rows it needs: exact when a box's rows are a permutation of a
+    contiguous range (RoPE permutations over whole heads).
+    """
+
+    src: LazyTensor
+    axis: int
+    indices: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        s = list(self.src.shape)
+        s[self.axis] = len(self.indices)
+        return tuple(s)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.src.dtype
+
+    def read_box(self, box: Box) -> np.ndarray:
+        a, b = box[self.axis]
+        idx = np.asarray(self.indices[a:b], dtype=np.int64)
+        if idx.size == 0:
+            return np.empty(box_shape(box), dtype=self.dtype)
+        lo, hi = int(idx.min()), int(idx.max()) + 1
+        sub = list(box)
+        sub[self.axis] = (lo, hi)
+        hull = self.src.read_box(tuple(sub))
+        return np.ascontiguousarray(np.take(hull, idx - lo, axis=self.axis))
+
+
+@dataclass(frozen=True, eq=False)
+class Cast(LazyTensor):
+    """`src` converted to `dtype` (numpy `astype`, round-to-nearest-even for bf16)."""
+
+    src: LazyTensor
+    dtype: np.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.src.shape
+
+    def read_box(self, box: Box) -> np.ndarray:
+        return self.src.read_box(box).astype(self.dtype)
+
+    def read_flat(self, start: int, stop: int) -> np.ndarray:
+        return self.src.read_flat(start, stop).astype(self.dtype)
+
+
+# -- constructors ------------------------------------------------------------------------
+
+
+def as_lazy(x) -> LazyTensor:
+    """A LazyTensor as is; an array-like wrapped in `ArrayTensor`."""
+    if isinstance(x, LazyTensor):
+        return x
+    return ArrayTensor(np.asarray(x))
+
+
+def cast(t: LazyTensor, dtype) -> LazyTensor:
+    dtype = np.dtype(dtype)
+    return t if np.dtype(t.dtype) == dtype else Cast(t, dtype)
+
+
+def transpose(t: LazyTensor, perm: Sequence[int] | None = None) -> LazyTensor:
+    perm = tuple(range(t.ndim))[::-1] if perm is None else tuple(int(p) % t.ndim for p in perm)
+    if perm == tuple(range(t.ndim)):
+        return t
+    if isinstance(t, Transpose):  # fold two transposes into one
+        return transpose(t.src, tuple(t.perm[p] for p in perm))
+    return Transpose(t, perm)
+
+
+def reshape(t: LazyTensor, shape: Sequence[int]) -> LazyTensor:
+    shape = list(shape)
+    if -1 in shape:
+        known = math.prod(s for s in shape if s != -1)
+        shape[shape.index(-1)] = t.size // known if known else 0
+    shape = tuple(int(s) for s in shape)
+    if shape == t.shape:
+        return t
+    if isinstance(t, Reshape):
+        return Reshape(t.src, shape) if shape != t.src.shape else t.src
+    return Reshape(t, shape)
+
+
+def slice_axis(t: LazyTensor, axis: int, start: int, stop: int) -> LazyTensor:
+    axis %= t.ndim
+    if (start, stop) == (0, t.shape[axis]):
+        return t
+    region = list(full_box(t.shape))
+    region[axis] = (start, stop)
+    return Slice(t, tuple(region))
+
+
+def concat(parts: Sequence[LazyTensor], axis: int) -> LazyTensor:
+    parts = tuple(parts)
+    return parts[0] if len(parts) == 1 else Concat(parts, axis)
+
+
+def split(t: LazyTensor, axis: int, sizes: Sequence[int]) -> list[LazyTensor]:
+    """Consecutive pieces of `t` along `axis` with the given sizes (must add up)."""
+    axis %= t.ndim
+    if sum(sizes) != t.shape[axis]:
+        raise FormatError(f"cannot split axis {axis} of {t.shape} into {list(sizes)}")
+    out, pos = [], 0
+    for s in sizes:
+        out.append(slice_axis(t, axis, pos, pos + s))
+        pos += s
+    return out
+
+
+def stored_strided(
+    source: ByteSource,
+    storage_byte_offset: int,
+    storage_numel: int,
+    dtype,
+    shape: Sequence[int],
+    strides: Sequence[int],
+    storage_offset: int,
+    *,
+    what: str = "tensor",
+) -> LazyTensor:
+    """A tensor viewing a storage the way torch does: `shape`, element `strides`, `storage_offset`.
+
+    The storage is `storage_numel` elements of `dtype` at byte `storage_byte_offset` of `source`.
+    Views that are a transposition and/or narrowing of a C-contiguous block become
+    `Transpose(Slice(StoredTensor))` and read only their box; any other stride pattern (broadcast,
+    overlapping) reads the span it covers. Strides or offsets pointing outside the storage are a
+    FormatError naming `what`.
+    """
+    dtype = np.dtype(dtype)
+    shape = tuple(int(s) for s in shape)
+    strides = tuple(int(s) for s in strides)
+    if len(shape) != len(strides):
+        raise FormatError(f"{what}: {len(shape)} dims but {len(strides)} strides")
+    if any(s < 0 for s in shape) or any(s < 0 for s in strides) or storage_offset < 0:
+        raise FormatError(f"{what}: negative size, stride or offset")
+    numel = math.prod(shape)
+    if numel:
+        last = storage_offset + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
+        if last >= storage_numel:
+            raise FormatError(
+                f"{what}: view (offset {storage_offset}, shape {shape}, strides {strides}) reaches "
+                f"element {last} but the storage has {storage_numel}"
+            )
+    base = storage_byte_offset + storage_offset * dtype.itemsize
+    if numel == 0:
+        return ArrayTensor(np.empty(shape, dtype=dtype))
+    # keep dims with size > 1; order them by stride, outermost first
+    dims = [i for i, n in enumerate(shape) if n > 1]
+    order = sorted(dims, key=lambda i: -strides[i])
+    parent: list[int] = []
+    ok = True
+    for pos, i in enumerate(order):
+        inner_stride = strides[order[pos + 1]] if pos + 1 < len(order) else 1
+        if pos + 1 == len(order):
+            ok = ok and strides[i] == 1
+        if pos == 0:
+            parent.append(shape[i])
+        if pos + 1 < len(order):
+            j = order[pos + 1]
+            if inner_stride == 0 or strides[i] % inner_stride:
+                ok = False
+                break
+            ext = strides[i] // inner_stride
+            if ext < shape[j]:
+                ok = False
+                break
+            parent.append(ext)
+    if ok:
+        parent_shape = tuple(parent) if order else ()
+        # elements of the parent block that must exist in the storage
+        # the parent block may extend past the storage for a narrowed view; the Slice reads only
+        # the view's elements, all of which were bounds-checked above
+        stored = StoredTensor(source, base, parent_shape, dtype)
+        region = tuple((0, shape[i]) for i in order)
+        view: LazyTensor = Slice(stored, region) if order else stored
+        # `view` has the dims in `order`; put them back in tensor order, then add size-1 dims
+        if order:
+            inv = [order.index(i) for i in dims]
+            view = transpose(view, inv)
+        return reshape(view, shape)
+    # general strides: read the covered span, then view it
+    span = last - storage_offset + 1
+    flat = StoredTensor(source, base, (span,), dtype)
+    return _AsStrided(flat, shape, strides)
+
+
+@dataclass(frozen=True, eq=False)
+class _AsStrided(LazyTensor):
+    """An arbitrary strided view of a flat span (read whole: only for unusual views)."""
+
+    flat: StoredTensor
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.flat.dtype
+
+    def read_box(self, box: Box) -> np.ndarray:
+        data = self.flat.materialize()
+        item = data.dtype.itemsize
+        full = np.lib.stride_tricks.as_strided(
+            data, shape=self.shape, strides=tuple(s * item for s in self.strides), writeable=False
+        )
+        return np.ascontiguousarray(full[tuple(slice(a, b) for a, b in box)])

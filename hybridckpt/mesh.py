@@ -1,0 +1,199 @@
+"""Meshes over ("dp", "fsdp", "tp", "pp") and the NamedSharding of every param and optimizer leaf.
+
+A parameter carries logical axis names per dimension (e.g. a kernel `[embed, heads]`); the
+logical-axis rules below map each name to a mesh axis. A dimension whose mesh axis does not
+divide it is an error naming the tensor, the dimension and the sizes, unless the caller asks for
+`indivisible="replicate"`, which leaves that one dimension unsharded (documented fallback).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from hybridckpt.errors import MeshError
+
+MESH_AXES = ("dp", "fsdp", "tp", "pp")
+
+# logical axis name -> mesh axis (or tuple of axes); names not listed are replicated
+DEFAULT_RULES: Mapping[str, str | tuple[str, ...] | None] = {
+    "batch": ("dp", "fsdp"),
+    "embed": "fsdp",
+    "heads": "tp",
+    "kv_heads": "tp",
+    "mlp": "tp",
+    "vocab": "tp",
+    "layers": "pp",
+}
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """Sizes of the four mesh axes; their product is the device count."""
+
+    dp: int = 1
+    fsdp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.dp * self.fsdp * self.tp * self.pp
+
+    def as_dict(self) -> dict[str, int]:
+        return {"dp": self.dp, "fsdp": self.fsdp, "tp": self.tp, "pp": self.pp}
+
+    def __str__(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.as_dict().items())
+
+    @classmethod
+    def parse(cls, text: str) -> MeshShape:
+        """Parse `dp=1,fsdp=2,tp=2,pp=2` (missing axes are 1)."""
+        sizes: dict[str, int] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, _, value = part.partition("=")
+            if key not in MESH_AXES or not value.isdigit() or int(value) < 1:
+                raise MeshError(
+                    f"bad mesh {text!r}: expected comma-separated axis=size with axes {MESH_AXES}"
+                )
+            sizes[key] = int(value)
+        return cls(**sizes)
+
+    @classmethod
+    def of(cls, mesh: Mesh) -> MeshShape:
+        return cls(**{k: int(mesh.shape[k]) for k in MESH_AXES if k in mesh.shape})
+
+
+def make_mesh(
+    dp: int = 1,
+    fsdp: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """A Mesh with axes ("dp", "fsdp", "tp", "pp") over `devices` (default: all devices).
+
+    The product of the sizes must equal the device count; pass a device list to use fewer.
+    """
+    shape = MeshShape(dp, fsdp, tp, pp)
+    devs = list(jax.devices() if devices is None else devices)
+    if shape.size != len(devs):
+        raise MeshError(
+            f"mesh {shape} needs {shape.size} devices but {len(devs)} are given "
+            f"(pass devices=jax.devices()[:{shape.size}] to use fewer)"
+        )
+    grid = np.array(devs, dtype=object).reshape(dp, fsdp, tp, pp)
+    return Mesh(grid, MESH_AXES)
+
+
+def mesh_from_shape(shape: MeshShape | str, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """`make_mesh` from a MeshShape or a `dp=..,tp=..` string, taking the first devices needed."""
+    if isinstance(shape, str):
+        shape = MeshShape.parse(shape)
+    devs = list(jax.devices() if devices is None else devices)
+    if shape.size > len(devs):
+        raise MeshError(f"mesh {shape} needs {shape.size} devices but only {len(devs)} exist")
+    return make_mesh(**shape.as_dict(), devices=devs[: shape.size])
+
+
+def partition_spec(
+    name: str,
+    shape: Sequence[int],
+    logical_axes: Sequence[str | None],
+    mesh: Mesh,
+    *,
+    rules: Mapping[str, str | tuple[str, ...] | None] = DEFAULT_RULES,
+    indivisible: str = "error",
+) -> PartitionSpec:
+    """The PartitionSpec of one tensor `name` with `logical_axes` per dim on `mesh`.
+
+    indivisible: "error" (MeshError naming tensor, dim, axis and sizes) or "replicate".
+    """
+    if len(logical_axes) != len(shape):
+        raise MeshError(f"{name}: {len(shape)} dims {tuple(shape)} but logical axes {logical_axes}")
+    used: set[str] = set()
+    spec = []
+    for dim, (size, logical) in enumerate(zip(shape, logical_axes, strict=True)):
+        axes = rules.get(logical) if logical else None
+        if axes is None:
+            spec.append(None)
+            continue
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        axes = tuple(a for a in axes if a in mesh.shape and mesh.shape[a] > 1 and a not in used)
+        n = math.prod(mesh.shape[a] for a in axes)
+        if not axes:
+            spec.append(None)
+            continue
+        if size % n:
+            if indivisible == "replicate":
+                spec.append(None)
+                continue
+            raise MeshError(
+                f"{name}: dim {dim} ({logical}) has size {size}, which mesh axes {axes} of total "
+                f"size {n} cannot divide (shape {tuple(shape)}); choose another mesh or pass "
+                f"--replicate-indivisible"
+            )
+        used.update(axes)
+        spec.append(axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*spec)
+
+
+def tree_shardings(
+    shapes,
+    logical_axes,
+    mesh: Mesh,
+    *,
+    rules: Mapping[str, str | tuple[str, ...] | None] = DEFAULT_RULES,
+    indivisible: str = "error",
+):
+    """NamedShardings for a pytree of shapes (anything with `.shape`) given a matching pytree of
+    logical-axis tuples."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    axes_leaves = treedef.flatten_up_to(logical_axes)
+    out = []
+    for (path, leaf), axes in zip(flat, axes_leaves, strict=True):
+        spec = partition_spec(
+            jax.tree_util.keystr(path, simple=True, separator="."),
+            leaf.shape,
+            tuple(axes),
+            mesh,
+            rules=rules,
+            indivisible=indivisible,
+        )
+        out.append(NamedSharding(mesh, spec))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Tokens `[batch, seq, ...]`: batch over ("dp", "fsdp"), the rest replicated."""
+    return NamedSharding(mesh, PartitionSpec(("dp", "fsdp"), *([None] * (ndim - 1))))
+
+
+def opt_state_shardings(opt_state_shapes, param_shardings, mesh: Mesh):
+    """Shardings for an optax state: every subtree shaped like the params (adam `mu`, `nu`) is
+    sharded like the params; every other leaf (counters, scalars) is replicated."""
+    param_def = jax.tree_util.tree_structure(param_shardings)
+    rep = replicated(mesh)
+
+    def is_param_tree(x):
+        try:
+            return jax.tree_util.tree_structure(x) == param_def
+        except Exception:  # noqa: BLE001 - arbitrary optax state nodes
+            return False
+
+    def shard(x):
+        if is_param_tree(x):
+            return param_shardings
+        return jax.tree_util.tree_map(lambda _: rep, x)
+
+    return jax.tree_util.tree_map(shard, opt_state_shapes, is_leaf=is_param_tree)
