@@ -1,0 +1,66 @@
+"""Format importers: each module turns a folder or file into a `SourceCheckpoint`.
+
+A format module defines `NAME` (str), `detect(path: str) -> bool` (cheap: file names and a few
+bytes), and `open(path: str, *, config=None) -> SourceCheckpoint` (pure planning from metadata; no
+tensor bytes read). `FORMATS` lists them in detection order.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+from hybridckpt.errors import FormatError
+from hybridckpt.source import SourceCheckpoint
+
+# module names under hybridckpt.formats, in detection order (most specific first)
+FORMATS = (
+    "orbax",
+    "megatron",
+    "meta_llama",
+    "dcp",
+    "deepspeed",
+    "paddle",
+    "paddle_unified",
+    "colossal",
+    "hf",
+)
+
+
+def _module(name: str):
+    try:
+        return importlib.import_module(f"hybridckpt.formats.{name}")
+    except ModuleNotFoundError as e:
+        if e.name == f"hybridckpt.formats.{name}":
+            return None
+        raise
+
+
+def available() -> list[str]:
+    """Names of the formats this installation can read."""
+    return [m.NAME for m in (_module(n) for n in FORMATS) if m is not None]
+
+
+def detect(path: str) -> str:
+    """The name of the format of `path`, or a FormatError listing what was looked for."""
+    if not os.path.exists(path):
+        raise FormatError(f"{path}: no such file or directory")
+    for name in FORMATS:
+        mod = _module(name)
+        if mod is not None and mod.detect(path):
+            return mod.NAME
+    raise FormatError(
+        f"{path}: not a checkpoint of any known format (known: {', '.join(available())})"
+    )
+
+
+def open_source(path: str, fmt: str = "auto", *, config=None) -> SourceCheckpoint:
+    """Open `path` as format `fmt` ("auto" detects it); `config` is a model config for sources
+    that carry none."""
+    if fmt == "auto":
+        fmt = detect(path)
+    for name in FORMATS:
+        mod = _module(name)
+        if mod is not None and mod.NAME == fmt:
+            return mod.open(path, config=config)
+    raise FormatError(f"unknown format {fmt!r} (known: {', '.join(available())})")

@@ -1,0 +1,65 @@
+"""What every format importer returns: a checkpoint described as lazy global tensors.
+
+An importer (hybridckpt/formats/<format>.py) turns a folder into a `SourceCheckpoint`: tensors
+under the source's own global names (tensor-parallel shards already merged by the format's `tp`
+rules, pipeline-local layer numbers already made global), the Adam moments of each trainable
+tensor under the same names, the step, and the text of the rules that rename the source's names
+into the single-card HF names (`hf_rules`). Nothing is read until a box of a tensor is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridckpt.lazy import LazyTensor
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """Adam(W) state per source tensor name: `exp_avg`, `exp_avg_sq` (torch names), fp32.
+
+    `step` is the optimizer's step count (torch's `step`, optax's `count`); `master` holds fp32
+    master weights where the source keeps them apart from 16-bit model weights; `hyper` the
+    param-group hyperparameters (lr, betas, eps, weight_decay) when the source records them.
+    """
+
+    exp_avg: Mapping[str, LazyTensor]
+    exp_avg_sq: Mapping[str, LazyTensor]
+    step: int | None = None
+    master: Mapping[str, LazyTensor] = field(default_factory=dict)
+    hyper: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SourceCheckpoint:
+    """A checkpoint of any format as lazy global tensors plus what is known about it.
+
+    format:      short format name ("hf", "megatron", "meta-llama", "dcp", "deepspeed", ...)
+    path:        the folder or file it was read from
+    tensors:     source global name -> LazyTensor (model weights, as the source stores them)
+    optimizer:   Adam state per source name, or None when the source has none
+    hf_rules:    rules text (hybridckpt.rules) mapping source names to HF names; "" when the
+                 source names already are HF names. `{var}` in it is filled from the model
+                 config (`models.rule_variables(cfg)`: num_heads, num_kv_heads, head_dim,
+                 hidden_size, vocab_size, num_layers, intermediate_size, tied) and `rule_vars`
+    rule_vars:   extra variables for `hf_rules` (e.g. {"swiglu": True, "padded_vocab": 256})
+    config:      the model config (models.LlamaConfig / GPT2Config) when the source carries one
+    step:        the training step / iteration, when known
+    topology:    parallel degrees read from the files, e.g. {"tp": 2, "pp": 2, "dp": 4}
+    trainer:     other trainer metadata (consumed samples, lr, rng, ...), JSON-serialisable
+    notes:       human-readable remarks (skipped entries, assumptions), shown by `inspect`
+    """
+
+    format: str
+    path: str
+    tensors: Mapping[str, LazyTensor]
+    optimizer: OptimizerState | None = None
+    hf_rules: str = ""
+    rule_vars: Mapping[str, Any] = field(default_factory=dict)
+    config: Any = None
+    step: int | None = None
+    topology: Mapping[str, int] = field(default_factory=dict)
+    trainer: Mapping[str, Any] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
