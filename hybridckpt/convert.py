@@ -1,0 +1,205 @@
+"""From a SourceCheckpoint to model pytrees of lazy tensors and back, by rules only.
+
+Two rule sets do every rename and layout change:
+1. the source's `hf_rules` (source names -> single-card HF names), optionally a user's rules;
+2. the model family's rules (`models/rules/<family>.rules`: HF names -> params pytree paths).
+The Adam moments follow the same rules as their parameters. The inverse direction (pytree ->
+HF names, for export) is `RuleSet.invert()` of rule set 2: never written twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+import jax
+import numpy as np
+
+from hybridckpt import lazy
+from hybridckpt.errors import MappingError
+from hybridckpt.lazy import LazyTensor
+from hybridckpt.rules import RuleSet, parse_rules
+from hybridckpt.source import SourceCheckpoint
+
+
+def rule_variables(cfg) -> dict[str, Any]:
+    """Variables a rules text may use, from a model config."""
+    if cfg.family == "llama":
+        return {
+            "num_heads": cfg.num_heads,
+            "num_kv_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim,
+            "hidden_size": cfg.hidden_size,
+            "vocab_size": cfg.vocab_size,
+            "num_layers": cfg.num_layers,
+            "intermediate_size": cfg.intermediate_size,
+            "tied": cfg.tie_word_embeddings,
+        }
+    return {
+        "num_heads": cfg.n_head,
+        "num_kv_heads": cfg.n_head,
+        "head_dim": cfg.n_embd // cfg.n_head,
+        "hidden_size": cfg.n_embd,
+        "vocab_size": cfg.vocab_size,
+        "num_layers": cfg.n_layer,
+        "intermediate_size": cfg.n_inner or 4 * cfg.n_embd,
+        "tied": True,
+    }
+
+
+def model_rules(cfg) -> RuleSet:
+    """The rules from HF names to the params pytree of `cfg`'s family."""
+    text = resources.files("models").joinpath("rules", f"{cfg.family}.rules").read_text()
+    return parse_rules(text, rule_variables(cfg), origin=f"models/rules/{cfg.family}.rules")
+
+
+# -- pytree paths ------------------------------------------------------------------------------
+
+
+def nest(flat: Mapping[str, Any]) -> dict:
+    """`{"a.b": x}` -> `{"a": {"b": x}}`."""
+    out: dict = {}
+    for path, x in flat.items():
+        node = out
+        *parents, leaf = path.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = x
+    return out
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`{"a": {"b": x}}` -> `{"a.b": x}` (dicts only; other nodes are leaves)."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+# -- source -> HF names -> tree ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Named:
+    """Params and (optionally) Adam moments under one naming; `step` = optimizer steps taken."""
+
+    params: dict[str, LazyTensor]
+    exp_avg: dict[str, LazyTensor] | None = None
+    exp_avg_sq: dict[str, LazyTensor] | None = None
+    step: int | None = None
+    report: tuple[str, ...] = ()
+    notes: tuple[str, ...] = field(default=())
+
+
+def _map_named(named: Named, rules: RuleSet, *, strict: bool, unstack: bool = False) -> Named:
+    apply = rules.apply_unstack if unstack else rules.apply
+    res = apply(named.params, strict=strict)
+    report = list(named.report) + res.report()
+    moments = []
+    for m in (named.exp_avg, named.exp_avg_sq):
+        if m is None:
+            moments.append(None)
+            continue
+        mres = apply(m, strict=False)
+        moments.append(mres.tensors)
+    return Named(res.tensors, moments[0], moments[1], named.step, tuple(report), named.notes)
+
+
+def source_to_hf(src: SourceCheckpoint, cfg, *, user_rules: RuleSet | None = None, strict: bool = True) -> Named:
+    """Tensors (and moments) of `src` under HF names, by the source's rules (and a user's)."""
+    named = Named(
+        dict(src.tensors),
+        dict(src.optimizer.exp_avg) if src.optimizer else None,
+        dict(src.optimizer.exp_avg_sq) if src.optimizer else None,
+        src.optimizer.step if src.optimizer and src.optimizer.step is not None else src.step,
+        notes=tuple(src.notes),
+    )
+    if src.optimizer and src.optimizer.master:
+        # fp32 master weights are the params the optimizer steps: import them as the params
+        named = Named(
+            {**named.params, **dict(src.optimizer.master)},
+            named.exp_avg,
+            named.exp_avg_sq,
+            named.step,
+            notes=named.notes + ("params taken from the fp32 master weights",),
+        )
+    variables = {**rule_variables(cfg), **dict(src.rule_vars)}
+    if user_rules is not None:
+        named = _map_named(named, user_rules, strict=strict)
+    if src.hf_rules.strip():
+        rules = parse_rules(src.hf_rules, variables, origin=f"{src.format} rules")
+        named = _map_named(named, rules, strict=strict)
+    return named
+
+
+def hf_to_tree(hf: Named, cfg, *, strict: bool = True) -> Named:
+    """HF-named tensors -> flat pytree paths (`layers.q.kernel`) of `cfg`'s params."""
+    import models
+
+    out = _map_named(hf, model_rules(cfg), strict=strict)
+    shapes = flatten(models.param_shapes(cfg))
+    _check_against(out.params, shapes, "params")
+    for name, m in (("exp_avg", out.exp_avg), ("exp_avg_sq", out.exp_avg_sq)):
+        if m is not None:
+            missing = sorted(set(shapes) - set(m))
+            if missing:
+                raise MappingError(f"optimizer state has no {name} for params {missing[:10]}")
+            _check_against(m, shapes, name)
+    return out
+
+
+def _check_against(flat: Mapping[str, LazyTensor], shapes: Mapping[str, Any], what: str) -> None:
+    missing = sorted(set(shapes) - set(flat))
+    unexpected = sorted(set(flat) - set(shapes))
+    if missing or unexpected:
+        raise MappingError(
+            f"{what}: the model expects {sorted(shapes)[:3]}...; missing {missing[:10]}, "
+            f"unexpected {unexpected[:10]}"
+        )
+    for k, s in shapes.items():
+        if tuple(flat[k].shape) != tuple(s.shape):
+            raise MappingError(f"{what}: {k} has shape {tuple(flat[k].shape)}, the model expects {tuple(s.shape)}")
+
+
+def tree_to_hf(params: Mapping[str, Any], cfg) -> dict[str, LazyTensor]:
+    """A params pytree (nested dicts of arrays or lazy tensors) under HF names (derived inverse)."""
+    flat = {k: v if isinstance(v, LazyTensor) else lazy.ArrayTensor(np.asarray(v)) for k, v in flatten(params).items()}
+    return model_rules(cfg).invert().apply_unstack(flat).tensors
+
+
+# -- assembling sharded arrays --------------------------------------------------------------------
+
+
+def to_array(t: LazyTensor, sharding: jax.sharding.Sharding, dtype=None) -> jax.Array:
+    """A global jax.Array of `t` placed by `sharding`; each device's box is read once (devices
+    holding the same box share one read)."""
+    if dtype is not None:
+        t = lazy.cast(t, dtype)
+    cache: dict = {}
+
+    def read(index):
+        box = lazy.normalize_box(t.shape, index)
+        if box not in cache:
+            cache[box] = t.read_box(box)
+        return cache[box]
+
+    arr = jax.make_array_from_callback(tuple(t.shape), sharding, read)
+    cache.clear()
+    return arr
+
+
+def assemble(tree: Mapping[str, Any], shardings: Mapping[str, Any], dtype=None, on_leaf=None) -> dict:
+    """Nested dict of LazyTensors -> nested dict of jax.Arrays placed by matching `shardings`."""
+    flat_s = flatten(shardings)
+    out = {}
+    for k, t in flatten(tree).items():
+        out[k] = to_array(t, flat_s[k], dtype)
+        if on_leaf:
+            on_leaf(k, t.nbytes)
+    return nest(out)

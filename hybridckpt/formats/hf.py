@@ -1,0 +1,131 @@
+"""Hugging Face checkpoints: `config.json` + `model.safetensors` or sharded with an index.
+
+Layout (huggingface/transformers:src/transformers/modeling_utils.py, `save_pretrained`):
+- `config.json`: the model config (`architectures`, `model_type`, sizes).
+- `model.safetensors`, or `model-0000i-of-0000N.safetensors` + `model.safetensors.index.json`
+  `{"metadata": {"total_size": bytes}, "weight_map": {tensor name: file name}}`.
+- hybridckpt's single-card "unified" format adds `optimizer.safetensors` (or sharded with
+  `optimizer.safetensors.index.json`) holding `<hf name>.exp_avg`, `<hf name>.exp_avg_sq` and a
+  0-d `step`, plus `hybridckpt.json` with trainer metadata.
+Tensor names are HF names already, so `hf_rules` is empty (GPT-2 files without the
+`transformer.` prefix get a one-line rename).
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import os
+
+from hybridckpt.errors import ConfigError, FormatError
+from hybridckpt.io.safetensors_file import read_header
+from hybridckpt.lazy import LazyTensor
+from hybridckpt.source import OptimizerState, SourceCheckpoint
+
+NAME = "hf"
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+OPTIMIZER = "optimizer.safetensors"
+OPTIMIZER_INDEX = "optimizer.safetensors.index.json"
+TRAINER = "hybridckpt.json"
+
+
+def detect(path: str) -> bool:
+    if os.path.isfile(path):
+        return path.endswith(".safetensors")
+    return os.path.isfile(os.path.join(path, WEIGHTS)) or os.path.isfile(os.path.join(path, INDEX))
+
+
+def read_json(path: str) -> dict:
+    try:
+        with builtins.open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise FormatError(f"{path}: missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FormatError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise FormatError(f"{path}: expected a JSON object")
+    return data
+
+
+def read_tensors(folder: str, single: str, index: str) -> dict[str, LazyTensor]:
+    """Lazy tensors of `folder/single`, or of every file named by `folder/index`."""
+    single_path, index_path = os.path.join(folder, single), os.path.join(folder, index)
+    if os.path.isfile(index_path):
+        weight_map = read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise FormatError(f"{index_path}: expected a 'weight_map' object of name -> file")
+        files: dict[str, dict[str, LazyTensor]] = {}
+        out: dict[str, LazyTensor] = {}
+        for name, fname in weight_map.items():
+            if fname not in files:
+                fpath = os.path.join(folder, fname)
+                if not os.path.isfile(fpath):
+                    raise FormatError(f"{index_path}: tensor {name!r} is in {fname}, which is missing")
+                files[fname] = dict(read_header(fpath).tensors)
+            if name not in files[fname]:
+                raise FormatError(f"{os.path.join(folder, fname)}: index says it holds {name!r} but it does not")
+            out[name] = files[fname][name]
+        extra = {n for f in files.values() for n in f} - set(weight_map)
+        if extra:
+            raise FormatError(f"{index_path}: tensors {sorted(extra)[:10]} are in the files but not in the index")
+        return out
+    if os.path.isfile(single_path):
+        return dict(read_header(single_path).tensors)
+    return {}
+
+
+def load_config(folder: str, config=None):
+    """The model config from `folder/config.json`, or `config` when given."""
+    if config is not None:
+        return config
+    from models import config_from_hf
+
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path}: missing; an HF checkpoint needs its config.json (or pass --config)")
+    return config_from_hf(read_json(path))
+
+
+def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the format contract
+    folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
+    if os.path.isfile(path):
+        tensors = dict(read_header(path).tensors)
+    else:
+        tensors = read_tensors(folder, WEIGHTS, INDEX)
+    if not tensors:
+        raise FormatError(f"{path}: no {WEIGHTS} or {INDEX}")
+    cfg = load_config(folder, config)
+    optim = None
+    moments = read_tensors(folder, OPTIMIZER, OPTIMIZER_INDEX)
+    trainer: dict = {}
+    if os.path.isfile(os.path.join(folder, TRAINER)):
+        trainer = read_json(os.path.join(folder, TRAINER))
+    if moments:
+        exp_avg = {k[: -len(".exp_avg")]: v for k, v in moments.items() if k.endswith(".exp_avg")}
+        exp_avg_sq = {
+            k[: -len(".exp_avg_sq")]: v for k, v in moments.items() if k.endswith(".exp_avg_sq")
+        }
+        step = None
+        if "step" in moments:
+            step = int(moments["step"].materialize().reshape(-1)[0])
+        stray = set(moments) - {f"{k}.exp_avg" for k in exp_avg} - {
+            f"{k}.exp_avg_sq" for k in exp_avg_sq
+        } - {"step"}
+        if stray:
+            raise FormatError(f"{folder}/{OPTIMIZER}: unexpected keys {sorted(stray)[:10]}")
+        optim = OptimizerState(exp_avg, exp_avg_sq, step, hyper=trainer.get("optimizer", {}))
+    rules = ""
+    if getattr(cfg, "family", None) == "gpt2" and not any(k.startswith("transformer.") for k in tensors):
+        rules = "lm_head.weight -> lm_head.weight\n* -> transformer.*\n"
+    return SourceCheckpoint(
+        format=NAME,
+        path=path,
+        tensors=tensors,
+        optimizer=optim,
+        hf_rules=rules,
+        config=cfg,
+        step=optim.step if optim else trainer.get("step"),
+        trainer=trainer,
+    )

@@ -1,0 +1,178 @@
+"""safetensors files, read lazily and written tensor by tensor.
+
+Format (huggingface/safetensors README "Format"): 8 bytes little-endian u64 `N`, then `N` bytes of
+UTF-8 JSON `{name: {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]}, "__metadata__":
+{str: str}}`, then the data buffer; offsets are relative to the buffer start. Rules checked here:
+the header fits in the file and is at most 100 MB, every entry's byte length equals
+`prod(shape) * itemsize`, entries lie inside the buffer and do not overlap, no duplicate names.
+
+Reading returns `StoredTensor`s: a box reads only its bytes. Writing streams: the header is
+computed from shapes first, then each tensor is read (one at a time) and written at its offset,
+so peak memory is one tensor, not the file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from hybridckpt.errors import FormatError
+from hybridckpt.io.byte_source import ByteSource
+from hybridckpt.lazy import LazyTensor, StoredTensor
+
+MAX_HEADER = 100 * 1024 * 1024
+
+DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I64": np.dtype("<i8"),
+    "I32": np.dtype("<i4"),
+    "I16": np.dtype("<i2"),
+    "I8": np.dtype("i1"),
+    "U64": np.dtype("<u8"),
+    "U32": np.dtype("<u4"),
+    "U16": np.dtype("<u2"),
+    "U8": np.dtype("u1"),
+    "BOOL": np.dtype("?"),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+}
+_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_name(dtype) -> str:
+    """The safetensors dtype string of a numpy dtype."""
+    dt = np.dtype(dtype)
+    try:
+        return _NAMES[dt.newbyteorder("<") if dt.byteorder == ">" else dt]
+    except KeyError:
+        raise FormatError(f"dtype {dtype} cannot be stored in safetensors") from None
+
+
+@dataclass(frozen=True)
+class SafetensorsFile:
+    """A parsed safetensors header: tensors as lazy views and the `__metadata__` strings."""
+
+    path: str
+    tensors: Mapping[str, StoredTensor]
+    metadata: Mapping[str, str]
+
+
+def read_header(path: str) -> SafetensorsFile:
+    """Parse and check the header of `path`; returns lazy tensors (no tensor bytes are read)."""
+    src = ByteSource(path)
+    size = src.size()
+    if size < 8:
+        raise FormatError(f"{path}: {size} bytes is too short for a safetensors file")
+    (n,) = struct.unpack("<Q", src.read(0, 8))
+    if n > MAX_HEADER or 8 + n > size:
+        raise FormatError(f"{path}: header length {n} does not fit the file of {size} bytes")
+    try:
+        header = json.loads(src.read(8, n))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(f"{path}: header is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise FormatError(f"{path}: header is not a JSON object")
+    base = 8 + n
+    buffer_len = size - base
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+        raise FormatError(f"{path}: __metadata__ is not an object")
+    tensors: dict[str, StoredTensor] = {}
+    spans = []
+    for name, info in header.items():
+        try:
+            dt = DTYPES[info["dtype"]]
+            shape = tuple(int(s) for s in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise FormatError(
+                f"{path}: tensor {name!r}: expected dtype (one of {sorted(DTYPES)}), shape and "
+                f"data_offsets, found {info!r}"
+            ) from None
+        if any(s < 0 for s in shape):
+            raise FormatError(f"{path}: tensor {name!r}: negative shape {shape}")
+        want = math.prod(shape) * dt.itemsize
+        if not (0 <= begin <= end <= buffer_len) or end - begin != want:
+            raise FormatError(
+                f"{path}: tensor {name!r}: data_offsets [{begin}, {end}) do not hold {shape} "
+                f"{info['dtype']} ({want} bytes) inside a buffer of {buffer_len} bytes"
+            )
+        spans.append((begin, end, name))
+        tensors[name] = StoredTensor(src, base + begin, shape, dt)
+    spans.sort()
+    for (b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise FormatError(f"{path}: tensors {n0!r} and {n1!r} overlap")
+    return SafetensorsFile(path, tensors, {str(k): str(v) for k, v in meta.items()})
+
+
+def write(
+    path: str,
+    tensors: Mapping[str, LazyTensor | np.ndarray],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    on_tensor: Callable[[str, int], None] | None = None,
+) -> int:
+    """Write `tensors` (lazy or in memory) to `path` one at a time; returns bytes written.
+
+    `on_tensor(name, nbytes)` is called after each tensor (progress). Names are sorted like the
+    safetensors library does, so files compare equal byte for byte.
+    """
+    names = sorted(tensors)
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for name in names:
+        t = tensors[name]
+        nbytes = math.prod(t.shape) * np.dtype(t.dtype).itemsize
+        header[name] = {
+            "dtype": dtype_name(t.dtype),
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # align the buffer to 8 bytes like the reference writer
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name in names:
+            t = tensors[name]
+            arr = t.materialize() if isinstance(t, LazyTensor) else np.asarray(t)
+            arr = np.ascontiguousarray(arr)
+            if arr.dtype.byteorder == ">":
+                arr = arr.astype(arr.dtype.newbyteorder("<"))
+            f.write(memoryview(arr.reshape(-1).view(np.uint8)))
+            if on_tensor:
+                on_tensor(name, arr.nbytes)
+            del arr
+        f.flush()
+        os.fsync(f.fileno())
+    return 8 + len(blob) + offset
+
+
+def plan_shards(
+    sizes: Iterable[tuple[str, int]], max_shard_bytes: int
+) -> list[list[str]]:
+    """Group `(name, nbytes)` in order into shards of at most `max_shard_bytes` (a tensor larger
+    than the limit gets a shard of its own)."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, nbytes in sizes:
+        if shards[-1] and used + nbytes > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += nbytes
+    return [s for s in shards if s]
