@@ -1,0 +1,128 @@
+"""Write the single-card HF layout: `model*.safetensors` (+ index), `config.json`, and optionally
+`optimizer.safetensors` with `<hf name>.exp_avg`, `<hf name>.exp_avg_sq` and a 0-d `step`.
+
+Everything is written into a temporary sibling of the destination and renamed into place when
+complete, so a failed or killed export leaves no folder that looks complete. Tensors are read
+and written one at a time: peak memory is the largest tensor, not the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from hybridckpt.errors import HybridCkptError
+from hybridckpt.io import safetensors_file as sf
+from hybridckpt.lazy import ArrayTensor, LazyTensor
+
+DEFAULT_SHARD_BYTES = 5 * 1024**3
+
+
+class AtomicDir:
+    """A temporary sibling of `dst`, renamed to `dst` on success and removed on failure."""
+
+    def __init__(self, dst: str, *, overwrite: bool = False):
+        self.dst = os.path.abspath(dst)
+        self.overwrite = overwrite
+        self.tmp = ""
+
+    def __enter__(self) -> str:
+        if os.path.exists(self.dst) and (not os.path.isdir(self.dst) or os.listdir(self.dst)):
+            if not self.overwrite:
+                raise HybridCkptError(f"{self.dst}: already exists and is not empty (pass --overwrite)")
+        parent = os.path.dirname(self.dst)
+        try:
+            os.makedirs(parent, exist_ok=True)
+            self.tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(self.dst)}.tmp-", dir=parent)
+        except OSError as e:
+            raise HybridCkptError(f"{parent}: cannot write: {e.strerror}") from e
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            if isinstance(exc, OSError):
+                raise HybridCkptError(f"{self.dst}: write failed: {exc.strerror or exc}") from exc
+            return
+        if os.path.exists(self.dst):
+            old = self.dst + ".old-" + os.path.basename(self.tmp)
+            os.rename(self.dst, old)
+            os.rename(self.tmp, self.dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(self.tmp, self.dst)
+        _fsync_dir(os.path.dirname(self.dst))
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_sharded(
+    folder: str,
+    tensors: Mapping[str, LazyTensor],
+    *,
+    stem: str,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    on_tensor: Callable[[str, int], None] | None = None,
+) -> list[str]:
+    """Write `stem.safetensors`, or `stem-0000i-of-0000N.safetensors` + `stem.safetensors.index.json`
+    when the tensors exceed `max_shard_bytes`. Returns the file names."""
+    names = sorted(tensors)
+    shards = sf.plan_shards(((n, tensors[n].nbytes) for n in names), max_shard_bytes)
+    if len(shards) <= 1:
+        sf.write(os.path.join(folder, f"{stem}.safetensors"), tensors, {"format": "pt"}, on_tensor=on_tensor)
+        return [f"{stem}.safetensors"]
+    files, weight_map = [], {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
+        sf.write(os.path.join(folder, fname), {n: tensors[n] for n in shard}, {"format": "pt"}, on_tensor=on_tensor)
+        files.append(fname)
+        weight_map.update({n: fname for n in shard})
+    index = {"metadata": {"total_size": sum(tensors[n].nbytes for n in names)}, "weight_map": weight_map}
+    with open(os.path.join(folder, f"{stem}.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=2, sort_keys=True)
+    return files + [f"{stem}.safetensors.index.json"]
+
+
+def write_hf(
+    dst: str,
+    params: Mapping[str, LazyTensor],
+    hf_config: Mapping,
+    *,
+    exp_avg: Mapping[str, LazyTensor] | None = None,
+    exp_avg_sq: Mapping[str, LazyTensor] | None = None,
+    step: int | None = None,
+    trainer: Mapping | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    overwrite: bool = False,
+    on_tensor: Callable[[str, int], None] | None = None,
+) -> list[str]:
+    """Write an HF folder at `dst` atomically; moments go to `optimizer*.safetensors`."""
+    with AtomicDir(dst, overwrite=overwrite) as tmp:
+        files = write_sharded(tmp, params, stem="model", max_shard_bytes=max_shard_bytes, on_tensor=on_tensor)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(dict(hf_config), f, indent=2, sort_keys=True)
+        files.append("config.json")
+        if exp_avg is not None and exp_avg_sq is not None:
+            moments: dict[str, LazyTensor] = {}
+            for k, v in exp_avg.items():
+                moments[f"{k}.exp_avg"] = v
+            for k, v in exp_avg_sq.items():
+                moments[f"{k}.exp_avg_sq"] = v
+            moments["step"] = ArrayTensor(np.asarray(step or 0, dtype=np.int64))
+            files += write_sharded(tmp, moments, stem="optimizer", max_shard_bytes=max_shard_bytes, on_tensor=on_tensor)
+        if trainer:
+            with open(os.path.join(tmp, "hybridckpt.json"), "w") as f:
+                json.dump(dict(trainer), f, indent=2, sort_keys=True, default=str)
+            files.append("hybridckpt.json")
+    return files

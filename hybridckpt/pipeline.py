@@ -1,0 +1,369 @@
+"""The jobs behind the CLI: import into Orbax, export to single-card HF, verify, logits, inspect.
+
+Each job is a function with plain arguments that returns a small summary dataclass; printing
+and exit codes live in `hybridckpt.cli`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hybridckpt import convert, lazy
+from hybridckpt.errors import CheckpointError, ConfigError, FormatError, MappingError
+from hybridckpt.lazy import LazyTensor
+from hybridckpt.mesh import MeshShape, mesh_from_shape, opt_state_shardings, tree_shardings
+from hybridckpt.rules import load_rules
+
+Progress = Callable[[str, int], None]  # (tensor name, bytes) after each tensor
+
+
+def load_config_file(path: str, vocab_size: int | None = None):
+    """A model config from an HF `config.json` or a Meta `params.json`."""
+    import models
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config: {e.strerror}") from e
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON: {e}") from e
+    if "dim" in data and "n_layers" in data:
+        return models.config_from_meta_params(data, vocab_size=vocab_size)
+    return models.config_from_hf(data)
+
+
+@dataclass(frozen=True)
+class Opened:
+    """Any checkpoint seen under HF names: config, params, moments, step and metadata."""
+
+    format: str
+    path: str
+    config: Any
+    hf: convert.Named
+    trainer: Mapping[str, Any] = field(default_factory=dict)
+    topology: Mapping[str, int] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+
+def open_hf(
+    path: str,
+    fmt: str = "auto",
+    *,
+    config_path: str | None = None,
+    rules_path: str | None = None,
+    step: int | None = None,
+    strict: bool = True,
+) -> Opened:
+    """Open any supported checkpoint (an Orbax one included) as HF-named lazy tensors."""
+    from hybridckpt import formats
+
+    cfg = load_config_file(config_path) if config_path else None
+    fmt = formats.detect(path) if fmt == "auto" else fmt
+    if fmt == "orbax":
+        from hybridckpt.formats import orbax as orbax_fmt
+
+        return orbax_fmt.open_hf(path, step=step, config=cfg)
+    src = formats.open_source(path, fmt, config=cfg)
+    cfg = cfg or src.config
+    if cfg is None:
+        raise ConfigError(
+            f"{path}: this {src.format} checkpoint carries no model config; pass --config "
+            f"with an HF config.json or a Meta params.json"
+        )
+    user = None
+    if rules_path:
+        user = load_rules(rules_path, convert.rule_variables(cfg))
+    hf = convert.source_to_hf(src, cfg, user_rules=user, strict=strict)
+    return Opened(src.format, path, cfg, hf, dict(src.trainer), dict(src.topology), tuple(src.notes) + hf.notes)
+
+
+# -- import ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ImportSummary:
+    source_format: str
+    destination: str
+    step: int
+    mesh: str
+    tensors: int
+    bytes: int
+    seconds: float
+    with_optimizer: bool
+    notes: tuple[str, ...] = ()
+
+
+def adamw_state(params: Any, mu: Any, nu: Any, count: int) -> Any:
+    """An `optax.adamw` state holding the given moments and step count (count replicated int32)."""
+    import optax
+
+    state = jax.eval_shape(optax.adamw(1e-3).init, params)
+    first = state[0]._replace(count=jnp.asarray(count, dtype=jnp.int32), mu=mu, nu=nu)
+    return (first,) + tuple(state[1:])
+
+
+def import_checkpoint(
+    src_path: str,
+    dst: str,
+    *,
+    fmt: str = "auto",
+    mesh: MeshShape | str = "dp=1",
+    config_path: str | None = None,
+    rules_path: str | None = None,
+    params_only: bool = False,
+    dtype: str | None = None,
+    indivisible: str = "error",
+    overwrite: bool = False,
+    step: int | None = None,
+    progress: Progress | None = None,
+) -> ImportSummary:
+    """Import any supported checkpoint into an Orbax checkpoint at `dst` on `mesh`."""
+    import models
+    from hybridckpt.checkpoint import save_checkpoint
+
+    t0 = time.perf_counter()
+    opened = open_hf(src_path, fmt, config_path=config_path, rules_path=rules_path, step=step)
+    cfg = opened.config
+    tree = convert.hf_to_tree(opened.hf, cfg)
+    shape = MeshShape.parse(mesh) if isinstance(mesh, str) else mesh
+    jmesh = mesh_from_shape(shape)
+    shapes = models.param_shapes(cfg)
+    p_shard = tree_shardings(shapes, models.logical_axes(cfg), jmesh, indivisible=indivisible)
+    np_dtype = None if dtype is None else _np_dtype(dtype)
+    params = convert.assemble(convert.nest(tree.params), p_shard, np_dtype, on_leaf=progress)
+    opt_state = None
+    with_opt = not params_only and tree.exp_avg is not None
+    if with_opt:
+        f32 = np.dtype(np.float32)
+        mu = convert.assemble(convert.nest(tree.exp_avg), p_shard, f32, on_leaf=progress)
+        nu = convert.assemble(convert.nest(tree.exp_avg_sq), p_shard, f32, on_leaf=progress)
+        opt_state = adamw_state(params, mu, nu, tree.step or 0)
+        o_shard = opt_state_shardings(jax.eval_shape(lambda: opt_state), p_shard, jmesh)
+        opt_state = jax.device_put(opt_state, o_shard)
+    out_step = int(opened.hf.step or 0) if step is None else int(step)
+    trainer = {
+        "step": out_step,
+        "model_config": models.config_to_dict(cfg),
+        "source": {"format": opened.format, "path": os.path.abspath(src_path), "topology": dict(opened.topology)},
+        **{k: v for k, v in opened.trainer.items() if k not in ("step", "model_config", "mesh")},
+    }
+    save_checkpoint(dst, out_step, params, opt_state, trainer, overwrite=overwrite)
+    leaves = jax.tree.leaves(params) + (jax.tree.leaves((mu, nu)) if with_opt else [])
+    nbytes = sum(x.nbytes for x in leaves)
+    return ImportSummary(
+        opened.format, dst, out_step, str(shape), len(leaves), nbytes,
+        time.perf_counter() - t0, with_opt, opened.notes + opened.hf.report,
+    )
+
+
+def _np_dtype(name: str) -> np.dtype:
+    import ml_dtypes
+
+    if name in ("bfloat16", "bf16"):
+        return np.dtype(ml_dtypes.bfloat16)
+    if name in ("float32", "fp32"):
+        return np.dtype(np.float32)
+    if name in ("float16", "fp16"):
+        return np.dtype(np.float16)
+    raise ConfigError(f"unknown --dtype {name!r}: expected float32, bfloat16 or float16")
+
+
+# -- export ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExportSummary:
+    source_format: str
+    destination: str
+    files: tuple[str, ...]
+    tensors: int
+    bytes: int
+    seconds: float
+    with_optimizer: bool
+
+
+def export_checkpoint(
+    src_path: str,
+    out: str,
+    *,
+    fmt: str = "auto",
+    step: int | None = None,
+    optimizer: bool = False,
+    config_path: str | None = None,
+    rules_path: str | None = None,
+    dtype: str | None = None,
+    max_shard_bytes: int | None = None,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> ExportSummary:
+    """Any supported checkpoint (Orbax included) -> single-card HF safetensors at `out`."""
+    import models
+    from hybridckpt.export import DEFAULT_SHARD_BYTES, write_hf
+
+    t0 = time.perf_counter()
+    opened = open_hf(src_path, fmt, config_path=config_path, rules_path=rules_path, step=step)
+    cfg = opened.config
+    # route through the model tree so every export has exactly the model's tensors, named by
+    # the inverse of the model rules
+    tree = convert.hf_to_tree(opened.hf, cfg)
+    inv = convert.model_rules(cfg).invert()
+    params = inv.apply_unstack(tree.params).tensors
+    if dtype is not None:
+        params = {k: lazy.cast(v, _np_dtype(dtype)) for k, v in params.items()}
+    exp_avg = exp_avg_sq = None
+    if optimizer:
+        if tree.exp_avg is None:
+            raise CheckpointError(f"{src_path}: has no optimizer state to export (drop --optimizer)")
+        exp_avg = inv.apply_unstack(tree.exp_avg).tensors
+        exp_avg_sq = inv.apply_unstack(tree.exp_avg_sq).tensors
+    hf_cfg = models.config_to_hf(cfg)
+    trainer = {"step": opened.hf.step, "source_format": opened.format}
+    files = write_hf(
+        out, params, hf_cfg, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=opened.hf.step,
+        trainer=trainer, max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES,
+        overwrite=overwrite, on_tensor=progress,
+    )
+    all_t = list(params.values()) + (list(exp_avg.values()) + list(exp_avg_sq.values()) if optimizer else [])
+    return ExportSummary(
+        opened.format, out, tuple(files), len(all_t), sum(t.nbytes for t in all_t),
+        time.perf_counter() - t0, optimizer,
+    )
+
+
+# -- verify ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorDiff:
+    name: str
+    shape: tuple[int, ...]
+    max_abs_diff: float
+    ok: bool
+
+
+def compare_tensors(
+    a: Mapping[str, LazyTensor], b: Mapping[str, LazyTensor], atol: float = 0.0, on_tensor: Progress | None = None
+) -> tuple[list[TensorDiff], list[str], list[str]]:
+    """Per-tensor max |a - b| (in float64), plus names only in a and only in b."""
+    rows = []
+    for name in sorted(set(a) & set(b)):
+        ta, tb = a[name], b[name]
+        if ta.shape != tb.shape:
+            rows.append(TensorDiff(name, tuple(ta.shape), float("inf"), False))
+            continue
+        xa = ta.materialize().astype(np.float64)
+        xb = tb.materialize().astype(np.float64)
+        both_nan = np.isnan(xa) & np.isnan(xb)
+        d = np.where(both_nan, 0.0, np.abs(xa - xb))
+        diff = float(d.max()) if d.size else 0.0
+        rows.append(TensorDiff(name, tuple(ta.shape), diff, diff <= atol))
+        if on_tensor:
+            on_tensor(name, ta.nbytes)
+    return rows, sorted(set(a) - set(b)), sorted(set(b) - set(a))
+
+
+def verify(a: str, b: str, *, atol: float = 0.0, config_path: str | None = None, progress: Progress | None = None):
+    """Compare two checkpoints of any formats tensor by tensor under HF names."""
+    oa = open_hf(a, config_path=config_path)
+    ob = open_hf(b, config_path=config_path)
+    ta = _model_hf(oa)
+    tb = _model_hf(ob)
+    return compare_tensors(ta, tb, atol, progress)
+
+
+def _model_hf(opened: Opened) -> dict[str, LazyTensor]:
+    tree = convert.hf_to_tree(opened.hf, opened.config)
+    return convert.model_rules(opened.config).invert().apply_unstack(tree.params).tensors
+
+
+# -- logits ---------------------------------------------------------------------------------------
+
+
+def logits(
+    src_path: str,
+    tokens: list[int] | np.ndarray,
+    *,
+    mesh: MeshShape | str = "dp=1",
+    config_path: str | None = None,
+    fmt: str = "auto",
+    compute_dtype: str = "float32",
+) -> np.ndarray:
+    """The model's logits `[batch, seq, vocab]` (fp32) for `tokens` on `mesh`."""
+    import models
+
+    opened = open_hf(src_path, fmt, config_path=config_path)
+    cfg = opened.config
+    tree = convert.hf_to_tree(opened.hf, cfg)
+    jmesh = mesh_from_shape(MeshShape.parse(mesh) if isinstance(mesh, str) else mesh)
+    shard = tree_shardings(models.param_shapes(cfg), models.logical_axes(cfg), jmesh, indivisible="replicate")
+    params = convert.assemble(convert.nest(tree.params), shard, np.float32)
+    toks = np.asarray(tokens, dtype=np.int32)
+    if toks.ndim == 1:
+        toks = toks[None]
+    if toks.size and (toks.min() < 0 or toks.max() >= cfg.vocab_size):
+        raise MappingError(f"tokens must lie in [0, {cfg.vocab_size}), found {toks.min()}..{toks.max()}")
+    cd = jnp.bfloat16 if compute_dtype in ("bfloat16", "bf16") else jnp.float32
+    fn = jax.jit(lambda p, t: models.forward(cfg, p, t, compute_dtype=cd))
+    return np.asarray(fn(params, toks))
+
+
+# -- inspect --------------------------------------------------------------------------------------
+
+
+def inspect(path: str, fmt: str = "auto", *, config_path: str | None = None) -> dict:
+    """Format, topology, step and tensors (name, global shape, dtype) of a checkpoint."""
+    from hybridckpt import formats
+
+    fmt = formats.detect(path) if fmt == "auto" else fmt
+    cfg = load_config_file(config_path) if config_path else None
+    if fmt == "orbax":
+        from hybridckpt.formats import orbax as orbax_fmt
+
+        return orbax_fmt.inspect(path)
+    src = formats.open_source(path, fmt, config=cfg)
+    info: dict[str, Any] = {
+        "format": src.format,
+        "path": path,
+        "step": src.step,
+        "topology": dict(src.topology),
+        "config": None,
+        "needs_config": (cfg or src.config) is None,
+        "tensors": [
+            {"name": k, "shape": list(t.shape), "dtype": str(np.dtype(t.dtype)), "pieces": _pieces(t)}
+            for k, t in src.tensors.items()
+        ],
+        "optimizer": None,
+        "notes": list(src.notes),
+    }
+    if cfg or src.config:
+        import models
+
+        info["config"] = models.config_to_dict(cfg or src.config)
+    if src.optimizer:
+        info["optimizer"] = {
+            "step": src.optimizer.step,
+            "moments": len(src.optimizer.exp_avg),
+            "master_weights": len(src.optimizer.master),
+        }
+    return info
+
+
+def _pieces(t: LazyTensor) -> int:
+    """How many stored pieces a lazy tensor is made of."""
+    if isinstance(t, lazy.StoredTensor):
+        return 1
+    kids = [getattr(t, a) for a in ("src", "stored", "flat") if isinstance(getattr(t, a, None), LazyTensor)]
+    kids += list(getattr(t, "parts", ()) or ())
+    return sum(_pieces(k) for k in kids) if kids else 1
+
+
