@@ -63,13 +63,14 @@ def open_hf(path: str, *, step: int | None = None, config=None):
     mesh = make_mesh(devices=jax.devices()[:1])
     shapes = models.param_shapes(cfg)
     p_shard = tree_shardings(shapes, models.logical_axes(cfg), mesh)
-    target = abstract_tree(shapes, p_shard)
     store = CheckpointStore(root)
     try:
         step = store.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"{root}: no checkpoint steps")
+        # restore in the dtype it was saved in (bf16 weights stay bf16)
         saved = store.params_metadata(step)
+        target = abstract_tree(saved, p_shard)
         has_opt = os.path.isdir(os.path.join(root, str(step), "opt_state"))
         target_opt = None
         if has_opt:
@@ -78,7 +79,6 @@ def open_hf(path: str, *, step: int | None = None, config=None):
         restored = store.restore(step, target_params=target, target_opt_state=target_opt)
     finally:
         store.close()
-    del saved
     inv = convert.model_rules(cfg).invert()
 
     def named(tree):

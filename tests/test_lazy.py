@@ -1,0 +1,199 @@
+"""Lazy views equal their numpy reference for random compositions and boxes, and read only their box."""
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hybridckpt import lazy
+from hybridckpt.errors import FormatError
+from hybridckpt.io.byte_source import ByteSource, count_reads
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="module")
+def blob(tmp_path_factory):
+    """A file of 4096 float32 values 0..4095 (value == flat element index)."""
+    path = tmp_path_factory.mktemp("lazy") / "blob.bin"
+    np.arange(4096, dtype=np.float32).tofile(path)
+    return str(path)
+
+
+def _stored(blob, shape, start=0):
+    return lazy.StoredTensor(ByteSource(blob), start * 4, tuple(shape), np.dtype(np.float32)), (
+        np.arange(4096, dtype=np.float32)[start : start + math.prod(shape)].reshape(shape)
+    )
+
+
+shapes = st.lists(st.integers(1, 6), min_size=1, max_size=4)
+
+
+@st.composite
+def boxes(draw, shape):
+    box = []
+    for n in shape:
+        a = draw(st.integers(0, n))
+        b = draw(st.integers(a, n))
+        box.append((a, b))
+    return tuple(box)
+
+
+@st.composite
+def composed(draw, blob):
+    """A random composition of views over the blob and its numpy reference."""
+    shape = draw(shapes)
+    start = draw(st.integers(0, 64))
+    t, ref = _stored(blob, shape, start)
+    for _ in range(draw(st.integers(0, 4))):
+        kind = draw(st.sampled_from(["transpose", "slice", "reshape", "concat", "stack", "take", "cast"]))
+        if kind == "transpose":
+            perm = draw(st.permutations(range(t.ndim)))
+            t, ref = lazy.transpose(t, perm), ref.transpose(perm)
+        elif kind == "slice":
+            box = draw(boxes(t.shape))
+            if all(b > a for a, b in box):
+                t, ref = lazy.Slice(t, box), ref[tuple(slice(a, b) for a, b in box)]
+        elif kind == "reshape":
+            n = t.size
+            divisors = [d for d in range(1, n + 1) if n % d == 0]
+            d = draw(st.sampled_from(divisors))
+            new = (d, n // d) if draw(st.booleans()) else (n,)
+            t, ref = lazy.reshape(t, new), ref.reshape(new)
+        elif kind == "concat":
+            axis = draw(st.integers(0, t.ndim - 1))
+            other_shape = list(t.shape)
+            other_shape[axis] = draw(st.integers(1, 4))
+            o, oref = _stored(blob, other_shape, draw(st.integers(0, 200)))
+            o, oref = lazy.cast(o, t.dtype), oref.astype(t.dtype)
+            if draw(st.booleans()):
+                t, ref = lazy.Concat((t, o), axis), np.concatenate([ref, oref], axis)
+            else:
+                t, ref = lazy.Concat((o, t), axis), np.concatenate([oref, ref], axis)
+        elif kind == "stack":
+            o, oref = _stored(blob, t.shape, draw(st.integers(0, 200)))
+            o, oref = lazy.cast(o, t.dtype), oref.astype(t.dtype)
+            t, ref = lazy.Stack((t, lazy.ArrayTensor(oref), o)), np.stack([ref, oref, oref])
+        elif kind == "take":
+            idx = draw(st.permutations(range(t.shape[0])))
+            t, ref = lazy.Take(t, 0, tuple(idx)), ref[list(idx)]
+        elif kind == "cast":
+            t, ref = lazy.Cast(t, np.dtype(np.float64)), ref.astype(np.float64)
+    return t, ref
+
+
+@SETTINGS
+@given(data=st.data())
+def test_random_compositions_and_boxes_equal_numpy(blob, data):
+    t, ref = data.draw(composed(blob))
+    assert t.shape == ref.shape
+    box = data.draw(boxes(t.shape))
+    got = t.read_box(box)
+    want = ref[tuple(slice(a, b) for a, b in box)]
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+    # flat reads too
+    a = data.draw(st.integers(0, t.size))
+    b = data.draw(st.integers(a, t.size))
+    np.testing.assert_array_equal(t.read_flat(a, b), ref.reshape(-1)[a:b])
+
+
+@SETTINGS
+@given(data=st.data())
+def test_stored_box_reads_exactly_its_bytes(blob, data):
+    shape = data.draw(shapes)
+    t, ref = _stored(blob, shape)
+    box = data.draw(boxes(shape))
+    with count_reads() as c:
+        got = t.read_box(box)
+    np.testing.assert_array_equal(got, ref[tuple(slice(a, b) for a, b in box)])
+    assert c[blob] == got.nbytes
+
+
+def test_concat_reads_only_the_parts_a_box_touches(tmp_path):
+    paths = []
+    for r in range(4):  # four "tensor-parallel ranks", 8 rows each
+        p = tmp_path / f"rank{r}.bin"
+        np.full((8, 16), r, dtype=np.float32).tofile(p)
+        paths.append(str(p))
+    parts = [lazy.StoredTensor(ByteSource(p), 0, (8, 16), np.dtype(np.float32)) for p in paths]
+    t = lazy.Concat(tuple(parts), 0)
+    with count_reads() as c:
+        got = t.read_box(((10, 14), (0, 16)))  # rows 10..13 live in rank 1 only
+    assert (got == 1).all()
+    assert c[paths[1]] == got.nbytes
+    assert c[paths[0]] == c[paths[2]] == c[paths[3]] == 0
+
+
+def test_transposed_tp_shard_box_reads_only_its_box(tmp_path):
+    """A column block of a transposed [out, in] weight (a kernel's tp shard) reads only those rows."""
+    p = tmp_path / "w.bin"
+    w = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    w.tofile(p)
+    kernel = lazy.transpose(lazy.StoredTensor(ByteSource(str(p)), 0, (64, 32), np.dtype(np.float32)))
+    with count_reads() as c:
+        got = kernel.read_box(((0, 32), (16, 32)))
+    np.testing.assert_array_equal(got, w.T[:, 16:32])
+    assert c[str(p)] == got.nbytes
+
+
+def test_reshape_of_flat_ranges_split_across_ranks(tmp_path):
+    """ZeRO-style: a flat buffer split in 3 equal partitions; a param is a range of it, reshaped."""
+    flat = np.arange(100, dtype=np.float32) * 0.5
+    parts = []
+    for r, chunk in enumerate(np.array_split(flat, 3)):
+        p = tmp_path / f"part{r}.bin"
+        chunk.tofile(p)
+        parts.append(lazy.StoredTensor(ByteSource(str(p)), 0, chunk.shape, chunk.dtype))
+    buf = lazy.Concat(tuple(parts), 0)
+    param = lazy.reshape(lazy.slice_axis(buf, 0, 10, 10 + 48), (6, 8))
+    np.testing.assert_array_equal(param.materialize(), flat[10:58].reshape(6, 8))
+    np.testing.assert_array_equal(param.read_box(((2, 5), (3, 7))), flat[10:58].reshape(6, 8)[2:5, 3:7])
+
+
+def test_stored_strided_matches_torch_like_views(tmp_path):
+    p = tmp_path / "s.bin"
+    storage = np.arange(300, dtype=np.float32)
+    storage.tofile(p)
+    src = ByteSource(str(p))
+    base = storage[20:140].reshape(6, 20)
+    cases = [
+        (base.shape, (20, 1), 20, base),
+        ((20, 6), (1, 20), 20, base.T),
+        ((4, 5), (20, 1), 20 + 2 * 20 + 3, base[2:6, 3:8]),
+        ((3, 4), (0, 1), 7, np.broadcast_to(storage[7:11], (3, 4))),
+        ((3, 3), (40, 2), 5, storage[5:].reshape(-1)[: 3 * 40].reshape(3, 40)[:, :6:2]),
+    ]
+    for shape, strides, off, want in cases:
+        t = lazy.stored_strided(src, 0, 300, np.float32, shape, strides, off)
+        np.testing.assert_array_equal(t.materialize(), want)
+    with pytest.raises(FormatError, match="reaches element"):
+        lazy.stored_strided(src, 0, 300, np.float32, (10, 40), (40, 1), 0, what="x.pt:weight")
+
+
+def test_bf16_cast_is_exact_upcast(tmp_path):
+    vals = np.array([1.5, -2.25, 3.0e-3, 65504.0], dtype=np.float32).astype(ml_dtypes.bfloat16)
+    p = tmp_path / "b.bin"
+    vals.tofile(p)
+    t = lazy.Cast(lazy.StoredTensor(ByteSource(str(p)), 0, (4,), vals.dtype), np.dtype(np.float32))
+    np.testing.assert_array_equal(t.materialize(), vals.astype(np.float32))
+
+
+def test_truncated_file_is_a_format_error(tmp_path):
+    p = tmp_path / "short.bin"
+    np.zeros(4, dtype=np.float32).tofile(p)
+    t = lazy.StoredTensor(ByteSource(str(p)), 0, (8,), np.dtype(np.float32))
+    with pytest.raises(FormatError, match="short.bin: truncated"):
+        t.materialize()
+
+
+def test_concat_and_stack_refuse_mismatched_parts():
+    a = lazy.ArrayTensor(np.zeros((2, 3), np.float32))
+    b = lazy.ArrayTensor(np.zeros((2, 4), np.float32))
+    with pytest.raises(FormatError, match="cannot concatenate"):
+        lazy.Concat((a, b), 0)
+    with pytest.raises(FormatError, match="cannot stack"):
+        lazy.Stack((a, b))
