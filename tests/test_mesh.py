@@ -1,0 +1,68 @@
+"""Meshes, logical-axis rules and the shardings of params and optimizer state."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from hybridckpt.errors import MeshError
+from hybridckpt.mesh import (
+    MeshShape,
+    batch_sharding,
+    make_mesh,
+    mesh_from_shape,
+    opt_state_shardings,
+    partition_spec,
+    tree_shardings,
+)
+
+
+def test_make_mesh_axes_and_device_count():
+    m = make_mesh(dp=2, fsdp=1, tp=2, pp=2)
+    assert m.axis_names == ("dp", "fsdp", "tp", "pp")
+    assert dict(m.shape) == {"dp": 2, "fsdp": 1, "tp": 2, "pp": 2}
+    with pytest.raises(MeshError, match="needs 4 devices but 8 are given"):
+        make_mesh(tp=4)
+    assert make_mesh(tp=4, devices=jax.devices()[:4]).devices.size == 4
+    assert mesh_from_shape("tp=2").devices.size == 2
+    with pytest.raises(MeshError, match="needs 16 devices but only 8"):
+        mesh_from_shape("dp=4,tp=4")
+
+
+def test_mesh_shape_parse():
+    assert MeshShape.parse("dp=1,fsdp=2,tp=2,pp=2") == MeshShape(1, 2, 2, 2)
+    assert str(MeshShape.parse("tp=4")) == "dp=1,fsdp=1,tp=4,pp=1"
+    for bad in ("xp=2", "tp=0", "tp=two"):
+        with pytest.raises(MeshError, match="bad mesh"):
+            MeshShape.parse(bad)
+
+
+def test_logical_rules_map_to_mesh_axes():
+    m = make_mesh(fsdp=2, tp=2, pp=2)
+    assert partition_spec("w", (4, 8, 6), ("layers", "embed", "heads"), m) == P("pp", "fsdp", "tp")
+    assert partition_spec("e", (8, 4), ("vocab", "embed"), m) == P("tp", "fsdp")
+    assert partition_spec("n", (4, 8), ("layers", None), m) == P("pp", None)
+    # an axis of size 1 is not named
+    m1 = make_mesh(tp=8)
+    assert partition_spec("w", (4, 8, 16), ("layers", "embed", "heads"), m1) == P(None, None, "tp")
+    assert batch_sharding(make_mesh(dp=2, fsdp=4)).spec == P(("dp", "fsdp"), None)
+
+
+def test_indivisible_dimension_error_or_replicate():
+    m = make_mesh(tp=8)
+    with pytest.raises(MeshError, match=r"lm_head: dim 1 \(vocab\) has size 50257.*size 8 cannot divide"):
+        partition_spec("lm_head", (64, 50257), ("embed", "vocab"), m)
+    assert partition_spec("lm_head", (64, 50257), ("embed", "vocab"), m, indivisible="replicate") == P(None, None)
+
+
+def test_optimizer_state_sharded_like_params_counters_replicated():
+    m = make_mesh(fsdp=2, tp=2, pp=2)
+    params = {"a": jnp.zeros((4, 8)), "b": {"c": jnp.zeros((2, 8))}}
+    axes = {"a": ("embed", "mlp"), "b": {"c": ("layers", "embed")}}
+    ps = tree_shardings(params, axes, m)
+    st = jax.eval_shape(optax.adamw(1e-3).init, params)
+    os_ = opt_state_shardings(st, ps, m)
+    adam = os_[0]
+    assert adam.mu == ps and adam.nu == ps
+    assert adam.count.spec == P()
