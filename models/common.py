@@ -1,0 +1,108 @@
+"""Pieces shared by the model families: annotated initialisers, scanned layer stacks, causal
+attention, the next-token loss, and the helpers that turn a Flax module into plain pytrees.
+
+Params are created fp32 and boxed with logical axis names (`nn.with_logical_partitioning`);
+`nn.scan` stacks the per-layer params on a leading axis named "layers". The public functions
+return plain nested dicts: `unboxed` drops the boxes, `axes_of` keeps only their names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+Axes = tuple[str | None, ...]
+INIT_STD = 0.02  # normal init std of kernels and embeddings (HF `initializer_range`)
+
+
+def normal(axes: Axes) -> Callable:
+    return nn.with_logical_partitioning(nn.initializers.normal(INIT_STD), axes)
+
+
+def ones(axes: Axes) -> Callable:
+    return nn.with_logical_partitioning(nn.initializers.ones_init(), axes)
+
+
+def zeros(axes: Axes) -> Callable:
+    return nn.with_logical_partitioning(nn.initializers.zeros_init(), axes)
+
+
+def dense(
+    features: int | Sequence[int],
+    axes: Axes,
+    name: str,
+    dtype: Any,
+    *,
+    bias_axes: Axes | None = None,
+) -> nn.Module:
+    """A Dense (kernel `[in, *features]`, fp32 params, compute in `dtype`); a bias iff bias_axes."""
+    return nn.DenseGeneral(
+        features=features,
+        use_bias=bias_axes is not None,
+        dtype=dtype,
+        param_dtype=jnp.float32,
+        kernel_init=normal(axes),
+        bias_init=zeros(bias_axes or ()),
+        name=name,
+    )
+
+
+def stacked(block: type[nn.Module], num_layers: int, n_broadcast: int) -> type[nn.Module]:
+    """`block` (called as `block(x, *broadcast) -> (x, None)`) scanned over `num_layers` layers,
+    its params stacked on a leading axis with logical name "layers"."""
+    return nn.scan(
+        block,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        in_axes=(nn.broadcast,) * n_broadcast,
+        length=num_layers,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float) -> jax.Array:
+    """Causal softmax attention. q, k, v: `[batch, seq, heads, head_dim]` (same head count).
+
+    Scores and softmax are fp32 (transformers' eager attention); probabilities are cast back to
+    v's dtype before the value product. Returns `[batch, seq, heads, head_dim]` in v's dtype.
+    """
+    seq = q.shape[1]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+    mask = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Mean cross-entropy (fp32, nats) of predicting tokens[:, 1:] from logits[:, :-1]."""
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits[:, :-1].astype(jnp.float32), tokens[:, 1:]
+    ).mean()
+
+
+def _is_box(x: Any) -> bool:
+    return isinstance(x, nn.LogicallyPartitioned)
+
+
+def _plain(tree: Any) -> Any:
+    """Nested Mapping -> nested plain dict (Flax may hand back FrozenDicts)."""
+    if hasattr(tree, "items") and not _is_box(tree):
+        return {k: _plain(v) for k, v in tree.items()}
+    return tree
+
+
+def unboxed(variables: Any) -> dict:
+    """The `params` collection as plain nested dicts of arrays, boxes removed."""
+    return _plain(nn.meta.unbox(variables["params"]))
+
+
+def axes_of(variables: Any) -> dict:
+    """The `params` collection as plain nested dicts of logical-axis tuples."""
+    names = jax.tree.map(lambda b: tuple(b.names), variables["params"], is_leaf=_is_box)
+    return _plain(names)

@@ -1,0 +1,114 @@
+"""Llama family in Flax linen, numerically like transformers' LlamaForCausalLM.
+
+Rules from huggingface/transformers:src/transformers/models/llama/modeling_llama.py:
+- RMSNorm: x fp32 * rsqrt(mean(x^2) + eps), cast back to the compute dtype, times scale.
+- RoPE, half-split convention: inv_freq = theta ** -(arange(0, hd, 2) / hd); angles repeated
+  over both halves; x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1).
+- GQA: kv head j serves q heads j*rep .. (j+1)*rep - 1 (`repeat_kv`).
+- SwiGLU MLP: down(silu(gate(x)) * up(x)). Pre-norm residual blocks; untied `lm_head` or tied
+  `embed.embedding.T`.
+
+Params (fp32, kernels `[in, out]`, L = num_layers):
+  embed.embedding [vocab, embed]; layers.{attn_norm,mlp_norm}.scale [L, embed];
+  layers.q.kernel [L, embed, heads*hd]; layers.{k,v}.kernel [L, embed, kv_heads*hd];
+  layers.o.kernel [L, heads*hd, embed]; layers.{gate,up}.kernel [L, embed, mlp];
+  layers.down.kernel [L, mlp, embed]; final_norm.scale [embed]; lm_head.kernel [embed, vocab]
+  (untied only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models.common import causal_attention, dense, normal, ones, stacked
+from models.config import LlamaConfig
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", ones((None,)), (x.shape[-1],), jnp.float32)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return y.astype(self.dtype) * scale.astype(self.dtype)
+
+
+def rope_tables(seq: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos, sin `[seq, head_dim]` fp32 for positions 0..seq-1 (angles repeated over halves)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x `[batch, seq, heads, hd]`; cos/sin `[seq, hd]` cast to x's dtype (as HF does)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos = cos[None, :, None, :].astype(x.dtype)
+    sin = sin[None, :, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+class LlamaBlock(nn.Module):
+    cfg: LlamaConfig
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
+        cfg, dt = self.cfg, self.dtype
+        b, s, _ = x.shape
+        hd = cfg.head_dim
+
+        h = RMSNorm(cfg.rms_norm_eps, dt, name="attn_norm")(x)
+        q = dense(cfg.num_heads * hd, ("embed", "heads"), "q", dt)(h)
+        k = dense(cfg.num_kv_heads * hd, ("embed", "kv_heads"), "k", dt)(h)
+        v = dense(cfg.num_kv_heads * hd, ("embed", "kv_heads"), "v", dt)(h)
+        q = apply_rope(q.reshape(b, s, cfg.num_heads, hd), cos, sin)
+        k = apply_rope(k.reshape(b, s, cfg.num_kv_heads, hd), cos, sin)
+        v = v.reshape(b, s, cfg.num_kv_heads, hd)
+        rep = cfg.num_heads // cfg.num_kv_heads
+        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+        attn = causal_attention(q, k, v, hd**-0.5).reshape(b, s, cfg.num_heads * hd)
+        x = x + dense(cfg.hidden_size, ("heads", "embed"), "o", dt)(attn)
+
+        h = RMSNorm(cfg.rms_norm_eps, dt, name="mlp_norm")(x)
+        gate = dense(cfg.intermediate_size, ("embed", "mlp"), "gate", dt)(h)
+        up = dense(cfg.intermediate_size, ("embed", "mlp"), "up", dt)(h)
+        x = x + dense(cfg.hidden_size, ("mlp", "embed"), "down", dt)(nn.silu(gate) * up)
+        return x, None
+
+
+class Llama(nn.Module):
+    """tokens `[batch, seq]` int -> logits `[batch, seq, vocab]` float32."""
+
+    cfg: LlamaConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        cfg, dt = self.cfg, self.dtype
+        embed = nn.Embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype=dt,
+            param_dtype=jnp.float32,
+            embedding_init=normal(("vocab", "embed")),
+            name="embed",
+        )
+        x = embed(tokens)
+        cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta)
+        x, _ = stacked(LlamaBlock, cfg.num_layers, 2)(cfg, dt, name="layers")(x, cos, sin)
+        x = RMSNorm(cfg.rms_norm_eps, dt, name="final_norm")(x)
+        if cfg.tie_word_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = dense(cfg.vocab_size, ("embed", "vocab"), "lm_head", dt)(x)
+        return logits.astype(jnp.float32)
