@@ -137,6 +137,15 @@ def cmd_verify(a) -> int:
 
     t0 = time.perf_counter()
     with _Progress("verify", a.quiet) as prog:
+        if a.b is None:
+            rows, only_a, only_b = pipeline.verify_checksums(a.a, progress=prog), [], []
+            bad = [r for r in rows if not r.ok]
+            if bad:
+                print(f"BAD {bad[0].name}: checksum differs from the one recorded at import "
+                      f"(first of {len(bad)} bad arrays)")
+            print(f"{len(rows) - len(bad)}/{len(rows)} arrays match their import checksums; "
+                  f"{time.perf_counter() - t0:.2f} s")
+            return 1 if bad else 0
         rows, only_a, only_b = pipeline.verify(a.a, a.b, atol=a.atol, config_path=a.config, progress=prog)
     width = max((len(r.name) for r in rows), default=10)
     bad = 0
@@ -232,9 +241,13 @@ def build_parser() -> argparse.ArgumentParser:
     common(s)
     s.set_defaults(fn=cmd_export)
 
-    s = sub.add_parser("verify", help="compare two checkpoints tensor by tensor (HF names); exit 1 on mismatch")
+    s = sub.add_parser(
+        "verify",
+        help="compare two checkpoints tensor by tensor (HF names), or re-check an imported Orbax "
+        "checkpoint against its recorded checksums (one argument); exit 1 on mismatch",
+    )
     s.add_argument("a")
-    s.add_argument("b")
+    s.add_argument("b", nargs="?", help="the second checkpoint (omit to check A's checksums)")
     s.add_argument("--atol", type=float, default=0.0, help="allowed max abs difference (default 0: bitwise)")
     common(s, fmt=False)
     s.set_defaults(fn=cmd_verify)

@@ -176,30 +176,44 @@ def tree_to_hf(params: Mapping[str, Any], cfg) -> dict[str, LazyTensor]:
 # -- assembling sharded arrays --------------------------------------------------------------------
 
 
-def to_array(t: LazyTensor, sharding: jax.sharding.Sharding, dtype=None) -> jax.Array:
-    """A global jax.Array of `t` placed by `sharding`; each device's box is read once (devices
-    holding the same box share one read)."""
+def to_array(t: LazyTensor, sharding: jax.sharding.Sharding, dtype=None) -> tuple[jax.Array, int]:
+    """A global jax.Array of `t` placed by `sharding`, and the checksum (`hybridckpt.checksum`)
+    of the boxes this process read. Each distinct box is read once (devices holding the same
+    box share one read)."""
+    from hybridckpt import checksum
+
     if dtype is not None:
         t = lazy.cast(t, dtype)
     cache: dict = {}
+    parts: dict = {}
 
     def read(index):
         box = lazy.normalize_box(t.shape, index)
         if box not in cache:
             cache[box] = t.read_box(box)
+            parts[box] = checksum.box_part(tuple(t.shape), box, cache[box])
         return cache[box]
 
     arr = jax.make_array_from_callback(tuple(t.shape), sharding, read)
     cache.clear()
-    return arr
+    return arr, checksum.combine(parts.values())
 
 
-def assemble(tree: Mapping[str, Any], shardings: Mapping[str, Any], dtype=None, on_leaf=None) -> dict:
-    """Nested dict of LazyTensors -> nested dict of jax.Arrays placed by matching `shardings`."""
+def assemble(
+    tree: Mapping[str, Any], shardings: Mapping[str, Any], dtype=None, on_leaf=None, checksums=None, prefix=""
+) -> dict:
+    """Nested dict of LazyTensors -> nested dict of jax.Arrays placed by matching `shardings`.
+
+    checksums: a dict that receives `prefix + path -> checksum hex` per leaf.
+    """
+    from hybridckpt.checksum import to_hex
+
     flat_s = flatten(shardings)
     out = {}
     for k, t in flatten(tree).items():
-        out[k] = to_array(t, flat_s[k], dtype)
+        out[k], crc = to_array(t, flat_s[k], dtype)
+        if checksums is not None:
+            checksums[prefix + k] = to_hex(crc)
         if on_leaf:
             on_leaf(k, t.nbytes)
     return nest(out)

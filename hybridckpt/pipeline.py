@@ -140,13 +140,20 @@ def import_checkpoint(
     shapes = models.param_shapes(cfg)
     p_shard = tree_shardings(shapes, models.logical_axes(cfg), jmesh, indivisible=indivisible)
     np_dtype = None if dtype is None else _np_dtype(dtype)
-    params = convert.assemble(convert.nest(tree.params), p_shard, np_dtype, on_leaf=progress)
+    sums: dict[str, str] = {}
+    params = convert.assemble(
+        convert.nest(tree.params), p_shard, np_dtype, on_leaf=progress, checksums=sums, prefix="params."
+    )
     opt_state = None
     with_opt = not params_only and tree.exp_avg is not None
     if with_opt:
         f32 = np.dtype(np.float32)
-        mu = convert.assemble(convert.nest(tree.exp_avg), p_shard, f32, on_leaf=progress)
-        nu = convert.assemble(convert.nest(tree.exp_avg_sq), p_shard, f32, on_leaf=progress)
+        mu = convert.assemble(
+            convert.nest(tree.exp_avg), p_shard, f32, on_leaf=progress, checksums=sums, prefix="mu."
+        )
+        nu = convert.assemble(
+            convert.nest(tree.exp_avg_sq), p_shard, f32, on_leaf=progress, checksums=sums, prefix="nu."
+        )
         opt_state = adamw_state(params, mu, nu, tree.step or 0)
         o_shard = opt_state_shardings(jax.eval_shape(lambda: opt_state), p_shard, jmesh)
         opt_state = jax.device_put(opt_state, o_shard)
@@ -155,6 +162,7 @@ def import_checkpoint(
         "step": out_step,
         "model_config": models.config_to_dict(cfg),
         "source": {"format": opened.format, "path": os.path.abspath(src_path), "topology": dict(opened.topology)},
+        "checksums": sums,
         **{k: v for k, v in opened.trainer.items() if k not in ("step", "model_config", "mesh")},
     }
     save_checkpoint(dst, out_step, params, opt_state, trainer, overwrite=overwrite)
@@ -284,6 +292,33 @@ def verify(a: str, b: str, *, atol: float = 0.0, config_path: str | None = None,
 def _model_hf(opened: Opened) -> dict[str, LazyTensor]:
     tree = convert.hf_to_tree(opened.hf, opened.config)
     return convert.model_rules(opened.config).invert().apply_unstack(tree.params).tensors
+
+
+def verify_checksums(path: str, *, step: int | None = None, progress: Progress | None = None) -> list[TensorDiff]:
+    """Re-read every array of an Orbax checkpoint written by `import` and compare its checksum
+    with the one recorded at import (`trainer_state["checksums"]`); max_abs_diff is 0 or inf."""
+    from hybridckpt import checksum
+    from hybridckpt.formats import orbax as orbax_fmt
+
+    cfg, state, params, opt_state = orbax_fmt.restore_host(path, step=step)
+    recorded = state.get("checksums")
+    if not recorded:
+        raise CheckpointError(f"{path}: no checksums recorded (only `hybridckpt import` records them)")
+    arrays = {f"params.{k}": v for k, v in convert.flatten(params).items()}
+    if opt_state is not None:
+        arrays |= {f"mu.{k}": v for k, v in convert.flatten(opt_state[0].mu).items()}
+        arrays |= {f"nu.{k}": v for k, v in convert.flatten(opt_state[0].nu).items()}
+    rows = []
+    for name in sorted(set(recorded) | set(arrays)):
+        if name not in arrays:
+            rows.append(TensorDiff(name, (), float("inf"), False))
+            continue
+        x = arrays[name]
+        ok = name in recorded and checksum.to_hex(checksum.of_array(x)) == recorded[name]
+        rows.append(TensorDiff(name, tuple(x.shape), 0.0 if ok else float("inf"), ok))
+        if progress:
+            progress(name, x.nbytes)
+    return rows
 
 
 # -- logits ---------------------------------------------------------------------------------------

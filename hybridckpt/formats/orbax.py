@@ -50,12 +50,12 @@ def _config(root: str, step: int | None, config):
     return models.config_from_dict(state["model_config"]), state
 
 
-def open_hf(path: str, *, step: int | None = None, config=None):
-    """Restore params (and the Adam moments when saved) onto one device, under HF names."""
+def restore_host(path: str, *, step: int | None = None, config=None):
+    """(config, trainer_state, params, opt_state or None) restored onto one device."""
     import models
     from hybridckpt.checkpoint import CheckpointStore, abstract_tree
     from hybridckpt.mesh import make_mesh, opt_state_shardings, tree_shardings
-    from hybridckpt.pipeline import Opened, adamw_state
+    from hybridckpt.pipeline import adamw_state
 
     root, dir_step = _root_and_step(path)
     step = dir_step if step is None else step
@@ -79,17 +79,25 @@ def open_hf(path: str, *, step: int | None = None, config=None):
         restored = store.restore(step, target_params=target, target_opt_state=target_opt)
     finally:
         store.close()
+    return cfg, state, restored.params, restored.opt_state
+
+
+def open_hf(path: str, *, step: int | None = None, config=None):
+    """Restore params (and the Adam moments when saved) onto one device, under HF names."""
+    from hybridckpt.pipeline import Opened
+
+    cfg, state, params_tree, opt_state = restore_host(path, step=step, config=config)
     inv = convert.model_rules(cfg).invert()
 
     def named(tree):
         flat = {k: ArrayTensor(np.asarray(v)) for k, v in convert.flatten(tree).items()}
         return flat
 
-    params = named(restored.params)
+    params = named(params_tree)
     exp_avg = exp_avg_sq = None
     opt_step = state.get("step", step)
-    if restored.opt_state is not None:
-        adam = restored.opt_state[0]
+    if opt_state is not None:
+        adam = opt_state[0]
         exp_avg, exp_avg_sq = named(adam.mu), named(adam.nu)
         opt_step = int(np.asarray(adam.count))
     hf = convert.Named(
