@@ -1,0 +1,191 @@
+"""Meta Llama reference checkpoints: `params.json` + `consolidated.{mp:02d}.pth`.
+
+Layout (meta-llama/llama and meta-llama/llama3 `llama/model.py`, `llama/generation.py`
+`Llama.build`; fairscale/nn/model_parallel/layers.py):
+- `params.json`: `dim`, `n_layers`, `n_heads`, `n_kv_heads` (absent = n_heads), `vocab_size`
+  (-1 in Llama 1/2: the tokenizer's size), `multiple_of`, `ffn_dim_multiplier`, `norm_eps`,
+  `rope_theta`.
+- One flat torch.save state dict per model-parallel rank, `consolidated.00.pth` ..
+  `consolidated.{n-1:02d}.pth` (all must exist): `tok_embeddings.weight`,
+  `layers.{i}.attention.{wq,wk,wv,wo}.weight`, `layers.{i}.feed_forward.{w1,w2,w3}.weight`,
+  `layers.{i}.{attention_norm,ffn_norm}.weight`, `norm.weight`, `output.weight`, and in some
+  releases `rope.freqs` (a buffer, skipped).
+- Shards merge by the `tp` rules of `rules/meta_llama.rules`. `tok_embeddings` is split on dim 1
+  in Llama 1/2 (ParallelEmbedding) and on dim 0 in Llama 3 (VocabParallelEmbedding): decided by
+  comparing rank 0's shard shape with `dim`. When n_kv_heads < mp (Llama 3.1 405B), each kv
+  head is replicated on mp / n_kv_heads consecutive ranks: one rank of each group is read.
+- q/k rows are interleaved RoPE pairs per head; `hf_rules` permute them to HF's half-split.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import os
+import re
+
+from hybridckpt.errors import ConfigError, FormatError
+from hybridckpt.io import torch_save
+from hybridckpt.lazy import LazyTensor
+from hybridckpt.rules import parse_rules
+from hybridckpt.source import SourceCheckpoint
+
+NAME = "meta-llama"
+PARAMS = "params.json"
+_SHARD = re.compile(r"^consolidated\.(\d{2})\.pth$")
+_RULES = os.path.join(os.path.dirname(__file__), "rules", "meta_llama.rules")
+_SKIPPED = ("rope.freqs",)
+_KV = re.compile(r"^layers\.\d+\.attention\.w[kv]\.weight$")
+
+
+def _shards(folder: str) -> list[str]:
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    return sorted(n for n in names if _SHARD.match(n))
+
+
+def detect(path: str) -> bool:
+    return (
+        os.path.isdir(path) and os.path.isfile(os.path.join(path, PARAMS)) and bool(_shards(path))
+    )
+
+
+def read_params(path: str) -> dict:
+    try:
+        with builtins.open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except FileNotFoundError:
+        raise FormatError(f"{path}: missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FormatError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise FormatError(f"{path}: expected a JSON object")
+    return d
+
+
+def _files(folder: str) -> list[str]:
+    names = _shards(folder)
+    idx = sorted(int(_SHARD.match(n).group(1)) for n in names)
+    if not idx:
+        raise FormatError(f"{folder}: no consolidated.NN.pth files")
+    missing = sorted(set(range(idx[-1] + 1)) - set(idx))
+    if missing:
+        raise FormatError(
+            f"{folder}: consolidated.{idx[-1]:02d}.pth exists but "
+            f"{', '.join(f'consolidated.{i:02d}.pth' for i in missing)} is missing"
+        )
+    return [os.path.join(folder, f"consolidated.{i:02d}.pth") for i in idx]
+
+
+def _vocab_parallel(emb: LazyTensor, dim: int, mp: int, file: str) -> bool:
+    """Whether tok_embeddings is split on the vocab dim (Llama 3) or on dim (Llama 1/2)."""
+    if emb.ndim != 2:
+        raise FormatError(f"{file}: tok_embeddings.weight has shape {emb.shape}, expected 2-D")
+    if mp == 1 or emb.shape[1] == dim:
+        return True
+    if emb.shape[1] * mp == dim:
+        return False
+    raise FormatError(
+        f"{file}: tok_embeddings.weight shard {emb.shape} fits neither [vocab/{mp}, {dim}] "
+        f"(Llama 3) nor [vocab, {dim}/{mp}] (Llama 1/2) for params.json dim={dim}"
+    )
+
+
+def _dedup_kv(name: str, shards: list[LazyTensor], rows: int, files: list[str]) -> list[LazyTensor]:
+    """Keep one rank per group of ranks that replicate the same kv heads."""
+    total = sum(s.shape[0] for s in shards)
+    if total == rows:
+        return shards
+    if total % rows or len(shards) % (total // rows):
+        raise FormatError(
+            f"{files[0]}: {name} shards hold {total} rows in all, expected {rows} (n_kv_heads * head_dim) "
+            f"or a multiple from replicated kv heads"
+        )
+    rep = total // rows
+    return shards[::rep]
+
+
+def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the format contract
+    """Plan the import of a Meta Llama folder (reads params.json and the pickles only)."""
+    from models import config_from_meta_params
+
+    params_path = os.path.join(path, PARAMS)
+    params = read_params(params_path)
+    files = _files(path)
+    mp = len(files)
+    states = []
+    for f in files:
+        st = torch_save.load(f)
+        if not isinstance(st, dict) or not all(isinstance(v, LazyTensor) for v in st.values()):
+            raise FormatError(f"{f}: expected a flat dict of tensors")
+        states.append(st)
+    names = list(states[0])
+    for f, st in zip(files[1:], states[1:], strict=True):
+        if set(st) != set(names):
+            diff = sorted(set(st) ^ set(names))[:5]
+            raise FormatError(f"{f}: holds different keys than {files[0]} (e.g. {diff})")
+    dim = params.get("dim")
+    if not isinstance(dim, int):
+        raise FormatError(f"{params_path}: 'dim' should be an int, found {dim!r}")
+    if "tok_embeddings.weight" not in states[0]:
+        raise FormatError(f"{files[0]}: no tok_embeddings.weight")
+    emb0 = states[0]["tok_embeddings.weight"]
+    vocab_parallel = _vocab_parallel(emb0, dim, mp, files[0])
+    vocab = emb0.shape[0] * (mp if vocab_parallel else 1)
+    file_vocab = params.get("vocab_size", -1)
+    given = getattr(config, "vocab_size", None)
+    if isinstance(file_vocab, int) and file_vocab > 0 and file_vocab != vocab:
+        raise FormatError(
+            f"{params_path}: vocab_size {file_vocab} but tok_embeddings holds {vocab} rows"
+        )
+    if given is not None and given != vocab:
+        raise ConfigError(
+            f"{path}: the given config has vocab_size {given} but tok_embeddings holds {vocab} rows"
+        )
+    cfg = config_from_meta_params(
+        params, vocab if file_vocab in (None, -1) else None, source=params_path
+    )
+
+    variables = {
+        "vocab_parallel": vocab_parallel,
+        "num_heads": cfg.num_heads,
+        "num_kv_heads": cfg.num_kv_heads,
+    }
+    rules_text = builtins.open(_RULES, encoding="utf-8").read()
+    rules = parse_rules(rules_text, variables, origin=_RULES)
+    kv_rows = cfg.num_kv_heads * cfg.head_dim
+    tensors: dict[str, LazyTensor] = {}
+    notes = []
+    for n in names:
+        if n in _SKIPPED:
+            notes.append(f"skipped {n} (a RoPE buffer, not a weight)")
+            continue
+        shards = [st[n] for st in states]
+        for f, s in zip(files[1:], shards[1:], strict=True):
+            if s.shape != shards[0].shape:
+                raise FormatError(
+                    f"{f}: key {n!r} has shape {s.shape}, expected {shards[0].shape} as in {files[0]}"
+                )
+        if _KV.match(n) and mp > 1:
+            deduped = _dedup_kv(n, shards, kv_rows, files)
+            if len(deduped) != len(shards):
+                notes.append(
+                    f"wk/wv: kv heads replicated on {len(shards) // len(deduped)} ranks each; one of each read"
+                )
+            shards = deduped
+        tensors[n] = rules.merge_tp(n, shards)
+    return SourceCheckpoint(
+        format=NAME,
+        path=path,
+        tensors=tensors,
+        optimizer=None,
+        hf_rules=rules_text,
+        rule_vars=variables,
+        config=cfg,
+        step=None,
+        topology={"tp": mp},
+        trainer={},
+        notes=tuple(dict.fromkeys(notes)),
+    )
