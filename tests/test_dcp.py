@@ -1,0 +1,286 @@
+"""torch DCP checkpoints (FSDP2, FSDP2 x TP, rank-local metadata, safetensors shards, torchtitan
+names): import bit for bit, one optax step equals torch's AdamW step, bad input is refused.
+
+Fixtures are written once per session by the real torch (tests/fixtures/dcp_writer.py: 4 gloo
+processes); references are what torch itself gathered (full state dicts), not our reader.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+
+import numpy as np
+import pytest
+from fixtures.ckpt_checks import optax_next, run_writer
+
+from hybridckpt import convert
+from hybridckpt.errors import FormatError
+from hybridckpt.formats import dcp, detect, open_source
+from hybridckpt.io.byte_source import close_all, count_reads
+from hybridckpt.io.dcp_metadata import read_metadata
+
+WRITER = os.path.join(os.path.dirname(__file__), "fixtures", "dcp_writer.py")
+EMBED = "model.model.embed_tokens.weight"
+
+
+@pytest.fixture(scope="session")
+def root(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dcp")
+    run_writer(WRITER, out)
+    return out
+
+
+def reference(root, name):
+    ref = np.load(os.path.join(root, f"{name}_ref.npz"))
+    with open(os.path.join(root, f"{name}_ref.json")) as f:
+        info = json.load(f)
+    return ref, info
+
+
+def names_of(ref, kind):
+    return sorted(k[len(kind) + 1 :] for k in ref.files if k.startswith(kind + "/"))
+
+
+def assert_exact(src, ref):
+    assert sorted(src.tensors) == names_of(ref, "param")
+    for k, t in src.tensors.items():
+        assert np.array_equal(t.materialize(), ref[f"param/{k}"]), k
+    opt = src.optimizer
+    for kind in ("exp_avg", "exp_avg_sq"):
+        got = getattr(opt, kind)
+        assert sorted(got) == names_of(ref, kind)
+        for k, t in got.items():
+            assert t.dtype == np.float32
+            assert np.array_equal(t.materialize(), ref[f"{kind}/{k}"]), (kind, k)
+
+
+# -- the fixtures are what they claim ----------------------------------------------------------
+
+
+def test_fixture_layouts_are_the_hard_ones(root):
+    fsdp = read_metadata(os.path.join(root, "fsdp2"))
+    rows = sorted((c.offsets[0], c.sizes[0]) for c in fsdp.tensors[EMBED].chunks)
+    assert [n for _, n in rows] == [63, 63, 63, 61]  # vocab 250 over 4 ranks: uneven
+    tp = read_metadata(os.path.join(root, "tp"))
+    q = tp.tensors["model.model.layers.0.self_attn.q_proj.weight"]
+    by_file = sorted(q.chunks, key=lambda c: os.path.basename(c.path))
+    offsets = [c.offsets[0] for c in by_file]
+    assert offsets != sorted(offsets)  # strided dp x tp: rank order is not row order
+    o = tp.tensors["model.model.layers.0.self_attn.o_proj.weight"]
+    assert {c.offsets for c in o.chunks} == {(0, 0), (0, 32), (32, 0), (32, 32)}  # 2-D grid
+    local = os.listdir(os.path.join(root, "fsdp2_local"))
+    assert ".metadata" not in local and "__3.metadata" in local
+
+
+# -- exact import ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["fsdp2", "tp", "fsdp2_local"])
+def test_params_and_moments_exact(root, variant):
+    path = os.path.join(root, variant)
+    assert detect(path) == "dcp"
+    src = open_source(path)
+    ref, info = reference(root, "tp" if variant == "tp" else "fsdp2")
+    assert_exact(src, ref)
+    assert src.optimizer.step == src.step == int(info["step"]) == 3
+    hyper = info["hyper"]
+    assert src.optimizer.hyper == {
+        "lr": hyper["lr"],
+        "eps": hyper["eps"],
+        "weight_decay": hyper["weight_decay"],
+        "betas": list(hyper["betas"]),
+    }
+    assert src.hf_rules == ""
+    assert src.config is not None and src.config.vocab_size == 250  # config.json beside it
+
+
+def test_safetensors_shards(root):
+    path = os.path.join(root, "fsdp2_hf")
+    assert detect(path) == "dcp"
+    assert not any(n.endswith(".metadata") for n in os.listdir(path))
+    src = dcp.open(path)
+    ref, _ = reference(root, "fsdp2")
+    assert src.optimizer is None
+    assert sorted(src.tensors) == names_of(ref, "param")
+    for k, t in src.tensors.items():
+        assert np.array_equal(t.materialize(), ref[f"param/{k}"]), k
+
+
+def test_filesystem_writer_safetensors_serialization(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as tdcp
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    g = torch.Generator().manual_seed(3)
+    sd = {"w": torch.randn(5, 7, generator=g), "b": torch.randn(3, generator=g).bfloat16()}
+    writer = tdcp.FileSystemWriter(
+        str(tmp_path), serialization_format=SerializationFormat.SAFETENSORS
+    )
+    tdcp.save({"model": sd}, storage_writer=writer, no_dist=True)
+    src = dcp.open(str(tmp_path))
+    assert sorted(src.tensors) == ["b", "w"]
+    assert np.array_equal(src.tensors["w"].materialize(), sd["w"].numpy())
+    got_b = src.tensors["b"].materialize()
+    assert str(got_b.dtype) == "bfloat16"
+    assert np.array_equal(got_b.astype(np.float32), sd["b"].float().numpy())
+
+
+def test_torchtitan_names_and_rope_permutation(root):
+    src = dcp.open(os.path.join(root, "titan"))
+    ref, _ = reference(root, "fsdp2")
+    assert (
+        src.trainer["optimizer_prefix"] == "optimizer." and src.trainer["model_prefix"] == "model."
+    )
+    wq = src.tensors["layers.0.attention.wq.weight"].materialize()
+    hf_q = ref["param/model.layers.0.self_attn.q_proj.weight"]
+    assert wq.shape == hf_q.shape and not np.array_equal(wq, hf_q)  # rows really are permuted
+    assert src.optimizer.step == 3 and src.optimizer.hyper["lr"] == 0.01
+    cfg = dcp.open(os.path.join(root, "fsdp2")).config
+    hf = convert.source_to_hf(src, cfg)
+    assert sorted(hf.params) == names_of(ref, "param")
+    for k, t in hf.params.items():
+        assert np.array_equal(t.materialize(), ref[f"param/{k}"]), k
+        assert np.array_equal(hf.exp_avg[k].materialize(), ref[f"exp_avg/{k}"]), k
+        assert np.array_equal(hf.exp_avg_sq[k].materialize(), ref[f"exp_avg_sq/{k}"]), k
+
+
+# -- one optax step equals torch AdamW's next step --------------------------------------------------
+
+
+def max_rel_error(got, ref):
+    return max(
+        float(np.max(np.abs(got[k] - ref[f"next/{k}"])) / np.max(np.abs(ref[f"next/{k}"])))
+        for k in got
+    )
+
+
+@pytest.mark.parametrize("variant", ["fsdp2", "tp"])
+def test_optax_step_matches_torch_adamw(root, variant):
+    src = dcp.open(os.path.join(root, variant))
+    ref, _ = reference(root, variant)
+    grads = {k: ref[f"grad/{k}"] for k in src.tensors}
+    moved = max(float(np.max(np.abs(ref[f"next/{k}"] - ref[f"param/{k}"]))) for k in src.tensors)
+    assert moved > 1e-3  # the step really changes the params
+    new = optax_next(src.tensors, src.optimizer, grads, src.optimizer.step)
+    for k, got in new.items():
+        want = ref[f"next/{k}"]
+        np.testing.assert_allclose(
+            got, want, rtol=1e-6, atol=1e-6 * float(np.max(np.abs(want))), err_msg=k
+        )
+    # the check can fail: a wrong step count (bias correction) is far outside the tolerance
+    wrong = optax_next(src.tensors, src.optimizer, grads, src.optimizer.step - 1)
+    assert max_rel_error(wrong, ref) > 1e-3
+
+
+# -- laziness ----------------------------------------------------------------------------------------
+
+
+def test_box_reads_only_its_chunk(root):
+    md = read_metadata(os.path.join(root, "fsdp2"))
+    src = dcp.open(os.path.join(root, "fsdp2"))
+    ref, _ = reference(root, "fsdp2")
+    embed = src.tensors["model.embed_tokens.weight"]
+    owner = next(
+        c for c in md.tensors[EMBED].chunks if c.offsets[0] <= 70 < c.offsets[0] + c.sizes[0]
+    )
+    embed.read((slice(0, 1),))  # parse the first chunk's archive (metadata, not tensor bytes)
+    embed.read((slice(70, 71),))
+    with count_reads() as c:
+        got = embed.read((slice(70, 73), slice(8, 24)))
+    assert np.array_equal(got, ref["param/model.embed_tokens.weight"][70:73, 8:24])
+    data = {k: v for k, v in c.items() if isinstance(k, str)}
+    assert data == {owner.path: 3 * 16 * 4}
+    assert c[(owner.path, "calls")] == 3  # one pread per row of the box
+
+
+def test_moved_checkpoint_reads_the_new_folder(root, tmp_path):
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(os.path.join(root, "fsdp2"), moved)
+    src = dcp.open(str(moved))
+    assert src.trainer["written_to"] == os.path.join(str(root), "fsdp2") != str(moved)
+    ref, _ = reference(root, "fsdp2")
+    with count_reads() as c:
+        for k, t in src.tensors.items():
+            assert np.array_equal(t.materialize(), ref[f"param/{k}"])
+    files = [k for k in c if isinstance(k, str)]
+    assert files and all(p.startswith(str(moved)) for p in files)
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+
+def edited_copy(root, tmp_path, edit):
+    """A copy of the FSDP2 checkpoint whose .metadata was changed by `edit(Metadata)` (torch)."""
+    import torch.distributed.checkpoint  # noqa: F401  (the classes the pickle names)
+
+    path = tmp_path / "edited"
+    shutil.copytree(os.path.join(root, "fsdp2"), path)
+    with open(path / ".metadata", "rb") as f:
+        md = pickle.load(f)  # our own fixture, written by torch in this session
+    edit(md)
+    with open(path / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    return str(path)
+
+
+def test_overlapping_chunks_are_refused(root, tmp_path):
+    import torch
+
+    def overlap(md):
+        chunks = md.state_dict_metadata[EMBED].chunks
+        i = next(i for i, c in enumerate(chunks) if c.offsets[0] == 63)
+        old = chunks[i].offsets
+        new = torch.Size([62, 0])
+        chunks[i].offsets = new
+        for idx in list(md.storage_data):
+            if idx.fqn == EMBED and tuple(idx.offset) == tuple(old):
+                info = md.storage_data.pop(idx)
+                md.storage_data[type(idx)(EMBED, new, idx.index)] = info
+
+    path = edited_copy(root, tmp_path, overlap)
+    with pytest.raises(FormatError) as e:
+        dcp.open(path)
+    msg = str(e.value)
+    assert EMBED in msg and "overlap" in msg and "(62, 0)" in msg and ".metadata" in msg
+
+
+def test_gap_in_chunks_is_refused(root, tmp_path):
+    def gap(md):
+        chunks = md.state_dict_metadata[EMBED].chunks
+        del chunks[[c.offsets[0] for c in chunks].index(126)]
+
+    path = edited_copy(root, tmp_path, gap)
+    with pytest.raises(FormatError) as e:
+        dcp.open(path)
+    msg = str(e.value)
+    assert EMBED in msg and "gap" in msg and "(189, 0)" in msg and ".metadata" in msg
+
+
+def test_missing_distcp_is_refused(root, tmp_path):
+    path = tmp_path / "missing"
+    shutil.copytree(os.path.join(root, "fsdp2"), path)
+    close_all()
+    os.remove(path / "__2_0.distcp")
+    with pytest.raises(FormatError) as e:
+        dcp.open(str(path))
+    assert "__2_0.distcp" in str(e.value) and "missing" in str(e.value)
+
+
+def test_truncated_distcp_is_refused(root, tmp_path):
+    path = tmp_path / "truncated"
+    shutil.copytree(os.path.join(root, "fsdp2"), path)
+    close_all()
+    f = path / "__1_0.distcp"
+    os.truncate(f, os.path.getsize(f) // 2)
+    with pytest.raises(FormatError) as e:
+        dcp.open(str(path))
+    assert "__1_0.distcp" in str(e.value) and "truncated" in str(e.value)
+
+
+def test_not_dcp(tmp_path):
+    assert not dcp.detect(str(tmp_path))
+    with pytest.raises(FormatError):
+        dcp.open(str(tmp_path))

@@ -1,0 +1,216 @@
+"""DeepSpeed ZeRO-1/2/3 and BF16_Optimizer checkpoints: fp32 masters and Adam moments bit for bit,
+one optax step equals DeepSpeed's (torch AdamW) next step, bad input is refused.
+
+Fixtures are written once per session by the real DeepSpeed 0.19.8 on CPU/gloo
+(tests/fixtures/ds_writer.py: 3 ranks, every param count not a multiple of 3, a tied head, a
+frozen param, two param groups); references come from DeepSpeed's own gather API
+(`safe_get_full_fp32_param`, `safe_get_full_optimizer_state`), not from the files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from fixtures.ckpt_checks import optax_next, run_writer
+
+from hybridckpt.errors import FormatError
+from hybridckpt.formats import deepspeed as ds
+from hybridckpt.formats import detect, open_source
+from hybridckpt.io import torch_save
+from hybridckpt.io.byte_source import close_all, count_reads
+
+WRITER = os.path.join(os.path.dirname(__file__), "fixtures", "ds_writer.py")
+VARIANTS = ["z1", "z2", "z3", "z2_bf16", "z3_bf16", "bf16opt"]
+TAG = "global_step3"
+
+
+@pytest.fixture(scope="session")
+def root(tmp_path_factory):
+    out = tmp_path_factory.mktemp("deepspeed")
+    run_writer(WRITER, out, env={**os.environ, "DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0"})
+    return out
+
+
+def reference(root, name):
+    ref = np.load(os.path.join(root, f"{name}_ref.npz"))
+    with open(os.path.join(root, f"{name}_ref.json")) as f:
+        return ref, json.load(f)
+
+
+def names_of(ref, kind):
+    return sorted(k[len(kind) + 1 :] for k in ref.files if k.startswith(kind + "/"))
+
+
+def optim_file(root, variant, rank):
+    prefix = "bf16_" if "bf16" in variant else ""
+    return os.path.join(
+        root, variant, TAG, f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+    )
+
+
+def osd(root, variant, rank):
+    return torch_save.load(optim_file(root, variant, rank))["optimizer_state_dict"]
+
+
+# -- the fixtures are what they claim ----------------------------------------------------------
+
+
+def test_fixture_layouts_are_the_hard_ones(root):
+    # ZeRO-2 strips the tail padding: the last rank's partition of the no-decay group is shorter
+    z2 = [osd(root, "z2", r)["single_partition_of_fp32_groups"][1].size for r in range(3)]
+    assert z2[2] < z2[0] == z2[1]
+    # ZeRO-1 with parameter_alignment pads between params
+    assert any(any(g) for g in osd(root, "z1", 0)["param_alignment_paddings"])
+    # ZeRO-3: several sub-groups, params padded to a multiple of 3
+    z3 = osd(root, "z3", 0)
+    assert len(z3["fp32_flat_groups"]) == 3
+    shapes = torch_save.load(
+        os.path.join(root, "z3", TAG, "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    )
+    assert any(math.prod(s) % 3 for g in shapes["param_shapes"] for s in g.values())
+    assert all(t.size == 0 for t in shapes["module"].values())  # placeholders
+    # the BF16_Optimizer keeps its padding and has no zero_stage
+    bf = osd(root, "bf16opt", 2)
+    assert "zero_stage" not in bf and bf["group_paddings"][1] > 0
+    assert shapes["shared_params"] == {"lm_head.weight": "wte.weight"}
+
+
+# -- exact import ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_masters_and_moments_exact(root, variant):
+    path = os.path.join(root, variant)
+    assert detect(path) == "deepspeed"
+    src = open_source(path)
+    ref, info = reference(root, variant)
+    trainable = names_of(ref, "param")
+    frozen = names_of(ref, "frozen")
+    assert sorted(src.tensors) == sorted(trainable + frozen + ["lm_head.weight"])
+    for k in trainable:
+        t = src.tensors[k]
+        assert t.dtype == np.float32
+        assert np.array_equal(t.materialize(), ref[f"param/{k}"]), k
+        for kind in ("exp_avg", "exp_avg_sq"):
+            m = getattr(src.optimizer, kind)[k]
+            assert np.array_equal(m.materialize(), ref[f"{kind}/{k}"]), (kind, k)
+    for k in frozen:  # fp32 (ZeRO-2/3 fragments, fp32 module) or the bf16 module weight
+        assert np.array_equal(
+            src.tensors[k].materialize().astype(np.float32), ref[f"frozen/{k}"]
+        ), k
+    assert np.array_equal(src.tensors["lm_head.weight"].materialize(), ref["param/wte.weight"])
+    assert src.optimizer.step == int(info["step"][0]) == 3 and src.step == 3
+    assert src.optimizer.hyper == {
+        k: info["hyper"][k] for k in ("lr", "eps", "weight_decay", "betas")
+    }
+    assert src.topology == {"dp": 3} and src.hf_rules == ""
+
+
+def test_tag_folder_opens_directly(root):
+    src = ds.open(os.path.join(root, "z2", TAG))
+    ref, _ = reference(root, "z2")
+    assert np.array_equal(src.tensors["fc1.weight"].materialize(), ref["param/fc1.weight"])
+
+
+def test_zero3_padding_is_never_read(root):
+    src = ds.open(os.path.join(root, "z3"))
+    ref, _ = reference(root, "z3")
+    t = src.tensors["fc1.weight"]  # 130 elements: 44 + 44 + 42 real, 2 of padding on rank 2
+    with count_reads() as c:
+        got = t.materialize()
+    assert np.array_equal(got, ref["param/fc1.weight"])
+    assert sum(v for k, v in c.items() if isinstance(k, str)) == 130 * 4
+    with count_reads() as c:
+        row = t.read((slice(5, 6),))
+    assert np.array_equal(row[0], ref["param/fc1.weight"][5])
+    assert sum(v for k, v in c.items() if isinstance(k, str)) == 10 * 4
+
+
+# -- one optax step equals DeepSpeed's next step -------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_optax_step_matches_deepspeed_adamw(root, variant):
+    src = ds.open(os.path.join(root, variant))
+    ref, _ = reference(root, variant)
+    keys = names_of(ref, "next")
+    grads = {k: ref[f"grad/{k}"] for k in keys}
+    new = optax_next({k: src.tensors[k] for k in keys}, src.optimizer, grads, src.optimizer.step)
+    assert max(float(np.max(np.abs(ref[f"next/{k}"] - ref[f"param/{k}"]))) for k in keys) > 1e-3
+    for k, got in new.items():
+        want = ref[f"next/{k}"]
+        np.testing.assert_allclose(
+            got, want, rtol=1e-6, atol=1e-6 * float(np.max(np.abs(want))), err_msg=k
+        )
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+
+def copy_of(root, variant, tmp_path):
+    path = tmp_path / variant
+    shutil.copytree(os.path.join(root, variant), path)
+    close_all()
+    return path
+
+
+def test_partition_count_must_match_the_files(root, tmp_path):
+    path = copy_of(root, "z2", tmp_path)
+    os.remove(path / TAG / "zero_pp_rank_2_mp_rank_00_optim_states.pt")
+    with pytest.raises(FormatError) as e:
+        ds.open(str(path))
+    msg = str(e.value)
+    assert (
+        "partition_count" in msg
+        and "zero_pp_rank_0_mp_rank_00_optim_states.pt" in msg
+        and "2" in msg
+    )
+
+
+def edit_shapes(file, name, shape):
+    d = torch.load(file, weights_only=True)  # our own fixture, written by DeepSpeed this session
+    for group in d["param_shapes"]:
+        if name in group:
+            group[name] = torch.Size(shape)
+    torch.save(d, file)
+
+
+@pytest.mark.parametrize(
+    "variant, model_file, key",
+    [
+        ("z2", "mp_rank_00_model_states.pt", "single_partition_of_fp32_groups"),
+        ("bf16opt", "mp_rank_00_model_states.pt", "single_partition_of_fp32_groups"),
+        ("z3", "zero_pp_rank_0_mp_rank_00_model_states.pt", "fp32_flat_groups"),
+    ],
+)
+def test_numel_totals_must_add_up(root, tmp_path, variant, model_file, key):
+    path = copy_of(root, variant, tmp_path)
+    edit_shapes(path / TAG / model_file, "fc1.weight", (16, 10))
+    with pytest.raises(FormatError) as e:
+        ds.open(str(path))
+    msg = str(e.value)
+    assert model_file in msg and key in msg and "do not add up" in msg
+
+
+def test_model_parallel_ranks_are_refused(root, tmp_path):
+    path = copy_of(root, "z2", tmp_path)
+    shutil.copy(
+        path / TAG / "mp_rank_00_model_states.pt", path / TAG / "mp_rank_01_model_states.pt"
+    )
+    with pytest.raises(FormatError) as e:
+        ds.open(str(path))
+    assert "mp_rank" in str(e.value)
+
+
+def test_latest_naming_a_missing_tag(root, tmp_path):
+    path = copy_of(root, "z2", tmp_path)
+    (path / "latest").write_text("global_step99")
+    with pytest.raises(FormatError) as e:
+        ds.open(str(path))
+    assert "latest" in str(e.value) and "global_step99" in str(e.value)
