@@ -1,0 +1,295 @@
+"""PaddleNLP unified checkpoints: single-card Paddle names in safetensors; import and export.
+
+Format (PaddlePaddle/PaddleNLP: paddlenlp/trainer/unified_checkpoint/*, llm/docs/
+unified_checkpoint.md; `load_save_single_card.py` is the single-card writer):
+- `model-0000i-of-0000N.safetensors` + `model.safetensors.index.json` (`{"metadata":
+  {"total_size": bytes}, "weight_map": {name: file}}`): the whole model (TP merged, sharding
+  gathered) under Paddle structured names (`llama.layers.0.self_attn.q_proj.weight`, Linear
+  weights `[in, out]`), written by `safetensors.numpy.save_file` with metadata
+  `{"format": "np"}`: bfloat16 is stored as `U16` bits.
+- `optimizer-*.safetensors` + `optimizer.safetensors.index.json` (which also says
+  `"master_weights": true|false`): `<name>/moment1_0`, `<name>/moment2_0`, `<name>/beta1_pow_acc_0`,
+  `<name>/beta2_pow_acc_0` (fp32; beta pows `[1]` = beta ** (step + 1)).
+- `master_weights-*.safetensors` + `master_weights.safetensors.index.json`: fp32 `<name>`.
+- `config.json` (HF-style keys plus `"dtype"`).
+
+`open` returns Paddle names and `hf_rules` (rules/paddle_llama.rules); `write_unified` writes
+the same layout from HF-named tensors, deriving the Paddle names with `RuleSet.invert()` of
+those rules (fused qkv / gate_up are written unfused, as PaddleNLP's default model).
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from hybridckpt import lazy
+from hybridckpt.errors import ConfigError, FormatError, MappingError
+from hybridckpt.formats import paddle
+from hybridckpt.io import safetensors_file
+from hybridckpt.io.safetensors_file import read_header
+from hybridckpt.lazy import Box, LazyTensor
+from hybridckpt.source import OptimizerState, SourceCheckpoint
+
+NAME = "paddle-unified"
+MODEL_INDEX = "model.safetensors.index.json"
+OPT_INDEX = "optimizer.safetensors.index.json"
+MASTER_INDEX = "master_weights.safetensors.index.json"
+KINDS = {
+    "moment1_0": "exp_avg",
+    "moment2_0": "exp_avg_sq",
+    "beta1_pow_acc_0": "beta1",
+    "beta2_pow_acc_0": "beta2",
+}
+MAX_SHARD_BYTES = 2 * 1024**3
+
+
+def _index(folder: str, name: str) -> dict[str, str] | None:
+    path = os.path.join(folder, name)
+    if not os.path.isfile(path):
+        return None
+    weight_map = paddle.read_json(path).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise FormatError(f"{path}: expected a 'weight_map' object of name -> file")
+    return weight_map
+
+
+def detect(path: str) -> bool:
+    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, MODEL_INDEX)):
+        return False
+    try:
+        model = _index(path, MODEL_INDEX) or {}
+        opt = _index(path, OPT_INDEX) or {}
+    except FormatError:
+        return False
+    return any(k.startswith("llama.") for k in model) or any("/moment1_0" in k for k in opt)
+
+
+def read_indexed(folder: str, index_name: str) -> dict[str, LazyTensor]:
+    """Lazy tensors of every file an index names (each name checked to be in its file)."""
+    weight_map = _index(folder, index_name)
+    if weight_map is None:
+        return {}
+    index_path = os.path.join(folder, index_name)
+    files: dict[str, Mapping[str, LazyTensor]] = {}
+    out: dict[str, LazyTensor] = {}
+    for name, fname in weight_map.items():
+        if fname not in files:
+            fpath = os.path.join(folder, fname)
+            if not os.path.isfile(fpath):
+                raise FormatError(f"{index_path}: tensor {name!r} is in {fname}, which is missing")
+            files[fname] = read_header(fpath).tensors
+        if name not in files[fname]:
+            raise FormatError(
+                f"{os.path.join(folder, fname)}: {index_name} says it holds {name!r} but it does not"
+            )
+        out[name] = files[fname][name]
+    return out
+
+
+def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the format contract
+    """A unified checkpoint folder as lazy tensors under Paddle names (bf16 restored from U16)."""
+    model = read_indexed(path, MODEL_INDEX)
+    if not model:
+        raise FormatError(f"{path}: {MODEL_INDEX} names no tensors")
+    cfg = paddle.load_config(path, config)
+    tensors = {k: paddle.as_model_dtype(t) for k, t in model.items()}
+    optimizer = None
+    opt = read_indexed(path, OPT_INDEX)
+    master = read_indexed(path, MASTER_INDEX)
+    notes: list[str] = []
+    if opt or master:
+        states: dict[str, dict[str, LazyTensor]] = {k: {} for k in KINDS.values()}
+        for key, t in opt.items():
+            name, sep, kind = key.rpartition("/")
+            if not sep or kind not in KINDS:
+                raise FormatError(
+                    f"{os.path.join(path, OPT_INDEX)}: key {key!r} is not <name>/<kind> with kind in {sorted(KINDS)}"
+                )
+            if name not in tensors:
+                raise FormatError(
+                    f"{os.path.join(path, OPT_INDEX)}: {key!r} is for {name!r}, which the model lacks"
+                )
+            states[KINDS[kind]][name] = t
+        unknown = sorted(set(master) - set(tensors))
+        if unknown:
+            raise FormatError(
+                f"{os.path.join(path, MASTER_INDEX)}: master weights for unknown params {unknown[:10]}"
+            )
+        betas, note = paddle._betas(path)
+        step = paddle.optimizer_step(
+            [paddle._scalar(t) for t in states["beta1"].values()],
+            [paddle._scalar(t) for t in states["beta2"].values()],
+            betas,
+        )
+        if step is not None and note:
+            notes.append(note)
+        optimizer = OptimizerState(
+            states["exp_avg"], states["exp_avg_sq"], step, master, {"betas": list(betas)}
+        )
+    return SourceCheckpoint(
+        format=NAME,
+        path=path,
+        tensors=tensors,
+        optimizer=optimizer,
+        hf_rules=paddle.rules_text("paddle_llama.rules"),
+        rule_vars={
+            k: v
+            for k, v in paddle.llama_variables(cfg, **paddle.fused_flags(tensors)).items()
+            if k in paddle.HF_RULE_VARS
+        },
+        config=cfg,
+        step=optimizer.step if optimizer else None,
+        notes=tuple(notes),
+    )
+
+
+# -- export ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class _Bits(LazyTensor):
+    """`src` with each element's bytes viewed as `dtype` (same itemsize): bf16 -> U16 bits."""
+
+    src: LazyTensor
+    dtype: np.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.src.shape
+
+    def read_box(self, box: Box) -> np.ndarray:
+        return np.ascontiguousarray(self.src.read_box(box)).view(self.dtype)
+
+
+def _storable(t: LazyTensor) -> LazyTensor:
+    return _Bits(t, np.dtype(np.uint16)) if np.dtype(t.dtype) == paddle.BF16 else t
+
+
+def _write_group(
+    out_dir: str,
+    prefix: str,
+    index_name: str,
+    tensors: Mapping[str, LazyTensor],
+    max_shard_bytes: int,
+    extra: Mapping | None = None,
+) -> list[str]:
+    shards = safetensors_file.plan_shards(
+        ((k, tensors[k].nbytes) for k in tensors), max_shard_bytes
+    )
+    weight_map, files = {}, []
+    for i, names in enumerate(shards, 1):
+        fname = f"{prefix}-{i:05d}-of-{len(shards):05d}.safetensors"
+        safetensors_file.write(
+            os.path.join(out_dir, fname), {k: tensors[k] for k in names}, {"format": "np"}
+        )
+        files.append(fname)
+        weight_map.update({k: fname for k in names})
+    index = {
+        "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+        "weight_map": weight_map,
+    }
+    index.update(extra or {})
+    with builtins.open(os.path.join(out_dir, index_name), "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2)
+    return files + [index_name]
+
+
+def write_unified(
+    out_dir: str,
+    hf_tensors: Mapping[str, LazyTensor],
+    *,
+    config,
+    exp_avg: Mapping[str, LazyTensor] | None = None,
+    exp_avg_sq: Mapping[str, LazyTensor] | None = None,
+    master: Mapping[str, LazyTensor] | None = None,
+    step: int | None = None,
+    betas: tuple[float, float] = paddle.DEFAULT_BETAS,
+    dtype=None,
+    fuse_attention_qkv: bool = False,
+    fuse_attention_ffn: bool = False,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> list[str]:
+    """Write a PaddleNLP unified checkpoint of an HF-named Llama into `out_dir`.
+
+    hf_tensors: HF LlamaForCausalLM names -> tensors (`[out, in]`; LazyTensors or arrays), in the dtype to save
+    (`dtype` casts them; bf16 is written as U16 like PaddleNLP). exp_avg / exp_avg_sq /
+    master: fp32, HF names (master optional: PaddleNLP keeps them for 16-bit params); `step`:
+    optimizer steps taken (beta pows = beta ** (step + 1), `paddle.beta_pow`); needed with moments.
+    `fuse_attention_qkv` / `fuse_attention_ffn` write PaddleNLP's fused qkv / gate_up layers.
+    Returns the file names written. Paddle names come from `RuleSet.invert()` of
+    rules/paddle_llama.rules: the mapping is written once, for import.
+    """
+    inverse = paddle.hf_rules(
+        config, fuse_qkv=fuse_attention_qkv, fuse_ffn=fuse_attention_ffn
+    ).invert()
+
+    def lazies(d):
+        return {k: lazy.as_lazy(v) for k, v in d.items()}
+
+    params = inverse.apply(lazies(hf_tensors)).tensors
+    if dtype is not None:
+        params = {k: lazy.cast(t, dtype) for k, t in params.items()}
+    os.makedirs(out_dir, exist_ok=True)
+    written = _write_group(
+        out_dir, "model", MODEL_INDEX, {k: _storable(t) for k, t in params.items()}, max_shard_bytes
+    )
+    if exp_avg is not None or exp_avg_sq is not None:
+        if exp_avg is None or exp_avg_sq is None:
+            raise MappingError("write_unified: give both exp_avg and exp_avg_sq (or neither)")
+        if step is None:
+            raise ConfigError(
+                "write_unified: the optimizer step is needed to write beta1/beta2_pow_acc"
+            )
+        m1 = inverse.apply(lazies(exp_avg), strict=False).tensors
+        m2 = inverse.apply(lazies(exp_avg_sq), strict=False).tensors
+        missing = sorted(set(params) - set(m1) | set(params) - set(m2))
+        if missing:
+            raise MappingError(f"write_unified: no moments for {missing[:10]}")
+        pow1, pow2 = paddle.beta_pow(betas[0], step), paddle.beta_pow(betas[1], step)
+        opt: dict[str, LazyTensor] = {}
+        for k in params:
+            opt[f"{k}/moment1_0"] = lazy.cast(m1[k], np.float32)
+            opt[f"{k}/moment2_0"] = lazy.cast(m2[k], np.float32)
+            opt[f"{k}/beta1_pow_acc_0"] = lazy.ArrayTensor(pow1)
+            opt[f"{k}/beta2_pow_acc_0"] = lazy.ArrayTensor(pow2)
+        written += _write_group(
+            out_dir,
+            "optimizer",
+            OPT_INDEX,
+            opt,
+            max_shard_bytes,
+            {"master_weights": master is not None},
+        )
+    if master is not None:
+        mw = inverse.apply(lazies(master), strict=False).tensors
+        missing = sorted(set(params) - set(mw))
+        if missing:
+            raise MappingError(f"write_unified: no master weights for {missing[:10]}")
+        written += _write_group(
+            out_dir,
+            "master_weights",
+            MASTER_INDEX,
+            {k: lazy.cast(mw[k], np.float32) for k in params},
+            max_shard_bytes,
+        )
+    from models import config_to_hf
+
+    model_dtype = {
+        np.dtype(np.float32): "float32",
+        np.dtype(np.float16): "float16",
+        paddle.BF16: "bfloat16",
+    }
+    cfg_json = dict(config_to_hf(config))
+    first = next(iter(params.values()))
+    cfg_json["dtype"] = model_dtype.get(np.dtype(first.dtype), str(first.dtype))
+    cfg_json["fuse_attention_qkv"] = fuse_attention_qkv
+    cfg_json["fuse_attention_ffn"] = fuse_attention_ffn
+    with builtins.open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg_json, f, indent=2)
+    return written + ["config.json"]

@@ -1,0 +1,472 @@
+"""paddle.save pickles (`.pdparams`, `.pdopt`), read without paddle and lazily.
+
+Format (PaddlePaddle/Paddle:python/paddle/framework/io.py `save`, `_legacy_save`,
+`_pickle_save`; io_utils.py `_unpack_saved_dict`; checked against paddlepaddle 3.3.1):
+- A pickle (protocol 4 by default, 2 or 3 when asked) of nested dicts. numpy arrays pickle as
+  `numpy[._core|.core].multiarray._reconstruct(ndarray, (0,), b'b')` + BUILD state
+  `(1, shape, dtype, fortran, raw bytes)`; protocol 2 writes the raw bytes as
+  `_codecs.encode(<latin-1 text>, 'latin1')`.
+- "State dict" form (`_is_state_dict`: every value a tensor, or a dict holding no tensor, such as
+  `LR_Scheduler`): tensors become plain arrays and a top-level `StructuredToParameterName@@`
+  `{key: tensor.name}` is added. With protocol 2/3, arrays over `(2**30 - 1) // itemsize`
+  elements are flattened and split into `key@@.0`, `key@@.1`, ... plus
+  `UnpackBigParamInfor@@: {key: {"OriginShape": shape, "slices": [part keys]}}`.
+- Any other object (an optimizer dict holding `master_weights`): each tensor pickles as a
+  `(tensor.name, ndarray)` tuple (`builtins.tuple` REDUCE) and there is no name table.
+- bfloat16 tensors are stored as `uint16` arrays of the raw bits; the caller knows (from the
+  config or `model_meta.json`) which ones to view as bfloat16 (`reinterpret`).
+- Framework objects (paddle generator states, paddlenlp classes) become inert stubs.
+
+Laziness: protocol 3/4 pickles hold each array's bytes as one BINBYTES/BINBYTES8 payload.
+`load` walks the opcodes through an mmap (payloads are never paged in), drops the FRAME opcodes
+(a read-ahead hint only), replaces each payload of at least `lazy_min_bytes` by a persistent-id
+reference, unpickles the small remainder with the restricted unpickler, and returns
+`StoredTensor`s at the payloads' file offsets: opening a file reads its pickle opcodes only, and
+a box of a tensor reads only that box. Smaller payloads and protocol 2 text payloads are read
+eagerly.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickletools
+import reprlib
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+import ml_dtypes
+import numpy as np
+
+from hybridckpt import lazy
+from hybridckpt.errors import FormatError, UnsafePickleError
+from hybridckpt.io import unpickle as up
+from hybridckpt.io.byte_source import ByteSource
+from hybridckpt.lazy import ArrayTensor, LazyTensor, StoredTensor
+
+NAME_TABLE = "StructuredToParameterName@@"
+BIG_PARAM_INFO = "UnpackBigParamInfor@@"
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+# -- the lazy opcode scan --------------------------------------------------------------------
+
+_BINBYTES, _BINBYTES8, _FRAME, _STOP = ord("B"), 0x8E, 0x95, ord(".")
+_BINUNICODE, _BINPERSID = b"X", b"Q"
+LAZY_MIN_BYTES = 4096
+_FIXED, _COUNTED, _LINES, _NOARG = range(4)
+_COUNT_BYTES = {
+    pickletools.TAKEN_FROM_ARGUMENT1: (1, False),
+    pickletools.TAKEN_FROM_ARGUMENT4: (4, True),
+    pickletools.TAKEN_FROM_ARGUMENT4U: (4, False),
+    pickletools.TAKEN_FROM_ARGUMENT8U: (8, False),
+}
+
+
+def _opcode_table() -> list:
+    """Per opcode byte: (argument kind, size, signed), from pickletools' opcode descriptions."""
+    table: list = [None] * 256
+    for op in pickletools.opcodes:
+        arg = op.arg
+        if arg is None:
+            spec = (_NOARG, 0, False)
+        elif arg.n >= 0:
+            spec = (_FIXED, arg.n, False)
+        elif arg.n == pickletools.UP_TO_NEWLINE:
+            spec = (_LINES, 2 if arg.name.endswith("_pair") else 1, False)
+        else:
+            spec = (_COUNTED, *_COUNT_BYTES[arg.n])
+        table[ord(op.code)] = spec
+    return table
+
+
+_TABLE = _opcode_table()
+
+
+def _short(obj: object, n: int = 120) -> str:
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = n
+    return r.repr(obj)
+
+
+def _scan(data, what: str, min_bytes: int) -> tuple[list[tuple[int, int, int]], list[int]]:
+    """Walk the opcodes of the pickle in `data` without running it.
+
+    Returns the `(opcode offset, payload offset, payload length)` of every BINBYTES/BINBYTES8 of
+    at least `min_bytes`, and the offsets of the FRAME opcodes. Other opcodes are skipped by
+    their declared length; every length must fit in the file."""
+    table = _TABLE
+    n = len(data)
+    pos = 0
+    payloads, frames = [], []
+    while True:
+        if pos >= n:
+            raise FormatError(f"{what}: pickle truncated at byte {pos} (no STOP opcode)")
+        code = data[pos]
+        spec = table[code]
+        if spec is None:
+            raise FormatError(f"{what}: not a pickle: unknown opcode {code:#04x} at byte {pos}")
+        start = pos
+        pos += 1
+        kind, size, signed = spec
+        if kind == _FIXED:
+            if pos + size > n:
+                raise FormatError(f"{what}: pickle truncated at byte {pos}")
+            if code == _FRAME:
+                frames.append(start)
+            pos += size
+        elif kind == _COUNTED:
+            if pos + size > n:
+                raise FormatError(f"{what}: pickle truncated at byte {pos}")
+            length = int.from_bytes(data[pos : pos + size], "little", signed=signed)
+            pos += size
+            if length < 0 or pos + length > n:
+                raise FormatError(
+                    f"{what}: opcode {code:#04x} at byte {start} claims {length} bytes but "
+                    f"{n - pos} remain"
+                )
+            if code in (_BINBYTES, _BINBYTES8) and length >= min_bytes:
+                payloads.append((start, pos, length))
+            pos += length
+        elif kind == _LINES:
+            for _ in range(size):
+                nl = data.find(b"\n", pos)
+                if nl < 0:
+                    raise FormatError(f"{what}: pickle truncated at byte {pos}")
+                pos = nl + 1
+        elif code == _STOP:
+            return payloads, frames
+
+
+@dataclass(frozen=True)
+class _Payload:
+    """Raw array bytes left in the file: `length` bytes at `offset` of `path`."""
+
+    path: str
+    offset: int
+    length: int
+
+
+class _PaddleUnpickler(up.RestrictedUnpickler):
+    """Resolves the persistent ids `load` put in place of large payloads (and nothing else)."""
+
+    def __init__(self, file, policy, *, what, encoding="latin1", payloads=None, nonce=""):
+        super().__init__(file, policy, what=what, encoding=encoding)
+        self.payloads = payloads or []
+        self.nonce = nonce
+
+    def persistent_load(self, pid):
+        if isinstance(pid, str) and self.nonce and pid.startswith(self.nonce + ":"):
+            try:
+                return self.payloads[int(pid[len(self.nonce) + 1 :])]
+            except (ValueError, IndexError):
+                pass
+        return super().persistent_load(pid)
+
+
+class _ArraySlot:
+    """What `_reconstruct(ndarray, ...)` returns under PADDLE_POLICY: BUILD fills `value` with an
+    ndarray (inline bytes) or a `StoredTensor` (a payload left in the file)."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.value: object = None
+
+    def __setstate__(self, state):
+        what = self.what
+        if not isinstance(state, tuple) or len(state) not in (4, 5):
+            raise FormatError(f"{what}: bad numpy array state {_short(state)}")
+        shape, spec, fortran, raw = state[-4:]
+        dt = (
+            spec if isinstance(spec, np.dtype) else getattr(spec, "dtype", None)
+        )  # unpickle's checked dtype
+        if not isinstance(dt, np.dtype):
+            raise FormatError(f"{what}: expected a numpy dtype, found {_short(spec)}")
+        try:
+            shape = tuple(int(s) for s in shape)
+        except (TypeError, ValueError):
+            raise FormatError(f"{what}: bad numpy shape {_short(shape)}") from None
+        if any(s < 0 for s in shape):
+            raise FormatError(f"{what}: negative numpy shape {shape}")
+        count = 1
+        for s in shape:
+            count *= s
+        want = count * dt.itemsize
+        if isinstance(raw, _Payload):
+            if raw.length != want:
+                raise FormatError(
+                    f"{what}: numpy array {shape} of {dt} needs {want} bytes, found {raw.length}"
+                )
+            src = ByteSource(raw.path)
+            if fortran and len(shape) > 1:
+                t = StoredTensor(src, raw.offset, shape[::-1], dt)
+                self.value = lazy.transpose(t)
+            else:
+                self.value = StoredTensor(src, raw.offset, shape, dt)
+            return
+        if isinstance(raw, str):  # protocol 2: latin-1 text holding the bytes
+            raw = raw.encode("latin1")
+        if not isinstance(raw, (bytes, bytearray)):
+            raise FormatError(f"{what}: expected raw array bytes, found {type(raw).__name__}")
+        if len(raw) != want:
+            raise FormatError(
+                f"{what}: numpy array {shape} of {dt} needs {want} bytes, found {len(raw)}"
+            )
+        arr = np.frombuffer(raw, dtype=dt).reshape(shape, order="F" if fortran else "C")
+        self.value = np.ascontiguousarray(arr)
+
+
+_NDARRAY_TAG = up.BASE_ALLOWED[("numpy", "ndarray")]  # what `numpy.ndarray` resolves to
+
+
+def _reconstruct(unp: up.RestrictedUnpickler):
+    def reconstruct(cls, shape, typecode):
+        if cls is not _NDARRAY_TAG:
+            raise UnsafePickleError(
+                f"{unp.what}: numpy _reconstruct of {_short(cls)} is not allowed"
+            )
+        return _ArraySlot(unp.what)
+
+    return reconstruct
+
+
+PADDLE_POLICY = up.Policy(
+    {
+        **up.BASE_ALLOWED,
+        **{
+            (f"{core}.multiarray", "_reconstruct"): up.Contextual(_reconstruct)
+            for core in ("numpy.core", "numpy._core")
+        },
+    },
+    ("paddle.", "paddlenlp.", "paddlefleet."),
+)
+"""Plain containers, `builtins.tuple` (the `(name, ndarray)` form), guarded numpy arrays (lazy
+when large), `_codecs.encode` (protocol 2); paddle/paddlenlp globals become stubs."""
+
+
+def _unslot(x, seen=None):
+    """Replace every `_ArraySlot` by its value (ndarray or StoredTensor), in place where possible."""
+    seen = {} if seen is None else seen
+    if id(x) in seen:
+        return seen[id(x)]
+    if isinstance(x, _ArraySlot):
+        if x.value is None:
+            raise FormatError(f"{x.what}: numpy array without its state")
+        return x.value
+    if isinstance(x, dict):
+        seen[id(x)] = x
+        for k in list(x):
+            x[k] = _unslot(x[k], seen)
+        return x
+    if isinstance(x, list):
+        seen[id(x)] = x
+        x[:] = [_unslot(v, seen) for v in x]
+        return x
+    if isinstance(x, tuple):
+        return tuple(_unslot(v, seen) for v in x)
+    if isinstance(x, up.Stub):
+        seen[id(x)] = x
+        for k, v in list(vars(x).items()):
+            vars(x)[k] = _unslot(v, seen)
+    return x
+
+
+def load(path: str, *, lazy_min_bytes: int = LAZY_MIN_BYTES) -> object:
+    """Unpickle the paddle.save file `path` under `PADDLE_POLICY`.
+
+    Returns the saved object: dicts, lists, `(name, array)` tuples, scalars, stubs; array leaves
+    are `numpy.ndarray` (small, or protocol-2 text) or `StoredTensor` (payloads of at least
+    `lazy_min_bytes` bytes, read on demand). Raises FormatError for a file that is
+    not a valid pickle and UnsafePickleError for globals off the allow-list.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise FormatError(f"{path}: cannot open: {e.strerror}") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            raise FormatError(f"{path}: empty file, not a paddle.save pickle")
+        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as data:
+            found, frames = _scan(data, path, lazy_min_bytes)
+            nonce = "hybridckpt-" + secrets.token_hex(8)
+            # cuts: FRAME opcodes are dropped (framing is only a read-ahead hint, and the
+            # stream changes length), large payloads become persistent-id references
+            cuts: list[tuple[int, int, bytes]] = [(f, f + 9, b"") for f in frames]
+            payloads = []
+            for i, (op, off, length) in enumerate(found):
+                pid = f"{nonce}:{i}".encode()
+                cuts.append(
+                    (
+                        op,
+                        off + length,
+                        _BINUNICODE + len(pid).to_bytes(4, "little") + pid + _BINPERSID,
+                    )
+                )
+                payloads.append(_Payload(path, off, length))
+            cuts.sort()
+            parts, pos = [], 0
+            for a, b, rep in cuts:
+                parts.append(data[pos:a])
+                parts.append(rep)
+                pos = b
+            parts.append(data[pos:])
+            stream = b"".join(parts)
+    finally:
+        os.close(fd)
+    obj = up.safe_loads(
+        stream,
+        PADDLE_POLICY,
+        what=path,
+        unpickler_cls=_PaddleUnpickler,
+        payloads=payloads,
+        nonce=nonce,
+    )
+    try:
+        return _unslot(obj)
+    except RecursionError:
+        raise FormatError(f"{path}: pickle nests too deeply") from None
+
+
+# -- state dicts -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PaddleDict:
+    """One dict level of a paddle.save file, normalised.
+
+    tensors:  key -> tensor (big params re-joined lazily; `(name, array)` tuples unwrapped)
+    names:    key -> paddle variable name (`linear_0.w_0`), from the name table or the tuples
+    children: key -> nested PaddleDict (e.g. `master_weights`)
+    extra:    every other entry as loaded (`LR_Scheduler`, scalars, stubs)
+    path:     the file, for error messages
+    """
+
+    path: str
+    tensors: Mapping[str, LazyTensor] = field(default_factory=dict)
+    names: Mapping[str, str] = field(default_factory=dict)
+    children: Mapping[str, PaddleDict] = field(default_factory=dict)
+    extra: Mapping[str, object] = field(default_factory=dict)
+    tuple_form: bool = False
+
+
+def _as_tensor(x) -> LazyTensor | None:
+    if isinstance(x, LazyTensor):
+        return x
+    if isinstance(x, np.ndarray):
+        return ArrayTensor(x)
+    return None
+
+
+def _is_named_tensor(x) -> bool:
+    return (
+        isinstance(x, tuple)
+        and len(x) == 2
+        and isinstance(x[0], str)
+        and _as_tensor(x[1]) is not None
+    )
+
+
+def _join_big_params(d: dict, path: str, key: str = "") -> None:
+    """Undo `_unpack_saved_dict`: concatenate `key@@.i` parts (1-D) and reshape, lazily."""
+    info = d.pop(BIG_PARAM_INFO, None)
+    if info is None:
+        return
+    if not isinstance(info, dict):
+        raise FormatError(f"{path}: {BIG_PARAM_INFO} is {type(info).__name__}, expected a dict")
+    for name, entry in info.items():
+        try:
+            shape = tuple(int(s) for s in entry["OriginShape"])
+            slices = list(entry["slices"])
+        except (KeyError, TypeError, ValueError):
+            raise FormatError(
+                f"{path}: {BIG_PARAM_INFO}[{name!r}]: expected OriginShape and slices, found "
+                f"{_short(entry)}"
+            ) from None
+        parts = []
+        for s in slices:
+            if s not in d:
+                raise FormatError(f"{path}: big parameter {name!r}: part {s!r} is missing")
+            t = _as_tensor(d.pop(s))
+            if t is None or t.ndim != 1:
+                raise FormatError(f"{path}: big parameter {name!r}: part {s!r} is not a 1-D array")
+            parts.append(t)
+        if not parts:
+            raise FormatError(f"{path}: big parameter {name!r} has no parts")
+        flat = lazy.concat(parts, 0)
+        total = flat.shape[0]
+        want = int(np.prod(shape, dtype=np.int64))
+        if total != want:
+            raise FormatError(
+                f"{path}: big parameter {name!r}: parts hold {total} elements, OriginShape "
+                f"{shape} needs {want}"
+            )
+        d[name] = lazy.reshape(flat, shape)
+
+
+def normalize(obj, path: str) -> PaddleDict:
+    """The PaddleDict of a loaded top-level object (must be a dict)."""
+    if not isinstance(obj, dict):
+        raise FormatError(
+            f"{path}: expected a dict saved by paddle.save, found {type(obj).__name__}"
+        )
+    obj = dict(obj)
+    _join_big_params(obj, path)
+    table = obj.pop(NAME_TABLE, None)
+    if table is not None and not isinstance(table, dict):
+        raise FormatError(f"{path}: {NAME_TABLE} is {type(table).__name__}, expected a dict")
+    tensors: dict[str, LazyTensor] = {}
+    names: dict[str, str] = {}
+    children: dict[str, PaddleDict] = {}
+    extra: dict[str, object] = {}
+    tuple_form = False
+    for key, value in obj.items():
+        t = _as_tensor(value)
+        if t is not None:
+            tensors[key] = t
+        elif _is_named_tensor(value):
+            tensors[key] = _as_tensor(value[1])
+            names[key] = value[0]
+            tuple_form = True
+        elif isinstance(value, dict) and any(
+            _as_tensor(v) is not None or _is_named_tensor(v) for v in value.values()
+        ):
+            children[key] = normalize(value, f"{path}:{key}")
+        else:
+            extra[key] = value
+    for key, name in (table or {}).items():
+        if isinstance(name, str):
+            names.setdefault(key, name)
+    return PaddleDict(path, tensors, names, children, extra, tuple_form)
+
+
+def read(path: str) -> PaddleDict:
+    """`load` + `normalize`: the tensors, names and other entries of a paddle.save dict file."""
+    return normalize(load(path), path)
+
+
+# -- dtype views ---------------------------------------------------------------------------------
+
+
+def reinterpret(t: LazyTensor, dtype) -> LazyTensor:
+    """`t` with its bytes viewed as another dtype of the same itemsize (uint16 bits -> bfloat16).
+
+    Works through the views paddle files produce (stored, in-memory, joined big params)."""
+    dtype = np.dtype(dtype)
+    if np.dtype(t.dtype) == dtype:
+        return t
+    if np.dtype(t.dtype).itemsize != dtype.itemsize:
+        raise FormatError(f"cannot view {t.dtype} as {dtype}: item sizes differ")
+    if isinstance(t, StoredTensor):
+        return replace(t, dtype=dtype)
+    if isinstance(t, ArrayTensor):
+        return ArrayTensor(t.array.view(dtype))
+    if isinstance(t, lazy.Concat):
+        return lazy.Concat(tuple(reinterpret(p, dtype) for p in t.parts), t.axis)
+    if isinstance(t, lazy.Reshape):
+        return lazy.Reshape(reinterpret(t.src, dtype), t.shape)
+    if isinstance(t, lazy.Transpose):
+        return lazy.Transpose(reinterpret(t.src, dtype), t.perm)
+    if isinstance(t, lazy.Slice):
+        return lazy.Slice(reinterpret(t.src, dtype), t.region)
+    raise FormatError(f"cannot view a {type(t).__name__} as {dtype}")
