@@ -651,32 +651,59 @@ def save_checkpoint(
     *,
     overwrite: bool = False,
 ) -> Path:
-    """Write a one-step checkpoint root at `directory`, atomically (single process).
+    """Write a one-step checkpoint root at `directory`, atomically.
 
     Everything is written into a temporary sibling `.<name>.tmp-<id>` and renamed into place
     once complete, so `directory` never holds a half-written checkpoint. A non-empty
     `directory` is refused unless `overwrite=True` (then it is replaced, also by rename).
-    Returns the absolute path.
+    Under `jax.distributed` every process calls this with the same arguments: they write one
+    checkpoint into one temporary directory (its name agreed through a barrier) and process 0
+    renames it. Returns the absolute path.
     """
     dst = Path(directory).absolute()
     if dst.exists() and not dst.is_dir():
         raise CheckpointError(f"{dst}: exists and is not a directory")
     if dst.is_dir() and any(dst.iterdir()) and not overwrite:
         raise CheckpointError(f"{dst}: exists and is not empty; pass overwrite=True to replace it")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    token = uuid.uuid4().hex[:8]
+    multi = jax.process_count() > 1
+    primary = jax.process_index() == 0
+    token = _shared_token() if multi else uuid.uuid4().hex[:8]
     tmp = dst.parent / f".{dst.name}.tmp-{token}"
     old = dst.parent / f".{dst.name}.old-{token}"
+    if primary:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+    _barrier(f"hybridckpt-save-start-{token}")
     try:
         with CheckpointStore(tmp, async_save=False) as store:
             store.save(step, params, opt_state, trainer_state, force=True)
-        if dst.is_dir() and any(dst.iterdir()):
-            os.rename(dst, old)
-        os.replace(tmp, dst)  # atomic; replaces an empty directory on POSIX
+        _barrier(f"hybridckpt-save-done-{token}")
+        if primary:
+            if dst.is_dir() and any(dst.iterdir()):
+                os.rename(dst, old)
+            os.replace(tmp, dst)  # atomic; replaces an empty directory on POSIX
+        _barrier(f"hybridckpt-save-renamed-{token}")
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old.exists() and not dst.exists():
-            os.rename(old, dst)
+        if primary:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if old.exists() and not dst.exists():
+                os.rename(old, dst)
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    if primary:
+        shutil.rmtree(old, ignore_errors=True)
     return dst
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _shared_token() -> str:
+    """A random token that every process of a jax.distributed job agrees on (process 0's)."""
+    from jax.experimental import multihost_utils
+
+    mine = np.frombuffer(uuid.uuid4().bytes[:8], dtype=np.uint32)
+    agreed = multihost_utils.broadcast_one_to_all(mine)
+    return "".join(f"{int(x):08x}" for x in np.asarray(agreed))

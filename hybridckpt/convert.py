@@ -196,7 +196,15 @@ def to_array(t: LazyTensor, sharding: jax.sharding.Sharding, dtype=None) -> tupl
 
     arr = jax.make_array_from_callback(tuple(t.shape), sharding, read)
     cache.clear()
-    return arr, checksum.combine(parts.values())
+    # count each distinct box once across all processes: the process of the lowest-id device
+    # holding a box owns it (replicated boxes are read by several processes)
+    owner: dict = {}
+    for dev, index in sharding.devices_indices_map(tuple(t.shape)).items():
+        box = lazy.normalize_box(t.shape, index)
+        if box not in owner or dev.id < owner[box].id:
+            owner[box] = dev
+    me = jax.process_index()
+    return arr, checksum.combine(v for b, v in parts.items() if owner[b].process_index == me)
 
 
 def assemble(

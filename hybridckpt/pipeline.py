@@ -157,6 +157,8 @@ def import_checkpoint(
         opt_state = adamw_state(params, mu, nu, tree.step or 0)
         o_shard = opt_state_shardings(jax.eval_shape(lambda: opt_state), p_shard, jmesh)
         opt_state = jax.device_put(opt_state, o_shard)
+    if jax.process_count() > 1:
+        sums = _sum_across_processes(sums)
     out_step = int(opened.hf.step or 0) if step is None else int(step)
     trainer = {
         "step": out_step,
@@ -172,6 +174,23 @@ def import_checkpoint(
         opened.format, dst, out_step, str(shape), len(leaves), nbytes,
         time.perf_counter() - t0, with_opt, opened.notes + opened.hf.report,
     )
+
+
+def _sum_across_processes(sums: dict[str, str]) -> dict[str, str]:
+    """Add each process's checksum parts (mod 2^64) so every process holds the totals."""
+    from jax.experimental import multihost_utils
+
+    from hybridckpt.checksum import combine, to_hex
+
+    names = sorted(sums)
+    vals = [int(sums[n], 16) for n in names]
+    # 64-bit values as four 16-bit limbs in int32 (jax runs without x64 here)
+    limbs = np.array([[(v >> (16 * i)) & 0xFFFF for i in range(4)] for v in vals], dtype=np.int32)
+    gathered = np.asarray(multihost_utils.process_allgather(limbs)).astype(np.int64)
+    totals = [
+        combine(sum(int(g[j, i]) << (16 * i) for i in range(4)) for g in gathered) for j in range(len(names))
+    ]
+    return {n: to_hex(v) for n, v in zip(names, totals, strict=True)}
 
 
 def _np_dtype(name: str) -> np.dtype:

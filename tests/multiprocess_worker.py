@@ -1,0 +1,34 @@
+"""One process of a 2-process `jax.distributed` import (run by tests/test_multiprocess.py).
+
+usage: multiprocess_worker.py PROCESS_ID PORT SRC DST MESH OUT_JSON
+"""
+
+import json
+import os
+import sys
+
+pid, port, src, dst, mesh, out = sys.argv[1:7]
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=int(pid))
+
+from hybridckpt import pipeline  # noqa: E402
+from hybridckpt.io.byte_source import count_reads  # noqa: E402
+
+with count_reads() as counter:
+    summary = pipeline.import_checkpoint(src, dst, mesh=mesh)
+with open(out, "w") as f:
+    json.dump(
+        {
+            "process_index": jax.process_index(),
+            "local_devices": len(jax.local_devices()),
+            "bytes_read": {k: v for k, v in counter.items() if isinstance(k, str)},
+            "step": summary.step,
+        },
+        f,
+    )
+jax.distributed.shutdown()
