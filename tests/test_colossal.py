@@ -138,3 +138,12 @@ def test_name_missing_from_weight_file(tmp_path, ref):
         FormatError, match=r"pytorch_model-dist-00000-shard-\d+\.bin.*model\.ghost\.weight"
     ):
         colossal.open(path)
+
+
+def test_import_restore_export_bitwise(tmp_path, ref):
+    from e2e import assert_same, roundtrip
+
+    path = _write(tmp_path / "colossal", ref, tp=2, pp=2)
+    # vocab 61 does not divide by tp: shard over fsdp and pp
+    params, _, _, _ = roundtrip(path, str(tmp_path), mesh_a="fsdp=2,pp=2", mesh_b="dp=2,fsdp=4", optimizer=False)
+    assert_same(params, ref.params)
