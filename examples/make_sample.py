@@ -1,17 +1,33 @@
-"""Write hybridckpt/samples/tiny-llama: a tiny Llama in the single-card HF layout with Adam moments."""
-import json, os
+"""Write hybridckpt/samples/tiny-llama: the demo's tiny Llama in the single-card HF layout, with
+Adam moments (`optimizer.safetensors`) and step 12. Deterministic: re-running gives the same bytes.
+
+    python examples/make_sample.py
+"""
+
+import os
+import shutil
+
 import numpy as np
+
 import models
 from hybridckpt import convert
 from hybridckpt.export import write_hf
 from hybridckpt.lazy import ArrayTensor
-cfg = models.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                         num_kv_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-                         max_position_embeddings=128)
+
+OUT = os.path.join(os.path.dirname(__file__), "..", "hybridckpt", "samples", "tiny-llama")
+
+cfg = models.LlamaConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+    rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=128,
+)
 rng = np.random.default_rng(20261122)
 shapes = convert.flatten(models.param_shapes(cfg))
-def draw(scale):
+
+
+def draw(scale: float) -> dict:
     return {k: ArrayTensor((rng.standard_normal(s.shape) * scale).astype(np.float32)) for k, s in shapes.items()}
+
+
 params = draw(0.05)
 for k in params:
     if k.endswith("scale"):
@@ -19,9 +35,10 @@ for k in params:
 mu = draw(1e-3)
 nu = {k: ArrayTensor(np.abs(v.materialize()) ** 2) for k, v in draw(1e-3).items()}
 inv = convert.model_rules(cfg).invert()
-hp = inv.apply_unstack(params).tensors
-out = "hybridckpt/samples/tiny-llama"
-import shutil; shutil.rmtree(out, ignore_errors=True)
-write_hf(out, hp, models.config_to_hf(cfg), exp_avg=inv.apply_unstack(mu).tensors,
-         exp_avg_sq=inv.apply_unstack(nu).tensors, step=12, trainer={"step": 12, "note": "synthetic sample"})
-print(os.listdir(out), sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)))
+shutil.rmtree(OUT, ignore_errors=True)
+write_hf(
+    OUT, inv.apply_unstack(params).tensors, models.config_to_hf(cfg),
+    exp_avg=inv.apply_unstack(mu).tensors, exp_avg_sq=inv.apply_unstack(nu).tensors,
+    step=12, trainer={"step": 12, "note": "synthetic sample"},
+)
+print(sorted(os.listdir(OUT)))

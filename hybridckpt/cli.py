@@ -37,7 +37,13 @@ class _Progress:
     def __init__(self, what: str, quiet: bool = False):
         self.bar = None
         if not quiet and sys.stderr.isatty():
-            from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TransferSpeedColumn,
+            )
 
             self.bar = Progress(
                 TextColumn(f"{what} [progress.description]{{task.description}}"),

@@ -110,7 +110,7 @@ def read_header(path: str) -> SafetensorsFile:
         spans.append((begin, end, name))
         tensors[name] = StoredTensor(src, base + begin, shape, dt)
     spans.sort()
-    for (b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:]):
+    for (_b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:], strict=False):
         if b1 < e0:
             raise FormatError(f"{path}: tensors {n0!r} and {n1!r} overlap")
     return SafetensorsFile(path, tensors, {str(k): str(v) for k, v in meta.items()})
