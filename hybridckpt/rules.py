@@ -18,6 +18,7 @@ Ops, in order from source to target; each has an exact inverse, so an export is 
     transpose | transpose(p0, p1, ...)   axes permutation            <-> its inverse permutation
     unflatten(axis, s0, s1, ...)         split one axis (one -1 ok)  <-> flatten(axis, s0, s1, ...)
     split(axis, n) | split(axis, s0, s1, ...)   one -> many          <-> concat(axis, ...)
+    split(axis)                          as the last op: one equal part per target
     fused_qkv(axis, heads, kv_heads)     one -> q, k, v; per kv group `[heads/kv_heads q | k | v]`
                                          head blocks along `axis`     <-> unfused_qkv(...)
     rope_permute(heads)                  rows of `[heads*head_dim, ...]` from interleaved (Meta)
@@ -115,6 +116,8 @@ def _op_flatten(xs, axis, *sizes):
 def _op_split(xs, axis, *sizes):
     x = _one(xs, "split")
     axis %= x.ndim
+    if not sizes:
+        raise MappingError("split needs a count or sizes")
     if len(sizes) == 1:
         n = sizes[0]
         if x.shape[axis] % n:
@@ -457,7 +460,11 @@ class RuleSet:
                 if rule.deletes:
                     continue
                 xs = [tensors[s] for s in srcs]
-                for op in rule.ops:
+                for i, op in enumerate(rule.ops):
+                    if op.name == "split" and len(op.args) == 1 and i == len(rule.ops) - 1:
+                        # `split(axis)` as a rule's last op: as many equal parts as targets
+                        # (the inverse of a `concat(axis)` written without sizes)
+                        op = Op("split", (op.args[0], len(rule.targets)))
                     xs = op.apply(xs, f"{rule.where()} (on {name!r})")
                 if len(xs) != len(rule.targets):
                     raise MappingError(

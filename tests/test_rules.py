@@ -129,3 +129,13 @@ def test_load_rules_file(tmp_path):
     assert out["new.name"].shape == (3, 2)
     with pytest.raises(MappingError, match="missing.rules: cannot read"):
         load_rules(str(tmp_path / "missing.rules"))
+
+
+def test_concat_without_sizes_inverts_to_equal_split():
+    src = {"a": arr(2, 3), "b": arr(2, 3)}
+    rules = parse_rules("a, b -> ab : concat(0)")
+    out = rules.apply({k: ArrayTensor(v) for k, v in src.items()}).tensors
+    np.testing.assert_array_equal(mat(out["ab"]), np.concatenate([src["a"], src["b"]]))
+    back = rules.invert().apply(out).tensors
+    for k in src:
+        np.testing.assert_array_equal(mat(back[k]), src[k])
