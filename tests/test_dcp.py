@@ -316,3 +316,19 @@ def test_import_restore_export_and_logits(root, tmp_path, variant, mesh_a, mesh_
         want = model(torch.from_numpy(tokens).long()).logits.numpy()
     got = pipeline.logits(os.path.join(str(tmp_path), "orbax"), tokens, mesh=mesh_b)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_checkpoint_without_config_needs_and_takes_config(root, tmp_path, capsys):
+    from hybridckpt.cli import main
+
+    bare = tmp_path / "bare"
+    shutil.copytree(os.path.join(root, "fsdp2"), bare)
+    cfg_file = tmp_path / "llama-config.json"
+    shutil.move(str(bare / "config.json"), cfg_file)
+    assert main(["inspect", str(bare), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["needs_config"] is True
+    assert main(["import", str(bare), str(tmp_path / "x"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "carries no model config; pass --config" in err and not (tmp_path / "x").exists()
+    assert main(["import", str(bare), str(tmp_path / "y"), "--config", str(cfg_file), "--quiet"]) == 0
+    assert main(["verify", str(bare), str(tmp_path / "y"), "--config", str(cfg_file), "--quiet"]) == 0
