@@ -245,7 +245,7 @@ def test_big_params_join_lazily(tmp_path):
     pw.paddle_save(
         {"big": pw.PTensor("x", big)}, str(tmp_path / "p3.pdparams"), protocol=3, big_elements=1500
     )
-    raw = paddle_pickle.load(str(tmp_path / "p3.pdparams"))
+    raw = paddle_pickle.safe_load(str(tmp_path / "p3.pdparams"))
     assert sorted(raw) == [
         "StructuredToParameterName@@",
         "UnpackBigParamInfor@@",

@@ -611,7 +611,7 @@ def _betas(folder: str) -> tuple[tuple[float, float], str | None]:
     path = os.path.join(folder, "training_args.bin")
     if os.path.isfile(path):
         try:
-            args = paddle_pickle.load(path)
+            args = paddle_pickle.safe_load(path)
             b1, b2 = getattr(args, "adam_beta1", None), getattr(args, "adam_beta2", None)
             if isinstance(b1, float) and isinstance(b2, float):
                 return (b1, b2), None

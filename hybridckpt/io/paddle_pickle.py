@@ -18,7 +18,7 @@ Format (PaddlePaddle/Paddle:python/paddle/framework/io.py `save`, `_legacy_save`
 - Framework objects (paddle generator states, paddlenlp classes) become inert stubs.
 
 Laziness: protocol 3/4 pickles hold each array's bytes as one BINBYTES/BINBYTES8 payload.
-`load` walks the opcodes through an mmap (payloads are never paged in), drops the FRAME opcodes
+`safe_load` walks the opcodes through an mmap (payloads are never paged in), drops the FRAME opcodes
 (a read-ahead hint only), replaces each payload of at least `lazy_min_bytes` by a persistent-id
 reference, unpickles the small remainder with the restricted unpickler, and returns
 `StoredTensor`s at the payloads' file offsets: opening a file reads its pickle opcodes only, and
@@ -148,7 +148,7 @@ class _Payload:
 
 
 class _PaddleUnpickler(up.RestrictedUnpickler):
-    """Resolves the persistent ids `load` put in place of large payloads (and nothing else)."""
+    """Resolves the persistent ids `safe_load` put in place of large payloads (and nothing else)."""
 
     def __init__(self, file, policy, *, what, encoding="latin1", payloads=None, nonce=""):
         super().__init__(file, policy, what=what, encoding=encoding)
@@ -271,7 +271,7 @@ def _unslot(x, seen=None):
     return x
 
 
-def load(path: str, *, lazy_min_bytes: int = LAZY_MIN_BYTES) -> object:
+def safe_load(path: str, *, lazy_min_bytes: int = LAZY_MIN_BYTES) -> object:
     """Unpickle the paddle.save file `path` under `PADDLE_POLICY`.
 
     Returns the saved object: dicts, lists, `(name, array)` tuples, scalars, stubs; array leaves
@@ -441,8 +441,8 @@ def normalize(obj, path: str) -> PaddleDict:
 
 
 def read(path: str) -> PaddleDict:
-    """`load` + `normalize`: the tensors, names and other entries of a paddle.save dict file."""
-    return normalize(load(path), path)
+    """`safe_load` + `normalize`: the tensors, names and other entries of a paddle.save dict file."""
+    return normalize(safe_load(path), path)
 
 
 # -- dtype views ---------------------------------------------------------------------------------
