@@ -202,11 +202,9 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
             raise FormatError(
                 f"{name!r}: pieces have different dtypes {sorted(dts)} ({[p.where for p in pieces[name]]})"
             )
-    cfg = config
-    if cfg is None and os.path.isfile(os.path.join(path, "config.json")):
-        from hybridckpt.formats import paddle
+    from hybridckpt.formats.config_file import config_beside
 
-        cfg = paddle.load_config(path)
+    cfg = config_beside(path, config=config)
     return SourceCheckpoint(
         format=NAME,
         path=path,

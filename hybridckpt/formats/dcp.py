@@ -400,15 +400,9 @@ def _is_torchtitan(names) -> bool:
 
 
 def _config(folder: str, config):
-    if config is not None:
-        return config
-    path = os.path.join(folder, "config.json")
-    if os.path.isfile(path):
-        from hybridckpt.formats.hf import read_json
-        from models import config_from_hf
+    from hybridckpt.formats.config_file import config_beside
 
-        return config_from_hf(read_json(path))
-    return None
+    return config_beside(folder, config=config)
 
 
 def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the format contract

@@ -512,13 +512,6 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
 
 
 def _config(path: str, folder: str, config):
-    if config is not None:
-        return config
-    for d in (folder, os.path.abspath(path), os.path.dirname(folder)):
-        p = os.path.join(d, "config.json")
-        if os.path.isfile(p):
-            from hybridckpt.formats.hf import read_json
-            from models import config_from_hf
+    from hybridckpt.formats.config_file import config_beside
 
-            return config_from_hf(read_json(p))
-    return None
+    return config_beside(folder, os.path.abspath(path), os.path.dirname(folder), config=config)

@@ -13,11 +13,10 @@ Tensor names are HF names already, so `hf_rules` is empty (GPT-2 files without t
 
 from __future__ import annotations
 
-import builtins
-import json
 import os
 
-from hybridckpt.errors import ConfigError, FormatError
+from hybridckpt.errors import FormatError
+from hybridckpt.formats.config_file import config_beside, read_json
 from hybridckpt.io.safetensors_file import read_header
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.source import OptimizerState, SourceCheckpoint
@@ -34,19 +33,6 @@ def detect(path: str) -> bool:
     if os.path.isfile(path):
         return path.endswith(".safetensors")
     return os.path.isfile(os.path.join(path, WEIGHTS)) or os.path.isfile(os.path.join(path, INDEX))
-
-
-def read_json(path: str) -> dict:
-    try:
-        with builtins.open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise FormatError(f"{path}: missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise FormatError(f"{path}: not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise FormatError(f"{path}: expected a JSON object")
-    return data
 
 
 def read_tensors(folder: str, single: str, index: str) -> dict[str, LazyTensor]:
@@ -76,18 +62,6 @@ def read_tensors(folder: str, single: str, index: str) -> dict[str, LazyTensor]:
     return {}
 
 
-def load_config(folder: str, config=None):
-    """The model config from `folder/config.json`, or `config` when given."""
-    if config is not None:
-        return config
-    from models import config_from_hf
-
-    path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path):
-        raise ConfigError(f"{path}: missing; an HF checkpoint needs its config.json (or pass --config)")
-    return config_from_hf(read_json(path))
-
-
 def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the format contract
     folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
     if os.path.isfile(path):
@@ -96,7 +70,7 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         tensors = read_tensors(folder, WEIGHTS, INDEX)
     if not tensors:
         raise FormatError(f"{path}: no {WEIGHTS} or {INDEX}")
-    cfg = load_config(folder, config)
+    cfg = config_beside(folder, config=config, required_for="an HF checkpoint")
     optim = None
     moments = read_tensors(folder, OPTIMIZER, OPTIMIZER_INDEX)
     trainer: dict = {}

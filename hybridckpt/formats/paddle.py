@@ -36,7 +36,6 @@ else Paddle's defaults 0.9 / 0.999); the training step from `trainer_state.json`
 
 from __future__ import annotations
 
-import builtins
 import json
 import math
 import os
@@ -50,6 +49,7 @@ import numpy as np
 
 from hybridckpt import lazy
 from hybridckpt.errors import ConfigError, FormatError, HybridCkptError
+from hybridckpt.formats.config_file import config_beside, read_json
 from hybridckpt.io import paddle_pickle
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.rules import RuleSet, parse_rules
@@ -135,31 +135,9 @@ def tp_rules(cfg, tp: int) -> RuleSet:
 # -- small helpers -------------------------------------------------------------------------------
 
 
-def read_json(path: str) -> dict:
-    try:
-        with builtins.open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise FormatError(f"{path}: missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise FormatError(f"{path}: not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise FormatError(f"{path}: expected a JSON object")
-    return data
-
-
 def load_config(folder: str, config=None):
     """`config`, or the model config from `folder/config.json` (PaddleNLP writes HF-style keys)."""
-    if config is not None:
-        return config
-    from models import config_from_hf
-
-    path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path):
-        raise ConfigError(
-            f"{path}: missing; a PaddleNLP checkpoint needs its config.json (or pass --config)"
-        )
-    return config_from_hf(read_json(path), source=path)
+    return config_beside(folder, config=config, required_for="a PaddleNLP checkpoint")
 
 
 def config_dtype(folder: str) -> np.dtype | None:

@@ -31,6 +31,7 @@ import numpy as np
 from hybridckpt import lazy
 from hybridckpt.errors import ConfigError, FormatError, MappingError
 from hybridckpt.formats import paddle
+from hybridckpt.formats.config_file import read_json
 from hybridckpt.io import safetensors_file
 from hybridckpt.io.safetensors_file import read_header
 from hybridckpt.lazy import Box, LazyTensor
@@ -53,7 +54,7 @@ def _index(folder: str, name: str) -> dict[str, str] | None:
     path = os.path.join(folder, name)
     if not os.path.isfile(path):
         return None
-    weight_map = paddle.read_json(path).get("weight_map")
+    weight_map = read_json(path).get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise FormatError(f"{path}: expected a 'weight_map' object of name -> file")
     return weight_map

@@ -1,0 +1,42 @@
+"""JSON metadata files and the HF-style `config.json` that many checkpoints keep beside them."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from hybridckpt.errors import ConfigError, FormatError
+
+
+def read_json(path: str) -> dict:
+    """A JSON object from `path`; FormatError naming the file when it is missing or malformed."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise FormatError(f"{path}: missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FormatError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise FormatError(f"{path}: expected a JSON object")
+    return data
+
+
+def config_beside(*folders: str, config=None, required_for: str | None = None):
+    """`config` when given, else the model config of the first `folder/config.json` found.
+
+    With `required_for` (e.g. "an HF checkpoint") a missing file is a ConfigError that says so;
+    otherwise the result is None and the caller (or `--config`) supplies one.
+    """
+    if config is not None:
+        return config
+    from models import config_from_hf
+
+    for folder in folders:
+        path = os.path.join(folder, "config.json")
+        if os.path.isfile(path):
+            return config_from_hf(read_json(path), source=path)
+    if required_for:
+        path = os.path.join(folders[0], "config.json")
+        raise ConfigError(f"{path}: missing; {required_for} needs its config.json (or pass --config)")
+    return None
