@@ -35,30 +35,46 @@ def detect(path: str) -> bool:
     return os.path.isfile(os.path.join(path, WEIGHTS)) or os.path.isfile(os.path.join(path, INDEX))
 
 
+def read_index(path: str) -> dict[str, str] | None:
+    """The `weight_map` (tensor name -> file name) of an index json, or None when it is absent."""
+    if not os.path.isfile(path):
+        return None
+    weight_map = read_json(path).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise FormatError(f"{path}: expected a 'weight_map' object of name -> file")
+    return weight_map
+
+
+def read_indexed(folder: str, index: str) -> dict[str, LazyTensor]:
+    """Lazy tensors of every file `folder/index` names, each checked to be where the index says
+    and no file holding tensors the index leaves out; {} when there is no index."""
+    index_path = os.path.join(folder, index)
+    weight_map = read_index(index_path)
+    if weight_map is None:
+        return {}
+    files: dict[str, dict[str, LazyTensor]] = {}
+    out: dict[str, LazyTensor] = {}
+    for name, fname in weight_map.items():
+        if fname not in files:
+            fpath = os.path.join(folder, fname)
+            if not os.path.isfile(fpath):
+                raise FormatError(f"{index_path}: tensor {name!r} is in {fname}, which is missing")
+            files[fname] = dict(read_header(fpath).tensors)
+        if name not in files[fname]:
+            raise FormatError(f"{os.path.join(folder, fname)}: {index} says it holds {name!r} but it does not")
+        out[name] = files[fname][name]
+    extra = {n for f in files.values() for n in f} - set(weight_map)
+    if extra:
+        raise FormatError(f"{index_path}: tensors {sorted(extra)[:10]} are in the files but not in the index")
+    return out
+
+
 def read_tensors(folder: str, single: str, index: str) -> dict[str, LazyTensor]:
     """Lazy tensors of `folder/single`, or of every file named by `folder/index`."""
-    single_path, index_path = os.path.join(folder, single), os.path.join(folder, index)
-    if os.path.isfile(index_path):
-        weight_map = read_json(index_path).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise FormatError(f"{index_path}: expected a 'weight_map' object of name -> file")
-        files: dict[str, dict[str, LazyTensor]] = {}
-        out: dict[str, LazyTensor] = {}
-        for name, fname in weight_map.items():
-            if fname not in files:
-                fpath = os.path.join(folder, fname)
-                if not os.path.isfile(fpath):
-                    raise FormatError(f"{index_path}: tensor {name!r} is in {fname}, which is missing")
-                files[fname] = dict(read_header(fpath).tensors)
-            if name not in files[fname]:
-                raise FormatError(f"{os.path.join(folder, fname)}: index says it holds {name!r} but it does not")
-            out[name] = files[fname][name]
-        extra = {n for f in files.values() for n in f} - set(weight_map)
-        if extra:
-            raise FormatError(f"{index_path}: tensors {sorted(extra)[:10]} are in the files but not in the index")
-        return out
-    if os.path.isfile(single_path):
-        return dict(read_header(single_path).tensors)
+    if os.path.isfile(os.path.join(folder, index)):
+        return read_indexed(folder, index)
+    if os.path.isfile(os.path.join(folder, single)):
+        return dict(read_header(os.path.join(folder, single)).tensors)
     return {}
 
 

@@ -20,11 +20,11 @@ Layout (meta-llama/llama and meta-llama/llama3 `llama/model.py`, `llama/generati
 from __future__ import annotations
 
 import builtins
-import json
 import os
 import re
 
 from hybridckpt.errors import ConfigError, FormatError
+from hybridckpt.formats.config_file import read_json
 from hybridckpt.io import torch_save
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.rules import parse_rules
@@ -53,16 +53,8 @@ def detect(path: str) -> bool:
 
 
 def read_params(path: str) -> dict:
-    try:
-        with builtins.open(path, encoding="utf-8") as f:
-            d = json.load(f)
-    except FileNotFoundError:
-        raise FormatError(f"{path}: missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise FormatError(f"{path}: not valid JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise FormatError(f"{path}: expected a JSON object")
-    return d
+    """`params.json` as a dict (FormatError naming the file when missing or malformed)."""
+    return read_json(path)
 
 
 def _files(folder: str) -> list[str]:

@@ -601,6 +601,11 @@ def _betas(folder: str) -> tuple[tuple[float, float], str | None]:
     )
 
 
+def _hf_rule_vars(cfg, tensors) -> dict:
+    """The variables `paddle_llama.rules` uses, for this config and these (fused?) tensors."""
+    return {k: v for k, v in llama_variables(cfg, **fused_flags(tensors)).items() if k in HF_RULE_VARS}
+
+
 def _open_file(path: str, config) -> SourceCheckpoint:
     d = paddle_pickle.read(path)
     folder = os.path.dirname(path) or "."
@@ -611,11 +616,7 @@ def _open_file(path: str, config) -> SourceCheckpoint:
         path=path,
         tensors=tensors,
         hf_rules=rules_text("paddle_llama.rules"),
-        rule_vars={
-            k: v
-            for k, v in llama_variables(cfg, **fused_flags(tensors)).items()
-            if k in HF_RULE_VARS
-        },
+        rule_vars=_hf_rule_vars(cfg, tensors),
         config=cfg,
     )
 
@@ -737,11 +738,7 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         tensors=tensors,
         optimizer=optimizer,
         hf_rules=rules_text("paddle_llama.rules"),
-        rule_vars={
-            k: v
-            for k, v in llama_variables(cfg, **fused_flags(tensors)).items()
-            if k in HF_RULE_VARS
-        },
+        rule_vars=_hf_rule_vars(cfg, tensors),
         config=cfg,
         step=global_step if global_step is not None else (optimizer.step if optimizer else None),
         topology={"tp": g.tp, "pp": g.pp, "sharding": g.sharding},

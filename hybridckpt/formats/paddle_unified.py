@@ -30,10 +30,8 @@ import numpy as np
 
 from hybridckpt import lazy
 from hybridckpt.errors import ConfigError, FormatError, MappingError
-from hybridckpt.formats import paddle
-from hybridckpt.formats.config_file import read_json
+from hybridckpt.formats import hf, paddle
 from hybridckpt.io import safetensors_file
-from hybridckpt.io.safetensors_file import read_header
 from hybridckpt.lazy import Box, LazyTensor
 from hybridckpt.source import OptimizerState, SourceCheckpoint
 
@@ -51,13 +49,7 @@ MAX_SHARD_BYTES = 2 * 1024**3
 
 
 def _index(folder: str, name: str) -> dict[str, str] | None:
-    path = os.path.join(folder, name)
-    if not os.path.isfile(path):
-        return None
-    weight_map = read_json(path).get("weight_map")
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise FormatError(f"{path}: expected a 'weight_map' object of name -> file")
-    return weight_map
+    return hf.read_index(os.path.join(folder, name))
 
 
 def detect(path: str) -> bool:
@@ -71,27 +63,7 @@ def detect(path: str) -> bool:
     return any(k.startswith("llama.") for k in model) or any("/moment1_0" in k for k in opt)
 
 
-def read_indexed(folder: str, index_name: str) -> dict[str, LazyTensor]:
-    """Lazy tensors of every file an index names (each name checked to be in its file)."""
-    weight_map = _index(folder, index_name)
-    if weight_map is None:
-        return {}
-    index_path = os.path.join(folder, index_name)
-    files: dict[str, Mapping[str, LazyTensor]] = {}
-    out: dict[str, LazyTensor] = {}
-    for name, fname in weight_map.items():
-        if fname not in files:
-            fpath = os.path.join(folder, fname)
-            if not os.path.isfile(fpath):
-                raise FormatError(f"{index_path}: tensor {name!r} is in {fname}, which is missing")
-            files[fname] = read_header(fpath).tensors
-        if name not in files[fname]:
-            raise FormatError(
-                f"{os.path.join(folder, fname)}: {index_name} says it holds {name!r} but it does not"
-            )
-        out[name] = files[fname][name]
-    return out
-
+read_indexed = hf.read_indexed  # lazy tensors of every file an index names
 
 def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the format contract
     """A unified checkpoint folder as lazy tensors under Paddle names (bf16 restored from U16)."""
