@@ -26,10 +26,8 @@ def sample_path() -> str:
 def run(workdir: str | None = None, keep: bool = False) -> int:
     import jax
 
-    import models
-    from hybridckpt import convert, pipeline
-    from hybridckpt.checkpoint import CheckpointStore, abstract_tree
-    from hybridckpt.mesh import make_mesh, opt_state_shardings, tree_shardings
+    from hybridckpt import pipeline
+    from hybridckpt.restore import restore
 
     work = workdir or tempfile.mkdtemp(prefix="hybridckpt-demo-")
     os.makedirs(work, exist_ok=True)
@@ -48,17 +46,7 @@ def run(workdir: str | None = None, keep: bool = False) -> int:
     print(f"1. import -> {ckpt}: step {s.step}, mesh {s.mesh}, {s.tensors} arrays "
           f"({s.bytes / 1e3:.0f} kB), optimizer state: {'yes' if s.with_optimizer else 'no'}")
 
-    cfg = pipeline.open_hf(src).config
-    mesh = make_mesh(**{k: int(v) for k, v in (p.split("=") for p in mesh_b.split(","))},
-                     devices=jax.devices()[: (8 if n >= 8 else 1)])
-    shapes = models.param_shapes(cfg)
-    p_shard = tree_shardings(shapes, models.logical_axes(cfg), mesh)
-    opt_shapes = jax.eval_shape(lambda p: pipeline.adamw_state(p, p, p, 0), shapes)
-    with CheckpointStore(ckpt) as store:
-        r = store.restore(
-            target_params=abstract_tree(shapes, p_shard),
-            target_opt_state=abstract_tree(opt_shapes, opt_state_shardings(opt_shapes, p_shard, mesh)),
-        )
+    _, r = restore(ckpt, mesh_b if n >= 8 else "dp=1")
     q = r.params["layers"]["q"]["kernel"]
     print(f"2. restore onto mesh {mesh_b}: step {r.step}; layers.q.kernel {q.shape} now {q.sharding.spec}, "
           f"Adam count {int(np.asarray(r.opt_state[0].count))}")
@@ -82,7 +70,6 @@ def run(workdir: str | None = None, keep: bool = False) -> int:
     lb = pipeline.logits(out, tokens, mesh=mesh_b)
     print(f"4. verify: {len(rows)} weights bitwise equal: {same}; Adam moments bitwise equal: {moments_same}; "
           f"step {a.step} -> {b.step}; logits max|diff| {float(np.abs(la - lb).max()):.2g}")
-    del convert
     if not keep and workdir is None:
         shutil.rmtree(work, ignore_errors=True)
     else:

@@ -12,10 +12,10 @@ import jax
 import numpy as np
 
 import models
-from hybridckpt import pipeline
-from hybridckpt.checkpoint import CheckpointStore, abstract_tree
+from hybridckpt import convert, pipeline
 from hybridckpt.formats import open_source
-from hybridckpt.mesh import mesh_from_shape, opt_state_shardings, tree_shardings
+from hybridckpt.mesh import mesh_from_shape, tree_shardings
+from hybridckpt.restore import restore
 
 
 def roundtrip(src: str, workdir, *, mesh_a: str, mesh_b: str, config: str | None = None, optimizer: bool = True):
@@ -23,34 +23,36 @@ def roundtrip(src: str, workdir, *, mesh_a: str, mesh_b: str, config: str | None
     ckpt, out = os.path.join(workdir, "orbax"), os.path.join(workdir, "exported")
     s = pipeline.import_checkpoint(src, ckpt, mesh=mesh_a, config_path=config)
     assert s.with_optimizer == optimizer
+    _, r = restore(ckpt, mesh_b, optimizer=optimizer)
+    assert (r.opt_state is not None) == optimizer
     cfg = pipeline.open_hf(ckpt).config
-    shapes = models.param_shapes(cfg)
     mesh = mesh_from_shape(mesh_b)
+    shapes = models.param_shapes(cfg)
     p_shard = tree_shardings(shapes, models.logical_axes(cfg), mesh)
     a_shard = tree_shardings(shapes, models.logical_axes(cfg), mesh_from_shape(mesh_a))
     assert jax.tree.leaves(p_shard) != jax.tree.leaves(a_shard)  # a real reshard
-    opt_target = None
-    if optimizer:
-        o_shapes = jax.eval_shape(lambda p: pipeline.adamw_state(p, p, p, 0), shapes)
-        opt_target = abstract_tree(o_shapes, opt_state_shardings(o_shapes, p_shard, mesh))
-    saved = CheckpointStore(ckpt).params_metadata()
-    with CheckpointStore(ckpt) as store:
-        r = store.restore(target_params=abstract_tree(saved, p_shard), target_opt_state=opt_target)
     leaf = r.params["layers"][next(iter(r.params["layers"]))]
     leaf = leaf["kernel"] if isinstance(leaf, dict) and "kernel" in leaf else jax.tree.leaves(leaf)[0]
     assert leaf.sharding.mesh.shape == mesh.shape
     pipeline.export_checkpoint(ckpt, out, optimizer=optimizer)
     exported = open_source(out)
     params = {k: v.materialize() for k, v in exported.tensors.items()}
+    # what mesh B holds is what was exported, bit for bit
+    assert_same({k: v.materialize() for k, v in _hf(r.params, cfg).items()}, params, "mesh B params")
     if not optimizer:
         return params, None, None, exported.step
     opt = exported.optimizer
-    return (
-        params,
-        {k: v.materialize() for k, v in opt.exp_avg.items()},
-        {k: v.materialize() for k, v in opt.exp_avg_sq.items()},
-        opt.step,
-    )
+    mu = {k: v.materialize() for k, v in opt.exp_avg.items()}
+    nu = {k: v.materialize() for k, v in opt.exp_avg_sq.items()}
+    adam = r.opt_state[0]
+    assert_same({k: v.materialize() for k, v in _hf(adam.mu, cfg).items()}, mu, "mesh B exp_avg")
+    assert_same({k: v.materialize() for k, v in _hf(adam.nu, cfg).items()}, nu, "mesh B exp_avg_sq")
+    assert int(adam.count) == opt.step
+    return params, mu, nu, opt.step
+
+
+def _hf(tree, cfg):
+    return convert.tree_to_hf(jax.tree.map(np.asarray, tree), cfg)
 
 
 def assert_same(got: dict, want: dict, what: str = "params") -> None:
