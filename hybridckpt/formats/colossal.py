@@ -157,7 +157,7 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         try:
             with builtins.open(mpath, encoding="utf-8") as f:
                 doc = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise FormatError(f"{mpath}: not valid JSON: {e}") from None
         entries = doc.get("metadata") if isinstance(doc, dict) else None
         if not isinstance(entries, dict):
@@ -174,6 +174,16 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
             offsets = _ints(item.get("offsets"), f"{what} offsets")
             lengths = _ints(item.get("lengths"), f"{what} lengths")
             shape = _ints(item.get("global_shape"), f"{what} global_shape")
+            if len(offsets) != len(shape) or len(lengths) != len(shape):
+                raise FormatError(
+                    f"{what}: offsets {list(offsets)} and lengths {list(lengths)} do not have the "
+                    f"{len(shape)} dims of global_shape {list(shape)}"
+                )
+            if min(offsets + lengths + shape, default=0) < 0:
+                raise FormatError(
+                    f"{what}: negative offsets {list(offsets)}, lengths {list(lengths)} or "
+                    f"global_shape {list(shape)}"
+                )
             if shapes.setdefault(name, shape) != shape:
                 raise FormatError(
                     f"{what}: global_shape {list(shape)} disagrees with {list(shapes[name])} elsewhere"
@@ -195,13 +205,13 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
                 else stored
             )
             pieces.setdefault(name, []).append(Piece(offsets, lengths, t, wfile))
-    tensors = {name: assemble(name, ps, shapes[name]) for name, ps in pieces.items()}
-    for name in tensors:
+    for name in pieces:  # before assembling: joining pieces of two dtypes names no file
         dts = {str(np.dtype(p.tensor.dtype)) for p in pieces[name]}
         if len(dts) > 1:
             raise FormatError(
                 f"{name!r}: pieces have different dtypes {sorted(dts)} ({[p.where for p in pieces[name]]})"
             )
+    tensors = {name: assemble(name, ps, shapes[name]) for name, ps in pieces.items()}
     from hybridckpt.formats.config_file import config_beside
 
     cfg = config_beside(path, config=config)

@@ -15,7 +15,7 @@ def read_json(path: str) -> dict:
             data = json.load(f)
     except FileNotFoundError:
         raise FormatError(f"{path}: missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise FormatError(f"{path}: not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise FormatError(f"{path}: expected a JSON object")

@@ -198,15 +198,35 @@ def _safetensors_blobs(md: DcpMetadata) -> dict[str, dict]:
         raw = st.metadata.get(_SHARDING_KEY)
         if raw is None:
             continue
-        try:
-            info = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise FormatError(f"{path}: {_SHARDING_KEY} is not JSON: {e}") from None
-        out[path] = {
-            fqn: (tuple(info.get(fqn, {}).get("saved_offsets", ())), t)
-            for fqn, t in st.tensors.items()
-        }
+        info = _sharding_info(path, raw)
+        out[path] = {fqn: (_saved_offsets(info, fqn, path) or (), t) for fqn, t in st.tensors.items()}
     return out
+
+
+def _sharding_info(path: str, raw: str) -> dict:
+    try:
+        info = json.loads(raw)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise FormatError(f"{path}: {_SHARDING_KEY} is not JSON: {e}") from None
+    if not isinstance(info, dict):
+        raise FormatError(f"{path}: {_SHARDING_KEY} is {type(info).__name__}, not a JSON object")
+    return info
+
+
+def _saved_offsets(info: dict, fqn: str, path: str) -> tuple[int, ...] | None:
+    """`info[fqn]["saved_offsets"]` checked to be non-negative ints; None when `fqn` is absent."""
+    entry = info.get(fqn)
+    if entry is None:
+        return None
+    offs = entry.get("saved_offsets") if isinstance(entry, dict) else None
+    if not isinstance(offs, list) or not all(
+        isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offs
+    ):
+        raise FormatError(
+            f"{path}: {_SHARDING_KEY}['{fqn}'] saved_offsets is {offs!r}, expected a list of "
+            f"non-negative ints"
+        )
+    return tuple(offs)
 
 
 def _chunk(e: TensorEntry, c: Chunk, blobs: Mapping[str, dict]) -> LazyTensor:
@@ -239,15 +259,12 @@ def _read_hf_shards(folder: str, shards: list[str]) -> dict[str, LazyTensor]:
         raw = st.metadata.get(_SHARDING_KEY)
         if raw is None:
             raise FormatError(f"{path}: no {_SHARDING_KEY} in the safetensors metadata")
-        try:
-            info = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise FormatError(f"{path}: {_SHARDING_KEY} is not JSON: {e}") from None
+        info = _sharding_info(path, raw)
         for fqn, t in st.tensors.items():
-            offs = info.get(fqn, {}).get("saved_offsets") if isinstance(info, dict) else None
-            if not isinstance(offs, list) or len(offs) != t.ndim:
+            offs = _saved_offsets(info, fqn, path)
+            if offs is None or len(offs) != t.ndim:
                 raise FormatError(f"{path}: '{fqn}' has no saved_offsets of {t.ndim} dims")
-            blocks.setdefault(fqn, []).append((tuple(int(o) for o in offs), t, path))
+            blocks.setdefault(fqn, []).append((offs, t, path))
     out = {}
     for fqn, parts in blocks.items():
         nd = parts[0][1].ndim

@@ -210,6 +210,23 @@ def _read_rank(path: str) -> tuple[int | None, _Rank, object]:
     return zs, _Rank(path, fp32, ea, eas, pads, step, pg, align), osd.get("partition_count")
 
 
+def _check_dtypes(ranks: list[_Rank]) -> None:
+    """The flat pieces of one kind (fp32, exp_avg, exp_avg_sq) share rank 0's dtype: they are
+    joined end to end."""
+    for kind in ("fp32", "exp_avg", "exp_avg_sq"):
+        ref = getattr(ranks[0], kind)
+        if not ref:
+            continue
+        want = ref[0].dtype
+        for r in ranks:
+            for g, t in enumerate(getattr(r, kind)):
+                if t.dtype != want:
+                    raise FormatError(
+                        f"{r.path}: {kind} of flat group {g} is {t.dtype}, expected {want} as in "
+                        f"{ranks[0].path}"
+                    )
+
+
 def _hyper(groups: list[Mapping], names: list[list[str]]) -> dict:
     def norm(g):
         h = {
@@ -438,6 +455,7 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         )
     stage = stages.pop()
     ranks = [r for _, r, _ in read]
+    _check_dtypes(ranks)
     for _, r, pc in read:
         counts = pc if isinstance(pc, list) else [pc]
         if any(not isinstance(c, int) or c != dp for c in counts):

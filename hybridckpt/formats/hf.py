@@ -42,6 +42,11 @@ def read_index(path: str) -> dict[str, str] | None:
     weight_map = read_json(path).get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise FormatError(f"{path}: expected a 'weight_map' object of name -> file")
+    for name, fname in weight_map.items():  # shard files live in the checkpoint's folder
+        if not fname or os.path.isabs(fname) or ".." in fname.replace("\\", "/").split("/"):
+            raise FormatError(
+                f"{path}: tensor {name!r} is in {fname!r}, which is not a file inside the folder"
+            )
     return weight_map
 
 

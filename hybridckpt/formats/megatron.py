@@ -276,6 +276,15 @@ class _Reader:
                 f"{self.it_dir}: args say tp={t.tp} pp={t.pp} but {', '.join(missing[:8])} "
                 f"{'is' if len(missing) == 1 else 'are'} missing"
             )
+        # a rank folder outside the grid means the args and the files disagree (a copy of
+        # another run, a half-finished resave): refuse rather than ignore its weights
+        expected = {os.path.basename(os.path.dirname(f)) for f in files.values()}
+        extra = sorted(n for n in os.listdir(self.it_dir) if _RANK_DIR.match(n) and n not in expected)
+        if extra:
+            raise FormatError(
+                f"{self.it_dir}: args say tp={t.tp} pp={t.pp} but rank folder(s) "
+                f"{', '.join(extra[:8])} lie outside that grid"
+            )
         return files
 
     def _qkv_rules(self) -> RuleSet | None:

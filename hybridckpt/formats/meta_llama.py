@@ -23,6 +23,8 @@ import builtins
 import os
 import re
 
+import numpy as np
+
 from hybridckpt.errors import ConfigError, FormatError
 from hybridckpt.formats.config_file import read_json
 from hybridckpt.io import torch_save
@@ -159,6 +161,10 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
             if s.shape != shards[0].shape:
                 raise FormatError(
                     f"{f}: key {n!r} has shape {s.shape}, expected {shards[0].shape} as in {files[0]}"
+                )
+            if np.dtype(s.dtype) != np.dtype(shards[0].dtype):
+                raise FormatError(
+                    f"{f}: key {n!r} is {s.dtype}, expected {shards[0].dtype} as in {files[0]}"
                 )
         if _KV.match(n) and mp > 1:
             deduped = _dedup_kv(n, shards, kv_rows, files)

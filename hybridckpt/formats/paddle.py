@@ -48,7 +48,7 @@ import ml_dtypes
 import numpy as np
 
 from hybridckpt import lazy
-from hybridckpt.errors import ConfigError, FormatError, HybridCkptError
+from hybridckpt.errors import ConfigError, FormatError, HybridCkptError, MappingError
 from hybridckpt.formats.config_file import config_beside, read_json
 from hybridckpt.io import paddle_pickle
 from hybridckpt.lazy import LazyTensor
@@ -301,6 +301,7 @@ def scan(folder: str) -> Grid:
     meta = None
     if os.path.isfile(os.path.join(folder, MODEL_META)):
         meta = read_json(os.path.join(folder, MODEL_META))
+        _check_meta(meta, os.path.join(folder, MODEL_META))
     keys = set(model) | set(optimizer)
     tp = max(k[0] for k in keys) + 1
     pp = max(k[1] for k in keys) + 1
@@ -411,7 +412,9 @@ def _read_group(g: Grid, tp: int, pp: int, num_layers: int) -> _Group:
         for k, pm in (meta.get("param_meta") or {}).items():
             n = rename(k)
             try:
-                grp.shapes.setdefault(n, tuple(int(s) for s in pm[0]))
+                if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in pm[0]):
+                    raise ValueError("shape dims must be non-negative ints")
+                grp.shapes.setdefault(n, tuple(pm[0]))
                 if len(pm) > 1 and int(pm[1]) in META_DTYPES:
                     grp.dtypes.setdefault(n, META_DTYPES[int(pm[1])])
             except (TypeError, ValueError, IndexError):
@@ -455,6 +458,41 @@ def _read_group(g: Grid, tp: int, pp: int, num_layers: int) -> _Group:
                     path,
                 )
     return grp
+
+
+def _source_files(grp: _Group, n: str, kind: str) -> list[str]:
+    """The files one tp rank's tensor `n` of `kind` (model/moment1/moment2/master) came from."""
+    if kind == "model":
+        return [grp.model[n].file] if n in grp.model else []
+    return sorted({p.file for p in grp.states.get(n, {}).get(kind, {}).values()})
+
+
+def _check_meta(meta: dict, path: str) -> None:
+    """The parts of model_meta.json read here have the types PaddleNLP writes."""
+    pc = meta.get("parallel_config")
+    if pc is not None and not isinstance(pc, dict):
+        raise FormatError(f"{path}: parallel_config is {type(pc).__name__}, expected an object")
+    metas = meta.get("sharding_metas")
+    if metas is None:
+        return
+    if not isinstance(metas, dict):
+        raise FormatError(f"{path}: sharding_metas is {type(metas).__name__}, expected an object")
+    for key, m in metas.items():
+        if not isinstance(m, dict):
+            raise FormatError(f"{path}: sharding_metas[{key!r}] is {type(m).__name__}, expected an object")
+        names = m.get("structure_name_mapping")
+        if names is not None and not (
+            isinstance(names, dict) and all(isinstance(v, str) for v in names.values())
+        ):
+            raise FormatError(f"{path}: sharding_metas[{key!r}].structure_name_mapping is not name -> name")
+        strategy = m.get("sharding_strategy")
+        if strategy is not None and not isinstance(strategy, str):
+            raise FormatError(f"{path}: sharding_metas[{key!r}].sharding_strategy is not a string")
+        pm = m.get("param_meta")
+        if pm is not None and not (
+            isinstance(pm, dict) and all(isinstance(v, (list, tuple)) for v in pm.values())
+        ):
+            raise FormatError(f"{path}: sharding_metas[{key!r}].param_meta is not name -> [shape, dtype]")
 
 
 def _add_state(
@@ -673,7 +711,16 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
                     pieces = groups[(t, p)].states.get(n, {}).get(kind)
                     if pieces:
                         beta_pows[kind].append(_scalar(pieces[min(pieces)].tensor))
-            merged = {kind: tprules.merge_tp(n, shards) for kind, shards in per_tp.items()}
+            merged = {}
+            for kind, shards in per_tp.items():
+                try:
+                    merged[kind] = tprules.merge_tp(n, shards)
+                except (FormatError, MappingError) as e:  # name the files: the rule cannot
+                    files = [_source_files(groups[(t, p)], n, kind) for t in range(g.tp)]
+                    raise FormatError(
+                        f"{n!r} ({kind}) of pp stage {p}: the tp shards in {files} do not fit "
+                        f"together: {e}"
+                    ) from e
             if "model" in merged:
                 tensors[n] = merged["model"]
             elif "master" in merged:

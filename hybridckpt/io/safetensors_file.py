@@ -3,8 +3,9 @@
 Format (huggingface/safetensors README "Format"): 8 bytes little-endian u64 `N`, then `N` bytes of
 UTF-8 JSON `{name: {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]}, "__metadata__":
 {str: str}}`, then the data buffer; offsets are relative to the buffer start. Rules checked here:
-the header fits in the file and is at most 100 MB, every entry's byte length equals
-`prod(shape) * itemsize`, entries lie inside the buffer and do not overlap, no duplicate names.
+the header fits in the file and is at most 100 MB, shapes and offsets are JSON integers, every
+entry's byte length equals `prod(shape) * itemsize`, entries lie inside the buffer and do not
+overlap, no name appears twice, `__metadata__` values are strings.
 
 Reading returns `StoredTensor`s: a box reads only its bytes. Writing streams: the header is
 computed from shapes first, then each tensor is read (one at a time) and written at its offset,
@@ -77,8 +78,10 @@ def read_header(path: str) -> SafetensorsFile:
     if n > MAX_HEADER or 8 + n > size:
         raise FormatError(f"{path}: header length {n} does not fit the file of {size} bytes")
     try:
-        header = json.loads(src.read(8, n))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        header = json.loads(src.read(8, n), object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as e:
+        raise FormatError(f"{path}: header names {e.args[0]!r} twice") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise FormatError(f"{path}: header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
         raise FormatError(f"{path}: header is not a JSON object")
@@ -92,8 +95,8 @@ def read_header(path: str) -> SafetensorsFile:
     for name, info in header.items():
         try:
             dt = DTYPES[info["dtype"]]
-            shape = tuple(int(s) for s in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
+            shape = _ints(info["shape"])
+            begin, end = _ints(info["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise FormatError(
                 f"{path}: tensor {name!r}: expected dtype (one of {sorted(DTYPES)}), shape and "
@@ -113,7 +116,31 @@ def read_header(path: str) -> SafetensorsFile:
     for (_b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:], strict=False):
         if b1 < e0:
             raise FormatError(f"{path}: tensors {n0!r} and {n1!r} overlap")
-    return SafetensorsFile(path, tensors, {str(k): str(v) for k, v in meta.items()})
+    if not all(isinstance(v, str) for v in meta.values()):
+        raise FormatError(f"{path}: __metadata__ values must be strings")
+    return SafetensorsFile(path, tensors, dict(meta))
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicates(pairs: list) -> dict:
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+def _ints(values) -> tuple[int, ...]:
+    """A JSON list of integers (not floats, not booleans), else TypeError."""
+    if not isinstance(values, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in values
+    ):
+        raise TypeError("expected a list of integers")
+    return tuple(values)
 
 
 def write(

@@ -345,6 +345,7 @@ class _Zip:
             EOFError,
             ValueError,
             struct.error,
+            NotImplementedError,  # "zip file version 22.9": a corrupt version field
         ) as e:
             raise FormatError(f"{name}: not a readable zip archive (truncated?): {e}") from e
         self.entries: dict[str, zipfile.ZipInfo] = {}
@@ -373,6 +374,8 @@ class _Zip:
         if info.flag_bits & 0x1:
             raise FormatError(f"{where} is encrypted")
         raw_name = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
+        if info.header_offset < 0:
+            raise FormatError(f"{where}: local header offset {info.header_offset} lies before the archive")
         if info.header_offset + _LOCAL_HEADER.size + len(raw_name) > self.length:
             raise FormatError(
                 f"{where}: local header lies past the end of the archive (truncated?)"

@@ -293,13 +293,24 @@ class RestrictedUnpickler(pickle.Unpickler):
 
 # Python classes handed to pickles as themselves (NEWOBJ needs the real class): a BUILD with slot
 # state could set attributes on them, so they are compared with a snapshot after every load.
+# `copyreg._slotnames` caches `__slotnames__ = []` on a class the first time the process pickles
+# an instance (e.g. `torch.save(args)` before an import): that entry is not a pickle's doing.
 _SHARED_CLASSES = (argparse.Namespace, collections.Counter)
-_PRISTINE = {cls: dict(vars(cls)) for cls in _SHARED_CLASSES}
+
+
+def _own_vars(cls) -> dict:
+    d = dict(vars(cls))
+    if type(d.get("__slotnames__")) is list and not d["__slotnames__"]:
+        del d["__slotnames__"]
+    return d
+
+
+_PRISTINE = {cls: _own_vars(cls) for cls in _SHARED_CLASSES}
 
 
 def _check_shared_classes(what: str) -> None:
     for cls, pristine in _PRISTINE.items():
-        now = vars(cls)
+        now = _own_vars(cls)
         if now.keys() == pristine.keys() and all(now[k] is v for k, v in pristine.items()):
             continue
         for k in set(now) - set(pristine):

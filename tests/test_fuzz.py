@@ -1,0 +1,57 @@
+"""Fuzzing: 500 hypothesis cases per parser (zip directory, pickle stream, legacy torch,
+safetensors header, DCP metadata, Paddle pickle, Paddle and Colossal JSON, HF index JSON).
+Nothing but a project error escapes, and no case runs past 5 s (a SIGALRM per case).
+
+Derandomized (the same cases every run) and without a database; `benchmarks/fuzz.py` runs the
+same targets with 10,000 cases each. Targets and strategies: `tests/attacks/fuzzers.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+from attacks import fuzzers
+from hypothesis import HealthCheck, Phase, given, settings
+
+CASES = 500
+
+
+@pytest.mark.parametrize("name", list(fuzzers.TARGETS))
+def test_parser_only_raises_project_errors(tmp_path, name):
+    target = fuzzers.TARGETS[name]
+    state = target.setup(str(tmp_path))
+    target.run(state, _seed_input(state))  # the seed input itself parses
+    outcome = fuzzers.Outcome()
+
+    @settings(max_examples=CASES, derandomize=True, deadline=None, database=None,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(target.strategy(state))
+    def case(data):
+        fuzzers.run_case(target, state, data, outcome)
+
+    case()
+    assert outcome.cases == CASES
+    assert not outcome.escapes, outcome.escapes[:5]
+    assert outcome.hangs == 0
+    assert outcome.errors > CASES // 2  # the mutations do break the input
+
+
+def _seed_input(state: dict):
+    if "bases" in state:
+        return state["bases"][0]
+    if "doc" in state:
+        import json
+
+        return json.dumps(state["doc"]).encode()
+    return state["base"]
+
+
+def test_a_hang_is_caught(monkeypatch):
+    """The per-case alarm turns a case that never ends into a recorded hang."""
+    import time
+
+    monkeypatch.setattr(fuzzers, "CASE_SECONDS", 0.2)
+    target = fuzzers.Target("sleeper", lambda f: {}, None, lambda s, d: time.sleep(5))
+    outcome = fuzzers.Outcome()
+    t0 = time.monotonic()
+    fuzzers.run_case(target, {}, b"", outcome)
+    assert outcome.hangs == 1 and time.monotonic() - t0 < 2
