@@ -131,5 +131,25 @@ def main() -> None:
     print(f"cross/same restore time ratio: {rows[2][2] / rows[1][2]:.2f}")
 
 
+def restore_imported(ckpt: str, mesh_text: str) -> float:
+    """Seconds to restore the params of an imported checkpoint (`hybridckpt import`) onto
+    `mesh_text` of the 8 devices, every shard on its device (used by benchmarks/run_all.py)."""
+    import models
+    from hybridckpt.checkpoint import load_params_metadata, read_trainer_state
+
+    cfg = models.config_from_dict(read_trainer_state(ckpt)["model_config"])
+    saved = load_params_metadata(ckpt)
+    shard = tree_shardings(saved, models.logical_axes(cfg), mesh_from_shape(mesh_text))
+    target = abstract_tree(saved, shard)
+    with CheckpointStore(ckpt) as store:
+        _, t = timed(lambda: store.restore(target_params=target).params)
+    return t
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if len(sys.argv) == 4 and sys.argv[1] == "--_restore":
+        print(restore_imported(sys.argv[2], sys.argv[3]))
+    else:
+        main()

@@ -30,7 +30,7 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -228,15 +228,28 @@ class Restored:
 
 
 def _registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
+    from hybridckpt.stream import StreamingCheckpointHandler
+
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     for item in (PARAMS, OPT_STATE):
-        handler = ocp.StandardCheckpointHandler()
+        # StandardCheckpointHandler that also streams `stream.LazyLeaf` leaves
+        handler = StreamingCheckpointHandler()
         registry.add(item, ocp.args.StandardSave, handler)
         registry.add(item, ocp.args.StandardRestore, handler)
     json_handler = ocp.JsonCheckpointHandler()
     registry.add(TRAINER_STATE, ocp.args.JsonSave, json_handler)
     registry.add(TRAINER_STATE, ocp.args.JsonRestore, json_handler)
     return registry
+
+
+def _standard_save(tree: Any) -> ocp.args.StandardSave:
+    """StandardSave of a tree of jax.Arrays and/or `stream.LazyLeaf`s (the latter with their
+    chunking SaveArgs: written tile by tile, see `hybridckpt.stream`)."""
+    from hybridckpt import stream
+
+    if stream.has_lazy(tree):
+        return ocp.args.StandardSave(tree, save_args=stream.save_args(tree))
+    return ocp.args.StandardSave(tree)
 
 
 def _read_only_manager(directory: str | os.PathLike) -> ocp.CheckpointManager:
@@ -513,9 +526,9 @@ class CheckpointStore:
         if not force and not self._manager.should_save(step):
             return False
         state = self._trainer_json(step, params, trainer_state)
-        items: dict[str, Any] = {PARAMS: ocp.args.StandardSave(params)}
+        items: dict[str, Any] = {PARAMS: _standard_save(params)}
         if opt_state is not None and self.save_optimizer:
-            items[OPT_STATE] = ocp.args.StandardSave(opt_state)
+            items[OPT_STATE] = _standard_save(opt_state)
         items[TRAINER_STATE] = ocp.args.JsonSave(state)
         try:
             return bool(
@@ -650,8 +663,15 @@ def save_checkpoint(
     trainer_state: Mapping[str, Any] | None = None,
     *,
     overwrite: bool = False,
+    trainer_state_after: Callable[[], Mapping[str, Any]] | None = None,
 ) -> Path:
     """Write a one-step checkpoint root at `directory`, atomically.
+
+    Leaves of `params` / `opt_state` may be `hybridckpt.stream.LazyLeaf`s: those are read and
+    written tile by tile (the streaming save; peak memory a few tiles, not the tree).
+    `trainer_state_after()`, when given, is called on every process once all arrays are
+    written (it may run collectives) and its keys are added to the saved trainer state: how an
+    import records the checksums of the arrays it streamed.
 
     Everything is written into a temporary sibling `.<name>.tmp-<id>` and renamed into place
     once complete, so `directory` never holds a half-written checkpoint. A non-empty
@@ -671,26 +691,74 @@ def save_checkpoint(
     tmp = dst.parent / f".{dst.name}.tmp-{token}"
     old = dst.parent / f".{dst.name}.old-{token}"
     if primary:
-        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"{dst}: cannot create its folder: {e.strerror or e}") from e
     _barrier(f"hybridckpt-save-start-{token}")
     try:
         with CheckpointStore(tmp, async_save=False) as store:
             store.save(step, params, opt_state, trainer_state, force=True)
+        if trainer_state_after is not None:
+            extra = dict(trainer_state_after())
+            if primary:
+                _add_to_trainer_state(tmp / str(step), extra)
         _barrier(f"hybridckpt-save-done-{token}")
         if primary:
             if dst.is_dir() and any(dst.iterdir()):
                 os.rename(dst, old)
             os.replace(tmp, dst)  # atomic; replaces an empty directory on POSIX
         _barrier(f"hybridckpt-save-renamed-{token}")
-    except BaseException:
+    except BaseException as e:
         if primary:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove_tree(tmp)
             if old.exists() and not dst.exists():
                 os.rename(old, dst)
+        reason = _io_reason(e)
+        if reason is not None:
+            raise CheckpointError(f"{dst}: cannot write the checkpoint: {reason}") from e
         raise
     if primary:
         shutil.rmtree(old, ignore_errors=True)
     return dst
+
+
+def _remove_tree(path: Path, tries: int = 50) -> None:
+    """Remove `path`, again while writes still in flight (TensorStore threads after a failed
+    save) put files back into it; gives up after about `tries` x 0.1 s."""
+    import time
+
+    for _ in range(tries):
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            time.sleep(0.1)  # a late writer may recreate it: look once more
+            if not path.exists():
+                return
+        time.sleep(0.1)
+
+
+def _io_reason(e: BaseException) -> str | None:
+    """The OS reason of a failed write (disk full, read-only, permissions), from an OSError or
+    from TensorStore's errors as Orbax raises them (`... [os_error_code='28']`); else None."""
+    if isinstance(e, OSError):
+        return e.strerror or str(e)
+    text = str(e)
+    if isinstance(e, ValueError | RuntimeError) and "os_error_code=" in text:
+        code = text.split("os_error_code=", 1)[1].strip("'\"[] \n").split("'")[0]
+        if code.isdigit():
+            return f"{os.strerror(int(code))} ({text.splitlines()[0][:300]})"
+        return text.splitlines()[0][:300]
+    return None
+
+
+def _add_to_trainer_state(step_dir: Path, extra: Mapping[str, Any]) -> None:
+    """Rewrite a (not yet renamed) step's trainer_state JSON with `extra` keys added, through
+    Orbax's JSON handler so the item stays what `JsonRestore` reads."""
+    item = step_dir / TRAINER_STATE
+    handler = ocp.JsonCheckpointHandler()
+    state = dict(handler.restore(item, args=ocp.args.JsonRestore()))
+    state.update(extra)
+    handler.save(item, args=ocp.args.JsonSave(state))
 
 
 def _barrier(name: str) -> None:

@@ -178,33 +178,44 @@ def tree_to_hf(params: Mapping[str, Any], cfg) -> dict[str, LazyTensor]:
 
 def to_array(t: LazyTensor, sharding: jax.sharding.Sharding, dtype=None) -> tuple[jax.Array, int]:
     """A global jax.Array of `t` placed by `sharding`, and the checksum (`hybridckpt.checksum`)
-    of the boxes this process read. Each distinct box is read once (devices holding the same
-    box share one read)."""
-    from hybridckpt import checksum
+    of the boxes this process owns.
+
+    Each distinct box of this process's devices is read once, by the reader pool
+    (`hybridckpt.io.parallel`, at most `io_threads()` boxes held at a time), into its own buffer,
+    which goes straight to every device holding it (`jax.device_put` per shard): no host copy
+    of the global array is ever made, and reads overlap host-to-device transfers.
+    """
+    from hybridckpt import checksum, checksum_fast
+    from hybridckpt.io import parallel
 
     if dtype is not None:
         t = lazy.cast(t, dtype)
-    cache: dict = {}
-    parts: dict = {}
-
-    def read(index):
-        box = lazy.normalize_box(t.shape, index)
-        if box not in cache:
-            cache[box] = t.read_box(box)
-            parts[box] = checksum.box_part(tuple(t.shape), box, cache[box])
-        return cache[box]
-
-    arr = jax.make_array_from_callback(tuple(t.shape), sharding, read)
-    cache.clear()
+    shape = tuple(t.shape)
+    holders: dict = {}
+    for dev, index in sharding.addressable_devices_indices_map(shape).items():
+        holders.setdefault(lazy.normalize_box(shape, index), []).append(dev)
     # count each distinct box once across all processes: the process of the lowest-id device
     # holding a box owns it (replicated boxes are read by several processes)
     owner: dict = {}
-    for dev, index in sharding.devices_indices_map(tuple(t.shape)).items():
-        box = lazy.normalize_box(t.shape, index)
+    for dev, index in sharding.devices_indices_map(shape).items():
+        box = lazy.normalize_box(shape, index)
         if box not in owner or dev.id < owner[box].id:
             owner[box] = dev
     me = jax.process_index()
-    return arr, checksum.combine(v for b, v in parts.items() if owner[b].process_index == me)
+
+    def read(box):
+        buf = parallel.read_box_parallel(t, box)
+        part = checksum_fast.box_part(shape, box, buf) if owner[box].process_index == me else 0
+        return box, buf, part
+
+    shards: list[jax.Array] = []
+    parts: list[int] = []
+    for box, buf, part in parallel.imap_bounded(read, list(holders), parallel.io_threads()):
+        parts.append(part)
+        shards.extend(jax.device_put(buf, dev) for dev in holders[box])
+        del buf
+    arr = jax.make_array_from_single_device_arrays(shape, sharding, shards)
+    return arr, checksum.combine(parts)
 
 
 def assemble(
@@ -224,4 +235,31 @@ def assemble(
             checksums[prefix + k] = to_hex(crc)
         if on_leaf:
             on_leaf(k, t.nbytes)
+    return nest(out)
+
+
+def lazy_leaves(
+    tree: Mapping[str, Any],
+    shardings: Mapping[str, Any],
+    dtype=None,
+    *,
+    options=None,
+    prefix: str = "",
+    chunk_axes: Mapping[str, Any] | None = None,
+) -> dict:
+    """Nested dict of LazyTensors -> nested dict of `stream.LazyLeaf`s placed by `shardings`
+    (cast to `dtype` when given): nothing is read until a streaming save writes them.
+
+    chunk_axes: optional matching tree of per-leaf axes chunked with extent 1 (`(0,)` for
+    stacked `[layers, ...]` leaves).
+    """
+    from hybridckpt.stream import LazyLeaf
+
+    flat_s = flatten(shardings)
+    flat_c = flatten(chunk_axes) if chunk_axes is not None else {}
+    out = {}
+    for k, t in flatten(tree).items():
+        if dtype is not None:
+            t = lazy.cast(t, dtype)
+        out[k] = LazyLeaf(t, flat_s[k], prefix + k, tuple(flat_c.get(k, ())), options)
     return nest(out)

@@ -4,6 +4,10 @@ A box is a tuple of `(start, stop)` pairs, one per dimension, in global element 
 Every source format describes its tensors as compositions of the views below; nothing is read
 until a box is asked for, and each view asks its inputs only for the boxes it needs.
 
+Every view also has `read_into(box, out)`, which fills a caller's preallocated array (C-order
+or a strided view of one): chains of stored pieces, concatenations, stacks and slices land in one
+buffer with no intermediate copies (`read_box` allocates that buffer and calls it).
+
 Views:
 - `ArrayTensor`    an in-memory numpy array.
 - `StoredTensor`   C-contiguous bytes at an offset of a file (one pread per contiguous run).
@@ -116,6 +120,36 @@ def box_runs(shape: Sequence[int], box: Box) -> tuple[np.ndarray, int]:
     return starts, run_len
 
 
+COPY_BLOCK = 256  # elements per side of the square tiles a transposing copy moves at a time
+
+
+def _fastest_axis(x: np.ndarray) -> int:
+    """The axis (of length > 1) with the smallest stride: the one contiguous in memory."""
+    axes = [i for i, n in enumerate(x.shape) if n > 1]
+    return min(axes, key=lambda i: abs(x.strides[i])) if axes else x.ndim - 1
+
+
+def copy_into(out: np.ndarray, src: np.ndarray) -> None:
+    """`out[...] = src` (numpy's unsafe casting: the same rounding as `astype`). When the two
+    arrays are contiguous along different axes (a transposing copy, e.g. into a transposed view
+    of a buffer) the copy moves square tiles of COPY_BLOCK x COPY_BLOCK over those two axes, so
+    both sides stay in cache (measured on `[8000, 2048]` bf16: 0.2 GB/s plain, 0.85 tiled)."""
+    if out.ndim < 2 or out.size < COPY_BLOCK * COPY_BLOCK:
+        np.copyto(out, src, casting="unsafe")
+        return
+    a, b = _fastest_axis(out), _fastest_axis(src)
+    if a == b:
+        np.copyto(out, src, casting="unsafe")
+        return
+    idx = [slice(None)] * out.ndim
+    for i in range(0, out.shape[a], COPY_BLOCK):
+        idx[a] = slice(i, i + COPY_BLOCK)
+        for j in range(0, out.shape[b], COPY_BLOCK):
+            idx[b] = slice(j, j + COPY_BLOCK)
+            k = tuple(idx)
+            np.copyto(out[k], src[k], casting="unsafe")
+
+
 class LazyTensor:
     """A global tensor whose boxes can be read on demand. Subclasses implement `read_box`."""
 
@@ -124,6 +158,11 @@ class LazyTensor:
 
     def read_box(self, box: Box) -> np.ndarray:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def read_into(self, box: Box, out: np.ndarray) -> None:
+        """Write the box into `out` (shape = the box's shape, dtype = `self.dtype`, any strides:
+        views pass transposed views of the buffer down instead of copying twice)."""
+        copy_into(out, self.read_box(box))
 
     # -- conveniences -------------------------------------------------------------------
     @property
@@ -173,6 +212,9 @@ class ArrayTensor(LazyTensor):
     def read_box(self, box: Box) -> np.ndarray:
         return np.ascontiguousarray(self.array[tuple(slice(a, b) for a, b in box)])
 
+    def read_into(self, box: Box, out: np.ndarray) -> None:
+        copy_into(out, self.array[tuple(slice(a, b) for a, b in box)])
+
 
 @dataclass(frozen=True, eq=False)
 class StoredTensor(LazyTensor):
@@ -185,8 +227,19 @@ class StoredTensor(LazyTensor):
 
     def read_box(self, box: Box) -> np.ndarray:
         out = np.empty(box_shape(box), dtype=self.dtype)
+        self._pread_into(box, out)
+        return out
+
+    def read_into(self, box: Box, out: np.ndarray) -> None:
+        if out.flags.c_contiguous and out.dtype == np.dtype(self.dtype):
+            self._pread_into(box, out)
+        else:
+            copy_into(out, self.read_box(box))
+
+    def _pread_into(self, box: Box, out: np.ndarray) -> None:
+        """Fill the C-contiguous `out` with one pread per run of touching rows."""
         if out.size == 0:
-            return out
+            return
         starts, run_len = box_runs(self.shape, box)
         item = out.dtype.itemsize
         view = memoryview(out.reshape(-1).view(np.uint8))
@@ -203,7 +256,6 @@ class StoredTensor(LazyTensor):
             self.source.read_into(self.offset + int(starts[i]) * item, view[pos : pos + length])
             pos += length
             i = j
-        return out
 
     def read_flat(self, start: int, stop: int) -> np.ndarray:
         out = np.empty(max(0, stop - start), dtype=self.dtype)
@@ -230,10 +282,14 @@ class Slice(LazyTensor):
     def dtype(self) -> np.dtype:
         return self.src.dtype
 
+    def _shift(self, box: Box) -> Box:
+        return tuple((r0 + a, r0 + b) for (a, b), (r0, _) in zip(box, self.region, strict=True))
+
     def read_box(self, box: Box) -> np.ndarray:
-        return self.src.read_box(
-            tuple((r0 + a, r0 + b) for (a, b), (r0, _) in zip(box, self.region, strict=True))
-        )
+        return self.src.read_box(self._shift(box))
+
+    def read_into(self, box: Box, out: np.ndarray) -> None:
+        self.src.read_into(self._shift(box), out)
 
 
 @dataclass(frozen=True, eq=False)
@@ -276,17 +332,21 @@ class Concat(LazyTensor):
         return self.parts[0].dtype
 
     def read_box(self, box: Box) -> np.ndarray:
+        out = np.empty(box_shape(box), dtype=self.dtype)
+        self.read_into(box, out)
+        return out
+
+    def read_into(self, box: Box, out: np.ndarray) -> None:
+        """Each overlapping part fills its own slab of `out` (no concatenate copy)."""
         a, b = box[self.axis]
-        pieces = []
         for p, lo, hi in zip(self.parts, self._bounds[:-1], self._bounds[1:], strict=True):
             s, e = max(a, lo), min(b, hi)
-            if s < e or (a == b == lo and not pieces):
+            if s < e:
                 sub = list(box)
-                sub[self.axis] = (s - lo, e - lo) if s < e else (0, 0)
-                pieces.append(p.read_box(tuple(sub)))
-        if not pieces:
-            return np.empty(box_shape(box), dtype=self.dtype)
-        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=self.axis)
+                sub[self.axis] = (s - lo, e - lo)
+                where = [slice(None)] * len(box)
+                where[self.axis] = slice(s - a, e - a)
+                p.read_into(tuple(sub), out[tuple(where)])
 
 
 @dataclass(frozen=True, eq=False)
@@ -315,10 +375,13 @@ class Stack(LazyTensor):
 
     def read_box(self, box: Box) -> np.ndarray:
         out = np.empty(box_shape(box), dtype=self.dtype)
+        self.read_into(box, out)
+        return out
+
+    def read_into(self, box: Box, out: np.ndarray) -> None:
         a, b = box[0]
         for i in range(a, b):
-            out[i - a] = self.parts[i].read_box(box[1:])
-        return out
+            self.parts[i].read_into(box[1:], out[i - a])
 
 
 @dataclass(frozen=True, eq=False)
@@ -340,11 +403,23 @@ class Transpose(LazyTensor):
     def dtype(self) -> np.dtype:
         return self.src.dtype
 
-    def read_box(self, box: Box) -> np.ndarray:
-        src_box = [None] * len(self.perm)
+    def _src_box(self, box: Box) -> Box:
+        src_box: list = [None] * len(self.perm)
         for i, p in enumerate(self.perm):
             src_box[p] = box[i]
-        return np.ascontiguousarray(self.src.read_box(tuple(src_box)).transpose(self.perm))
+        return tuple(src_box)
+
+    def read_box(self, box: Box) -> np.ndarray:
+        out = np.empty(box_shape(box), dtype=self.dtype)
+        self.read_into(box, out)
+        return out
+
+    def read_into(self, box: Box, out: np.ndarray) -> None:
+        """The source fills a transposed view of `out`: a chain of transposes (import then
+        export: `[out, in]` -> `[in, out]` -> `[out, in]`) cancels, and a single one becomes one
+        tiled copy at the bottom of the chain."""
+        inverse = tuple(int(i) for i in np.argsort(self.perm))
+        self.src.read_into(self._src_box(box), out.transpose(inverse))
 
 
 @dataclass(frozen=True, eq=False)
@@ -367,13 +442,39 @@ class Reshape(LazyTensor):
     def read_flat(self, start: int, stop: int) -> np.ndarray:
         return self.src.read_flat(start, stop)
 
+    def _unit_box(self, box: Box) -> Box | None:
+        """When the reshape only adds or drops size-1 dims: the source box of `box`."""
+        mine = [(n, b) for n, b in zip(self.shape, box, strict=True) if n != 1]
+        if [n for n, _ in mine] != [n for n in self.src.shape if n != 1]:
+            return None
+        it = iter(b for _, b in mine)
+        return tuple((0, 1) if n == 1 else next(it) for n in self.src.shape)
+
     def read_box(self, box: Box) -> np.ndarray:
         out = np.empty(box_shape(box), dtype=self.dtype)
+        self.read_into(box, out)
+        return out
+
+    def read_into(self, box: Box, out: np.ndarray) -> None:
         if out.size == 0:
-            return out
+            return
+        src_box = self._unit_box(box)
+        if src_box is not None:  # a view of `out` under the source's unit dims, no copy
+            view = out.reshape(box_shape(src_box))
+            if np.shares_memory(view, out):
+                self.src.read_into(src_box, view)
+                return
+        if out.flags.c_contiguous:
+            self._runs_into(box, out)
+        else:
+            tmp = np.empty(out.shape, dtype=self.dtype)
+            self._runs_into(box, tmp)
+            copy_into(out, tmp)
+
+    def _runs_into(self, box: Box, out: np.ndarray) -> None:
+        """Fill the C-contiguous `out` run by run (runs that touch merged into one read)."""
         starts, run_len = box_runs(self.shape, box)
         flat = out.reshape(-1)
-        # merge runs that touch so a whole-row box becomes one read
         pos, i, n = 0, 0, len(starts)
         while i < n:
             j = i + 1
@@ -383,7 +484,6 @@ class Reshape(LazyTensor):
             flat[pos : pos + length] = self.src.read_flat(int(starts[i]), int(starts[i]) + length)
             pos += length
             i = j
-        return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -433,6 +533,9 @@ class Cast(LazyTensor):
 
     def read_box(self, box: Box) -> np.ndarray:
         return self.src.read_box(box).astype(self.dtype)
+
+    def read_into(self, box: Box, out: np.ndarray) -> None:
+        copy_into(out, self.src.read_box(box))  # the same rounding as astype
 
     def read_flat(self, start: int, stop: int) -> np.ndarray:
         return self.src.read_flat(start, stop).astype(self.dtype)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridckpt import convert, lazy
-from hybridckpt.errors import CheckpointError, ConfigError, FormatError, MappingError
+from hybridckpt.errors import CheckpointError, ConfigError, MappingError
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.mesh import MeshShape, mesh_from_shape, opt_state_shardings, tree_shardings
 from hybridckpt.rules import load_rules
@@ -126,53 +126,87 @@ def import_checkpoint(
     overwrite: bool = False,
     step: int | None = None,
     progress: Progress | None = None,
+    io_threads: int | None = None,
+    stream_options: Any = None,
 ) -> ImportSummary:
-    """Import any supported checkpoint into an Orbax checkpoint at `dst` on `mesh`."""
+    """Import any supported checkpoint into an Orbax checkpoint at `dst` on `mesh`, streaming.
+
+    No array is ever whole in memory: every leaf is a `stream.LazyLeaf` that Orbax writes tile
+    by tile (read by a pool of `io_threads` readers, default `$HYBRIDCKPT_IO_THREADS`), so peak
+    host memory is a few tiles (`stream.StreamOptions`), not the checkpoint. Under
+    `jax.distributed` each process reads and writes only the shards its devices hold; the
+    per-tensor checksums are summed across processes into `trainer_state["checksums"]`.
+    """
     import models
+    from hybridckpt import stream
     from hybridckpt.checkpoint import save_checkpoint
+    from hybridckpt.io import parallel
 
     t0 = time.perf_counter()
+    if io_threads is not None:
+        parallel.set_io_threads(io_threads)
     opened = open_hf(src_path, fmt, config_path=config_path, rules_path=rules_path, step=step)
     cfg = opened.config
     tree = convert.hf_to_tree(opened.hf, cfg)
     shape = MeshShape.parse(mesh) if isinstance(mesh, str) else mesh
     jmesh = mesh_from_shape(shape)
     shapes = models.param_shapes(cfg)
-    p_shard = tree_shardings(shapes, models.logical_axes(cfg), jmesh, indivisible=indivisible)
+    axes = models.logical_axes(cfg)
+    p_shard = tree_shardings(shapes, axes, jmesh, indivisible=indivisible)
     np_dtype = None if dtype is None else _np_dtype(dtype)
-    sums: dict[str, str] = {}
-    params = convert.assemble(
-        convert.nest(tree.params), p_shard, np_dtype, on_leaf=progress, checksums=sums, prefix="params."
-    )
+    opts = stream_options or stream.StreamOptions()
+    opts.on_leaf = progress
+    leaves: dict[str, stream.LazyLeaf] = {}
+
+    def lazy_tree(flat: dict[str, LazyTensor], cast, prefix: str) -> dict:
+        out = convert.lazy_leaves(
+            convert.nest(flat), p_shard, cast, options=opts, prefix=prefix,
+            chunk_axes=_stacked_axes(axes),
+        )
+        leaves.update({prefix + k: v for k, v in convert.flatten(out).items()})
+        return out
+
+    params = lazy_tree(tree.params, np_dtype, "params.")
     opt_state = None
     with_opt = not params_only and tree.exp_avg is not None
     if with_opt:
         f32 = np.dtype(np.float32)
-        mu = convert.assemble(
-            convert.nest(tree.exp_avg), p_shard, f32, on_leaf=progress, checksums=sums, prefix="mu."
+        mu = lazy_tree(tree.exp_avg, f32, "mu.")
+        nu = lazy_tree(tree.exp_avg_sq, f32, "nu.")
+        count = np.asarray(tree.step or 0, dtype=np.int32)
+        abstract = adamw_state(shapes, shapes, shapes, 0)
+        o_shard = opt_state_shardings(abstract, p_shard, jmesh)
+        count_leaf = stream.LazyLeaf(
+            lazy.ArrayTensor(count), o_shard[0].count, "count", options=opts
         )
-        nu = convert.assemble(
-            convert.nest(tree.exp_avg_sq), p_shard, f32, on_leaf=progress, checksums=sums, prefix="nu."
-        )
-        opt_state = adamw_state(params, mu, nu, tree.step or 0)
-        o_shard = opt_state_shardings(jax.eval_shape(lambda: opt_state), p_shard, jmesh)
-        opt_state = jax.device_put(opt_state, o_shard)
-    if jax.process_count() > 1:
-        sums = _sum_across_processes(sums)
+        first = abstract[0]._replace(count=count_leaf, mu=mu, nu=nu)
+        opt_state = (first,) + tuple(abstract[1:])
     out_step = int(opened.hf.step or 0) if step is None else int(step)
     trainer = {
         "step": out_step,
         "model_config": models.config_to_dict(cfg),
         "source": {"format": opened.format, "path": os.path.abspath(src_path), "topology": dict(opened.topology)},
-        "checksums": sums,
         **{k: v for k, v in opened.trainer.items() if k not in ("step", "model_config", "mesh")},
     }
-    save_checkpoint(dst, out_step, params, opt_state, trainer, overwrite=overwrite)
-    leaves = jax.tree.leaves(params) + (jax.tree.leaves((mu, nu)) if with_opt else [])
-    nbytes = sum(x.nbytes for x in leaves)
+
+    def checksums() -> dict:
+        from hybridckpt.checksum import to_hex
+
+        sums = {name: to_hex(leaf.checksum) for name, leaf in leaves.items()}
+        return {"checksums": _sum_across_processes(sums) if jax.process_count() > 1 else sums}
+
+    save_checkpoint(dst, out_step, params, opt_state, trainer, overwrite=overwrite, trainer_state_after=checksums)
+    nbytes = sum(x.nbytes for x in leaves.values())
     return ImportSummary(
         opened.format, dst, out_step, str(shape), len(leaves), nbytes,
         time.perf_counter() - t0, with_opt, opened.notes + opened.hf.report,
+    )
+
+
+def _stacked_axes(axes: Any) -> Any:
+    """Per leaf: `(0,)` when its first logical axis is `layers` (chunk it per layer), else ()."""
+    return jax.tree.map(
+        lambda a: (0,) if a and a[0] == "layers" else (), axes, is_leaf=lambda x: isinstance(x, tuple)
     )
 
 
@@ -232,13 +266,28 @@ def export_checkpoint(
     max_shard_bytes: int | None = None,
     overwrite: bool = False,
     progress: Progress | None = None,
+    io_threads: int | None = None,
 ) -> ExportSummary:
-    """Any supported checkpoint (Orbax included) -> single-card HF safetensors at `out`."""
+    """Any supported checkpoint (Orbax included) -> single-card HF safetensors at `out`.
+
+    Streams: each tensor is read (by `io_threads` readers, ahead of the writer within a window
+    of the largest tensor) and written before the next ones are read, so peak host memory is a
+    couple of tensors. An Orbax source is read lazily too (`hybridckpt.orbax_lazy`: a layer of
+    a stacked leaf reads only that layer's chunks), never restored whole.
+    """
     import models
+    from hybridckpt import formats
     from hybridckpt.export import DEFAULT_SHARD_BYTES, write_hf
+    from hybridckpt.io import parallel
 
     t0 = time.perf_counter()
-    opened = open_hf(src_path, fmt, config_path=config_path, rules_path=rules_path, step=step)
+    if io_threads is not None:
+        parallel.set_io_threads(io_threads)
+    kind = formats.detect(src_path) if fmt == "auto" else fmt
+    if kind == "orbax":
+        opened = _open_orbax_lazy(src_path, step=step, config_path=config_path)
+    else:
+        opened = open_hf(src_path, kind, config_path=config_path, rules_path=rules_path, step=step)
     cfg = opened.config
     # route through the model tree so every export has exactly the model's tensors, named by
     # the inverse of the model rules
@@ -253,6 +302,18 @@ def export_checkpoint(
             raise CheckpointError(f"{src_path}: has no optimizer state to export (drop --optimizer)")
         exp_avg = inv.apply_unstack(tree.exp_avg).tensors
         exp_avg_sq = inv.apply_unstack(tree.exp_avg_sq).tensors
+    all_t = list(params.values()) + (list(exp_avg.values()) + list(exp_avg_sq.values()) if optimizer else [])
+    # read ahead in the order write_hf writes: model tensors by name, then the moments by name
+    staged: dict[tuple[str, str], LazyTensor] = {("model", k): v for k, v in params.items()}
+    for suffix, moments in ((".exp_avg", exp_avg), (".exp_avg_sq", exp_avg_sq)):
+        staged |= {("optimizer", k + suffix): v for k, v in (moments or {}).items()}
+    order = sorted(k for k in staged if k[0] == "model") + sorted(k for k in staged if k[0] == "optimizer")
+    window = max((t.nbytes for t in all_t), default=0)
+    ahead = parallel.Prefetcher(staged, order, window).tensors()
+    params = {k: ahead[("model", k)] for k in params}
+    if optimizer:
+        exp_avg = {k: ahead[("optimizer", k + ".exp_avg")] for k in exp_avg}
+        exp_avg_sq = {k: ahead[("optimizer", k + ".exp_avg_sq")] for k in exp_avg_sq}
     hf_cfg = models.config_to_hf(cfg)
     trainer = {"step": opened.hf.step, "source_format": opened.format}
     files = write_hf(
@@ -260,11 +321,50 @@ def export_checkpoint(
         trainer=trainer, max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES,
         overwrite=overwrite, on_tensor=progress,
     )
-    all_t = list(params.values()) + (list(exp_avg.values()) + list(exp_avg_sq.values()) if optimizer else [])
     return ExportSummary(
         opened.format, out, tuple(files), len(all_t), sum(t.nbytes for t in all_t),
         time.perf_counter() - t0, optimizer,
     )
+
+
+def _open_orbax_lazy(path: str, *, step: int | None = None, config_path: str | None = None) -> Opened:
+    """An Orbax checkpoint (`DIR` or `DIR/<step>`) under HF names, every array a lazy
+    `orbax_lazy.OrbaxArray` (nothing restored)."""
+    import models
+    from hybridckpt.checkpoint import latest_step, read_trainer_state
+    from hybridckpt.orbax_lazy import item_arrays
+
+    root, base = os.path.normpath(path), os.path.basename(os.path.normpath(path))
+    if base.isdigit() and os.path.isdir(os.path.join(root, "params")):
+        root, step = os.path.dirname(root), int(base) if step is None else step
+    step = latest_step(root) if step is None else step
+    if step is None:
+        raise CheckpointError(f"{root}: no checkpoint steps")
+    state = read_trainer_state(root, step)
+    if config_path:
+        cfg = load_config_file(config_path)
+    elif "model_config" in state:
+        cfg = models.config_from_dict(state["model_config"])
+    else:
+        raise ConfigError(f"{root}: trainer_state has no model_config; pass --config")
+    step_dir = os.path.join(root, str(step))
+    params = item_arrays(os.path.join(step_dir, "params"))
+    exp_avg = exp_avg_sq = None
+    opt_step = state.get("step", step)
+    if os.path.isdir(os.path.join(step_dir, "opt_state")):
+        opt = item_arrays(os.path.join(step_dir, "opt_state"))
+        exp_avg = {k[len("0.mu."):]: v for k, v in opt.items() if k.startswith("0.mu.")}
+        exp_avg_sq = {k[len("0.nu."):]: v for k, v in opt.items() if k.startswith("0.nu.")}
+        if "0.count" in opt:
+            opt_step = int(opt["0.count"].materialize())
+    inv = convert.model_rules(cfg).invert()
+    hf = convert.Named(
+        inv.apply_unstack(params).tensors,
+        inv.apply_unstack(exp_avg).tensors if exp_avg else None,
+        inv.apply_unstack(exp_avg_sq).tensors if exp_avg_sq else None,
+        opt_step,
+    )
+    return Opened("orbax", path, cfg, hf, state, dict(state.get("mesh", {})))
 
 
 # -- verify ---------------------------------------------------------------------------------------

@@ -69,10 +69,17 @@ class ByteSource:
         want = len(buffer)
         if want == 0:
             return
+        if offset < 0:  # a corrupt offset field: pread would fail with EINVAL
+            raise FormatError(f"{self.path}: read at byte {offset}, before the start of the file")
         fd = _fd(self.path)
         done = 0
         while done < want:
-            got = os.preadv(fd, [buffer[done:]], offset + done)
+            try:
+                got = os.preadv(fd, [buffer[done:]], offset + done)
+            except OSError as e:
+                raise FormatError(
+                    f"{self.path}: cannot read bytes [{offset}, {offset + want}): {e.strerror}"
+                ) from e
             if got == 0:
                 raise FormatError(
                     f"{self.path}: truncated: wanted bytes [{offset}, {offset + want}) "

@@ -1,0 +1,159 @@
+"""All benchmarks in one run, one table: hybridckpt next to its reference, measured side by side.
+
+    python benchmarks/run_all.py [--dir /tmp/...] [--dcp-gib 2] [--small-gib 1] [--large-gib 4]
+
+(a) `benchmarks/consolidate_dcp.py`: a DCP checkpoint saved by 2 gloo processes -> one file,
+    `hybridckpt export` vs torch's `dcp_to_torch_save` (wall time and peak RSS of each process,
+    best of 2 alternating runs).
+(b) `benchmarks/import_megatron.py`: Megatron tp=4 pp=2 (bf16) -> Orbax, at two sizes: import
+    time against `cat` of the files plus Orbax saving the same arrays from memory; peak RSS.
+    The small size runs import and save twice, alternating (best time, highest RSS); the large
+    one once.
+(c) the (b) checkpoint (saved from mesh tp=4,pp=2) restored onto fsdp=2,tp=2,pp=2 vs onto
+    tp=4,pp=2 (each restore in a fresh process, best of 2, page cache warm).
+(d) `benchmarks/import_multiprocess.py`: the (b) source imported by 2 processes x 4 devices
+    under jax.distributed vs 1 process x 8 devices: bytes read per process, time.
+
+Every figure comes from its own process; all checkpoints live under `--dir` (default a fresh
+folder in /tmp) and are deleted at the end. The machine line says what ran it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import consolidate_dcp  # noqa: E402
+import import_megatron  # noqa: E402
+import import_multiprocess  # noqa: E402
+
+GIB = 2**30
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(x.split(":", 1)[1].strip() for x in f if x.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            mem = int(next(x for x in f if x.startswith("MemTotal")).split()[1]) / 2**20
+    except (OSError, StopIteration):
+        mem = float("nan")
+    load = os.getloadavg()[0]
+    return (f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB RAM, {platform.system()} "
+            f"{platform.release().split('-')[0]}, Python {platform.python_version()}, "
+            f"load average {load:.1f} at the start, CPU devices only")
+
+
+def restore_seconds(ckpt: str, mesh: str) -> float:
+    out = subprocess.run(
+        [sys.executable, os.path.join(HERE, "restore_reshard.py"), "--_restore", ckpt, mesh],
+        check=True, capture_output=True, text=True,
+    )
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def row(rows, bench, measure, ours, ref, ratio, target, met) -> None:
+    rows.append((bench, measure, ours, ref, ratio, target, "yes" if met else "**no**"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--dcp-gib", type=float, default=2.0)
+    ap.add_argument("--small-gib", type=float, default=1.0)
+    ap.add_argument("--large-gib", type=float, default=4.0)
+    a = ap.parse_args()
+    base = a.dir or tempfile.mkdtemp(prefix="hybridckpt-bench-", dir="/tmp")
+    os.makedirs(base, exist_ok=True)
+    where = machine()
+    rows: list[tuple] = []
+    try:
+        # (a)
+        print(f"(a) DCP {a.dcp_gib} GiB -> one file ...", file=sys.stderr, flush=True)
+        ra = consolidate_dcp.run(a.dcp_gib, os.path.join(base, "a"))
+        ours, theirs = ra["hybridckpt"], ra["torch"]
+        name = f"(a) DCP {ra['bytes'] / GIB:.2f} GiB, 2 ranks -> one file"
+        speed = theirs["seconds"] / ours["seconds"]
+        row(rows, name, "wall time", f"{ours['seconds']:.1f} s", f"{theirs['seconds']:.1f} s (dcp_to_torch_save)",
+            f"{speed:.2f}x faster", ">= 3x", speed >= 3)
+        durable = theirs["durable_seconds"] / ours["seconds"]
+        row(rows, name, "wall time, both durable", f"{ours['seconds']:.1f} s (fsync'd, atomic rename)",
+            f"{theirs['durable_seconds']:.1f} s (dcp_to_torch_save + fsync)", f"{durable:.2f}x faster", "", True)
+        row(rows, name, "disk floor", f"{ours['seconds']:.1f} s", f"{ra['dd_fsync_s']:.1f} s (dd of the same bytes, "
+            f"conv=fsync: {ra['bytes'] / ra['dd_fsync_s'] / 1e9:.2f} GB/s)", f"{ours['seconds'] / ra['dd_fsync_s']:.2f}",
+            "", True)
+        mem = ours["peak_rss"] / theirs["peak_rss"]
+        row(rows, name, "peak RSS", f"{ours['peak_rss'] / GIB:.2f} GiB", f"{theirs['peak_rss'] / GIB:.2f} GiB",
+            f"{mem:.2f}", "<= 0.25", mem <= 0.25)
+
+        # (b) small, then (c) and (d) on it
+        print(f"(b) Megatron {a.small_gib} GiB ...", file=sys.stderr, flush=True)
+        small = import_megatron.run(a.small_gib, base, keep=True, keep_import=True, repeat=2)
+        src, ckpt = small["src"], small["imported"]
+        print("(c) restores ...", file=sys.stderr, flush=True)
+        subprocess.run(["sync"], check=True)
+        same = min(restore_seconds(ckpt, "tp=4,pp=2") for _ in range(2))
+        other = min(restore_seconds(ckpt, "fsdp=2,tp=2,pp=2") for _ in range(2))
+        shutil.rmtree(ckpt, ignore_errors=True)
+        print("(d) 1 vs 2 processes ...", file=sys.stderr, flush=True)
+        subprocess.run(["sync"], check=True)
+        rd = import_multiprocess.run(src, base, import_megatron.MESH)
+        shutil.rmtree(src, ignore_errors=True)
+        print(f"(b) Megatron {a.large_gib} GiB ...", file=sys.stderr, flush=True)
+        large = import_megatron.run(a.large_gib, base)
+
+        for r in (small, large):
+            i, s = r["import"], r["save"]
+            name = f"(b) Megatron tp4 pp2 {r['files_bytes'] / GIB:.2f} GiB bf16 -> Orbax"
+            floor = r["cat_s"] + s["seconds"]
+            ratio = i["seconds"] / floor
+            row(rows, name, "import time", f"{i['seconds']:.1f} s, {i['bytes'] / i['seconds'] / 1e9:.2f} GB/s",
+                f"cat {r['cat_s']:.2f} s ({r['files_bytes'] / r['cat_s'] / 1e9:.1f} GB/s) + Orbax save from memory "
+                f"{s['seconds']:.1f} s", f"{ratio:.2f} of the sum; {i['seconds'] / r['cat_s']:.0f}x cat, "
+                f"{i['seconds'] / s['seconds']:.2f}x save", "<= 1.25", ratio <= 1.25)
+            row(rows, name, "peak RSS", f"{i['peak_rss'] / GIB:.2f} GiB",
+                f"{s['peak_rss'] / GIB:.2f} GiB (arrays in memory, then save)", f"{i['peak_rss'] / s['peak_rss']:.2f}",
+                "", True)
+        growth = large["import"]["peak_rss"] / small["import"]["peak_rss"]
+        row(rows, "(b) import peak RSS, large vs small", "RSS ratio",
+            f"{large['import']['peak_rss'] / GIB:.2f} vs {small['import']['peak_rss'] / GIB:.2f} GiB",
+            f"checkpoint {large['files_bytes'] / small['files_bytes']:.1f}x larger", f"{growth:.2f}", "<= 1.2",
+            growth <= 1.2)
+        # (c)
+        rc = other / same
+        row(rows, "(c) restore the (b) checkpoint (saved on tp=4,pp=2)", "restore time",
+            f"{other:.2f} s onto fsdp=2,tp=2,pp=2", f"{same:.2f} s onto tp=4,pp=2", f"{rc:.2f}", "<= 1.2", rc <= 1.2)
+        # (d)
+        one, two = rd[1][0], rd[2]
+        fr = [p["bytes_read"] / p["tensor_bytes"] for p in two]
+        row(rows, f"(d) import the {a.small_gib:g} GiB source: 2 processes x 4 devices", "bytes read / process",
+            " / ".join(f"{x:.1%}" for x in fr), f"{one['bytes_read'] / one['tensor_bytes']:.1%} (1 process x 8)",
+            f"{max(fr):.3f}", "<= 0.55", max(fr) <= 0.55)
+        t2 = max(p["seconds"] for p in two)
+        row(rows, "(d) same", "import time", f"{t2:.1f} s (both processes share the 2 cores)",
+            f"{one['seconds']:.1f} s", f"{t2 / one['seconds']:.2f}", "", True)
+    finally:
+        if a.dir is None:
+            shutil.rmtree(base, ignore_errors=True)
+
+    print(f"Machine: {where}\n")
+    print("| benchmark | measure | hybridckpt | reference | ratio | target | met |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
+if __name__ == "__main__":
+    main()
