@@ -30,9 +30,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def _hypothesis(name: str, cases: int, seed_value: int | None, work: str):
-    from hypothesis import HealthCheck, Phase, given, seed, settings
-
     from attacks import fuzzers
+    from hypothesis import HealthCheck, Phase, given, seed, settings
 
     target = fuzzers.TARGETS[name]
     state = target.setup(tempfile.mkdtemp(dir=work))

@@ -73,7 +73,10 @@ def combine(parts: Iterable[int]) -> int:
 
 
 def of_array(x) -> int:
-    """Checksum of a numpy array or a (possibly sharded) jax.Array, shard by shard."""
+    """Checksum of a numpy array or a (possibly sharded) jax.Array, shard by shard (computed by
+    `checksum_fast`, which gives `box_part`'s values about 40x faster)."""
+    from hybridckpt.checksum_fast import box_part as fast_part
+
     if isinstance(x, jax.Array):
         seen: set = set()
         parts = []
@@ -85,10 +88,10 @@ def of_array(x) -> int:
             if box in seen:
                 continue
             seen.add(box)
-            parts.append(box_part(tuple(x.shape), box, np.asarray(shard.data)))
+            parts.append(fast_part(tuple(x.shape), box, np.asarray(shard.data)))
         return combine(parts)
     x = np.asarray(x)
-    return box_part(x.shape, tuple((0, n) for n in x.shape), x)
+    return fast_part(x.shape, tuple((0, n) for n in x.shape), x)
 
 
 def to_hex(value: int) -> str:

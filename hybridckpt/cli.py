@@ -111,7 +111,7 @@ def cmd_import(a) -> int:
             a.src, a.dst, fmt=a.format, mesh=a.mesh, config_path=a.config, rules_path=a.rules,
             params_only=a.params_only, dtype=a.dtype,
             indivisible="replicate" if a.replicate_indivisible else "error",
-            overwrite=a.overwrite, progress=prog,
+            overwrite=a.overwrite, progress=prog, io_threads=a.io_threads,
         )
     print(f"imported {s.source_format} checkpoint into {s.destination} at step {s.step} on mesh {s.mesh}"
           f" ({'with' if s.with_optimizer else 'without'} optimizer state)")
@@ -129,7 +129,7 @@ def cmd_export(a) -> int:
             a.src, a.out, fmt=a.format, step=a.step, optimizer=a.optimizer, config_path=a.config,
             rules_path=a.rules, dtype=a.dtype,
             max_shard_bytes=int(a.max_shard_gb * 1024**3) if a.max_shard_gb else None,
-            overwrite=a.overwrite, progress=prog,
+            overwrite=a.overwrite, progress=prog, io_threads=a.io_threads,
         )
     print(f"exported {s.source_format} checkpoint to {s.destination}: {', '.join(s.files)}")
     print(_summary(s.tensors, s.bytes, s.seconds))
@@ -209,9 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="show the traceback of errors")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def common(sp, *, fmt=True, config=True):
+    def common(sp, *, fmt=True, config=True, io=False):
         if fmt:
             sp.add_argument("--format", default="auto", choices=FORMAT_CHOICES, help="source format (default: detect)")
+        if io:
+            sp.add_argument("--io-threads", type=int, metavar="N",
+                            help="parallel byte-range readers (default: $HYBRIDCKPT_IO_THREADS, else 2 x cores, 4..16)")
         if config:
             sp.add_argument("--config", help="HF config.json or Meta params.json, for sources that carry no model config")
         sp.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -232,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--replicate-indivisible", action="store_true",
                    help="replicate a dimension the mesh cannot divide instead of failing")
     s.add_argument("--overwrite", action="store_true", help="replace an existing DST")
-    common(s)
+    common(s, io=True)
     s.set_defaults(fn=cmd_import)
 
     s = sub.add_parser("export", help="Orbax or any supported checkpoint -> single-card HF safetensors")
@@ -244,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rules", help="a rules file applied before the format's own rules")
     s.add_argument("--max-shard-gb", type=float, help="shard size above which files are split (default 5)")
     s.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
-    common(s)
+    common(s, io=True)
     s.set_defaults(fn=cmd_export)
 
     s = sub.add_parser(

@@ -103,13 +103,7 @@ class ImportSummary:
     notes: tuple[str, ...] = ()
 
 
-def adamw_state(params: Any, mu: Any, nu: Any, count: int) -> Any:
-    """An `optax.adamw` state holding the given moments and step count (count replicated int32)."""
-    import optax
-
-    state = jax.eval_shape(optax.adamw(1e-3).init, params)
-    first = state[0]._replace(count=jnp.asarray(count, dtype=jnp.int32), mu=mu, nu=nu)
-    return (first,) + tuple(state[1:])
+from hybridckpt.restore import adamw_state  # noqa: E402 - re-exported for callers
 
 
 def import_checkpoint(

@@ -206,7 +206,7 @@ def test_cli_inspect_import_export_verify(hf_dirs, tmp_path, capsys):
     info = json.loads(out)
     assert code == 0 and info["format"] == "hf" and info["config"]["family"] == "gpt2"
     ckpt, out_dir = str(tmp_path / "ckpt"), str(tmp_path / "out")
-    assert _cli(capsys, "import", folder, ckpt, "--mesh", "fsdp=2,pp=2", "--quiet")[0] == 0
+    assert _cli(capsys, "import", folder, ckpt, "--mesh", "fsdp=2,pp=2", "--io-threads", "2", "--quiet")[0] == 0
     code, out, _ = _cli(capsys, "inspect", ckpt)
     assert code == 0 and "layers.qkv.kernel" in out
     assert _cli(capsys, "export", ckpt, out_dir, "--quiet")[0] == 0
