@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import pickletools
 import reprlib
 import secrets
 from collections.abc import Mapping
@@ -54,33 +53,8 @@ BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 _BINBYTES, _BINBYTES8, _FRAME, _STOP = ord("B"), 0x8E, 0x95, ord(".")
 _BINUNICODE, _BINPERSID = b"X", b"Q"
 LAZY_MIN_BYTES = 4096
-_FIXED, _COUNTED, _LINES, _NOARG = range(4)
-_COUNT_BYTES = {
-    pickletools.TAKEN_FROM_ARGUMENT1: (1, False),
-    pickletools.TAKEN_FROM_ARGUMENT4: (4, True),
-    pickletools.TAKEN_FROM_ARGUMENT4U: (4, False),
-    pickletools.TAKEN_FROM_ARGUMENT8U: (8, False),
-}
-
-
-def _opcode_table() -> list:
-    """Per opcode byte: (argument kind, size, signed), from pickletools' opcode descriptions."""
-    table: list = [None] * 256
-    for op in pickletools.opcodes:
-        arg = op.arg
-        if arg is None:
-            spec = (_NOARG, 0, False)
-        elif arg.n >= 0:
-            spec = (_FIXED, arg.n, False)
-        elif arg.n == pickletools.UP_TO_NEWLINE:
-            spec = (_LINES, 2 if arg.name.endswith("_pair") else 1, False)
-        else:
-            spec = (_COUNTED, *_COUNT_BYTES[arg.n])
-        table[ord(op.code)] = spec
-    return table
-
-
-_TABLE = _opcode_table()
+_TABLE = up.OPCODE_ARGS  # (argument kind, size, signed) per opcode byte
+_FIXED, _COUNTED, _LINES = up.ARG_FIXED, up.ARG_COUNTED, up.ARG_LINES
 
 
 def _short(obj: object, n: int = 120) -> str:

@@ -354,6 +354,10 @@ def _opcode_table() -> list:
 
 
 _TABLE = _opcode_table()
+# public for other opcode walkers (paddle_pickle's lazy scan): per opcode byte,
+# (argument kind, size in bytes or lines, signed)
+OPCODE_ARGS = _TABLE
+ARG_FIXED, ARG_COUNTED, ARG_LINES, ARG_NONE = _FIXED, _COUNTED, _LINES, _NOARG
 _STOP, _FRAME = ord("."), 0x95
 _LONG_BINPUT, _PUT = ord("r"), ord("p")
 
