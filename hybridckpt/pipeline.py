@@ -21,6 +21,7 @@ from hybridckpt import convert, lazy
 from hybridckpt.errors import CheckpointError, ConfigError, MappingError
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.mesh import MeshShape, mesh_from_shape, opt_state_shardings, tree_shardings
+from hybridckpt.restore import adamw_state
 from hybridckpt.rules import load_rules
 
 Progress = Callable[[str, int], None]  # (tensor name, bytes) after each tensor
@@ -102,8 +103,6 @@ class ImportSummary:
     with_optimizer: bool
     notes: tuple[str, ...] = ()
 
-
-from hybridckpt.restore import adamw_state  # noqa: E402 - re-exported for callers
 
 
 def import_checkpoint(
