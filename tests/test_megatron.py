@@ -419,3 +419,25 @@ def test_import_restore_export_bitwise(tmp_path, family, opts, mesh_a, mesh_b):
     assert_same(mu, ref.exp_avg, "exp_avg")
     assert_same(nu, ref.exp_avg_sq, "exp_avg_sq")
     assert step == 33
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_logits_equal_transformers_on_the_reference(tmp_path, family):
+    """Megatron tp2 pp2 -> our model's logits equal transformers' forward on the unsplit reference."""
+    import transformers
+
+    from hybridckpt import pipeline
+
+    ref = make_llama(**LLAMA, seed=32) if family == "llama" else make_gpt2(**GPT2, seed=32)
+    write_megatron(str(tmp_path), ref, tp=2, pp=2, keys="mcore" if family == "llama" else "legacy")
+    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in ref.config.items() if k != "architectures"})
+    cfg._attn_implementation = "eager"
+    cls = transformers.LlamaForCausalLM if family == "llama" else transformers.GPT2LMHeadModel
+    model = cls(cfg).eval()
+    missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in ref.weights.items()}, strict=False)
+    assert not unexpected and all(k == "lm_head.weight" for k in missing)  # GPT-2's head is tied
+    tokens = np.random.default_rng(2).integers(0, 100, (2, 9)).astype(np.int32)
+    with torch.no_grad():
+        want = model(torch.from_numpy(tokens).long()).logits.numpy()
+    got = pipeline.logits(str(tmp_path), tokens, mesh="fsdp=2,pp=2")
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)

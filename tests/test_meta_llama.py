@@ -159,3 +159,40 @@ def test_import_restore_export_bitwise(tmp_path):
     write_meta(src, ref, mp=2, generation=3)
     params, _, _, _ = roundtrip(src, str(tmp_path), mesh_a="fsdp=2,tp=2,pp=2", mesh_b="tp=4", optimizer=False)
     assert_same(params, ref.weights)
+
+
+def test_logits_equal_transformers_after_hfs_own_permute(tmp_path):
+    """The imported model's logits equal transformers' LlamaForCausalLM built from the unsplit
+    Meta weights after HF's own permute (convert_llama_weights_to_hf.py: `permute`)."""
+    import transformers
+
+    from hybridckpt import pipeline
+
+    ref = meta_llama_reference(seed=9, heads=4, kv_heads=2)
+    write_meta(str(tmp_path), ref, mp=2, generation=3)
+    heads, kv = ref.config["num_attention_heads"], ref.config["num_key_value_heads"]
+
+    def hf_permute(w, n_heads):  # transformers' own code, on the unsplit Meta rows
+        t = torch.from_numpy(w)
+        dim1, dim2 = t.shape
+        return t.view(n_heads, dim1 // n_heads // 2, 2, dim2).transpose(1, 2).reshape(dim1, dim2)
+
+    state = {}
+    for n, w in ref.weights.items():
+        if n.endswith("q_proj.weight"):
+            meta_rows = to_meta_rows(w, heads)
+            assert not np.array_equal(meta_rows, w)
+            state[n] = hf_permute(meta_rows, heads)
+        elif n.endswith("k_proj.weight"):
+            state[n] = hf_permute(to_meta_rows(w, kv), kv)
+        else:
+            state[n] = torch.from_numpy(w)
+    cfg = transformers.LlamaConfig(**{k: v for k, v in ref.config.items() if k not in ("architectures", "multiple_of")})
+    cfg._attn_implementation = "eager"
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.load_state_dict(state, strict=True)
+    tokens = np.random.default_rng(1).integers(0, ref.config["vocab_size"], (2, 10)).astype(np.int32)
+    with torch.no_grad():
+        want = model(torch.from_numpy(tokens).long()).logits.numpy()
+    got = pipeline.logits(str(tmp_path), tokens, mesh="fsdp=2,tp=2")
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
