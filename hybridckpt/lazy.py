@@ -19,6 +19,7 @@ Views:
                    across ranks, then reshaped: ZeRO, Megatron distributed optimizer, Paddle v2).
 - `Take`           indices along an axis (RoPE row permutation).
 - `Cast`           another dtype.
+- `Bitcast`        the same bytes viewed as another dtype of the same itemsize.
 """
 
 from __future__ import annotations
@@ -518,6 +519,26 @@ class Take(LazyTensor):
         sub[self.axis] = (lo, hi)
         hull = self.src.read_box(tuple(sub))
         return np.ascontiguousarray(np.take(hull, idx - lo, axis=self.axis))
+
+
+@dataclass(frozen=True, eq=False)
+class Bitcast(LazyTensor):
+    """`src` with each element's bytes viewed as `dtype` of the same itemsize (bf16 <-> uint16
+    bits); no value changes."""
+
+    src: LazyTensor
+    dtype: np.dtype
+
+    def __post_init__(self):
+        if np.dtype(self.src.dtype).itemsize != np.dtype(self.dtype).itemsize:
+            raise FormatError(f"cannot view {self.src.dtype} as {self.dtype}: item sizes differ")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.src.shape
+
+    def read_box(self, box: Box) -> np.ndarray:
+        return np.ascontiguousarray(self.src.read_box(box)).view(self.dtype)
 
 
 @dataclass(frozen=True, eq=False)

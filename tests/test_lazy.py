@@ -197,3 +197,13 @@ def test_concat_and_stack_refuse_mismatched_parts():
         lazy.Concat((a, b), 0)
     with pytest.raises(FormatError, match="cannot stack"):
         lazy.Stack((a, b))
+
+
+def test_bitcast_views_bytes_without_changing_them():
+    vals = np.array([[1.5, -2.25], [3.0e-3, 65504.0]], dtype=np.float32).astype(ml_dtypes.bfloat16)
+    bits = lazy.Bitcast(lazy.ArrayTensor(vals), np.dtype(np.uint16))
+    np.testing.assert_array_equal(bits.read_box(((1, 2), (0, 2))), vals.view(np.uint16)[1:2])
+    back = lazy.Bitcast(bits, np.dtype(ml_dtypes.bfloat16)).materialize()
+    np.testing.assert_array_equal(back.view(np.uint16), vals.view(np.uint16))
+    with pytest.raises(FormatError, match="item sizes differ"):
+        lazy.Bitcast(lazy.ArrayTensor(vals), np.dtype(np.float32))

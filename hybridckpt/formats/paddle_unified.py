@@ -24,7 +24,6 @@ import builtins
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -32,7 +31,7 @@ from hybridckpt import lazy
 from hybridckpt.errors import ConfigError, FormatError, MappingError
 from hybridckpt.formats import hf, paddle
 from hybridckpt.io import safetensors_file
-from hybridckpt.lazy import Box, LazyTensor
+from hybridckpt.lazy import LazyTensor
 from hybridckpt.source import OptimizerState, SourceCheckpoint
 
 NAME = "paddle-unified"
@@ -125,23 +124,8 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
 # -- export ----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, eq=False)
-class _Bits(LazyTensor):
-    """`src` with each element's bytes viewed as `dtype` (same itemsize): bf16 -> U16 bits."""
-
-    src: LazyTensor
-    dtype: np.dtype
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.src.shape
-
-    def read_box(self, box: Box) -> np.ndarray:
-        return np.ascontiguousarray(self.src.read_box(box)).view(self.dtype)
-
-
 def _storable(t: LazyTensor) -> LazyTensor:
-    return _Bits(t, np.dtype(np.uint16)) if np.dtype(t.dtype) == paddle.BF16 else t
+    return lazy.Bitcast(t, np.dtype(np.uint16)) if np.dtype(t.dtype) == paddle.BF16 else t
 
 
 def _write_group(

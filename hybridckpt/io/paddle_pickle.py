@@ -425,7 +425,8 @@ def read(path: str) -> PaddleDict:
 def reinterpret(t: LazyTensor, dtype) -> LazyTensor:
     """`t` with its bytes viewed as another dtype of the same itemsize (uint16 bits -> bfloat16).
 
-    Works through the views paddle files produce (stored, in-memory, joined big params)."""
+    Pushed down into the views paddle files produce (stored, in-memory, joined big params) so
+    reads stay single views; any other view gets a `lazy.Bitcast` on top."""
     dtype = np.dtype(dtype)
     if np.dtype(t.dtype) == dtype:
         return t
@@ -443,4 +444,4 @@ def reinterpret(t: LazyTensor, dtype) -> LazyTensor:
         return lazy.Transpose(reinterpret(t.src, dtype), t.perm)
     if isinstance(t, lazy.Slice):
         return lazy.Slice(reinterpret(t.src, dtype), t.region)
-    raise FormatError(f"cannot view a {type(t).__name__} as {dtype}")
+    return lazy.Bitcast(t, dtype)
