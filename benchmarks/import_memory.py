@@ -3,7 +3,8 @@
     python benchmarks/import_memory.py [--sizes 0.5 2] [--dir DIR] [--keep]
 
 For each size (GiB of bf16 weights) a synthetic Llama-like Megatron checkpoint (mcore names,
-tp=2, pp=2, GQA, SwiGLU, padded vocab, no optimizer) is written with torch in one subprocess;
+tp=2, pp=2, GQA, SwiGLU, no optimizer; written by import_megatron.py's writer) is written with
+torch in one subprocess;
 a second subprocess (torch never imported) opens it with `hybridckpt.formats.open_source`, maps
 it to HF names with its `hf_rules`, then materialises one HF tensor at a time and drops it.
 Printed per size: checkpoint bytes, largest HF tensor (bytes), peak RSS after `open` and after
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import resource
 import shutil
@@ -25,90 +25,20 @@ import sys
 import tempfile
 import time
 
-HIDDEN, HEADS, KV, FFN, VOCAB = 2048, 16, 8, 5632, 32003
+import import_megatron  # benchmarks/import_megatron.py: the synthetic Megatron writer
+
+# the synthetic Megatron writer is import_megatron's (same folder), at tp 2 x pp 2 here
 TP, PP = 2, 2
 
 
 def layers_for(gib: float) -> int:
     """Layers (a multiple of PP) so that the bf16 weights are about `gib` GiB."""
-    hd = HIDDEN // HEADS
-    per_layer = (HEADS + 2 * KV) * hd * HIDDEN + HIDDEN * HEADS * hd + 3 * FFN * HIDDEN + 2 * HIDDEN
-    padded = math.ceil(VOCAB / (128 * TP)) * 128 * TP
-    rest = gib * 2**30 / 2 - 2 * padded * HIDDEN
-    return max(PP, round(rest / per_layer / PP) * PP)
+    return import_megatron.layers_for(gib, tp=TP, pp=PP)
 
 
 def write(root: str, layers: int) -> None:
     """Write the checkpoint rank by rank (only one rank's tensors in memory at a time)."""
-    import argparse as ap
-
-    import torch
-
-    hd = HIDDEN // HEADS
-    padded = math.ceil(VOCAB / (128 * TP)) * 128 * TP
-    it = os.path.join(root, "iter_0000010")
-    os.makedirs(it, exist_ok=True)
-    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
-        f.write("10")
-    args = ap.Namespace(
-        num_layers=layers,
-        hidden_size=HIDDEN,
-        ffn_hidden_size=FFN,
-        num_attention_heads=HEADS,
-        kv_channels=hd,
-        group_query_attention=True,
-        num_query_groups=KV,
-        max_position_embeddings=4096,
-        position_embedding_type="rope",
-        rotary_base=10000,
-        normalization="RMSNorm",
-        norm_epsilon=1e-5,
-        swiglu=True,
-        untie_embeddings_and_output_weights=True,
-        padded_vocab_size=padded,
-        vocab_size=VOCAB,
-        tensor_model_parallel_size=TP,
-        pipeline_model_parallel_size=PP,
-        virtual_pipeline_model_parallel_size=None,
-        data_parallel_size=1,
-        params_dtype=torch.bfloat16,
-        use_distributed_optimizer=False,
-    )
-    g = torch.Generator().manual_seed(0)
-
-    def rnd(*shape):
-        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
-
-    per_stage = layers // PP
-    for p in range(PP):
-        for r in range(TP):
-            sd = {}
-            if p == 0:
-                sd["embedding.word_embeddings.weight"] = rnd(padded // TP, HIDDEN)
-            for j in range(per_stage):
-                pre = f"decoder.layers.{j}."
-                sd[pre + "self_attention.linear_proj.weight"] = rnd(HIDDEN, HEADS * hd // TP)
-                sd[pre + "self_attention.linear_qkv.layer_norm_weight"] = torch.ones(
-                    HIDDEN, dtype=torch.bfloat16
-                )
-                sd[pre + "self_attention.linear_qkv.weight"] = rnd(
-                    (HEADS + 2 * KV) * hd // TP, HIDDEN
-                )
-                sd[pre + "mlp.linear_fc1.layer_norm_weight"] = torch.ones(
-                    HIDDEN, dtype=torch.bfloat16
-                )
-                sd[pre + "mlp.linear_fc1.weight"] = rnd(2 * FFN // TP, HIDDEN)
-                sd[pre + "mlp.linear_fc2.weight"] = rnd(HIDDEN, FFN // TP)
-            if p == PP - 1:
-                sd["decoder.final_layernorm.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
-                sd["output_layer.weight"] = rnd(padded // TP, HIDDEN)
-            d = os.path.join(it, f"mp_rank_{r:02d}_{p:03d}")
-            os.makedirs(d, exist_ok=True)
-            torch.save(
-                {"args": args, "checkpoint_version": 3.0, "iteration": 10, "model": sd},
-                os.path.join(d, "model_optim_rng.pt"),
-            )
-            del sd
+    import_megatron.write(root, layers, tp=TP, pp=PP)
 
 
 def _rss_mib() -> float:
