@@ -8,6 +8,11 @@ Every view also has `read_into(box, out)`, which fills a caller's preallocated a
 or a strided view of one): chains of stored pieces, concatenations, stacks and slices land in one
 buffer with no intermediate copies (`read_box` allocates that buffer and calls it).
 
+`file_runs(box, limit)` says where a box's bytes already lie in files, in C order, when a view
+only rearranges stored bytes (concatenations, stacks, slices, reshapes; not casts, transposes or
+in-memory arrays): an export then copies those runs file to file (`ByteSource.copy_to`) instead
+of reading them (`copy_runs` picks the tensors worth it).
+
 Views:
 - `ArrayTensor`    an in-memory numpy array.
 - `StoredTensor`   C-contiguous bytes at an offset of a file (one pread per contiguous run).
@@ -25,8 +30,9 @@ Views:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -121,6 +127,77 @@ def box_runs(shape: Sequence[int], box: Box) -> tuple[np.ndarray, int]:
     return starts, run_len
 
 
+class FileRun(NamedTuple):
+    """`nbytes` bytes at byte `offset` of `source`: a contiguous piece of a tensor's C-order bytes."""
+
+    source: ByteSource
+    offset: int
+    nbytes: int
+
+
+def _join_runs(groups: Iterable[list[FileRun] | None], limit: int) -> list[FileRun] | None:
+    """The runs of `groups` in order, touching ones merged; None when a group is None or the
+    total passes `limit` (stops consuming `groups` there)."""
+    out: list[FileRun] = []
+    for runs in groups:
+        if runs is None:
+            return None
+        for r in runs:
+            last = out[-1] if out else None
+            if last is not None and last.source == r.source and last.offset + last.nbytes == r.offset:
+                out[-1] = FileRun(r.source, last.offset, last.nbytes + r.nbytes)
+            else:
+                out.append(r)
+                if len(out) > limit:
+                    return None
+    return out
+
+
+def tiled_file_runs(
+    box: Box, pieces: Iterable[tuple[Sequence[int], LazyTensor]], limit: int
+) -> list[FileRun] | None:
+    """`file_runs` of `box` over blocks `pieces` (`(offsets, block)`) that tile the tensor.
+
+    Along the first dimension where the box is longer than 1 (the box is a single index before
+    it), blocks that each span the rest of the box are its C order one after another; otherwise
+    the box is split into unit slices on that dimension and each is walked the same way.
+    """
+    hits = []
+    for offs, block in pieces:
+        sub = []
+        for (a, b), o, n in zip(box, offs, block.shape, strict=True):
+            s, e = max(a, o), min(b, o + n)
+            if s >= e:
+                break
+            sub.append((s - o, e - o))
+        else:
+            hits.append((tuple(offs), block, tuple(sub)))
+    if len(hits) <= 1:
+        return [] if not hits else hits[0][1].file_runs(hits[0][2], limit)
+    d = next((i for i, (a, b) in enumerate(box) if b - a > 1), None)
+    if d is None:  # blocks that overlap: not a tiling
+        return None
+    if all(box_shape(sub)[d + 1 :] == box_shape(box)[d + 1 :] for _, _, sub in hits):
+        hits.sort(key=lambda h: h[0][d])
+        return _join_runs((block.file_runs(sub, limit) for _, block, sub in hits), limit)
+    a, b = box[d]
+    if (b - a) * 2 > limit:
+        return None
+    rows = (box[:d] + ((i, i + 1),) + box[d + 1 :] for i in range(a, b))
+    return _join_runs((tiled_file_runs(r, pieces, limit) for r in rows), limit)
+
+
+MIN_COPY_RUN_BYTES = 64 << 10  # bytes: a tensor whose runs average less is read and written instead
+
+
+def copy_runs(t: LazyTensor) -> list[FileRun] | None:
+    """The file runs of all of `t` when it is worth copying file to file: at most a few runs
+    (4) or runs of `MIN_COPY_RUN_BYTES` on average; else None."""
+    if t.nbytes == 0:
+        return None
+    return t.file_runs(full_box(t.shape), max(4, t.nbytes // MIN_COPY_RUN_BYTES))
+
+
 COPY_BLOCK = 256  # elements per side of the square tiles a transposing copy moves at a time
 
 
@@ -164,6 +241,11 @@ class LazyTensor:
         """Write the box into `out` (shape = the box's shape, dtype = `self.dtype`, any strides:
         views pass transposed views of the buffer down instead of copying twice)."""
         copy_into(out, self.read_box(box))
+
+    def file_runs(self, box: Box, limit: int) -> list[FileRun] | None:
+        """The box's C-order little-endian bytes as at most `limit` runs of file bytes, or None
+        when they are not stored that way (or need more runs)."""
+        return None
 
     # -- conveniences -------------------------------------------------------------------
     @property
@@ -258,6 +340,20 @@ class StoredTensor(LazyTensor):
             pos += length
             i = j
 
+    def file_runs(self, box: Box, limit: int) -> list[FileRun] | None:
+        starts, run_len = box_runs(self.shape, box)
+        if run_len == 0 or len(starts) == 0:
+            return []
+        breaks = np.flatnonzero(np.diff(starts) != run_len) + 1  # runs that touch are one run
+        if len(breaks) + 1 > limit:
+            return None
+        item = np.dtype(self.dtype).itemsize
+        edges = [0, *breaks.tolist(), len(starts)]
+        return [
+            FileRun(self.source, self.offset + int(starts[i]) * item, (j - i) * run_len * item)
+            for i, j in zip(edges[:-1], edges[1:], strict=True)
+        ]
+
     def read_flat(self, start: int, stop: int) -> np.ndarray:
         out = np.empty(max(0, stop - start), dtype=self.dtype)
         item = out.dtype.itemsize
@@ -291,6 +387,9 @@ class Slice(LazyTensor):
 
     def read_into(self, box: Box, out: np.ndarray) -> None:
         self.src.read_into(self._shift(box), out)
+
+    def file_runs(self, box: Box, limit: int) -> list[FileRun] | None:
+        return self.src.file_runs(self._shift(box), limit)
 
 
 @dataclass(frozen=True, eq=False)
@@ -349,6 +448,14 @@ class Concat(LazyTensor):
                 where[self.axis] = slice(s - a, e - a)
                 p.read_into(tuple(sub), out[tuple(where)])
 
+    def file_runs(self, box: Box, limit: int) -> list[FileRun] | None:
+        pieces = []
+        for p, lo in zip(self.parts, self._bounds[:-1], strict=True):
+            offs = [0] * len(box)
+            offs[self.axis] = lo
+            pieces.append((offs, p))
+        return tiled_file_runs(box, pieces, limit)
+
 
 @dataclass(frozen=True, eq=False)
 class Stack(LazyTensor):
@@ -383,6 +490,10 @@ class Stack(LazyTensor):
         a, b = box[0]
         for i in range(a, b):
             self.parts[i].read_into(box[1:], out[i - a])
+
+    def file_runs(self, box: Box, limit: int) -> list[FileRun] | None:
+        a, b = box[0]
+        return _join_runs((self.parts[i].file_runs(box[1:], limit) for i in range(a, b)), limit)
 
 
 @dataclass(frozen=True, eq=False)
@@ -421,6 +532,13 @@ class Transpose(LazyTensor):
         tiled copy at the bottom of the chain."""
         inverse = tuple(int(i) for i in np.argsort(self.perm))
         self.src.read_into(self._src_box(box), out.transpose(inverse))
+
+    def file_runs(self, box: Box, limit: int) -> list[FileRun] | None:
+        """Only when the box's dims longer than 1 keep their order (the C order is unchanged)."""
+        moved = [p for p, (a, b) in zip(self.perm, box, strict=True) if b - a > 1]
+        if moved != sorted(moved):
+            return None
+        return self.src.file_runs(self._src_box(box), limit)
 
 
 @dataclass(frozen=True, eq=False)
@@ -471,6 +589,23 @@ class Reshape(LazyTensor):
             tmp = np.empty(out.shape, dtype=self.dtype)
             self._runs_into(box, tmp)
             copy_into(out, tmp)
+
+    def file_runs(self, box: Box, limit: int) -> list[FileRun] | None:
+        if any(b <= a for a, b in box):
+            return []
+        src_box = self._unit_box(box)
+        if src_box is not None:
+            return self.src.file_runs(src_box, limit)
+        starts, run_len = box_runs(self.shape, box)
+        if run_len == 0 or len(starts) == 0:
+            return []
+        breaks = np.flatnonzero(np.diff(starts) != run_len) + 1
+        if len(breaks) + 1 > limit:
+            return None
+        edges = [0, *breaks.tolist(), len(starts)]
+        flat = ((int(starts[i]), int(starts[i]) + (j - i) * run_len) for i, j in zip(edges[:-1], edges[1:], strict=True))
+        boxes = (b for s, e in flat for b in flat_boxes(self.src.shape, s, e))
+        return _join_runs((self.src.file_runs(b, limit) for b in boxes), limit)
 
     def _runs_into(self, box: Box, out: np.ndarray) -> None:
         """Fill the C-contiguous `out` run by run (runs that touch merged into one read)."""
@@ -540,6 +675,9 @@ class Bitcast(LazyTensor):
     def read_box(self, box: Box) -> np.ndarray:
         return np.ascontiguousarray(self.src.read_box(box)).view(self.dtype)
 
+    def file_runs(self, box: Box, limit: int) -> list[FileRun] | None:
+        return self.src.file_runs(box, limit)
+
 
 @dataclass(frozen=True, eq=False)
 class Cast(LazyTensor):
@@ -606,6 +744,15 @@ def slice_axis(t: LazyTensor, axis: int, start: int, stop: int) -> LazyTensor:
     region = list(full_box(t.shape))
     region[axis] = (start, stop)
     return Slice(t, tuple(region))
+
+
+def index0(t: LazyTensor, i: int) -> LazyTensor:
+    """`t[i]`: shape `t.shape[1:]` (one layer of a stacked tensor). The part itself when `t` is a
+    `Stack`, so unstacking what was stacked gives back the original views (and transposes on
+    either side fold into one)."""
+    if isinstance(t, Stack):
+        return t.parts[i]
+    return reshape(Slice(t, ((i, i + 1),) + full_box(t.shape[1:])), t.shape[1:])
 
 
 def concat(parts: Sequence[LazyTensor], axis: int) -> LazyTensor:

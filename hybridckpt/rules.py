@@ -514,8 +514,7 @@ class RuleSet:
         for name, t in tensors.items():
             if name in stacked_bases:
                 for i in range(t.shape[0]):
-                    region = ((i, i + 1),) + lazy.full_box(t.shape[1:])
-                    expanded[f"{name}[{i}]"] = lazy.reshape(lazy.Slice(t, region), t.shape[1:])
+                    expanded[f"{name}[{i}]"] = lazy.index0(t, i)
             else:
                 expanded[name] = t
         return self.apply(expanded, strict=strict)

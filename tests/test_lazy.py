@@ -15,14 +15,6 @@ from hybridckpt.io.byte_source import ByteSource, count_reads
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@pytest.fixture(scope="module")
-def blob(tmp_path_factory):
-    """A file of 4096 float32 values 0..4095 (value == flat element index)."""
-    path = tmp_path_factory.mktemp("lazy") / "blob.bin"
-    np.arange(4096, dtype=np.float32).tofile(path)
-    return str(path)
-
-
 def _stored(blob, shape, start=0):
     return lazy.StoredTensor(ByteSource(blob), start * 4, tuple(shape), np.dtype(np.float32)), (
         np.arange(4096, dtype=np.float32)[start : start + math.prod(shape)].reshape(shape)

@@ -54,7 +54,7 @@ from hybridckpt.io.dcp_metadata import (
     read_metadata,
 )
 from hybridckpt.io.safetensors_file import read_header
-from hybridckpt.lazy import Box, LazyTensor, box_shape
+from hybridckpt.lazy import Box, FileRun, LazyTensor, box_shape, tiled_file_runs
 from hybridckpt.source import OptimizerState, SourceCheckpoint
 
 NAME = "dcp"
@@ -100,6 +100,12 @@ class TorchSaveChunk(LazyTensor):
     def read_box(self, box: Box) -> np.ndarray:
         return self.tensor().read_box(box)
 
+    def read_into(self, box: Box, out: np.ndarray) -> None:
+        self.tensor().read_into(box, out)
+
+    def file_runs(self, box: Box, limit: int) -> list[FileRun] | None:
+        return self.tensor().file_runs(box, limit)
+
 
 @dataclass(frozen=True, eq=False)
 class Tiled(LazyTensor):
@@ -112,8 +118,13 @@ class Tiled(LazyTensor):
 
     def read_box(self, box: Box) -> np.ndarray:
         out = np.empty(box_shape(box), dtype=self.dtype)
+        self.read_into(box, out)
+        return out
+
+    def read_into(self, box: Box, out: np.ndarray) -> None:
+        """Each intersecting block fills its own slab of `out` (no intermediate copy)."""
         if out.size == 0:
-            return out
+            return
         for offs, block in self.pieces:
             sub, dst = [], []
             for (a, b), o, n in zip(box, offs, block.shape, strict=True):
@@ -123,8 +134,10 @@ class Tiled(LazyTensor):
                 sub.append((s - o, e - o))
                 dst.append(slice(s - a, e - a))
             else:
-                out[tuple(dst)] = block.read_box(tuple(sub))
-        return out
+                block.read_into(tuple(sub), out[tuple(dst)])
+
+    def file_runs(self, box: Box, limit: int) -> list[FileRun] | None:
+        return tiled_file_runs(box, self.pieces, limit)
 
 
 def tiled(entry_shape: tuple[int, ...], dtype, pieces) -> LazyTensor:

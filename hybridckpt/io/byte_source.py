@@ -1,13 +1,16 @@
 """Byte-range reads from files, with a read counter.
 
 Every byte hybridckpt reads from a checkpoint goes through `ByteSource.read_into`: one `pread`
-per contiguous run, straight into a caller's preallocated buffer. `count_reads()` records how many
-bytes each file gave, so tests can prove a device's read touched only the bytes of its box.
+per contiguous run, straight into a caller's preallocated buffer, or `ByteSource.copy_to`, which
+copies a byte range into another file inside the kernel (`copy_file_range`: no user-space buffer,
+for exports that only rearrange stored bytes). `count_reads()` records how many bytes each file
+gave, so tests can prove a device's read touched only the bytes of its box.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import threading
 from collections import Counter
@@ -54,6 +57,25 @@ def count_reads() -> Iterator[Counter]:
             _counters.remove(counter)
 
 
+COPY_BUFFER_BYTES = 8 << 20  # bytes per pread/pwrite step where the kernel cannot copy
+_HAS_COPY_FILE_RANGE = hasattr(os, "copy_file_range")
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
+
+
+def _count(path: str, nbytes: int) -> None:
+    if _counters:
+        with _lock:
+            for c in _counters:
+                c[path] += nbytes
+                c[(path, "calls")] += 1
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
 @dataclass(frozen=True)
 class ByteSource:
     """A file read by byte ranges. `path` is absolute or relative to the working directory."""
@@ -66,9 +88,12 @@ class ByteSource:
 
     def read_into(self, offset: int, buffer: memoryview) -> None:
         """Fill `buffer` with the bytes at `[offset, offset + len(buffer))` of the file."""
+        if len(buffer):
+            self._pread_into(offset, buffer)
+            _count(self.path, len(buffer))
+
+    def _pread_into(self, offset: int, buffer: memoryview) -> None:
         want = len(buffer)
-        if want == 0:
-            return
         if offset < 0:  # a corrupt offset field: pread would fail with EINVAL
             raise FormatError(f"{self.path}: read at byte {offset}, before the start of the file")
         fd = _fd(self.path)
@@ -86,11 +111,39 @@ class ByteSource:
                     f"but the file ends at {offset + done}"
                 )
             done += got
-        if _counters:
-            with _lock:
-                for c in _counters:
-                    c[self.path] += want
-                    c[(self.path, "calls")] += 1
+
+    def copy_to(self, offset: int, nbytes: int, out_fd: int, out_offset: int) -> None:
+        """Copy bytes `[offset, offset + nbytes)` of the file to byte `out_offset` of the open file
+        `out_fd`: `copy_file_range` where the kernel has it, else `pread` + `pwrite` through a
+        bounded buffer. Errors name this file; errors writing `out_fd` stay OSError."""
+        if offset < 0:
+            raise FormatError(f"{self.path}: read at byte {offset}, before the start of the file")
+        fd = _fd(self.path)
+        size = os.fstat(fd).st_size
+        if offset + nbytes > size:
+            raise FormatError(
+                f"{self.path}: truncated: wanted bytes [{offset}, {offset + nbytes}) but the file "
+                f"ends at {size}"
+            )
+        done = 0
+        while done < nbytes and _HAS_COPY_FILE_RANGE:
+            try:
+                got = os.copy_file_range(fd, out_fd, nbytes - done, offset + done, out_offset + done)
+            except OSError as e:
+                if e.errno in _NO_KERNEL_COPY:
+                    break  # another filesystem or an old kernel: copy through user space
+                raise
+            if got == 0:
+                break  # the end of the file, or a filesystem that reports none: pread decides
+            done += got
+        while done < nbytes:
+            n = min(COPY_BUFFER_BYTES, nbytes - done)
+            buf = memoryview(bytearray(n))
+            self._pread_into(offset + done, buf)
+            _pwrite_all(out_fd, buf, out_offset + done)
+            done += n
+        if nbytes:
+            _count(self.path, nbytes)
 
     def read(self, offset: int, nbytes: int) -> bytes:
         """The bytes at `[offset, offset + nbytes)`."""
