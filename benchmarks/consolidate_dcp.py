@@ -1,15 +1,18 @@
 """Benchmark (a): consolidate a torch DCP checkpoint into one single-card file.
 
-    python benchmarks/consolidate_dcp.py [--gib 1.1] [--dir DIR] [--keep]
+    python benchmarks/consolidate_dcp.py [--gib 1.1] [--layout fsdp|tp] [--dir DIR] [--keep]
 
 A Llama-shaped fp32 state dict under HF names (hidden 2048, MHA, SwiGLU 5632, vocab 8192,
 untied head; layers chosen for `--gib`) is saved by 2 gloo processes with
-`torch.distributed.checkpoint.save`, every tensor a DTensor sharded on dim 0 (each rank
-creates only its half), so each tensor is two chunks in two `.distcp` files. Then, each
-command in its own process under `/usr/bin/time` (wall seconds, peak RSS), page cache warm:
+`torch.distributed.checkpoint.save`, every tensor a DTensor over 2 ranks (each rank creates
+only its half), so each tensor is two chunks in two `.distcp` files. `--layout fsdp` (FSDP2)
+shards every tensor on dim 0; `--layout tp` shards `o_proj` and `down_proj` on dim 1 as tensor
+parallelism does (row-parallel: 30% of the bytes), the rest on dim 0. Then, each command in its
+own process under `/usr/bin/time` (wall seconds, peak RSS), page cache warm:
 
 - hybridckpt: `hybridckpt export DCP OUT --config config.json` (HF safetensors, streamed,
-  fsync'd before the atomic rename);
+  fsync'd before the atomic rename; dim-0 chunks are copied file to file by the kernel, dim-1
+  chunks read and interleaved);
 - torch: `dcp_to_torch_save(DCP, OUT.pt)` (torch/distributed/checkpoint/format_utils.py:
   loads the whole state dict into memory, then `torch.save`; no fsync). The same process then
   fsyncs the output, timed apart: torch's time is reported without it (as users run it) and,
@@ -17,8 +20,7 @@ command in its own process under `/usr/bin/time` (wall seconds, peak RSS), page 
 
 The two alternate twice with `sync` (untimed) before each run; the best of each is kept.
 
-Then `dd` writes the same number of bytes with `conv=fsync` (the disk's floor for a durable
-output), and a torch process checks that both outputs hold the same tensors bit for bit.
+Then a torch process checks that both outputs hold the same tensors bit for bit.
 `run(gib, base)` returns the figures; `benchmarks/run_all.py` prints them in its table.
 """
 
@@ -69,7 +71,15 @@ def shapes(layers: int) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _writer(rank: int, out: str, layers: int, port: int) -> None:
+ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+
+def shard_dim(name: str, layout: str) -> int:
+    """The dim `name` is split on over the 2 ranks under `layout` ("fsdp" or "tp")."""
+    return 1 if layout == "tp" and name.endswith(ROW_PARALLEL) else 0
+
+
+def _writer(rank: int, out: str, layers: int, port: int, layout: str) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -82,21 +92,22 @@ def _writer(rank: int, out: str, layers: int, port: int) -> None:
     g = torch.Generator().manual_seed(1000 + rank)
     sd = {}
     for name, shape in shapes(layers).items():
-        local = (shape[0] // 2,) + shape[1:]
+        dim = shard_dim(name, layout)
+        local = tuple(n // 2 if i == dim else n for i, n in enumerate(shape))
         t = torch.randn(*local, generator=g) * 0.02
-        sd[name] = DTensor.from_local(t, mesh, [Shard(0)], run_check=False)
+        sd[name] = DTensor.from_local(t, mesh, [Shard(dim)], run_check=False)
     dcp.save(sd, checkpoint_id=out)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def write(out: str, layers: int) -> None:
+def write(out: str, layers: int, layout: str) -> None:
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_writer, args=(out, layers, port), nprocs=2, start_method="fork")
+    mp.start_processes(_writer, args=(out, layers, port, layout), nprocs=2, start_method="fork")
 
 
 def torch_consolidate(src: str, dst: str) -> float:
@@ -148,21 +159,7 @@ def timed(cmd: list[str], env: dict | None = None) -> dict:
     return {"seconds": float(sec), "peak_rss": int(kib) * 1024, "fsync_s": fsync[-1] if fsync else 0.0}
 
 
-def disk_floor(path: str, nbytes: int) -> float:
-    """Seconds for `dd` to write `nbytes` of zeros and fsync them: the disk's floor for any
-    consolidation that leaves its output durable."""
-    import time
-
-    subprocess.run(["sync"], check=True)
-    t0 = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=16M", f"count={-(-nbytes // (16 << 20))}",
-                    "conv=fsync", "status=none"], check=True)
-    dt = time.perf_counter() - t0
-    os.remove(path)
-    return dt
-
-
-def run(gib: float, base: str, *, keep: bool = False, repeat: int = 2) -> dict:
+def run(gib: float, base: str, *, layout: str = "fsdp", keep: bool = False, repeat: int = 2) -> dict:
     """Write the DCP checkpoint under `base`, then time both consolidations `repeat` times,
     alternating (best of each), and check their outputs agree."""
     layers = layers_for(gib)
@@ -171,7 +168,7 @@ def run(gib: float, base: str, *, keep: bool = False, repeat: int = 2) -> dict:
     cfg = os.path.join(base, "config.json")
     with open(cfg, "w") as f:
         json.dump(hf_config(layers), f)
-    subprocess.run([sys.executable, HERE, "--_write", src, str(layers)], check=True, capture_output=True)
+    subprocess.run([sys.executable, HERE, "--_write", src, str(layers), layout], check=True, capture_output=True)
     nbytes = sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src))
     subprocess.run(["sync"], check=True)  # the write's dirty pages flushed before timing anything
     subprocess.run(["cat", *[os.path.join(src, f) for f in os.listdir(src)]], stdout=subprocess.DEVNULL, check=True)
@@ -190,7 +187,6 @@ def run(gib: float, base: str, *, keep: bool = False, repeat: int = 2) -> dict:
                 subprocess.run(["sync"], check=True)
                 runs[key].append(timed(cmd, env))
         ours = min(runs["ours"], key=lambda r: r["seconds"])
-        floor = disk_floor(os.path.join(base, "dd.bin"), nbytes)
         for r in runs["theirs"]:  # torch as users run it: without the fsync we add after it
             r["durable_seconds"], r["seconds"] = r["seconds"], r["seconds"] - r["fsync_s"]
         theirs = min(runs["theirs"], key=lambda r: r["seconds"])
@@ -202,21 +198,22 @@ def run(gib: float, base: str, *, keep: bool = False, repeat: int = 2) -> dict:
         if not keep:
             for p in (src, out_hf, out_pt):
                 shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else (os.path.exists(p) and os.remove(p))
-    return {"gib": gib, "layers": layers, "bytes": nbytes, "tensors": tensors, "hybridckpt": ours,
-            "torch": theirs, "dd_fsync_s": floor}
+    return {"gib": gib, "layout": layout, "layers": layers, "bytes": nbytes, "tensors": tensors,
+            "hybridckpt": ours, "torch": theirs}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=2.0)
+    ap.add_argument("--layout", choices=("fsdp", "tp"), default="fsdp")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--keep", action="store_true")
-    ap.add_argument("--_write", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--_write", nargs=3, help=argparse.SUPPRESS)
     ap.add_argument("--_torch", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--_check", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a._write:
-        write(a._write[0], int(a._write[1]))
+        write(a._write[0], int(a._write[1]), a._write[2])
         return
     if a._torch:
         print(f"FSYNC {torch_consolidate(*a._torch)}")
@@ -227,7 +224,7 @@ def main() -> None:
     base = a.dir or tempfile.mkdtemp(prefix="hybridckpt-bench-", dir="/tmp")
     os.makedirs(base, exist_ok=True)
     try:
-        print(json.dumps(run(a.gib, base, keep=a.keep), indent=1))
+        print(json.dumps(run(a.gib, base, layout=a.layout, keep=a.keep), indent=1))
     finally:
         if a.dir is None and not a.keep:
             shutil.rmtree(base, ignore_errors=True)

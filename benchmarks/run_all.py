@@ -4,7 +4,8 @@
 
 (a) `benchmarks/consolidate_dcp.py`: a DCP checkpoint saved by 2 gloo processes -> one file,
     `hybridckpt export` vs torch's `dcp_to_torch_save` (wall time and peak RSS of each process,
-    best of 2 alternating runs).
+    best of 2 alternating runs), for the FSDP2 layout (every tensor split on dim 0) and the
+    tensor-parallel one (row-parallel weights split on dim 1).
 (b) `benchmarks/import_megatron.py`: Megatron tp=4 pp=2 (bf16) -> Orbax, at two sizes: import
     time against `cat` of the files plus Orbax saving the same arrays from memory; peak RSS.
     The small size runs import and save twice, alternating (best time, highest RSS); the large
@@ -80,23 +81,22 @@ def main() -> None:
     where = machine()
     rows: list[tuple] = []
     try:
-        # (a)
-        print(f"(a) DCP {a.dcp_gib} GiB -> one file ...", file=sys.stderr, flush=True)
-        ra = consolidate_dcp.run(a.dcp_gib, os.path.join(base, "a"))
-        ours, theirs = ra["hybridckpt"], ra["torch"]
-        name = f"(a) DCP {ra['bytes'] / GIB:.2f} GiB, 2 ranks -> one file"
-        speed = theirs["seconds"] / ours["seconds"]
-        row(rows, name, "wall time", f"{ours['seconds']:.1f} s", f"{theirs['seconds']:.1f} s (dcp_to_torch_save)",
-            f"{speed:.2f}x faster", ">= 3x", speed >= 3)
-        durable = theirs["durable_seconds"] / ours["seconds"]
-        row(rows, name, "wall time, both durable", f"{ours['seconds']:.1f} s (fsync'd, atomic rename)",
-            f"{theirs['durable_seconds']:.1f} s (dcp_to_torch_save + fsync)", f"{durable:.2f}x faster", "", True)
-        row(rows, name, "disk floor", f"{ours['seconds']:.1f} s", f"{ra['dd_fsync_s']:.1f} s (dd of the same bytes, "
-            f"conv=fsync: {ra['bytes'] / ra['dd_fsync_s'] / 1e9:.2f} GB/s)", f"{ours['seconds'] / ra['dd_fsync_s']:.2f}",
-            "", True)
-        mem = ours["peak_rss"] / theirs["peak_rss"]
-        row(rows, name, "peak RSS", f"{ours['peak_rss'] / GIB:.2f} GiB", f"{theirs['peak_rss'] / GIB:.2f} GiB",
-            f"{mem:.2f}", "<= 0.25", mem <= 0.25)
+        # (a), for each layout
+        for layout, what in (("fsdp", "FSDP2, every tensor on dim 0"), ("tp", "row-parallel on dim 1")):
+            print(f"(a) DCP {a.dcp_gib} GiB ({layout}) -> one file ...", file=sys.stderr, flush=True)
+            ra = consolidate_dcp.run(a.dcp_gib, os.path.join(base, "a-" + layout), layout=layout)
+            ours, theirs = ra["hybridckpt"], ra["torch"]
+            name = f"(a) DCP {ra['bytes'] / GIB:.2f} GiB, 2 ranks ({what}) -> one file"
+            speed = theirs["seconds"] / ours["seconds"]
+            row(rows, name, "wall time", f"{ours['seconds']:.1f} s (fsync'd, atomic rename)",
+                f"{theirs['seconds']:.1f} s (dcp_to_torch_save, no fsync)", f"{speed:.2f}x faster", ">= 3x", speed >= 3)
+            durable = theirs["durable_seconds"] / ours["seconds"]
+            row(rows, name, "wall time, both durable", f"{ours['seconds']:.1f} s",
+                f"{theirs['durable_seconds']:.1f} s (dcp_to_torch_save + fsync)", f"{durable:.2f}x faster", ">= 3x",
+                durable >= 3)
+            mem = ours["peak_rss"] / theirs["peak_rss"]
+            row(rows, name, "peak RSS", f"{ours['peak_rss'] / GIB:.2f} GiB", f"{theirs['peak_rss'] / GIB:.2f} GiB",
+                f"{mem:.2f}", "<= 0.25", mem <= 0.25)
 
         # (b) small, then (c) and (d) on it
         print(f"(b) Megatron {a.small_gib} GiB ...", file=sys.stderr, flush=True)

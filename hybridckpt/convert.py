@@ -12,9 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
 
 from hybridckpt import lazy
@@ -22,6 +21,9 @@ from hybridckpt.errors import MappingError
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.rules import RuleSet, parse_rules
 from hybridckpt.source import SourceCheckpoint
+
+if TYPE_CHECKING:
+    import jax
 
 
 def rule_variables(cfg) -> dict[str, Any]:
@@ -143,7 +145,7 @@ def hf_to_tree(hf: Named, cfg, *, strict: bool = True) -> Named:
     import models
 
     out = _map_named(hf, model_rules(cfg), strict=strict)
-    shapes = flatten(models.param_shapes(cfg))
+    shapes = flatten(models.param_shape_tree(cfg))
     _check_against(out.params, shapes, "params")
     for name, m in (("exp_avg", out.exp_avg), ("exp_avg_sq", out.exp_avg_sq)):
         if m is not None:
@@ -154,7 +156,7 @@ def hf_to_tree(hf: Named, cfg, *, strict: bool = True) -> Named:
     return out
 
 
-def _check_against(flat: Mapping[str, LazyTensor], shapes: Mapping[str, Any], what: str) -> None:
+def _check_against(flat: Mapping[str, LazyTensor], shapes: Mapping[str, tuple[int, ...]], what: str) -> None:
     missing = sorted(set(shapes) - set(flat))
     unexpected = sorted(set(flat) - set(shapes))
     if missing or unexpected:
@@ -162,9 +164,9 @@ def _check_against(flat: Mapping[str, LazyTensor], shapes: Mapping[str, Any], wh
             f"{what}: the model expects {sorted(shapes)[:3]}...; missing {missing[:10]}, "
             f"unexpected {unexpected[:10]}"
         )
-    for k, s in shapes.items():
-        if tuple(flat[k].shape) != tuple(s.shape):
-            raise MappingError(f"{what}: {k} has shape {tuple(flat[k].shape)}, the model expects {tuple(s.shape)}")
+    for k, s in sorted(shapes.items()):
+        if tuple(flat[k].shape) != tuple(s):
+            raise MappingError(f"{what}: {k} has shape {tuple(flat[k].shape)}, the model expects {tuple(s)}")
 
 
 def tree_to_hf(params: Mapping[str, Any], cfg) -> dict[str, LazyTensor]:
@@ -185,6 +187,8 @@ def to_array(t: LazyTensor, sharding: jax.sharding.Sharding, dtype=None) -> tupl
     which goes straight to every device holding it (`jax.device_put` per shard): no host copy
     of the global array is ever made, and reads overlap host-to-device transfers.
     """
+    import jax
+
     from hybridckpt import checksum, checksum_fast
     from hybridckpt.io import parallel
 

@@ -1,7 +1,9 @@
 """The jobs behind the CLI: import into Orbax, export to single-card HF, verify, logits, inspect.
 
 Each job is a function with plain arguments that returns a small summary dataclass; printing
-and exit codes live in `hybridckpt.cli`.
+and exit codes live in `hybridckpt.cli`. JAX, Flax and Orbax are imported inside the jobs that
+use them: an export between two torch-side formats, `inspect` and `verify` of such files never
+load them.
 """
 
 from __future__ import annotations
@@ -11,18 +13,17 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from hybridckpt import convert, lazy
 from hybridckpt.errors import CheckpointError, ConfigError, MappingError
 from hybridckpt.lazy import LazyTensor
-from hybridckpt.mesh import MeshShape, mesh_from_shape, opt_state_shardings, tree_shardings
-from hybridckpt.restore import adamw_state
 from hybridckpt.rules import load_rules
+
+if TYPE_CHECKING:
+    from hybridckpt.mesh import MeshShape
 
 Progress = Callable[[str, int], None]  # (tensor name, bytes) after each tensor
 
@@ -130,10 +131,14 @@ def import_checkpoint(
     `jax.distributed` each process reads and writes only the shards its devices hold; the
     per-tensor checksums are summed across processes into `trainer_state["checksums"]`.
     """
+    import jax
+
     import models
     from hybridckpt import stream
     from hybridckpt.checkpoint import save_checkpoint
     from hybridckpt.io import parallel
+    from hybridckpt.mesh import MeshShape, mesh_from_shape, opt_state_shardings, tree_shardings
+    from hybridckpt.restore import adamw_state
 
     t0 = time.perf_counter()
     if io_threads is not None:
@@ -198,6 +203,8 @@ def import_checkpoint(
 
 def _stacked_axes(axes: Any) -> Any:
     """Per leaf: `(0,)` when its first logical axis is `layers` (chunk it per layer), else ()."""
+    import jax
+
     return jax.tree.map(
         lambda a: (0,) if a and a[0] == "layers" else (), axes, is_leaf=lambda x: isinstance(x, tuple)
     )
@@ -265,7 +272,8 @@ def export_checkpoint(
 
     Streams: each tensor is read (by `io_threads` readers, ahead of the writer within a window
     of the largest tensor) and written before the next ones are read, so peak host memory is a
-    couple of tensors. An Orbax source is read lazily too (`hybridckpt.orbax_lazy`: a layer of
+    couple of tensors; tensors whose bytes lie in the source files as they must be written are
+    copied file to file without being read (`lazy.copy_runs`). An Orbax source is read lazily too (`hybridckpt.orbax_lazy`: a layer of
     a stacked leaf reads only that layer's chunks), never restored whole.
     """
     import models
@@ -300,13 +308,15 @@ def export_checkpoint(
     staged: dict[tuple[str, str], LazyTensor] = {("model", k): v for k, v in params.items()}
     for suffix, moments in ((".exp_avg", exp_avg), (".exp_avg_sq", exp_avg_sq)):
         staged |= {("optimizer", k + suffix): v for k, v in (moments or {}).items()}
+    # tensors the writer copies file to file (`lazy.copy_runs`) are not read ahead
+    staged = {k: v for k, v in staged.items() if lazy.copy_runs(v) is None}
     order = sorted(k for k in staged if k[0] == "model") + sorted(k for k in staged if k[0] == "optimizer")
     window = max((t.nbytes for t in all_t), default=0)
     ahead = parallel.Prefetcher(staged, order, window).tensors()
-    params = {k: ahead[("model", k)] for k in params}
+    params = {k: ahead.get(("model", k), v) for k, v in params.items()}
     if optimizer:
-        exp_avg = {k: ahead[("optimizer", k + ".exp_avg")] for k in exp_avg}
-        exp_avg_sq = {k: ahead[("optimizer", k + ".exp_avg_sq")] for k in exp_avg_sq}
+        exp_avg = {k: ahead.get(("optimizer", k + ".exp_avg"), v) for k, v in exp_avg.items()}
+        exp_avg_sq = {k: ahead.get(("optimizer", k + ".exp_avg_sq"), v) for k, v in exp_avg_sq.items()}
     hf_cfg = models.config_to_hf(cfg)
     trainer = {"step": opened.hf.step, "source_format": opened.format}
     files = write_hf(
@@ -446,7 +456,11 @@ def logits(
     compute_dtype: str = "float32",
 ) -> np.ndarray:
     """The model's logits `[batch, seq, vocab]` (fp32) for `tokens` on `mesh`."""
+    import jax
+    import jax.numpy as jnp
+
     import models
+    from hybridckpt.mesh import MeshShape, mesh_from_shape, tree_shardings
 
     opened = open_hf(src_path, fmt, config_path=config_path)
     cfg = opened.config

@@ -3,19 +3,16 @@
 Every function dispatches on the config type. Params are plain nested dicts of fp32 arrays,
 layers stacked on a leading `layers` axis (see `models.llama` / `models.gpt2` for the trees).
 `forward` holds no mesh code: jit it with sharded params and XLA propagates the shardings.
+
+Configs and `param_shape_tree` need no JAX; the JAX functions (`module`, `init_params`,
+`param_shapes`, `logical_axes`, `forward`, `loss`) live in `models.jax_api` and are imported on
+first use, so `import models` stays light for conversions that only move bytes.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache, partial
 from typing import Any
 
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
-
-from hybridckpt.errors import ConfigError
-from models.common import axes_of, next_token_loss, unboxed
 from models.config import (
     GPT2Config,
     LlamaConfig,
@@ -27,8 +24,9 @@ from models.config import (
     config_to_hf,
     meta_ffn_hidden_dim,
 )
-from models.gpt2 import GPT2
-from models.llama import Llama
+from models.shapes import param_shape_tree
+
+_JAX_API = ("forward", "init_params", "logical_axes", "loss", "module", "param_shapes")
 
 __all__ = [
     "GPT2Config",
@@ -39,63 +37,15 @@ __all__ = [
     "config_from_meta_params",
     "config_to_dict",
     "config_to_hf",
-    "forward",
-    "init_params",
-    "logical_axes",
-    "loss",
     "meta_ffn_hidden_dim",
-    "module",
-    "param_shapes",
+    "param_shape_tree",
+    *_JAX_API,
 ]
 
-_INIT_TOKENS = (1, 1)  # shape of the dummy batch used to trace init
 
+def __getattr__(name: str) -> Any:
+    if name in _JAX_API:
+        from models import jax_api
 
-def module(cfg: ModelConfig, compute_dtype: Any = jnp.float32) -> nn.Module:
-    """The Flax module of `cfg` computing in `compute_dtype` (params stay fp32)."""
-    if isinstance(cfg, LlamaConfig):
-        return Llama(cfg, compute_dtype)
-    if isinstance(cfg, GPT2Config):
-        return GPT2(cfg, compute_dtype)
-    raise ConfigError(f"expected LlamaConfig or GPT2Config, found {type(cfg).__name__}")
-
-
-def _boxed_init(cfg: ModelConfig, rng: jax.Array) -> Any:
-    return module(cfg).init(rng, jnp.zeros(_INIT_TOKENS, jnp.int32))
-
-
-_jit_boxed_init = jax.jit(_boxed_init, static_argnums=0)  # cached per (hashable) config
-
-
-@lru_cache(maxsize=32)
-def _abstract(cfg: ModelConfig) -> Any:
-    return jax.eval_shape(partial(_boxed_init, cfg), jax.random.key(0))
-
-
-def param_shapes(cfg: ModelConfig) -> dict:
-    """Pytree of `jax.ShapeDtypeStruct` (fp32) of the params; allocates nothing."""
-    return unboxed(_abstract(cfg))  # fresh dicts each call; the leaves are immutable
-
-
-def logical_axes(cfg: ModelConfig) -> dict:
-    """Pytree (same structure as the params) of logical-axis tuples, one name or None per dim."""
-    return axes_of(_abstract(cfg))
-
-
-def init_params(cfg: ModelConfig, rng: jax.Array) -> dict:
-    """Fresh fp32 params: kernels/embeddings normal(0.02), norm scales 1, biases 0."""
-    return unboxed(_jit_boxed_init(cfg, rng))
-
-
-def forward(
-    cfg: ModelConfig, params: dict, tokens: jax.Array, *, compute_dtype: Any = jnp.float32
-) -> jax.Array:
-    """Causal LM logits `[batch, seq, vocab]` float32 for int tokens `[batch, seq]`."""
-    return module(cfg, compute_dtype).apply({"params": params}, tokens)
-
-
-def loss(
-    cfg: ModelConfig, params: dict, tokens: jax.Array, *, compute_dtype: Any = jnp.float32
-) -> jax.Array:
-    """Mean next-token cross-entropy (fp32 scalar, nats) over tokens `[batch, seq]`."""
-    return next_token_loss(forward(cfg, params, tokens, compute_dtype=compute_dtype), tokens)
+        return getattr(jax_api, name)
+    raise AttributeError(f"module 'models' has no attribute {name!r}")

@@ -16,6 +16,7 @@ from hybridckpt.checkpoint import CheckpointStore, abstract_tree
 from hybridckpt.formats import open_source
 from hybridckpt.io.safetensors_file import read_header
 from hybridckpt.mesh import make_mesh, opt_state_shardings, tree_shardings
+from hybridckpt.restore import adamw_state
 
 TOKENS = np.array([[1, 5, 9, 3, 7, 2, 8, 4], [0, 11, 42, 17, 6, 5, 90, 3]], dtype=np.int32)
 
@@ -124,7 +125,7 @@ def test_optimizer_roundtrip_through_unified_layout(tmp_path):
     mesh = make_mesh(pp=2, tp=4)
     shapes = models.param_shapes(cfg)
     p_shard = tree_shardings(shapes, models.logical_axes(cfg), mesh)
-    opt_shapes = jax.eval_shape(lambda p: pipeline.adamw_state(p, p, p, 0), shapes)
+    opt_shapes = jax.eval_shape(lambda p: adamw_state(p, p, p, 0), shapes)
     with CheckpointStore(ckpt) as store:
         r = store.restore(
             target_params=abstract_tree(shapes, p_shard),

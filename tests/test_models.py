@@ -130,6 +130,24 @@ def test_param_tree_and_logical_axes(cfg):
         assert layers["fc"]["kernel"].shape == (cfg.n_layer, cfg.n_embd, cfg.n_inner)
 
 
+LLAMA_ODD = LlamaConfig(
+    vocab_size=50, hidden_size=48, intermediate_size=72, num_layers=3, num_heads=6,
+    num_kv_heads=1, head_dim=10, tie_word_embeddings=False,
+)  # MQA, head_dim * heads != hidden
+GPT2_ODD = GPT2Config(vocab_size=30, n_positions=5, n_embd=24, n_layer=1, n_head=3, n_inner=40)
+
+
+@pytest.mark.parametrize(
+    "cfg", [LLAMA, LLAMA_TIED, LLAMA_ODD, GPT2, GPT2_ODD], ids=["llama", "tied", "llama_mqa", "gpt2", "gpt2_inner"]
+)
+def test_jax_free_shapes_equal_the_flax_modules(cfg):
+    """`models.param_shape_tree` (no JAX, used by exports) is what Flax's init builds."""
+    flax_shapes = jax.tree.map(lambda s: tuple(s.shape), models.param_shapes(cfg))
+    assert models.param_shape_tree(cfg) == flax_shapes
+    wrong = dataclasses.replace(cfg, num_kv_heads=cfg.num_heads) if cfg.family == "llama" else dataclasses.replace(cfg, n_inner=8)
+    assert models.param_shape_tree(wrong) != flax_shapes
+
+
 @pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama", "gpt2"])
 def test_init_params(cfg):
     params = models.init_params(cfg, jax.random.key(1))

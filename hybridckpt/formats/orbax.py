@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 
-import jax
 import numpy as np
 
 from hybridckpt import convert
@@ -52,10 +51,12 @@ def _config(root: str, step: int | None, config):
 
 def restore_host(path: str, *, step: int | None = None, config=None):
     """(config, trainer_state, params, opt_state or None) restored onto one device."""
+    import jax
+
     import models
     from hybridckpt.checkpoint import CheckpointStore, abstract_tree
     from hybridckpt.mesh import make_mesh, opt_state_shardings, tree_shardings
-    from hybridckpt.pipeline import adamw_state
+    from hybridckpt.restore import adamw_state
 
     root, dir_step = _root_and_step(path)
     step = dir_step if step is None else step
