@@ -127,6 +127,19 @@ def box_runs(shape: Sequence[int], box: Box) -> tuple[np.ndarray, int]:
     return starts, run_len
 
 
+def flat_ranges(shape: Sequence[int], box: Box, limit: int) -> list[tuple[int, int]] | None:
+    """The C-order flat element ranges `[start, stop)` of `box` inside `shape`, touching runs
+    merged; None when there are more than `limit`."""
+    starts, run_len = box_runs(shape, box)
+    if run_len == 0 or len(starts) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(starts) != run_len) + 1
+    if len(breaks) + 1 > limit:
+        return None
+    edges = [0, *breaks.tolist(), len(starts)]
+    return [(int(starts[i]), int(starts[i]) + (j - i) * run_len) for i, j in zip(edges[:-1], edges[1:], strict=True)]
+
+
 class FileRun(NamedTuple):
     """`nbytes` bytes at byte `offset` of `source`: a contiguous piece of a tensor's C-order bytes."""
 
@@ -153,6 +166,18 @@ def _join_runs(groups: Iterable[list[FileRun] | None], limit: int) -> list[FileR
     return out
 
 
+def block_overlap(box: Box, offsets: Sequence[int], block_shape: Sequence[int]) -> Box | None:
+    """The part of `box` inside the block at `offsets` (global) of `block_shape`, in the block's
+    own coordinates; None when they do not meet."""
+    sub = []
+    for (a, b), o, n in zip(box, offsets, block_shape, strict=True):
+        s, e = max(a, o), min(b, o + n)
+        if s >= e:
+            return None
+        sub.append((s - o, e - o))
+    return tuple(sub)
+
+
 def tiled_file_runs(
     box: Box, pieces: Iterable[tuple[Sequence[int], LazyTensor]], limit: int
 ) -> list[FileRun] | None:
@@ -164,14 +189,9 @@ def tiled_file_runs(
     """
     hits = []
     for offs, block in pieces:
-        sub = []
-        for (a, b), o, n in zip(box, offs, block.shape, strict=True):
-            s, e = max(a, o), min(b, o + n)
-            if s >= e:
-                break
-            sub.append((s - o, e - o))
-        else:
-            hits.append((tuple(offs), block, tuple(sub)))
+        sub = block_overlap(box, offs, block.shape)
+        if sub is not None:
+            hits.append((tuple(offs), block, sub))
     if len(hits) <= 1:
         return [] if not hits else hits[0][1].file_runs(hits[0][2], limit)
     d = next((i for i, (a, b) in enumerate(box) if b - a > 1), None)
@@ -341,18 +361,11 @@ class StoredTensor(LazyTensor):
             i = j
 
     def file_runs(self, box: Box, limit: int) -> list[FileRun] | None:
-        starts, run_len = box_runs(self.shape, box)
-        if run_len == 0 or len(starts) == 0:
-            return []
-        breaks = np.flatnonzero(np.diff(starts) != run_len) + 1  # runs that touch are one run
-        if len(breaks) + 1 > limit:
+        ranges = flat_ranges(self.shape, box, limit)
+        if ranges is None:
             return None
         item = np.dtype(self.dtype).itemsize
-        edges = [0, *breaks.tolist(), len(starts)]
-        return [
-            FileRun(self.source, self.offset + int(starts[i]) * item, (j - i) * run_len * item)
-            for i, j in zip(edges[:-1], edges[1:], strict=True)
-        ]
+        return [FileRun(self.source, self.offset + a * item, (b - a) * item) for a, b in ranges]
 
     def read_flat(self, start: int, stop: int) -> np.ndarray:
         out = np.empty(max(0, stop - start), dtype=self.dtype)
@@ -596,15 +609,10 @@ class Reshape(LazyTensor):
         src_box = self._unit_box(box)
         if src_box is not None:
             return self.src.file_runs(src_box, limit)
-        starts, run_len = box_runs(self.shape, box)
-        if run_len == 0 or len(starts) == 0:
-            return []
-        breaks = np.flatnonzero(np.diff(starts) != run_len) + 1
-        if len(breaks) + 1 > limit:
+        ranges = flat_ranges(self.shape, box, limit)
+        if ranges is None:
             return None
-        edges = [0, *breaks.tolist(), len(starts)]
-        flat = ((int(starts[i]), int(starts[i]) + (j - i) * run_len) for i, j in zip(edges[:-1], edges[1:], strict=True))
-        boxes = (b for s, e in flat for b in flat_boxes(self.src.shape, s, e))
+        boxes = (b for s, e in ranges for b in flat_boxes(self.src.shape, s, e))
         return _join_runs((self.src.file_runs(b, limit) for b in boxes), limit)
 
     def _runs_into(self, box: Box, out: np.ndarray) -> None:

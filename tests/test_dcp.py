@@ -347,7 +347,12 @@ def counting_copy(self, offset, nbytes, fd, out_offset):
     plain_copy(self, offset, nbytes, fd, out_offset)
 ByteSource.copy_to = counting_copy
 s = pipeline.export_checkpoint(sys.argv[1], sys.argv[2], optimizer=True)
-print(json.dumps({"copied": sum(copied), "bytes": s.bytes, "loaded": sorted(m for m in ("jax", "flax", "orbax") if m in sys.modules)}))
+pipeline.inspect(sys.argv[1])
+rows, only_a, only_b = pipeline.verify(sys.argv[1], sys.argv[2])
+print(json.dumps({
+    "copied": sum(copied), "bytes": s.bytes, "equal": all(r.ok for r in rows) and not only_a and not only_b,
+    "loaded": sorted(m for m in ("jax", "flax", "orbax") if m in sys.modules),
+}))
 """
 
 
@@ -355,7 +360,7 @@ print(json.dumps({"copied": sum(copied), "bytes": s.bytes, "loaded": sorted(m fo
 def test_export_straight_to_safetensors_copies_stored_bytes_without_jax(root, tmp_path, variant):
     """`hybridckpt export DCP OUT --optimizer`: torch's own gathered tensors bit for bit. Dim-0
     chunks (FSDP2) are copied file to file by the kernel; the tp variant's 2-D grid is read and
-    written. Neither loads JAX, Flax or Orbax."""
+    written. Neither the export nor `inspect` and `verify` of the two loads JAX, Flax or Orbax."""
     import subprocess
     import sys
 
@@ -367,7 +372,7 @@ def test_export_straight_to_safetensors_copies_stored_bytes_without_jax(root, tm
         capture_output=True, text=True, check=True, cwd=os.path.dirname(os.path.dirname(__file__)),
     )
     probe = json.loads(p.stdout.splitlines()[-1])
-    assert probe["loaded"] == []
+    assert probe["loaded"] == [] and probe["equal"]
     ref, info = reference(root, "tp" if variant == "tp" else "fsdp2")
     model = read_header(str(out / "model.safetensors")).tensors
     assert sorted(model) == names_of(ref, "param")

@@ -34,14 +34,18 @@ def boxes(draw, shape):
     return tuple(box)
 
 
+ALL_VIEWS = ("transpose", "slice", "reshape", "concat", "stack", "take", "cast", "index0")
+
+
 @st.composite
-def composed(draw, blob):
-    """A random composition of views over the blob and its numpy reference."""
+def composed(draw, blob, views=ALL_VIEWS, in_memory=True):
+    """A random composition of `views` over the blob and its numpy reference; stacks take an
+    in-memory part too when `in_memory`."""
     shape = draw(shapes)
     start = draw(st.integers(0, 64))
     t, ref = _stored(blob, shape, start)
     for _ in range(draw(st.integers(0, 4))):
-        kind = draw(st.sampled_from(["transpose", "slice", "reshape", "concat", "stack", "take", "cast"]))
+        kind = draw(st.sampled_from(views))
         if kind == "transpose":
             perm = draw(st.permutations(range(t.ndim)))
             t, ref = lazy.transpose(t, perm), ref.transpose(perm)
@@ -68,7 +72,13 @@ def composed(draw, blob):
         elif kind == "stack":
             o, oref = _stored(blob, t.shape, draw(st.integers(0, 200)))
             o, oref = lazy.cast(o, t.dtype), oref.astype(t.dtype)
-            t, ref = lazy.Stack((t, lazy.ArrayTensor(oref), o)), np.stack([ref, oref, oref])
+            if in_memory:
+                t, ref = lazy.Stack((t, lazy.ArrayTensor(oref), o)), np.stack([ref, oref, oref])
+            else:
+                t, ref = lazy.Stack((t, o)), np.stack([ref, oref])
+        elif kind == "index0" and t.ndim > 1:
+            i = draw(st.integers(0, t.shape[0] - 1))
+            t, ref = lazy.index0(t, i), ref[i]
         elif kind == "take":
             idx = draw(st.permutations(range(t.shape[0])))
             t, ref = lazy.Take(t, 0, tuple(idx)), ref[list(idx)]

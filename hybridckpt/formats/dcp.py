@@ -54,7 +54,7 @@ from hybridckpt.io.dcp_metadata import (
     read_metadata,
 )
 from hybridckpt.io.safetensors_file import read_header
-from hybridckpt.lazy import Box, FileRun, LazyTensor, box_shape, tiled_file_runs
+from hybridckpt.lazy import Box, FileRun, LazyTensor, block_overlap, box_shape, tiled_file_runs
 from hybridckpt.source import OptimizerState, SourceCheckpoint
 
 NAME = "dcp"
@@ -126,15 +126,10 @@ class Tiled(LazyTensor):
         if out.size == 0:
             return
         for offs, block in self.pieces:
-            sub, dst = [], []
-            for (a, b), o, n in zip(box, offs, block.shape, strict=True):
-                s, e = max(a, o), min(b, o + n)
-                if s >= e:
-                    break
-                sub.append((s - o, e - o))
-                dst.append(slice(s - a, e - a))
-            else:
-                block.read_into(tuple(sub), out[tuple(dst)])
+            sub = block_overlap(box, offs, block.shape)
+            if sub is not None:
+                dst = tuple(slice(o + s - a, o + e - a) for (s, e), o, (a, _) in zip(sub, offs, box, strict=True))
+                block.read_into(sub, out[dst])
 
     def file_runs(self, box: Box, limit: int) -> list[FileRun] | None:
         return tiled_file_runs(box, self.pieces, limit)
