@@ -14,7 +14,12 @@ import shutil
 
 import numpy as np
 import pytest
-from fixtures.ckpt_checks import optax_next, run_writer
+from fixtures.ckpt_checks import (
+    assert_export_equals,
+    export_in_fresh_process,
+    optax_next,
+    run_writer,
+)
 
 from hybridckpt import convert
 from hybridckpt.errors import FormatError
@@ -336,52 +341,16 @@ def test_checkpoint_without_config_needs_and_takes_config(root, tmp_path, capsys
 
 # -- straight to one file (the job of torch's dcp_to_torch_save) -----------------------------------
 
-_EXPORT_PROBE = """
-import json, sys
-from hybridckpt import pipeline
-from hybridckpt.io.byte_source import ByteSource
-copied = []
-plain_copy = ByteSource.copy_to
-def counting_copy(self, offset, nbytes, fd, out_offset):
-    copied.append(nbytes)
-    plain_copy(self, offset, nbytes, fd, out_offset)
-ByteSource.copy_to = counting_copy
-s = pipeline.export_checkpoint(sys.argv[1], sys.argv[2], optimizer=True)
-pipeline.inspect(sys.argv[1])
-rows, only_a, only_b = pipeline.verify(sys.argv[1], sys.argv[2])
-print(json.dumps({
-    "copied": sum(copied), "bytes": s.bytes, "equal": all(r.ok for r in rows) and not only_a and not only_b,
-    "loaded": sorted(m for m in ("jax", "flax", "orbax") if m in sys.modules),
-}))
-"""
-
-
 @pytest.mark.parametrize("variant", ["fsdp2", "tp"])
 def test_export_straight_to_safetensors_copies_stored_bytes_without_jax(root, tmp_path, variant):
     """`hybridckpt export DCP OUT --optimizer`: torch's own gathered tensors bit for bit. Dim-0
     chunks (FSDP2) are copied file to file by the kernel; the tp variant's 2-D grid is read and
     written. Neither the export nor `inspect` and `verify` of the two loads JAX, Flax or Orbax."""
-    import subprocess
-    import sys
-
-    from hybridckpt.io.safetensors_file import read_header
-
-    out = tmp_path / "hf"
-    p = subprocess.run(
-        [sys.executable, "-c", _EXPORT_PROBE, os.path.join(root, variant), str(out)],
-        capture_output=True, text=True, check=True, cwd=os.path.dirname(os.path.dirname(__file__)),
-    )
-    probe = json.loads(p.stdout.splitlines()[-1])
+    out = str(tmp_path / "hf")
+    probe = export_in_fresh_process(os.path.join(root, variant), out)
     assert probe["loaded"] == [] and probe["equal"]
-    ref, info = reference(root, "tp" if variant == "tp" else "fsdp2")
-    model = read_header(str(out / "model.safetensors")).tensors
-    assert sorted(model) == names_of(ref, "param")
-    for k, t in model.items():
-        assert np.array_equal(t.materialize(), ref[f"param/{k}"]), k
-    opt = read_header(str(out / "optimizer.safetensors")).tensors
-    for kind in ("exp_avg", "exp_avg_sq"):
-        for k in names_of(ref, kind):
-            assert np.array_equal(opt[f"{k}.{kind}"].materialize(), ref[f"{kind}/{k}"]), (kind, k)
+    ref, _ = reference(root, "tp" if variant == "tp" else "fsdp2")
+    opt = assert_export_equals(out, ref, names_of(ref, "param"))
     assert int(opt["step"].materialize()) == 3
     if variant == "fsdp2":
         assert probe["copied"] == probe["bytes"]  # every tensor byte copied, none read

@@ -17,7 +17,12 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from fixtures.ckpt_checks import optax_next, run_writer
+from fixtures.ckpt_checks import (
+    assert_export_equals,
+    export_in_fresh_process,
+    optax_next,
+    run_writer,
+)
 
 from hybridckpt.errors import FormatError
 from hybridckpt.formats import deepspeed as ds
@@ -242,3 +247,16 @@ def test_llama_zero3_import_logits_and_orbax_roundtrip(root, tmp_path):
     assert_same(mu, {k: ref[f"exp_avg/{k}"] for k in weights}, "exp_avg")
     assert_same(nu, {k: ref[f"exp_avg_sq/{k}"] for k in weights}, "exp_avg_sq")
     assert step == 3
+
+
+def test_export_straight_to_safetensors_copies_the_fp32_partitions(root, tmp_path):
+    """`hybridckpt export ZERO OUT --optimizer` (zero_to_fp32's job, with the moments): the fp32
+    masters and moments bit for bit. Each param is a flat range of the ranks' partitions, so the
+    writer copies it file to file; no JAX is loaded."""
+    out = str(tmp_path / "hf")
+    probe = export_in_fresh_process(os.path.join(root, "z3_llama"), out)
+    assert probe["loaded"] == [] and probe["equal"]
+    ref, _ = reference(root, "z3_llama")
+    opt = assert_export_equals(out, ref, names_of(ref, "param"))
+    assert int(opt["step"].materialize()) == 3
+    assert probe["copied"] == probe["bytes"]  # every tensor byte copied, none read
