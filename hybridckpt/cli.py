@@ -238,9 +238,18 @@ def build_parser() -> argparse.ArgumentParser:
     common(s, io=True)
     s.set_defaults(fn=cmd_import)
 
-    s = sub.add_parser("export", help="Orbax or any supported checkpoint -> single-card HF safetensors")
-    s.add_argument("src")
-    s.add_argument("out")
+    s = sub.add_parser(
+        "export", help="Orbax or any supported checkpoint -> single-card HF safetensors",
+        description=(
+            "Write SRC as one single-card Hugging Face checkpoint at OUT, tensor by tensor (the job "
+            "of torch's dcp_to_torch_save and DeepSpeed's zero_to_fp32). Tensors whose bytes are "
+            "stored in order (FSDP2 and ZeRO shards, dim-0 splits) are copied file to file by the "
+            "kernel and never enter memory; the rest are read and written one at a time. OUT "
+            "appears complete (fsync'd, renamed into place) or not at all."
+        ),
+    )
+    s.add_argument("src", help="checkpoint folder or file of any supported format")
+    s.add_argument("out", help="folder to create (model*.safetensors, config.json)")
     s.add_argument("--step", type=int, help="Orbax step (default: latest)")
     s.add_argument("--optimizer", action="store_true", help="also write optimizer.safetensors (exp_avg, exp_avg_sq, step)")
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast params on write")
