@@ -249,13 +249,17 @@ def copy_into(out: np.ndarray, src: np.ndarray) -> None:
 
 
 class LazyTensor:
-    """A global tensor whose boxes can be read on demand. Subclasses implement `read_box`."""
+    """A global tensor whose boxes can be read on demand. Subclasses implement `read_box` (a
+    fresh array) or `read_into` (into a caller's buffer), or both; each defaults to the other."""
 
     shape: tuple[int, ...]
     dtype: np.dtype
 
-    def read_box(self, box: Box) -> np.ndarray:  # pragma: no cover - abstract
-        raise NotImplementedError
+    def read_box(self, box: Box) -> np.ndarray:
+        """The box as a new C-contiguous array (allocated here, filled by `read_into`)."""
+        out = np.empty(box_shape(box), dtype=self.dtype)
+        self.read_into(box, out)
+        return out
 
     def read_into(self, box: Box, out: np.ndarray) -> None:
         """Write the box into `out` (shape = the box's shape, dtype = `self.dtype`, any strides:
@@ -444,11 +448,6 @@ class Concat(LazyTensor):
     def dtype(self) -> np.dtype:
         return self.parts[0].dtype
 
-    def read_box(self, box: Box) -> np.ndarray:
-        out = np.empty(box_shape(box), dtype=self.dtype)
-        self.read_into(box, out)
-        return out
-
     def read_into(self, box: Box, out: np.ndarray) -> None:
         """Each overlapping part fills its own slab of `out` (no concatenate copy)."""
         a, b = box[self.axis]
@@ -494,11 +493,6 @@ class Stack(LazyTensor):
     def dtype(self) -> np.dtype:
         return self.parts[0].dtype
 
-    def read_box(self, box: Box) -> np.ndarray:
-        out = np.empty(box_shape(box), dtype=self.dtype)
-        self.read_into(box, out)
-        return out
-
     def read_into(self, box: Box, out: np.ndarray) -> None:
         a, b = box[0]
         for i in range(a, b):
@@ -533,11 +527,6 @@ class Transpose(LazyTensor):
         for i, p in enumerate(self.perm):
             src_box[p] = box[i]
         return tuple(src_box)
-
-    def read_box(self, box: Box) -> np.ndarray:
-        out = np.empty(box_shape(box), dtype=self.dtype)
-        self.read_into(box, out)
-        return out
 
     def read_into(self, box: Box, out: np.ndarray) -> None:
         """The source fills a transposed view of `out`: a chain of transposes (import then
@@ -581,11 +570,6 @@ class Reshape(LazyTensor):
             return None
         it = iter(b for _, b in mine)
         return tuple((0, 1) if n == 1 else next(it) for n in self.src.shape)
-
-    def read_box(self, box: Box) -> np.ndarray:
-        out = np.empty(box_shape(box), dtype=self.dtype)
-        self.read_into(box, out)
-        return out
 
     def read_into(self, box: Box, out: np.ndarray) -> None:
         if out.size == 0:

@@ -54,7 +54,7 @@ from hybridckpt.io.dcp_metadata import (
     read_metadata,
 )
 from hybridckpt.io.safetensors_file import read_header
-from hybridckpt.lazy import Box, FileRun, LazyTensor, block_overlap, box_shape, tiled_file_runs
+from hybridckpt.lazy import Box, FileRun, LazyTensor, block_overlap, tiled_file_runs
 from hybridckpt.source import OptimizerState, SourceCheckpoint
 
 NAME = "dcp"
@@ -115,11 +115,6 @@ class Tiled(LazyTensor):
     shape: tuple[int, ...]
     dtype: np.dtype
     pieces: tuple[tuple[tuple[int, ...], LazyTensor], ...]
-
-    def read_box(self, box: Box) -> np.ndarray:
-        out = np.empty(box_shape(box), dtype=self.dtype)
-        self.read_into(box, out)
-        return out
 
     def read_into(self, box: Box, out: np.ndarray) -> None:
         """Each intersecting block fills its own slab of `out` (no intermediate copy)."""

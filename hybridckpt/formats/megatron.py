@@ -203,6 +203,9 @@ class _Tag(LazyTensor):
     def __init__(self, name: str):
         self.name = name
 
+    def read_box(self, box):  # a rename placeholder is never read
+        raise TypeError(f"placeholder {self.name!r} has no data")
+
 
 def _rename(rules: RuleSet, names: list[str], file: str) -> dict[str, str]:
     """old name -> new name by pure-rename rules (names no rule takes stay as they are)."""
