@@ -18,18 +18,31 @@ from hybridckpt.lazy import LazyTensor
 
 @dataclass(frozen=True)
 class OptimizerState:
-    """Adam(W) state per source tensor name: `exp_avg`, `exp_avg_sq` (torch names), fp32.
+    """Per-parameter optimizer state, by slot, under the same source names as the tensors.
 
-    `step` is the optimizer's step count (torch's `step`, optax's `count`); `master` holds fp32
-    master weights where the source keeps them apart from 16-bit model weights; `hyper` the
-    param-group hyperparameters (lr, betas, eps, weight_decay) when the source records them.
+    slots:  slot name (the framework's own, e.g. torch's "exp_avg", "exp_avg_sq") -> source name
+            -> LazyTensor (fp32). Which optimizer this is follows from the slot names
+            (`hybridckpt.optim.for_slots`); shapes follow from each slot's relation to its param.
+    step:   the optimizer's step count (torch's `step`, optax's `count`)
+    master: fp32 master weights where the source keeps them apart from 16-bit model weights
+    hyper:  the param-group hyperparameters (lr, betas, eps, weight_decay) when recorded
     """
 
-    exp_avg: Mapping[str, LazyTensor]
-    exp_avg_sq: Mapping[str, LazyTensor]
+    slots: Mapping[str, Mapping[str, LazyTensor]]
     step: int | None = None
     master: Mapping[str, LazyTensor] = field(default_factory=dict)
     hyper: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def optimizer(self):
+        """The declared optimizer (`hybridckpt.optim.Optimizer`) these slots belong to."""
+        from hybridckpt import optim
+
+        return optim.for_slots(self.slots)
+
+    def num_params(self) -> int:
+        """How many parameters have state (the size of the largest slot)."""
+        return max((len(v) for v in self.slots.values()), default=0)
 
 
 @dataclass(frozen=True)
@@ -39,7 +52,7 @@ class SourceCheckpoint:
     format:      short format name ("hf", "megatron", "meta-llama", "dcp", "deepspeed", ...)
     path:        the folder or file it was read from
     tensors:     source global name -> LazyTensor (model weights, as the source stores them)
-    optimizer:   Adam state per source name, or None when the source has none
+    optimizer:   per-parameter optimizer slots by source name, or None when the source has none
     hf_rules:    rules text (hybridckpt.rules) mapping source names to HF names; "" when the
                  source names already are HF names. `{var}` in it is filled from the model
                  config (`models.rule_variables(cfg)`: num_heads, num_kv_heads, head_dim,

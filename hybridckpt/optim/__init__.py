@@ -1,0 +1,113 @@
+"""Optimizers as declared slots (`base.Optimizer`), one module each, found by name.
+
+`get("adamw")` gives an optimizer; `for_slots({"exp_avg", "exp_avg_sq"})` finds the one whose slots
+a source holds. `state(...)` / `slots_of(...)` move between an optax state and `{slot: tree}`.
+A new optimizer is a module in this package defining `OPTIMIZER`; nothing else changes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Iterable, Mapping
+from functools import cache
+from typing import Any
+
+from hybridckpt.errors import CheckpointError
+from hybridckpt.optim.base import Optimizer, Relation, Slot
+
+__all__ = [
+    "Optimizer",
+    "Relation",
+    "Slot",
+    "abstract_state",
+    "all_optimizers",
+    "for_slots",
+    "get",
+    "slots_of",
+    "state",
+]
+
+DEFAULT = "adamw"
+
+
+@cache
+def all_optimizers() -> dict[str, Optimizer]:
+    """Every optimizer module of this package, by name."""
+    out: dict[str, Optimizer] = {}
+    for info in pkgutil.iter_modules(__path__):
+        if info.name == "base":
+            continue
+        mod = importlib.import_module(f"{__name__}.{info.name}")
+        opt = getattr(mod, "OPTIMIZER", None)
+        if isinstance(opt, Optimizer):
+            out[opt.name] = opt
+    return out
+
+
+def get(name: str = DEFAULT) -> Optimizer:
+    opts = all_optimizers()
+    if name not in opts:
+        raise CheckpointError(f"optimizer {name!r} is unknown; known: {sorted(opts)}")
+    return opts[name]
+
+
+def for_slots(names: Iterable[str], *, where: str = "optimizer state") -> Optimizer:
+    """The optimizer whose slots are exactly `names` (what a source holds per parameter)."""
+    have = set(names)
+    for opt in all_optimizers().values():
+        if set(opt.slot_names) == have:
+            return opt
+    known = {n: list(o.slot_names) for n, o in all_optimizers().items()}
+    raise CheckpointError(
+        f"{where}: per-parameter state {sorted(have)} matches no known optimizer; known: {known}"
+    )
+
+
+# -- optax states by path (pure) ------------------------------------------------------------------
+
+
+def _get(node: Any, path: tuple) -> Any:
+    for key in path:
+        node = getattr(node, key) if isinstance(key, str) and hasattr(node, "_fields") else node[key]
+    return node
+
+
+def _set(node: Any, path: tuple, value: Any) -> Any:
+    if not path:
+        return value
+    key, rest = path[0], path[1:]
+    if hasattr(node, "_fields") and isinstance(key, str):  # a NamedTuple state
+        return node._replace(**{key: _set(getattr(node, key), rest, value)})
+    if isinstance(node, tuple):
+        return tuple(_set(x, rest, value) if i == key else x for i, x in enumerate(node))
+    out = dict(node)
+    out[key] = _set(node[key], rest, value)
+    return out
+
+
+def abstract_state(opt: Optimizer, param_shapes: Any) -> Any:
+    """The optax state of `opt` for params shaped like `param_shapes`, as ShapeDtypeStructs."""
+    import jax
+
+    return jax.eval_shape(opt.make_state, param_shapes)
+
+
+def state(opt: Optimizer, template: Any, slots: Mapping[str, Any], step: Any) -> Any:
+    """`template` (an optax state of `opt`) with each slot's tree and the step put in place."""
+    out = template
+    for name, tree in slots.items():
+        out = _set(out, opt.state_paths[name], tree)
+    return _set(out, opt.state_paths["step"], step)
+
+
+def slots_of(opt: Optimizer, st: Any) -> tuple[dict[str, Any], Any]:
+    """({slot name: tree}, step) of an optax state of `opt`."""
+    return {s.name: _get(st, opt.state_paths[s.name]) for s in opt.slots}, _get(
+        st, opt.state_paths["step"]
+    )
+
+
+def set_path(st: Any, path: tuple, value: Any) -> Any:
+    """`st` with the node at `path` replaced (tuples, NamedTuples and dicts)."""
+    return _set(st, path, value)
