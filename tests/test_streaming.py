@@ -70,7 +70,7 @@ def test_read_into_fills_plain_and_transposed_buffers_like_read_box(stored):
 
 
 def test_copy_into_transposes_in_tiles_exactly(monkeypatch):
-    monkeypatch.setattr(lazy, "COPY_BLOCK", 3)
+    monkeypatch.setattr("hybridckpt.lazy.base.COPY_BLOCK", 3)
     x = RNG.standard_normal((2, 11, 7)).astype(np.float32)
     out = np.empty((2, 7, 11), np.float32)
     assert out.shape != x.shape  # a layout change: the copy really transposes

@@ -1,0 +1,116 @@
+"""The lazy tensor protocol: a global shape, a dtype, and `read_box(box)` that reads only that box.
+
+Every view has `read_into(box, out)`, which fills a caller's preallocated array (C-order or a
+strided view of one): chains of stored pieces, concatenations, stacks and slices land in one
+buffer with no intermediate copies (`read_box` allocates that buffer and calls it). A subclass
+implements either; each defaults to the other.
+
+`file_runs(box, limit)` says where a box's bytes already lie in files (`FileRun`s, in C order,
+little-endian), or None when the view computes them (casts, transposes, in-memory arrays); see
+`hybridckpt.lazy.runs`.
+
+`copy_into` is the one element copy every view ends in: numpy's unsafe casting (the same rounding
+as `astype`), in square tiles when the copy transposes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from hybridckpt.io.byte_source import ByteSource
+from hybridckpt.lazy.box import Box, box_shape, check_box, flat_boxes, full_box, normalize_box
+
+
+class FileRun(NamedTuple):
+    """`nbytes` bytes at byte `offset` of `source`: a contiguous piece of a tensor's C-order bytes."""
+
+    source: ByteSource
+    offset: int
+    nbytes: int
+
+
+COPY_BLOCK = 256  # elements per side of the square tiles a transposing copy moves at a time
+
+
+def _fastest_axis(x: np.ndarray) -> int:
+    """The axis (of length > 1) with the smallest stride: the one contiguous in memory."""
+    axes = [i for i, n in enumerate(x.shape) if n > 1]
+    return min(axes, key=lambda i: abs(x.strides[i])) if axes else x.ndim - 1
+
+
+def copy_into(out: np.ndarray, src: np.ndarray) -> None:
+    """`out[...] = src` (numpy's unsafe casting: the same rounding as `astype`). When the two
+    arrays are contiguous along different axes (a transposing copy, e.g. into a transposed view
+    of a buffer) the copy moves square tiles of COPY_BLOCK x COPY_BLOCK over those two axes, so
+    both sides stay in cache (measured on `[8000, 2048]` bf16: 0.2 GB/s plain, 0.85 tiled)."""
+    if out.ndim < 2 or out.size < COPY_BLOCK * COPY_BLOCK:
+        np.copyto(out, src, casting="unsafe")
+        return
+    a, b = _fastest_axis(out), _fastest_axis(src)
+    if a == b:
+        np.copyto(out, src, casting="unsafe")
+        return
+    idx = [slice(None)] * out.ndim
+    for i in range(0, out.shape[a], COPY_BLOCK):
+        idx[a] = slice(i, i + COPY_BLOCK)
+        for j in range(0, out.shape[b], COPY_BLOCK):
+            idx[b] = slice(j, j + COPY_BLOCK)
+            k = tuple(idx)
+            np.copyto(out[k], src[k], casting="unsafe")
+
+
+class LazyTensor:
+    """A global tensor whose boxes can be read on demand. Subclasses implement `read_box` (a
+    fresh array) or `read_into` (into a caller's buffer), or both; each defaults to the other."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    def read_box(self, box: Box) -> np.ndarray:
+        """The box as a new C-contiguous array (allocated here, filled by `read_into`)."""
+        out = np.empty(box_shape(box), dtype=self.dtype)
+        self.read_into(box, out)
+        return out
+
+    def read_into(self, box: Box, out: np.ndarray) -> None:
+        """Write the box into `out` (shape = the box's shape, dtype = `self.dtype`, any strides:
+        views pass transposed views of the buffer down instead of copying twice)."""
+        copy_into(out, self.read_box(box))
+
+    def file_runs(self, box: Box, limit: int) -> list[FileRun] | None:
+        """The box's C-order little-endian bytes as at most `limit` runs of file bytes, or None
+        when they are not stored that way (or need more runs)."""
+        return None
+
+    # -- conveniences -------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * np.dtype(self.dtype).itemsize
+
+    def read(self, index=None) -> np.ndarray:
+        """Read a box given as slices (or everything when `index` is None)."""
+        box = normalize_box(self.shape, index)
+        check_box(self.shape, box)
+        return self.read_box(box)
+
+    def read_flat(self, start: int, stop: int) -> np.ndarray:
+        """The C-order flat elements `[start, stop)` as a 1-D array."""
+        parts = [self.read_box(b).reshape(-1) for b in flat_boxes(self.shape, start, stop)]
+        if not parts:
+            return np.empty(0, dtype=self.dtype)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def materialize(self) -> np.ndarray:
+        """The whole tensor in memory (only where the user asked for a whole tensor)."""
+        return self.read_box(full_box(self.shape))
