@@ -6,78 +6,93 @@ of `i * 0x9E3779B97F4A7C15 ^ bits`. Because it is a sum, every device's box adds
 (boxes holding the same data are counted once), so an import computes it from the boxes it
 reads anyway, and `verify` recomputes it from any mesh. A flipped bit or two swapped elements
 change it (with probability 1 - 2^-64 for random damage); it is not a cryptographic hash.
+
+`box_part` walks a box as its maximal contiguous runs (`lazy.box_runs`) in blocks of `BLOCK`
+elements, using two preallocated uint64 buffers and in-place numpy ops (so the working set stays
+in cache), and derives `i * GOLDEN` as `start * GOLDEN + j * GOLDEN` (mod 2^64) without
+materialising the indices. The plain definition (every index of a box built at once, about 40x
+slower: 0.02 vs 0.7 GB/s on one core for a `[1, 2048, 5632]` bf16 tile) is kept as the test
+oracle `tests/oracles/checksum_reference.py`; tests check both agree bit for bit.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
-import jax
 import numpy as np
 
-from hybridckpt.lazy import Box
+from hybridckpt.lazy import Box, box_runs
 
+BLOCK = 1 << 16  # elements per vectorised pass: 2 x 512 KiB of uint64 work buffers
 _MASK = (1 << 64) - 1
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_G = 0x9E3779B97F4A7C15
+_GOLDEN = np.uint64(_G)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
-_CHUNK = 1 << 20  # elements per vectorised step (bounds the temporary memory)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 
 
-def _bits(x: np.ndarray) -> np.ndarray:
-    """Raw bits of every element as uint64 (C order)."""
-    x = np.ascontiguousarray(x).reshape(-1)
-    size = x.dtype.itemsize
-    if size not in (1, 2, 4, 8):
-        raise ValueError(f"no checksum for dtype {x.dtype}")
-    return x.view(f"u{size}").astype(np.uint64)
-
-
-def _mix(idx: np.ndarray, bits: np.ndarray) -> np.ndarray:
-    z = (idx * _GOLDEN) ^ bits
-    z = (z ^ (z >> np.uint64(30))) * _M1
-    z = (z ^ (z >> np.uint64(27))) * _M2
-    return z ^ (z >> np.uint64(31))
+def _mix_sum(z: np.ndarray, t: np.ndarray) -> int:
+    """splitmix64's finaliser of every element of `z` (in place, `t` scratch), summed mod 2^64."""
+    np.right_shift(z, _S30, out=t)
+    np.bitwise_xor(z, t, out=z)
+    np.multiply(z, _M1, out=z)
+    np.right_shift(z, _S27, out=t)
+    np.bitwise_xor(z, t, out=z)
+    np.multiply(z, _M2, out=z)
+    np.right_shift(z, _S31, out=t)
+    np.bitwise_xor(z, t, out=z)
+    return int(z.sum(dtype=np.uint64))
 
 
 def box_part(shape: tuple[int, ...], box: Box, data: np.ndarray) -> int:
     """The part of the checksum of a tensor of `shape` that the elements `data` at `box` add."""
     if data.size == 0:
         return 0
-    bits = _bits(data)
+    flat = np.ascontiguousarray(data).reshape(-1)
+    size = flat.dtype.itemsize
+    if size not in (1, 2, 4, 8):
+        raise ValueError(f"no checksum for dtype {flat.dtype}")
+    bits = flat.view(f"u{size}")
+    starts, run_len = box_runs(tuple(shape), box)
+    z = np.empty(min(BLOCK, max(run_len, 1) * len(starts)), dtype=np.uint64)
+    t = np.empty_like(z)
+    total = 0
     with np.errstate(over="ignore"):
-        if not shape:
-            return int(_mix(np.zeros(1, np.uint64), bits).sum(dtype=np.uint64))
-        strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
-        # flat global offsets of one leading row of the box, then row by row in chunks
-        inner = np.zeros(1, dtype=np.uint64)
-        for (a, b), s in zip(box[1:], strides[1:], strict=True):
-            step = np.arange(a, b, dtype=np.uint64) * np.uint64(s)
-            inner = (inner[:, None] + step[None, :]).reshape(-1)
-        total = 0
-        n_inner = inner.size
-        a0, b0 = box[0]
-        rows_per = max(1, _CHUNK // max(1, n_inner))
-        for r in range(a0, b0, rows_per):
-            r1 = min(b0, r + rows_per)
-            rows = np.arange(r, r1, dtype=np.uint64) * np.uint64(strides[0])
-            idx = (rows[:, None] + inner[None, :]).reshape(-1)
-            part = bits[(r - a0) * n_inner : (r1 - a0) * n_inner]
-            total = (total + int(_mix(idx, part).sum(dtype=np.uint64))) & _MASK
-    return total
+        if run_len >= BLOCK:  # long runs: blocks inside each run
+            steps = np.arange(BLOCK, dtype=np.uint64) * _GOLDEN
+            pos = 0
+            for s in starts.tolist():
+                for off in range(0, run_len, BLOCK):
+                    m = min(BLOCK, run_len - off)
+                    zz, tt = z[:m], t[:m]
+                    np.add(steps[:m], np.uint64(((s + off) * _G) & _MASK), out=zz)
+                    np.bitwise_xor(zz, bits[pos : pos + m], out=zz)
+                    total += _mix_sum(zz, tt)
+                    pos += m
+        else:  # short runs: several whole runs per block
+            per = max(1, BLOCK // run_len)
+            steps = np.arange(run_len, dtype=np.uint64) * _GOLDEN
+            ustarts = starts.astype(np.uint64) * _GOLDEN
+            for r in range(0, len(starts), per):
+                rs = ustarts[r : r + per]
+                m = len(rs) * run_len
+                zz, tt = z[:m], t[:m]
+                np.add(rs[:, None], steps[None, :], out=zz.reshape(len(rs), run_len))
+                np.bitwise_xor(zz, bits[r * run_len : r * run_len + m], out=zz)
+                total += _mix_sum(zz, tt)
+    return total & _MASK
 
 
 def combine(parts: Iterable[int]) -> int:
+    """The checksum of a tensor from the parts of disjoint boxes covering it (mod 2^64)."""
     return sum(parts) & _MASK
 
 
 def of_array(x) -> int:
-    """Checksum of a numpy array or a (possibly sharded) jax.Array, shard by shard (computed by
-    `checksum_fast`, which gives `box_part`'s values about 40x faster)."""
-    from hybridckpt.checksum_fast import box_part as fast_part
-
-    if isinstance(x, jax.Array):
+    """Checksum of a numpy array or a (possibly sharded) jax.Array, shard by shard (each
+    distinct box of this process's shards counted once)."""
+    if hasattr(x, "addressable_shards"):
         seen: set = set()
         parts = []
         for shard in x.addressable_shards:
@@ -88,11 +103,12 @@ def of_array(x) -> int:
             if box in seen:
                 continue
             seen.add(box)
-            parts.append(fast_part(tuple(x.shape), box, np.asarray(shard.data)))
+            parts.append(box_part(tuple(x.shape), box, np.asarray(shard.data)))
         return combine(parts)
     x = np.asarray(x)
-    return fast_part(x.shape, tuple((0, n) for n in x.shape), x)
+    return box_part(x.shape, tuple((0, n) for n in x.shape), x)
 
 
 def to_hex(value: int) -> str:
+    """16 lowercase hex digits, as recorded in `trainer_state["checksums"]`."""
     return f"{value:016x}"

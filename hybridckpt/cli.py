@@ -77,9 +77,9 @@ def _simulate_host_devices(count: int = 8) -> None:
 
 
 def cmd_inspect(a) -> int:
-    from hybridckpt import pipeline
+    from hybridckpt.jobs.inspect import inspect
 
-    info = pipeline.inspect(a.src, a.format, config_path=a.config)
+    info = inspect(a.src, a.format, config=a.config)
     if a.json:
         print(json.dumps(info, indent=2, default=str))
         return 0
@@ -104,11 +104,11 @@ def cmd_inspect(a) -> int:
 
 
 def cmd_import(a) -> int:
-    from hybridckpt import pipeline
+    from hybridckpt.jobs.import_ import import_checkpoint
 
     with _Progress("import", a.quiet) as prog:
-        s = pipeline.import_checkpoint(
-            a.src, a.dst, fmt=a.format, mesh=a.mesh, config_path=a.config, rules_path=a.rules,
+        s = import_checkpoint(
+            a.src, a.dst, fmt=a.format, mesh=a.mesh, config=a.config, rules=a.rules,
             params_only=a.params_only, dtype=a.dtype,
             indivisible="replicate" if a.replicate_indivisible else "error",
             overwrite=a.overwrite, progress=prog, io_threads=a.io_threads,
@@ -122,12 +122,12 @@ def cmd_import(a) -> int:
 
 
 def cmd_export(a) -> int:
-    from hybridckpt import pipeline
+    from hybridckpt.jobs.export import export_checkpoint
 
     with _Progress("export", a.quiet) as prog:
-        s = pipeline.export_checkpoint(
-            a.src, a.out, fmt=a.format, step=a.step, optimizer=a.optimizer, config_path=a.config,
-            rules_path=a.rules, dtype=a.dtype,
+        s = export_checkpoint(
+            a.src, a.out, fmt=a.format, step=a.step, optimizer=a.optimizer, config=a.config,
+            rules=a.rules, dtype=a.dtype,
             max_shard_bytes=int(a.max_shard_gb * 1024**3) if a.max_shard_gb else None,
             overwrite=a.overwrite, progress=prog, io_threads=a.io_threads,
         )
@@ -139,12 +139,12 @@ def cmd_export(a) -> int:
 def cmd_verify(a) -> int:
     import time
 
-    from hybridckpt import pipeline
+    from hybridckpt.jobs.verify import verify, verify_checksums
 
     t0 = time.perf_counter()
     with _Progress("verify", a.quiet) as prog:
         if a.b is None:
-            rows, only_a, only_b = pipeline.verify_checksums(a.a, progress=prog), [], []
+            rows, only_a, only_b = verify_checksums(a.a, progress=prog), [], []
             bad = [r for r in rows if not r.ok]
             if bad:
                 print(f"BAD {bad[0].name}: checksum differs from the one recorded at import "
@@ -152,7 +152,7 @@ def cmd_verify(a) -> int:
             print(f"{len(rows) - len(bad)}/{len(rows)} arrays match their import checksums; "
                   f"{time.perf_counter() - t0:.2f} s")
             return 1 if bad else 0
-        rows, only_a, only_b = pipeline.verify(a.a, a.b, atol=a.atol, config_path=a.config, progress=prog)
+        rows, only_a, only_b = verify(a.a, a.b, atol=a.atol, config=a.config, progress=prog)
     width = max((len(r.name) for r in rows), default=10)
     bad = 0
     for r in rows:
@@ -174,13 +174,13 @@ def cmd_verify(a) -> int:
 def cmd_logits(a) -> int:
     import numpy as np
 
-    from hybridckpt import pipeline
+    from hybridckpt.jobs.logits import logits
 
     try:
         tokens = [int(t) for t in a.tokens.split(",") if t.strip()]
     except ValueError:
         raise HybridCkptError(f"--tokens: expected comma-separated integers, found {a.tokens!r}") from None
-    out = pipeline.logits(a.src, tokens, mesh=a.mesh, config_path=a.config, fmt=a.format, compute_dtype=a.compute_dtype)
+    out = logits(a.src, tokens, mesh=a.mesh, config=a.config, fmt=a.format, compute_dtype=a.compute_dtype)
     if a.out:
         np.save(a.out, out)
         print(f"logits {out.shape} float32 written to {a.out}")

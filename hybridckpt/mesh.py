@@ -110,10 +110,12 @@ def partition_spec(
     *,
     rules: Mapping[str, str | tuple[str, ...] | None] = DEFAULT_RULES,
     indivisible: str = "error",
+    notes: list[str] | None = None,
 ) -> PartitionSpec:
     """The PartitionSpec of one tensor `name` with `logical_axes` per dim on `mesh`.
 
-    indivisible: "error" (MeshError naming tensor, dim, axis and sizes) or "replicate".
+    indivisible: "error" (MeshError naming tensor, dim, axis and sizes) or "replicate" (that dim
+    stays whole on those axes; a line saying so is appended to `notes` when given).
     """
     if len(logical_axes) != len(shape):
         raise MeshError(f"{name}: {len(shape)} dims {tuple(shape)} but logical axes {logical_axes}")
@@ -132,6 +134,11 @@ def partition_spec(
             continue
         if size % n:
             if indivisible == "replicate":
+                if notes is not None:
+                    notes.append(
+                        f"{name}: dim {dim} ({logical}, size {size}) is replicated over mesh axes "
+                        f"{axes} (size {n} does not divide it)"
+                    )
                 spec.append(None)
                 continue
             raise MeshError(
@@ -151,9 +158,10 @@ def tree_shardings(
     *,
     rules: Mapping[str, str | tuple[str, ...] | None] = DEFAULT_RULES,
     indivisible: str = "error",
+    notes: list[str] | None = None,
 ):
     """NamedShardings for a pytree of shapes (anything with `.shape`) given a matching pytree of
-    logical-axis tuples."""
+    logical-axis tuples; `notes` collects one line per replicated indivisible dimension."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     axes_leaves = treedef.flatten_up_to(logical_axes)
     out = []
@@ -165,6 +173,7 @@ def tree_shardings(
             mesh,
             rules=rules,
             indivisible=indivisible,
+            notes=notes,
         )
         out.append(NamedSharding(mesh, spec))
     return jax.tree_util.tree_unflatten(treedef, out)
@@ -177,23 +186,3 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Tokens `[batch, seq, ...]`: batch over ("dp", "fsdp"), the rest replicated."""
     return NamedSharding(mesh, PartitionSpec(("dp", "fsdp"), *([None] * (ndim - 1))))
-
-
-def opt_state_shardings(opt_state_shapes, param_shardings, mesh: Mesh):
-    """Shardings for an optax state: every subtree shaped like the params (adam `mu`, `nu`) is
-    sharded like the params; every other leaf (counters, scalars) is replicated."""
-    param_def = jax.tree_util.tree_structure(param_shardings)
-    rep = replicated(mesh)
-
-    def is_param_tree(x):
-        try:
-            return jax.tree_util.tree_structure(x) == param_def
-        except Exception:  # noqa: BLE001 - arbitrary optax state nodes
-            return False
-
-    def shard(x):
-        if is_param_tree(x):
-            return param_shardings
-        return jax.tree_util.tree_map(lambda _: rep, x)
-
-    return jax.tree_util.tree_map(shard, opt_state_shapes, is_leaf=is_param_tree)

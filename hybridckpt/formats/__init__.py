@@ -13,9 +13,10 @@ import os
 from hybridckpt.errors import FormatError
 from hybridckpt.source import SourceCheckpoint
 
-# module names under hybridckpt.formats, in detection order (most specific first)
+# module names under hybridckpt.formats (or full module paths), in detection order (most
+# specific first); our own checkpoints are a source too (`hybridckpt.store.source`)
 FORMATS = (
-    "orbax",
+    "hybridckpt.store.source",
     "megatron",
     "meta_llama",
     "dcp",
@@ -28,10 +29,11 @@ FORMATS = (
 
 
 def _module(name: str):
+    full = name if "." in name else f"hybridckpt.formats.{name}"
     try:
-        return importlib.import_module(f"hybridckpt.formats.{name}")
+        return importlib.import_module(full)
     except ModuleNotFoundError as e:
-        if e.name == f"hybridckpt.formats.{name}":
+        if e.name == full:
             return None
         raise
 
@@ -54,13 +56,13 @@ def detect(path: str) -> str:
     )
 
 
-def open_source(path: str, fmt: str = "auto", *, config=None) -> SourceCheckpoint:
+def open_source(path: str, fmt: str = "auto", *, config=None, step: int | None = None) -> SourceCheckpoint:
     """Open `path` as format `fmt` ("auto" detects it); `config` is a model config for sources
-    that carry none."""
+    that carry none; `step` picks a step of a source that holds several (ours)."""
     if fmt == "auto":
         fmt = detect(path)
     for name in FORMATS:
         mod = _module(name)
         if mod is not None and mod.NAME == fmt:
-            return mod.open(path, config=config)
+            return mod.open(path, config=config, step=step) if step is not None else mod.open(path, config=config)
     raise FormatError(f"unknown format {fmt!r} (known: {', '.join(available())})")

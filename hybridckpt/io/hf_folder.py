@@ -1,8 +1,10 @@
 """Write the single-card HF layout: `model*.safetensors` (+ index), `config.json`, and optionally
-`optimizer.safetensors` with `<hf name>.exp_avg`, `<hf name>.exp_avg_sq` and a 0-d `step`.
+`optimizer*.safetensors` with one tensor per parameter and optimizer slot, `<name>.<slot>` (AdamW:
+`<hf name>.exp_avg`, `<hf name>.exp_avg_sq`), and a 0-d int64 `step`.
 
 Everything is written into a temporary sibling of the destination and renamed into place when
-complete, so a failed or killed export leaves no folder that looks complete. Tensors are read
+complete, so a failed or killed export leaves no folder that looks complete; the folder gets the
+mode a plain `mkdir` gives under the user's umask (not `mkdtemp`'s private 0700). Tensors are read
 and written one at a time: peak memory is the largest tensor, not the checkpoint.
 """
 
@@ -39,6 +41,7 @@ class AtomicDir:
         try:
             os.makedirs(parent, exist_ok=True)
             self.tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(self.dst)}.tmp-", dir=parent)
+            os.chmod(self.tmp, 0o777 & ~_umask())
         except OSError as e:
             raise HybridCkptError(f"{parent}: cannot write: {e.strerror}") from e
         return self.tmp
@@ -57,6 +60,12 @@ class AtomicDir:
         else:
             os.rename(self.tmp, self.dst)
         _fsync_dir(os.path.dirname(self.dst))
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _fsync_dir(path: str) -> None:
@@ -97,30 +106,34 @@ def write_sharded(
 def write_hf(
     dst: str,
     params: Mapping[str, LazyTensor],
-    hf_config: Mapping,
+    hf_config: Mapping | None,
     *,
-    exp_avg: Mapping[str, LazyTensor] | None = None,
-    exp_avg_sq: Mapping[str, LazyTensor] | None = None,
+    slots: Mapping[str, Mapping[str, LazyTensor]] | None = None,
     step: int | None = None,
     trainer: Mapping | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     overwrite: bool = False,
     on_tensor: Callable[[str, int], None] | None = None,
 ) -> list[str]:
-    """Write an HF folder at `dst` atomically; moments go to `optimizer*.safetensors`."""
+    """Write an HF folder at `dst` atomically.
+
+    params: name -> tensor (`model*.safetensors`); hf_config: the `config.json` dict, or None for a
+    model-agnostic consolidation (no config.json); slots: optimizer slot -> name -> tensor, written
+    to `optimizer*.safetensors` as `<name>.<slot>` with the 0-d int64 `step`; trainer: written to
+    `hybridckpt.json`.
+    """
     with AtomicDir(dst, overwrite=overwrite) as tmp:
         files = write_sharded(tmp, params, stem="model", max_shard_bytes=max_shard_bytes, on_tensor=on_tensor)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(dict(hf_config), f, indent=2, sort_keys=True)
-        files.append("config.json")
-        if exp_avg is not None and exp_avg_sq is not None:
-            moments: dict[str, LazyTensor] = {}
-            for k, v in exp_avg.items():
-                moments[f"{k}.exp_avg"] = v
-            for k, v in exp_avg_sq.items():
-                moments[f"{k}.exp_avg_sq"] = v
-            moments["step"] = ArrayTensor(np.asarray(step or 0, dtype=np.int64))
-            files += write_sharded(tmp, moments, stem="optimizer", max_shard_bytes=max_shard_bytes, on_tensor=on_tensor)
+        if hf_config is not None:
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(dict(hf_config), f, indent=2, sort_keys=True)
+            files.append("config.json")
+        if slots:
+            state: dict[str, LazyTensor] = {}
+            for slot, tensors in slots.items():
+                state |= {f"{k}.{slot}": v for k, v in tensors.items()}
+            state["step"] = ArrayTensor(np.asarray(step or 0, dtype=np.int64))
+            files += write_sharded(tmp, state, stem="optimizer", max_shard_bytes=max_shard_bytes, on_tensor=on_tensor)
         if trainer:
             with open(os.path.join(tmp, "hybridckpt.json"), "w") as f:
                 json.dump(dict(trainer), f, indent=2, sort_keys=True, default=str)

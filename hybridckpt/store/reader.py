@@ -1,6 +1,6 @@
 """Arrays of an Orbax checkpoint as LazyTensors: a box read reads only the chunks covering it.
 
-Layout read (see `hybridckpt.checkpoint`): `DIR/<step>/<item>/` is one Orbax pytree item
+Layout read (see `hybridckpt.store.layout`): `DIR/<step>/<item>/` is one Orbax pytree item
 (`params`, `opt_state`) in OCDBT format; its `_METADATA` names every leaf (the dotted key path,
 e.g. `layers.q.kernel`, `0.mu.layers.q.kernel`) and says whether arrays are zarr v2 or v3. Each
 array is a zarr array at that name inside the item's OCDBT database, opened with Orbax's own
@@ -8,15 +8,13 @@ read spec (`tensorstore_utils.build_array_read_spec`, orbax-checkpoint 0.12.8), 
 fetches and decompresses only the chunks it overlaps (a stacked `[layers, ...]` leaf saved by
 `hybridckpt import` is chunked per layer: one layer read = one layer's chunks).
 
-This is how `hybridckpt export` streams an Orbax source: one HF tensor in memory at a time,
+This is how every job reads our store (`store.source`): `export` streams: one HF tensor in memory at a time,
 instead of restoring the whole tree onto one device.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,18 +24,8 @@ from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 from orbax.checkpoint._src.serialization import types as ts_types
 
 from hybridckpt.errors import CheckpointError
+from hybridckpt.formats.config_file import read_json
 from hybridckpt.lazy import Box, LazyTensor
-
-_context_lock = threading.Lock()
-_context: ts.Context | None = None
-
-
-def _ts_context() -> ts.Context:
-    global _context
-    with _context_lock:
-        if _context is None:
-            _context = ts_utils.get_ts_context(use_ocdbt=True)
-        return _context
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,6 +37,7 @@ class OrbaxArray(LazyTensor):
     shape: tuple[int, ...]
     dtype: np.dtype
     use_zarr3: bool = False
+    context: ts.Context | None = field(default=None, repr=False)  # one per opened item
     _store: list = field(default_factory=list, repr=False)  # the opened TensorStore, once
 
     def _open(self) -> ts.TensorStore:
@@ -58,11 +47,11 @@ class OrbaxArray(LazyTensor):
                 parent_dir=epath.Path(self.item_dir),
                 is_ocdbt_checkpoint=True,
                 use_zarr3=self.use_zarr3,
-                ts_context=_ts_context(),
+                ts_context=self.context,
             )
             spec = ts_utils.build_array_read_spec(info, use_ocdbt=True).json
             try:
-                store = ts.open(ts.Spec(spec), open=True, context=_ts_context()).result()
+                store = ts.open(ts.Spec(spec), open=True, context=self.context).result()
             except ValueError as e:
                 raise CheckpointError(f"{self.item_dir}: cannot open array {self.name}: {e}") from e
             self._store.append(store)
@@ -81,25 +70,21 @@ class OrbaxArray(LazyTensor):
 def item_arrays(item_dir: str) -> dict[str, OrbaxArray]:
     """Every array leaf of the Orbax item at `item_dir`, by its dotted name (from `_METADATA`
     for the names and zarr version, the zarr metadata for shape and dtype; no data read)."""
-    meta_path = os.path.join(item_dir, "_METADATA")
-    try:
-        with open(meta_path, encoding="utf-8") as f:
-            meta = json.load(f)
-    except OSError as e:
-        raise CheckpointError(f"{meta_path}: cannot read: {e.strerror}") from e
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{meta_path}: not valid JSON: {e}") from e
+    meta = read_json(os.path.join(item_dir, "_METADATA"))
     zarr3 = bool(meta.get("use_zarr3", False))
     out: dict[str, OrbaxArray] = {}
+    # a context (and so a chunk cache) per opened item: a later open sees what is on disk now,
+    # never chunks cached from an earlier write or read of the same path in this process
+    context = ts_utils.get_ts_context(use_ocdbt=True)
     for entry in meta.get("tree_metadata", {}).values():
         value = entry.get("value_metadata", {})
         if value.get("value_type") not in ("jax.Array", "np.ndarray"):
             continue
         name = ".".join(str(k["key"]) for k in entry.get("key_metadata", []))
-        probe = OrbaxArray(item_dir, name, (), np.dtype(np.float32), zarr3)
+        probe = OrbaxArray(item_dir, name, (), np.dtype(np.float32), zarr3, context)
         store = probe._open()
         out[name] = OrbaxArray(
             item_dir, name, tuple(int(n) for n in store.shape), np.dtype(store.dtype.numpy_dtype), zarr3,
-            probe._store,
+            context, probe._store,
         )
     return out

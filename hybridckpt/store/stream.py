@@ -1,6 +1,6 @@
 """Streaming Orbax save: arrays written from lazy tensors tile by tile, never whole in memory.
 
-A leaf of a tree given to `CheckpointStore.save` / `save_checkpoint` may be a `LazyLeaf` (a
+A leaf of a tree given to `store.CheckpointStore.save` / `store.save_checkpoint` may be a `LazyLeaf` (a
 `LazyTensor` plus its target sharding) instead of a jax.Array. Orbax treats the tree exactly
 as a tree of jax.Arrays (the `_METADATA` tree, `_sharding`, `array_metadatas/`, per-process
 OCDBT databases, their merge and the atomic commit); only the data path differs, in
@@ -47,9 +47,10 @@ from orbax.checkpoint._src.multihost import multihost
 from orbax.checkpoint._src.serialization import jax_array_handlers, ocdbt_utils
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
-from hybridckpt import checksum, checksum_fast
+from hybridckpt import checksum
 from hybridckpt.io import parallel
-from hybridckpt.lazy import Box, LazyTensor, box_shape, normalize_box
+from hybridckpt.lazy import Box, LazyTensor, box_shape
+from hybridckpt.plan import box_owners
 
 CHUNK_BYTES = 8 << 20  # zarr chunk target: small against any shard a resharding restore reads
 TILE_BYTES = 16 << 20  # bytes per read/write unit (whole chunks; at least one chunk)
@@ -162,13 +163,8 @@ def has_lazy(tree: Any) -> bool:
 
 def owned_boxes(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> list[Box]:
     """Distinct shard boxes this process writes: those whose lowest-id holding device is ours."""
-    owner: dict[Box, jax.Device] = {}
-    for dev, index in sharding.devices_indices_map(tuple(shape)).items():
-        box = normalize_box(shape, index)
-        if box not in owner or dev.id < owner[box].id:
-            owner[box] = dev
     me = jax.process_index()
-    return sorted(b for b, d in owner.items() if d.process_index == me)
+    return sorted(b for b, d in box_owners(tuple(shape), sharding).items() if d.process_index == me)
 
 
 def plan_tiles(box: Box, chunk: tuple[int, ...], itemsize: int, budget: int) -> Iterator[Box]:
@@ -239,7 +235,7 @@ def _read_tile(leaf: LazyLeaf, box: Box) -> np.ndarray:
     """One tile into a fresh buffer, adding its checksum part (runs in a reader thread)."""
     buf = np.empty(box_shape(box), dtype=leaf.dtype)
     leaf.tensor.read_into(box, buf)
-    leaf.add_part(checksum_fast.box_part(leaf.shape, box, buf))
+    leaf.add_part(checksum.box_part(leaf.shape, box, buf))
     return buf
 
 

@@ -1,0 +1,114 @@
+"""The export job: any checkpoint (ours included) to one single-card safetensors folder, streamed.
+
+- With a model config: the model's tensors under HF names (`naming.model_hf`: every name and
+  shape checked against the model, buffers and tied copies dropped), `config.json`, and with
+  `optimizer=True` the optimizer slots as `optimizer*.safetensors` (`<hf name>.<slot>`, `step`).
+  The checkpoint goes to HF names once, when it is opened; the export writes those tensors.
+- Without one (model-agnostic): every tensor under the source's own names, tensor-parallel and
+  ZeRO pieces joined, with the slots when asked: the job of `dcp_to_torch_save` and
+  `zero_to_fp32`, in bounded memory.
+
+Streams: each tensor is read (by `io_threads` readers, ahead of the writer within a window of the
+largest tensor) and written before the next ones are read, so peak host memory is a couple of
+tensors; tensors whose bytes already lie in the source files in the order they must be written
+are copied file to file without being read (`lazy.copy_runs`, `copy_file_range`). Our Orbax
+store is read lazily too (`store.reader`: a layer of a stacked leaf reads only its chunks).
+Between torch-side formats no JAX is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hybridckpt import lazy
+from hybridckpt.errors import CheckpointError
+from hybridckpt.lazy import LazyTensor
+
+Progress = Callable[[str, int], None]  # (tensor name, bytes) after each tensor
+
+
+@dataclass(frozen=True)
+class ExportSummary:
+    source_format: str
+    destination: str
+    files: tuple[str, ...]
+    tensors: int
+    bytes: int
+    seconds: float
+    with_optimizer: bool
+    notes: tuple[str, ...] = ()
+
+
+def export_checkpoint(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    fmt: str = "auto",
+    step: int | None = None,
+    optimizer: bool = False,
+    config: Any = None,
+    rules: str | os.PathLike | None = None,
+    dtype: str | None = None,
+    max_shard_bytes: int | None = None,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+    io_threads: int | None = None,
+) -> ExportSummary:
+    """Any supported checkpoint (Orbax included) -> one safetensors folder at `out`.
+
+    optimizer: also write the optimizer slots and step. dtype: cast params on write.
+    config: a config path or model config for sources that carry none (omit it to consolidate
+      under the source's own names). step: which step of a hybridckpt (Orbax) source.
+    """
+    from hybridckpt import naming
+    from hybridckpt.io import parallel
+    from hybridckpt.io.hf_folder import DEFAULT_SHARD_BYTES, write_hf
+    from hybridckpt.jobs.import_ import np_dtype
+    from hybridckpt.jobs.open import open_checkpoint
+
+    t0 = time.perf_counter()
+    if io_threads is not None:
+        parallel.set_io_threads(io_threads)
+    opened = open_checkpoint(src, fmt, config=config, rules=rules, step=step)
+    cfg = opened.config
+    named = naming.model_hf(opened.named, cfg) if cfg is not None else opened.named
+    params = dict(named.params)
+    if dtype is not None:
+        params = {k: lazy.cast(v, np_dtype(dtype)) for k, v in params.items()}
+    slots: dict[str, dict[str, LazyTensor]] = {}
+    if optimizer:
+        if not named.slots:
+            raise CheckpointError(f"{opened.path}: has no optimizer state to export (drop --optimizer)")
+        slots = {s: dict(t) for s, t in named.slots.items()}
+    # read ahead in the order write_hf writes: model tensors by name, then optimizer tensors
+    # by name (`<name>.<slot>`); tensors the writer copies file to file are not read ahead
+    staged: dict[tuple[str, str], LazyTensor] = {("model", k): v for k, v in params.items()}
+    for slot, tensors in slots.items():
+        staged |= {("optimizer", f"{k}.{slot}"): v for k, v in tensors.items()}
+    all_t = list(staged.values())
+    staged = {k: v for k, v in staged.items() if lazy.copy_runs(v) is None}
+    order = sorted(k for k in staged if k[0] == "model") + sorted(k for k in staged if k[0] == "optimizer")
+    window = max((t.nbytes for t in all_t), default=0)
+    ahead = parallel.Prefetcher(staged, order, window).tensors()
+    params = {k: ahead.get(("model", k), v) for k, v in params.items()}
+    slots = {s: {k: ahead.get(("optimizer", f"{k}.{s}"), v) for k, v in t.items()} for s, t in slots.items()}
+    hf_cfg = None
+    if cfg is not None:
+        import models
+
+        hf_cfg = models.config_to_hf(cfg)
+    trainer = {"step": named.step, "source_format": opened.format}
+    if slots:
+        trainer["optimizer"] = named.optimizer.name
+    files = write_hf(
+        os.fspath(out), params, hf_cfg, slots=slots or None, step=named.step, trainer=trainer,
+        max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES, overwrite=overwrite, on_tensor=progress,
+    )
+    return ExportSummary(
+        opened.format, os.path.abspath(out), tuple(files), len(all_t), sum(t.nbytes for t in all_t),
+        time.perf_counter() - t0, bool(slots), opened.notes,
+    )

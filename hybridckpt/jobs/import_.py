@@ -1,0 +1,183 @@
+"""The import job: any checkpoint into our Orbax store on a mesh, streamed, with its optimizer.
+
+Open (`jobs.open`) -> the Flax tree by the family's rules (`naming.hf_to_tree`), or, with no model
+config, the source's own names as a flat named tree -> the sharding plan (`plan.for_model` /
+`plan.for_named`, the generic rule) -> a streaming save (`store.save_checkpoint` over
+`store.stream.LazyLeaf`s): no array is ever whole in memory; every leaf is written tile by tile,
+read by a pool of `io_threads` readers, so peak host memory is a few tiles, not the checkpoint.
+Under `jax.distributed` each process reads and writes only the shards its devices hold; the
+per-tensor checksums are summed across processes into `trainer_state["checksums"]` (names
+`params.<path>`, `<slot state name>.<path>` e.g. `mu.layers.q.kernel`, and `count`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hybridckpt import lazy
+from hybridckpt.errors import ConfigError
+from hybridckpt.naming import flatten, nest
+
+Progress = Callable[[str, int], None]  # (tensor name, bytes) after each tensor
+
+
+@dataclass(frozen=True)
+class ImportSummary:
+    source_format: str
+    destination: str
+    step: int
+    mesh: str
+    tensors: int
+    bytes: int
+    seconds: float
+    with_optimizer: bool
+    notes: tuple[str, ...] = ()
+
+
+def np_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a `--dtype` name (float32, bfloat16, float16)."""
+    import ml_dtypes
+
+    if name in ("bfloat16", "bf16"):
+        return np.dtype(ml_dtypes.bfloat16)
+    if name in ("float32", "fp32"):
+        return np.dtype(np.float32)
+    if name in ("float16", "fp16"):
+        return np.dtype(np.float16)
+    raise ConfigError(f"unknown --dtype {name!r}: expected float32, bfloat16 or float16")
+
+
+def import_checkpoint(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    fmt: str = "auto",
+    mesh: Any = "dp=1",
+    config: Any = None,
+    rules: str | os.PathLike | None = None,
+    params_only: bool = False,
+    dtype: str | None = None,
+    indivisible: str = "error",
+    overwrite: bool = False,
+    step: int | None = None,
+    progress: Progress | None = None,
+    io_threads: int | None = None,
+    stream_options: Any = None,
+) -> ImportSummary:
+    """Import any supported checkpoint into an Orbax checkpoint at `dst` on `mesh`, streaming.
+
+    mesh: a `jax.sharding.Mesh`, a `MeshShape` or a string like "fsdp=2,tp=2,pp=2".
+    config: HF config.json / Meta params.json path or a model config, for sources that carry
+      none; without any, the tensors are imported under the source's names (generic sharding).
+    params_only: leave the optimizer state out. dtype: cast params ("bfloat16", ...).
+    step: which step of a hybridckpt (Orbax) source (default: latest).
+    """
+    import jax
+
+    import models
+    from hybridckpt import naming, plan
+    from hybridckpt.io import parallel
+    from hybridckpt.jobs.open import open_checkpoint
+    from hybridckpt.mesh import MeshShape, mesh_from_shape
+    from hybridckpt.store import stream
+    from hybridckpt.store.save import save_checkpoint
+
+    t0 = time.perf_counter()
+    if io_threads is not None:
+        parallel.set_io_threads(io_threads)
+    opened = open_checkpoint(src, fmt, config=config, rules=rules, step=step)
+    cfg = opened.config
+    named = naming.hf_to_tree(opened.named, cfg) if cfg is not None else opened.named
+    jmesh = mesh if isinstance(mesh, jax.sharding.Mesh) else mesh_from_shape(
+        MeshShape.parse(mesh) if isinstance(mesh, str) else mesh
+    )
+    opt = None if params_only else named.optimizer
+    if cfg is not None:
+        p = plan.for_model(cfg, jmesh, optimizer=opt, indivisible=indivisible)
+    else:
+        p = plan.for_named(named.params, jmesh, optimizer=opt)
+    opts = stream_options or stream.StreamOptions()
+    opts.on_leaf = progress
+    leaves: dict[str, stream.LazyLeaf] = {}
+
+    def lazy_tree(flat: dict, shardings: Any, cast: np.dtype | None, prefix: str) -> dict:
+        flat_s, flat_c = flatten(shardings), flatten(p.chunk_axes)
+        out = {}
+        for k, t in flat.items():
+            t = lazy.cast(t, cast) if cast is not None else t
+            out[k] = leaves[prefix + k] = stream.LazyLeaf(t, flat_s[k], prefix + k, tuple(flat_c.get(k, ())), opts)
+        return nest(out)
+
+    params = lazy_tree(named.params, p.param_shardings, None if dtype is None else np_dtype(dtype), "params.")
+    opt_state = None
+    if opt is not None:
+        from hybridckpt import optim
+
+        slots = {
+            s.name: lazy_tree(named.slots[s.name], p.slot_shardings(s.name), np.dtype(s.dtype), f"{s.state_name}.")
+            for s in opt.slots
+        }
+        count = stream.LazyLeaf(
+            lazy.ArrayTensor(np.asarray(named.step or 0, dtype=np.int32)), p.step_sharding, "count", options=opts
+        )
+        opt_state = optim.state(opt, p.opt_shapes, slots, count)
+        opt_state = _zeros_for_the_rest(opt_state, p, opts)
+    out_step = int(opened.step or 0)
+    trainer = {
+        "step": out_step,
+        "model_config": models.config_to_dict(cfg) if cfg is not None else None,
+        "optimizer": opt.name if opt is not None else None,
+        "source": {"format": opened.format, "path": opened.path, "topology": dict(opened.topology)},
+        **{k: v for k, v in opened.trainer.items() if k not in ("step", "model_config", "mesh", "optimizer", "checksums")},
+    }
+
+    def checksums() -> dict:
+        from hybridckpt.checksum import to_hex
+
+        sums = {name: to_hex(leaf.checksum) for name, leaf in leaves.items()}
+        return {"checksums": _sum_across_processes(sums) if jax.process_count() > 1 else sums}
+
+    save_checkpoint(dst, out_step, params, opt_state, trainer, overwrite=overwrite, trainer_state_after=checksums)
+    nbytes = sum(x.nbytes for x in leaves.values())
+    notes = opened.notes + opened.named.report + named.report[len(opened.named.report):] + p.notes
+    return ImportSummary(
+        opened.format, os.fspath(dst), out_step, str(MeshShape.of(jmesh)), len(leaves), nbytes,
+        time.perf_counter() - t0, opt is not None, tuple(dict.fromkeys(notes)),
+    )
+
+
+def _zeros_for_the_rest(state: Any, p: Any, opts: Any) -> Any:
+    """Optimizer state leaves no source holds (beyond slots and step) start at zero."""
+    import jax
+
+    from hybridckpt.store import stream
+
+    def fill(x: Any) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return stream.LazyLeaf(lazy.ArrayTensor(np.zeros(x.shape, x.dtype)), p.step_sharding, options=opts)
+        return x
+
+    return jax.tree.map(fill, state, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct | stream.LazyLeaf))
+
+
+def _sum_across_processes(sums: dict[str, str]) -> dict[str, str]:
+    """Add each process's checksum parts (mod 2^64) so every process holds the totals."""
+    from jax.experimental import multihost_utils
+
+    from hybridckpt.checksum import combine, to_hex
+
+    names = sorted(sums)
+    vals = [int(sums[n], 16) for n in names]
+    # 64-bit values as four 16-bit limbs in int32 (jax runs without x64 here)
+    limbs = np.array([[(v >> (16 * i)) & 0xFFFF for i in range(4)] for v in vals], dtype=np.int32)
+    gathered = np.asarray(multihost_utils.process_allgather(limbs)).astype(np.int64)
+    totals = [
+        combine(sum(int(g[j, i]) << (16 * i) for i in range(4)) for g in gathered) for j in range(len(names))
+    ]
+    return {n: to_hex(v) for n, v in zip(names, totals, strict=True)}

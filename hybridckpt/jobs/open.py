@@ -1,0 +1,122 @@
+"""Open any checkpoint, ours included: HF-named lazy tensors, optimizer slots, trainer metadata.
+
+`open_checkpoint` is the one way every job sees a checkpoint. It detects the format (or takes
+`fmt`), asks the format (or `store.source` for our own Orbax checkpoints) for a `SourceCheckpoint`
+and renames it once, by rules only (`naming.source_to_hf`), to single-card HF names. A source with
+no model config and no `config=` is opened model-agnostic: its tensors keep the source's own
+names (tensor-parallel pieces already merged, pipeline stages already global), which is what
+`inspect`, the consolidating `export` and the generic `import` need. Nothing is read.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridckpt import naming
+from hybridckpt.errors import CheckpointError, ConfigError
+from hybridckpt.formats.config_file import read_json
+from hybridckpt.naming import Named
+from hybridckpt.rules import load_rules
+
+
+def load_config_file(path: str, vocab_size: int | None = None) -> Any:
+    """A model config from an HF `config.json` or a Meta `params.json`."""
+    import models
+
+    try:
+        data = read_json(path)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+    except Exception as e:  # FormatError: missing or malformed
+        raise ConfigError(str(e)) from None
+    if "dim" in data and "n_layers" in data:
+        return models.config_from_meta_params(data, vocab_size=vocab_size, source=path)
+    return models.config_from_hf(data, source=path)
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A checkpoint of any format, as every job sees it.
+
+    format:   the format name ("hf", "megatron", ..., "orbax" for ours)
+    path:     what was opened
+    config:   the model config, or None (model-agnostic: `named` holds the source's own names)
+    named:    params and optimizer slots: under HF names when `config` is set
+    trainer:  trainer metadata (step, consumed samples, ...; our trainer_state for ours)
+    topology: parallel degrees read from the files
+    notes:    remarks from the format and the rules
+    """
+
+    format: str
+    path: str
+    config: Any
+    named: Named
+    trainer: Mapping[str, Any] = field(default_factory=dict)
+    topology: Mapping[str, int] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def step(self) -> int | None:
+        return self.named.step
+
+
+def _config_arg(config: Any) -> Any:
+    """`config` may be a path (config.json / params.json), a model config, or None."""
+    if isinstance(config, str | os.PathLike):
+        return load_config_file(os.fspath(config))
+    return config
+
+
+def open_checkpoint(
+    path: str | os.PathLike,
+    fmt: str = "auto",
+    *,
+    config: Any = None,
+    rules: str | os.PathLike | None = None,
+    step: int | None = None,
+    strict: bool = True,
+) -> Opened:
+    """Open `path` (any supported format, our Orbax checkpoints included) without reading it.
+
+    config: an HF `config.json` / Meta `params.json` path or a model config, for sources that
+      carry none (or to override theirs). rules: a user rules file applied before the format's.
+    step: which step of our Orbax checkpoint (default: latest); other formats hold one step.
+    """
+    from hybridckpt import formats
+
+    path = os.path.abspath(os.fspath(path))
+    cfg = _config_arg(config)
+    fmt = formats.detect(path) if fmt == "auto" else fmt
+    if step is not None and fmt != "orbax":
+        raise CheckpointError(
+            f"{path}: --step selects a step of a hybridckpt (Orbax) checkpoint; this {fmt} "
+            f"checkpoint holds one step"
+        )
+    src = formats.open_source(path, fmt, config=cfg, step=step)
+    cfg = cfg or src.config
+    notes = tuple(src.notes)
+    if cfg is None:
+        named = naming.source_named(src)
+        if rules:
+            named = naming.map_named(named, load_rules(os.fspath(rules), dict(src.rule_vars)), strict=strict)
+        notes = named.notes
+    else:
+        import models
+
+        user = load_rules(os.fspath(rules), models.rule_variables(cfg)) if rules else None
+        named = naming.source_to_hf(src, cfg, user_rules=user, strict=strict)
+        notes = named.notes
+    return Opened(src.format, path, cfg, named, dict(src.trainer), dict(src.topology), notes)
+
+
+def require_config(opened: Opened, what: str) -> Any:
+    """The model config of `opened`, or a ConfigError saying `what` needs one."""
+    if opened.config is None:
+        raise ConfigError(
+            f"{opened.path}: this {opened.format} checkpoint carries no model config; {what} needs "
+            f"one: pass --config with an HF config.json or a Meta params.json"
+        )
+    return opened.config

@@ -1,0 +1,199 @@
+"""Names: from a source's names to single-card HF names to the Flax tree, and back, by rules only.
+
+Two rule sets do every rename and layout change:
+1. the source's `hf_rules` (source names -> single-card HF names), optionally a user's rules;
+2. the model family's rules (`models.hf_rules(cfg)`: HF names -> flat params tree paths such as
+   `layers.q.kernel`, per-layer tensors stacked on a leading `[L]` axis).
+Optimizer slots follow the same rules as their parameters (a slot shaped like its param takes
+the same layout ops). The inverse direction (tree -> HF names) is `RuleSet.invert()` of rule set
+2, never written twice; `model_hf_shapes` derives the HF names and shapes a model has from it,
+without reading or allocating anything.
+
+A checkpoint's tensors are handled as a `Named`: params and slots under one naming. Every job
+goes to HF names once (`source_to_hf` or the store's `tree_to_hf`), then to the tree once (import)
+or stays there (export, verify: `model_hf`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from hybridckpt import lazy
+from hybridckpt.errors import MappingError
+from hybridckpt.lazy import LazyTensor
+from hybridckpt.rules import RuleSet, parse_rules
+from hybridckpt.source import SourceCheckpoint
+
+
+def nest(flat: Mapping[str, Any]) -> dict:
+    """`{"a.b": x}` -> `{"a": {"b": x}}`; a name that is also another name's prefix is an error."""
+    out: dict = {}
+    for path, x in flat.items():
+        node = out
+        *parents, leaf = path.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise MappingError(f"tensor name {path!r}: {p!r} is both a tensor and a prefix")
+        if leaf in node:
+            raise MappingError(f"tensor name {path!r} is both a tensor and a prefix of another")
+        node[leaf] = x
+    return out
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`{"a": {"b": x}}` -> `{"a.b": x}` (dicts only; other nodes are leaves)."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+@dataclass(frozen=True)
+class Named:
+    """Params and optimizer slots under one naming.
+
+    params: name -> tensor
+    slots:  slot name (e.g. "exp_avg") -> name -> tensor; empty when there is no optimizer state
+    step:   optimizer steps taken, when known
+    report: rule-application remarks (rules that matched nothing, ...)
+    notes:  remarks carried from the source
+    """
+
+    params: dict[str, LazyTensor]
+    slots: dict[str, dict[str, LazyTensor]] = field(default_factory=dict)
+    step: int | None = None
+    report: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    @property
+    def optimizer(self):
+        """The declared optimizer of the slots (`hybridckpt.optim`), or None without slots."""
+        if not self.slots:
+            return None
+        from hybridckpt import optim
+
+        return optim.for_slots(self.slots)
+
+    def only(self, names) -> Named:
+        """The same with params and slots restricted to `names`."""
+        keep = set(names)
+        return replace(
+            self,
+            params={k: v for k, v in self.params.items() if k in keep},
+            slots={s: {k: v for k, v in t.items() if k in keep} for s, t in self.slots.items()},
+        )
+
+
+def map_named(named: Named, rules: RuleSet, *, strict: bool, unstack: bool = False) -> Named:
+    """Apply `rules` to params (strictly: every name must be consumed) and to every slot."""
+    apply = rules.apply_unstack if unstack else rules.apply
+    res = apply(named.params, strict=strict)
+    slots = {s: apply(t, strict=False).tensors for s, t in named.slots.items()}
+    return replace(named, params=res.tensors, slots=slots, report=named.report + tuple(res.report()))
+
+
+def source_named(src: SourceCheckpoint) -> Named:
+    """A source's tensors and slots under its own names; fp32 master weights, where the source
+    keeps them apart from 16-bit weights, are the params (they are what the optimizer steps)."""
+    opt = src.optimizer
+    params = dict(src.tensors)
+    notes = tuple(src.notes)
+    if opt is not None and opt.master:
+        params |= dict(opt.master)
+        notes += ("params taken from the fp32 master weights",)
+    slots = {k: dict(v) for k, v in opt.slots.items()} if opt is not None else {}
+    step = opt.step if opt is not None and opt.step is not None else src.step
+    return Named(params, slots, step, notes=notes)
+
+
+def source_to_hf(
+    src: SourceCheckpoint, cfg: Any, *, user_rules: RuleSet | None = None, strict: bool = True
+) -> Named:
+    """Tensors and slots of `src` under HF names, by the user's rules then the source's."""
+    import models
+
+    named = source_named(src)
+    if user_rules is not None:
+        named = map_named(named, user_rules, strict=strict)
+    if src.hf_rules.strip():
+        variables = {**models.rule_variables(cfg), **dict(src.rule_vars)}
+        rules = parse_rules(src.hf_rules, variables, origin=f"{src.format} rules")
+        named = map_named(named, rules, strict=strict)
+    return named
+
+
+def model_rules(cfg: Any) -> RuleSet:
+    """The family's rules from HF names to the flat params tree of `cfg`."""
+    import models
+
+    text, origin = models.hf_rules(cfg)
+    return parse_rules(text, models.rule_variables(cfg), origin=origin)
+
+
+def _check_against(flat: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], what: str) -> None:
+    missing = sorted(set(shapes) - set(flat))
+    unexpected = sorted(set(flat) - set(shapes))
+    if missing or unexpected:
+        raise MappingError(
+            f"{what}: the model expects {sorted(shapes)[:3]}...; missing {missing[:10]}, "
+            f"unexpected {unexpected[:10]}"
+        )
+    for k, s in sorted(shapes.items()):
+        if tuple(flat[k].shape) != tuple(s):
+            raise MappingError(f"{what}: {k} has shape {tuple(flat[k].shape)}, the model expects {tuple(s)}")
+
+
+def hf_to_tree(hf: Named, cfg: Any, *, strict: bool = True) -> Named:
+    """HF-named params and slots -> flat tree paths (`layers.q.kernel`) of `cfg`'s params,
+    checked against the model's shapes (every slot must cover every param)."""
+    import models
+
+    out = map_named(hf, model_rules(cfg), strict=strict)
+    shapes = flatten(models.param_shape_tree(cfg))
+    _check_against(out.params, shapes, "params")
+    for name, tree in out.slots.items():
+        missing = sorted(set(shapes) - set(tree))
+        if missing:
+            raise MappingError(f"optimizer state has no {name} for params {missing[:10]}")
+        _check_against(tree, shapes, name)
+    return out
+
+
+def _placeholder(shape: tuple[int, ...]) -> LazyTensor:
+    """A tensor of `shape` that owns no memory (a broadcast zero): for planning names only."""
+    return lazy.ArrayTensor(np.broadcast_to(np.zeros((), np.float32), shape))
+
+
+def model_hf_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
+    """The HF names and shapes of every tensor `cfg`'s model has (derived from the inverse of
+    the family's rules; nothing read or allocated)."""
+    import models
+
+    flat = {k: _placeholder(tuple(s)) for k, s in flatten(models.param_shape_tree(cfg)).items()}
+    return {k: tuple(t.shape) for k, t in model_rules(cfg).invert().apply_unstack(flat).tensors.items()}
+
+
+def model_hf(hf: Named, cfg: Any) -> Named:
+    """The model's tensors of an HF-named checkpoint (buffers and tied copies the model does not
+    hold dropped), with every name and shape checked: what export writes and verify compares."""
+    hf_to_tree(hf, cfg)  # every name consumed by a rule, every shape the model's (reads nothing)
+    want = model_hf_shapes(cfg)
+    _check_against({k: v for k, v in hf.params.items() if k in want}, want, "params")
+    for name, tree in hf.slots.items():
+        _check_against({k: v for k, v in tree.items() if k in want}, want, name)
+    return hf.only(want)
+
+
+def tree_to_hf(flat: Mapping[str, Any], cfg: Any) -> dict[str, LazyTensor]:
+    """A flat params tree (`layers.q.kernel` -> array or lazy tensor) under HF names."""
+    tensors = {k: v if isinstance(v, LazyTensor) else lazy.ArrayTensor(np.asarray(v)) for k, v in flat.items()}
+    return model_rules(cfg).invert().apply_unstack(tensors).tensors

@@ -1,0 +1,296 @@
+"""`CheckpointStore`: Orbax's CheckpointManager over our items, for training loops and jobs.
+
+Save intervals, keep-N, keep-best, async saves and an optional optimizer item; restore onto any
+mesh from abstract targets (`plan.abstract_tree`), with a report of what changed in the topology,
+a refused change of global batch size unless overridden, and strict missing/unexpected keys.
+The on-disk layout and trainer-state keys are described in `store.layout`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from hybridckpt.errors import CheckpointError
+from hybridckpt.mesh import MeshShape
+from hybridckpt.store.layout import (
+    OPT_STATE,
+    PARAMS,
+    TRAINER_STATE,
+    Restored,
+    TopologyChange,
+    mesh_of_tree,
+    rng_to_json,
+)
+from hybridckpt.store.orbax_io import (
+    as_shape_dtype,
+    check_tree,
+    handler_registry,
+    item_metadata,
+    read_json,
+    resolve_step,
+    restore_partial,
+    standard_save,
+)
+
+
+def _metric(name: str, metrics: Mapping[str, float]) -> float:
+    return float(metrics[name])
+
+
+class CheckpointStore:
+    """Orbax CheckpointManager over items `params`, `opt_state` (optional) and `trainer_state`.
+
+    save_interval_steps: `save` writes only when `step % save_interval_steps == 0`
+      (`force=True` writes anyway).
+    max_to_keep: keep the newest N steps (None: keep all).
+    keep_best_by: a metric name (e.g. "loss"), read from `trainer_state["metrics"]` or
+      `trainer_state`; then the `max_to_keep` best steps by it (`best_mode` "min" or "max")
+      are kept, plus always the newest step so training can resume.
+    async_save: `save` returns once arrays are copied off the devices; call `wait()` (or
+      `close()`) before reading the files.
+    save_optimizer: False drops `opt_state` from every save.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        save_interval_steps: int = 1,
+        max_to_keep: int | None = None,
+        keep_best_by: str | None = None,
+        best_mode: str = "min",
+        async_save: bool = False,
+        save_optimizer: bool = True,
+    ) -> None:
+        if save_interval_steps < 1:
+            raise CheckpointError(f"save_interval_steps must be >= 1, got {save_interval_steps}")
+        if best_mode not in ("min", "max"):
+            raise CheckpointError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+        self.directory = Path(directory).absolute()
+        self.keep_best_by = keep_best_by
+        self.save_optimizer = save_optimizer
+        policies = ocp.checkpoint_managers
+        preserve: Any = policies.LatestN(n=max_to_keep)
+        best_fn = None if keep_best_by is None else functools.partial(_metric, keep_best_by)
+        if best_fn is not None:
+            best_n = policies.BestN(
+                get_metric_fn=best_fn, reverse=best_mode == "min", n=max_to_keep
+            )
+            preserve = policies.AnyPreservationPolicy([policies.LatestN(n=1), best_n])
+        options = ocp.CheckpointManagerOptions(
+            save_decision_policy=policies.AnySavePolicy(
+                [
+                    policies.FixedIntervalPolicy(save_interval_steps),
+                    policies.PreemptionCheckpointingPolicy(),
+                ]
+            ),
+            preservation_policy=preserve,
+            best_fn=best_fn,
+            best_mode=best_mode,
+            enable_async_checkpointing=async_save,
+            create=True,
+        )
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, handler_registry=handler_registry()
+        )
+
+    # -- context / lifetime
+    def __enter__(self) -> CheckpointStore:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def wait(self) -> None:
+        """Block until every pending (async) save is on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()
+
+    # -- queries
+    def steps(self) -> list[int]:
+        return sorted(int(s) for s in self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def best_step(self) -> int | None:
+        """The best step by `keep_best_by` (the latest step when no metric is tracked)."""
+        return self._manager.best_step()
+
+    def should_save(self, step: int) -> bool:
+        return bool(self._manager.should_save(step))
+
+    def trainer_state(self, step: int | None = None) -> dict:
+        self._manager.wait_until_finished()
+        return read_json(self._manager, resolve_step(self._manager, step))
+
+    def params_metadata(self, step: int | None = None) -> Any:
+        """Saved params as a tree of `jax.ShapeDtypeStruct` (no sharding); reads no arrays."""
+        self._manager.wait_until_finished()
+        step = resolve_step(self._manager, step)
+        return as_shape_dtype(item_metadata(self._manager, step, PARAMS))
+
+    # -- save
+    def _trainer_json(self, step: int, params: Any, trainer_state: Mapping | None) -> dict:
+        state = dict(trainer_state or {})
+        if "step" in state and int(state["step"]) != step:
+            raise CheckpointError(
+                f"{self.directory}: trainer_state['step']={state['step']} but saving step {step}"
+            )
+        state["step"] = int(step)
+        if "mesh" not in state:
+            mesh, _ = mesh_of_tree(params)
+            state["mesh"] = (mesh or MeshShape()).as_dict()
+        elif isinstance(state["mesh"], MeshShape):
+            state["mesh"] = state["mesh"].as_dict()
+        if "rng" in state and not isinstance(state["rng"], list):
+            state["rng"] = rng_to_json(state["rng"])
+        for key, value in state.items():
+            if isinstance(value, np.generic | jax.Array) and np.ndim(value) == 0:
+                state[key] = value = value.item()  # a loss given as a device / numpy scalar
+            try:
+                json.dumps(value, allow_nan=True)
+            except TypeError as e:
+                raise CheckpointError(
+                    f"{self.directory}: trainer_state[{key!r}] is not JSON-serialisable "
+                    f"({type(value).__name__}): {e}"
+                ) from e
+        return state
+
+    def _metrics(self, step: int, state: dict) -> dict | None:
+        if self.keep_best_by is None:
+            return None
+        name = self.keep_best_by
+        metrics = state.get("metrics") or {}
+        value = metrics.get(name, state.get(name))
+        if value is None:
+            raise CheckpointError(
+                f"{self.directory}: keep_best_by={name!r} but step {step}'s trainer_state has "
+                f"no {name!r} (neither trainer_state[{name!r}] nor trainer_state['metrics'])"
+            )
+        return {name: float(value)}
+
+    def save(
+        self,
+        step: int,
+        params: Any,
+        opt_state: Any = None,
+        trainer_state: Mapping[str, Any] | None = None,
+        *,
+        force: bool = False,
+    ) -> bool:
+        """Save `params` (and `opt_state` unless None or save_optimizer=False) at `step`.
+
+        Returns False when the save interval skips this step. `trainer_state` gets `step` and
+        `mesh` (taken from the params' shardings) filled in. A step that already exists is an
+        error.
+        """
+        if not force and not self._manager.should_save(step):
+            return False
+        state = self._trainer_json(step, params, trainer_state)
+        items: dict[str, Any] = {PARAMS: standard_save(params)}
+        if opt_state is not None and self.save_optimizer:
+            items[OPT_STATE] = standard_save(opt_state)
+        items[TRAINER_STATE] = ocp.args.JsonSave(state)
+        try:
+            return bool(
+                self._manager.save(
+                    step,
+                    args=ocp.args.Composite(**items),
+                    metrics=self._metrics(step, state),
+                    force=True,
+                )
+            )
+        except ocp.checkpoint_manager.StepAlreadyExistsError as e:
+            raise CheckpointError(f"{self.directory}: step {step} already exists") from e
+
+    # -- restore
+    def restore(
+        self,
+        step: int | None = None,
+        *,
+        target_params: Any,
+        target_opt_state: Any = None,
+        global_batch_size: int | None = None,
+        allow_batch_size_change: bool = False,
+        strict: bool = True,
+    ) -> Restored:
+        """Restore `step` (default: latest) onto the shardings carried by the targets.
+
+        target_params / target_opt_state: trees of `jax.ShapeDtypeStruct` with `.sharding`
+          (see `abstract_tree`); `target_opt_state=None` skips the optimizer state.
+        global_batch_size: the new run's batch size; a change from the saved one is refused
+          unless `allow_batch_size_change`.
+        strict: missing / unexpected keys are an error; with False the common keys are
+          restored and the others reported in `Restored.missing_keys / unexpected_keys`.
+        """
+        manager = self._manager
+        manager.wait_until_finished()  # a pending async save must be on disk before reading
+        step = resolve_step(manager, step)
+        where = f"{self.directory}/{step}"
+        state = read_json(manager, step)
+
+        saved_gbs = state.get("global_batch_size")
+        if (
+            global_batch_size is not None
+            and saved_gbs is not None
+            and int(saved_gbs) != int(global_batch_size)
+            and not allow_batch_size_change
+        ):
+            raise CheckpointError(
+                f"{where}: saved with global batch size {saved_gbs} but restoring with "
+                f"{global_batch_size}; pass allow_batch_size_change=True to accept"
+            )
+        saved_mesh = MeshShape(**state["mesh"]) if isinstance(state.get("mesh"), dict) else None
+        target_mesh, target_devices = mesh_of_tree(target_params)
+        topology = TopologyChange(
+            saved_mesh=saved_mesh,
+            target_mesh=target_mesh,
+            saved_devices=saved_mesh.size if saved_mesh else None,
+            target_devices=target_devices,
+            saved_global_batch_size=None if saved_gbs is None else int(saved_gbs),
+            target_global_batch_size=global_batch_size,
+            consumed_samples=state.get("consumed_samples"),
+        )
+
+        targets = {PARAMS: target_params}
+        if target_opt_state is not None:
+            targets[OPT_STATE] = target_opt_state
+        metas, missing, unexpected = {}, set(), set()
+        for item, target in targets.items():
+            meta = item_metadata(manager, step, item)
+            if meta is None:
+                raise CheckpointError(
+                    f"{where}: has no {item} (saved without it); restore with target_{item}=None"
+                )
+            miss, extra = check_tree(f"{where}/{item}", meta, target, strict)
+            metas[item] = meta
+            missing |= {f"{item}.{k}" for k in miss}
+            unexpected |= {f"{item}.{k}" for k in extra}
+
+        if missing or unexpected:
+            step_dir = self.directory / str(step)
+            out = {k: restore_partial(step_dir, k, metas[k], t) for k, t in targets.items()}
+        else:
+            args = {k: ocp.args.StandardRestore(t) for k, t in targets.items()}
+            out = manager.restore(step, args=ocp.args.Composite(**args))
+        return Restored(
+            step=step,
+            params=out[PARAMS],
+            opt_state=out[OPT_STATE] if OPT_STATE in targets else None,
+            trainer_state=state,
+            topology=topology,
+            missing_keys=tuple(sorted(missing)),
+            unexpected_keys=tuple(sorted(unexpected)),
+        )
