@@ -7,9 +7,19 @@ was found. The CLI turns these into a one-line message and exit code 2.
 
 from __future__ import annotations
 
+# The root and the model-config error live in `models` (which imports nothing from hybridckpt);
+# they are re-exported here so every error still comes from one family.
+from models.errors import ConfigError, HybridCkptError
 
-class HybridCkptError(Exception):
-    """Base of every error hybridckpt raises on purpose."""
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "FormatError",
+    "HybridCkptError",
+    "MappingError",
+    "MeshError",
+    "UnsafePickleError",
+]
 
 
 class FormatError(HybridCkptError):
@@ -31,6 +41,3 @@ class MeshError(HybridCkptError):
 class CheckpointError(HybridCkptError):
     """An Orbax checkpoint is missing, incomplete, or does not match the requested tree."""
 
-
-class ConfigError(HybridCkptError):
-    """A model config is missing or describes an unknown architecture."""
