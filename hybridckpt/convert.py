@@ -2,7 +2,7 @@
 
 Two rule sets do every rename and layout change:
 1. the source's `hf_rules` (source names -> single-card HF names), optionally a user's rules;
-2. the model family's rules (`models/rules/<family>.rules`: HF names -> params pytree paths).
+2. the model family's rules (`models/<family>/hf.rules`: HF names -> params pytree paths).
 The Adam moments follow the same rules as their parameters. The inverse direction (pytree ->
 HF names, for export) is `RuleSet.invert()` of rule set 2: never written twice.
 """
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+import models
 from hybridckpt import lazy
 from hybridckpt.errors import MappingError
 from hybridckpt.lazy import LazyTensor
@@ -27,34 +27,14 @@ if TYPE_CHECKING:
 
 
 def rule_variables(cfg) -> dict[str, Any]:
-    """Variables a rules text may use, from a model config."""
-    if cfg.family == "llama":
-        return {
-            "num_heads": cfg.num_heads,
-            "num_kv_heads": cfg.num_kv_heads,
-            "head_dim": cfg.head_dim,
-            "hidden_size": cfg.hidden_size,
-            "vocab_size": cfg.vocab_size,
-            "num_layers": cfg.num_layers,
-            "intermediate_size": cfg.intermediate_size,
-            "tied": cfg.tie_word_embeddings,
-        }
-    return {
-        "num_heads": cfg.n_head,
-        "num_kv_heads": cfg.n_head,
-        "head_dim": cfg.n_embd // cfg.n_head,
-        "hidden_size": cfg.n_embd,
-        "vocab_size": cfg.vocab_size,
-        "num_layers": cfg.n_layer,
-        "intermediate_size": cfg.n_inner or 4 * cfg.n_embd,
-        "tied": True,
-    }
+    """Variables a rules text may use, from a model config (`models.rule_variables`)."""
+    return models.rule_variables(cfg)
 
 
 def model_rules(cfg) -> RuleSet:
-    """The rules from HF names to the params pytree of `cfg`'s family."""
-    text = resources.files("models").joinpath("rules", f"{cfg.family}.rules").read_text()
-    return parse_rules(text, rule_variables(cfg), origin=f"models/rules/{cfg.family}.rules")
+    """The rules from HF names to the params pytree of `cfg`'s family (`models.hf_rules`)."""
+    text, origin = models.hf_rules(cfg)
+    return parse_rules(text, models.rule_variables(cfg), origin=origin)
 
 
 # -- pytree paths ------------------------------------------------------------------------------

@@ -1,34 +1,44 @@
-"""Flax model specs: Llama and GPT-2 families as plain pytrees with logical axis names.
+"""Model families as plug-ins: each is a folder `models/<family>/` found through a registry.
 
-Every function dispatches on the config type. Params are plain nested dicts of fp32 arrays,
-layers stacked on a leading `layers` axis (see `models.llama` / `models.gpt2` for the trees).
-`forward` holds no mesh code: jit it with sharded params and XLA propagates the shardings.
+A family folder holds `__init__.py` (`FAMILY = Family(...)`, see `models.family`), `config.py`
+(the frozen config dataclass, its HF (and Meta) forms, rule variables and param shapes; no JAX),
+`module.py` (the Flax module) and `hf.rules` (HF names -> params tree). Nothing outside
+`models/` names a family; `models` imports nothing from `hybridckpt` (its errors are
+`models.errors`, which `hybridckpt.errors` re-exports).
 
-Configs and `param_shape_tree` need no JAX; the JAX functions (`module`, `init_params`,
-`param_shapes`, `logical_axes`, `forward`, `loss`) live in `models.jax_api` and are imported on
-first use, so `import models` stays light for conversions that only move bytes.
+Params are plain nested dicts of fp32 arrays, layers stacked on a leading `layers` axis (see
+each family's `module.py` for its tree). `forward` holds no mesh code: jit it with sharded
+params and XLA propagates the shardings.
+
+Configs, `param_shape_tree`, rules and the registry need no JAX; the JAX functions (`module`,
+`init_params`, `param_shapes`, `logical_axes`, `forward`, `loss`) live in `models.jax_api` and
+are imported on first use, so `import models` stays light for conversions that only move bytes.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from models.config import (
-    GPT2Config,
-    LlamaConfig,
-    ModelConfig,
+from models.api import (
     config_from_dict,
     config_from_hf,
     config_from_meta_params,
     config_to_dict,
     config_to_hf,
-    meta_ffn_hidden_dim,
+    hf_name_fixes,
+    hf_rules,
+    param_shape_tree,
+    rule_variables,
 )
-from models.shapes import param_shape_tree
+from models.family import RULE_VARIABLES, Family, ModelConfig, families, family_of
+from models.gpt2.config import GPT2Config
+from models.llama.config import LlamaConfig, meta_ffn_hidden_dim
 
 _JAX_API = ("forward", "init_params", "logical_axes", "loss", "module", "param_shapes")
 
 __all__ = [
+    "RULE_VARIABLES",
+    "Family",
     "GPT2Config",
     "LlamaConfig",
     "ModelConfig",
@@ -37,8 +47,13 @@ __all__ = [
     "config_from_meta_params",
     "config_to_dict",
     "config_to_hf",
+    "families",
+    "family_of",
+    "hf_name_fixes",
+    "hf_rules",
     "meta_ffn_hidden_dim",
     "param_shape_tree",
+    "rule_variables",
     *_JAX_API,
 ]
 

@@ -1,6 +1,6 @@
 """The JAX side of every family: the Flax module, init, forward, loss, abstract shapes and
 logical axes. Imported on first use through `models` (a conversion that never computes imports
-no JAX); every function dispatches on the config type."""
+no JAX); every function builds the family's module named by `family_of(cfg).module`."""
 
 from __future__ import annotations
 
@@ -11,22 +11,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from hybridckpt.errors import ConfigError
 from models.common import axes_of, next_token_loss, unboxed
-from models.config import GPT2Config, LlamaConfig, ModelConfig
-from models.gpt2 import GPT2
-from models.llama import Llama
+from models.family import ModelConfig, family_of
 
 _INIT_TOKENS = (1, 1)  # shape of the dummy batch used to trace init
 
 
 def module(cfg: ModelConfig, compute_dtype: Any = jnp.float32) -> nn.Module:
     """The Flax module of `cfg` computing in `compute_dtype` (params stay fp32)."""
-    if isinstance(cfg, LlamaConfig):
-        return Llama(cfg, compute_dtype)
-    if isinstance(cfg, GPT2Config):
-        return GPT2(cfg, compute_dtype)
-    raise ConfigError(f"expected LlamaConfig or GPT2Config, found {type(cfg).__name__}")
+    return family_of(cfg).flax_module()(cfg, compute_dtype)
 
 
 def _boxed_init(cfg: ModelConfig, rng: jax.Array) -> Any:

@@ -9,6 +9,10 @@ reduction order differs across devices); adamw step rtol 1e-6 (see that test for
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
 from functools import partial
 
 import jax
@@ -20,10 +24,12 @@ import torch
 import transformers
 from jax.sharding import PartitionSpec
 
+import hybridckpt.errors
 import models
-from hybridckpt.errors import ConfigError
-from hybridckpt.mesh import batch_sharding, make_mesh, opt_state_shardings, tree_shardings
+from hybridckpt.mesh import batch_sharding, make_mesh, tree_shardings
+from hybridckpt.plan import optax_state_shardings
 from models import GPT2Config, LlamaConfig
+from models.errors import ConfigError
 
 BF16_TOL = 0.05  # max |bf16 - fp32| / max |fp32 logit|
 
@@ -131,20 +137,32 @@ def test_param_tree_and_logical_axes(cfg):
 
 
 LLAMA_ODD = LlamaConfig(
-    vocab_size=50, hidden_size=48, intermediate_size=72, num_layers=3, num_heads=6,
-    num_kv_heads=1, head_dim=10, tie_word_embeddings=False,
+    vocab_size=50,
+    hidden_size=48,
+    intermediate_size=72,
+    num_layers=3,
+    num_heads=6,
+    num_kv_heads=1,
+    head_dim=10,
+    tie_word_embeddings=False,
 )  # MQA, head_dim * heads != hidden
 GPT2_ODD = GPT2Config(vocab_size=30, n_positions=5, n_embd=24, n_layer=1, n_head=3, n_inner=40)
 
 
 @pytest.mark.parametrize(
-    "cfg", [LLAMA, LLAMA_TIED, LLAMA_ODD, GPT2, GPT2_ODD], ids=["llama", "tied", "llama_mqa", "gpt2", "gpt2_inner"]
+    "cfg",
+    [LLAMA, LLAMA_TIED, LLAMA_ODD, GPT2, GPT2_ODD],
+    ids=["llama", "tied", "llama_mqa", "gpt2", "gpt2_inner"],
 )
 def test_jax_free_shapes_equal_the_flax_modules(cfg):
     """`models.param_shape_tree` (no JAX, used by exports) is what Flax's init builds."""
     flax_shapes = jax.tree.map(lambda s: tuple(s.shape), models.param_shapes(cfg))
     assert models.param_shape_tree(cfg) == flax_shapes
-    wrong = dataclasses.replace(cfg, num_kv_heads=cfg.num_heads) if cfg.family == "llama" else dataclasses.replace(cfg, n_inner=8)
+    wrong = (
+        dataclasses.replace(cfg, num_kv_heads=cfg.num_heads)
+        if cfg.family == "llama"
+        else dataclasses.replace(cfg, n_inner=8)
+    )
     assert models.param_shape_tree(wrong) != flax_shapes
 
 
@@ -389,7 +407,7 @@ def test_adamw_step_on_pp_mesh_matches_unsharded():
     mesh = make_mesh(fsdp=2, tp=2, pp=2)
     sharded, shardings = _place(cfg, params, mesh)
     state_shapes = jax.eval_shape(opt.init, params)
-    state_shardings = opt_state_shardings(state_shapes, shardings, mesh)
+    state_shardings = optax_state_shardings(state_shapes, shardings, mesh)
     state = jax.jit(opt.init, out_shardings=state_shardings)(sharded)
     new_params, new_state, new_loss = step(
         sharded, state, jax.device_put(tokens, batch_sharding(mesh))
@@ -554,3 +572,167 @@ def test_config_dict_round_trip_and_errors():
         models.config_from_dict({**models.config_to_dict(GPT2), "bogus": 1})
     with pytest.raises(ConfigError, match="n_embd 30 is not divisible by n_head 4"):
         GPT2Config(10, 8, 30, 1, 4)
+
+
+# ------------------------------------------------------------------------------- registry
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter (nothing imported yet) from the repository root."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=REPO,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_registry_discovers_the_families():
+    fams = models.families()
+    assert set(fams) >= {"llama", "gpt2"}
+    assert fams["llama"].config_cls is LlamaConfig and fams["gpt2"].config_cls is GPT2Config
+    for cfg in (LLAMA, LLAMA_TIED, GPT2):
+        fam = models.family_of(cfg)
+        assert fam.name == cfg.family
+        text, origin = models.hf_rules(cfg)
+        assert origin == f"models/{fam.name}/hf.rules" and "->" in text
+        assert set(models.rule_variables(cfg)) >= set(models.RULE_VARIABLES)
+    with pytest.raises(ConfigError, match="expected a model config.*found int"):
+        models.family_of(3)
+
+
+def test_rule_variables_of_both_families():
+    assert models.rule_variables(LLAMA) == {
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 16,
+        "hidden_size": 64,
+        "vocab_size": 128,
+        "num_layers": 2,
+        "intermediate_size": 128,
+        "tied": False,
+    }
+    assert models.rule_variables(GPT2) == {
+        "num_heads": 4,
+        "num_kv_heads": 4,
+        "head_dim": 16,
+        "hidden_size": 64,
+        "vocab_size": 128,
+        "num_layers": 2,
+        "intermediate_size": 256,
+        "tied": True,
+    }
+
+
+def test_hf_name_fixes():
+    assert models.hf_name_fixes(LLAMA, ["model.norm.weight"]) == ""
+    assert models.hf_name_fixes(GPT2, ["transformer.wte.weight", "lm_head.weight"]) == ""
+    # a bare GPT2Model's file: no `transformer.` prefix
+    assert models.hf_name_fixes(GPT2, ["wte.weight", "h.0.ln_1.weight"]) == (
+        "lm_head.weight -> lm_head.weight\n* -> transformer.*\n"
+    )
+
+
+def test_one_config_error_class():
+    assert hybridckpt.errors.ConfigError is ConfigError
+    assert hybridckpt.errors.HybridCkptError is models.errors.HybridCkptError
+    assert issubclass(hybridckpt.errors.FormatError, models.errors.HybridCkptError)
+
+
+def test_unknown_architecture_names_the_supported_ones():
+    with pytest.raises(ConfigError) as e:
+        models.config_from_hf({"architectures": ["BertForMaskedLM"]}, source="x/config.json")
+    msg = str(e.value)
+    assert msg.startswith("x/config.json: architectures ['BertForMaskedLM']")
+    for fam in models.families().values():
+        for word in (*fam.hf_architectures, *fam.hf_model_types):
+            assert word in msg
+
+
+def test_models_imports_nothing_from_hybridckpt_nor_jax():
+    out = _python(
+        """
+        import sys
+        import models
+        cfg = models.config_from_hf({"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 2})
+        models.param_shape_tree(cfg), models.rule_variables(cfg), models.hf_rules(cfg)
+        models.config_from_dict(models.config_to_dict(cfg))
+        bad = [m for m in sys.modules if m.split(".")[0] in ("hybridckpt", "jax", "flax")]
+        assert not bad, bad
+        print("ok")
+        """
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_a_family_in_a_new_folder_is_found(tmp_path):
+    """Adding a family is adding a folder: a toy family outside the tree, on `models.__path__`."""
+    toy = tmp_path / "toy"
+    toy.mkdir()
+    (toy / "hf.rules").write_text("model.w.weight -> w.kernel : transpose\n")
+    (toy / "__init__.py").write_text(
+        textwrap.dedent(
+            """
+            from dataclasses import dataclass
+
+            from models.family import Family
+
+
+            @dataclass(frozen=True)
+            class ToyConfig:
+                vocab_size: int
+                width: int
+                num_layers: int = 1
+
+                @property
+                def family(self):
+                    return "toy"
+
+
+            def from_hf(d, source):
+                return ToyConfig(d["vocab_size"], d["width"])
+
+
+            def rule_variables(cfg):
+                return dict(num_heads=1, num_kv_heads=1, head_dim=cfg.width,
+                            hidden_size=cfg.width, vocab_size=cfg.vocab_size, num_layers=1,
+                            intermediate_size=cfg.width, tied=False)
+
+
+            FAMILY = Family(
+                name="toy",
+                config_cls=ToyConfig,
+                hf_architectures=("ToyForCausalLM",),
+                hf_model_types=("toy",),
+                config_from_hf=from_hf,
+                config_to_hf=lambda cfg: {"architectures": ["ToyForCausalLM"]},
+                shape_tree=lambda cfg: {"w": {"kernel": (cfg.width, cfg.vocab_size)}},
+                rule_variables=rule_variables,
+                module="models.toy.module:Toy",
+                hf_rules=f"{__name__}:hf.rules",
+            )
+            """
+        )
+    )
+    out = _python(
+        f"""
+        import models
+        models.__path__.append({str(tmp_path)!r})
+        assert set(models.families()) >= {{"toy", "llama", "gpt2"}}
+        cfg = models.config_from_hf({{"architectures": ["ToyForCausalLM"], "vocab_size": 5,
+                                      "width": 3}})
+        assert models.param_shape_tree(cfg) == {{"w": {{"kernel": (3, 5)}}}}
+        assert models.config_from_dict(models.config_to_dict(cfg)) == cfg
+        assert models.hf_rules(cfg)[1] == "models/toy/hf.rules"
+        try:
+            models.config_from_hf({{"architectures": ["Nope"]}})
+        except models.errors.ConfigError as e:
+            assert "ToyForCausalLM" in str(e), e
+        print("ok")
+        """
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

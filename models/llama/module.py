@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from models.common import causal_attention, dense, normal, ones, stacked
-from models.config import LlamaConfig
+from models.llama.config import LlamaConfig
 
 
 class RMSNorm(nn.Module):

@@ -1,0 +1,187 @@
+"""A model family as one record, and the registry that finds every family by itself.
+
+A family is a subpackage `models/<name>/` whose `__init__.py` defines `FAMILY = Family(...)`.
+`families()` imports each subpackage of `models` (pkgutil over `models.__path__`, once) and keeps
+those that define `FAMILY`, so adding a family is adding a folder; nothing else names it.
+
+What a family gives (JAX-free unless said):
+- `config_cls`: its frozen config dataclass; `family_of(cfg)` goes by the config's type.
+- `hf_architectures` / `hf_model_types`: the HF `config.json` `architectures` entries and
+  `model_type` values it reads; `config_from_hf(d, source)` / `config_to_hf(cfg)` convert.
+- `shape_tree(cfg)`: nested dicts of fp32 param shape tuples, exactly the tree the Flax module's
+  init builds (kernels `[in, out]`, per-layer params stacked on a leading `[L]` axis).
+- `rule_variables(cfg)`: the variables its rules may use; at least `RULE_VARIABLES`.
+- `module`: "pkg.mod:Class", the Flax module `Class(cfg, compute_dtype)`, imported on first use
+  (`flax_module()`), so configs and shapes never import JAX.
+- `hf_rules`: "pkg:resource", the rules file from HF names to the params tree (package data
+  inside the family folder; the inverse, for export, is derived from it).
+- `config_from_meta(d, vocab_size, source)`: only for families Meta's `params.json` describes.
+- `hf_name_fixes(names)`: a rules text renaming alternate HF spellings of the tensor `names`
+  to the canonical ones the family's rules expect ("" when there are none).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, Protocol
+
+from models.errors import ConfigError
+
+
+class ModelConfig(Protocol):
+    """What every family's config offers: a frozen, hashable dataclass with these at least."""
+
+    vocab_size: int
+
+    @property
+    def family(self) -> str:
+        """The family's name (our JSON's "family")."""
+
+    @property
+    def num_layers(self) -> int:
+        """The number of transformer blocks (the leading `[L]` axis of stacked params)."""
+
+
+# Keys every family's `rule_variables` gives (rules of formats and users may rely on them).
+RULE_VARIABLES = (
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "hidden_size",
+    "vocab_size",
+    "num_layers",
+    "intermediate_size",
+    "tied",
+)
+
+
+def no_name_fixes(names: Collection[str]) -> str:
+    """The default `hf_name_fixes`: HF files of the family use one spelling only."""
+    return ""
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family (see the module docstring for what each field means)."""
+
+    name: str
+    config_cls: type
+    hf_architectures: tuple[str, ...]
+    hf_model_types: tuple[str, ...]
+    config_from_hf: Callable[[Mapping[str, Any], str], Any]
+    config_to_hf: Callable[[Any], dict[str, Any]]
+    shape_tree: Callable[[Any], dict]
+    rule_variables: Callable[[Any], dict[str, Any]]
+    module: str
+    hf_rules: str
+    config_from_meta: Callable[[Mapping[str, Any], int | None, str], Any] | None = None
+    hf_name_fixes: Callable[[Collection[str]], str] = no_name_fixes
+
+    def flax_module(self) -> type:
+        """The Flax module class named by `module` (imports JAX and Flax)."""
+        path, _, attr = self.module.partition(":")
+        return getattr(importlib.import_module(path), attr)
+
+    def read_hf_rules(self) -> tuple[str, str]:
+        """(text, origin) of the family's HF rules; origin reads like "models/llama/hf.rules"."""
+        package, _, resource = self.hf_rules.partition(":")
+        text = resources.files(package).joinpath(resource).read_text()
+        return text, f"{package.replace('.', '/')}/{resource}"
+
+
+# -------------------------------------------------------------------------------- registry
+
+
+def _check_unique(found: dict[str, Family], fam: Family, where: str) -> None:
+    for other in found.values():
+        clashes = [
+            ("name", {fam.name} & {other.name}),
+            ("config_cls", {fam.config_cls} & {other.config_cls}),
+            ("hf_architectures", set(fam.hf_architectures) & set(other.hf_architectures)),
+            ("hf_model_types", set(fam.hf_model_types) & set(other.hf_model_types)),
+        ]
+        for field, common in clashes:
+            if common:
+                raise ConfigError(
+                    f"{where}: family {fam.name!r} repeats {field} {sorted(map(str, common))} "
+                    f"of family {other.name!r}"
+                )
+
+
+@functools.cache
+def _discover() -> dict[str, Family]:
+    package = importlib.import_module(__package__)
+    found: dict[str, Family] = {}
+    for info in pkgutil.iter_modules(package.__path__, prefix=f"{__package__}."):
+        if not info.ispkg:
+            continue
+        fam = getattr(importlib.import_module(info.name), "FAMILY", None)
+        if fam is None:
+            continue
+        if not isinstance(fam, Family):
+            raise ConfigError(f"{info.name}.FAMILY: expected a Family, found {type(fam).__name__}")
+        _check_unique(found, fam, f"{info.name}.FAMILY")
+        found[fam.name] = fam
+    return dict(sorted(found.items()))
+
+
+def families() -> dict[str, Family]:
+    """Every family found under `models/`, by name (sorted)."""
+    return dict(_discover())
+
+
+def family_of(cfg: Any) -> Family:
+    """The family whose `config_cls` is `cfg`'s type (or a base of it)."""
+    by_cls = {fam.config_cls: fam for fam in _discover().values()}
+    for cls in type(cfg).__mro__:
+        if cls in by_cls:
+            return by_cls[cls]
+    known = ", ".join(fam.config_cls.__name__ for fam in _discover().values())
+    raise ConfigError(f"expected a model config ({known}), found {type(cfg).__name__}")
+
+
+def family_named(name: Any, what: str = "model config") -> Family:
+    """The family called `name` (our JSON's "family"); `what` names the source in errors."""
+    fam = _discover().get(name) if isinstance(name, str) else None
+    if fam is None:
+        raise ConfigError(
+            f"{what}: family {name!r} is unknown; expected one of {sorted(_discover())}"
+        )
+    return fam
+
+
+def supported_hf() -> str:
+    """The HF architectures and model types read, as error messages list them."""
+    fams = _discover().values()
+    archs = ", ".join(a for fam in fams for a in fam.hf_architectures)
+    types = ", ".join(t for fam in fams for t in fam.hf_model_types)
+    return f"architectures {archs} (model_type {types})"
+
+
+def family_for_hf(d: Mapping[str, Any], source: str) -> Family:
+    """The family of an HF config dict: by its `architectures`, else (none given) `model_type`."""
+    archs = d.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
+    for arch in archs:
+        for fam in _discover().values():
+            if arch in fam.hf_architectures:
+                return fam
+    if archs:
+        raise ConfigError(
+            f"{source}: architectures {list(archs)} (model_type {d.get('model_type')!r}) is not "
+            f"supported; supported: {supported_hf()}"
+        )
+    model_type = d.get("model_type")
+    for fam in _discover().values():
+        if model_type in fam.hf_model_types:
+            return fam
+    raise ConfigError(
+        f"{source}: model_type {model_type!r} with no architectures is not supported; "
+        f"supported: {supported_hf()}"
+    )
