@@ -42,8 +42,8 @@ def roundtrip(src: str, workdir, *, mesh_a: str, mesh_b: str, config: str | None
     if not optimizer:
         return params, None, None, exported.step
     opt = exported.optimizer
-    mu = {k: v.materialize() for k, v in opt.exp_avg.items()}
-    nu = {k: v.materialize() for k, v in opt.exp_avg_sq.items()}
+    mu = {k: v.materialize() for k, v in opt.slots["exp_avg"].items()}
+    nu = {k: v.materialize() for k, v in opt.slots["exp_avg_sq"].items()}
     adam = r.opt_state[0]
     assert_same({k: v.materialize() for k, v in _hf(adam.mu, cfg).items()}, mu, "mesh B exp_avg")
     assert_same({k: v.materialize() for k, v in _hf(adam.nu, cfg).items()}, nu, "mesh B exp_avg_sq")

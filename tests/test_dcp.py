@@ -21,7 +21,7 @@ from fixtures.ckpt_checks import (
     run_writer,
 )
 
-from hybridckpt import convert
+from hybridckpt import naming
 from hybridckpt.errors import FormatError
 from hybridckpt.formats import dcp, detect, open_source
 from hybridckpt.io.byte_source import close_all, count_reads
@@ -55,7 +55,7 @@ def assert_exact(src, ref):
         assert np.array_equal(t.materialize(), ref[f"param/{k}"]), k
     opt = src.optimizer
     for kind in ("exp_avg", "exp_avg_sq"):
-        got = getattr(opt, kind)
+        got = opt.slots[kind]
         assert sorted(got) == names_of(ref, kind)
         for k, t in got.items():
             assert t.dtype == np.float32
@@ -144,7 +144,7 @@ def test_torchtitan_names_and_rope_permutation(root):
     assert wq.shape == hf_q.shape and not np.array_equal(wq, hf_q)  # rows really are permuted
     assert src.optimizer.step == 3 and src.optimizer.hyper["lr"] == 0.01
     cfg = dcp.open(os.path.join(root, "fsdp2")).config
-    hf = convert.source_to_hf(src, cfg)
+    hf = naming.source_to_hf(src, cfg)
     assert sorted(hf.params) == names_of(ref, "param")
     for k, t in hf.params.items():
         assert np.array_equal(t.materialize(), ref[f"param/{k}"]), k
@@ -302,7 +302,7 @@ def test_import_restore_export_and_logits(root, tmp_path, variant, mesh_a, mesh_
     import transformers
     from e2e import assert_same, roundtrip
 
-    from hybridckpt import pipeline
+    from hybridckpt import jobs
 
     path = os.path.join(root, variant)
     ref, info = reference(root, "tp" if variant == "tp" else "fsdp2")
@@ -319,7 +319,7 @@ def test_import_restore_export_and_logits(root, tmp_path, variant, mesh_a, mesh_
     tokens = np.array([[3, 17, 249, 0, 42, 7, 100, 5]], dtype=np.int32)
     with torch.no_grad():
         want = model(torch.from_numpy(tokens).long()).logits.numpy()
-    got = pipeline.logits(os.path.join(str(tmp_path), "orbax"), tokens, mesh=mesh_b)
+    got = jobs.logits(os.path.join(str(tmp_path), "orbax"), tokens, mesh=mesh_b)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 

@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 from fixtures import paddle_writer as pw
 
-from hybridckpt import convert, formats, lazy
+import models
+from hybridckpt import formats, lazy, naming
 from hybridckpt.errors import FormatError, MappingError, UnsafePickleError
 from hybridckpt.formats import paddle, paddle_unified
-from hybridckpt.io import paddle_pickle
 from hybridckpt.io.byte_source import count_reads
+from hybridckpt.io.pickle import paddle_save
 from hybridckpt.rules import parse_rules
 from models import config_from_hf
 
@@ -39,7 +40,7 @@ def refs():
 
 
 def hf_rules_of(src):
-    return parse_rules(src.hf_rules, {**convert.rule_variables(src.config), **src.rule_vars})
+    return parse_rules(src.hf_rules, {**models.rule_variables(src.config), **src.rule_vars})
 
 
 def to_hf(src):
@@ -48,7 +49,8 @@ def to_hf(src):
     params = rules.apply(src.tensors).tensors
     opt = src.optimizer
     moments = [
-        rules.apply(m, strict=False).tensors for m in (opt.exp_avg, opt.exp_avg_sq, opt.master)
+        rules.apply(m, strict=False).tensors
+        for m in (opt.slots["exp_avg"], opt.slots["exp_avg_sq"], opt.master)
     ]
     return (params, *moments)
 
@@ -141,7 +143,7 @@ def test_tied_and_replicated_vocab(tmp_path, refs, key, opts):
     o = pw.Options(**opts)
     pw.write_hybrid(str(tmp_path), ref, o)
     if o.raw_pp_names:
-        raw = paddle_pickle.read(str(tmp_path / "model_state.tp00_pp01_shard00.pdparams")).names
+        raw = paddle_save.read(str(tmp_path / "model_state.tp00_pp01_shard00.pdparams")).names
         meta = json.loads((tmp_path / "model_meta.json").read_text())
         keys = list(raw) + list(meta["sharding_metas"]["tp00_pp01"]["structure_name_mapping"])
         assert any(k.startswith("_layers.") for k in keys)
@@ -164,7 +166,7 @@ def test_v2_fixture_exercises_padding_and_cross_rank_params(tmp_path, refs):
     meta = json.loads((tmp_path / "model_meta.json").read_text())["sharding_metas"]["tp00_pp00"]
     pieces: dict[str, list[int]] = {}
     for r in range(2):
-        d = paddle_pickle.read(str(tmp_path / f"optimizer.shard{r:02d}.pdopt"))
+        d = paddle_save.read(str(tmp_path / f"optimizer.shard{r:02d}.pdopt"))
         assert d.tuple_form and "master_weights" in d.children
         for k, t in d.tensors.items():
             if k.endswith("_moment1_0"):
@@ -175,7 +177,7 @@ def test_v2_fixture_exercises_padding_and_cross_rank_params(tmp_path, refs):
     assert any(len(v) == 2 for v in pieces.values())
     assert any(sum(v) > numel[p] for p, v in pieces.items())
     empty = tmp_path / "model_state.shard00.pdparams"  # bf16 params with masters are not saved
-    assert os.path.getsize(empty) == 47 and paddle_pickle.read(str(empty)).tensors == {}
+    assert os.path.getsize(empty) == 47 and paddle_save.read(str(empty)).tensors == {}
 
 
 def test_flat_rebuild_is_lazy_and_reads_only_its_box(tmp_path):
@@ -207,7 +209,7 @@ def test_paddle_save_forms(tmp_path):
         {"w": pw.PTensor("linear_0.w_0", a), "LR_Scheduler": {"last_epoch": 2}},
         str(tmp_path / "s.pdopt"),
     )
-    d = paddle_pickle.read(str(tmp_path / "s.pdopt"))
+    d = paddle_save.read(str(tmp_path / "s.pdopt"))
     assert (
         not d.tuple_form
         and d.names == {"w": "linear_0.w_0"}
@@ -220,7 +222,7 @@ def test_paddle_save_forms(tmp_path):
         str(tmp_path / "t.pdopt"),
     )
     assert b"builtins" in (tmp_path / "t.pdopt").read_bytes()
-    d = paddle_pickle.read(str(tmp_path / "t.pdopt"))
+    d = paddle_save.read(str(tmp_path / "t.pdopt"))
     assert (
         d.tuple_form
         and d.names == {"m": "m_0"}
@@ -228,7 +230,7 @@ def test_paddle_save_forms(tmp_path):
     )
     # bf16 is stored as uint16 bits; the model reader views them as bfloat16
     pw.paddle_save({"b": pw.PTensor("b_0", bits)}, str(tmp_path / "b.pdparams"))
-    t = paddle_pickle.read(str(tmp_path / "b.pdparams")).tensors["b"]
+    t = paddle_save.read(str(tmp_path / "b.pdparams")).tensors["b"]
     assert t.dtype == np.uint16
     assert (
         np.array_equal(paddle.as_model_dtype(t).materialize(), bits)
@@ -237,7 +239,7 @@ def test_paddle_save_forms(tmp_path):
     # empty state dict: 47 bytes, no tensors
     pw.paddle_save({}, str(tmp_path / "e.pdparams"))
     assert os.path.getsize(tmp_path / "e.pdparams") == 47
-    assert paddle_pickle.read(str(tmp_path / "e.pdparams")).tensors == {}
+    assert paddle_save.read(str(tmp_path / "e.pdparams")).tensors == {}
 
 
 def test_big_params_join_lazily(tmp_path):
@@ -245,7 +247,7 @@ def test_big_params_join_lazily(tmp_path):
     pw.paddle_save(
         {"big": pw.PTensor("x", big)}, str(tmp_path / "p3.pdparams"), protocol=3, big_elements=1500
     )
-    raw = paddle_pickle.safe_load(str(tmp_path / "p3.pdparams"))
+    raw = paddle_save.safe_load(str(tmp_path / "p3.pdparams"))
     assert sorted(raw) == [
         "StructuredToParameterName@@",
         "UnpackBigParamInfor@@",
@@ -254,7 +256,7 @@ def test_big_params_join_lazily(tmp_path):
         "big@@.2",
         "big@@.3",
     ]
-    t = paddle_pickle.read(str(tmp_path / "p3.pdparams")).tensors["big"]
+    t = paddle_save.read(str(tmp_path / "p3.pdparams")).tensors["big"]
     assert isinstance(t, lazy.Reshape) and np.array_equal(t.materialize(), big)
     with count_reads() as c:
         assert np.array_equal(t.read((slice(20, 21),)), big[20:21])
@@ -329,8 +331,7 @@ def test_unified_import_and_export(tmp_path, refs, key, bf16, fuse):
         out,
         params,
         config=src.config,
-        exp_avg=m1,
-        exp_avg_sq=m2,
+        slots={"exp_avg": m1, "exp_avg_sq": m2},
         master=master if bf16 else None,
         step=src.optimizer.step,
         fuse_attention_qkv=fuse,
@@ -390,25 +391,25 @@ def test_loss_of_imported_model_equals_reference(tmp_path, refs):
     src = paddle.open(str(tmp_path))
     cfg = src.config
     tokens = np.random.default_rng(7).integers(0, cfg.vocab_size, size=(2, 12)).astype(np.int32)
-    imported = convert.hf_to_tree(convert.source_to_hf(src, cfg), cfg)
-    reference = convert.hf_to_tree(
-        convert.Named({k: lazy.ArrayTensor(v) for k, v in ref.params.items()}), cfg
+    imported = naming.hf_to_tree(naming.source_to_hf(src, cfg), cfg)
+    reference = naming.hf_to_tree(
+        naming.Named({k: lazy.ArrayTensor(v) for k, v in ref.params.items()}), cfg
     )
 
     loss_fn = jax.jit(partial(models.loss, cfg))
 
     def loss(named):
-        tree = convert.nest({k: jnp.asarray(v.materialize()) for k, v in named.params.items()})
+        tree = naming.nest({k: jnp.asarray(v.materialize()) for k, v in named.params.items()})
         return float(loss_fn(tree, jnp.asarray(tokens)))
 
     got, want = loss(imported), loss(reference)
     assert math.isfinite(got) and got == want
     # the bf16 params themselves (not the masters) give a loss near, but not at, the reference
-    bf16_params = convert.hf_to_tree(
-        convert.Named(hf_rules_of(src).apply(src.tensors).tensors), cfg
+    bf16_params = naming.hf_to_tree(
+        naming.Named(hf_rules_of(src).apply(src.tensors).tensors), cfg
     )
     rounded = loss(
-        convert.Named({k: lazy.cast(v, np.float32) for k, v in bf16_params.params.items()})
+        naming.Named({k: lazy.cast(v, np.float32) for k, v in bf16_params.params.items()})
     )
     assert rounded != want and abs(rounded - want) < 1e-2
 
@@ -512,14 +513,14 @@ def test_unsafe_and_broken_pickles(tmp_path):
         b"\x80\x04\x95\x1a\x00\x00\x00\x00\x00\x00\x00\x8c\x02os\x8c\x06system\x93\x8c\x02id\x85R."
     )
     with pytest.raises(UnsafePickleError, match="os.system"):
-        paddle_pickle.read(str(evil))
+        paddle_save.read(str(evil))
     pw.paddle_save(
         {"w": pw.PTensor("w", np.zeros((64, 64), np.float32))}, str(tmp_path / "ok.pdparams")
     )
     data = (tmp_path / "ok.pdparams").read_bytes()
     (tmp_path / "cut.pdparams").write_bytes(data[: len(data) // 2])
     with pytest.raises(FormatError, match="cut.pdparams"):
-        paddle_pickle.read(str(tmp_path / "cut.pdparams"))
+        paddle_save.read(str(tmp_path / "cut.pdparams"))
 
 
 @pytest.mark.parametrize(

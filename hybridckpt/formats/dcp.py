@@ -15,11 +15,12 @@ Layout (pytorch/pytorch: torch/distributed/checkpoint/{metadata,filesystem,hf_st
   global offsets are `json.loads(__metadata__["DCP_SHARDING_INFO"])[fqn]["saved_offsets"]`;
   the global shape is the maximum of `offset + size` per dim (as torch's reader computes it).
 
-Structure: keys are the flattened state-dict paths the saving code chose. Adam moments are
-found by their suffixes `<opt>state.<fqn>.exp_avg`, `.exp_avg_sq`, `.step` (0-d); the optimizer
-prefix `<opt>` and the model prefix `<model>` (where `<model><fqn>` is the param) are the pair
-that explains most moments (`optim.` / `model.` for `get_state_dict`, `optimizer.` / `` for
-torchtitan). Without moments the model prefix comes from `planner_data` paths. Param groups
+Structure: keys are the flattened state-dict paths the saving code chose. Optimizer state is
+`<opt>state.<fqn>.<slot>`: every slot the optimizer keeps under torch's own name (Adam's
+`exp_avg`, `exp_avg_sq`; SGD's `momentum_buffer`; see `torch_optim`) and `.step` (0-d); the
+optimizer prefix `<opt>` and the model prefix `<model>` (where `<model><fqn>` is the param) are
+the pair that explains most state keys (`optim.` / `model.` for `get_state_dict`, `optimizer.` /
+`` for torchtitan). Without optimizer state the model prefix comes from `planner_data` paths. Param groups
 are `<opt>param_groups.N.{lr, betas, eps, weight_decay, params}`, or per fqn
 `<opt>param_groups.<fqn>.lr` when the optimizer state was flattened (torch's
 `flatten_optimizer_state_dict`, as torchtitan saves it).
@@ -32,7 +33,6 @@ torchtitan Llama names (`tok_embeddings`, `layers.N.attention.wq`, ...) mapped b
 from __future__ import annotations
 
 import builtins
-import json
 import math
 import os
 import re
@@ -44,7 +44,11 @@ from types import MappingProxyType
 import numpy as np
 
 from hybridckpt.errors import FormatError
-from hybridckpt.io import torch_save
+from hybridckpt.formats import torch_optim
+from hybridckpt.formats.config_file import config_beside, parse_json
+from hybridckpt.formats.rules_files import rules_text
+from hybridckpt.formats.torch_optim import STEP, check_complete
+from hybridckpt.io.pickle import torch_save
 from hybridckpt.io.dcp_metadata import (
     Chunk,
     DcpMetadata,
@@ -58,7 +62,6 @@ from hybridckpt.lazy import Box, FileRun, LazyTensor, block_overlap, tiled_file_
 from hybridckpt.source import OptimizerState, SourceCheckpoint
 
 NAME = "dcp"
-_RULES_DIR = os.path.join(os.path.dirname(__file__), "rules")
 _HF_SHARD = re.compile(r"^shard-\d+-model-\d+-of-\d+\.safetensors$")
 _SHARDING_KEY = "DCP_SHARDING_INFO"  # torch/distributed/checkpoint/_hf_utils.py
 
@@ -207,13 +210,7 @@ def _safetensors_blobs(md: DcpMetadata) -> dict[str, dict]:
 
 
 def _sharding_info(path: str, raw: str) -> dict:
-    try:
-        info = json.loads(raw)
-    except (json.JSONDecodeError, RecursionError) as e:
-        raise FormatError(f"{path}: {_SHARDING_KEY} is not JSON: {e}") from None
-    if not isinstance(info, dict):
-        raise FormatError(f"{path}: {_SHARDING_KEY} is {type(info).__name__}, not a JSON object")
-    return info
+    return parse_json(raw, f"{path}: {_SHARDING_KEY}")
 
 
 def _saved_offsets(info: dict, fqn: str, path: str) -> tuple[int, ...] | None:
@@ -292,30 +289,32 @@ def _load_item(md: DcpMetadata, fqn: str):
 @dataclass(frozen=True)
 class Structure:
     """Where things are in the flattened keys: `model` prefix (params are `model + fqn`) and
-    `optim` prefix (moments `optim + "state." + fqn + ".exp_avg"`); None when absent."""
+    `optim` prefix (per-parameter state `optim + "state." + fqn + "." + slot`); None when absent."""
 
     model: str
     optim: str | None
 
 
-def _moment_split(key: str, suffix: str) -> list[tuple[str, str]]:
-    """Candidate (optimizer prefix, fqn) splits of `<opt>state.<fqn>.<suffix>`, longest fqn first."""
-    if not key.endswith("." + suffix):
+def _state_split(key: str) -> list[tuple[str, str]]:
+    """Candidate (optimizer prefix, fqn) splits of `<opt>state.<fqn>.<slot>`, longest fqn first."""
+    body, dot, _slot = key.rpartition(".")
+    if not dot:
         return []
-    body = key[: -len(suffix) - 1]
     out = []
     for m in re.finditer(r"(?:^|\.)state\.", body):
         start = m.start() + (1 if m.group().startswith(".") else 0)
-        out.append((body[:start], body[start + len("state.") :]))
+        if body[start + len("state.") :]:
+            out.append((body[:start], body[start + len("state.") :]))
     return out
 
 
 def find_structure(tensor_keys, planner_data: Mapping[str, tuple]) -> Structure:
-    """The model and optimizer prefixes that explain the most moment keys (see module doc)."""
+    """The model and optimizer prefixes that explain the most per-parameter state keys (see
+    module doc)."""
     keys = set(tensor_keys)
-    splits = {k: _moment_split(k, "exp_avg") for k in sorted(keys)}
+    splits = {k: _state_split(k) for k in sorted(keys)}
     splits = {k: v for k, v in splits.items() if v}
-    # candidate (model, optim) prefix pairs from a few moments, then a vote over all of them
+    # candidate (model, optim) prefix pairs from a few state keys, then a vote over all of them
     pairs: set[tuple[str, str]] = set()
     for cands in list(splits.values())[:8]:
         for opt, fqn in cands:
@@ -336,7 +335,7 @@ def find_structure(tensor_keys, planner_data: Mapping[str, tuple]) -> Structure:
             (p for p, v in votes.items() if v == best), key=lambda p: (len(p[0]), len(p[1]))
         )
         return Structure(model, opt)
-    # no moments: the common parent path of the tensors, as the planner recorded it
+    # no optimizer state: the common parent path of the tensors, as the planner recorded it
     parents = []
     for k in keys:
         path = planner_data.get(k)
@@ -345,28 +344,6 @@ def find_structure(tensor_keys, planner_data: Mapping[str, tuple]) -> Structure:
     if parents and len(set(parents)) == 1 and parents[0]:
         return Structure(".".join(map(str, parents[0])) + ".", None)
     return Structure("", None)
-
-
-def _hyper(groups: list[dict], strip) -> dict:
-    def norm(g):
-        h = {}
-        for k in ("lr", "eps", "weight_decay"):
-            if isinstance(g.get(k), (int, float)):
-                h[k] = float(g[k])
-        if isinstance(g.get("betas"), (tuple, list)):
-            h["betas"] = [float(b) for b in g["betas"]]
-        return h
-
-    if not groups:
-        return {}
-    hyper = norm(groups[0])
-    normed = [norm(g) for g in groups]
-    if any(n != hyper for n in normed[1:]):
-        hyper["groups"] = [
-            {**n, "params": [strip(p) for p in g.get("params", []) if isinstance(p, str)]}
-            for n, g in zip(normed, groups, strict=True)
-        ]
-    return hyper
 
 
 _HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "params")
@@ -408,9 +385,8 @@ def _param_groups(md: DcpMetadata, opt: str) -> list[dict]:
 # -- open ---------------------------------------------------------------------------------------
 
 
-def rules_text(name: str) -> str:
-    with builtins.open(os.path.join(_RULES_DIR, name), encoding="utf-8") as f:
-        return f.read()
+def _strip(name: str, prefix: str) -> str:
+    return name[len(prefix) :] if name.startswith(prefix) else name
 
 
 def _is_torchtitan(names) -> bool:
@@ -420,8 +396,6 @@ def _is_torchtitan(names) -> bool:
 
 
 def _config(folder: str, config):
-    from hybridckpt.formats.config_file import config_beside
-
     return config_beside(folder, config=config)
 
 
@@ -452,8 +426,7 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
     blobs = _safetensors_blobs(md)
     all_t = {k: _entry_tensor(e, blobs) for k, e in md.tensors.items()}
     tensors: dict[str, LazyTensor] = {}
-    exp_avg: dict[str, LazyTensor] = {}
-    exp_avg_sq: dict[str, LazyTensor] = {}
+    slots: dict[str, dict[str, LazyTensor]] = {}
     steps: dict[str, float] = {}
     skipped: list[str] = []
     state = None if st.optim is None else st.optim + "state."
@@ -461,15 +434,16 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
     for k, t in all_t.items():
         if state is not None and k.startswith(state):
             body = k[len(state) :]
-            name, _, suffix = body.rpartition(".")
-            if suffix == "exp_avg":
-                exp_avg[name] = t
-            elif suffix == "exp_avg_sq":
-                exp_avg_sq[name] = t
-            elif suffix == "step" and t.shape == ():
-                steps[name] = float(t.materialize())
-            else:
+            name, _, slot = body.rpartition(".")
+            if not name:
                 skipped.append(k)
+            elif slot == STEP:
+                if t.shape == ():
+                    steps[name] = float(t.materialize())
+                else:
+                    skipped.append(k)
+            else:
+                slots.setdefault(slot, {})[name] = t
         elif groups_prefix is not None and k.startswith(groups_prefix):
             continue
         elif k.startswith(st.model):
@@ -478,25 +452,32 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
             skipped.append(k)
     if skipped:
         notes.append(
-            f"skipped {len(skipped)} tensors outside the model and Adam state: {sorted(skipped)[:5]}"
+            f"skipped {len(skipped)} tensors outside the model and optimizer state: "
+            f"{sorted(skipped)[:5]}"
         )
     optimizer = None
     step = None
-    if exp_avg or exp_avg_sq:
-        missing = sorted(set(exp_avg) ^ set(exp_avg_sq))
-        if missing:
-            raise FormatError(f"{md.files[0]}: only one of exp_avg / exp_avg_sq for {missing[:5]}")
-        orphans = sorted(set(exp_avg) - set(tensors))
+    if slots:
+        check_complete(slots, md.files[0])
+        orphans = sorted(set(next(iter(slots.values()))) - set(tensors))
         if orphans:
-            notes.append(f"moments without a model tensor: {orphans[:5]}")
+            notes.append(f"optimizer state without a model tensor: {orphans[:5]}")
         if steps:
             values = set(steps.values())
             step = int(max(values))
             if len(values) > 1:
-                notes.append(f"params have different Adam steps {sorted(values)[:5]}; using {step}")
+                notes.append(
+                    f"params have different optimizer steps {sorted(values)[:5]}; using {step}"
+                )
         groups = _param_groups(md, st.optim)
-        hyper = _hyper(groups, lambda p: p[len(st.model) :] if p.startswith(st.model) else p)
-        optimizer = OptimizerState(exp_avg, exp_avg_sq, step, hyper=hyper)
+        hyper = torch_optim.hyper(
+            groups,
+            [
+                [_strip(p, st.model) for p in g.get("params", []) if isinstance(p, str)]
+                for g in groups
+            ],
+        )
+        optimizer = OptimizerState(slots, step, hyper=hyper)
     if not tensors:
         raise FormatError(f"{md.files[0]}: no model tensors found (keys: {sorted(md.tensors)[:5]})")
     hf_rules = ""

@@ -16,15 +16,16 @@ runtime/bf16_optimizer.py `state_dict`; utils/zero_to_fp32.py rebuilds the same 
     fp32 vector `single_partition_of_fp32_groups[g]`: params back to back in `param_shapes`
     order, each followed by `param_alignment_paddings[g][i]` elements (absent = 0), the tail
     padded to a multiple of 2*dp and split in dp equal partitions; the padding is stripped on
-    save, so the last rank's partition is shorter by `group_paddings[g]`. The Adam moments are
-    the torch state of the flat partition, `base_optimizer_state['state'][idx]['exp_avg']`
-    (`idx` = `param_groups[g]['params'][0]`), laid out like the fp32 partition (padding kept).
+    save, so the last rank's partition is shorter by `group_paddings[g]`. The optimizer slots
+    are the torch state of the flat partition, `base_optimizer_state['state'][idx][<slot>]`
+    (`idx` = `param_groups[g]['params'][0]`; Adam's `exp_avg`, `exp_avg_sq`, any optimizer's own
+    names, see `torch_optim`), laid out like the fp32 partition (padding kept).
   - BF16_Optimizer (no `zero_stage`): the same, but the partitions are NOT stripped: the last
     rank's `group_paddings[g]` tail elements are padding.
   - stage 3 (`zero_stage` 3): every param is split on its own: `pn = ceil(numel/dp)`, rank r
     holds elements `[r*pn, (r+1)*pn)` of the flattened param (zero-padded; the padding holds
     garbage and is never read). A rank's `fp32_flat_groups` (sub-groups) joined end to end hold
-    its partitions of the params of the merged `param_shapes`, back to back. The moments are
+    its partitions of the params of the merged `param_shapes`, back to back. The slots are
     `optimizer_state_dict['state'][i]` of sub-group i, laid out like `fp32_flat_groups[i]`.
 - `partition_count` (int or per group) must equal the number of optim files.
 
@@ -44,8 +45,9 @@ from dataclasses import dataclass
 
 from hybridckpt import lazy
 from hybridckpt.errors import FormatError
-from hybridckpt.io import torch_save
-from hybridckpt.io.unpickle import Stub
+from hybridckpt.formats import torch_optim
+from hybridckpt.io.pickle import torch_save
+from hybridckpt.io.pickle.allow import Stub
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.source import OptimizerState, SourceCheckpoint
 
@@ -145,20 +147,23 @@ def _cut(flat: LazyTensor, start: int, numel: int, shape: tuple[int, ...]) -> La
 
 @dataclass(frozen=True)
 class _Rank:
-    """One DP rank's optim file: the fp32 flat pieces and moments per group (or sub-group)."""
+    """One DP rank's optim file: the fp32 flat pieces and optimizer slots per group (or sub-group)."""
 
     path: str
     fp32: list[LazyTensor]
-    exp_avg: list[LazyTensor]
-    exp_avg_sq: list[LazyTensor]
+    slots: dict[str, list[LazyTensor]]  # slot name ("exp_avg", ...) -> one flat piece per group
     paddings: list[int]
     step: float | None
     groups: list[dict]
     align: list | None  # param_alignment_paddings (stage 1/2), per group per param
 
+    def flats(self) -> dict[str, list[LazyTensor]]:
+        """"fp32" and every slot: the flat pieces laid out alike, per group."""
+        return {"fp32": self.fp32, **self.slots}
 
-def _moments(osd_torch, n: int, what: str) -> tuple[list, list, float | None]:
-    """exp_avg / exp_avg_sq of the torch optimizer's params 0..n-1 (one flat tensor each)."""
+
+def _slots(osd_torch, n: int, what: str) -> tuple[dict[str, list], float | None]:
+    """The torch optimizer state of its params 0..n-1 (one flat tensor each), by slot name."""
     state = _get(osd_torch, "state", what)
     groups = _get(osd_torch, "param_groups", what)
     order = [i for g in groups for i in g.get("params", [])]
@@ -166,21 +171,26 @@ def _moments(osd_torch, n: int, what: str) -> tuple[list, list, float | None]:
         raise FormatError(
             f"{what}: the torch optimizer has {len(order)} params, expected {n} flat groups"
         )
-    ea, eas, steps = [], [], set()
+    per_group, steps = {}, set()
     for k, idx in enumerate(order):
         s = state.get(idx) if isinstance(state, Mapping) else None
-        if not isinstance(s, Mapping) or "exp_avg" not in s or "exp_avg_sq" not in s:
-            raise FormatError(
-                f"{what}: no Adam exp_avg/exp_avg_sq for flat group {k} (state {idx})"
-            )
-        ea.append(_flat(s["exp_avg"], f"{what} state[{idx}].exp_avg"))
-        eas.append(_flat(s["exp_avg_sq"], f"{what} state[{idx}].exp_avg_sq"))
-        if "step" in s:
-            st = s["step"]
-            steps.add(float(st.materialize()) if isinstance(st, LazyTensor) else float(st))
+        if not isinstance(s, Mapping):
+            raise FormatError(f"{what}: no optimizer state for flat group {k} (state {idx})")
+        tensors, step = torch_optim.param_state(s, f"{what} state[{idx}]")
+        per_group[f"flat group {k} (state {idx})"] = tensors
+        if step is not None:
+            steps.add(step)
+    names = torch_optim.check_same_slots(per_group, what)
+    slots = {
+        name: [
+            _flat(t[name], f"{what} state[{idx}].{name}")
+            for t, idx in zip(per_group.values(), order, strict=True)
+        ]
+        for name in names
+    }
     if len(steps) > 1:
-        raise FormatError(f"{what}: flat groups have different Adam steps {sorted(steps)}")
-    return ea, eas, (steps.pop() if steps else None)
+        raise FormatError(f"{what}: flat groups have different optimizer steps {sorted(steps)}")
+    return slots, (steps.pop() if steps else None)
 
 
 def _read_rank(path: str) -> tuple[int | None, _Rank, object]:
@@ -204,22 +214,27 @@ def _read_rank(path: str) -> tuple[int | None, _Rank, object]:
     fp32 = [_flat(t, f"{path} fp32 group {i}") for i, t in enumerate(groups)]
     if len(pads) != len(fp32):
         raise FormatError(f"{path}: {len(pads)} group_paddings for {len(fp32)} flat groups")
-    ea, eas, step = _moments(torch_sd, len(fp32), path)
+    slots, step = _slots(torch_sd, len(fp32), path)
     pg = [g for g in torch_sd.get("param_groups", []) if isinstance(g, Mapping)]
     align = osd.get("param_alignment_paddings")
-    return zs, _Rank(path, fp32, ea, eas, pads, step, pg, align), osd.get("partition_count")
+    return zs, _Rank(path, fp32, slots, pads, step, pg, align), osd.get("partition_count")
 
 
-def _check_dtypes(ranks: list[_Rank]) -> None:
-    """The flat pieces of one kind (fp32, exp_avg, exp_avg_sq) share rank 0's dtype: they are
-    joined end to end."""
-    for kind in ("fp32", "exp_avg", "exp_avg_sq"):
-        ref = getattr(ranks[0], kind)
+def _check_ranks(ranks: list[_Rank]) -> None:
+    """Every rank holds rank 0's slots, and the flat pieces of one kind (fp32, each slot) share
+    rank 0's dtype: they are joined end to end."""
+    for r in ranks[1:]:
+        if sorted(r.slots) != sorted(ranks[0].slots):
+            raise FormatError(
+                f"{r.path}: optimizer state {sorted(r.slots)}, but {ranks[0].path} holds "
+                f"{sorted(ranks[0].slots)}"
+            )
+    for kind, ref in ranks[0].flats().items():
         if not ref:
             continue
         want = ref[0].dtype
         for r in ranks:
-            for g, t in enumerate(getattr(r, kind)):
+            for g, t in enumerate(r.flats()[kind]):
                 if t.dtype != want:
                     raise FormatError(
                         f"{r.path}: {kind} of flat group {g} is {t.dtype}, expected {want} as in "
@@ -227,31 +242,11 @@ def _check_dtypes(ranks: list[_Rank]) -> None:
                     )
 
 
-def _hyper(groups: list[Mapping], names: list[list[str]]) -> dict:
-    def norm(g):
-        h = {
-            k: float(g[k])
-            for k in ("lr", "eps", "weight_decay")
-            if isinstance(g.get(k), (int, float))
-        }
-        if isinstance(g.get("betas"), (tuple, list)):
-            h["betas"] = [float(b) for b in g["betas"]]
-        return h
-
-    if not groups:
-        return {}
-    normed = [norm(g) for g in groups]
-    hyper = dict(normed[0])
-    if any(n != normed[0] for n in normed[1:]):
-        hyper["groups"] = [{**n, "params": list(p)} for n, p in zip(normed, names, strict=False)]
-    return hyper
-
-
 # -- stage 1/2 and BF16_Optimizer ----------------------------------------------------------------
 
 
 def _zero12(ranks: list[_Rank], shapes: list[dict], align_pads, stripped: bool, model_file: str):
-    """name -> (fp32, exp_avg, exp_avg_sq) of every trainable param."""
+    """name -> {"fp32": master, slot: tensor, ...} of every trainable param."""
     out = {}
     if any(len(r.fp32) != len(shapes) for r in ranks):
         raise FormatError(
@@ -259,18 +254,15 @@ def _zero12(ranks: list[_Rank], shapes: list[dict], align_pads, stripped: bool, 
             f"param_shapes for {len(shapes)} groups"
         )
     for g, group in enumerate(shapes):
-        parts = {"fp32": [], "exp_avg": [], "exp_avg_sq": []}
+        parts: dict[str, list] = {k: [] for k in ranks[0].flats()}
         for r in ranks:
             n = r.fp32[g].size - (0 if stripped else r.paddings[g])
             if n < 0:
                 raise FormatError(
                     f"{r.path}: group {g} padding {r.paddings[g]} exceeds its partition"
                 )
-            for key, t in (
-                ("fp32", r.fp32[g]),
-                ("exp_avg", r.exp_avg[g]),
-                ("exp_avg_sq", r.exp_avg_sq[g]),
-            ):
+            for key, pieces in r.flats().items():
+                t = pieces[g]
                 if t.size < n:
                     raise FormatError(
                         f"{r.path}: group {g} {key} has {t.size} elements, the fp32 partition {n}"
@@ -289,9 +281,7 @@ def _zero12(ranks: list[_Rank], shapes: list[dict], align_pads, stripped: bool, 
             numel = math.prod(shape)
             if pos + numel > flats["fp32"].size:
                 break
-            out[name] = tuple(
-                _cut(flats[k], pos, numel, shape) for k in ("fp32", "exp_avg", "exp_avg_sq")
-            )
+            out[name] = {k: _cut(f, pos, numel, shape) for k, f in flats.items()}
             pos += numel + int(pad)
         total = flats["fp32"].size
         needed = sum(math.prod(_shape(s, model_file)) for s in group.values()) + sum(
@@ -310,6 +300,7 @@ def _zero12(ranks: list[_Rank], shapes: list[dict], align_pads, stripped: bool, 
 
 
 def _zero3(ranks: list[_Rank], shapes: list[dict], model_file: str):
+    """name -> {"fp32": master, slot: tensor, ...} of every trainable param."""
     dp = len(ranks)
     merged = [
         (n, _shape(s, f"{model_file}: param_shapes '{n}'"))
@@ -319,12 +310,9 @@ def _zero3(ranks: list[_Rank], shapes: list[dict], model_file: str):
     per_rank = sum(math.ceil(math.prod(s) / dp) for _, s in merged)
     flats = []
     for r in ranks:
-        f = {
-            k: lazy.concat(v, 0)
-            for k, v in (("fp32", r.fp32), ("exp_avg", r.exp_avg), ("exp_avg_sq", r.exp_avg_sq))
-        }
-        for k in ("exp_avg", "exp_avg_sq"):
-            if [t.size for t in getattr(r, k)] != [t.size for t in r.fp32]:
+        f = {k: lazy.concat(v, 0) for k, v in r.flats().items()}
+        for k, pieces in r.slots.items():
+            if [t.size for t in pieces] != [t.size for t in r.fp32]:
                 raise FormatError(f"{r.path}: {k} sub-group sizes differ from fp32_flat_groups")
         if f["fp32"].size != per_rank:
             raise FormatError(
@@ -338,15 +326,15 @@ def _zero3(ranks: list[_Rank], shapes: list[dict], model_file: str):
     for name, shape in merged:
         numel = math.prod(shape)
         pn = math.ceil(numel / dp)
-        out[name] = tuple(
-            _cut(
+        out[name] = {
+            k: _cut(
                 lazy.concat([lazy.slice_axis(f[k], 0, off, off + pn) for f in flats], 0),
                 0,
                 numel,
                 shape,
             )
-            for k in ("fp32", "exp_avg", "exp_avg_sq")
-        )
+            for k in flats[0]
+        }
         off += pn
     return out
 
@@ -455,7 +443,7 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         )
     stage = stages.pop()
     ranks = [r for _, r, _ in read]
-    _check_dtypes(ranks)
+    _check_ranks(ranks)
     for _, r, pc in read:
         counts = pc if isinstance(pc, list) else [pc]
         if any(not isinstance(c, int) or c != dp for c in counts):
@@ -475,9 +463,8 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         params = _zero12(
             ranks, shapes, ranks[0].align, stripped=stage is not None, model_file=model_files[0]
         )
-    tensors = {n: t[0] for n, t in params.items()}
-    exp_avg = {n: t[1] for n, t in params.items()}
-    exp_avg_sq = {n: t[2] for n, t in params.items()}
+    tensors = {n: t["fp32"] for n, t in params.items()}
+    slots = {k: {n: t[k] for n, t in params.items()} for k in ranks[0].slots}
     frozen = _frozen(models, 3 if stage == 3 else 2, model_files)
     tensors.update(frozen)
     if frozen:
@@ -502,8 +489,9 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
     for alias, src in shared.items():
         if src in tensors:
             tensors[alias] = tensors[src]
-            if src in exp_avg:
-                exp_avg[alias], exp_avg_sq[alias] = exp_avg[src], exp_avg_sq[src]
+            for slot in slots.values():
+                if src in slot:
+                    slot[alias] = slot[src]
             notes.append(f"'{alias}' is tied to '{src}' (shared_params)")
     notes.append("tensors are the fp32 master weights from the optimizer partitions")
     kind = {None: "BF16_Optimizer", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}.get(
@@ -516,10 +504,9 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         path=path,
         tensors=tensors,
         optimizer=OptimizerState(
-            exp_avg,
-            exp_avg_sq,
+            slots,
             None if ranks[0].step is None else int(ranks[0].step),
-            hyper=_hyper(ranks[0].groups, group_names),
+            hyper=torch_optim.hyper(ranks[0].groups, group_names),
         ),
         config=_config(path, folder, config),
         step=m0.get("global_steps"),

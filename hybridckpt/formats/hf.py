@@ -5,8 +5,9 @@ Layout (huggingface/transformers:src/transformers/modeling_utils.py, `save_pretr
 - `model.safetensors`, or `model-0000i-of-0000N.safetensors` + `model.safetensors.index.json`
   `{"metadata": {"total_size": bytes}, "weight_map": {tensor name: file name}}`.
 - hybridckpt's single-card "unified" format adds `optimizer.safetensors` (or sharded with
-  `optimizer.safetensors.index.json`) holding `<hf name>.exp_avg`, `<hf name>.exp_avg_sq` and a
-  0-d `step`, plus `hybridckpt.json` with trainer metadata.
+  `optimizer.safetensors.index.json`) holding `<hf name>.<slot>` per parameter (AdamW:
+  `exp_avg`, `exp_avg_sq`; any optimizer's slot names, `hybridckpt.optim`) and a 0-d `step`,
+  plus `hybridckpt.json` with trainer metadata.
 Tensor names are HF names already, so `hf_rules` is empty (GPT-2 files without the
 `transformer.` prefix get a one-line rename).
 """
@@ -15,8 +16,10 @@ from __future__ import annotations
 
 import os
 
+import models
 from hybridckpt.errors import FormatError
 from hybridckpt.formats.config_file import config_beside, read_json
+from hybridckpt.formats.torch_optim import check_complete
 from hybridckpt.io.safetensors_file import read_header
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.source import OptimizerState, SourceCheckpoint
@@ -98,22 +101,22 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
     if os.path.isfile(os.path.join(folder, TRAINER)):
         trainer = read_json(os.path.join(folder, TRAINER))
     if moments:
-        exp_avg = {k[: -len(".exp_avg")]: v for k, v in moments.items() if k.endswith(".exp_avg")}
-        exp_avg_sq = {
-            k[: -len(".exp_avg_sq")]: v for k, v in moments.items() if k.endswith(".exp_avg_sq")
-        }
         step = None
         if "step" in moments:
             step = int(moments["step"].materialize().reshape(-1)[0])
-        stray = set(moments) - {f"{k}.exp_avg" for k in exp_avg} - {
-            f"{k}.exp_avg_sq" for k in exp_avg_sq
-        } - {"step"}
+        slots: dict[str, dict[str, LazyTensor]] = {}
+        stray = []
+        for key, t in moments.items():
+            name, _, slot = key.rpartition(".")
+            if name in tensors:
+                slots.setdefault(slot, {})[name] = t
+            elif key != "step":
+                stray.append(key)
         if stray:
             raise FormatError(f"{folder}/{OPTIMIZER}: unexpected keys {sorted(stray)[:10]}")
-        optim = OptimizerState(exp_avg, exp_avg_sq, step, hyper=trainer.get("optimizer", {}))
-    rules = ""
-    if getattr(cfg, "family", None) == "gpt2" and not any(k.startswith("transformer.") for k in tensors):
-        rules = "lm_head.weight -> lm_head.weight\n* -> transformer.*\n"
+        check_complete(slots, f"{folder}/{OPTIMIZER}")
+        optim = OptimizerState(slots, step, hyper=trainer.get("optimizer", {}))
+    rules = models.hf_name_fixes(cfg, tensors) if cfg is not None else ""
     return SourceCheckpoint(
         format=NAME,
         path=path,

@@ -24,7 +24,8 @@ Layout (NVIDIA/Megatron-LM:megatron/training/checkpointing.py `get_checkpoint_na
 
 The tensors returned are mcore-named, global (layers numbered 0..L-1, TP merged, padded vocab);
 `hf_rules` (`rules/megatron_llama.rules` or `megatron_gpt2.rules`) maps them to HF names.
-Optimizer state: distributed optimizer buffers or the torch Adam state, merged the same way.
+Optimizer state: distributed optimizer buffers or the torch optimizer state, merged the same
+way, as slots under torch's names (`megatron_optim`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import numpy as np
 
 from hybridckpt.errors import ConfigError, FormatError
 from hybridckpt.formats import megatron_optim as optim
-from hybridckpt.io import torch_save
+from hybridckpt.io.pickle import torch_save
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.rules import RuleSet, parse_rules
 from hybridckpt.source import OptimizerState, SourceCheckpoint
@@ -652,7 +653,7 @@ def _optimizer(
     shared = set()
     if tied and t.pp > 1:  # megatron/core/models/common/language_module/language_module.py
         shared = {EMBEDDING, "output_layer.weight", *HEAD_COPIES}
-    kinds: dict[str, dict[tuple[int, int], dict[str, LazyTensor]]] = {k: {} for k in optim.KINDS}
+    kinds: dict[str, dict[tuple[int, int], dict[str, LazyTensor]]] = {}  # master and slots
     for p in range(t.pp):
         for r in range(t.tp):
             f = rd.files[(p, r)]
@@ -677,9 +678,9 @@ def _optimizer(
                     file=dist_file,
                 )
             else:
-                flat = optim.decode_torch_adam(opt, [s for ch in specs for s in ch], file=f)
+                flat = optim.decode_torch_state(opt, [s for ch in specs for s in ch], file=f)
                 if flat is None:
-                    rd.notes.append(f"{f}: optimizer holds no Adam moments")
+                    rd.notes.append(f"{f}: optimizer holds no per-parameter state")
                     return None
                 decoded, i = [], 0
                 for ch in specs:
@@ -689,7 +690,7 @@ def _optimizer(
                 for spec, views in zip(ch, decoded[v], strict=True):
                     g = _global(spec.name, offsets[(p, v)])
                     for kind, view in views.items():
-                        kinds[kind].setdefault((p, r), {})[g] = view
+                        kinds.setdefault(kind, {}).setdefault((p, r), {})[g] = view
     merged = {}
     for kind, per_rank in kinds.items():
         if not per_rank:
@@ -711,10 +712,9 @@ def _optimizer(
         if isinstance(betas, (tuple, list)) and all(isinstance(b, (int, float)) for b in betas):
             hyper["betas"] = [float(b) for b in betas]
     return OptimizerState(
-        exp_avg=merged["exp_avg"],
-        exp_avg_sq=merged["exp_avg_sq"],
+        slots={k: v for k, v in merged.items() if k != optim.MASTER},
         step=rd.iteration if isinstance(rd.iteration, int) else None,
-        master=merged.get("master", {}),
+        master=merged.get(optim.MASTER, {}),
         hyper=hyper,
     )
 

@@ -1,4 +1,4 @@
-"""Megatron-LM optimizer state of one (tp, pp) rank: Adam moments and fp32 masters per parameter.
+"""Megatron-LM optimizer state of one (tp, pp) rank: optimizer slots and fp32 masters per parameter.
 
 Two sources, both decoded against the rank's parameter list (`ParamSpec`, in the model chunk's
 `parameters()` order = its state-dict order without `_extra_state`):
@@ -16,7 +16,8 @@ megatron/core/optimizer/distrib_optimizer.py `_compute_per_buffer_param_layout`)
   padded to lcm(dp, 128) (dp before r0.7).
 - Current form (`buckets_coalesced: True`): per buffer `{'param', 'exp_avg', 'exp_avg_sq'}`
   fp32 [numel_unpadded] and `'numel_unpadded'`: the buckets' unpadded contents back to back (the
-  64-element gaps inside a bucket stay, as zeros).
+  64-element gaps inside a bucket stay, as zeros). `param` is the fp32 master; every other
+  tensor is an optimizer slot under torch's name (Adam's two moments; SGD's `momentum_buffer`).
   Legacy form (2024, no flag): per buffer each key is a LIST of per-bucket tensors, each the
   bucket's full padded size, plus top-level `per_bucket_numel[_unpadded]`.
 - Decoding recomputes the layout (with and without the 64-element padding, with the bucket
@@ -25,7 +26,7 @@ megatron/core/optimizer/distrib_optimizer.py `_compute_per_buffer_param_layout`)
 
 Non-distributed (`model_optim_rng.pt['optimizer']`, megatron/core/optimizer/optimizer.py):
 `FP32Optimizer.state_dict()` is torch's `{'state': {i: {'step', 'exp_avg', 'exp_avg_sq'}},
-'param_groups': [{'params': [i...], 'wd_mult', ...}]}`; `Float16OptimizerWithFloat16Params`
+'param_groups': [{'params': [i...], 'wd_mult', ...}]}` (the slots read as `torch_optim` says); `Float16OptimizerWithFloat16Params`
 wraps it as `{'optimizer': ..., 'grad_scaler': ..., 'fp32_from_fp16_params': [[fp32]...]}`.
 Param groups are built by megatron/core/optimizer/__init__.py `_get_param_groups`: params of
 all chunks in order, keyed by weight decay (no decay for `*.bias` and 1-D params), groups in
@@ -40,10 +41,12 @@ from dataclasses import dataclass
 
 from hybridckpt import lazy
 from hybridckpt.errors import FormatError
+from hybridckpt.formats import torch_optim
 from hybridckpt.lazy import LazyTensor
 
-KINDS = ("master", "exp_avg", "exp_avg_sq")
-_FILE_KEYS = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+MASTER = "master"  # the fp32 master weight, beside the optimizer's slots
+_MASTER_KEY = "param"  # its key in a distrib_optim.pt buffer
+_NOT_STATE = ("numel_unpadded",)
 
 
 @dataclass(frozen=True)
@@ -142,11 +145,26 @@ def _slices(
     out = []
     for p, off in zip(params, offsets, strict=True):
         views = {}
-        for kind in KINDS:
-            t = flat[kind]
+        for kind, t in flat.items():
             views[kind] = lazy.reshape(lazy.slice_axis(t, 0, off, off + p.numel), p.shape)
         out.append(views)
     return out
+
+
+def _buffer_kinds(entry: Mapping, where: str) -> dict[str, str]:
+    """kind ("master" or a slot name) -> its key in a buffer entry: `param` and every other
+    tensor (or list of bucket tensors) the entry holds."""
+    if _MASTER_KEY not in entry:
+        raise FormatError(f"{where}: no {_MASTER_KEY!r} (the fp32 master weights)")
+    kinds = {MASTER: _MASTER_KEY}
+    for key, value in entry.items():
+        if key == _MASTER_KEY or key in _NOT_STATE or not isinstance(key, str):
+            continue
+        if isinstance(value, LazyTensor) or (
+            isinstance(value, list) and value and all(isinstance(t, LazyTensor) for t in value)
+        ):
+            kinds[key] = key
+    return kinds
 
 
 def _flat_tensor(entry: Mapping, key: str, where: str) -> LazyTensor:
@@ -163,7 +181,8 @@ def decode_distributed(
     *,
     file: str,
 ) -> list[list[dict[str, LazyTensor]]]:
-    """Per chunk, per param: {'master', 'exp_avg', 'exp_avg_sq'} fp32 views of `distrib_optim.pt`.
+    """Per chunk, per param: {'master', <slot>...} fp32 views of `distrib_optim.pt` (the slots
+    are the buffer's other tensors: 'exp_avg', 'exp_avg_sq' for Adam).
 
     `bucket_sizes[v]`: the bucket sizes to try for chunk v (None = one bucket)."""
     if isinstance(state, list):  # ChainedOptimizer: [dense, expert]; only the dense part is read
@@ -182,7 +201,10 @@ def decode_distributed(
             )
         entry = _dtype_entry(state[v], where)
         if coalesced:
-            flat = {kind: _flat_tensor(entry, _FILE_KEYS[kind], where) for kind in KINDS}
+            flat = {
+                kind: _flat_tensor(entry, key, where)
+                for kind, key in _buffer_kinds(entry, where).items()
+            }
             want = entry.get("numel_unpadded")
             sizes = {t.shape[0] for t in flat.values()}
             if not isinstance(want, int) or sizes != {want}:
@@ -209,16 +231,14 @@ def decode_distributed(
 def _decode_per_bucket(entry, params, state, v, where) -> list[dict[str, LazyTensor]]:
     """Legacy per-bucket lists: each bucket tensor padded; params contiguous inside a bucket."""
     lists = {}
-    for kind in KINDS:
-        lst = entry.get(_FILE_KEYS[kind])
+    for kind, key in _buffer_kinds(entry, where).items():
+        lst = entry.get(key)
         if not isinstance(lst, list) or not all(
             isinstance(t, LazyTensor) and t.ndim == 1 for t in lst
         ):
-            raise FormatError(
-                f"{where}: {_FILE_KEYS[kind]!r} should be a list of 1-D bucket tensors"
-            )
+            raise FormatError(f"{where}: {key!r} should be a list of 1-D bucket tensors")
         lists[kind] = lst
-    sizes = [t.shape[0] for t in lists["master"]]
+    sizes = [t.shape[0] for t in lists[MASTER]]
     unpadded = None
     per = state.get("per_bucket_numel_unpadded")
     if isinstance(per, list) and v < len(per) and isinstance(per[v], Mapping) and len(per[v]) == 1:
@@ -243,8 +263,8 @@ def _decode_per_bucket(entry, params, state, v, where) -> list[dict[str, LazyTen
                 f"(bucket sizes {sizes})"
             )
         result[i] = {
-            kind: lazy.reshape(lazy.slice_axis(lists[kind][b], 0, pos, pos + p.numel), p.shape)
-            for kind in KINDS
+            kind: lazy.reshape(lazy.slice_axis(lst[b], 0, pos, pos + p.numel), p.shape)
+            for kind, lst in lists.items()
         }
         pos += p.numel
         used[b] = pos
@@ -290,11 +310,11 @@ def _no_wd(p: ParamSpec) -> bool:
     return p.name.endswith(".bias") or len(p.shape) == 1
 
 
-def decode_torch_adam(
+def decode_torch_state(
     opt: object, params: Sequence[ParamSpec], *, file: str
 ) -> list[dict[str, LazyTensor]] | None:
-    """Per param (all chunks, in order): {'exp_avg', 'exp_avg_sq'[, 'master']}; None when the
-    state holds no moments (distributed optimizer, or no step taken yet)."""
+    """Per param (all chunks, in order): {<slot>...[, 'master']} (Adam: 'exp_avg', 'exp_avg_sq');
+    None when the state holds none (distributed optimizer, or no step taken yet)."""
     inner, fp32 = _inner(opt, file)
     state = inner.get("state")
     if not state:
@@ -311,6 +331,7 @@ def decode_torch_adam(
             f"{len(order)} weight-decay groups; custom param groups are not supported"
         )
     out: list[dict[str, LazyTensor] | None] = [None] * len(params)
+    first: tuple[str, tuple] | None = None  # the first parameter's slot names: all must match
     for g, (group, cls) in enumerate(zip(groups, order, strict=True)):
         members = classes[cls]
         ids = group.get("params")
@@ -331,16 +352,17 @@ def decode_torch_adam(
                 raise FormatError(
                     f"{file}: optimizer state has no entry {sid} (parameter {p.name})"
                 )
-            views = {}
-            for kind in ("exp_avg", "exp_avg_sq"):
-                t = st.get(kind)
-                if not isinstance(t, LazyTensor) or t.shape != p.shape:
-                    found = t.shape if isinstance(t, LazyTensor) else type(t).__name__
+            views, _ = torch_optim.param_state(st, f"{file}: optimizer state {sid}")
+            label = f"state {sid} (parameter {p.name})"
+            first = first or (label, tuple(views))
+            names = torch_optim.check_same_slots(dict([first, (label, views)]), f"{file}: optimizer")
+            for kind, t in views.items():
+                want = torch_optim.slot_shape(names, kind, p.shape)
+                if t.shape != want:
                     raise FormatError(
                         f"{file}: optimizer state {sid} {kind} for parameter {p.name}: expected shape "
-                        f"{p.shape}, found {found}"
+                        f"{want}, found {t.shape}"
                     )
-                views[kind] = t
             if fp32 is not None:
                 try:
                     m = fp32[g][j]

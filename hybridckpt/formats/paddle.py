@@ -9,7 +9,8 @@ trainer/utils/ckpt_converter.py; details and checks in /work/shared/formats/padd
   contents decide): missing params are rebuilt from the fp32 master weights cast to the model
   dtype (param_meta, else config.json `dtype`).
 - `optimizer[.SFX].pdopt`: accumulators `<param.name>[_fp32_master_0]_<acc>_0` (acc: moment1,
-  moment2, beta1_pow_acc, beta2_pow_acc), `master_weights: {param.name: fp32}` (stage 3:
+  moment2, beta1_pow_acc, beta2_pow_acc for AdamW; velocity for Momentum), returned as the
+  slots torch names them (`SLOT_OF_ACCUMULATOR`), `master_weights: {param.name: fp32}` (stage 3:
   `slice@<param.name>`), `LR_Scheduler`. `param.name`s restart on every rank: an accumulator is
   matched to its structured name only through the name table of its own (tp, pp) (the
   model_state files or `model_meta.json` `sharding_metas.tpXX_ppYY.structure_name_mapping`).
@@ -50,7 +51,7 @@ import numpy as np
 from hybridckpt import lazy
 from hybridckpt.errors import ConfigError, FormatError, HybridCkptError, MappingError
 from hybridckpt.formats.config_file import config_beside, read_json
-from hybridckpt.io import paddle_pickle
+from hybridckpt.io.pickle import paddle_save
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.rules import RuleSet, parse_rules
 from hybridckpt.source import OptimizerState, SourceCheckpoint
@@ -64,8 +65,19 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 _MODEL_RE = re.compile(r"^model_state(?:\.(?P<sfx>[A-Za-z0-9_]+))?\.pdparams$")
 _OPT_RE = re.compile(r"^optimizer(?:\.(?P<sfx>[A-Za-z0-9_]+))?\.pdopt$")
 _SFX_RE = re.compile(r"^(tp|pp|shard)(\d+)$")
+# Paddle's per-parameter optimizer accumulators (paddle/optimizer/adamw.py `_moment1_acc_str`,
+# `_moment2_acc_str`; momentum.py `_velocity_acc_str`) -> the slot torch gives the same state
+SLOT_OF_ACCUMULATOR = {
+    "moment1": "exp_avg",
+    "moment2": "exp_avg_sq",
+    "velocity": "momentum_buffer",
+}
+# the Adam moment each `[1]` beta pow accumulator goes with, and which beta it powers (0 or 1)
+BETA_POWS = {"beta1_pow_acc": ("exp_avg", 0), "beta2_pow_acc": ("exp_avg_sq", 1)}
 ACCUMULATOR_RE = re.compile(
-    r"^(?:slice@)?(?P<p>.+?)(?:_fp32_master_\d+)?_(?P<acc>moment1|moment2|beta1_pow_acc|beta2_pow_acc)_\d+$"
+    r"^(?:slice@)?(?P<p>.+?)(?:_fp32_master_\d+)?_(?P<acc>"
+    + "|".join([*SLOT_OF_ACCUMULATOR, *BETA_POWS])
+    + r")_\d+$"
 )
 # model_meta.json param_meta dtype ids: Paddle 2.x (FP16=4, FP32=5, BF16=22) and Paddle 3.x
 # (FLOAT32=10, FLOAT16=15, BFLOAT16=16); the two sets do not overlap for float types.
@@ -151,7 +163,7 @@ def config_dtype(folder: str) -> np.dtype | None:
 def as_model_dtype(t: LazyTensor) -> LazyTensor:
     """A model param as paddle.save stored it: uint16 holds bfloat16 bits (np.array of a bf16
     paddle Tensor is uint16), so view it as bfloat16."""
-    return paddle_pickle.reinterpret(t, BF16) if np.dtype(t.dtype) == np.uint16 else t
+    return paddle_save.reinterpret(t, BF16) if np.dtype(t.dtype) == np.uint16 else t
 
 
 def step_from_beta_pow(value: float, beta: float) -> int | None:
@@ -175,6 +187,19 @@ def beta_pow(beta: float, step: int) -> np.ndarray:
     """The `[1]` fp32 accumulator Paddle holds after `step` steps: fp32(beta) multiplied in
     fp32 `step + 1` times (sequential cumprod reproduces the kernel's rounding)."""
     return np.cumprod(np.full(step + 1, beta, dtype=np.float32), dtype=np.float32)[-1:].copy()
+
+
+def adam_step(folder: str, beta_pows: Mapping[str, Sequence[float]], notes: list[str]):
+    """(optimizer step, hyper) from the beta pow accumulators found (`BETA_POWS` name -> values)
+    and the betas of `folder` (a note in `notes` when Paddle's defaults were assumed); (None, {})
+    when there are none (an optimizer without them)."""
+    if not any(beta_pows.values()):
+        return None, {}
+    betas, note = _betas(folder)
+    step = optimizer_step(beta_pows["beta1_pow_acc"], beta_pows["beta2_pow_acc"], betas)
+    if step is not None and note:
+        notes.append(note)
+    return step, {"betas": list(betas)}
 
 
 def optimizer_step(beta1_pows: Sequence[float], beta2_pows: Sequence[float], betas) -> int | None:
@@ -369,7 +394,7 @@ class _Group:
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     dtypes: dict[str, np.dtype] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)
-    # name -> kind (moment1, moment2, master, beta1_pow_acc, beta2_pow_acc) -> shard -> piece
+    # name -> kind (an accumulator: moment1, ..., beta1_pow_acc, ...; or master) -> shard -> piece
     states: dict[str, dict[str, dict[int, _Piece]]] = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
 
@@ -392,7 +417,7 @@ def _read_group(g: Grid, tp: int, pp: int, num_layers: int) -> _Group:
     for _shard, path in sorted(
         g.model.get((tp, pp), {}).items(), key=lambda kv: -1 if kv[0] is None else kv[0]
     ):
-        d = paddle_pickle.read(path)
+        d = paddle_save.read(path)
         for k, name in d.names.items():
             table.setdefault(rename(k), name)
         for k, t in d.tensors.items():  # an "empty" model_state (<= 512 bytes) holds none
@@ -433,7 +458,7 @@ def _read_group(g: Grid, tp: int, pp: int, num_layers: int) -> _Group:
     for n, pname in table.items():
         by_param.setdefault(pname, n)  # tied single card: the embedding is listed first
     for shard, path in sorted(g.optimizer.get((tp, pp), {}).items()):
-        d = paddle_pickle.read(path)
+        d = paddle_save.read(path)
         if not grp.extra and d.extra:
             grp.extra = dict(d.extra)
         for k, t in d.tensors.items():
@@ -441,7 +466,7 @@ def _read_group(g: Grid, tp: int, pp: int, num_layers: int) -> _Group:
             if not m:
                 raise FormatError(
                     f"{path}: optimizer key {k!r} is not <param>_<accumulator>_N "
-                    f"(moment1, moment2, beta1_pow_acc, beta2_pow_acc)"
+                    f"({', '.join([*SLOT_OF_ACCUMULATOR, *BETA_POWS])})"
                 )
             _add_state(grp, by_param, m.group("p"), m.group("acc"), shard, _Piece(t, path, k), path)
         master = d.children.get("master_weights")
@@ -461,7 +486,7 @@ def _read_group(g: Grid, tp: int, pp: int, num_layers: int) -> _Group:
 
 
 def _source_files(grp: _Group, n: str, kind: str) -> list[str]:
-    """The files one tp rank's tensor `n` of `kind` (model/moment1/moment2/master) came from."""
+    """The files one tp rank's tensor `n` of `kind` (model, an accumulator, master) came from."""
     if kind == "model":
         return [grp.model[n].file] if n in grp.model else []
     return sorted({p.file for p in grp.states.get(n, {}).get(kind, {}).values()})
@@ -586,7 +611,7 @@ def _check_strategies(g: Grid, groups: Mapping[tuple[int, int], _Group]) -> None
             if shape is None or len(shape) < 2:
                 continue  # 1-D params look the same whole and flat
             for kind, pieces in kinds.items():
-                if kind.startswith("beta"):
+                if kind in BETA_POWS:
                     continue
                 lays = {_layout(p, shape) for p in pieces.values()}
                 p = pieces[min(pieces)]
@@ -627,7 +652,7 @@ def _betas(folder: str) -> tuple[tuple[float, float], str | None]:
     path = os.path.join(folder, "training_args.bin")
     if os.path.isfile(path):
         try:
-            args = paddle_pickle.safe_load(path)
+            args = paddle_save.safe_load(path)
             b1, b2 = getattr(args, "adam_beta1", None), getattr(args, "adam_beta2", None)
             if isinstance(b1, float) and isinstance(b2, float):
                 return (b1, b2), None
@@ -645,7 +670,7 @@ def _hf_rule_vars(cfg, tensors) -> dict:
 
 
 def _open_file(path: str, config) -> SourceCheckpoint:
-    d = paddle_pickle.read(path)
+    d = paddle_save.read(path)
     folder = os.path.dirname(path) or "."
     tensors = {k: as_model_dtype(t) for k, t in d.tensors.items()}
     cfg = load_config(folder, config)
@@ -674,15 +699,16 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
     notes: list[str] = []
 
     def local(grp: _Group, n: str, kind: str) -> LazyTensor | None:
-        """The tp rank's tensor of kind model/moment1/moment2/master, sharding pieces stitched."""
+        """The tp rank's tensor of kind model/<accumulator>/master, sharding pieces stitched."""
         if kind == "model":
             return grp.model[n].tensor if n in grp.model else None
         pieces = grp.states.get(n, {}).get(kind)
         return stitch(n, kind, pieces, grp.shapes.get(n)) if pieces else None
 
     tensors: dict[str, LazyTensor] = {}
-    states: dict[str, dict[str, LazyTensor]] = {k: {} for k in ("moment1", "moment2", "master")}
-    beta_pows: dict[str, list[float]] = {"beta1_pow_acc": [], "beta2_pow_acc": []}
+    slots: dict[str, dict[str, LazyTensor]] = {}  # slot name -> structured name -> tensor
+    master: dict[str, LazyTensor] = {}
+    beta_pows: dict[str, list[float]] = {k: [] for k in BETA_POWS}
     rebuilt = []
     for p in range(g.pp):
         names = dict.fromkeys(n for t in range(g.tp) for n in groups[(t, p)].order)
@@ -696,7 +722,11 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
             if n in tensors:
                 continue  # pipeline: a name saved on two stages (shared layers) is taken once
             per_tp: dict[str, list] = {}
-            for kind in ("model", "moment1", "moment2", "master"):
+            accumulators = sorted(
+                {k for t in range(g.tp) for k in groups[(t, p)].states.get(n, {})}
+                & set(SLOT_OF_ACCUMULATOR)
+            )
+            for kind in ("model", *accumulators, "master"):
                 shards = [local(groups[(t, p)], n, kind) for t in range(g.tp)]
                 if all(x is None for x in shards):
                     continue
@@ -735,9 +765,10 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
                     f"{g.folder}: no value for {n!r}: the model_state files do not hold it and the "
                     f"optimizer has no master weight for it"
                 )
-            for kind in ("moment1", "moment2", "master"):
-                if kind in merged:
-                    states[kind][n] = merged[kind]
+            for kind in accumulators:
+                slots.setdefault(SLOT_OF_ACCUMULATOR[kind], {})[n] = merged[kind]
+            if "master" in merged:
+                master[n] = merged["master"]
     if rebuilt:
         notes.append(
             f"{len(rebuilt)} params rebuilt from fp32 master weights cast to the model dtype "
@@ -748,18 +779,9 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
     first = groups[(0, 0)]
     if first.extra.get("LR_Scheduler") is not None:
         trainer["lr_scheduler"] = _jsonable(first.extra["LR_Scheduler"])
-    if states["moment1"] or states["master"]:
-        betas, note = _betas(path)
-        step = optimizer_step(beta_pows["beta1_pow_acc"], beta_pows["beta2_pow_acc"], betas)
-        if step is not None and note:
-            notes.append(note)
-        optimizer = OptimizerState(
-            exp_avg=states["moment1"],
-            exp_avg_sq=states["moment2"],
-            step=step,
-            master=states["master"],
-            hyper={"betas": list(betas)},
-        )
+    if slots or master:
+        step, hyper = adam_step(path, beta_pows, notes)
+        optimizer = OptimizerState(slots=slots, step=step, master=master, hyper=hyper)
     global_step = None
     ts = os.path.join(path, "trainer_state.json")
     if os.path.isfile(ts):

@@ -9,7 +9,8 @@ unified_checkpoint.md; `load_save_single_card.py` is the single-card writer):
   `{"format": "np"}`: bfloat16 is stored as `U16` bits.
 - `optimizer-*.safetensors` + `optimizer.safetensors.index.json` (which also says
   `"master_weights": true|false`): `<name>/moment1_0`, `<name>/moment2_0`, `<name>/beta1_pow_acc_0`,
-  `<name>/beta2_pow_acc_0` (fp32; beta pows `[1]` = beta ** (step + 1)).
+  `<name>/beta2_pow_acc_0` (fp32; beta pows `[1]` = beta ** (step + 1)); the accumulators are
+  read as the slots torch names them (`paddle.SLOT_OF_ACCUMULATOR`: moment1 -> exp_avg, ...).
 - `master_weights-*.safetensors` + `master_weights.safetensors.index.json`: fp32 `<name>`.
 - `config.json` (HF-style keys plus `"dtype"`).
 
@@ -38,12 +39,7 @@ NAME = "paddle-unified"
 MODEL_INDEX = "model.safetensors.index.json"
 OPT_INDEX = "optimizer.safetensors.index.json"
 MASTER_INDEX = "master_weights.safetensors.index.json"
-KINDS = {
-    "moment1_0": "exp_avg",
-    "moment2_0": "exp_avg_sq",
-    "beta1_pow_acc_0": "beta1",
-    "beta2_pow_acc_0": "beta2",
-}
+ACCUMULATOR_SUFFIX = "_0"  # `<name>/<accumulator>_0`
 MAX_SHARD_BYTES = 2 * 1024**3
 
 
@@ -76,34 +72,32 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
     master = read_indexed(path, MASTER_INDEX)
     notes: list[str] = []
     if opt or master:
-        states: dict[str, dict[str, LazyTensor]] = {k: {} for k in KINDS.values()}
+        kinds = [*paddle.SLOT_OF_ACCUMULATOR, *paddle.BETA_POWS]
+        slots: dict[str, dict[str, LazyTensor]] = {}
+        beta_pows: dict[str, list[float]] = {k: [] for k in paddle.BETA_POWS}
         for key, t in opt.items():
             name, sep, kind = key.rpartition("/")
-            if not sep or kind not in KINDS:
+            acc = kind.removesuffix(ACCUMULATOR_SUFFIX)
+            if not sep or acc == kind or acc not in kinds:
                 raise FormatError(
-                    f"{os.path.join(path, OPT_INDEX)}: key {key!r} is not <name>/<kind> with kind in {sorted(KINDS)}"
+                    f"{os.path.join(path, OPT_INDEX)}: key {key!r} is not <name>/<kind> with kind in "
+                    f"{sorted(k + ACCUMULATOR_SUFFIX for k in kinds)}"
                 )
             if name not in tensors:
                 raise FormatError(
                     f"{os.path.join(path, OPT_INDEX)}: {key!r} is for {name!r}, which the model lacks"
                 )
-            states[KINDS[kind]][name] = t
+            if acc in beta_pows:
+                beta_pows[acc].append(paddle._scalar(t))
+            else:
+                slots.setdefault(paddle.SLOT_OF_ACCUMULATOR[acc], {})[name] = t
         unknown = sorted(set(master) - set(tensors))
         if unknown:
             raise FormatError(
                 f"{os.path.join(path, MASTER_INDEX)}: master weights for unknown params {unknown[:10]}"
             )
-        betas, note = paddle._betas(path)
-        step = paddle.optimizer_step(
-            [paddle._scalar(t) for t in states["beta1"].values()],
-            [paddle._scalar(t) for t in states["beta2"].values()],
-            betas,
-        )
-        if step is not None and note:
-            notes.append(note)
-        optimizer = OptimizerState(
-            states["exp_avg"], states["exp_avg_sq"], step, master, {"betas": list(betas)}
-        )
+        step, hyper = paddle.adam_step(path, beta_pows, notes)
+        optimizer = OptimizerState(slots, step, master, hyper)
     return SourceCheckpoint(
         format=NAME,
         path=path,
@@ -162,8 +156,7 @@ def write_unified(
     hf_tensors: Mapping[str, LazyTensor],
     *,
     config,
-    exp_avg: Mapping[str, LazyTensor] | None = None,
-    exp_avg_sq: Mapping[str, LazyTensor] | None = None,
+    slots: Mapping[str, Mapping[str, LazyTensor]] | None = None,
     master: Mapping[str, LazyTensor] | None = None,
     step: int | None = None,
     betas: tuple[float, float] = paddle.DEFAULT_BETAS,
@@ -175,9 +168,11 @@ def write_unified(
     """Write a PaddleNLP unified checkpoint of an HF-named Llama into `out_dir`.
 
     hf_tensors: HF LlamaForCausalLM names -> tensors (`[out, in]`; LazyTensors or arrays), in the dtype to save
-    (`dtype` casts them; bf16 is written as U16 like PaddleNLP). exp_avg / exp_avg_sq /
-    master: fp32, HF names (master optional: PaddleNLP keeps them for 16-bit params); `step`:
-    optimizer steps taken (beta pows = beta ** (step + 1), `paddle.beta_pow`); needed with moments.
+    (`dtype` casts them; bf16 is written as U16 like PaddleNLP). slots: optimizer slot name
+    (torch's: "exp_avg", "exp_avg_sq", "momentum_buffer") -> HF name -> fp32 tensor, each written
+    as the Paddle accumulator of `paddle.SLOT_OF_ACCUMULATOR`; master: fp32, HF names (optional:
+    PaddleNLP keeps them for 16-bit params); `step`: optimizer steps taken (the beta pows that go
+    with Adam's moments = beta ** (step + 1), `paddle.beta_pow`); needed with Adam moments.
     `fuse_attention_qkv` / `fuse_attention_ffn` write PaddleNLP's fused qkv / gate_up layers.
     Returns the file names written. Paddle names come from `RuleSet.invert()` of
     rules/paddle_llama.rules: the mapping is written once, for import.
@@ -196,25 +191,32 @@ def write_unified(
     written = _write_group(
         out_dir, "model", MODEL_INDEX, {k: _storable(t) for k, t in params.items()}, max_shard_bytes
     )
-    if exp_avg is not None or exp_avg_sq is not None:
-        if exp_avg is None or exp_avg_sq is None:
-            raise MappingError("write_unified: give both exp_avg and exp_avg_sq (or neither)")
-        if step is None:
-            raise ConfigError(
-                "write_unified: the optimizer step is needed to write beta1/beta2_pow_acc"
+    if slots:
+        accumulator = {slot: acc for acc, slot in paddle.SLOT_OF_ACCUMULATOR.items()}
+        unknown = sorted(set(slots) - set(accumulator))
+        if unknown:
+            raise MappingError(
+                f"write_unified: Paddle has no accumulator for slots {unknown}; known: "
+                f"{sorted(accumulator)}"
             )
-        m1 = inverse.apply(lazies(exp_avg), strict=False).tensors
-        m2 = inverse.apply(lazies(exp_avg_sq), strict=False).tensors
-        missing = sorted(set(params) - set(m1) | set(params) - set(m2))
-        if missing:
-            raise MappingError(f"write_unified: no moments for {missing[:10]}")
-        pow1, pow2 = paddle.beta_pow(betas[0], step), paddle.beta_pow(betas[1], step)
+        pows = {acc: beta for acc, (slot, beta) in paddle.BETA_POWS.items() if slot in slots}
+        if pows and step is None:
+            raise ConfigError(
+                f"write_unified: the optimizer step is needed to write {', '.join(sorted(pows))}"
+            )
+        pow_values = {acc: paddle.beta_pow(betas[beta], step) for acc, beta in pows.items()}
         opt: dict[str, LazyTensor] = {}
+        per_slot = {}
+        for slot, tensors in slots.items():
+            per_slot[slot] = inverse.apply(lazies(tensors), strict=False).tensors
+            missing = sorted(set(params) - set(per_slot[slot]))
+            if missing:
+                raise MappingError(f"write_unified: no {slot} for {missing[:10]}")
         for k in params:
-            opt[f"{k}/moment1_0"] = lazy.cast(m1[k], np.float32)
-            opt[f"{k}/moment2_0"] = lazy.cast(m2[k], np.float32)
-            opt[f"{k}/beta1_pow_acc_0"] = lazy.ArrayTensor(pow1)
-            opt[f"{k}/beta2_pow_acc_0"] = lazy.ArrayTensor(pow2)
+            for slot, tensors in per_slot.items():
+                opt[f"{k}/{accumulator[slot]}{ACCUMULATOR_SUFFIX}"] = lazy.cast(tensors[k], np.float32)
+            for acc, value in pow_values.items():
+                opt[f"{k}/{acc}{ACCUMULATOR_SUFFIX}"] = lazy.ArrayTensor(value)
         written += _write_group(
             out_dir,
             "optimizer",

@@ -644,7 +644,7 @@ def read_everything(path: str, fmt: str) -> None:
         tensors = list(src.tensors.values())
         if src.optimizer is not None:
             o = src.optimizer
-            tensors += list(o.exp_avg.values()) + list(o.exp_avg_sq.values()) + list(o.master.values())
+            tensors += [t for s in o.slots.values() for t in s.values()] + list(o.master.values())
         for t in tensors:
             t.materialize()
     finally:

@@ -182,7 +182,7 @@ def _read_all(obj, depth: int = 0) -> None:
         _read_all(dict(obj.tensors), depth + 1)
         opt = getattr(obj, "optimizer", None)
         if opt is not None:
-            _read_all([dict(opt.exp_avg), dict(opt.exp_avg_sq), dict(opt.master)], depth + 1)
+            _read_all([*(dict(s) for s in opt.slots.values()), dict(opt.master)], depth + 1)
 
 
 def _sample_tree():

@@ -1,0 +1,96 @@
+"""torch optimizer state dicts as slots: what a reader finds per parameter, by the framework's name.
+
+torch's `Optimizer.state_dict()` (pytorch/pytorch: torch/optim/optimizer.py `state_dict`) is
+`{"state": {i: {"step": 0-d tensor or float, <slot>: tensor, ...}}, "param_groups": [{"params":
+[i, ...], "lr", "betas", "eps", "weight_decay", ...}]}`. The per-parameter tensors are named by
+the optimizer: Adam(W) `exp_avg`, `exp_avg_sq` (and `max_exp_avg_sq` with amsgrad), SGD
+`momentum_buffer`, ... A reader keeps every one of them as a slot under its own name (never a
+fixed list), so which optimizer a checkpoint holds is decided once, from the slot names
+(`hybridckpt.optim.for_slots`). DCP's flattened form (`<opt>state.<fqn>.<slot>`) and the flat
+per-group partitions of DeepSpeed and Megatron carry the same names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from hybridckpt.errors import FormatError, HybridCkptError
+from hybridckpt.lazy import LazyTensor
+
+STEP = "step"  # torch's step counter in `state[i]` (optax's `count`)
+HYPER_FLOATS = ("lr", "eps", "weight_decay")
+
+
+def param_state(entry: Mapping, where: str) -> tuple[dict[str, LazyTensor], float | None]:
+    """One `state[i]` entry: its tensors by slot name (all but `step`) and its step (or None)."""
+    if not isinstance(entry, Mapping):
+        raise FormatError(f"{where}: expected a dict of optimizer state, found {type(entry).__name__}")
+    slots: dict[str, LazyTensor] = {}
+    step = None
+    for key, value in entry.items():
+        if key == STEP:
+            step = float(value.materialize()) if isinstance(value, LazyTensor) else float(value)
+        elif isinstance(key, str) and isinstance(value, LazyTensor):
+            slots[key] = value
+    return slots, step
+
+
+def check_same_slots(found: Mapping[Any, Iterable[str]], where: str) -> tuple[str, ...]:
+    """The slot names every entry of `found` (label -> its slot names) holds; a FormatError naming
+    the first entry that differs from the first one, or when the first holds none."""
+    items = list(found.items())
+    if not items:
+        return ()
+    first_label, first = items[0][0], sorted(items[0][1])
+    if not first:
+        raise FormatError(f"{where}: no per-parameter optimizer state for {first_label}")
+    for label, names in items[1:]:
+        if sorted(names) != first:
+            raise FormatError(
+                f"{where}: optimizer state of {label} holds {sorted(names)}, but {first_label} "
+                f"holds {first}"
+            )
+    return tuple(first)
+
+
+def check_complete(slots: Mapping[str, Mapping[str, Any]], where: str) -> None:
+    """Every parameter with optimizer state has every slot (a FormatError naming those that do not)."""
+    names = set().union(*(set(v) for v in slots.values())) if slots else set()
+    partial = sorted(n for n in names if any(n not in v for v in slots.values()))
+    if partial:
+        have = {s: partial[0] in v for s, v in slots.items()}
+        raise FormatError(
+            f"{where}: not every slot of the optimizer state {sorted(slots)} is there for "
+            f"{partial[:5]} (for {partial[0]!r}: {have})"
+        )
+
+
+def slot_shape(slot_names: Sequence[str], slot: str, param_shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape `slot` must have for a parameter of `param_shape`: from the slot's declared
+    relation when `slot_names` are a known optimizer's, else the parameter's own shape."""
+    from hybridckpt import optim
+
+    try:
+        return optim.for_slots(slot_names).slot(slot).relation.shape(param_shape)
+    except (HybridCkptError, KeyError):
+        return tuple(param_shape)
+
+
+def hyper(groups: Sequence[Mapping], names: Sequence[Sequence[str]]) -> dict:
+    """The param groups' hyperparameters: group 0's `lr`, `betas`, `eps`, `weight_decay`, plus
+    `groups` (each group's values and its param names `names[g]`) when the groups differ."""
+
+    def norm(g):
+        h = {k: float(g[k]) for k in HYPER_FLOATS if isinstance(g.get(k), (int, float))}
+        if isinstance(g.get("betas"), (tuple, list)):
+            h["betas"] = [float(b) for b in g["betas"]]
+        return h
+
+    if not groups:
+        return {}
+    normed = [norm(g) for g in groups]
+    out = dict(normed[0])
+    if any(n != normed[0] for n in normed[1:]):
+        out["groups"] = [{**n, "params": list(p)} for n, p in zip(normed, names, strict=False)]
+    return out
