@@ -21,8 +21,6 @@ tensor and the files. Names are the model's own, so for HF models `hf_rules` is 
 
 from __future__ import annotations
 
-import builtins
-import json
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -32,7 +30,8 @@ import numpy as np
 
 from hybridckpt import lazy
 from hybridckpt.errors import FormatError
-from hybridckpt.io import torch_save
+from hybridckpt.formats.config_file import config_beside, read_json
+from hybridckpt.io.pickle import torch_save
 from hybridckpt.io.safetensors_file import read_header
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.source import SourceCheckpoint
@@ -154,12 +153,8 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
     ranks = set()
     for mname in metas:
         mpath = os.path.join(path, mname)
-        try:
-            with builtins.open(mpath, encoding="utf-8") as f:
-                doc = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-            raise FormatError(f"{mpath}: not valid JSON: {e}") from None
-        entries = doc.get("metadata") if isinstance(doc, dict) else None
+        doc = read_json(mpath)
+        entries = doc.get("metadata")
         if not isinstance(entries, dict):
             raise FormatError(
                 f"{mpath}: expected {{'metadata': {{name: {{offsets, lengths, global_shape, file}}}}}}"
@@ -212,8 +207,6 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
                 f"{name!r}: pieces have different dtypes {sorted(dts)} ({[p.where for p in pieces[name]]})"
             )
     tensors = {name: assemble(name, ps, shapes[name]) for name, ps in pieces.items()}
-    from hybridckpt.formats.config_file import config_beside
-
     cfg = config_beside(path, config=config)
     return SourceCheckpoint(
         format=NAME,

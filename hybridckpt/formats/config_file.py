@@ -11,14 +11,22 @@ from hybridckpt.errors import ConfigError, FormatError
 def read_json(path: str) -> dict:
     """A JSON object from `path`; FormatError naming the file when it is missing or malformed."""
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        with open(path, "rb") as f:
+            raw = f.read()
     except FileNotFoundError:
         raise FormatError(f"{path}: missing") from None
+    return parse_json(raw, path)
+
+
+def parse_json(text: str | bytes, where: str) -> dict:
+    """A JSON object from `text` (a file's bytes, or a string stored inside a file); FormatError
+    naming `where` (the file, and the key when the JSON is a value inside it) when malformed."""
+    try:
+        data = json.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise FormatError(f"{path}: not valid JSON: {e}") from None
+        raise FormatError(f"{where}: not valid JSON: {e}") from None
     if not isinstance(data, dict):
-        raise FormatError(f"{path}: expected a JSON object")
+        raise FormatError(f"{where}: expected a JSON object, found {type(data).__name__}")
     return data
 
 

@@ -48,7 +48,6 @@ from hybridckpt.formats import torch_optim
 from hybridckpt.formats.config_file import config_beside, parse_json
 from hybridckpt.formats.rules_files import rules_text
 from hybridckpt.formats.torch_optim import STEP, check_complete
-from hybridckpt.io.pickle import torch_save
 from hybridckpt.io.dcp_metadata import (
     Chunk,
     DcpMetadata,
@@ -57,6 +56,7 @@ from hybridckpt.io.dcp_metadata import (
     metadata_files,
     read_metadata,
 )
+from hybridckpt.io.pickle import torch_save
 from hybridckpt.io.safetensors_file import read_header
 from hybridckpt.lazy import Box, FileRun, LazyTensor, block_overlap, tiled_file_runs
 from hybridckpt.source import OptimizerState, SourceCheckpoint

@@ -42,9 +42,10 @@ import numpy as np
 
 from hybridckpt.errors import ConfigError, FormatError
 from hybridckpt.formats import megatron_optim as optim
+from hybridckpt.formats.rules_files import load_rules, rules_text
 from hybridckpt.io.pickle import torch_save
 from hybridckpt.lazy import LazyTensor
-from hybridckpt.rules import RuleSet, parse_rules
+from hybridckpt.rules import RuleSet
 from hybridckpt.source import OptimizerState, SourceCheckpoint
 
 NAME = "megatron"
@@ -53,17 +54,10 @@ MODEL_FILE = "model_optim_rng.pt"
 OPTIM_FILE = "distrib_optim.pt"
 HEAD_COPIES = ("word_embeddings_for_head.weight",)
 EMBEDDING = "embedding.word_embeddings.weight"
-_RULES_DIR = os.path.join(os.path.dirname(__file__), "rules")
 _RANK_DIR = re.compile(r"^mp_rank_\d{2}(_\d{3}){0,2}$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _HEAD_SAMPLE_ROWS = 8
 _HEAD_COMPARE_ALL_BYTES = 16 << 20  # compare a tied head copy whole up to this size
-
-
-def rules_text(name: str) -> str:
-    """The text of `hybridckpt/formats/rules/<name>`."""
-    with builtins.open(os.path.join(_RULES_DIR, name), encoding="utf-8") as f:
-        return f.read()
 
 
 # -- discovery -------------------------------------------------------------------------------
@@ -253,12 +247,8 @@ class _Reader:
         self.version = self.state0.get("checkpoint_version", 0)
         self.iteration = self.state0.get("iteration")
         self.swiglu = bool(_arg(self.args, "swiglu", False))
-        self.tp_rules = parse_rules(
-            rules_text("megatron_tp.rules"), {"swiglu": self.swiglu}, origin="megatron_tp.rules"
-        )
-        self.legacy_rules = parse_rules(
-            rules_text("megatron_legacy.rules"), origin="megatron_legacy.rules"
-        )
+        self.tp_rules = load_rules("megatron_tp.rules", {"swiglu": self.swiglu})
+        self.legacy_rules = load_rules("megatron_legacy.rules")
         self.qkv_rules = self._qkv_rules()
         self.files = self._files()
         self.states = {k: (self.state0 if f == first else _load(f)) for k, f in self.files.items()}
@@ -311,9 +301,7 @@ class _Reader:
             )
         hn = _arg(a, "kv_channels") or _arg(a, "hidden_size") // heads
         variables = {"heads_local": heads // self.topo.tp, "head_dim": hn, "qkv_v0": v == 0}
-        return parse_rules(
-            rules_text("megatron_qkv_legacy.rules"), variables, origin="megatron_qkv_legacy.rules"
-        )
+        return load_rules("megatron_qkv_legacy.rules", variables)
 
     # - model chunks
     def chunk(self, p: int, r: int, v: int) -> _Chunk:

@@ -19,7 +19,6 @@ Layout (meta-llama/llama and meta-llama/llama3 `llama/model.py`, `llama/generati
 
 from __future__ import annotations
 
-import builtins
 import os
 import re
 
@@ -27,15 +26,15 @@ import numpy as np
 
 from hybridckpt.errors import ConfigError, FormatError
 from hybridckpt.formats.config_file import read_json
-from hybridckpt.io import torch_save
+from hybridckpt.formats.rules_files import load_rules, rules_text
+from hybridckpt.io.pickle import torch_save
 from hybridckpt.lazy import LazyTensor
-from hybridckpt.rules import parse_rules
 from hybridckpt.source import SourceCheckpoint
 
 NAME = "meta-llama"
 PARAMS = "params.json"
 _SHARD = re.compile(r"^consolidated\.(\d{2})\.pth$")
-_RULES = os.path.join(os.path.dirname(__file__), "rules", "meta_llama.rules")
+_RULES = "meta_llama.rules"
 _SKIPPED = ("rope.freqs",)
 _KV = re.compile(r"^layers\.\d+\.attention\.w[kv]\.weight$")
 
@@ -147,8 +146,7 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         "num_heads": cfg.num_heads,
         "num_kv_heads": cfg.num_kv_heads,
     }
-    rules_text = builtins.open(_RULES, encoding="utf-8").read()
-    rules = parse_rules(rules_text, variables, origin=_RULES)
+    rules = load_rules(_RULES, variables)
     kv_rows = cfg.num_kv_heads * cfg.head_dim
     tensors: dict[str, LazyTensor] = {}
     notes = []
@@ -179,7 +177,7 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         path=path,
         tensors=tensors,
         optimizer=None,
-        hf_rules=rules_text,
+        hf_rules=rules_text(_RULES),
         rule_vars=variables,
         config=cfg,
         step=None,

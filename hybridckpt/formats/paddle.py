@@ -43,7 +43,6 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from importlib import resources
 
 import ml_dtypes
 import numpy as np
@@ -51,9 +50,10 @@ import numpy as np
 from hybridckpt import lazy
 from hybridckpt.errors import ConfigError, FormatError, HybridCkptError, MappingError
 from hybridckpt.formats.config_file import config_beside, read_json
+from hybridckpt.formats.rules_files import load_rules, rules_text
 from hybridckpt.io.pickle import paddle_save
 from hybridckpt.lazy import LazyTensor
-from hybridckpt.rules import RuleSet, parse_rules
+from hybridckpt.rules import RuleSet
 from hybridckpt.source import OptimizerState, SourceCheckpoint
 
 NAME = "paddle"
@@ -95,11 +95,6 @@ _STR_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
 # -- rules ------------------------------------------------------------------------------------
 
 
-def rules_text(name: str) -> str:
-    """The text of `hybridckpt/formats/rules/<name>` (a packaged rules file)."""
-    return resources.files("hybridckpt.formats").joinpath("rules", name).read_text(encoding="utf-8")
-
-
 def llama_variables(cfg, tp: int = 1, *, fuse_qkv: bool = False, fuse_ffn: bool = False) -> dict:
     """Variables of the Paddle Llama rules: heads, tying, fused layers, what TP `tp` splits."""
     if getattr(cfg, "family", None) != "llama":
@@ -133,15 +128,11 @@ HF_RULE_VARS = ("num_heads", "num_kv_heads", "tied", "fuse_attention_qkv", "fuse
 def hf_rules(cfg, *, fuse_qkv: bool = False, fuse_ffn: bool = False) -> RuleSet:
     """PaddleNLP Llama structured names -> HF names (`rules/paddle_llama.rules`)."""
     variables = llama_variables(cfg, fuse_qkv=fuse_qkv, fuse_ffn=fuse_ffn)
-    return parse_rules(rules_text("paddle_llama.rules"), variables, origin="paddle_llama.rules")
+    return load_rules("paddle_llama.rules", variables)
 
 
 def tp_rules(cfg, tp: int) -> RuleSet:
-    return parse_rules(
-        rules_text("paddle_llama_tp.rules"),
-        llama_variables(cfg, tp),
-        origin="paddle_llama_tp.rules",
-    )
+    return load_rules("paddle_llama_tp.rules", llama_variables(cfg, tp))
 
 
 # -- small helpers -------------------------------------------------------------------------------

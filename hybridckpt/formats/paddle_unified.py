@@ -31,6 +31,7 @@ import numpy as np
 from hybridckpt import lazy
 from hybridckpt.errors import ConfigError, FormatError, MappingError
 from hybridckpt.formats import hf, paddle
+from hybridckpt.formats.rules_files import rules_text
 from hybridckpt.io import safetensors_file
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.source import OptimizerState, SourceCheckpoint
@@ -103,7 +104,7 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         path=path,
         tensors=tensors,
         optimizer=optimizer,
-        hf_rules=paddle.rules_text("paddle_llama.rules"),
+        hf_rules=rules_text("paddle_llama.rules"),
         rule_vars={
             k: v
             for k, v in paddle.llama_variables(cfg, **paddle.fused_flags(tensors)).items()
