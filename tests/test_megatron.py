@@ -22,7 +22,7 @@ from fixtures.megatron_writer import (
 import models
 from hybridckpt.errors import ConfigError, FormatError, MappingError
 from hybridckpt.formats import detect, megatron, open_source
-from hybridckpt.formats import megatron_optim as mo
+from hybridckpt.formats.megatron import optimizer as mo
 from hybridckpt.io.byte_source import count_reads
 from hybridckpt.lazy import ArrayTensor
 from hybridckpt.rules import parse_rules

@@ -21,7 +21,8 @@ from fixtures import paddle_writer as pw
 import models
 from hybridckpt import formats, lazy, naming
 from hybridckpt.errors import FormatError, MappingError, UnsafePickleError
-from hybridckpt.formats import paddle, paddle_unified
+from hybridckpt.formats import paddle
+from hybridckpt.formats.paddle import unified as paddle_unified
 from hybridckpt.io.byte_source import count_reads
 from hybridckpt.io.pickle import paddle_save
 from hybridckpt.rules import parse_rules

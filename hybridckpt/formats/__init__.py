@@ -22,7 +22,7 @@ FORMATS = (
     "dcp",
     "deepspeed",
     "paddle",
-    "paddle_unified",
+    "hybridckpt.formats.paddle.unified",
     "colossal",
     "hf",
 )

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from hybridckpt.errors import ConfigError, FormatError
-from hybridckpt.formats import megatron_optim as optim
+from hybridckpt.formats.megatron import optimizer as optim
 from hybridckpt.formats.rules_files import load_rules, rules_text
 from hybridckpt.io.pickle import torch_save
 from hybridckpt.lazy import LazyTensor
