@@ -1,0 +1,251 @@
+"""The model a Megatron-LM checkpoint holds, from its `args`: an HF config and the rules to HF names.
+
+Megatron records no architecture name, only the choices that define one (NVIDIA/Megatron-LM:
+megatron/training/arguments.py): `normalization` ("LayerNorm" / "RMSNorm"), `swiglu`,
+`position_embedding_type` ("learned_absolute" / "rope"; older runs
+`use_rotary_position_embeddings`), sizes (`hidden_size`, `ffn_hidden_size`, `num_layers`,
+`num_attention_heads`, `group_query_attention` + `num_query_groups`, `kv_channels`), `norm_epsilon`
+(older `layernorm_epsilon`), `rotary_base`, `untie_embeddings_and_output_weights`,
+`max_position_embeddings` (else `seq_length`), and the vocabulary: `padded_vocab_size` rows are
+stored, `vocab_size` of them real (absent in many runs: then the given `--config` says it).
+
+`ARCHITECTURES` says which HF architecture a set of those choices is and which `config.json` key
+each size goes to; the HF dict is read by `models.config_from_hf`, so the model config is the
+family's own. `FAMILY_RULES`, keyed by the family that config belongs to, names the rules file
+from Megatron's (mcore, global, TP-merged) names to HF names and the remarks `inspect` shows;
+the rule variables are the family's (`models.rule_variables`) plus Megatron's own
+(`padded_vocab`, `swiglu`, `tied`, `te_norms`). A family without an entry is a FormatError.
+Refused outright: interleaved (Meta-style) RoPE, partial RoPE, `apply_layernorm_1p` norms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridckpt.errors import ConfigError, FormatError
+from hybridckpt.formats.megatron.layout import arg
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """An HF architecture Megatron args can describe.
+
+    hf_architecture: the `architectures` entry of its config.json
+    description:     how error messages name it ("Llama", "GPT-2")
+    normalization, swiglu, position_embedding: the args that select it
+    hf_keys:         our name of a value read from args (`_values`) -> its config.json key
+    """
+
+    hf_architecture: str
+    description: str
+    normalization: str
+    swiglu: bool
+    position_embedding: str
+    hf_keys: Mapping[str, str]
+
+    def summary(self) -> str:
+        act = "SwiGLU" if self.swiglu else "GELU"
+        return f"{self.description} ({self.normalization}, {act}, {self.position_embedding})"
+
+
+ARCHITECTURES = (
+    Architecture(
+        "LlamaForCausalLM",
+        "Llama",
+        normalization="RMSNorm",
+        swiglu=True,
+        position_embedding="rope",
+        hf_keys={
+            "vocab_size": "vocab_size",
+            "hidden_size": "hidden_size",
+            "ffn_hidden_size": "intermediate_size",
+            "num_layers": "num_hidden_layers",
+            "num_heads": "num_attention_heads",
+            "num_query_groups": "num_key_value_heads",
+            "head_dim": "head_dim",
+            "norm_eps": "rms_norm_eps",
+            "rope_theta": "rope_theta",
+            "tied": "tie_word_embeddings",
+            "max_positions": "max_position_embeddings",
+        },
+    ),
+    Architecture(
+        "GPT2LMHeadModel",
+        "GPT-2",
+        normalization="LayerNorm",
+        swiglu=False,
+        position_embedding="learned_absolute",
+        hf_keys={
+            "vocab_size": "vocab_size",
+            "hidden_size": "n_embd",
+            "ffn_hidden_size": "n_inner",
+            "num_layers": "n_layer",
+            "num_heads": "n_head",
+            "norm_eps": "layer_norm_epsilon",
+            "max_positions": "n_positions",
+        },
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Note:
+    """A remark for `inspect`, made when every fact in `when` has the given value (facts: the
+    rule variables plus `openai_gelu`)."""
+
+    when: Mapping[str, Any]
+    text: str
+
+
+@dataclass(frozen=True)
+class FamilyRules:
+    """How a family's Megatron names map to HF: `hf_rules` (a file in formats/rules/) and the
+    remarks that go with them."""
+
+    hf_rules: str
+    notes: tuple[Note, ...] = field(default=())
+
+
+FAMILY_RULES: Mapping[str, FamilyRules] = {
+    "llama": FamilyRules("megatron_llama.rules"),
+    "gpt2": FamilyRules(
+        "megatron_gpt2.rules",
+        notes=(
+            Note(
+                {"openai_gelu": False},
+                "Megatron's GELU is erf-based (F.gelu); GPT2LMHeadModel uses gelu_new (tanh "
+                "approximation)",
+            ),
+            Note(
+                {"tied": False},
+                "untied output layer: GPT2LMHeadModel ties lm_head to wte and ignores "
+                "lm_head.weight",
+            ),
+        ),
+    ),
+}
+
+
+def family_rules(cfg, file: str) -> FamilyRules:
+    """The entry of `FAMILY_RULES` for `cfg`'s family; a FormatError when Megatron has none."""
+    entry = FAMILY_RULES.get(cfg.family)
+    if entry is None:
+        raise FormatError(
+            f"{file}: the model is a {cfg.family} ({type(cfg).__name__}); Megatron checkpoints "
+            f"are read for the families {sorted(FAMILY_RULES)}"
+        )
+    return entry
+
+
+def notes_for(entry: FamilyRules, facts: Mapping[str, Any]) -> list[str]:
+    """The entry's remarks whose conditions `facts` meet."""
+    return [n.text for n in entry.notes if all(facts.get(k) == v for k, v in n.when.items())]
+
+
+# -- architecture from args -------------------------------------------------------------------------
+
+
+def architecture(args, file: str) -> Architecture:
+    """The entry of `ARCHITECTURES` the args describe (FormatError naming them when none)."""
+    norm = arg(args, "normalization", "LayerNorm")
+    pos = arg(args, "position_embedding_type")
+    if pos is None:
+        pos = "rope" if arg(args, "use_rotary_position_embeddings") else "learned_absolute"
+    swiglu = bool(arg(args, "swiglu", False))
+    if arg(args, "rotary_interleaved"):
+        raise FormatError(
+            f"{file}: args.rotary_interleaved=True (Meta-style RoPE pairs) is not supported"
+        )
+    if pos == "rope" and (arg(args, "rotary_percent", 1.0) or 1.0) != 1.0:
+        raise FormatError(
+            f"{file}: args.rotary_percent={arg(args, 'rotary_percent')} (partial RoPE) is not supported"
+        )
+    if arg(args, "apply_layernorm_1p"):
+        raise FormatError(
+            f"{file}: args.apply_layernorm_1p=True (norm weights stored minus 1) is not supported"
+        )
+    for a in ARCHITECTURES:
+        if (a.swiglu, a.normalization, a.position_embedding) == (swiglu, norm, pos):
+            return a
+    raise FormatError(
+        f"{file}: args describe normalization={norm}, swiglu={swiglu}, position_embedding_type={pos}: "
+        f"neither {' nor '.join(a.summary() for a in ARCHITECTURES)}"
+    )
+
+
+def _true_vocab(args, config, file: str) -> int:
+    padded = arg(args, "padded_vocab_size")
+    own = arg(args, "vocab_size")
+    given = getattr(config, "vocab_size", None) if config is not None else None
+    if isinstance(own, int) and isinstance(given, int) and own != given:
+        raise ConfigError(f"{file}: args.vocab_size is {own} but the given config says {given}")
+    vocab = own if isinstance(own, int) else given
+    if vocab is None:
+        raise FormatError(
+            f"{file}: args.vocab_size is not set and the embedding holds padded_vocab_size={padded} "
+            f"rows including Megatron's vocab padding; pass --config (the model's HF config.json) "
+            f"to give the true vocabulary size"
+        )
+    if isinstance(padded, int) and vocab > padded:
+        raise ConfigError(
+            f"{file}: vocab_size {vocab} exceeds the checkpoint's padded_vocab_size {padded}"
+        )
+    return vocab
+
+
+def _values(args, vocab: int) -> dict[str, Any]:
+    """The model's sizes and options as args give them (None where args leave them to HF's
+    defaults), under the names `Architecture.hf_keys` maps."""
+    hidden, heads = arg(args, "hidden_size"), arg(args, "num_attention_heads")
+    eps = arg(args, "norm_epsilon", None) or arg(args, "layernorm_epsilon", 1e-5)
+    groups = arg(args, "num_query_groups") if arg(args, "group_query_attention") else heads
+    head_dim = arg(args, "kv_channels")
+    if not head_dim and isinstance(hidden, int) and isinstance(heads, int) and heads:
+        head_dim = hidden // heads
+    return {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "ffn_hidden_size": arg(args, "ffn_hidden_size"),
+        "num_layers": arg(args, "num_layers"),
+        "num_heads": heads,
+        "num_query_groups": groups or heads,
+        "head_dim": head_dim,
+        "norm_eps": float(eps),
+        "rope_theta": float(arg(args, "rotary_base", 10000) or 10000),
+        "tied": not arg(args, "untie_embeddings_and_output_weights", False),
+        "max_positions": arg(args, "max_position_embeddings") or arg(args, "seq_length") or 2048,
+    }
+
+
+def hf_config(args, config, file: str) -> dict[str, Any]:
+    """The HF `config.json` dict `args` describe (true vocab from args or the given `config`)."""
+    a = architecture(args, file)
+    values = _values(args, _true_vocab(args, config, file))
+    return {"architectures": [a.hf_architecture], **{k: values[v] for v, k in a.hf_keys.items()}}
+
+
+def model_config(args, config, file: str):
+    """The model config (`models.config_from_hf` of `hf_config`); a given `config` must agree
+    with it field by field."""
+    import models
+
+    cfg = models.config_from_hf(hf_config(args, config, file), source=file)
+    if config is not None:
+        _check_config(cfg, config, file)
+    return cfg
+
+
+def _check_config(cfg, given, file: str) -> None:
+    if type(given) is not type(cfg):
+        raise ConfigError(
+            f"{file}: args describe a {type(cfg).__name__} but the given config is a {type(given).__name__}"
+        )
+    for f in dataclasses.fields(cfg):
+        mine, theirs = getattr(cfg, f.name), getattr(given, f.name)
+        if mine != theirs:
+            raise ConfigError(
+                f"{file}: args give {f.name}={mine} but the given config says {theirs}"
+            )

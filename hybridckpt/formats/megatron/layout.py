@@ -1,0 +1,139 @@
+"""Where a Megatron-LM torch-format checkpoint keeps its files, and its parallel layout.
+
+Layout (NVIDIA/Megatron-LM:megatron/training/checkpointing.py `get_checkpoint_name`,
+`read_metadata`):
+- `<save>/latest_checkpointed_iteration.txt` (`TRACKER`): an integer or `release`; the folder is
+  `iter_{N:07d}` or `release`. A path may be the save folder or the iteration folder.
+- One folder per model-parallel rank: `mp_rank_{tp:02d}` (PP = 1) or `mp_rank_{tp:02d}_{pp:03d}`,
+  `_{ep:03d}` appended when EP > 1; each holds `model_optim_rng.pt` (`MODEL_FILE`) and, with
+  `--use-distributed-optimizer`, `distrib_optim.pt` (`OPTIM_FILE`).
+- The degrees come from the pickled `args` (argparse.Namespace): tensor / pipeline / virtual
+  pipeline / expert model parallel sizes, and the data-parallel size (given, or world / (tp*pp)).
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from hybridckpt.errors import FormatError
+from hybridckpt.io.pickle import torch_save
+
+TRACKER = "latest_checkpointed_iteration.txt"
+MODEL_FILE = "model_optim_rng.pt"
+OPTIM_FILE = "distrib_optim.pt"
+RANK_DIR = re.compile(r"^mp_rank_\d{2}(_\d{3}){0,2}$")
+
+
+def _has_rank_dirs(folder: str) -> bool:
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return False
+    return any(
+        RANK_DIR.match(n) and os.path.isfile(os.path.join(folder, n, MODEL_FILE)) for n in names
+    )
+
+
+def detect(path: str) -> bool:
+    """A save folder whose tracker names a folder of `mp_rank_*` dirs, or such a folder itself
+    (Megatron's `torch_dist` format has the tracker too, but `.distcp` files: not ours)."""
+    if not os.path.isdir(path):
+        return False
+    try:
+        return _has_rank_dirs(iteration_dir(path))
+    except FormatError:
+        return False
+
+
+def iteration_dir(path: str) -> str:
+    """The `iter_N` / `release` folder of `path` (a save folder or the iteration folder)."""
+    tracker = os.path.join(path, TRACKER)
+    if os.path.isfile(tracker):
+        with builtins.open(tracker, encoding="utf-8") as f:
+            text = f.read().strip()
+        if text == "release":
+            folder = "release"
+        else:
+            try:
+                folder = f"iter_{int(text):07d}"
+            except ValueError:
+                raise FormatError(
+                    f"{tracker}: expected an iteration number or 'release', found {text!r}"
+                ) from None
+        it_dir = os.path.join(path, folder)
+        if not os.path.isdir(it_dir):
+            raise FormatError(f"{tracker} names {text!r} but the folder {it_dir} is missing")
+        return it_dir
+    if _has_rank_dirs(path):
+        return path
+    raise FormatError(f"{path}: no {TRACKER} and no mp_rank_* folders: not a Megatron checkpoint")
+
+
+def arg(args: Any, name: str, default=None):
+    """`args.<name>` (the pickled argparse.Namespace), or `default` when unset or no args."""
+    return getattr(args, name, default) if args is not None else default
+
+
+def rank_folder(tp_rank: int, pp_rank: int, *, pp: int, ep: int = 1, ep_rank: int = 0) -> str:
+    """Megatron's rank folder name (checkpointing.py `get_checkpoint_name`)."""
+    name = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    return name + (f"_{ep_rank:03d}" if ep > 1 else "")
+
+
+def first_file(it_dir: str) -> str:
+    """The `model_optim_rng.pt` of tensor and pipeline rank 0 (the one every reader opens)."""
+    for name in ("mp_rank_00", "mp_rank_00_000", "mp_rank_00_000_000"):
+        f = os.path.join(it_dir, name, MODEL_FILE)
+        if os.path.isfile(f):
+            return f
+    raise FormatError(
+        f"{it_dir}: the tensor/pipeline rank 0 folder (mp_rank_00 or mp_rank_00_000) is missing"
+    )
+
+
+def load_state(path: str) -> Mapping:
+    """A rank file's pickled dict (no tensor bytes read)."""
+    state = torch_save.load(path)
+    if not isinstance(state, Mapping):
+        raise FormatError(f"{path}: expected a dict, found {type(state).__name__}")
+    return state
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Parallel degrees: tensor, pipeline, virtual pipeline, expert, data."""
+
+    tp: int
+    pp: int
+    vpp: int
+    ep: int
+    dp: int
+
+
+def topology(args, file: str) -> Topology:
+    """The degrees `args` give (`file` names the checkpoint in errors)."""
+
+    def deg(name, default=1):
+        v = arg(args, name, default)
+        v = default if v is None else v
+        if not isinstance(v, int) or v < 1:
+            raise FormatError(f"{file}: args.{name} should be a positive int, found {v!r}")
+        return v
+
+    tp, pp = deg("tensor_model_parallel_size"), deg("pipeline_model_parallel_size")
+    world = arg(args, "world_size")
+    dp = arg(args, "data_parallel_size")
+    if dp is None and isinstance(world, int) and world >= tp * pp:
+        dp = world // (tp * pp)
+    return Topology(
+        tp=tp,
+        pp=pp,
+        vpp=deg("virtual_pipeline_model_parallel_size"),
+        ep=deg("expert_model_parallel_size"),
+        dp=dp if isinstance(dp, int) and dp >= 1 else 1,
+    )

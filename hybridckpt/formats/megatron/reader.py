@@ -1,0 +1,233 @@
+"""`open`: a Megatron-LM torch-format checkpoint as lazy global tensors, slots and metadata.
+
+Reads the rank files (`layout`), their model chunks (`model`), the model config the args describe
+and the rules to HF names for its family (`config`), and the optimizer state of every rank
+(`optimizer`: distributed optimizer buffers or the torch optimizer state), merged across tensor
+and pipeline ranks the same way as the weights, as slots under torch's names. The tensors
+returned are mcore-named, global (layers numbered 0..L-1, TP merged, padded vocab); `hf_rules`
+maps them to HF names. Trainer metadata: iteration, checkpoint_version, consumed samples, seed,
+the LR scheduler state.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+import models
+from hybridckpt.errors import FormatError
+from hybridckpt.formats.megatron import optimizer as optim
+from hybridckpt.formats.megatron.config import family_rules, model_config, notes_for
+from hybridckpt.formats.megatron.layout import OPTIM_FILE, arg
+from hybridckpt.formats.megatron.model import (
+    EMBEDDING,
+    HEAD_COPIES,
+    Chunk,
+    Reader,
+    check_head_copy,
+    global_name,
+    merge_tp,
+)
+from hybridckpt.formats.rules_files import rules_text
+from hybridckpt.io.pickle import torch_save
+from hybridckpt.lazy import LazyTensor
+from hybridckpt.source import OptimizerState, SourceCheckpoint
+
+NAME = "megatron"
+
+
+def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the format contract
+    """Plan the import of a Megatron torch-format checkpoint (reads pickles, no tensor bytes
+    except a few rows of a tied head's copy)."""
+    rd = Reader(path, config)
+    t, args = rd.topo, rd.args
+    cfg = model_config(args, config, rd.first_file)
+    rules = family_rules(cfg, rd.first_file)
+    tied = not arg(args, "untie_embeddings_and_output_weights", False)
+    chunks = rd.chunks()
+    offsets = rd.offsets(chunks)
+
+    per_rank: dict[tuple[int, int], dict[str, LazyTensor]] = {
+        (p, r): {} for p in range(t.pp) for r in range(t.tp)
+    }
+    for (p, r, v), ch in chunks.items():
+        for n in ch.names:
+            per_rank[(p, r)][global_name(n, offsets[(p, v)])] = ch.tensors[n]
+    tensors = merge_tp(per_rank, rd.files, rd.tp_rules, t.tp)
+
+    head_copies = [n for n in HEAD_COPIES if n in tensors]
+    if tied and "output_layer.weight" in tensors:
+        head_copies.append("output_layer.weight")
+    for n in head_copies:
+        if EMBEDDING not in tensors:
+            raise FormatError(f"{rd.it_dir}: {n} is present but {EMBEDDING} is not")
+        check_head_copy(tensors[EMBEDDING], tensors[n], n, rd.it_dir)
+        del tensors[n]
+    if head_copies:
+        rd.notes.append(f"dropped {', '.join(head_copies)}: the tied head's copy of the embedding")
+
+    optimizer = _optimizer(rd, chunks, offsets, set(head_copies), tied)
+    padded = arg(args, "padded_vocab_size") or tensors[EMBEDDING].shape[0]
+    rule_vars = {
+        **models.rule_variables(cfg),
+        "padded_vocab": padded,
+        "swiglu": rd.swiglu,
+        "tied": tied,
+        "te_norms": any(n.endswith(".linear_qkv.layer_norm_weight") for n in tensors),
+    }
+    facts = {**rule_vars, "openai_gelu": bool(arg(args, "openai_gelu", False))}
+    rd.notes.extend(notes_for(rules, facts))
+    step = rd.iteration if isinstance(rd.iteration, int) else None
+    return SourceCheckpoint(
+        format=NAME,
+        path=path,
+        tensors=tensors,
+        optimizer=optimizer,
+        hf_rules=rules_text(rules.hf_rules),
+        rule_vars=rule_vars,
+        config=cfg,
+        step=step,
+        topology={"tp": t.tp, "pp": t.pp, "vpp": t.vpp, "dp": t.dp},
+        trainer=_trainer(rd),
+        notes=tuple(rd.notes),
+    )
+
+
+# -- optimizer state ---------------------------------------------------------------------------------
+
+
+def _bucket_sizes(args, p: int, v: int) -> list[int | None]:
+    """Bucket sizes to try for model chunk v on pp rank p (distributed_data_parallel.py)."""
+    sizes: list[int | None] = [None]
+    if arg(args, "overlap_grad_reduce") and p == 0 and v == 0:
+        bs = arg(args, "ddp_bucket_size")
+        dp = arg(args, "data_parallel_size", 1) or 1
+        sizes.insert(0, bs if bs else max(40_000_000, 1_000_000 * dp))
+    return sizes
+
+
+def _specs(chunk: Chunk, shared_names: set[str]) -> list[optim.ParamSpec]:
+    return [
+        optim.ParamSpec(n, tuple(chunk.tensors[n].shape), n in shared_names) for n in chunk.names
+    ]
+
+
+def _optimizer(
+    rd: Reader, chunks, offsets, head_copies: set[str], tied: bool
+) -> OptimizerState | None:
+    t, args = rd.topo, rd.args
+    if "optimizer" not in rd.state0:
+        rd.notes.append("no optimizer state (saved with --no-save-optim)")
+        return None
+    shared = set()
+    if tied and t.pp > 1:  # megatron/core/models/common/language_module/language_module.py
+        shared = {EMBEDDING, "output_layer.weight", *HEAD_COPIES}
+    kinds: dict[str, dict[tuple[int, int], dict[str, LazyTensor]]] = {}  # master and slots
+    for p in range(t.pp):
+        for r in range(t.tp):
+            f = rd.files[(p, r)]
+            specs = [
+                _specs(
+                    chunks[(p, r, v)],
+                    shared if (p, v) in ((0, 0), (t.pp - 1, t.vpp - 1)) else set(),
+                )
+                for v in range(t.vpp)
+            ]
+            opt = rd.states[(p, r)].get("optimizer")
+            dist_file = os.path.join(os.path.dirname(f), OPTIM_FILE)
+            if arg(args, "use_distributed_optimizer") or os.path.isfile(dist_file):
+                if not os.path.isfile(dist_file):
+                    raise FormatError(
+                        f"{dist_file}: missing (args.use_distributed_optimizer is set)"
+                    )
+                decoded = optim.decode_distributed(
+                    torch_save.load(dist_file),
+                    specs,
+                    [_bucket_sizes(args, p, v) for v in range(t.vpp)],
+                    file=dist_file,
+                )
+            else:
+                flat = optim.decode_torch_state(opt, [s for ch in specs for s in ch], file=f)
+                if flat is None:
+                    rd.notes.append(f"{f}: optimizer holds no per-parameter state")
+                    return None
+                decoded, i = [], 0
+                for ch in specs:
+                    decoded.append(flat[i : i + len(ch)])
+                    i += len(ch)
+            for v, ch in enumerate(specs):
+                for spec, views in zip(ch, decoded[v], strict=True):
+                    g = global_name(spec.name, offsets[(p, v)])
+                    for kind, view in views.items():
+                        kinds.setdefault(kind, {}).setdefault((p, r), {})[g] = view
+    merged = {}
+    for kind, per_rank in kinds.items():
+        if not per_rank:
+            continue
+        if rd.qkv_rules is not None:
+            per_rank = {k: rd.fix_qkv(dict(v), rd.files[k]) for k, v in per_rank.items()}
+        m = merge_tp(per_rank, rd.files, rd.tp_rules, t.tp, what=f"optimizer {kind} ")
+        for n in head_copies:
+            m.pop(n, None)
+        merged[kind] = m
+    groups = optim.param_groups(rd.state0["optimizer"], rd.first_file)
+    hyper = {}
+    if groups:
+        g0 = groups[0]
+        for k in ("lr", "eps", "weight_decay"):
+            if isinstance(g0.get(k), (int, float)):
+                hyper[k] = float(g0[k])
+        betas = g0.get("betas")
+        if isinstance(betas, (tuple, list)) and all(isinstance(b, (int, float)) for b in betas):
+            hyper["betas"] = [float(b) for b in betas]
+    return OptimizerState(
+        slots={k: v for k, v in merged.items() if k != optim.MASTER},
+        step=rd.iteration if isinstance(rd.iteration, int) else None,
+        master=merged.get(optim.MASTER, {}),
+        hyper=hyper,
+    )
+
+
+def _plain(x: Any, depth: int = 0):
+    """A JSON-serialisable copy of simple values (numbers, strings, small dicts/lists)."""
+    if isinstance(x, (bool, int, float, str)) or x is None:
+        return x if not (isinstance(x, float) and not math.isfinite(x)) else str(x)
+    if isinstance(x, np.generic):
+        return x.item()
+    if depth < 3 and isinstance(x, Mapping):
+        out = {str(k): _plain(v, depth + 1) for k, v in x.items()}
+        return {k: v for k, v in out.items() if v is not _SKIP}
+    if depth < 3 and isinstance(x, (list, tuple)) and len(x) <= 16:
+        out = [_plain(v, depth + 1) for v in x]
+        return out if _SKIP not in out else _SKIP
+    return _SKIP
+
+
+_SKIP = object()
+
+
+def _trainer(rd: Reader) -> dict:
+    st, args = rd.state0, rd.args
+    out: dict[str, Any] = {"iteration": rd.iteration, "checkpoint_version": rd.version}
+    for k in (
+        "consumed_train_samples",
+        "consumed_valid_samples",
+        "seed",
+        "seq_length",
+        "global_batch_size",
+    ):
+        v = _plain(arg(args, k))
+        if v is not None and v is not _SKIP:
+            out[k] = v
+    for k in ("num_floating_point_operations_so_far",):
+        v = _plain(st.get(k))
+        if v is not None and v is not _SKIP:
+            out[k] = v
+    sched = st.get("opt_param_scheduler", st.get("lr_scheduler"))
+    if isinstance(sched, Mapping):
+        out["opt_param_scheduler"] = _plain(sched)
+    return out
