@@ -69,10 +69,9 @@ def _atheris_child(name: str, cases: int, report: str) -> None:
         import hybridckpt.formats.hf  # noqa: F401
         import hybridckpt.formats.paddle  # noqa: F401
         import hybridckpt.io.dcp_metadata  # noqa: F401
-        import hybridckpt.io.paddle_pickle  # noqa: F401
+        import hybridckpt.io.pickle.paddle_save  # noqa: F401
+        import hybridckpt.io.pickle.torch_save  # noqa: F401
         import hybridckpt.io.safetensors_file  # noqa: F401
-        import hybridckpt.io.torch_save  # noqa: F401
-        import hybridckpt.io.unpickle  # noqa: F401
     from attacks import fuzzers
 
     work = tempfile.mkdtemp(prefix="atheris-")

@@ -151,7 +151,7 @@ def test_namespace_pickled_before_loading_is_not_an_attack(tmp_path):
     modify class argparse.Namespace' (and the cache deleted). A fresh interpreter, no pytest."""
     code = (
         "import argparse, pickle\n"
-        "from hybridckpt.io.unpickle import safe_loads\n"
+        "from hybridckpt.io.pickle.machine import safe_loads\n"
         "data = pickle.dumps(argparse.Namespace(lr=0.1), protocol=2)\n"
         "assert '__slotnames__' in vars(argparse.Namespace)\n"
         "print(safe_loads(data, what='args.pkl'))\n"
@@ -248,7 +248,7 @@ def test_corrupt_zip_offsets_and_versions(tmp_path):
     22.9") escaped from torch_save.load."""
     import torch
 
-    from hybridckpt.io import torch_save
+    from hybridckpt.io.pickle import torch_save
 
     good = tmp_path / "good.pt"
     torch.save({"w": torch.ones(3)}, good)

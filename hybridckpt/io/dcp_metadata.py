@@ -34,7 +34,9 @@ from typing import Any
 import numpy as np
 
 from hybridckpt.errors import FormatError
-from hybridckpt.io.unpickle import TORCH_POLICY, Policy, Stub, TorchDtype, safe_load_file
+from hybridckpt.io.pickle.allow import Policy, Stub
+from hybridckpt.io.pickle.machine import safe_load_file
+from hybridckpt.io.pickle.torch_policy import TORCH_POLICY, TorchDtype
 
 METADATA = ".metadata"
 

@@ -277,8 +277,8 @@ def open_path(container: str, path: str):
     detection (`formats.open_source`), bare torch files with `torch_save.load`. Every tensor
     is read, so lazily-checked storages are exercised too."""
     from hybridckpt.formats import open_source
-    from hybridckpt.io import torch_save
     from hybridckpt.io.byte_source import close_all
+    from hybridckpt.io.pickle import torch_save
     from hybridckpt.lazy import LazyTensor
 
     try:
@@ -303,14 +303,14 @@ def open_path(container: str, path: str):
 def load_file(container: str, file: str):
     """Unpickle the one file a container planted its payload in, with the reader that format
     uses for it (no format-level checks)."""
-    from hybridckpt.io import paddle_pickle, torch_save
     from hybridckpt.io.byte_source import close_all
     from hybridckpt.io.dcp_metadata import DCP_POLICY
-    from hybridckpt.io.unpickle import safe_load_file
+    from hybridckpt.io.pickle import paddle_save, torch_save
+    from hybridckpt.io.pickle.machine import safe_load_file
 
     try:
         if container.startswith("paddle"):
-            return paddle_pickle.safe_load(file)
+            return paddle_save.safe_load(file)
         if container == "dcp-metadata":
             return safe_load_file(file, DCP_POLICY)
         return torch_save.load(file)

@@ -212,7 +212,8 @@ def _pickle_strategy(state):
 
 
 def _pickle_run(state, data: bytes) -> None:
-    from hybridckpt.io.unpickle import TORCH_POLICY, safe_loads
+    from hybridckpt.io.pickle.machine import safe_loads
+    from hybridckpt.io.pickle.torch_policy import TORCH_POLICY
 
     safe_loads(data, TORCH_POLICY, what="fuzz.pkl")
 
@@ -235,7 +236,7 @@ def _torch_setup(folder: str, legacy: bool) -> dict:
 
 
 def _torch_run(state, data: bytes) -> None:
-    from hybridckpt.io import torch_save
+    from hybridckpt.io.pickle import torch_save
 
     _write(state["path"], data)
     _read_all(torch_save.load(state["path"]))
@@ -353,10 +354,10 @@ def _paddle_pickle_strategy(state):
 
 
 def _paddle_pickle_run(state, data: bytes) -> None:
-    from hybridckpt.io import paddle_pickle
+    from hybridckpt.io.pickle import paddle_save
 
     _write(state["path"], data)
-    d = paddle_pickle.read(state["path"])
+    d = paddle_save.read(state["path"])
     _read_all(dict(d.tensors))
 
 

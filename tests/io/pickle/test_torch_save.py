@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from hybridckpt.errors import FormatError, HybridCkptError, UnsafePickleError
-from hybridckpt.io import torch_save
 from hybridckpt.io.byte_source import close_all, count_reads
-from hybridckpt.io.unpickle import TORCH_DTYPES, Policy, TorchDtype, is_stub
+from hybridckpt.io.pickle import torch_save
+from hybridckpt.io.pickle.allow import Policy, is_stub
+from hybridckpt.io.pickle.torch_policy import TORCH_DTYPES, TorchDtype
 from hybridckpt.lazy import LazyTensor
 
 # -- helpers ---------------------------------------------------------------------------------

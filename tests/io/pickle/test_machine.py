@@ -25,19 +25,10 @@ import pytest
 import torch
 
 from hybridckpt.errors import FormatError, HybridCkptError, UnsafePickleError
-from hybridckpt.io.unpickle import (
-    BASE_POLICY,
-    TORCH_DTYPES,
-    TORCH_POLICY,
-    Policy,
-    Stub,
-    TorchDtype,
-    check_pickle,
-    is_stub,
-    safe_load_file,
-    safe_loads,
-    stub_class,
-)
+from hybridckpt.io.pickle.allow import Policy, Stub, is_stub, stub_class
+from hybridckpt.io.pickle.base_policy import BASE_POLICY
+from hybridckpt.io.pickle.machine import safe_load_file, safe_loads
+from hybridckpt.io.pickle.torch_policy import TORCH_DTYPES, TORCH_POLICY, TorchDtype
 
 # -- helpers ---------------------------------------------------------------------------------
 
@@ -450,34 +441,7 @@ def test_policy_prefix_matching():
     assert BASE_POLICY.merged(None) is BASE_POLICY
 
 
-# -- denial of service -----------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "data, match",
-    [
-        (b"\x80\x04\x8e" + struct.pack("<Q", 1 << 62) + b"abc.", "claims"),  # BINBYTES8
-        (b"\x80\x02X" + struct.pack("<I", 1 << 31) + b"abc.", "claims"),  # BINUNICODE
-        (b"\x80\x02B" + struct.pack("<I", 100) + b"abc.", "claims"),  # BINBYTES
-        (b"\x80\x02\x8b" + struct.pack("<i", -5) + b".", "claims"),  # LONG4 negative
-        (b"\x80\x04\x95" + struct.pack("<Q", 1 << 40) + b"N.", "frame"),
-        (b"\x80\x02]r" + struct.pack("<I", 0xFFFFFFF0) + b".", "memo"),  # LONG_BINPUT
-        (b"]p4000000000\n.", "memo"),  # PUT
-        (b"\x80\x02}q\x00(X\x01\x00\x00\x00a", "truncated"),
-        (b"", "truncated"),
-        (b"\x80\x02\xff.", "opcode"),
-    ],
-)
-def test_hostile_lengths_are_format_errors(data, match):
-    with pytest.raises(FormatError, match=f"dos.pkl.*{match}|{match}.*dos.pkl"):
-        safe_loads(data, what="dos.pkl")
-
-
-def test_check_pickle_returns_end_of_each_pickle():
-    a, b = pickle.dumps([1, 2]), pickle.dumps({"x": b"y" * 300}, protocol=4)
-    buf = a + b + b"raw tail"
-    assert check_pickle(buf, what="s") == len(a)
-    assert check_pickle(buf, len(a), what="s") == len(a) + len(b)
+# -- nesting and fuzzing (length and memo guards: test_opcodes.py) ---------------------------
 
 
 def test_deep_nesting_is_a_format_error_or_loads():

@@ -18,19 +18,18 @@ Format (PaddlePaddle/Paddle:python/paddle/framework/io.py `save`, `_legacy_save`
 - Framework objects (paddle generator states, paddlenlp classes) become inert stubs.
 
 Laziness: protocol 3/4 pickles hold each array's bytes as one BINBYTES/BINBYTES8 payload.
-`safe_load` walks the opcodes through an mmap (payloads are never paged in), drops the FRAME opcodes
-(a read-ahead hint only), replaces each payload of at least `lazy_min_bytes` by a persistent-id
-reference, unpickles the small remainder with the restricted unpickler, and returns
-`StoredTensor`s at the payloads' file offsets: opening a file reads its pickle opcodes only, and
-a box of a tensor reads only that box. Smaller payloads and protocol 2 text payloads are read
-eagerly.
+`safe_load` walks the opcodes through an mmap with the one opcode walk (`opcodes.scan_pickle`;
+payloads are never paged in), drops the FRAME opcodes (a read-ahead hint only), replaces each
+payload of at least `lazy_min_bytes` by a persistent-id reference, unpickles the small remainder
+with the restricted unpickler, and returns `StoredTensor`s at the payloads' file offsets:
+opening a file reads its pickle opcodes only, and a box of a tensor reads only that box.
+Smaller payloads and protocol 2 text payloads are read eagerly.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import reprlib
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -40,76 +39,22 @@ import numpy as np
 
 from hybridckpt import lazy
 from hybridckpt.errors import FormatError, UnsafePickleError
-from hybridckpt.io import unpickle as up
 from hybridckpt.io.byte_source import ByteSource
+from hybridckpt.io.pickle.allow import Contextual, Policy, Stub, UnpicklerView, short_repr
+from hybridckpt.io.pickle.base_policy import BASE_ALLOWED
+from hybridckpt.io.pickle.machine import RestrictedUnpickler, safe_loads
+from hybridckpt.io.pickle.numpy_guard import NDARRAY
+from hybridckpt.io.pickle.opcodes import FRAME_SIZE, scan_pickle
 from hybridckpt.lazy import ArrayTensor, LazyTensor, StoredTensor
 
 NAME_TABLE = "StructuredToParameterName@@"
 BIG_PARAM_INFO = "UnpackBigParamInfor@@"
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
-# -- the lazy opcode scan --------------------------------------------------------------------
+# -- the lazy load ------------------------------------------------------------------------
 
-_BINBYTES, _BINBYTES8, _FRAME, _STOP = ord("B"), 0x8E, 0x95, ord(".")
 _BINUNICODE, _BINPERSID = b"X", b"Q"
 LAZY_MIN_BYTES = 4096
-_TABLE = up.OPCODE_ARGS  # (argument kind, size, signed) per opcode byte
-_FIXED, _COUNTED, _LINES = up.ARG_FIXED, up.ARG_COUNTED, up.ARG_LINES
-
-
-def _short(obj: object, n: int = 120) -> str:
-    r = reprlib.Repr()
-    r.maxstring = r.maxother = n
-    return r.repr(obj)
-
-
-def _scan(data, what: str, min_bytes: int) -> tuple[list[tuple[int, int, int]], list[int]]:
-    """Walk the opcodes of the pickle in `data` without running it.
-
-    Returns the `(opcode offset, payload offset, payload length)` of every BINBYTES/BINBYTES8 of
-    at least `min_bytes`, and the offsets of the FRAME opcodes. Other opcodes are skipped by
-    their declared length; every length must fit in the file."""
-    table = _TABLE
-    n = len(data)
-    pos = 0
-    payloads, frames = [], []
-    while True:
-        if pos >= n:
-            raise FormatError(f"{what}: pickle truncated at byte {pos} (no STOP opcode)")
-        code = data[pos]
-        spec = table[code]
-        if spec is None:
-            raise FormatError(f"{what}: not a pickle: unknown opcode {code:#04x} at byte {pos}")
-        start = pos
-        pos += 1
-        kind, size, signed = spec
-        if kind == _FIXED:
-            if pos + size > n:
-                raise FormatError(f"{what}: pickle truncated at byte {pos}")
-            if code == _FRAME:
-                frames.append(start)
-            pos += size
-        elif kind == _COUNTED:
-            if pos + size > n:
-                raise FormatError(f"{what}: pickle truncated at byte {pos}")
-            length = int.from_bytes(data[pos : pos + size], "little", signed=signed)
-            pos += size
-            if length < 0 or pos + length > n:
-                raise FormatError(
-                    f"{what}: opcode {code:#04x} at byte {start} claims {length} bytes but "
-                    f"{n - pos} remain"
-                )
-            if code in (_BINBYTES, _BINBYTES8) and length >= min_bytes:
-                payloads.append((start, pos, length))
-            pos += length
-        elif kind == _LINES:
-            for _ in range(size):
-                nl = data.find(b"\n", pos)
-                if nl < 0:
-                    raise FormatError(f"{what}: pickle truncated at byte {pos}")
-                pos = nl + 1
-        elif code == _STOP:
-            return payloads, frames
 
 
 @dataclass(frozen=True)
@@ -121,7 +66,7 @@ class _Payload:
     length: int
 
 
-class _PaddleUnpickler(up.RestrictedUnpickler):
+class _PaddleUnpickler(RestrictedUnpickler):
     """Resolves the persistent ids `safe_load` put in place of large payloads (and nothing else)."""
 
     def __init__(self, file, policy, *, what, encoding="latin1", payloads=None, nonce=""):
@@ -149,17 +94,17 @@ class _ArraySlot:
     def __setstate__(self, state):
         what = self.what
         if not isinstance(state, tuple) or len(state) not in (4, 5):
-            raise FormatError(f"{what}: bad numpy array state {_short(state)}")
+            raise FormatError(f"{what}: bad numpy array state {short_repr(state)}")
         shape, spec, fortran, raw = state[-4:]
         dt = (
             spec if isinstance(spec, np.dtype) else getattr(spec, "dtype", None)
-        )  # unpickle's checked dtype
+        )  # numpy_guard's checked dtype
         if not isinstance(dt, np.dtype):
-            raise FormatError(f"{what}: expected a numpy dtype, found {_short(spec)}")
+            raise FormatError(f"{what}: expected a numpy dtype, found {short_repr(spec)}")
         try:
             shape = tuple(int(s) for s in shape)
         except (TypeError, ValueError):
-            raise FormatError(f"{what}: bad numpy shape {_short(shape)}") from None
+            raise FormatError(f"{what}: bad numpy shape {short_repr(shape)}") from None
         if any(s < 0 for s in shape):
             raise FormatError(f"{what}: negative numpy shape {shape}")
         count = 1
@@ -190,25 +135,22 @@ class _ArraySlot:
         self.value = np.ascontiguousarray(arr)
 
 
-_NDARRAY_TAG = up.BASE_ALLOWED[("numpy", "ndarray")]  # what `numpy.ndarray` resolves to
-
-
-def _reconstruct(unp: up.RestrictedUnpickler):
+def _reconstruct(unp: UnpicklerView):
     def reconstruct(cls, shape, typecode):
-        if cls is not _NDARRAY_TAG:
+        if cls is not NDARRAY:
             raise UnsafePickleError(
-                f"{unp.what}: numpy _reconstruct of {_short(cls)} is not allowed"
+                f"{unp.what}: numpy _reconstruct of {short_repr(cls)} is not allowed"
             )
         return _ArraySlot(unp.what)
 
     return reconstruct
 
 
-PADDLE_POLICY = up.Policy(
+PADDLE_POLICY = Policy(
     {
-        **up.BASE_ALLOWED,
+        **BASE_ALLOWED,
         **{
-            (f"{core}.multiarray", "_reconstruct"): up.Contextual(_reconstruct)
+            (f"{core}.multiarray", "_reconstruct"): Contextual(_reconstruct)
             for core in ("numpy.core", "numpy._core")
         },
     },
@@ -238,7 +180,7 @@ def _unslot(x, seen=None):
         return x
     if isinstance(x, tuple):
         return tuple(_unslot(v, seen) for v in x)
-    if isinstance(x, up.Stub):
+    if isinstance(x, Stub):
         seen[id(x)] = x
         for k, v in list(vars(x).items()):
             vars(x)[k] = _unslot(v, seen)
@@ -262,13 +204,15 @@ def safe_load(path: str, *, lazy_min_bytes: int = LAZY_MIN_BYTES) -> object:
         if size == 0:
             raise FormatError(f"{path}: empty file, not a paddle.save pickle")
         with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as data:
-            found, frames = _scan(data, path, lazy_min_bytes)
+            scan = scan_pickle(
+                data, what=path, payload_min_bytes=lazy_min_bytes, judge_frames=False
+            )
             nonce = "hybridckpt-" + secrets.token_hex(8)
             # cuts: FRAME opcodes are dropped (framing is only a read-ahead hint, and the
             # stream changes length), large payloads become persistent-id references
-            cuts: list[tuple[int, int, bytes]] = [(f, f + 9, b"") for f in frames]
+            cuts: list[tuple[int, int, bytes]] = [(f, f + FRAME_SIZE, b"") for f in scan.frames]
             payloads = []
-            for i, (op, off, length) in enumerate(found):
+            for i, (op, off, length) in enumerate(scan.payloads):
                 pid = f"{nonce}:{i}".encode()
                 cuts.append(
                     (
@@ -288,7 +232,7 @@ def safe_load(path: str, *, lazy_min_bytes: int = LAZY_MIN_BYTES) -> object:
             stream = b"".join(parts)
     finally:
         os.close(fd)
-    obj = up.safe_loads(
+    obj = safe_loads(
         stream,
         PADDLE_POLICY,
         what=path,
@@ -355,7 +299,7 @@ def _join_big_params(d: dict, path: str, key: str = "") -> None:
         except (KeyError, TypeError, ValueError):
             raise FormatError(
                 f"{path}: {BIG_PARAM_INFO}[{name!r}]: expected OriginShape and slices, found "
-                f"{_short(entry)}"
+                f"{short_repr(entry)}"
             ) from None
         parts = []
         for s in slices:
