@@ -10,13 +10,13 @@ unified_checkpoint.md; `load_save_single_card.py` is the single-card writer):
 - `optimizer-*.safetensors` + `optimizer.safetensors.index.json` (which also says
   `"master_weights": true|false`): `<name>/moment1_0`, `<name>/moment2_0`, `<name>/beta1_pow_acc_0`,
   `<name>/beta2_pow_acc_0` (fp32; beta pows `[1]` = beta ** (step + 1)); the accumulators are
-  read as the slots torch names them (`paddle.SLOT_OF_ACCUMULATOR`: moment1 -> exp_avg, ...).
+  read as the slots torch names them (`optimizer.SLOT_OF_ACCUMULATOR`: moment1 -> exp_avg, ...).
 - `master_weights-*.safetensors` + `master_weights.safetensors.index.json`: fp32 `<name>`.
 - `config.json` (HF-style keys plus `"dtype"`).
 
-`open` returns Paddle names and `hf_rules` (rules/paddle_llama.rules); `write_unified` writes
-the same layout from HF-named tensors, deriving the Paddle names with `RuleSet.invert()` of
-those rules (fused qkv / gate_up are written unfused, as PaddleNLP's default model).
+`open` returns Paddle names and `hf_rules` (the family's rules file, `rules.FAMILIES`);
+`write_unified` writes the same layout from HF-named tensors, deriving the Paddle names with
+`RuleSet.invert()` of those rules (fused qkv / gate_up are written unfused, as PaddleNLP's default model).
 """
 
 from __future__ import annotations
@@ -30,7 +30,17 @@ import numpy as np
 
 from hybridckpt import lazy
 from hybridckpt.errors import ConfigError, FormatError, MappingError
-from hybridckpt.formats import hf, paddle
+from hybridckpt.formats import hf
+from hybridckpt.formats.paddle.files import BF16, as_model_dtype
+from hybridckpt.formats.paddle.optimizer import (
+    BETA_POWS,
+    DEFAULT_BETAS,
+    SLOT_OF_ACCUMULATOR,
+    adam_step,
+    beta_pow,
+    scalar,
+)
+from hybridckpt.formats.paddle.rules import FAMILIES, family, hf_rule_vars, hf_rules, load_config
 from hybridckpt.formats.rules_files import rules_text
 from hybridckpt.io import safetensors_file
 from hybridckpt.lazy import LazyTensor
@@ -56,7 +66,8 @@ def detect(path: str) -> bool:
         opt = _index(path, OPT_INDEX) or {}
     except FormatError:
         return False
-    return any(k.startswith("llama.") for k in model) or any("/moment1_0" in k for k in opt)
+    prefixes = tuple(f"{fam.prefix}." for fam in FAMILIES.values())
+    return any(k.startswith(prefixes) for k in model) or any("/moment1_0" in k for k in opt)
 
 
 read_indexed = hf.read_indexed  # lazy tensors of every file an index names
@@ -66,16 +77,16 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
     model = read_indexed(path, MODEL_INDEX)
     if not model:
         raise FormatError(f"{path}: {MODEL_INDEX} names no tensors")
-    cfg = paddle.load_config(path, config)
-    tensors = {k: paddle.as_model_dtype(t) for k, t in model.items()}
+    cfg = load_config(path, config)
+    tensors = {k: as_model_dtype(t) for k, t in model.items()}
     optimizer = None
     opt = read_indexed(path, OPT_INDEX)
     master = read_indexed(path, MASTER_INDEX)
     notes: list[str] = []
     if opt or master:
-        kinds = [*paddle.SLOT_OF_ACCUMULATOR, *paddle.BETA_POWS]
+        kinds = [*SLOT_OF_ACCUMULATOR, *BETA_POWS]
         slots: dict[str, dict[str, LazyTensor]] = {}
-        beta_pows: dict[str, list[float]] = {k: [] for k in paddle.BETA_POWS}
+        beta_pows: dict[str, list[float]] = {k: [] for k in BETA_POWS}
         for key, t in opt.items():
             name, sep, kind = key.rpartition("/")
             acc = kind.removesuffix(ACCUMULATOR_SUFFIX)
@@ -89,27 +100,23 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
                     f"{os.path.join(path, OPT_INDEX)}: {key!r} is for {name!r}, which the model lacks"
                 )
             if acc in beta_pows:
-                beta_pows[acc].append(paddle._scalar(t))
+                beta_pows[acc].append(scalar(t))
             else:
-                slots.setdefault(paddle.SLOT_OF_ACCUMULATOR[acc], {})[name] = t
+                slots.setdefault(SLOT_OF_ACCUMULATOR[acc], {})[name] = t
         unknown = sorted(set(master) - set(tensors))
         if unknown:
             raise FormatError(
                 f"{os.path.join(path, MASTER_INDEX)}: master weights for unknown params {unknown[:10]}"
             )
-        step, hyper = paddle.adam_step(path, beta_pows, notes)
+        step, hyper = adam_step(path, beta_pows, notes)
         optimizer = OptimizerState(slots, step, master, hyper)
     return SourceCheckpoint(
         format=NAME,
         path=path,
         tensors=tensors,
         optimizer=optimizer,
-        hf_rules=rules_text("paddle_llama.rules"),
-        rule_vars={
-            k: v
-            for k, v in paddle.llama_variables(cfg, **paddle.fused_flags(tensors)).items()
-            if k in paddle.HF_RULE_VARS
-        },
+        hf_rules=rules_text(family(cfg, path).hf_rules),
+        rule_vars=hf_rule_vars(cfg, tensors),
         config=cfg,
         step=optimizer.step if optimizer else None,
         notes=tuple(notes),
@@ -120,7 +127,7 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
 
 
 def _storable(t: LazyTensor) -> LazyTensor:
-    return lazy.Bitcast(t, np.dtype(np.uint16)) if np.dtype(t.dtype) == paddle.BF16 else t
+    return lazy.Bitcast(t, np.dtype(np.uint16)) if np.dtype(t.dtype) == BF16 else t
 
 
 def _write_group(
@@ -160,7 +167,7 @@ def write_unified(
     slots: Mapping[str, Mapping[str, LazyTensor]] | None = None,
     master: Mapping[str, LazyTensor] | None = None,
     step: int | None = None,
-    betas: tuple[float, float] = paddle.DEFAULT_BETAS,
+    betas: tuple[float, float] = DEFAULT_BETAS,
     dtype=None,
     fuse_attention_qkv: bool = False,
     fuse_attention_ffn: bool = False,
@@ -171,14 +178,14 @@ def write_unified(
     hf_tensors: HF LlamaForCausalLM names -> tensors (`[out, in]`; LazyTensors or arrays), in the dtype to save
     (`dtype` casts them; bf16 is written as U16 like PaddleNLP). slots: optimizer slot name
     (torch's: "exp_avg", "exp_avg_sq", "momentum_buffer") -> HF name -> fp32 tensor, each written
-    as the Paddle accumulator of `paddle.SLOT_OF_ACCUMULATOR`; master: fp32, HF names (optional:
+    as the Paddle accumulator of `optimizer.SLOT_OF_ACCUMULATOR`; master: fp32, HF names (optional:
     PaddleNLP keeps them for 16-bit params); `step`: optimizer steps taken (the beta pows that go
-    with Adam's moments = beta ** (step + 1), `paddle.beta_pow`); needed with Adam moments.
+    with Adam's moments = beta ** (step + 1), `optimizer.beta_pow`); needed with Adam moments.
     `fuse_attention_qkv` / `fuse_attention_ffn` write PaddleNLP's fused qkv / gate_up layers.
     Returns the file names written. Paddle names come from `RuleSet.invert()` of
     rules/paddle_llama.rules: the mapping is written once, for import.
     """
-    inverse = paddle.hf_rules(
+    inverse = hf_rules(
         config, fuse_qkv=fuse_attention_qkv, fuse_ffn=fuse_attention_ffn
     ).invert()
 
@@ -193,19 +200,19 @@ def write_unified(
         out_dir, "model", MODEL_INDEX, {k: _storable(t) for k, t in params.items()}, max_shard_bytes
     )
     if slots:
-        accumulator = {slot: acc for acc, slot in paddle.SLOT_OF_ACCUMULATOR.items()}
+        accumulator = {slot: acc for acc, slot in SLOT_OF_ACCUMULATOR.items()}
         unknown = sorted(set(slots) - set(accumulator))
         if unknown:
             raise MappingError(
                 f"write_unified: Paddle has no accumulator for slots {unknown}; known: "
                 f"{sorted(accumulator)}"
             )
-        pows = {acc: beta for acc, (slot, beta) in paddle.BETA_POWS.items() if slot in slots}
+        pows = {acc: beta for acc, (slot, beta) in BETA_POWS.items() if slot in slots}
         if pows and step is None:
             raise ConfigError(
                 f"write_unified: the optimizer step is needed to write {', '.join(sorted(pows))}"
             )
-        pow_values = {acc: paddle.beta_pow(betas[beta], step) for acc, beta in pows.items()}
+        pow_values = {acc: beta_pow(betas[beta], step) for acc, beta in pows.items()}
         opt: dict[str, LazyTensor] = {}
         per_slot = {}
         for slot, tensors in slots.items():
@@ -243,7 +250,7 @@ def write_unified(
     model_dtype = {
         np.dtype(np.float32): "float32",
         np.dtype(np.float16): "float16",
-        paddle.BF16: "bfloat16",
+        BF16: "bfloat16",
     }
     cfg_json = dict(config_to_hf(config))
     first = next(iter(params.values()))

@@ -1,0 +1,148 @@
+"""PaddleNLP's names for a model family: structured names, pipeline keys, and the rules to HF.
+
+PaddleNLP saves a model under structured names `<prefix>.layers.0.self_attn.q_proj.weight`
+(`prefix` is the model class's `base_model_prefix`, e.g. "llama"; Linear weights `[in, out]`).
+What a family needs here is data, in `FAMILIES` keyed by the family's name (`cfg.family`):
+its prefix, the rules file from structured names to HF names, and the rules file of its
+tensor-parallel merges (PaddlePaddle/PaddleNLP: paddlenlp/transformers/<family>/modeling.py
+`_get_name_mappings`, `_get_tensor_parallel_mappings`). A family without an entry is a
+FormatError naming those PaddleNLP checkpoints are read for.
+
+Rule variables: the family's own (`models.rule_variables`: heads, kv heads, tying, ...) plus
+PaddleNLP's: `fuse_attention_qkv` / `fuse_attention_ffn` (its config flags, read off the tensor
+names) and what TP `tp` splits (`vocab_split`: vocab % tp == 0; `kv_split`: kv heads % tp == 0).
+
+Pipeline keys: a PipelineLayer (`<Family>ForCausalLMPipe`, paddlenlp/transformers/llama/
+modeling_pp.py) numbers its sequential layers: desc 0 embedding (`prefix`), 1..L decoder layers
+(`prefix.layers.i`), L+1 norm (`prefix`), L+2 LM head (`lm_head`); `single_card_name` renames
+them as PaddleNLP's `_set_pipeline_name_mapping` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from hybridckpt.errors import FormatError
+from hybridckpt.formats.config_file import config_beside
+from hybridckpt.formats.rules_files import load_rules
+from hybridckpt.rules import RuleSet
+
+
+@dataclass(frozen=True)
+class PaddleFamily:
+    """A model family as PaddleNLP saves it.
+
+    prefix:   the structured-name prefix of the base model (`base_model_prefix`)
+    hf_rules: rules file (formats/rules/) from structured names to HF names
+    tp_rules: rules file with the `tp` merges of its tensor-parallel shards
+    """
+
+    prefix: str
+    hf_rules: str
+    tp_rules: str
+
+
+FAMILIES: Mapping[str, PaddleFamily] = {
+    "llama": PaddleFamily("llama", "paddle_llama.rules", "paddle_llama_tp.rules"),
+}
+
+# the variables of a source's `rule_vars` (the rest come from the model config)
+HF_RULE_VARS = ("num_heads", "num_kv_heads", "tied", "fuse_attention_qkv", "fuse_attention_ffn")
+
+
+def family(cfg, where: str = "") -> PaddleFamily:
+    """The entry of `FAMILIES` for `cfg`'s family; a FormatError (naming `where`) when none."""
+    entry = FAMILIES.get(getattr(cfg, "family", None))
+    if entry is None:
+        at = f"{where}: " if where else ""
+        raise FormatError(
+            f"{at}PaddleNLP checkpoints are read for the families {sorted(FAMILIES)}; the config "
+            f"is {type(cfg).__name__} ({getattr(cfg, 'family', '?')})"
+        )
+    return entry
+
+
+def load_config(folder: str, config=None):
+    """`config`, or the model config from `folder/config.json` (PaddleNLP writes HF-style keys)."""
+    return config_beside(folder, config=config, required_for="a PaddleNLP checkpoint")
+
+
+def rule_variables(cfg, tp: int = 1, *, fuse_qkv: bool = False, fuse_ffn: bool = False) -> dict:
+    """Variables of the Paddle rules of `cfg`'s family: the family's own, the fused layers, and
+    what TP `tp` splits."""
+    import models
+
+    family(cfg)
+    v = models.rule_variables(cfg)
+    return {
+        **v,
+        "tied": bool(v["tied"]),
+        "vocab_split": v["vocab_size"] % tp == 0,
+        "kv_split": v["num_kv_heads"] % tp == 0,
+        "fuse_attention_qkv": bool(fuse_qkv),
+        "fuse_attention_ffn": bool(fuse_ffn),
+    }
+
+
+def fused_flags(names: Iterable[str]) -> dict:
+    """PaddleNLP's `fuse_attention_qkv` / `fuse_attention_ffn`, read off the tensor names."""
+    names = list(names)
+    return {
+        "fuse_qkv": any(n.endswith(".self_attn.qkv_proj.weight") for n in names),
+        "fuse_ffn": any(n.endswith(".mlp.gate_up_fused_proj.weight") for n in names),
+    }
+
+
+def hf_rule_vars(cfg, tensors: Iterable[str]) -> dict[str, Any]:
+    """A source's `rule_vars`: the `HF_RULE_VARS` for this config and these (fused?) tensors."""
+    variables = rule_variables(cfg, **fused_flags(tensors))
+    return {k: v for k, v in variables.items() if k in HF_RULE_VARS}
+
+
+def hf_rules(cfg, *, fuse_qkv: bool = False, fuse_ffn: bool = False) -> RuleSet:
+    """Structured names -> HF names (the family's `hf_rules` file)."""
+    variables = rule_variables(cfg, fuse_qkv=fuse_qkv, fuse_ffn=fuse_ffn)
+    return load_rules(family(cfg).hf_rules, variables)
+
+
+def tp_rules(cfg, tp: int) -> RuleSet:
+    """The family's tensor-parallel merges for `tp` ranks."""
+    return load_rules(family(cfg).tp_rules, rule_variables(cfg, tp))
+
+
+# -- pipeline descriptor names ------------------------------------------------------------------
+
+
+def pp_prefixes(num_layers: int, prefix: str) -> dict[int, str]:
+    """`<Family>ForCausalLMPipe`'s sequential layers (paddlenlp/transformers/llama/modeling_pp.py):
+    desc 0 embedding (`prefix`), 1..L decoder layers (`prefix.layers.i`), L+1 norm (`prefix`),
+    L+2 lm head ("lm_head")."""
+    out = {0: prefix, num_layers + 1: prefix, num_layers + 2: "lm_head"}
+    out.update({i + 1: f"{prefix}.layers.{i}" for i in range(num_layers)})
+    return out
+
+
+def single_card_name(key: str, num_layers: int, pp_rank: int, prefix: str) -> str:
+    """A PipelineLayer key (`[_layers.]N.rest`, `[_layers.]C.N.rest` with virtual stages,
+    `[_layers.]shared_layers.<name>.rest`) as PaddleNLP's `_set_pipeline_name_mapping` renames it;
+    other keys unchanged. The shared (tied) layer is the embedding on pp stage 0 and the LM head
+    on later stages."""
+    parts = key.split(".")
+    if parts[0] == "_layers":
+        parts = parts[1:]
+    if not parts or not (parts[0].isdigit() or parts[0] == "shared_layers"):
+        return key
+    prefixes = pp_prefixes(num_layers, prefix)
+    if parts[0] == "shared_layers":
+        if len(parts) < 3:
+            return key
+        head, rest = (prefix if pp_rank == 0 else "lm_head"), parts[2:]
+    elif len(parts) > 2 and parts[1].isdigit():
+        head, rest = prefixes.get(int(parts[0]) + int(parts[1])), parts[2:]
+    else:
+        head, rest = prefixes.get(int(parts[0])), parts[1:]
+    if head is None:
+        raise FormatError(f"pipeline key {key!r}: descriptor index outside 0..{num_layers + 2}")
+    return ".".join([head, *rest])
