@@ -7,7 +7,7 @@ optimizer) is written rank by rank with torch in a subprocess. Then, each in its
 subprocess (torch never imported there), with the page cache warm from the write:
 
 - `cat` of every checkpoint file to /dev/null (the read floor);
-- `hybridckpt.pipeline.import_checkpoint` (the streaming import) onto `--mesh` of 8 simulated
+- `hybridckpt.jobs.import_checkpoint` (the streaming import) onto `--mesh` of 8 simulated
   CPU devices: seconds, GB/s of checkpoint bytes, peak RSS (`ru_maxrss`);
 - the reference: the same arrays materialised as jax.Arrays on the same mesh (untimed), then
   `save_checkpoint` of them (Orbax saving from memory): seconds and peak RSS.
@@ -124,12 +124,12 @@ def _devices() -> None:
 def child_import(src: str, dst: str, mesh: str) -> dict:
     """In a fresh process: the streaming import, timed from the call."""
     _devices()
-    from hybridckpt import pipeline
-    from hybridckpt.stream import StreamOptions
+    from hybridckpt import jobs
+    from hybridckpt.store.stream import StreamOptions
 
     opts = StreamOptions()
     t0 = time.perf_counter()
-    s = pipeline.import_checkpoint(src, dst, mesh=mesh, params_only=True, stream_options=opts)
+    s = jobs.import_checkpoint(src, dst, mesh=mesh, params_only=True, stream_options=opts)
     dt = time.perf_counter() - t0
     return {"seconds": dt, "bytes": s.bytes, "tensors": s.tensors, "peak_rss": peak_rss(),
             "peak_inflight": opts.stats.peak_inflight_bytes, "largest_tile": opts.stats.largest_tile_bytes}
@@ -142,16 +142,16 @@ def child_save(src: str, dst: str, mesh: str) -> dict:
     import jax
 
     import models
-    from hybridckpt import convert, pipeline
-    from hybridckpt.checkpoint import save_checkpoint
+    from hybridckpt import jobs, naming, place
     from hybridckpt.mesh import mesh_from_shape, tree_shardings
+    from hybridckpt.store import save_checkpoint
 
-    opened = pipeline.open_hf(src)
+    opened = jobs.open_checkpoint(src)
     cfg = opened.config
-    tree = convert.hf_to_tree(opened.hf, cfg)
+    tree = naming.hf_to_tree(opened.named, cfg)
     jmesh = mesh_from_shape(mesh)
     shard = tree_shardings(models.param_shapes(cfg), models.logical_axes(cfg), jmesh)
-    params = convert.assemble(convert.nest(tree.params), shard)
+    params = place.assemble(naming.nest(tree.params), shard)
     jax.block_until_ready(params)
     rss_before = peak_rss()
     t0 = time.perf_counter()

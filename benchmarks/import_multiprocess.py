@@ -35,12 +35,12 @@ def worker(pid: int, nproc: int, port: int, src: str, dst: str, mesh: str, out: 
     sys.path.insert(0, os.path.dirname(HERE))
     from import_megatron import peak_rss
 
-    from hybridckpt import pipeline
+    from hybridckpt import jobs
     from hybridckpt.io.byte_source import count_reads
 
     t0 = time.perf_counter()
     with count_reads() as counter:
-        s = pipeline.import_checkpoint(src, dst, mesh=mesh, params_only=True)
+        s = jobs.import_checkpoint(src, dst, mesh=mesh, params_only=True)
     dt = time.perf_counter() - t0
     read = sum(v for k, v in counter.items() if isinstance(k, str))
     with open(out, "w") as f:

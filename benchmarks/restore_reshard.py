@@ -30,8 +30,8 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from hybridckpt.checkpoint import CheckpointStore, abstract_tree  # noqa: E402
 from hybridckpt.mesh import mesh_from_shape, tree_shardings  # noqa: E402
+from hybridckpt.store import CheckpointStore, abstract_tree  # noqa: E402
 
 HIDDEN, MLP, VOCAB = 2048, 4096, 32768
 AXES = {
@@ -135,7 +135,7 @@ def restore_imported(ckpt: str, mesh_text: str) -> float:
     """Seconds to restore the params of an imported checkpoint (`hybridckpt import`) onto
     `mesh_text` of the 8 devices, every shard on its device (used by benchmarks/run_all.py)."""
     import models
-    from hybridckpt.checkpoint import load_params_metadata, read_trainer_state
+    from hybridckpt.store import load_params_metadata, read_trainer_state
 
     cfg = models.config_from_dict(read_trainer_state(ckpt)["model_config"])
     saved = load_params_metadata(ckpt)

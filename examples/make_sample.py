@@ -10,8 +10,8 @@ import shutil
 import numpy as np
 
 import models
-from hybridckpt import convert
-from hybridckpt.export import write_hf
+from hybridckpt import naming
+from hybridckpt.io.hf_folder import write_hf
 from hybridckpt.lazy import ArrayTensor
 
 OUT = os.path.join(os.path.dirname(__file__), "..", "hybridckpt", "samples", "tiny-llama")
@@ -21,7 +21,7 @@ cfg = models.LlamaConfig(
     rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=128,
 )
 rng = np.random.default_rng(20261122)
-shapes = convert.flatten(models.param_shapes(cfg))
+shapes = naming.flatten(models.param_shapes(cfg))
 
 
 def draw(scale: float) -> dict:
@@ -34,11 +34,11 @@ for k in params:
         params[k] = ArrayTensor((1 + rng.standard_normal(shapes[k].shape) * 0.01).astype(np.float32))
 mu = draw(1e-3)
 nu = {k: ArrayTensor(np.abs(v.materialize()) ** 2) for k, v in draw(1e-3).items()}
-inv = convert.model_rules(cfg).invert()
+inv = naming.model_rules(cfg).invert()
 shutil.rmtree(OUT, ignore_errors=True)
 write_hf(
     OUT, inv.apply_unstack(params).tensors, models.config_to_hf(cfg),
-    exp_avg=inv.apply_unstack(mu).tensors, exp_avg_sq=inv.apply_unstack(nu).tensors,
+    slots={"exp_avg": inv.apply_unstack(mu).tensors, "exp_avg_sq": inv.apply_unstack(nu).tensors},
     step=12, trainer={"step": 12, "note": "synthetic sample"},
 )
 print(sorted(os.listdir(OUT)))

@@ -25,8 +25,9 @@ import numpy as np
 import optax
 
 import models
-from hybridckpt.checkpoint import CheckpointStore, abstract_tree
-from hybridckpt.mesh import batch_sharding, mesh_from_shape, opt_state_shardings, tree_shardings
+from hybridckpt.mesh import batch_sharding, mesh_from_shape, tree_shardings
+from hybridckpt.plan import abstract_tree, optax_state_shardings
+from hybridckpt.store import CheckpointStore
 
 CONFIG = models.LlamaConfig(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -55,7 +56,7 @@ def setup(mesh_text: str):
     p_shard = tree_shardings(shapes, models.logical_axes(CONFIG), mesh)
     optimizer = optax.adamw(3e-3, weight_decay=0.01)
     o_shapes = jax.eval_shape(optimizer.init, shapes)
-    o_shard = opt_state_shardings(o_shapes, p_shard, mesh)
+    o_shard = optax_state_shardings(o_shapes, p_shard, mesh)
     return mesh, shapes, p_shard, optimizer, o_shapes, o_shard
 
 

@@ -193,7 +193,9 @@ def model_hf(hf: Named, cfg: Any) -> Named:
     return hf.only(want)
 
 
-def tree_to_hf(flat: Mapping[str, Any], cfg: Any) -> dict[str, LazyTensor]:
-    """A flat params tree (`layers.q.kernel` -> array or lazy tensor) under HF names."""
+def tree_to_hf(tree: Mapping[str, Any], cfg: Any) -> dict[str, LazyTensor]:
+    """A params tree (flat `layers.q.kernel` -> array or lazy tensor, or the nested dicts) under
+    HF names."""
+    flat = flatten(tree)
     tensors = {k: v if isinstance(v, LazyTensor) else lazy.ArrayTensor(np.asarray(v)) for k, v in flat.items()}
     return model_rules(cfg).invert().apply_unstack(tensors).tensors

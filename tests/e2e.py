@@ -12,20 +12,20 @@ import jax
 import numpy as np
 
 import models
-from hybridckpt import convert, pipeline
+from hybridckpt import jobs, naming
 from hybridckpt.formats import open_source
 from hybridckpt.mesh import mesh_from_shape, tree_shardings
-from hybridckpt.restore import restore
+from hybridckpt.store.restore import restore
 
 
 def roundtrip(src: str, workdir, *, mesh_a: str, mesh_b: str, config: str | None = None, optimizer: bool = True):
     """(params, exp_avg, exp_avg_sq, step) of the export, as numpy dicts under HF names."""
     ckpt, out = os.path.join(workdir, "orbax"), os.path.join(workdir, "exported")
-    s = pipeline.import_checkpoint(src, ckpt, mesh=mesh_a, config_path=config)
+    s = jobs.import_checkpoint(src, ckpt, mesh=mesh_a, config=config)
     assert s.with_optimizer == optimizer
     _, r = restore(ckpt, mesh_b, optimizer=optimizer)
     assert (r.opt_state is not None) == optimizer
-    cfg = pipeline.open_hf(ckpt).config
+    cfg = jobs.open_checkpoint(ckpt).config
     mesh = mesh_from_shape(mesh_b)
     shapes = models.param_shapes(cfg)
     p_shard = tree_shardings(shapes, models.logical_axes(cfg), mesh)
@@ -34,7 +34,7 @@ def roundtrip(src: str, workdir, *, mesh_a: str, mesh_b: str, config: str | None
     leaf = r.params["layers"][next(iter(r.params["layers"]))]
     leaf = leaf["kernel"] if isinstance(leaf, dict) and "kernel" in leaf else jax.tree.leaves(leaf)[0]
     assert leaf.sharding.mesh.shape == mesh.shape
-    pipeline.export_checkpoint(ckpt, out, optimizer=optimizer)
+    jobs.export_checkpoint(ckpt, out, optimizer=optimizer)
     exported = open_source(out)
     params = {k: v.materialize() for k, v in exported.tensors.items()}
     # what mesh B holds is what was exported, bit for bit
@@ -52,7 +52,7 @@ def roundtrip(src: str, workdir, *, mesh_a: str, mesh_b: str, config: str | None
 
 
 def _hf(tree, cfg):
-    return convert.tree_to_hf(jax.tree.map(np.asarray, tree), cfg)
+    return naming.tree_to_hf(jax.tree.map(np.asarray, tree), cfg)
 
 
 def assert_same(got: dict, want: dict, what: str = "params") -> None:

@@ -16,11 +16,11 @@ import jax  # noqa: E402
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=int(pid))
 
-from hybridckpt import pipeline  # noqa: E402
+from hybridckpt import jobs  # noqa: E402
 from hybridckpt.io.byte_source import count_reads  # noqa: E402
 
 with count_reads() as counter:
-    summary = pipeline.import_checkpoint(src, dst, mesh=mesh)
+    summary = jobs.import_checkpoint(src, dst, mesh=mesh)
 with open(out, "w") as f:
     json.dump(
         {

@@ -16,9 +16,11 @@ import numpy as np
 import optax
 import pytest
 
-from hybridckpt.checkpoint import (
+from hybridckpt.errors import CheckpointError
+from hybridckpt.mesh import MeshShape, mesh_from_shape, tree_shardings
+from hybridckpt.plan import abstract_tree, optax_state_shardings
+from hybridckpt.store import (
     CheckpointStore,
-    abstract_tree,
     latest_step,
     list_steps,
     load_params_metadata,
@@ -27,8 +29,6 @@ from hybridckpt.checkpoint import (
     rng_to_json,
     save_checkpoint,
 )
-from hybridckpt.errors import CheckpointError
-from hybridckpt.mesh import MeshShape, mesh_from_shape, opt_state_shardings, tree_shardings
 
 SHAPES = {
     "embed": {"embedding": (64, 32)},
@@ -65,7 +65,7 @@ def host_values():
 def shardings(mesh_text: str):
     mesh = mesh_from_shape(mesh_text)
     p_sh = tree_shardings(PARAM_SDS, AXES, mesh)
-    o_sh = opt_state_shardings(jax.eval_shape(TX.init, PARAM_SDS), p_sh, mesh)
+    o_sh = optax_state_shardings(jax.eval_shape(TX.init, PARAM_SDS), p_sh, mesh)
     return p_sh, o_sh
 
 
@@ -369,7 +369,7 @@ def opt_target_without_norm():
         sub, {"embed": AXES["embed"], "layers": {"q": AXES["layers"]["q"]}}, mesh_from_shape("tp=8")
     )
     o_abs = jax.eval_shape(TX.init, sub)
-    return abstract_tree(o_abs, opt_state_shardings(o_abs, p_sh, mesh_from_shape("tp=8")))
+    return abstract_tree(o_abs, optax_state_shardings(o_abs, p_sh, mesh_from_shape("tp=8")))
 
 
 def test_shape_mismatch_is_named(tmp_path):

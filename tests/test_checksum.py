@@ -8,12 +8,12 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hybridckpt import checksum, pipeline
-from hybridckpt.checkpoint import CheckpointStore, read_trainer_state
+from hybridckpt import checksum, jobs
 from hybridckpt.cli import main
 from hybridckpt.demo import sample_path
-from hybridckpt.formats import orbax as orbax_fmt
 from hybridckpt.mesh import make_mesh
+from hybridckpt.store import CheckpointStore, read_trainer_state
+from hybridckpt.store.restore import restore
 
 
 def test_checksum_is_sharding_independent_and_sensitive():
@@ -37,7 +37,7 @@ def test_checksum_is_sharding_independent_and_sensitive():
 @pytest.fixture()
 def imported(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    pipeline.import_checkpoint(sample_path(), ckpt, mesh="fsdp=2,tp=2,pp=2")
+    jobs.import_checkpoint(sample_path(), ckpt, mesh="fsdp=2,tp=2,pp=2")
     return ckpt
 
 
@@ -46,8 +46,9 @@ def test_verify_recorded_checksums_then_detect_a_changed_tensor(imported, capsys
     assert "params.layers.q.kernel" in sums and "mu.layers.q.kernel" in sums
     assert main(["verify", imported]) == 0
     # rewrite the step with one element changed but the recorded checksums kept
-    cfg, state, params, opt_state = orbax_fmt.restore_host(imported)
-    params = jax.tree.map(np.array, params)
+    _, r = restore(imported, "dp=1")
+    state, opt_state = r.trainer_state, r.opt_state
+    params = jax.tree.map(np.array, r.params)
     params["layers"]["down"]["kernel"][1, 3, 5] += 1e-6
     bad = imported + "-bad"
     with CheckpointStore(bad) as store:

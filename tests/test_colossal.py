@@ -15,7 +15,7 @@ import torch
 from fixtures import colossal_writer as cw
 from fixtures import paddle_writer as pw
 
-from hybridckpt import convert, formats
+from hybridckpt import formats, naming
 from hybridckpt.errors import FormatError
 from hybridckpt.formats import colossal
 from hybridckpt.io.byte_source import count_reads
@@ -73,7 +73,7 @@ def test_import_bitwise(tmp_path, ref, kw):
         assert got.dtype == v.dtype and got.shape == v.shape
         assert np.array_equal(got.view(np.uint8), v.view(np.uint8)), k
     assert src.hf_rules == "" and src.config.vocab_size == 61
-    named = convert.hf_to_tree(convert.source_to_hf(src, src.config), src.config)
+    named = naming.hf_to_tree(naming.source_to_hf(src, src.config), src.config)
     assert named.params["embed.embedding"].shape == (61, 32)
 
 

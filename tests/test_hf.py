@@ -11,12 +11,12 @@ import torch
 import transformers
 
 import models
-from hybridckpt import convert, pipeline
-from hybridckpt.checkpoint import CheckpointStore, abstract_tree
+from hybridckpt import jobs, naming, optim, plan
 from hybridckpt.formats import open_source
 from hybridckpt.io.safetensors_file import read_header
-from hybridckpt.mesh import make_mesh, opt_state_shardings, tree_shardings
-from hybridckpt.restore import adamw_state
+from hybridckpt.mesh import make_mesh, tree_shardings
+from hybridckpt.plan import abstract_tree
+from hybridckpt.store import CheckpointStore
 
 TOKENS = np.array([[1, 5, 9, 3, 7, 2, 8, 4], [0, 11, 42, 17, 6, 5, 90, 3]], dtype=np.int32)
 
@@ -71,7 +71,7 @@ def test_logits_equal_transformers(hf_dirs, name, mesh):
     folder, m = hf_dirs[name]
     if name == "llama_sharded":
         assert os.path.exists(os.path.join(folder, "model.safetensors.index.json"))
-    got = pipeline.logits(folder, TOKENS, mesh=mesh)
+    got = jobs.logits(folder, TOKENS, mesh=mesh)
     want = _torch_logits(m)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
@@ -79,17 +79,17 @@ def test_logits_equal_transformers(hf_dirs, name, mesh):
 def test_hf_import_restore_export_is_bitwise(hf_dirs, tmp_path):
     folder, _ = hf_dirs["llama_sharded"]
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
-    s = pipeline.import_checkpoint(folder, ckpt, mesh="fsdp=2,tp=2,pp=2")
+    s = jobs.import_checkpoint(folder, ckpt, mesh="fsdp=2,tp=2,pp=2")
     assert s.tensors == 9 + 3  # 9 stacked layer leaves + embed, final norm, lm_head
     # restore onto a different mesh, check the sharding really differs, export, compare
-    cfg = pipeline.open_hf(folder).config
+    cfg = jobs.open_checkpoint(folder).config
     mesh = make_mesh(dp=2, tp=4)
     shapes = models.param_shapes(cfg)
     shard = tree_shardings(shapes, models.logical_axes(cfg), mesh)
     with CheckpointStore(ckpt) as store:
         r = store.restore(target_params=abstract_tree(shapes, shard))
     assert r.params["layers"]["q"]["kernel"].sharding.spec != ("pp", "fsdp", "tp")
-    pipeline.export_checkpoint(ckpt, out, max_shard_bytes=30_000)
+    jobs.export_checkpoint(ckpt, out, max_shard_bytes=30_000)
     assert os.path.exists(os.path.join(out, "model.safetensors.index.json"))
     a = open_source(folder).tensors
     b = open_source(out).tensors
@@ -106,8 +106,8 @@ def test_bf16_weights_stay_bf16_and_export_bitwise(hf_dirs, tmp_path):
     src = open_source(folder)
     assert all(t.dtype == np.dtype(ml_dtypes.bfloat16) for t in src.tensors.values())
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
-    pipeline.import_checkpoint(folder, ckpt, mesh="tp=2,pp=2,fsdp=2")
-    pipeline.export_checkpoint(ckpt, out)
+    jobs.import_checkpoint(folder, ckpt, mesh="tp=2,pp=2,fsdp=2")
+    jobs.export_checkpoint(ckpt, out)
     b = read_header(os.path.join(out, "model.safetensors")).tensors
     for k, t in src.tensors.items():
         assert b[k].dtype == t.dtype
@@ -119,22 +119,17 @@ def test_optimizer_roundtrip_through_unified_layout(tmp_path):
     from hybridckpt.demo import sample_path
 
     ckpt = str(tmp_path / "ckpt")
-    pipeline.import_checkpoint(sample_path(), ckpt, mesh="fsdp=2,tp=2,pp=2")
-    src = pipeline.open_hf(sample_path())
+    jobs.import_checkpoint(sample_path(), ckpt, mesh="fsdp=2,tp=2,pp=2")
+    src = jobs.open_checkpoint(sample_path())
     cfg = src.config
     mesh = make_mesh(pp=2, tp=4)
-    shapes = models.param_shapes(cfg)
-    p_shard = tree_shardings(shapes, models.logical_axes(cfg), mesh)
-    opt_shapes = jax.eval_shape(lambda p: adamw_state(p, p, p, 0), shapes)
+    p = plan.for_model(cfg, mesh, optimizer=optim.get("adamw"))
     with CheckpointStore(ckpt) as store:
-        r = store.restore(
-            target_params=abstract_tree(shapes, p_shard),
-            target_opt_state=abstract_tree(opt_shapes, opt_state_shardings(opt_shapes, p_shard, mesh)),
-        )
+        r = store.restore(target_params=p.param_targets(), target_opt_state=p.opt_targets())
     adam = r.opt_state[0]
-    assert int(adam.count) == src.hf.step == 12
-    mu_hf = convert.tree_to_hf(jax.tree.map(np.asarray, adam.mu), cfg)
-    for k, t in src.hf.exp_avg.items():
+    assert int(adam.count) == src.named.step == 12
+    mu_hf = naming.tree_to_hf(jax.tree.map(np.asarray, adam.mu), cfg)
+    for k, t in src.named.slots["exp_avg"].items():
         np.testing.assert_array_equal(mu_hf[k].materialize(), t.materialize())
     assert adam.mu["layers"]["q"]["kernel"].sharding == r.params["layers"]["q"]["kernel"].sharding
 

@@ -12,10 +12,10 @@ from hybridckpt.mesh import (
     batch_sharding,
     make_mesh,
     mesh_from_shape,
-    opt_state_shardings,
     partition_spec,
     tree_shardings,
 )
+from hybridckpt.plan import optax_state_shardings
 
 
 def test_make_mesh_axes_and_device_count():
@@ -62,7 +62,7 @@ def test_optimizer_state_sharded_like_params_counters_replicated():
     axes = {"a": ("embed", "mlp"), "b": {"c": ("layers", "embed")}}
     ps = tree_shardings(params, axes, m)
     st = jax.eval_shape(optax.adamw(1e-3).init, params)
-    os_ = opt_state_shardings(st, ps, m)
+    os_ = optax_state_shardings(st, ps, m)
     adam = os_[0]
     assert adam.mu == ps and adam.nu == ps
     assert adam.count.spec == P()

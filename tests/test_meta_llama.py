@@ -166,7 +166,7 @@ def test_logits_equal_transformers_after_hfs_own_permute(tmp_path):
     Meta weights after HF's own permute (convert_llama_weights_to_hf.py: `permute`)."""
     import transformers
 
-    from hybridckpt import pipeline
+    from hybridckpt import jobs
 
     ref = meta_llama_reference(seed=9, heads=4, kv_heads=2)
     write_meta(str(tmp_path), ref, mp=2, generation=3)
@@ -194,5 +194,5 @@ def test_logits_equal_transformers_after_hfs_own_permute(tmp_path):
     tokens = np.random.default_rng(1).integers(0, ref.config["vocab_size"], (2, 10)).astype(np.int32)
     with torch.no_grad():
         want = model(torch.from_numpy(tokens).long()).logits.numpy()
-    got = pipeline.logits(str(tmp_path), tokens, mesh="fsdp=2,tp=2")
+    got = jobs.logits(str(tmp_path), tokens, mesh="fsdp=2,tp=2")
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)

@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 
 import models
-from hybridckpt import convert, pipeline
-from hybridckpt.checkpoint import CheckpointStore, abstract_tree
+from hybridckpt import jobs, naming
 from hybridckpt.cli import main
-from hybridckpt.export import write_hf
+from hybridckpt.io.hf_folder import write_hf
 from hybridckpt.lazy import ArrayTensor
 from hybridckpt.mesh import make_mesh, tree_shardings
+from hybridckpt.plan import abstract_tree
+from hybridckpt.store import CheckpointStore
 
 WORKER = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
 
@@ -35,8 +36,8 @@ def source(tmp_path_factory):
                              num_heads=4, num_kv_heads=2)
     rng = np.random.default_rng(7)
     flat = {k: ArrayTensor(rng.standard_normal(s.shape).astype(np.float32))
-            for k, s in convert.flatten(models.param_shapes(cfg)).items()}
-    hf = convert.model_rules(cfg).invert().apply_unstack(flat).tensors
+            for k, s in naming.flatten(models.param_shapes(cfg)).items()}
+    hf = naming.model_rules(cfg).invert().apply_unstack(flat).tensors
     d = str(tmp_path_factory.mktemp("mp") / "src")
     write_hf(d, hf, models.config_to_hf(cfg))
     return d, hf
@@ -65,12 +66,12 @@ def test_two_process_import_reads_own_shards_and_restores_on_one_process(source,
         assert 0 < read <= 0.55 * total, (read, total)
     # one checkpoint, restored by this single process onto another mesh: bitwise the source
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".ckpt")]
-    cfg = pipeline.open_hf(src).config
+    cfg = jobs.open_checkpoint(src).config
     shapes = models.param_shapes(cfg)
     mesh = make_mesh(tp=4, pp=2)
     with CheckpointStore(dst) as store:
         r = store.restore(target_params=abstract_tree(shapes, tree_shardings(shapes, models.logical_axes(cfg), mesh)))
-    back = convert.tree_to_hf(jax.tree.map(np.asarray, r.params), cfg)
+    back = naming.tree_to_hf(jax.tree.map(np.asarray, r.params), cfg)
     for k, t in hf.items():
         np.testing.assert_array_equal(back[k].materialize(), t.materialize())
     # the checksums the two processes recorded together verify from one process

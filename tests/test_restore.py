@@ -4,29 +4,29 @@ import jax
 import numpy as np
 import pytest
 
-from hybridckpt import convert, pipeline
+from hybridckpt import jobs, naming
 from hybridckpt.demo import sample_path
 from hybridckpt.errors import CheckpointError
-from hybridckpt.restore import restore
+from hybridckpt.store.restore import restore
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("restore") / "ckpt")
-    pipeline.import_checkpoint(sample_path(), d, mesh="fsdp=2,tp=2,pp=2")
+    jobs.import_checkpoint(sample_path(), d, mesh="fsdp=2,tp=2,pp=2")
     return d
 
 
 @pytest.mark.parametrize("mesh", ["dp=1", "tp=4,pp=2", "dp=2,fsdp=4"])
 def test_restore_onto_mesh_equals_the_sample(ckpt, mesh):
     cfg, r = restore(ckpt, mesh)
-    src = pipeline.open_hf(sample_path()).hf
+    src = jobs.open_checkpoint(sample_path()).named
     assert r.params["layers"]["q"]["kernel"].sharding.mesh.devices.size == (1 if mesh == "dp=1" else 8)
-    back = convert.tree_to_hf(jax.tree.map(np.asarray, r.params), cfg)
-    mu = convert.tree_to_hf(jax.tree.map(np.asarray, r.opt_state[0].mu), cfg)
+    back = naming.tree_to_hf(jax.tree.map(np.asarray, r.params), cfg)
+    mu = naming.tree_to_hf(jax.tree.map(np.asarray, r.opt_state[0].mu), cfg)
     for k, t in src.params.items():
         np.testing.assert_array_equal(back[k].materialize(), t.materialize())
-        np.testing.assert_array_equal(mu[k].materialize(), src.exp_avg[k].materialize())
+        np.testing.assert_array_equal(mu[k].materialize(), src.slots["exp_avg"][k].materialize())
     assert int(r.opt_state[0].count) == src.step == 12
 
 

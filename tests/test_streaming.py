@@ -16,18 +16,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from oracles import checksum_reference
 
 import models
-from hybridckpt import checksum, convert, lazy, pipeline, stream
-from oracles import checksum_reference
-from hybridckpt.checkpoint import CheckpointStore, abstract_tree, save_checkpoint
+from hybridckpt import checksum, jobs, lazy, naming, place
 from hybridckpt.demo import sample_path
 from hybridckpt.errors import ConfigError
-from hybridckpt.export import write_hf
 from hybridckpt.io import parallel
 from hybridckpt.io.byte_source import ByteSource
+from hybridckpt.io.hf_folder import write_hf
 from hybridckpt.io.safetensors_file import read_header as read_safetensors
 from hybridckpt.mesh import make_mesh, tree_shardings
+from hybridckpt.plan import abstract_tree
+from hybridckpt.store import CheckpointStore, save_checkpoint, stream
 
 RNG = np.random.default_rng(0)
 
@@ -190,8 +191,8 @@ def _write_hf_llama(path, layers: int, hidden: int = 64, seed: int = 0) -> int:
                              num_layers=layers, num_heads=4, num_kv_heads=2)
     rng = np.random.default_rng(seed)
     flat = {k: lazy.ArrayTensor(rng.standard_normal(s.shape).astype(np.float32))
-            for k, s in convert.flatten(models.param_shapes(cfg)).items()}
-    hf = convert.model_rules(cfg).invert().apply_unstack(flat).tensors
+            for k, s in naming.flatten(models.param_shapes(cfg)).items()}
+    hf = naming.model_rules(cfg).invert().apply_unstack(flat).tensors
     write_hf(str(path), hf, models.config_to_hf(cfg))
     return sum(t.nbytes for t in hf.values())
 
@@ -202,7 +203,7 @@ def test_import_holds_a_bounded_number_of_tile_bytes_whatever_the_layer_count(tm
         src = tmp_path / f"hf{layers}"
         total = _write_hf_llama(src, layers)
         opts = stream.StreamOptions(tile_bytes=8192, inflight_bytes=32768, chunk_bytes=4096)
-        pipeline.import_checkpoint(str(src), str(tmp_path / f"ck{layers}"), mesh="fsdp=2,tp=2,pp=2",
+        jobs.import_checkpoint(str(src), str(tmp_path / f"ck{layers}"), mesh="fsdp=2,tp=2,pp=2",
                                    stream_options=opts)
         assert opts.stats.bytes_written == total  # every byte written once (no replication here)
         peaks.append((opts.stats.peak_inflight_bytes, opts.stats.largest_tile_bytes))
@@ -214,9 +215,10 @@ _RSS_CHILD = textwrap.dedent("""
     import os, sys, json
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     os.environ["JAX_PLATFORMS"] = "cpu"
-    from hybridckpt import pipeline, stream
+    from hybridckpt import jobs
+    from hybridckpt.store import stream
     opts = stream.StreamOptions(tile_bytes=1 << 20, inflight_bytes=4 << 20)
-    s = pipeline.import_checkpoint(sys.argv[1], sys.argv[2], mesh="fsdp=2,tp=2,pp=2",
+    s = jobs.import_checkpoint(sys.argv[1], sys.argv[2], mesh="fsdp=2,tp=2,pp=2",
                                    params_only=True, stream_options=opts, io_threads=2)
     # VmHWM: this process's own peak (ru_maxrss would include the forking parent's RSS)
     hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0].split()[1]
@@ -246,15 +248,15 @@ def test_import_peak_rss_does_not_grow_with_the_checkpoint(tmp_path):
 
 def test_export_of_an_orbax_checkpoint_streams_without_restoring_it(tmp_path, monkeypatch):
     ckpt = str(tmp_path / "ckpt")
-    pipeline.import_checkpoint(sample_path(), ckpt, mesh="fsdp=2,tp=2,pp=2")
-    from hybridckpt.formats import orbax as orbax_fmt
+    jobs.import_checkpoint(sample_path(), ckpt, mesh="fsdp=2,tp=2,pp=2")
+    from hybridckpt.store.manager import CheckpointStore
 
     def no_restore(*a, **k):
         raise AssertionError("export restored the whole tree")
 
-    monkeypatch.setattr(orbax_fmt, "restore_host", no_restore)
+    monkeypatch.setattr(CheckpointStore, "restore", no_restore)
     out = str(tmp_path / "hf")
-    pipeline.export_checkpoint(ckpt, out, optimizer=True)
+    jobs.export_checkpoint(ckpt, out, optimizer=True)
     src_model = read_safetensors(os.path.join(sample_path(), "model.safetensors")).tensors
     got_model = read_safetensors(os.path.join(out, "model.safetensors")).tensors
     src_opt = read_safetensors(os.path.join(sample_path(), "optimizer.safetensors")).tensors
@@ -266,7 +268,7 @@ def test_export_of_an_orbax_checkpoint_streams_without_restoring_it(tmp_path, mo
 
 
 def test_orbax_array_reads_one_layer_box(tmp_path):
-    from hybridckpt.orbax_lazy import item_arrays
+    from hybridckpt.store.reader import item_arrays
 
     mesh = make_mesh(fsdp=2, tp=2, pp=2)
     vals, shard = _tree(mesh)
@@ -322,20 +324,20 @@ def test_to_array_places_each_shard_and_sums_its_checksum():
     x = RNG.standard_normal((16, 12)).astype(np.float32)
     mesh = make_mesh(fsdp=2, tp=2, pp=2)
     for spec in (P("fsdp", "tp"), P(None, "tp"), P()):
-        arr, crc = convert.to_array(lazy.ArrayTensor(x), NamedSharding(mesh, spec))
+        arr, crc = place.to_array(lazy.ArrayTensor(x), NamedSharding(mesh, spec))
         assert arr.sharding == NamedSharding(mesh, spec) and np.array_equal(np.asarray(arr), x)
         assert crc == checksum.of_array(x)
 
 
 def test_streamed_import_restores_onto_another_mesh(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    pipeline.import_checkpoint(sample_path(), ckpt, mesh="fsdp=2,tp=2,pp=2")
-    cfg = pipeline.open_hf(sample_path()).config
+    jobs.import_checkpoint(sample_path(), ckpt, mesh="fsdp=2,tp=2,pp=2")
+    cfg = jobs.open_checkpoint(sample_path()).config
     shapes = models.param_shapes(cfg)
     mesh = make_mesh(tp=4, pp=2)
     with CheckpointStore(ckpt) as store:
         r = store.restore(target_params=abstract_tree(shapes, tree_shardings(shapes, models.logical_axes(cfg), mesh)))
-    back = convert.tree_to_hf(jax.tree.map(np.asarray, r.params), cfg)
+    back = naming.tree_to_hf(jax.tree.map(np.asarray, r.params), cfg)
     src = read_safetensors(os.path.join(sample_path(), "model.safetensors")).tensors
     for k, t in src.items():
         assert np.array_equal(back[k].materialize(), t.materialize()), k

@@ -13,7 +13,8 @@ import pytest
 from fixtures import paddle_writer as pw
 from safetensors.numpy import save_file
 
-from hybridckpt import convert, lazy, pipeline
+import models
+from hybridckpt import jobs, lazy
 from hybridckpt.errors import MappingError
 from hybridckpt.rules import load_rules
 from models import config_from_hf
@@ -59,8 +60,8 @@ def test_variant_rules_file(tmp_path, tied):
     variant = to_variant(ref)
     save_file(variant, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps(ref.config))
-    opened = pipeline.open_hf(str(tmp_path), rules_path=RULES)
-    got = opened.hf.params
+    opened = jobs.open_checkpoint(str(tmp_path), rules=RULES)
+    got = opened.named.params
     assert set(got) == set(ref.params)
     for k, v in ref.params.items():
         assert np.array_equal(got[k].materialize(), v), k
@@ -68,7 +69,7 @@ def test_variant_rules_file(tmp_path, tied):
     q = ref.params["model.layers.0.self_attn.q_proj.weight"]
     assert variant["backbone.blocks.0.attn.wqkv.weight"].shape != q.shape
     # and the derived inverse gives the variant back bit for bit
-    rules = load_rules(RULES, convert.rule_variables(config_from_hf(ref.config)))
+    rules = load_rules(RULES, models.rule_variables(config_from_hf(ref.config)))
     back = rules.invert().apply({k: lazy.ArrayTensor(v) for k, v in ref.params.items()}).tensors
     assert set(back) == set(variant)
     for k, v in variant.items():
@@ -79,6 +80,6 @@ def test_variant_rules_refuse_unknown_names(tmp_path):
     ref = pw.reference_llama(12)
     variant = to_variant(ref)
     variant["backbone.blocks.0.attn.rope_cache"] = np.zeros(4, np.float32)
-    rules = load_rules(RULES, convert.rule_variables(config_from_hf(ref.config)))
+    rules = load_rules(RULES, models.rule_variables(config_from_hf(ref.config)))
     with pytest.raises(MappingError, match=r"backbone\.blocks\.0\.attn\.rope_cache"):
         rules.apply({k: lazy.ArrayTensor(v) for k, v in variant.items()})

@@ -146,6 +146,11 @@ def import_checkpoint(
     save_checkpoint(dst, out_step, params, opt_state, trainer, overwrite=overwrite, trainer_state_after=checksums)
     nbytes = sum(x.nbytes for x in leaves.values())
     notes = opened.notes + opened.named.report + named.report[len(opened.named.report):] + p.notes
+    if cfg is None:
+        notes += (
+            "no model config: tensors imported under the source's own names, each sharded by the "
+            "generic rule (fsdp on its largest divisible dim, then tp); pass --config to import the model",
+        )
     return ImportSummary(
         opened.format, os.fspath(dst), out_step, str(MeshShape.of(jmesh)), len(leaves), nbytes,
         time.perf_counter() - t0, opt is not None, tuple(dict.fromkeys(notes)),

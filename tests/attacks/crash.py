@@ -64,7 +64,7 @@ def cli(*args: str) -> list[str]:
 TRAIN_LOOP = r"""
 import sys
 import jax.numpy as jnp
-from hybridckpt.checkpoint import CheckpointStore
+from hybridckpt.store import CheckpointStore
 
 store = CheckpointStore(sys.argv[1], max_to_keep=2, async_save=False)
 for step in range(1, 1000):
@@ -192,7 +192,8 @@ def store_outcome(directory: str, saved: list[int]) -> str:
     import jax
     from jax.sharding import SingleDeviceSharding
 
-    from hybridckpt.checkpoint import CheckpointStore, abstract_tree, load_params_metadata
+    from hybridckpt.plan import abstract_tree
+    from hybridckpt.store import CheckpointStore, load_params_metadata
 
     with CheckpointStore(directory) as store:
         steps = store.steps()
@@ -258,7 +259,7 @@ def kill_imports(src: str, previous_ckpt: str, workdir: str, *, seed: int, n: in
 
 
 def _imported_from(ckpt: str) -> str | None:
-    from hybridckpt.checkpoint import read_trainer_state
+    from hybridckpt.store import read_trainer_state
 
     return (read_trainer_state(ckpt).get("source") or {}).get("path")
 

@@ -16,7 +16,6 @@ change it (with probability 1 - 2^-64 for random damage); it is not a cryptograp
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import numpy as np
 
