@@ -363,7 +363,7 @@ def test_box_in_one_shard_reads_only_that_file(tmp_path):
 
 
 def _flax_params(cfg, hf: dict):
-    from hybridckpt.convert import model_rules, nest
+    from hybridckpt.naming import model_rules, nest
 
     flat = model_rules(cfg).apply({k: ArrayTensor(np.asarray(v)) for k, v in hf.items()}).tensors
     return nest({k: t.materialize() for k, t in flat.items()})

@@ -130,7 +130,7 @@ def test_vocab_disagreement(tmp_path):
 
 
 def test_logits(tmp_path):
-    from hybridckpt.convert import model_rules, nest
+    from hybridckpt.naming import model_rules, nest
 
     ref = meta_llama_reference(seed=7)
     write_meta(str(tmp_path), ref, mp=2, generation=2)
