@@ -110,6 +110,7 @@ def write_hf(
     *,
     slots: Mapping[str, Mapping[str, LazyTensor]] | None = None,
     step: int | None = None,
+    with_step: bool = True,
     trainer: Mapping | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     overwrite: bool = False,
@@ -119,7 +120,8 @@ def write_hf(
 
     params: name -> tensor (`model*.safetensors`); hf_config: the `config.json` dict, or None for a
     model-agnostic consolidation (no config.json); slots: optimizer slot -> name -> tensor, written
-    to `optimizer*.safetensors` as `<name>.<slot>` with the 0-d int64 `step`; trainer: written to
+    to `optimizer*.safetensors` as `<name>.<slot>` with the 0-d int64 `step` (unless `with_step` is
+    False: an optimizer that keeps no step, e.g. SGD); trainer: written to
     `hybridckpt.json`.
     """
     with AtomicDir(dst, overwrite=overwrite) as tmp:
@@ -132,7 +134,8 @@ def write_hf(
             state: dict[str, LazyTensor] = {}
             for slot, tensors in slots.items():
                 state |= {f"{k}.{slot}": v for k, v in tensors.items()}
-            state["step"] = ArrayTensor(np.asarray(step or 0, dtype=np.int64))
+            if with_step:
+                state["step"] = ArrayTensor(np.asarray(step or 0, dtype=np.int64))
             files += write_sharded(tmp, state, stem="optimizer", max_shard_bytes=max_shard_bytes, on_tensor=on_tensor)
         if trainer:
             with open(os.path.join(tmp, "hybridckpt.json"), "w") as f:

@@ -103,9 +103,10 @@ def export_checkpoint(
         hf_cfg = models.config_to_hf(cfg)
     trainer = {"step": named.step, "source_format": opened.format}
     if slots:
-        trainer["optimizer"] = named.optimizer.name
+        trainer["optimizer_name"] = named.optimizer.name
     files = write_hf(
-        os.fspath(out), params, hf_cfg, slots=slots or None, step=named.step, trainer=trainer,
+        os.fspath(out), params, hf_cfg, slots=slots or None, step=named.step,
+        with_step=bool(slots) and named.optimizer.has_step, trainer=trainer,
         max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES, overwrite=overwrite, on_tensor=progress,
     )
     return ExportSummary(

@@ -93,19 +93,19 @@ def abstract_state(opt: Optimizer, param_shapes: Any) -> Any:
     return jax.eval_shape(opt.make_state, param_shapes)
 
 
-def state(opt: Optimizer, template: Any, slots: Mapping[str, Any], step: Any) -> Any:
-    """`template` (an optax state of `opt`) with each slot's tree and the step put in place."""
+def state(opt: Optimizer, template: Any, slots: Mapping[str, Any], step: Any = None) -> Any:
+    """`template` (an optax state of `opt`) with each slot's tree and the step put in place
+    (the step only where the optimizer keeps one)."""
     out = template
     for name, tree in slots.items():
         out = _set(out, opt.state_paths[name], tree)
-    return _set(out, opt.state_paths["step"], step)
+    return _set(out, opt.state_paths["step"], step) if opt.has_step else out
 
 
 def slots_of(opt: Optimizer, st: Any) -> tuple[dict[str, Any], Any]:
-    """({slot name: tree}, step) of an optax state of `opt`."""
-    return {s.name: _get(st, opt.state_paths[s.name]) for s in opt.slots}, _get(
-        st, opt.state_paths["step"]
-    )
+    """({slot name: tree}, step or None) of an optax state of `opt`."""
+    step = _get(st, opt.state_paths["step"]) if opt.has_step else None
+    return {s.name: _get(st, opt.state_paths[s.name]) for s in opt.slots}, step
 
 
 def set_path(st: Any, path: tuple, value: Any) -> Any:

@@ -79,7 +79,8 @@ class Optimizer:
     name:        short name ("adamw"), recorded in trainer state
     slots:       the per-parameter state tensors
     state_paths: slot name -> path (tuple of keys / indices) of its params-shaped tree inside the
-                 optax state; "step" -> path of the step counter (int32 scalar)
+                 optax state; "step" -> path of the step counter (int32 scalar), absent for an
+                 optimizer that keeps none (SGD)
     make_state:  (abstract or concrete params) -> an optax state of this optimizer with the same
                  tree structure (a function of optax; imported only when called)
     step_name:   the source frameworks' name of the step counter ("step")
@@ -106,6 +107,12 @@ class Optimizer:
         return ".".join(str(k) for k in self.state_paths[slot_name]) + "."
 
     @property
-    def orbax_step(self) -> str:
-        """Dotted name of the step counter's leaf in our Orbax `opt_state` item ("0.count")."""
-        return ".".join(str(k) for k in self.state_paths["step"])
+    def has_step(self) -> bool:
+        return "step" in self.state_paths
+
+    @property
+    def orbax_step(self) -> str | None:
+        """Dotted name of the step counter's leaf in our Orbax `opt_state` item ("0.count"), or
+        None when the optimizer keeps no step."""
+        path = self.state_paths.get("step")
+        return None if path is None else ".".join(str(k) for k in path)
