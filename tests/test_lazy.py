@@ -15,10 +15,19 @@ from hybridckpt.io.byte_source import ByteSource, count_reads
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
+BLOB_ELEMENTS = 4096  # float32 values 0..4095 in the `blob` fixture (tests/conftest.py)
+
+
 def _stored(blob, shape, start=0):
     return lazy.StoredTensor(ByteSource(blob), start * 4, tuple(shape), np.dtype(np.float32)), (
-        np.arange(4096, dtype=np.float32)[start : start + math.prod(shape)].reshape(shape)
+        np.arange(BLOB_ELEMENTS, dtype=np.float32)[start : start + math.prod(shape)].reshape(shape)
     )
+
+
+def _fits(shape, start) -> bool:
+    """Whether a stored tensor of `shape` at element `start` lies inside the blob (stacks and
+    concatenations of stacks can outgrow it)."""
+    return start + math.prod(shape) <= BLOB_ELEMENTS
 
 
 shapes = st.lists(st.integers(1, 6), min_size=1, max_size=4)
@@ -63,14 +72,20 @@ def composed(draw, blob, views=ALL_VIEWS, in_memory=True):
             axis = draw(st.integers(0, t.ndim - 1))
             other_shape = list(t.shape)
             other_shape[axis] = draw(st.integers(1, 4))
-            o, oref = _stored(blob, other_shape, draw(st.integers(0, 200)))
+            o_start = draw(st.integers(0, 200))
+            if not _fits(other_shape, o_start):
+                continue
+            o, oref = _stored(blob, other_shape, o_start)
             o, oref = lazy.cast(o, t.dtype), oref.astype(t.dtype)
             if draw(st.booleans()):
                 t, ref = lazy.Concat((t, o), axis), np.concatenate([ref, oref], axis)
             else:
                 t, ref = lazy.Concat((o, t), axis), np.concatenate([oref, ref], axis)
         elif kind == "stack":
-            o, oref = _stored(blob, t.shape, draw(st.integers(0, 200)))
+            o_start = draw(st.integers(0, 200))
+            if not _fits(t.shape, o_start):
+                continue
+            o, oref = _stored(blob, t.shape, o_start)
             o, oref = lazy.cast(o, t.dtype), oref.astype(t.dtype)
             if in_memory:
                 t, ref = lazy.Stack((t, lazy.ArrayTensor(oref), o)), np.stack([ref, oref, oref])
