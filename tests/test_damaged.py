@@ -239,7 +239,7 @@ def test_dcp_sharding_info_types(tmp_path, info):
     save_file({"w": np.zeros(4, np.float32)}, str(tmp_path / "shard-00000-model-00001-of-00001.safetensors"),
               metadata={"DCP_SHARDING_INFO": info})
     with pytest.raises(FormatError, match=r"shard-00000-model-00001-of-00001\.safetensors"):
-        dcp._read_hf_shards(str(tmp_path), [str(tmp_path / "shard-00000-model-00001-of-00001.safetensors")])
+        dcp.read_hf_shards(str(tmp_path), [str(tmp_path / "shard-00000-model-00001-of-00001.safetensors")])
     close_all()
 
 

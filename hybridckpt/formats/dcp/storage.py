@@ -1,0 +1,181 @@
+"""Where a DCP folder's bytes are: its files, chunks, safetensors blobs and shards.
+
+Three layouts (pytorch/pytorch: torch/distributed/checkpoint/{metadata,filesystem,hf_storage}.py):
+- `.metadata` (or rank-local `__{rank}.metadata`, `io.dcp_metadata`) + `__{rank}_{n}.distcp`
+  files of `torch.save` chunks at the byte ranges the metadata gives (`views.TorchSaveChunk`);
+  byte items (param-group values, ...) are `torch.save`d objects.
+- `FileSystemWriter(serialization_format=SAFETENSORS)`: each `.distcp` file is one safetensors
+  blob keyed by fqn (offsets from its `DCP_SHARDING_INFO`); the `.metadata` byte ranges do not
+  locate the data then, the safetensors header does (`safetensors_blobs`).
+- `HuggingFaceStorageWriter(save_distributed=True)`, no `.metadata`:
+  `shard-{rank:05d}-model-{i:05d}-of-{n:05d}.safetensors` files, each tensor a chunk whose
+  global offsets are `json.loads(__metadata__["DCP_SHARDING_INFO"])[fqn]["saved_offsets"]`; the
+  global shape is the maximum of `offset + size` per dim, as torch's reader computes it
+  (`read_hf_shards`).
+"""
+
+from __future__ import annotations
+
+import builtins
+import math
+import os
+import re
+from collections.abc import Mapping
+from types import MappingProxyType
+
+import numpy as np
+
+from hybridckpt.errors import FormatError
+from hybridckpt.formats.config_file import parse_json
+from hybridckpt.formats.dcp.views import TorchSaveChunk, tiled
+from hybridckpt.io.dcp_metadata import (
+    Chunk,
+    DcpMetadata,
+    TensorEntry,
+    check_tiling,
+    metadata_files,
+)
+from hybridckpt.io.pickle import torch_save
+from hybridckpt.io.safetensors_file import read_header
+from hybridckpt.lazy import LazyTensor
+
+_HF_SHARD = re.compile(r"^shard-\d+-model-\d+-of-\d+\.safetensors$")
+_SHARDING_KEY = "DCP_SHARDING_INFO"  # torch/distributed/checkpoint/_hf_utils.py
+
+
+def hf_shards(folder: str) -> list[str]:
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    return [os.path.join(folder, n) for n in names if _HF_SHARD.match(n)]
+
+
+def _has_sharding_info(path: str) -> bool:
+    try:
+        return _SHARDING_KEY in read_header(path).metadata
+    except FormatError:
+        return False
+
+
+def detect(path: str) -> bool:
+    if not os.path.isdir(path):
+        return False
+    if metadata_files(path):
+        return True
+    shards = hf_shards(path)
+    return bool(shards) and _has_sharding_info(shards[0])
+
+
+
+def check_files(md: DcpMetadata) -> None:
+    sizes: dict[str, int] = {}
+    used = [(e.fqn, c.path, c.offset, c.length) for e in md.tensors.values() for c in e.chunks]
+    used += [(b.fqn, b.path, b.offset, b.length) for b in md.bytes_items.values()]
+    for fqn, path, offset, length in used:
+        if path not in sizes:
+            if not os.path.isfile(path):
+                raise FormatError(
+                    f"{path}: missing; {md.files[0]} stores '{fqn}' (and maybe more) in it"
+                )
+            sizes[path] = os.path.getsize(path)
+        if offset + length > sizes[path]:
+            raise FormatError(
+                f"{path}: '{fqn}' is stored at bytes [{offset}, {offset + length}) but the file "
+                f"has {sizes[path]} bytes (truncated?)"
+            )
+
+
+def safetensors_blobs(md: DcpMetadata) -> dict[str, dict]:
+    """Data files that are safetensors blobs (`FileSystemWriter(serialization_format=
+    SAFETENSORS)`): path -> {fqn: (saved_offsets, StoredTensor)}. Their `.metadata` offsets and
+    lengths do not locate the bytes (torch 2.13's own FileSystemReader cannot read them); the
+    safetensors header does."""
+    out: dict[str, dict] = {}
+    for path in {c.path for e in md.tensors.values() for c in e.chunks}:
+        with builtins.open(path, "rb") as f:
+            head = f.read(9)
+        if len(head) < 9 or head[8:9] != b"{":
+            continue
+        st = read_header(path)
+        raw = st.metadata.get(_SHARDING_KEY)
+        if raw is None:
+            continue
+        info = _sharding_info(path, raw)
+        out[path] = {fqn: (_saved_offsets(info, fqn, path) or (), t) for fqn, t in st.tensors.items()}
+    return out
+
+
+def _sharding_info(path: str, raw: str) -> dict:
+    return parse_json(raw, f"{path}: {_SHARDING_KEY}")
+
+
+def _saved_offsets(info: dict, fqn: str, path: str) -> tuple[int, ...] | None:
+    """`info[fqn]["saved_offsets"]` checked to be non-negative ints; None when `fqn` is absent."""
+    entry = info.get(fqn)
+    if entry is None:
+        return None
+    offs = entry.get("saved_offsets") if isinstance(entry, dict) else None
+    if not isinstance(offs, list) or not all(
+        isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offs
+    ):
+        raise FormatError(
+            f"{path}: {_SHARDING_KEY}['{fqn}'] saved_offsets is {offs!r}, expected a list of "
+            f"non-negative ints"
+        )
+    return tuple(offs)
+
+
+def _chunk(e: TensorEntry, c: Chunk, blobs: Mapping[str, dict]) -> LazyTensor:
+    if c.path not in blobs:
+        return TorchSaveChunk(c.path, c.offset, c.length, c.sizes, e.dtype, e.fqn)
+    offs, t = blobs[c.path].get(e.fqn, (None, None))
+    if t is None or offs != c.offsets or t.shape != c.sizes or np.dtype(t.dtype) != e.dtype:
+        found = "nothing" if t is None else f"{t.dtype} {t.shape} at offsets {offs}"
+        raise FormatError(
+            f"{c.path}: safetensors entry '{e.fqn}' should be {e.dtype} {c.sizes} at offsets "
+            f"{c.offsets}; found {found}"
+        )
+    return t
+
+
+def entry_tensor(e: TensorEntry, blobs: Mapping[str, dict] = MappingProxyType({})) -> LazyTensor:
+    pieces = [
+        (c.offsets, _chunk(e, c, blobs))
+        for c in e.chunks
+        if math.prod(c.sizes) > 0 or len(e.chunks) == 1
+    ]
+    return tiled(e.shape, e.dtype, pieces)
+
+
+def read_hf_shards(folder: str, shards: list[str]) -> dict[str, LazyTensor]:
+    """Global tensors of the safetensors variant, from each file's DCP_SHARDING_INFO offsets."""
+    blocks: dict[str, list[tuple[tuple[int, ...], LazyTensor, str]]] = {}
+    for path in shards:
+        st = read_header(path)
+        raw = st.metadata.get(_SHARDING_KEY)
+        if raw is None:
+            raise FormatError(f"{path}: no {_SHARDING_KEY} in the safetensors metadata")
+        info = _sharding_info(path, raw)
+        for fqn, t in st.tensors.items():
+            offs = _saved_offsets(info, fqn, path)
+            if offs is None or len(offs) != t.ndim:
+                raise FormatError(f"{path}: '{fqn}' has no saved_offsets of {t.ndim} dims")
+            blocks.setdefault(fqn, []).append((offs, t, path))
+    out = {}
+    for fqn, parts in blocks.items():
+        nd = parts[0][1].ndim
+        shape = tuple(max(o[i] + t.shape[i] for o, t, _ in parts) for i in range(nd))
+        dtypes = {np.dtype(t.dtype) for _, t, _ in parts}
+        if len(dtypes) != 1:
+            raise FormatError(f"{folder}: '{fqn}' chunks have dtypes {sorted(map(str, dtypes))}")
+        chunks = [Chunk(o, t.shape, p, 0, 0) for o, t, p in parts]
+        check_tiling(fqn, shape, chunks, folder)
+        out[fqn] = tiled(shape, dtypes.pop(), [(o, t) for o, t, _ in parts])
+    return out
+
+
+def load_item(md: DcpMetadata, fqn: str):
+    """A byte item (a `torch.save`d object, e.g. a param-group value) of the checkpoint."""
+    b = md.bytes_items[fqn]
+    return torch_save.load(b.path, base_offset=b.offset, length=b.length)

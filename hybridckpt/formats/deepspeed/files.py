@@ -1,0 +1,102 @@
+"""Where a DeepSpeed checkpoint keeps its rank files, and the small readers of their contents.
+
+Layout (deepspeedai/DeepSpeed: deepspeed/runtime/engine.py `save_checkpoint`, `_get_ckpt_name`,
+`_get_zero_ckpt_name`): `<save>/latest` holds the tag; `<save>/<tag>/` (default
+`global_step{N}`) holds `mp_rank_00_model_states.pt` (stage <= 2) or
+`zero_pp_rank_{dp}_mp_rank_00_model_states.pt` (stage 3, one per DP rank), and
+`[bf16_]zero_pp_rank_{dp}_mp_rank_00_optim_states.pt`.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import re
+from collections.abc import Mapping
+
+from hybridckpt import lazy
+from hybridckpt.errors import FormatError
+from hybridckpt.lazy import LazyTensor
+
+OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+MODEL3_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+
+
+def file_names(folder: str) -> list[str]:
+    try:
+        return sorted(os.listdir(folder))
+    except OSError:
+        return []
+
+
+def _is_tag_dir(folder: str) -> bool:
+    return any(OPTIM_RE.match(n) or MODEL_RE.match(n) or MODEL3_RE.match(n) for n in file_names(folder))
+
+
+def tag_dir(path: str) -> str:
+    """The folder holding the rank files: `path` itself, `path/<latest tag>`, or its one tag."""
+    if _is_tag_dir(path):
+        return path
+    latest = os.path.join(path, "latest")
+    if os.path.isfile(latest):
+        with builtins.open(latest, encoding="utf-8") as f:
+            tag = f.read().strip()
+        folder = os.path.join(path, tag)
+        if not tag or not _is_tag_dir(folder):
+            raise FormatError(
+                f"{latest}: names tag {tag!r}, but {folder} holds no DeepSpeed rank files"
+            )
+        return folder
+    tags = [n for n in file_names(path) if _is_tag_dir(os.path.join(path, n))]
+    if len(tags) == 1:
+        return os.path.join(path, tags[0])
+    if tags:
+        raise FormatError(
+            f"{path}: no 'latest' file and several tags {tags[:5]}: pass one tag folder"
+        )
+    raise FormatError(f"{path}: no DeepSpeed '*_model_states.pt' / '*_optim_states.pt' files")
+
+
+def detect(path: str) -> bool:
+    if not os.path.isdir(path):
+        return False
+    if _is_tag_dir(path):
+        return True
+    latest = os.path.join(path, "latest")
+    if os.path.isfile(latest) and os.path.getsize(latest) < 4096:
+        try:
+            tag_dir(path)
+            return True
+        except (FormatError, UnicodeDecodeError):
+            return False
+    return False
+
+
+# -- small readers -----------------------------------------------------------------------------
+
+
+def get_key(d, key: str, what: str):
+    """`d[key]`; a FormatError naming `what` when `d` is not a dict holding it."""
+    if not isinstance(d, Mapping) or key not in d:
+        raise FormatError(f"{what}: no '{key}'")
+    return d[key]
+
+
+def flat(t, what: str) -> LazyTensor:
+    """`t` (a tensor) as one flat dim."""
+    if not isinstance(t, LazyTensor):
+        raise FormatError(f"{what}: expected a tensor, found {type(t).__name__}")
+    return t if t.ndim == 1 else lazy.reshape(t, (t.size,))
+
+
+def shape_of(s, what: str) -> tuple[int, ...]:
+    """A recorded shape (list or tuple of non-negative ints) as a tuple."""
+    if not isinstance(s, (tuple, list)) or not all(isinstance(i, int) and i >= 0 for i in s):
+        raise FormatError(f"{what}: bad shape {s!r}")
+    return tuple(int(i) for i in s)
+
+
+def cut(flat: LazyTensor, start: int, numel: int, shape: tuple[int, ...]) -> LazyTensor:
+    """Elements `[start, start + numel)` of a flat tensor, shaped `shape`."""
+    return lazy.reshape(lazy.slice_axis(flat, 0, start, start + numel), shape)

@@ -1,0 +1,184 @@
+"""`open`: a DeepSpeed ZeRO checkpoint (stages 1, 2, 3, BF16_Optimizer) as lazy tensors and slots.
+
+The model states (`*_model_states.pt`: `module`, `buffer_names`, `param_shapes` (one ordered
+name -> shape dict per param group, IN FLAT ORDER), `frozen_param_shapes`,
+`frozen_param_fragments`, `shared_params`, `global_steps`, `dp_world_size`, `mp_world_size`,
+`ds_config`) name and shape the params; the optim states of every DP rank (`ranks`) hold them
+partitioned (`partitions`). `partition_count` (int or per group) must equal the number of optim
+files. Tensors are the fp32 master weights, named as the module names them; frozen params come
+from their fragments (or, under stage 1, the 16-bit module weights), aliases from
+`shared_params`. Without optimizer files (ZeRO disabled) the weights come from `module`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from hybridckpt.errors import FormatError
+from hybridckpt.formats import torch_optim
+from hybridckpt.formats.config_file import config_beside
+from hybridckpt.formats.deepspeed.files import (
+    MODEL3_RE,
+    MODEL_RE,
+    OPTIM_RE,
+    file_names,
+    get_key,
+    tag_dir,
+)
+from hybridckpt.formats.deepspeed.partitions import frozen_params, zero3, zero12
+from hybridckpt.formats.deepspeed.ranks import check_ranks, read_rank
+from hybridckpt.io.pickle import torch_save
+from hybridckpt.lazy import LazyTensor
+from hybridckpt.source import OptimizerState, SourceCheckpoint
+
+NAME = "deepspeed"
+
+
+def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the format contract
+    folder = tag_dir(os.path.abspath(path))
+    names = file_names(folder)
+    optim: dict[int, str] = {}
+    for n in names:
+        m = OPTIM_RE.match(n)
+        if m:
+            if int(m.group(3)) != 0:
+                raise FormatError(
+                    f"{os.path.join(folder, n)}: model-parallel rank {int(m.group(3))}: DeepSpeed "
+                    "checkpoints with tensor/pipeline parallelism (mp_rank > 0) are not supported"
+                )
+            optim[int(m.group(2))] = os.path.join(folder, n)
+    if any(n.startswith("layer_") or n.startswith("expp_rank_") for n in names):
+        raise FormatError(
+            f"{folder}: pipeline-engine or MoE DeepSpeed checkpoints are not supported"
+        )
+    model3 = {int(m.group(1)): os.path.join(folder, n) for n in names if (m := MODEL3_RE.match(n))}
+    model12 = [os.path.join(folder, n) for n in names if (m := MODEL_RE.match(n))]
+    if any(MODEL_RE.match(n).group(1) != "00" for n in names if MODEL_RE.match(n)) or any(
+        m.group(2) != "00" for n in names if (m := MODEL3_RE.match(n))
+    ):
+        raise FormatError(
+            f"{folder}: mp_rank > 0 files: tensor/pipeline parallel DeepSpeed checkpoints are not supported"
+        )
+    dp = len(optim)
+    if optim and sorted(optim) != list(range(dp)):
+        raise FormatError(
+            f"{folder}: optim files for dp ranks {sorted(optim)}, expected 0..{dp - 1}"
+        )
+    model_files = [model3[r] for r in sorted(model3)] if model3 else model12
+    if not model_files:
+        raise FormatError(f"{folder}: no '*_model_states.pt' file")
+    models = [torch_save.load(f) for f in model_files]
+    m0 = models[0]
+    if not isinstance(m0, Mapping):
+        raise FormatError(f"{model_files[0]}: expected a dict, found {type(m0).__name__}")
+    mp = m0.get("mp_world_size", 1)
+    if isinstance(mp, int) and mp > 1:
+        raise FormatError(
+            f"{model_files[0]}: mp_world_size {mp}: tensor-parallel DeepSpeed checkpoints are not supported"
+        )
+    notes: list[str] = []
+    trainer = {
+        k: m0[k]
+        for k in ("global_steps", "global_samples", "skipped_steps", "ds_version", "dp_world_size")
+        if k in m0
+    }
+    module = m0.get("module") or {}
+    buffer_names = list(m0.get("buffer_names") or [])
+    if not optim:
+        # ZeRO disabled: the module holds the weights; no partitioned optimizer to read
+        tensors = {k: v for k, v in module.items() if isinstance(v, LazyTensor)}
+        notes.append("no ZeRO optimizer files: weights from 'module', no optimizer state")
+        return SourceCheckpoint(
+            NAME,
+            path,
+            tensors,
+            config=_config(path, folder, config),
+            step=m0.get("global_steps"),
+            trainer=trainer,
+            notes=tuple(notes),
+        )
+
+    read = [read_rank(optim[r]) for r in range(dp)]
+    stages = {zs for zs, _, _ in read}
+    if len(stages) != 1:
+        raise FormatError(
+            f"{folder}: optim files disagree on zero_stage: {sorted(map(str, stages))}"
+        )
+    stage = stages.pop()
+    ranks = [r for _, r, _ in read]
+    check_ranks(ranks)
+    for _, r, pc in read:
+        counts = pc if isinstance(pc, list) else [pc]
+        if any(not isinstance(c, int) or c != dp for c in counts):
+            raise FormatError(
+                f"{r.path}: partition_count {pc!r} but {dp} '*_optim_states.pt' files in {folder}"
+            )
+    shapes = get_key(m0, "param_shapes", model_files[0])
+    if not isinstance(shapes, list) or not all(isinstance(g, Mapping) for g in shapes):
+        raise FormatError(f"{model_files[0]}: param_shapes is not a list of dicts")
+    if stage == 3:
+        if len(model_files) != dp:
+            raise FormatError(
+                f"{folder}: {len(model_files)} stage-3 model files for {dp} optim files"
+            )
+        params = zero3(ranks, shapes, model_files[0])
+    else:
+        params = zero12(
+            ranks, shapes, ranks[0].align, stripped=stage is not None, model_file=model_files[0]
+        )
+    tensors = {n: t["fp32"] for n, t in params.items()}
+    slots = {k: {n: t[k] for n, t in params.items()} for k in ranks[0].slots}
+    frozen = frozen_params(models, 3 if stage == 3 else 2, model_files)
+    tensors.update(frozen)
+    if frozen:
+        notes.append(f"frozen params (no optimizer state): {sorted(frozen)[:5]}")
+    for b in buffer_names:
+        t = module.get(b)
+        if isinstance(t, LazyTensor):
+            tensors[b] = t
+    shared = m0.get("shared_params") or {}
+    # stage 1 saves no frozen_param_*: frozen params are only in the (16-bit) module weights
+    from_module = [
+        k
+        for k, t in module.items()
+        if k not in tensors and k not in shared and isinstance(t, LazyTensor) and t.size > 0
+    ]
+    for k in from_module:
+        tensors[k] = module[k]
+    if from_module:
+        notes.append(
+            f"params without fp32 masters, taken from 'module' ({module[from_module[0]].dtype}): {from_module[:5]}"
+        )
+    for alias, src in shared.items():
+        if src in tensors:
+            tensors[alias] = tensors[src]
+            for slot in slots.values():
+                if src in slot:
+                    slot[alias] = slot[src]
+            notes.append(f"'{alias}' is tied to '{src}' (shared_params)")
+    notes.append("tensors are the fp32 master weights from the optimizer partitions")
+    kind = {None: "BF16_Optimizer", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}.get(
+        stage, f"ZeRO-{stage}"
+    )
+    trainer["optimizer"] = kind
+    group_names = [list(g) for g in shapes]
+    return SourceCheckpoint(
+        format=NAME,
+        path=path,
+        tensors=tensors,
+        optimizer=OptimizerState(
+            slots,
+            None if ranks[0].step is None else int(ranks[0].step),
+            hyper=torch_optim.hyper(ranks[0].groups, group_names),
+        ),
+        config=_config(path, folder, config),
+        step=m0.get("global_steps"),
+        topology={"dp": dp},
+        trainer=trainer,
+        notes=tuple(notes),
+    )
+
+
+def _config(path: str, folder: str, config):
+    return config_beside(folder, os.path.abspath(path), os.path.dirname(folder), config=config)
