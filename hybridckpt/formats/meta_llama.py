@@ -102,7 +102,7 @@ def _dedup_kv(name: str, shards: list[LazyTensor], rows: int, files: list[str]) 
 
 def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the format contract
     """Plan the import of a Meta Llama folder (reads params.json and the pickles only)."""
-    from models import config_from_meta_params
+    import models
 
     params_path = os.path.join(path, PARAMS)
     params = read_params(params_path)
@@ -137,17 +137,18 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         raise ConfigError(
             f"{path}: the given config has vocab_size {given} but tok_embeddings holds {vocab} rows"
         )
-    cfg = config_from_meta_params(
+    cfg = models.config_from_meta_params(
         params, vocab if file_vocab in (None, -1) else None, source=params_path
     )
 
+    model_vars = models.rule_variables(cfg)
     variables = {
         "vocab_parallel": vocab_parallel,
-        "num_heads": cfg.num_heads,
-        "num_kv_heads": cfg.num_kv_heads,
+        "num_heads": model_vars["num_heads"],
+        "num_kv_heads": model_vars["num_kv_heads"],
     }
     rules = load_rules(_RULES, variables)
-    kv_rows = cfg.num_kv_heads * cfg.head_dim
+    kv_rows = model_vars["num_kv_heads"] * model_vars["head_dim"]
     tensors: dict[str, LazyTensor] = {}
     notes = []
     for n in names:
