@@ -133,6 +133,34 @@ def test_filesystem_writer_safetensors_serialization(tmp_path):
     assert np.array_equal(got_b.astype(np.float32), sd["b"].float().numpy())
 
 
+def test_sgd_momentum_comes_through_as_its_own_slot(tmp_path):
+    """Whatever per-parameter state the optimizer keeps is a slot under torch's name (here SGD's
+    `momentum_buffer`), never forced into Adam's two moments."""
+    import torch
+    import torch.distributed.checkpoint as tdcp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 6)).sum().backward()
+    opt.step()
+    fqn = dict(enumerate(n for n, _ in model.named_parameters()))
+    osd = opt.state_dict()  # keyed by fqn, as get_state_dict gives it
+    optim_sd = {
+        "state": {fqn[i]: s for i, s in osd["state"].items()},
+        "param_groups": [{**g, "params": [fqn[i] for i in g["params"]]} for g in osd["param_groups"]],
+    }
+    tdcp.save({"model": model.state_dict(), "optim": optim_sd}, checkpoint_id=str(tmp_path), no_dist=True)
+    src = dcp.open(str(tmp_path))
+    assert sorted(src.tensors) == sorted(fqn.values())
+    assert list(src.optimizer.slots) == ["momentum_buffer"]
+    for name, p in model.named_parameters():
+        want = opt.state[p]["momentum_buffer"].numpy()
+        assert np.array_equal(src.optimizer.slots["momentum_buffer"][name].materialize(), want)
+    assert src.optimizer.hyper["lr"] == 0.1
+    assert src.optimizer.optimizer.name == "sgd"  # hybridckpt.optim.for_slots
+
+
 def test_torchtitan_names_and_rope_permutation(root):
     src = dcp.open(os.path.join(root, "titan"))
     ref, _ = reference(root, "fsdp2")
