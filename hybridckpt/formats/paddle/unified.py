@@ -173,9 +173,10 @@ def write_unified(
     fuse_attention_ffn: bool = False,
     max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> list[str]:
-    """Write a PaddleNLP unified checkpoint of an HF-named Llama into `out_dir`.
+    """Write a PaddleNLP unified checkpoint of an HF-named model into `out_dir` (its family must
+    have an entry in `rules.FAMILIES`: Llama today).
 
-    hf_tensors: HF LlamaForCausalLM names -> tensors (`[out, in]`; LazyTensors or arrays), in the dtype to save
+    hf_tensors: HF names -> tensors (`[out, in]`; LazyTensors or arrays), in the dtype to save
     (`dtype` casts them; bf16 is written as U16 like PaddleNLP). slots: optimizer slot name
     (torch's: "exp_avg", "exp_avg_sq", "momentum_buffer") -> HF name -> fp32 tensor, each written
     as the Paddle accumulator of `optimizer.SLOT_OF_ACCUMULATOR`; master: fp32, HF names (optional:
