@@ -24,6 +24,7 @@ def _pieces(t: LazyTensor) -> int:
         return 1
     kids = [getattr(t, a) for a in ("src", "stored", "flat") if isinstance(getattr(t, a, None), LazyTensor)]
     kids += list(getattr(t, "parts", ()) or ())
+    kids += [block for _, block in getattr(t, "pieces", ()) or ()]  # tiled `(offsets, block)`s (DCP)
     return sum(_pieces(k) for k in kids) if kids else 1
 
 
