@@ -53,15 +53,25 @@ class MeshShape:
 
     @classmethod
     def parse(cls, text: str) -> MeshShape:
-        """Parse `dp=1,fsdp=2,tp=2,pp=2` (missing axes are 1)."""
+        """Parse `dp=1,fsdp=2,tp=2,pp=2` (missing axes are 1); each axis at most once, sizes
+        positive integers."""
         sizes: dict[str, int] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
-            key, _, value = part.partition("=")
-            if key not in MESH_AXES or not value.isdigit() or int(value) < 1:
+            key, eq, value = (x.strip() for x in part.partition("="))
+            if key not in MESH_AXES or not eq:
                 raise MeshError(
-                    f"bad mesh {text!r}: expected comma-separated axis=size with axes {MESH_AXES}"
+                    f"bad mesh {text!r}: {part!r} is not axis=size; expected comma-separated "
+                    f"axis=size with axes {', '.join(MESH_AXES)}"
                 )
-            sizes[key] = int(value)
+            if key in sizes:
+                raise MeshError(f"bad mesh {text!r}: axis {key} is given twice")
+            try:
+                size = int(value)
+            except ValueError:
+                raise MeshError(f"bad mesh {text!r}: {key}={value!r} is not an integer size") from None
+            if size < 1:
+                raise MeshError(f"bad mesh {text!r}: sizes must be positive, found {key}={size}")
+            sizes[key] = size
         return cls(**sizes)
 
     @classmethod
@@ -135,16 +145,13 @@ def partition_spec(
         if size % n:
             if indivisible == "replicate":
                 if notes is not None:
-                    notes.append(
-                        f"{name}: dim {dim} ({logical}, size {size}) is replicated over mesh axes "
-                        f"{axes} (size {n} does not divide it)"
-                    )
+                    notes.append(f"{name} dim {dim} ({logical} {size} over {'*'.join(axes)}={n})")
                 spec.append(None)
                 continue
             raise MeshError(
                 f"{name}: dim {dim} ({logical}) has size {size}, which mesh axes {axes} of total "
-                f"size {n} cannot divide (shape {tuple(shape)}); choose another mesh or pass "
-                f"--replicate-indivisible"
+                f"size {n} cannot divide (shape {tuple(shape)}); choose another mesh or drop "
+                f"--strict-sharding (strict_sharding=True) to replicate that dimension"
             )
         used.update(axes)
         spec.append(axes[0] if len(axes) == 1 else axes)

@@ -9,7 +9,9 @@ and export all use.
 
 - Model params: each dim's logical axis maps to a mesh axis by `mesh.DEFAULT_RULES`
   (`embed->fsdp`, `heads/kv_heads/mlp/vocab->tp`, `layers->pp`). A dim the mesh axis cannot divide
-  is an error (`indivisible="error"`) or replicated on that axis with a note (`"replicate"`).
+  (GPT-2's vocabulary 50257 on tp=2) is replicated on that axis, with one note naming every such
+  dim (`indivisible="replicate"`, the jobs' default), or is an error (`"error"`, the CLI's
+  `--strict-sharding`).
 - Named trees (no model): the generic rule. For each tensor, `fsdp` shards the largest dim it
   divides (the first such dim on ties); then `tp` shards the largest remaining dim it divides;
   `dp` and `pp` replicate. 0-d tensors and tensors no axis divides are replicated.
@@ -153,16 +155,22 @@ def for_model(
     mesh: Mesh,
     *,
     optimizer: optim.Optimizer | None = None,
-    indivisible: str = "error",
+    indivisible: str = "replicate",
 ) -> Plan:
     """The plan of `cfg`'s params (fp32, logical axes from `models`) and optimizer on `mesh`."""
     import models
 
     shapes = models.param_shapes(cfg)
     axes = models.logical_axes(cfg)
-    notes: list[str] = []
-    shardings = tree_shardings(shapes, axes, mesh, indivisible=indivisible, notes=notes)
-    return Plan(mesh, shapes, shardings, _stacked_axes(axes), notes=tuple(notes)).with_optimizer(optimizer)
+    replicated_dims: list[str] = []
+    shardings = tree_shardings(shapes, axes, mesh, indivisible=indivisible, notes=replicated_dims)
+    notes = ()
+    if replicated_dims:
+        notes = (
+            "replicated where the mesh cannot divide a dimension (--strict-sharding makes this an "
+            "error): " + "; ".join(replicated_dims),
+        )
+    return Plan(mesh, shapes, shardings, _stacked_axes(axes), notes=notes).with_optimizer(optimizer)
 
 
 def generic_spec(shape: Sequence[int], mesh: Mesh) -> PartitionSpec:

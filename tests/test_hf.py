@@ -179,7 +179,7 @@ def test_bad_inputs_exit_2_with_one_line_and_write_nothing(hf_dirs, tmp_path, ca
     _copy_cfg = json.load(open(os.path.join(folder, "config.json")))
     json.dump(_copy_cfg, open(extra / "config.json", "w"))
     cases.append((str(extra), [], "'model.layers.0.mlp.extra_proj.weight'"))
-    cases.append((folder, ["--mesh", "pp=8"], "dim 0 (layers) has size 2, which mesh axes ('pp',) of total size 8 cannot divide"))
+    cases.append((folder, ["--mesh", "pp=8", "--strict-sharding"], "dim 0 (layers) has size 2, which mesh axes ('pp',) of total size 8 cannot divide"))
     for src, extra_args, message in cases:
         dst = tmp_path / ("dst_" + os.path.basename(src) + str(len(extra_args)))
         code, out, err = _cli(capsys, "import", src, str(dst), *extra_args, "--quiet")

@@ -96,6 +96,9 @@ def export_checkpoint(
     ahead = parallel.Prefetcher(staged, order, window).tensors()
     params = {k: ahead.get(("model", k), v) for k, v in params.items()}
     slots = {s: {k: ahead.get(("optimizer", f"{k}.{s}"), v) for k, v in t.items()} for s, t in slots.items()}
+    set_total = getattr(progress, "set_total", None)
+    if set_total is not None:
+        set_total(sum(t.nbytes for t in all_t))
     hf_cfg = None
     if cfg is not None:
         import models

@@ -38,6 +38,8 @@ class ImportSummary:
     seconds: float
     with_optimizer: bool
     notes: tuple[str, ...] = ()
+    param_arrays: int = 0  # of `tensors` (all arrays written), those of the params
+    source_tensors: int = 0  # the source's param tensors they came from (layers stacked)
 
 
 def np_dtype(name: str) -> np.dtype:
@@ -63,7 +65,7 @@ def import_checkpoint(
     rules: str | os.PathLike | None = None,
     params_only: bool = False,
     dtype: str | None = None,
-    indivisible: str = "error",
+    strict_sharding: bool = False,
     overwrite: bool = False,
     step: int | None = None,
     progress: Progress | None = None,
@@ -76,6 +78,8 @@ def import_checkpoint(
     config: HF config.json / Meta params.json path or a model config, for sources that carry
       none; without any, the tensors are imported under the source's names (generic sharding).
     params_only: leave the optimizer state out. dtype: cast params ("bfloat16", ...).
+    strict_sharding: a dimension the mesh cannot divide is an error (default: replicated on that
+      axis, with a note in the summary).
     step: which step of a hybridckpt (Orbax) source (default: latest).
     """
     import jax
@@ -99,7 +103,7 @@ def import_checkpoint(
     )
     opt = None if params_only else named.optimizer
     if cfg is not None:
-        p = plan.for_model(cfg, jmesh, optimizer=opt, indivisible=indivisible)
+        p = plan.for_model(cfg, jmesh, optimizer=opt, indivisible="error" if strict_sharding else "replicate")
     else:
         p = plan.for_named(named.params, jmesh, optimizer=opt)
     opts = stream_options or stream.StreamOptions()
@@ -143,6 +147,9 @@ def import_checkpoint(
         sums = {name: to_hex(leaf.checksum) for name, leaf in leaves.items()}
         return {"checksums": _sum_across_processes(sums) if jax.process_count() > 1 else sums}
 
+    set_total = getattr(progress, "set_total", None)
+    if set_total is not None:
+        set_total(sum(x.nbytes for x in leaves.values()))
     save_checkpoint(dst, out_step, params, opt_state, trainer, overwrite=overwrite, trainer_state_after=checksums)
     nbytes = sum(x.nbytes for x in leaves.values())
     notes = opened.notes + opened.named.report + named.report[len(opened.named.report):] + p.notes
@@ -154,6 +161,7 @@ def import_checkpoint(
     return ImportSummary(
         opened.format, os.fspath(dst), out_step, str(MeshShape.of(jmesh)), len(leaves), nbytes,
         time.perf_counter() - t0, opt is not None, tuple(dict.fromkeys(notes)),
+        sum(1 for k in leaves if k.startswith("params.")), len(opened.named.params),
     )
 
 

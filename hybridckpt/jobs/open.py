@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridckpt import naming
-from hybridckpt.errors import CheckpointError, ConfigError
+from hybridckpt.errors import CheckpointError, ConfigError, MappingError
 from hybridckpt.formats.config_file import read_json
 from hybridckpt.naming import Named
 from hybridckpt.rules import load_rules
@@ -107,9 +107,33 @@ def open_checkpoint(
         import models
 
         user = load_rules(os.fspath(rules), models.rule_variables(cfg)) if rules else None
-        named = naming.source_to_hf(src, cfg, user_rules=user, strict=strict)
+        try:
+            named = naming.source_to_hf(src, cfg, user_rules=user, strict=strict)
+        except MappingError:
+            _check_fits(src, None, cfg, path)
+            raise
+        _check_fits(src, named, cfg, path)
         notes = named.notes
     return Opened(src.format, path, cfg, named, dict(src.trainer), dict(src.topology), notes)
+
+
+def _check_fits(src: Any, named: Named | None, cfg: Any, path: str) -> None:
+    """A ConfigError when the config's model is not the checkpoint's (fewer than half of the
+    model's tensors found under its HF names): said plainly, before any rule's error."""
+    import models
+
+    want = naming.model_hf_shapes(cfg)
+    have = set(named.params) if named is not None else set()
+    if named is not None and 2 * len(have & set(want)) >= len(want):
+        return
+    fam = models.family_of(cfg)
+    arch = ", ".join(fam.hf_architectures)
+    theirs = sorted(src.tensors)[:3]
+    raise ConfigError(
+        f"{path}: the config describes a {fam.name} model ({arch}), but this {src.format} "
+        f"checkpoint's tensors are not that model's (the model expects names like "
+        f"{sorted(want)[:2]}, the checkpoint has {theirs}); pass the checkpoint's own config"
+    )
 
 
 def require_config(opened: Opened, what: str) -> Any:

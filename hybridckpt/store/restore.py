@@ -22,7 +22,7 @@ from hybridckpt.store.manager import CheckpointStore
 
 
 def plan_for(state: dict, saved_params: Any, mesh: jax.sharding.Mesh, *, config: Any = None,
-             optimizer: optim.Optimizer | None = None, indivisible: str = "error") -> plan.Plan:
+             optimizer: optim.Optimizer | None = None, indivisible: str = "replicate") -> plan.Plan:
     """The plan of a saved checkpoint on `mesh`: by its model config, or by the generic rule
     over the saved tree's names when it has none."""
     from hybridckpt.store.source import model_config
@@ -40,12 +40,13 @@ def restore(
     step: int | None = None,
     optimizer: bool = True,
     config: Any = None,
-    indivisible: str = "error",
+    strict_sharding: bool = False,
     **restore_kwargs: Any,
 ) -> tuple[Any, Restored]:
     """(model config or None, Restored) of `directory` (step: latest) on `mesh`.
 
-    optimizer: restore the optimizer state too when the step has one. Other keyword arguments go
+    optimizer: restore the optimizer state too when the step has one. strict_sharding: a dimension
+    the mesh cannot divide is an error (default: replicated on that axis). Other keyword arguments go
     to `CheckpointStore.restore` (global_batch_size, allow_batch_size_change, strict).
     """
     from hybridckpt.store.source import model_config
@@ -57,7 +58,7 @@ def restore(
         saved = store.params_metadata(step)
         has_opt = os.path.isdir(os.path.join(str(store.directory), str(step), "opt_state"))
         opt = optim.get(state.get("optimizer", optim.DEFAULT)) if optimizer and has_opt else None
-        p = plan_for(state, saved, jmesh, config=config, optimizer=opt, indivisible=indivisible)
+        p = plan_for(state, saved, jmesh, config=config, optimizer=opt, indivisible="error" if strict_sharding else "replicate")
         restored = store.restore(
             step, target_params=p.param_targets(saved), target_opt_state=p.opt_targets(), **restore_kwargs
         )

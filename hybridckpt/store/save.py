@@ -53,7 +53,7 @@ def save_checkpoint(
     if dst.exists() and not dst.is_dir():
         raise CheckpointError(f"{dst}: exists and is not a directory")
     if dst.is_dir() and any(dst.iterdir()) and not overwrite:
-        raise CheckpointError(f"{dst}: exists and is not empty; pass overwrite=True to replace it")
+        raise CheckpointError(f"{dst}: exists and is not empty; pass --overwrite (overwrite=True) to replace it")
     multi = jax.process_count() > 1
     primary = jax.process_index() == 0
     token = _shared_token() if multi else uuid.uuid4().hex[:8]

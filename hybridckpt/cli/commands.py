@@ -1,0 +1,155 @@
+"""One function per CLI command: call the job, print what it did. Exit codes: 0 ok, 1 verify
+found differences, 2 an error of the project's family (printed as one line by `cli.main`)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from hybridckpt.cli.output import Progress, compact_json, peak_rss_gib, size, summary
+from hybridckpt.errors import HybridCkptError
+
+
+def cmd_inspect(a) -> int:
+    from hybridckpt.jobs.inspect import inspect
+
+    info = inspect(a.src, a.format, config=a.config, step=a.step)
+    if a.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    step = info.get("step")
+    print(f"format:    {info['format']}")
+    print(f"path:      {info['path']}")
+    print(f"step:      {'-' if step is None else step}")
+    if info.get("steps") and len(info["steps"]) > 1:
+        print(f"steps:     {', '.join(map(str, info['steps']))}")
+    print(f"topology:  {compact_json(info['topology']) if info.get('topology') else '-'}")
+    if info.get("needs_config"):
+        print("config:    none in the checkpoint: model-level jobs (logits, import as a model) need "
+              "--config (HF config.json or Meta params.json); export and import work on the tensors as they are")
+    elif info.get("config"):
+        print(f"config:    {compact_json(info['config'])}")
+    if info.get("optimizer"):
+        print(f"optimizer: {compact_json(info['optimizer'])}")
+    for note in info.get("notes", []):
+        print(f"note:      {note}")
+    tensors = info["tensors"]
+    total = sum(_nbytes(t) for t in tensors)
+    print(f"tensors:   {len(tensors)} ({size(total)})")
+    width = max((len(t["name"]) for t in tensors), default=10)
+    for t in tensors:
+        print(f"  {t['name']:<{width}}  {str(tuple(t['shape'])):<22} {t['dtype']:<9} pieces={t['pieces']}")
+    return 0
+
+
+def _nbytes(t: dict) -> int:
+    import math
+
+    import numpy as np
+
+    try:
+        itemsize = np.dtype(t["dtype"]).itemsize
+    except TypeError:
+        import ml_dtypes  # noqa: F401 - registers bfloat16 & co with numpy
+
+        itemsize = np.dtype(t["dtype"]).itemsize
+    return math.prod(t["shape"]) * itemsize
+
+
+def cmd_import(a) -> int:
+    from hybridckpt.jobs.import_ import import_checkpoint
+
+    with Progress("import", a.quiet) as prog:
+        s = import_checkpoint(
+            a.src, a.dst, fmt=a.format, mesh=a.mesh, config=a.config, rules=a.rules,
+            params_only=a.params_only, dtype=a.dtype, strict_sharding=a.strict_sharding,
+            overwrite=a.overwrite, progress=prog, io_threads=a.io_threads,
+        )
+    print(f"imported {s.source_format} checkpoint into {s.destination} at step {s.step} on mesh {s.mesh}"
+          f" ({'with' if s.with_optimizer else 'without'} optimizer state)")
+    for n in s.notes:
+        print(f"note: {n}")
+    print(f"arrays: {s.param_arrays} param arrays from {s.source_tensors} source tensors"
+          f"{' (layers stacked)' if s.param_arrays < s.source_tensors else ''}"
+          f", {s.tensors - s.param_arrays} optimizer arrays")
+    print(summary("arrays", s.tensors, s.bytes, s.seconds))
+    return 0
+
+
+def cmd_export(a) -> int:
+    from hybridckpt.jobs.export import export_checkpoint
+
+    with Progress("export", a.quiet) as prog:
+        s = export_checkpoint(
+            a.src, a.out, fmt=a.format, step=a.step, optimizer=a.optimizer, config=a.config,
+            rules=a.rules, dtype=a.dtype,
+            max_shard_bytes=int(a.max_shard_gb * 1024**3) if a.max_shard_gb else None,
+            overwrite=a.overwrite, progress=prog, io_threads=a.io_threads,
+        )
+    print(f"exported {s.source_format} checkpoint to {s.destination}: {', '.join(s.files)}")
+    for n in s.notes:
+        print(f"note: {n}")
+    print(summary("tensors", s.tensors, s.bytes, s.seconds))
+    return 0
+
+
+def cmd_verify(a) -> int:
+    from hybridckpt.jobs.verify import verify, verify_checksums
+
+    t0 = time.perf_counter()
+    with Progress("verify", a.quiet) as prog:
+        if a.b is None:
+            rows = verify_checksums(a.a, step=a.step, progress=prog)
+            bad = [r for r in rows if not r.ok]
+            if bad:
+                print(f"BAD {bad[0].name}: checksum differs from the one recorded at import "
+                      f"(first of {len(bad)} bad arrays)")
+            print(f"{len(rows) - len(bad)}/{len(rows)} arrays match their import checksums; "
+                  f"{time.perf_counter() - t0:.2f} s")
+            return 1 if bad else 0
+        rows, only_a, only_b = verify(a.a, a.b, atol=a.atol, config=a.config, progress=prog)
+    width = max((len(r.name) for r in rows), default=10)
+    bad = 0
+    for r in rows:
+        mark = "ok " if r.ok else "BAD"
+        bad += not r.ok
+        if not a.quiet or not r.ok:
+            print(f"{mark} {r.name:<{width}} max|a-b| = {r.max_abs_diff:.3g}")
+    for n in only_a:
+        print(f"BAD {n}: only in {a.a}")
+    for n in only_b:
+        print(f"BAD {n}: only in {a.b}")
+    bad += len(only_a) + len(only_b)
+    total = len(rows) + len(only_a) + len(only_b)
+    print(f"{total - bad}/{total} tensors match (atol={a.atol}); "
+          f"{time.perf_counter() - t0:.2f} s, peak memory {peak_rss_gib():.2f} GiB")
+    return 1 if bad else 0
+
+
+def cmd_logits(a) -> int:
+    import numpy as np
+
+    from hybridckpt.jobs.logits import logits
+
+    try:
+        tokens = [int(t) for t in a.tokens.split(",") if t.strip()]
+    except ValueError:
+        raise HybridCkptError(f"--tokens: expected comma-separated integers, found {a.tokens!r}") from None
+    if not tokens:
+        raise HybridCkptError(f"--tokens: expected at least one token id, found {a.tokens!r}")
+    out = logits(a.src, tokens, mesh=a.mesh, config=a.config, fmt=a.format, step=a.step,
+                 compute_dtype=a.compute_dtype)
+    if a.out:
+        np.save(a.out, out)
+        print(f"logits {out.shape} float32 written to {a.out}")
+    else:
+        np.set_printoptions(precision=4, suppress=True, linewidth=120)
+        print(f"logits {out.shape}; argmax per position: {out[0].argmax(-1).tolist()}")
+        print(out[0, :, : min(8, out.shape[-1])])
+    return 0
+
+
+def cmd_demo(a) -> int:
+    from hybridckpt import demo
+
+    return demo.run(workdir=a.workdir, keep=a.keep)

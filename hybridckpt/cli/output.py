@@ -1,0 +1,84 @@
+"""What the CLI prints: the progress bar, sizes and rates in units that fit, one-line summaries.
+
+Sizes are bytes shown as B / kB / MB / GB (powers of 1000); rates as MB/s below 1 GB/s, else GB/s;
+peak memory is the process's peak resident set (`ru_maxrss`) in GiB.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from typing import Any
+
+
+def peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+
+
+def size(nbytes: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def rate(nbytes: float, seconds: float) -> str:
+    per_s = nbytes / seconds if seconds > 0 else 0.0
+    return f"{per_s / 1e9:.2f} GB/s" if per_s >= 1e9 else f"{per_s / 1e6:.1f} MB/s"
+
+
+def summary(what: str, count: int, nbytes: int, seconds: float) -> str:
+    """`<count> <what>, <size> in <s> (<rate>), peak memory <GiB>`."""
+    return (
+        f"{count} {what}, {size(nbytes)} in {seconds:.2f} s ({rate(nbytes, seconds)}), "
+        f"peak memory {peak_rss_gib():.2f} GiB"
+    )
+
+
+def compact_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+class Progress:
+    """A rich progress bar over bytes on stderr when it is a terminal; silent otherwise.
+
+    `total` (bytes) is set by the job once it knows it (`set_total`), so the bar shows
+    `done/total` and an ETA instead of `done/?`.
+    """
+
+    def __init__(self, what: str, quiet: bool = False):
+        self.bar = None
+        if not quiet and sys.stderr.isatty():
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+            from rich.progress import Progress as RichProgress
+
+            self.bar = RichProgress(
+                TextColumn(f"{what} [progress.description]{{task.description}}"),
+                BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                transient=True,
+            )
+            self.task = self.bar.add_task("", total=None)
+
+    def __enter__(self) -> Progress:
+        if self.bar:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.bar:
+            self.bar.stop()
+
+    def set_total(self, nbytes: int) -> None:
+        if self.bar:
+            self.bar.update(self.task, total=nbytes)
+
+    def __call__(self, name: str, nbytes: int) -> None:
+        if self.bar:
+            self.bar.update(self.task, advance=nbytes, description=name[-40:])

@@ -1,0 +1,111 @@
+"""The argument parser of `hybridckpt`: every command, argument and option with its help text."""
+
+from __future__ import annotations
+
+import argparse
+
+from hybridckpt.cli import commands
+
+FORMAT_CHOICES = ["auto", "hf", "orbax", "megatron", "meta-llama", "dcp", "deepspeed", "paddle", "paddle-unified", "colossal"]
+SRC_HELP = "checkpoint folder or file of any supported format, or a hybridckpt (Orbax) checkpoint"
+
+
+def _common(sp, *, fmt=True, config=True, io=False, progress=True, step=True) -> None:
+    if fmt:
+        sp.add_argument("--format", default="auto", choices=FORMAT_CHOICES, help="source format (default: detect)")
+    if step:
+        sp.add_argument("--step", type=int, help="step of a hybridckpt (Orbax) checkpoint (default: latest)")
+    if io:
+        sp.add_argument("--io-threads", type=int, metavar="N",
+                        help="parallel byte-range readers (default: $HYBRIDCKPT_IO_THREADS, else 2 x cores, 4..16)")
+    if config:
+        sp.add_argument("--config", help="HF config.json or Meta params.json, for sources that carry no model config")
+    if progress:
+        sp.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hybridckpt",
+        description="Move training checkpoints (weights and optimizer state) between parallel layouts "
+        "and frameworks as sharded JAX arrays.",
+    )
+    p.add_argument("--debug", action="store_true", help="show the traceback of errors")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("inspect", help="format, topology, step, config and tensors of a checkpoint (reads metadata only)")
+    s.add_argument("src", help=SRC_HELP)
+    s.add_argument("--json", action="store_true", help="print JSON")
+    _common(s, progress=False)
+    s.set_defaults(fn=commands.cmd_inspect)
+
+    s = sub.add_parser(
+        "import", help="any supported checkpoint -> Orbax checkpoint on a mesh",
+        description=(
+            "Import SRC (weights and optimizer state) into an Orbax checkpoint at DST, sharded on --mesh, "
+            "streamed tile by tile in bounded memory. With a model config (in SRC or --config) the "
+            "model's Flax tree is stored; without one, SRC's tensors under their own names, each "
+            "sharded by the generic rule (fsdp on its largest divisible dim, then tp)."
+        ),
+    )
+    s.add_argument("src", help=SRC_HELP)
+    s.add_argument("dst", help="Orbax checkpoint directory to create")
+    s.add_argument("--mesh", default="dp=1", help="target mesh, e.g. dp=1,fsdp=2,tp=2,pp=2 (default: one device)")
+    s.add_argument("--params-only", action="store_true", help="do not import optimizer state")
+    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast params (default: as stored)")
+    s.add_argument("--rules", help="a rules file applied before the format's own rules (model variants)")
+    s.add_argument("--strict-sharding", action="store_true",
+                   help="fail on a dimension the mesh cannot divide (default: replicate it on that axis, with a note)")
+    s.add_argument("--replicate-indivisible", action="store_true", help=argparse.SUPPRESS)  # the default now
+    s.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    _common(s, io=True)
+    s.set_defaults(fn=commands.cmd_import)
+
+    s = sub.add_parser(
+        "export", help="Orbax or any supported checkpoint -> one single-card safetensors folder",
+        description=(
+            "Write SRC as one single-card checkpoint at OUT, tensor by tensor (the job of torch's "
+            "dcp_to_torch_save and DeepSpeed's zero_to_fp32): with a model config, the model's "
+            "tensors under Hugging Face names and config.json; without one, every tensor under "
+            "SRC's own names. Tensors whose bytes are stored in order (FSDP2 and ZeRO shards, dim-0 "
+            "splits) are copied file to file by the kernel and never enter memory; the rest are read "
+            "and written one at a time. OUT appears complete (fsync'd, renamed into place) or not at all."
+        ),
+    )
+    s.add_argument("src", help=SRC_HELP)
+    s.add_argument("out", help="folder to create (model*.safetensors, config.json, optimizer*.safetensors)")
+    s.add_argument("--optimizer", action="store_true",
+                   help="also write optimizer*.safetensors (<name>.<slot>, e.g. exp_avg / exp_avg_sq, and step)")
+    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast params on write")
+    s.add_argument("--rules", help="a rules file applied before the format's own rules")
+    s.add_argument("--max-shard-gb", type=float, help="shard size above which files are split (default 5)")
+    s.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    _common(s, io=True)
+    s.set_defaults(fn=commands.cmd_export)
+
+    s = sub.add_parser(
+        "verify",
+        help="compare two checkpoints tensor by tensor (HF names), or re-check an imported Orbax "
+        "checkpoint against its recorded checksums (one argument); exit 1 on mismatch",
+    )
+    s.add_argument("a", help="a checkpoint of any supported format (alone: a hybridckpt checkpoint to re-check)")
+    s.add_argument("b", nargs="?", help="the second checkpoint (omit to check A's checksums)")
+    s.add_argument("--atol", type=float, default=0.0, help="allowed max abs difference (default 0: bitwise)")
+    _common(s, fmt=False)
+    s.set_defaults(fn=commands.cmd_verify)
+
+    s = sub.add_parser("logits", help="run the model's forward pass on tokens")
+    s.add_argument("src", help=SRC_HELP)
+    s.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 1,2,3")
+    s.add_argument("--out", help="write the logits to this .npy file")
+    s.add_argument("--mesh", default="dp=1", help="mesh to run on, e.g. tp=2,pp=2 (default: one device)")
+    s.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype of activations and matmuls (params stay fp32; logits are fp32)")
+    _common(s, progress=False)
+    s.set_defaults(fn=commands.cmd_logits)
+
+    s = sub.add_parser("demo", help="import, reshard, export and verify a built-in sample (no other install needed)")
+    s.add_argument("--workdir", help="where to write (default: a temporary directory)")
+    s.add_argument("--keep", action="store_true", help="keep the workdir")
+    s.set_defaults(fn=commands.cmd_demo)
+    return p
