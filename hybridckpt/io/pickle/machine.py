@@ -146,7 +146,11 @@ def safe_loads(
     policy = BASE_POLICY if policy is None else policy
     if isinstance(data, memoryview):
         data = data.tobytes()
-    check_pickle(data, what=what)
+    try:
+        check_pickle(data, what=what)
+    except FormatError as e:
+        refuse_named_threat(e, policy, what)
+        raise
     try:
         up = unpickler_cls(io.BytesIO(data), policy, what=what, **unpickler_kwargs)
         return up.load()
@@ -157,6 +161,20 @@ def safe_loads(
     except _WRAPPED_ERRORS as e:
         raise FormatError(
             f"{what}: not a valid pickle: {type(e).__name__}: {short_repr(e, 300)}"
+        ) from e
+
+
+def refuse_named_threat(e: FormatError, policy: Policy, what: str) -> None:
+    """When a pickle refused as malformed also names a global that no checkpoint may use
+    (`os.system`, `builtins.exec`, ...; found by the opcode walk before it stopped), raise
+    UnsafePickleError saying that first: it is what a user needs to know. Otherwise return."""
+    for module, name in getattr(e, "globals", ()):
+        if (module, name) in policy.allowed or policy.is_stubbed(f"{module}.{name}"):
+            continue
+        raise UnsafePickleError(
+            f"{what}: pickle refers to global '{module}.{name}', which is not on the allow-list "
+            f"(a pickle that would run code when loaded); refused without running it; it is also "
+            f"malformed: {str(e).removeprefix(what + ': ')}"
         ) from e
 
 

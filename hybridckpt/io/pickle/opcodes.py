@@ -65,6 +65,15 @@ _TABLE = _opcode_table()
 _STOP, _FRAME = ord("."), 0x95
 _LONG_BINPUT, _PUT = ord("r"), ord("p")
 _BINBYTES, _BINBYTES8 = ord("B"), 0x8E
+# what the walk notes to name the globals a pickle refers to (`PickleScan.globals`)
+_GLOBAL_LINES = (ord("c"), ord("i"))  # GLOBAL, INST: `module\nname\n`
+_STACK_GLOBAL, _MEMOIZE = 0x93, 0x94
+_STRINGS = (0x8C, ord("X"), 0x8D, ord("U"), ord("T"))  # (SHORT_)BINUNICODE(8), (SHORT_)BINSTRING
+_LINE_STRINGS = (ord("V"), ord("S"))  # UNICODE, STRING
+_PUTS = {ord("q"): 1, ord("r"): 4}  # BINPUT, LONG_BINPUT (PUT is a line)
+_GETS = {ord("h"): 1, ord("j"): 4}  # BINGET, LONG_BINGET (GET is a line)
+_GET = ord("g")
+_NEUTRAL = (_FRAME, 0x80)  # FRAME, PROTO: no stack effect
 FRAME_SIZE = 9
 """Bytes of one FRAME opcode with its argument (a reader may drop frames: they are hints)."""
 
@@ -81,12 +90,15 @@ class PickleScan:
     """What one walk over a pickle found (offsets in bytes of the data walked).
 
     end:      the offset just after its STOP opcode
+    globals:  `(module, name)` of every GLOBAL / INST / STACK_GLOBAL, in order (STACK_GLOBAL's
+              names from the two strings pushed just before it, directly or through the memo)
     payloads: `(opcode offset, payload offset, payload length)` of every BINBYTES/BINBYTES8
               of at least the `payload_min_bytes` asked for (none when not asked)
     frames:   the offsets of its FRAME opcodes
     """
 
     end: int
+    globals: tuple[tuple[str, str], ...] = ()
     payloads: tuple[tuple[int, int, int], ...] = ()
     frames: tuple[int, ...] = ()
 
@@ -108,7 +120,52 @@ def scan_pickle(
     `payload_min_bytes`, records the BINBYTES/BINBYTES8 payloads of at least that many bytes.
     `judge_frames=False` is for a reader that drops the FRAME opcodes before unpickling (their
     length claims are then never acted on): frames are recorded, not judged.
+    A `FormatError` raised by the walk carries `.globals`: the globals seen before it, so a
+    refusal can say first what a hostile pickle would have called.
     """
+    found = _Globals()
+    try:
+        return _walk(data, start, what, stream_end, payload_min_bytes, judge_frames, found)
+    except FormatError as e:
+        e.globals = tuple(found.names)
+        raise
+
+
+class _Globals:
+    """The names a pickle refers to, tracked along the walk: the last two values pushed (a string
+    or None) and the memo's strings, enough to read STACK_GLOBAL's two operands."""
+
+    def __init__(self) -> None:
+        self.names: list[tuple[str, str]] = []
+        self.recent: list[str | None] = [None, None]
+        self.memo: dict[int, str] = {}
+        self.memo_keys: set[int] = set()  # MEMOIZE stores at len(memo), as the unpickler does
+
+    def push(self, value: str | None) -> None:
+        self.recent = [self.recent[-1], value]
+
+    def put(self, index: int) -> None:
+        self.memo_keys.add(index)
+        if isinstance(self.recent[-1], str):
+            self.memo[index] = self.recent[-1]
+        else:
+            self.memo.pop(index, None)
+
+    def memoize(self) -> None:
+        self.put(len(self.memo_keys))
+
+    def stack_global(self) -> None:
+        module, name = self.recent
+        if isinstance(module, str) and isinstance(name, str):
+            self.names.append((module, name))
+        self.push(None)
+
+
+def _text(raw) -> str:
+    return bytes(raw[:200]).decode("utf-8", "replace")
+
+
+def _walk(data, start, what, stream_end, payload_min_bytes, judge_frames, found: _Globals) -> PickleScan:
     n = len(data)
     end = n if stream_end is None else stream_end
     min_payload = sys.maxsize if payload_min_bytes is None else payload_min_bytes
@@ -129,6 +186,12 @@ def scan_pickle(
         if kind == _FIXED:
             if pos + size > n:
                 raise Truncated(f"{what}: pickle truncated at byte {pos}")
+            if code in _PUTS:
+                found.put(int.from_bytes(data[pos : pos + size], "little"))
+            elif code in _GETS:
+                found.push(found.memo.get(int.from_bytes(data[pos : pos + size], "little")))
+            elif code not in _NEUTRAL:
+                found.push(None)
             if code == _LONG_BINPUT and int.from_bytes(data[pos : pos + 4], "little") > ops:
                 raise FormatError(f"{what}: memo index at byte {pos} runs ahead of the pickle")
             if code == _FRAME:
@@ -150,6 +213,7 @@ def scan_pickle(
                 raise Truncated(f"{what}: pickle truncated at byte {pos}")
             if length >= min_payload and code in (_BINBYTES, _BINBYTES8):
                 payloads.append((pos - size - 1, pos, length))
+            found.push(_text(data[pos : pos + min(length, 200)]) if code in _STRINGS else None)
             pos += length
         elif kind == _LINES:
             first = pos
@@ -167,8 +231,28 @@ def scan_pickle(
                     raise FormatError(
                         f"{what}: memo index at byte {first} runs ahead of the pickle"
                     )
+                found.put(idx)
+            elif code in _GLOBAL_LINES:
+                module, _, name = _text(data[first : pos - 1]).partition("\n")
+                found.names.append((module, name))
+                found.push(None)
+            elif code in _LINE_STRINGS:
+                found.push(_text(data[first : pos - 1]).strip("'\""))
+            elif code == _GET:
+                try:
+                    found.push(found.memo.get(int(bytes(data[first : pos - 1]))))
+                except ValueError:
+                    found.push(None)
+            else:
+                found.push(None)
         elif code == _STOP:
-            return PickleScan(pos, tuple(payloads), tuple(frames))
+            return PickleScan(pos, tuple(found.names), tuple(payloads), tuple(frames))
+        elif code == _STACK_GLOBAL:
+            found.stack_global()
+        elif code == _MEMOIZE:
+            found.memoize()
+        else:
+            found.push(None)
         ops += 1
 
 

@@ -42,7 +42,7 @@ from hybridckpt.errors import FormatError, UnsafePickleError
 from hybridckpt.io.byte_source import ByteSource
 from hybridckpt.io.pickle.allow import Contextual, Policy, Stub, UnpicklerView, short_repr
 from hybridckpt.io.pickle.base_policy import BASE_ALLOWED
-from hybridckpt.io.pickle.machine import RestrictedUnpickler, safe_loads
+from hybridckpt.io.pickle.machine import RestrictedUnpickler, refuse_named_threat, safe_loads
 from hybridckpt.io.pickle.numpy_guard import NDARRAY
 from hybridckpt.io.pickle.opcodes import FRAME_SIZE, scan_pickle
 from hybridckpt.lazy import ArrayTensor, LazyTensor, StoredTensor
@@ -204,9 +204,13 @@ def safe_load(path: str, *, lazy_min_bytes: int = LAZY_MIN_BYTES) -> object:
         if size == 0:
             raise FormatError(f"{path}: empty file, not a paddle.save pickle")
         with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as data:
-            scan = scan_pickle(
-                data, what=path, payload_min_bytes=lazy_min_bytes, judge_frames=False
-            )
+            try:
+                scan = scan_pickle(
+                    data, what=path, payload_min_bytes=lazy_min_bytes, judge_frames=False
+                )
+            except FormatError as e:
+                refuse_named_threat(e, PADDLE_POLICY, path)
+                raise
             nonce = "hybridckpt-" + secrets.token_hex(8)
             # cuts: FRAME opcodes are dropped (framing is only a read-ahead hint, and the
             # stream changes length), large payloads become persistent-id references
