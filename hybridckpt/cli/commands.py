@@ -101,9 +101,8 @@ def cmd_verify(a) -> int:
         if a.b is None:
             rows = verify_checksums(a.a, step=a.step, progress=prog)
             bad = [r for r in rows if not r.ok]
-            if bad:
-                print(f"BAD {bad[0].name}: checksum differs from the one recorded at import "
-                      f"(first of {len(bad)} bad arrays)")
+            for r in bad:
+                print(f"BAD {r.name}: {r.reason or 'checksum differs'}")
             print(f"{len(rows) - len(bad)}/{len(rows)} arrays match their import checksums; "
                   f"{time.perf_counter() - t0:.2f} s")
             return 1 if bad else 0

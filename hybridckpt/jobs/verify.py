@@ -32,6 +32,7 @@ class TensorDiff:
     shape: tuple[int, ...]
     max_abs_diff: float
     ok: bool
+    reason: str = ""  # why a checksum row is bad: "differs", "not recorded", "unreadable: ..."
 
 
 def compare_tensors(
@@ -96,7 +97,8 @@ def verify_checksums(
     """Re-read every array of one of our checkpoints from disk and compare its checksum with the
     one recorded at import; max_abs_diff is 0 (match) or inf (differs, or not recorded)."""
     from hybridckpt import checksum, optim
-    from hybridckpt.store.reader import item_arrays
+    from hybridckpt.errors import HybridCkptError
+    from hybridckpt.store.reader import UnreadableArray, item_arrays
     from hybridckpt.store.source import resolve
 
     root, step, state = resolve(os.fspath(path), step)
@@ -104,10 +106,10 @@ def verify_checksums(
     if not recorded:
         raise CheckpointError(f"{path}: no checksums recorded (only `hybridckpt import` records them)")
     step_dir = os.path.join(root, str(step))
-    arrays = {f"params.{k}": v for k, v in item_arrays(os.path.join(step_dir, "params")).items()}
+    arrays = {f"params.{k}": v for k, v in item_arrays(os.path.join(step_dir, "params"), unreadable="keep").items()}
     if os.path.isdir(os.path.join(step_dir, "opt_state")):
         opt = optim.get(state.get("optimizer") or optim.DEFAULT)
-        leaves = item_arrays(os.path.join(step_dir, "opt_state"))
+        leaves = item_arrays(os.path.join(step_dir, "opt_state"), unreadable="keep")
         for slot in opt.slots:
             prefix = opt.orbax_prefix(slot.name)
             arrays |= {f"{slot.state_name}.{k[len(prefix):]}": v for k, v in leaves.items() if k.startswith(prefix)}
@@ -116,13 +118,21 @@ def verify_checksums(
     rows = []
     for name in sorted(set(recorded) | set(arrays)):
         if name not in arrays:
-            rows.append(TensorDiff(name, (), float("inf"), False))
+            rows.append(TensorDiff(name, (), float("inf"), False, "recorded at import, missing now"))
             continue
         t = arrays[name]
+        if isinstance(t, UnreadableArray):
+            rows.append(TensorDiff(name, (), float("inf"), False, f"unreadable: {t.reason}"))
+            continue
         shape = tuple(t.shape)
-        parts = [checksum.box_part(shape, box, t.read_box(box)) for box in _tiles(shape, np.dtype(t.dtype).itemsize)]
+        try:
+            parts = [checksum.box_part(shape, box, t.read_box(box)) for box in _tiles(shape, np.dtype(t.dtype).itemsize)]
+        except HybridCkptError as e:
+            rows.append(TensorDiff(name, shape, float("inf"), False, f"unreadable: {e}"))
+            continue
         ok = name in recorded and checksum.to_hex(checksum.combine(parts)) == recorded[name]
-        rows.append(TensorDiff(name, shape, 0.0 if ok else float("inf"), ok))
+        reason = "" if ok else ("not recorded at import" if name not in recorded else "checksum differs")
+        rows.append(TensorDiff(name, shape, 0.0 if ok else float("inf"), ok, reason))
         if progress:
             progress(name, t.nbytes)
     return rows

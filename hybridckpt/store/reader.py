@@ -53,7 +53,7 @@ class OrbaxArray(LazyTensor):
             try:
                 store = ts.open(ts.Spec(spec), open=True, context=self.context).result()
             except ValueError as e:
-                raise CheckpointError(f"{self.item_dir}: cannot open array {self.name}: {e}") from e
+                raise CheckpointError(f"{self.item_dir}: cannot open array {self.name}: {_reason(e)}") from e
             self._store.append(store)
         return self._store[0]
 
@@ -62,14 +62,33 @@ class OrbaxArray(LazyTensor):
         try:
             out = self._open()[index].read().result()
         except ValueError as e:
-            raise CheckpointError(f"{self.item_dir}: cannot read {self.name}{list(box)}: {e}") from e
+            raise CheckpointError(f"{self.item_dir}: cannot read {self.name}{list(box)}: {_reason(e)}") from e
         out = np.asarray(out, dtype=self.dtype)
         return out if out.flags.c_contiguous else out.copy()  # (ascontiguousarray makes 0-d 1-d)
 
 
-def item_arrays(item_dir: str) -> dict[str, OrbaxArray]:
+def _reason(e: Exception) -> str:
+    """TensorStore's error without the spec it appends (a JSON document of a few hundred bytes)."""
+    text = str(e).split(" [source locations=")[0].split(" [tensorstore_spec=")[0]
+    return " ".join(text.split())[:300]
+
+
+@dataclass(frozen=True)
+class UnreadableArray:
+    """An array of the item whose metadata or index cannot be read (`item_arrays(...,
+    unreadable="keep")`): its name and the reason, for a report that goes on."""
+
+    name: str
+    reason: str
+
+
+def item_arrays(item_dir: str, *, unreadable: str = "raise") -> dict[str, OrbaxArray]:
     """Every array leaf of the Orbax item at `item_dir`, by its dotted name (from `_METADATA`
-    for the names and zarr version, the zarr metadata for shape and dtype; no data read)."""
+    for the names and zarr version, the zarr metadata for shape and dtype; no data read).
+
+    unreadable: "raise" (a CheckpointError naming the array) or "keep" (an `UnreadableArray` in
+    its place, for `verify` to report every damaged array rather than stop at the first).
+    """
     meta = read_json(os.path.join(item_dir, "_METADATA"))
     zarr3 = bool(meta.get("use_zarr3", False))
     out: dict[str, OrbaxArray] = {}
@@ -82,7 +101,13 @@ def item_arrays(item_dir: str) -> dict[str, OrbaxArray]:
             continue
         name = ".".join(str(k["key"]) for k in entry.get("key_metadata", []))
         probe = OrbaxArray(item_dir, name, (), np.dtype(np.float32), zarr3, context)
-        store = probe._open()
+        try:
+            store = probe._open()
+        except CheckpointError as e:
+            if unreadable != "keep":
+                raise
+            out[name] = UnreadableArray(name, str(e).split(f"array {name}: ", 1)[-1][:160])
+            continue
         out[name] = OrbaxArray(
             item_dir, name, tuple(int(n) for n in store.shape), np.dtype(store.dtype.numpy_dtype), zarr3,
             context, probe._store,
