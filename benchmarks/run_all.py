@@ -1,6 +1,7 @@
 """All benchmarks in one run, one table: hybridckpt next to its reference, measured side by side.
 
     python benchmarks/run_all.py [--dir /tmp/...] [--dcp-gib 2] [--small-gib 1] [--large-gib 4]
+                                 [--plain-dcp-gib 1] [--plain-zero-gib 1] [--only plain]
 
 (a) `benchmarks/consolidate_dcp.py`: a DCP checkpoint saved by 2 gloo processes -> one file,
     `hybridckpt export` vs torch's `dcp_to_torch_save` (wall time and peak RSS of each process,
@@ -14,6 +15,11 @@
     tp=4,pp=2 (each restore in a fresh process, best of 2, page cache warm).
 (d) `benchmarks/import_multiprocess.py`: the (b) source imported by 2 processes x 4 devices
     under jax.distributed vs 1 process x 8 devices: bytes read per process, time.
+(e) `benchmarks/consolidate_plain.py`: checkpoints of no known model (4096 x 4096 fp32 tensors
+    `model.layers.N.mlp.up_proj.weight`, no config anywhere) -> one file: a DCP saved with
+    `dcp.save(..., no_dist=True)` vs `dcp_to_torch_save`, and a DeepSpeed ZeRO-3 checkpoint
+    (fp32 + AdamW, 2 ranks) vs DeepSpeed's `zero_to_fp32`; wall time and peak RSS, best of 2
+    alternating runs. `--only plain` runs these rows alone.
 
 Every figure comes from its own process; all checkpoints live under `--dir` (default a fresh
 folder in /tmp) and are deleted at the end. The machine line says what ran it.
@@ -33,6 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import consolidate_dcp  # noqa: E402
+import consolidate_plain  # noqa: E402
 import import_megatron  # noqa: E402
 import import_multiprocess  # noqa: E402
 
@@ -75,75 +82,18 @@ def main() -> None:
     ap.add_argument("--dcp-gib", type=float, default=2.0)
     ap.add_argument("--small-gib", type=float, default=1.0)
     ap.add_argument("--large-gib", type=float, default=4.0)
+    ap.add_argument("--plain-dcp-gib", type=float, default=1.0)
+    ap.add_argument("--plain-zero-gib", type=float, default=1.0)
+    ap.add_argument("--only", choices=("plain",), help="run only these rows")
     a = ap.parse_args()
     base = a.dir or tempfile.mkdtemp(prefix="hybridckpt-bench-", dir="/tmp")
     os.makedirs(base, exist_ok=True)
     where = machine()
     rows: list[tuple] = []
     try:
-        # (a), for each layout
-        for layout, what in (("fsdp", "FSDP2, every tensor on dim 0"), ("tp", "row-parallel on dim 1")):
-            print(f"(a) DCP {a.dcp_gib} GiB ({layout}) -> one file ...", file=sys.stderr, flush=True)
-            ra = consolidate_dcp.run(a.dcp_gib, os.path.join(base, "a-" + layout), layout=layout)
-            ours, theirs = ra["hybridckpt"], ra["torch"]
-            name = f"(a) DCP {ra['bytes'] / GIB:.2f} GiB, 2 ranks ({what}) -> one file"
-            speed = theirs["seconds"] / ours["seconds"]
-            row(rows, name, "wall time", f"{ours['seconds']:.1f} s (fsync'd, atomic rename)",
-                f"{theirs['seconds']:.1f} s (dcp_to_torch_save, no fsync)", f"{speed:.2f}x faster", ">= 3x", speed >= 3)
-            durable = theirs["durable_seconds"] / ours["seconds"]
-            row(rows, name, "wall time, both durable", f"{ours['seconds']:.1f} s",
-                f"{theirs['durable_seconds']:.1f} s (dcp_to_torch_save + fsync)", f"{durable:.2f}x faster", ">= 3x",
-                durable >= 3)
-            mem = ours["peak_rss"] / theirs["peak_rss"]
-            row(rows, name, "peak RSS", f"{ours['peak_rss'] / GIB:.2f} GiB", f"{theirs['peak_rss'] / GIB:.2f} GiB",
-                f"{mem:.2f}", "<= 0.25", mem <= 0.25)
-
-        # (b) small, then (c) and (d) on it
-        print(f"(b) Megatron {a.small_gib} GiB ...", file=sys.stderr, flush=True)
-        small = import_megatron.run(a.small_gib, base, keep=True, keep_import=True, repeat=2)
-        src, ckpt = small["src"], small["imported"]
-        print("(c) restores ...", file=sys.stderr, flush=True)
-        subprocess.run(["sync"], check=True)
-        same = min(restore_seconds(ckpt, "tp=4,pp=2") for _ in range(2))
-        other = min(restore_seconds(ckpt, "fsdp=2,tp=2,pp=2") for _ in range(2))
-        shutil.rmtree(ckpt, ignore_errors=True)
-        print("(d) 1 vs 2 processes ...", file=sys.stderr, flush=True)
-        subprocess.run(["sync"], check=True)
-        rd = import_multiprocess.run(src, base, import_megatron.MESH)
-        shutil.rmtree(src, ignore_errors=True)
-        print(f"(b) Megatron {a.large_gib} GiB ...", file=sys.stderr, flush=True)
-        large = import_megatron.run(a.large_gib, base)
-
-        for r in (small, large):
-            i, s = r["import"], r["save"]
-            name = f"(b) Megatron tp4 pp2 {r['files_bytes'] / GIB:.2f} GiB bf16 -> Orbax"
-            floor = r["cat_s"] + s["seconds"]
-            ratio = i["seconds"] / floor
-            row(rows, name, "import time", f"{i['seconds']:.1f} s, {i['bytes'] / i['seconds'] / 1e9:.2f} GB/s",
-                f"cat {r['cat_s']:.2f} s ({r['files_bytes'] / r['cat_s'] / 1e9:.1f} GB/s) + Orbax save from memory "
-                f"{s['seconds']:.1f} s", f"{ratio:.2f} of the sum; {i['seconds'] / r['cat_s']:.0f}x cat, "
-                f"{i['seconds'] / s['seconds']:.2f}x save", "<= 1.25", ratio <= 1.25)
-            row(rows, name, "peak RSS", f"{i['peak_rss'] / GIB:.2f} GiB",
-                f"{s['peak_rss'] / GIB:.2f} GiB (arrays in memory, then save)", f"{i['peak_rss'] / s['peak_rss']:.2f}",
-                "", True)
-        growth = large["import"]["peak_rss"] / small["import"]["peak_rss"]
-        row(rows, "(b) import peak RSS, large vs small", "RSS ratio",
-            f"{large['import']['peak_rss'] / GIB:.2f} vs {small['import']['peak_rss'] / GIB:.2f} GiB",
-            f"checkpoint {large['files_bytes'] / small['files_bytes']:.1f}x larger", f"{growth:.2f}", "<= 1.2",
-            growth <= 1.2)
-        # (c)
-        rc = other / same
-        row(rows, "(c) restore the (b) checkpoint (saved on tp=4,pp=2)", "restore time",
-            f"{other:.2f} s onto fsdp=2,tp=2,pp=2", f"{same:.2f} s onto tp=4,pp=2", f"{rc:.2f}", "<= 1.2", rc <= 1.2)
-        # (d)
-        one, two = rd[1][0], rd[2]
-        fr = [p["bytes_read"] / p["tensor_bytes"] for p in two]
-        row(rows, f"(d) import the {a.small_gib:g} GiB source: 2 processes x 4 devices", "bytes read / process",
-            " / ".join(f"{x:.1%}" for x in fr), f"{one['bytes_read'] / one['tensor_bytes']:.1%} (1 process x 8)",
-            f"{max(fr):.3f}", "<= 0.55", max(fr) <= 0.55)
-        t2 = max(p["seconds"] for p in two)
-        row(rows, "(d) same", "import time", f"{t2:.1f} s (both processes share the 2 cores)",
-            f"{one['seconds']:.1f} s", f"{t2 / one['seconds']:.2f}", "", True)
+        if a.only != "plain":
+            _others(a, base, rows)
+        _plain(a, base, rows)
     finally:
         if a.dir is None:
             shutil.rmtree(base, ignore_errors=True)
@@ -153,6 +103,97 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(r) + " |")
+
+
+def _consolidation_rows(rows, name, ours, theirs, what) -> None:
+    """Wall time (as the reference is run, and both durable) and peak RSS of one consolidation;
+    `theirs["import_s"]`, when there, is how long importing the reference's library takes."""
+    speed = theirs["seconds"] / ours["seconds"]
+    imp = f"; of which importing it {theirs['import_s']:.1f} s" if "import_s" in theirs else ""
+    row(rows, name, "wall time", f"{ours['seconds']:.1f} s (fsync'd, atomic rename)",
+        f"{theirs['seconds']:.1f} s ({what}, no fsync{imp})", f"{speed:.2f}x faster", ">= 3x", speed >= 3)
+    durable = theirs["durable_seconds"] / ours["seconds"]
+    row(rows, name, "wall time, both durable", f"{ours['seconds']:.1f} s",
+        f"{theirs['durable_seconds']:.1f} s ({what} + fsync)", f"{durable:.2f}x faster", ">= 3x", durable >= 3)
+    mem = ours["peak_rss"] / theirs["peak_rss"]
+    row(rows, name, "peak RSS", f"{ours['peak_rss'] / GIB:.2f} GiB", f"{theirs['peak_rss'] / GIB:.2f} GiB",
+        f"{mem:.2f}", "<= 0.25", mem <= 0.25)
+
+
+def _plain(a, base, rows) -> None:
+    """(e): model-agnostic consolidation, DCP and ZeRO-3, no config."""
+    print(f"(e) DCP {a.plain_dcp_gib} GiB, no config -> one file ...", file=sys.stderr, flush=True)
+    r = consolidate_plain.run_dcp(a.plain_dcp_gib, base)
+    name = f"(e) DCP {r['bytes'] / GIB:.2f} GiB, {r['tensors']} plain tensors, no config (no_dist) -> one file"
+    _consolidation_rows(rows, name, r["hybridckpt"], r["torch"], "dcp_to_torch_save")
+    print(f"(e) ZeRO-3 {a.plain_zero_gib} GiB of params, no config -> one file ...", file=sys.stderr, flush=True)
+    r = consolidate_plain.run_zero3(a.plain_zero_gib, base)
+    name = (f"(e) ZeRO-3 fp32+AdamW, 2 ranks, {r['param_bytes'] / GIB:.2f} GiB params ({r['bytes'] / GIB:.2f} GiB "
+            f"files), no config -> one file")
+    _consolidation_rows(rows, name, r["hybridckpt"], r["zero_to_fp32"], "zero_to_fp32 script, safetensors")
+    api = r["zero_to_fp32_api"]
+    speed, mem = api["seconds"] / r["hybridckpt"]["seconds"], r["hybridckpt"]["peak_rss"] / api["peak_rss"]
+    row(rows, name, "vs get_fp32_state_dict_from_zero_checkpoint + torch.save",
+        f"{r['hybridckpt']['seconds']:.1f} s, {r['hybridckpt']['peak_rss'] / GIB:.2f} GiB",
+        f"{api['seconds']:.1f} s, {api['peak_rss'] / GIB:.2f} GiB (importing deepspeed: {api['import_s']:.1f} s)",
+        f"{speed:.2f}x faster, RSS {mem:.2f}", ">= 3x, <= 0.25", speed >= 3 and mem <= 0.25)
+
+
+def _others(a, base, rows) -> None:
+    """(a) to (d)."""
+    # (a), for each layout
+    for layout, what in (("fsdp", "FSDP2, every tensor on dim 0"), ("tp", "row-parallel on dim 1")):
+        print(f"(a) DCP {a.dcp_gib} GiB ({layout}) -> one file ...", file=sys.stderr, flush=True)
+        ra = consolidate_dcp.run(a.dcp_gib, os.path.join(base, "a-" + layout), layout=layout)
+        name = f"(a) DCP {ra['bytes'] / GIB:.2f} GiB, 2 ranks ({what}) -> one file"
+        _consolidation_rows(rows, name, ra["hybridckpt"], ra["torch"], "dcp_to_torch_save")
+
+    # (b) small, then (c) and (d) on it
+    print(f"(b) Megatron {a.small_gib} GiB ...", file=sys.stderr, flush=True)
+    small = import_megatron.run(a.small_gib, base, keep=True, keep_import=True, repeat=2)
+    src, ckpt = small["src"], small["imported"]
+    print("(c) restores ...", file=sys.stderr, flush=True)
+    subprocess.run(["sync"], check=True)
+    same = min(restore_seconds(ckpt, "tp=4,pp=2") for _ in range(2))
+    other = min(restore_seconds(ckpt, "fsdp=2,tp=2,pp=2") for _ in range(2))
+    shutil.rmtree(ckpt, ignore_errors=True)
+    print("(d) 1 vs 2 processes ...", file=sys.stderr, flush=True)
+    subprocess.run(["sync"], check=True)
+    rd = import_multiprocess.run(src, base, import_megatron.MESH)
+    shutil.rmtree(src, ignore_errors=True)
+    print(f"(b) Megatron {a.large_gib} GiB ...", file=sys.stderr, flush=True)
+    large = import_megatron.run(a.large_gib, base)
+
+    for r in (small, large):
+        i, s = r["import"], r["save"]
+        name = f"(b) Megatron tp4 pp2 {r['files_bytes'] / GIB:.2f} GiB bf16 -> Orbax"
+        floor = r["cat_s"] + s["seconds"]
+        ratio = i["seconds"] / floor
+        row(rows, name, "import time", f"{i['seconds']:.1f} s, {i['bytes'] / i['seconds'] / 1e9:.2f} GB/s",
+            f"cat {r['cat_s']:.2f} s ({r['files_bytes'] / r['cat_s'] / 1e9:.1f} GB/s) + Orbax save from memory "
+            f"{s['seconds']:.1f} s", f"{ratio:.2f} of the sum; {i['seconds'] / r['cat_s']:.0f}x cat, "
+            f"{i['seconds'] / s['seconds']:.2f}x save", "<= 1.25", ratio <= 1.25)
+        row(rows, name, "peak RSS", f"{i['peak_rss'] / GIB:.2f} GiB",
+            f"{s['peak_rss'] / GIB:.2f} GiB (arrays in memory, then save)", f"{i['peak_rss'] / s['peak_rss']:.2f}",
+            "", True)
+    growth = large["import"]["peak_rss"] / small["import"]["peak_rss"]
+    row(rows, "(b) import peak RSS, large vs small", "RSS ratio",
+        f"{large['import']['peak_rss'] / GIB:.2f} vs {small['import']['peak_rss'] / GIB:.2f} GiB",
+        f"checkpoint {large['files_bytes'] / small['files_bytes']:.1f}x larger", f"{growth:.2f}", "<= 1.2",
+        growth <= 1.2)
+    # (c)
+    rc = other / same
+    row(rows, "(c) restore the (b) checkpoint (saved on tp=4,pp=2)", "restore time",
+        f"{other:.2f} s onto fsdp=2,tp=2,pp=2", f"{same:.2f} s onto tp=4,pp=2", f"{rc:.2f}", "<= 1.2", rc <= 1.2)
+    # (d)
+    one, two = rd[1][0], rd[2]
+    fr = [p["bytes_read"] / p["tensor_bytes"] for p in two]
+    row(rows, f"(d) import the {a.small_gib:g} GiB source: 2 processes x 4 devices", "bytes read / process",
+        " / ".join(f"{x:.1%}" for x in fr), f"{one['bytes_read'] / one['tensor_bytes']:.1%} (1 process x 8)",
+        f"{max(fr):.3f}", "<= 0.55", max(fr) <= 0.55)
+    t2 = max(p["seconds"] for p in two)
+    row(rows, "(d) same", "import time", f"{t2:.1f} s (both processes share the 2 cores)",
+        f"{one['seconds']:.1f} s", f"{t2 / one['seconds']:.2f}", "", True)
 
 
 if __name__ == "__main__":
