@@ -31,16 +31,33 @@ def _simulate_host_devices(count: int = 8) -> None:
 
 
 class _Interrupt:
-    """SIGINT while a job runs: remember it and raise KeyboardInterrupt in the main thread. An
-    error that the interrupt causes further down (an event loop closed under Orbax, a worker's
-    exception) is then reported as the interrupt it is."""
+    """SIGINT while a job runs: remember it, silence stderr while the job unwinds (Orbax's and
+    TensorStore's worker threads report the interrupt as tracebacks of their own, e.g. 'Event
+    loop is closed'), and raise KeyboardInterrupt in the main thread. An error the interrupt
+    causes further down is then reported as the interrupt it is, on one line (`restore`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, quiet_unwind: bool = True) -> None:
         self.seen = False
+        self.quiet_unwind = quiet_unwind
+        self._saved_fd: int | None = None
 
     def __call__(self, signum, frame) -> None:
+        if not self.seen and self.quiet_unwind:
+            sys.stderr.flush()
+            self._saved_fd = os.dup(2)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 2)
+            os.close(devnull)
         self.seen = True
         raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        """Give stderr back (before the one line is printed)."""
+        if self._saved_fd is not None:
+            sys.stderr.flush()
+            os.dup2(self._saved_fd, 2)
+            os.close(self._saved_fd)
+            self._saved_fd = None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     _simulate_host_devices()
-    interrupt = _Interrupt()
+    interrupt = _Interrupt(quiet_unwind=not args.debug)
     previous = signal.getsignal(signal.SIGINT)
     in_main_thread = _is_main_thread()
     if in_main_thread:
@@ -57,12 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except KeyboardInterrupt:
+        interrupt.restore()
         print(_INTERRUPTED, file=sys.stderr)
         return 130
     except HybridCkptError as e:
         if args.debug:
             traceback.print_exc()
         if interrupt.seen:
+            interrupt.restore()
             print(_INTERRUPTED, file=sys.stderr)
             return 130
         msg = " ".join(str(e).split())
@@ -71,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException:
         if not interrupt.seen:
             raise
+        interrupt.restore()
         print(_INTERRUPTED, file=sys.stderr)
         return 130
     finally:
