@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridckpt import naming
-from hybridckpt.errors import CheckpointError, ConfigError, MappingError
+from hybridckpt.errors import CheckpointError, ConfigError, FormatError, MappingError
 from hybridckpt.formats.config_file import read_json
 from hybridckpt.naming import Named
 from hybridckpt.rules import load_rules
@@ -28,9 +28,7 @@ def load_config_file(path: str, vocab_size: int | None = None) -> Any:
 
     try:
         data = read_json(path)
-    except CheckpointError as e:
-        raise ConfigError(str(e)) from None
-    except Exception as e:  # FormatError: missing or malformed
+    except FormatError as e:  # missing or not a JSON object: a bad --config
         raise ConfigError(str(e)) from None
     if "dim" in data and "n_layers" in data:
         return models.config_from_meta_params(data, vocab_size=vocab_size, source=path)
