@@ -9,7 +9,7 @@ from __future__ import annotations
 
 # The root and the model-config error live in `models` (which imports nothing from hybridckpt);
 # they are re-exported here so every error still comes from one family.
-from models.errors import ConfigError, HybridCkptError
+from models.errors import ConfigError, HybridCkptError, UnknownModelError
 
 __all__ = [
     "CheckpointError",
@@ -18,6 +18,7 @@ __all__ = [
     "HybridCkptError",
     "MappingError",
     "MeshError",
+    "UnknownModelError",
     "UnsafePickleError",
 ]
 

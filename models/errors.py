@@ -15,3 +15,8 @@ class HybridCkptError(Exception):
 
 class ConfigError(HybridCkptError):
     """A model config is missing or describes an unknown architecture."""
+
+
+class UnknownModelError(ConfigError):
+    """A config names an architecture no family of `models` implements: a format may then go on
+    model-agnostic (tensors under the source's own names) instead of failing."""

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Protocol
 
-from models.errors import ConfigError
+from models.errors import ConfigError, UnknownModelError
 
 
 class ModelConfig(Protocol):
@@ -173,7 +173,7 @@ def family_for_hf(d: Mapping[str, Any], source: str) -> Family:
             if arch in fam.hf_architectures:
                 return fam
     if archs:
-        raise ConfigError(
+        raise UnknownModelError(
             f"{source}: architectures {list(archs)} (model_type {d.get('model_type')!r}) is not "
             f"supported; supported: {supported_hf()}"
         )
@@ -181,7 +181,7 @@ def family_for_hf(d: Mapping[str, Any], source: str) -> Family:
     for fam in _discover().values():
         if model_type in fam.hf_model_types:
             return fam
-    raise ConfigError(
+    raise UnknownModelError(
         f"{source}: model_type {model_type!r} with no architectures is not supported; "
         f"supported: {supported_hf()}"
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from hybridckpt.errors import ConfigError, FormatError
+from hybridckpt.errors import ConfigError, FormatError, UnknownModelError
 
 
 def read_json(path: str) -> dict:
@@ -34,7 +34,9 @@ def config_beside(*folders: str, config=None, required_for: str | None = None):
     """`config` when given, else the model config of the first `folder/config.json` found.
 
     With `required_for` (e.g. "an HF checkpoint") a missing file is a ConfigError that says so;
-    otherwise the result is None and the caller (or `--config`) supplies one.
+    otherwise the result is None and the caller (or `--config`) supplies one. A config.json of an
+    architecture no model family implements also gives None: the checkpoint is then read
+    model-agnostic, its tensors under their own names (`UnknownModelError` is not raised).
     """
     if config is not None:
         return config
@@ -43,7 +45,10 @@ def config_beside(*folders: str, config=None, required_for: str | None = None):
     for folder in folders:
         path = os.path.join(folder, "config.json")
         if os.path.isfile(path):
-            return config_from_hf(read_json(path), source=path)
+            try:
+                return config_from_hf(read_json(path), source=path)
+            except UnknownModelError:
+                return None
     if required_for:
         path = os.path.join(folders[0], "config.json")
         raise ConfigError(f"{path}: missing; {required_for} needs its config.json (or pass --config)")

@@ -71,6 +71,9 @@ def _open_file(path: str, config) -> SourceCheckpoint:
     folder = os.path.dirname(path) or "."
     tensors = {k: as_model_dtype(t) for k, t in d.tensors.items()}
     cfg = load_config(folder, config)
+    if cfg is None:  # one single-card file of an architecture we do not know: its own names
+        return SourceCheckpoint(format=NAME, path=path, tensors=tensors,
+                                notes=("no known model config: tensors under Paddle's own names",))
     return SourceCheckpoint(
         format=NAME,
         path=path,

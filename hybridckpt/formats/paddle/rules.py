@@ -57,6 +57,13 @@ def family(cfg, where: str = "") -> PaddleFamily:
     entry = FAMILIES.get(getattr(cfg, "family", None))
     if entry is None:
         at = f"{where}: " if where else ""
+        if cfg is None:
+            raise FormatError(
+                f"{at}the config.json names an architecture hybridckpt does not know; a PaddleNLP "
+                f"hybrid-parallel checkpoint's tp/pp layout (which dims each rank splits, which "
+                f"layers each stage holds) comes from the model family, so it cannot be read "
+                f"model-agnostic: families read: {sorted(FAMILIES)}"
+            )
         raise FormatError(
             f"{at}PaddleNLP checkpoints are read for the families {sorted(FAMILIES)}; the config "
             f"is {type(cfg).__name__} ({getattr(cfg, 'family', '?')})"
