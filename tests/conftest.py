@@ -1,4 +1,17 @@
-"""Test session set-up: 8 simulated host devices before jax initialises (the same tests run on GPUs)."""
+"""Test session set-up: 8 simulated host devices before jax initialises (the same tests run on GPUs).
+
+The tests are laid out like the code: `lazy/`, `rules/`, `io/` (`io/pickle/`), `optim/`,
+`formats/` (one file per format, plus damaged files), `store/` (our Orbax checkpoints: manager,
+streaming save, restore, checksums, crash safety), `jobs/` (the CLI and the jobs end to end),
+`families/` (the model families of `models/`; a folder named `models` here would shadow that
+package for `import models`), and at this level what cuts across layers (import layers, README,
+hostile pickles, fuzzing, meshes and the plan). Helpers: `e2e.py`, `fixtures/` (the writers of
+other frameworks' checkpoints), `attacks/`, `oracles/`.
+
+pytest imports these files in its default "prepend" mode with no `__init__.py` in the test
+folders: every test file's basename must be unique, and this folder is on sys.path, so tests
+import the helpers as `from fixtures import ...`, `from attacks import ...`, `from e2e import ...`.
+"""
 
 import os
 

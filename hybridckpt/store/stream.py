@@ -24,7 +24,7 @@ Memory: tiles read but not yet written are bounded by `inflight_bytes` (a tile l
 bound runs alone), plus at most two batches of small tiles (`SMALL_BATCH_BYTES`) staged for a
 shared commit, so peak host memory is a few tiles, whatever the checkpoint size. The result
 is an ordinary Orbax checkpoint, byte-compatible with saving the same jax.Arrays with the same
-SaveArgs (tests/test_streaming.py compares the metadata files and restores onto other meshes).
+SaveArgs (tests/store/test_streaming.py compares the metadata files and restores onto other meshes).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ HF `config.json` (`from_hf` / `to_hf`): architectures `GPT2LMHeadModel` (or, whe
 (gelu_new, scaled attention weights, head tied to `wte`, no cross-attention).
 
 `shape_tree` is the tree `models.gpt2.module.GPT2` builds (see the `Params` list there: fp32,
-kernels `[in, out]`, per-layer params stacked on a leading `[L]` axis); `tests/test_models.py`
+kernels `[in, out]`, per-layer params stacked on a leading `[L]` axis); `tests/families/test_models.py`
 checks it against `jax.eval_shape` of the module's init.
 
 HF names: `GPT2LMHeadModel.save_pretrained` writes `transformer.`-prefixed names, a bare

@@ -12,7 +12,7 @@ Two external forms are read:
 
 `shape_tree` is the tree `models.llama.module.Llama` builds (see the `Params` list there: fp32,
 kernels `[in, out]`, per-layer params stacked on a leading `[L]` axis); exports and name checks
-use it, and `tests/test_models.py` checks it against `jax.eval_shape` of the module's init.
+use it, and `tests/families/test_models.py` checks it against `jax.eval_shape` of the module's init.
 """
 
 from __future__ import annotations

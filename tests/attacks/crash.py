@@ -6,7 +6,7 @@ marker that writing has begun is the temporary sibling appearing (`.<name>.tmp-*
 first step reported by the training loop); the child is then SIGKILLed after a delay drawn
 from a seeded RNG over the write phase measured by one uninterrupted calibration run (some
 delays fall after the end: the complete outcome). `outcome()` classifies what is left.
-Shared by tests/test_crash_safety.py and benchmarks/reliability.py.
+Shared by tests/store/test_crash_safety.py and benchmarks/reliability.py.
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def store_outcome(directory: str, saved: list[int]) -> str:
     return "complete"
 
 
-# -- the three kill experiments (tests/test_crash_safety.py, benchmarks/reliability.py) ------
+# -- the three kill experiments (tests/store/test_crash_safety.py, benchmarks/reliability.py) ------
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Damaged checkpoints of every format: the case list shared by tests/test_damaged.py and
+"""Damaged checkpoints of every format: the case list shared by tests/formats/test_damaged.py and
 benchmarks/reliability.py.
 
 A `Damage` copies one source checkpoint (`attacks.sources`), breaks it in one way, and names

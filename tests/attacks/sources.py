@@ -4,7 +4,7 @@ and copied before each damage or crash case.
 `build_sources(root)` writes them under `root` in a second or two and returns name -> folder:
 HF from the packaged sample, Megatron / Meta / Paddle / Colossal by the fixture writers, DCP
 and DeepSpeed ZeRO-2 here (torch's own DCP metadata classes and `torch.save`, the layouts the
-real tools write; tests/test_dcp.py and tests/test_deepspeed.py cover the real tools' files). `shared_sources(tmp_path_factory)` does it once per test run even under
+real tools write; tests/formats/test_dcp.py and tests/formats/test_deepspeed.py cover the real tools' files). `shared_sources(tmp_path_factory)` does it once per test run even under
 pytest-xdist: the first worker builds under the run's shared temp dir while holding a lock.
 """
 
@@ -82,7 +82,7 @@ def write_dcp(out: str, ref, *, ranks: int = 4, rank_local: bool = False) -> Non
     split on dim 0 over `ranks` writers (uneven last chunk), written with torch's own metadata
     classes and `torch.save` per chunk (the `.distcp` layout of
     torch/distributed/checkpoint/filesystem.py). `rank_local`: `__R.metadata` per rank as with
-    `use_collectives=False`. tests/test_damaged.py checks torch's `dcp.load` reads it back."""
+    `use_collectives=False`. tests/formats/test_damaged.py checks torch's `dcp.load` reads it back."""
     import io
 
     import torch

@@ -19,7 +19,7 @@ from hybridckpt.errors import MappingError
 from hybridckpt.rules import load_rules
 from models import config_from_hf
 
-RULES = os.path.join(os.path.dirname(__file__), "..", "examples", "llama_variant.rules")
+RULES = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "llama_variant.rules")
 
 
 def to_variant(ref) -> dict[str, np.ndarray]:

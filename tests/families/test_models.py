@@ -576,7 +576,7 @@ def test_config_dict_round_trip_and_errors():
 
 # ------------------------------------------------------------------------------- registry
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:

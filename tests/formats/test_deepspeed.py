@@ -17,6 +17,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from fixtures import FIXTURES
 from fixtures.ckpt_checks import (
     assert_export_equals,
     export_in_fresh_process,
@@ -30,7 +31,7 @@ from hybridckpt.formats import detect, open_source
 from hybridckpt.io.byte_source import close_all, count_reads
 from hybridckpt.io.pickle import torch_save
 
-WRITER = os.path.join(os.path.dirname(__file__), "fixtures", "ds_writer.py")
+WRITER = os.path.join(FIXTURES, "ds_writer.py")
 VARIANTS = ["z1", "z2", "z3", "z2_bf16", "z3_bf16", "bf16opt"]
 TAG = "global_step3"
 

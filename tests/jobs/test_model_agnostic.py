@@ -31,6 +31,7 @@ import jax
 import numpy as np
 import pytest
 import torch
+from fixtures import FIXTURES
 from fixtures import colossal_writer as cw
 from fixtures import paddle_writer as pw
 from jax.sharding import PartitionSpec as P
@@ -43,7 +44,7 @@ LAYERS = 16
 SHAPE = (64, 32)  # [out, in]
 NAMES = [f"model.layers.{i}.mlp.up_proj.weight" for i in range(LAYERS)]
 STEP = 7
-DS_WRITER = os.path.join(os.path.dirname(__file__), "fixtures", "ds_writer.py")
+DS_WRITER = os.path.join(FIXTURES, "ds_writer.py")
 
 # 2 gloo ranks save the same 16 tensors as DTensors: even layers split on dim 0 (FSDP2), odd
 # layers on dim 1 (row-parallel TP); every rank creates only its half

@@ -14,6 +14,7 @@ import shutil
 
 import numpy as np
 import pytest
+from fixtures import FIXTURES
 from fixtures.ckpt_checks import (
     assert_export_equals,
     export_in_fresh_process,
@@ -27,7 +28,7 @@ from hybridckpt.formats import dcp, detect, open_source
 from hybridckpt.io.byte_source import close_all, count_reads
 from hybridckpt.io.dcp_metadata import read_metadata
 
-WRITER = os.path.join(os.path.dirname(__file__), "fixtures", "dcp_writer.py")
+WRITER = os.path.join(FIXTURES, "dcp_writer.py")
 EMBED = "model.model.embed_tokens.weight"
 
 

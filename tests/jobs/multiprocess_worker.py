@@ -1,4 +1,4 @@
-"""One process of a 2-process `jax.distributed` import (run by tests/test_multiprocess.py).
+"""One process of a 2-process `jax.distributed` import (run by tests/jobs/test_multiprocess.py).
 
 usage: multiprocess_worker.py PROCESS_ID PORT SRC DST MESH OUT_JSON
 """
