@@ -6,9 +6,9 @@ import os
 
 import numpy as np
 import pytest
+from fixtures.lazy_views import SETTINGS, boxes, composed, stored_in_blob
 from hypothesis import given
 from hypothesis import strategies as st
-from test_lazy import SETTINGS, _stored, boxes, composed
 
 from hybridckpt import lazy
 from hybridckpt.errors import FormatError
@@ -52,8 +52,8 @@ def test_runs_of_any_view_are_none_or_the_box_bytes(blob, data):
 
 
 def test_what_has_runs_and_what_does_not(blob):
-    a, _ = _stored(blob, (4, 8))
-    b, _ = _stored(blob, (4, 8), 100)
+    a, _ = stored_in_blob(blob, (4, 8))
+    b, _ = stored_in_blob(blob, (4, 8), 100)
     assert len(lazy.Concat((a, b), 0).file_runs(lazy.full_box((8, 8)), 8)) == 2
     # joined on dim 1: every row alternates between the parts
     assert len(lazy.Concat((a, b), 1).file_runs(lazy.full_box((4, 16)), UNLIMITED)) == 8

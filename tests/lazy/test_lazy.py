@@ -1,105 +1,15 @@
 """Lazy views equal their numpy reference for random compositions and boxes, and read only their box."""
 
-import math
-
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from fixtures.lazy_views import SETTINGS, boxes, composed, shapes, stored_in_blob
+from hypothesis import given
 from hypothesis import strategies as st
 
 from hybridckpt import lazy
 from hybridckpt.errors import FormatError
 from hybridckpt.io.byte_source import ByteSource, count_reads
-
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-
-
-BLOB_ELEMENTS = 4096  # float32 values 0..4095 in the `blob` fixture (tests/conftest.py)
-
-
-def _stored(blob, shape, start=0):
-    return lazy.StoredTensor(ByteSource(blob), start * 4, tuple(shape), np.dtype(np.float32)), (
-        np.arange(BLOB_ELEMENTS, dtype=np.float32)[start : start + math.prod(shape)].reshape(shape)
-    )
-
-
-def _fits(shape, start) -> bool:
-    """Whether a stored tensor of `shape` at element `start` lies inside the blob (stacks and
-    concatenations of stacks can outgrow it)."""
-    return start + math.prod(shape) <= BLOB_ELEMENTS
-
-
-shapes = st.lists(st.integers(1, 6), min_size=1, max_size=4)
-
-
-@st.composite
-def boxes(draw, shape):
-    box = []
-    for n in shape:
-        a = draw(st.integers(0, n))
-        b = draw(st.integers(a, n))
-        box.append((a, b))
-    return tuple(box)
-
-
-ALL_VIEWS = ("transpose", "slice", "reshape", "concat", "stack", "take", "cast", "index0")
-
-
-@st.composite
-def composed(draw, blob, views=ALL_VIEWS, in_memory=True):
-    """A random composition of `views` over the blob and its numpy reference; stacks take an
-    in-memory part too when `in_memory`."""
-    shape = draw(shapes)
-    start = draw(st.integers(0, 64))
-    t, ref = _stored(blob, shape, start)
-    for _ in range(draw(st.integers(0, 4))):
-        kind = draw(st.sampled_from(views))
-        if kind == "transpose":
-            perm = draw(st.permutations(range(t.ndim)))
-            t, ref = lazy.transpose(t, perm), ref.transpose(perm)
-        elif kind == "slice":
-            box = draw(boxes(t.shape))
-            if all(b > a for a, b in box):
-                t, ref = lazy.Slice(t, box), ref[tuple(slice(a, b) for a, b in box)]
-        elif kind == "reshape":
-            n = t.size
-            divisors = [d for d in range(1, n + 1) if n % d == 0]
-            d = draw(st.sampled_from(divisors))
-            new = (d, n // d) if draw(st.booleans()) else (n,)
-            t, ref = lazy.reshape(t, new), ref.reshape(new)
-        elif kind == "concat":
-            axis = draw(st.integers(0, t.ndim - 1))
-            other_shape = list(t.shape)
-            other_shape[axis] = draw(st.integers(1, 4))
-            o_start = draw(st.integers(0, 200))
-            if not _fits(other_shape, o_start):
-                continue
-            o, oref = _stored(blob, other_shape, o_start)
-            o, oref = lazy.cast(o, t.dtype), oref.astype(t.dtype)
-            if draw(st.booleans()):
-                t, ref = lazy.Concat((t, o), axis), np.concatenate([ref, oref], axis)
-            else:
-                t, ref = lazy.Concat((o, t), axis), np.concatenate([oref, ref], axis)
-        elif kind == "stack":
-            o_start = draw(st.integers(0, 200))
-            if not _fits(t.shape, o_start):
-                continue
-            o, oref = _stored(blob, t.shape, o_start)
-            o, oref = lazy.cast(o, t.dtype), oref.astype(t.dtype)
-            if in_memory:
-                t, ref = lazy.Stack((t, lazy.ArrayTensor(oref), o)), np.stack([ref, oref, oref])
-            else:
-                t, ref = lazy.Stack((t, o)), np.stack([ref, oref])
-        elif kind == "index0" and t.ndim > 1:
-            i = draw(st.integers(0, t.shape[0] - 1))
-            t, ref = lazy.index0(t, i), ref[i]
-        elif kind == "take":
-            idx = draw(st.permutations(range(t.shape[0])))
-            t, ref = lazy.Take(t, 0, tuple(idx)), ref[list(idx)]
-        elif kind == "cast":
-            t, ref = lazy.Cast(t, np.dtype(np.float64)), ref.astype(np.float64)
-    return t, ref
 
 
 @SETTINGS
@@ -122,7 +32,7 @@ def test_random_compositions_and_boxes_equal_numpy(blob, data):
 @given(data=st.data())
 def test_stored_box_reads_exactly_its_bytes(blob, data):
     shape = data.draw(shapes)
-    t, ref = _stored(blob, shape)
+    t, ref = stored_in_blob(blob, shape)
     box = data.draw(boxes(shape))
     with count_reads() as c:
         got = t.read_box(box)
