@@ -52,28 +52,51 @@ def dense(
     )
 
 
-def stacked(block: type[nn.Module], num_layers: int, n_broadcast: int) -> type[nn.Module]:
-    """`block` (called as `block(x, *broadcast) -> (x, None)`) scanned over `num_layers` layers,
-    its params stacked on a leading axis with logical name "layers"."""
+def stacked(
+    block: type[nn.Module], num_layers: int, n_broadcast: int, n_per_layer: int = 0
+) -> type[nn.Module]:
+    """`block` (called as `block(x, *broadcast, *per_layer) -> (x, None)`) scanned over
+    `num_layers` layers, its params stacked on a leading axis with logical name "layers".
+
+    The `n_per_layer` last inputs are arrays with a leading `[num_layers]` axis: layer i sees
+    row i (data that differs per layer, e.g. which attention kind a layer uses)."""
     return nn.scan(
         block,
         variable_axes={"params": 0},
         split_rngs={"params": True},
-        in_axes=(nn.broadcast,) * n_broadcast,
+        in_axes=(nn.broadcast,) * n_broadcast + (0,) * n_per_layer,
         length=num_layers,
         metadata_params={nn.PARTITION_NAME: "layers"},
     )
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float) -> jax.Array:
+def causal_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    scale: float,
+    *,
+    softcap: float | None = None,
+    window: jax.Array | int | None = None,
+) -> jax.Array:
     """Causal softmax attention. q, k, v: `[batch, seq, heads, head_dim]` (same head count).
 
     Scores and softmax are fp32 (transformers' eager attention); probabilities are cast back to
     v's dtype before the value product. Returns `[batch, seq, heads, head_dim]` in v's dtype.
+
+    softcap: scores (after `scale`) become `tanh(scores / softcap) * softcap` before the mask
+    (Gemma 2's `attn_logit_softcapping`, transformers' `eager_attention_forward`).
+    window: query i sees keys j with `i - window < j <= i` (transformers' masking_utils
+    `sliding_window_overlay`); may be a traced scalar, so the window can be per-layer data.
     """
     seq = q.shape[1]
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
     mask = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    if window is not None:
+        pos = jnp.arange(seq)
+        mask = mask & (pos[None, :] > pos[:, None] - window)
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
