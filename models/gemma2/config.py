@@ -1,0 +1,314 @@
+"""Gemma 2 family config and its HF form, rule variables and param shapes (no JAX); also the
+pieces of a Gemma config that Gemma 3 (`models.gemma3.config`) reads the same way.
+
+HF `config.json` (`from_hf` / `to_hf`): architectures `Gemma2ForCausalLM` (or, when
+`architectures` is absent, `model_type` "gemma2"), read as
+huggingface/transformers:src/transformers/models/gemma2/configuration_gemma2.py reads it:
+- `layer_types`: one of "sliding_attention" / "full_attention" per layer (transformers 5); when
+  absent, the older alternation rule `__post_init__` applies: layer i slides iff (i + 1) % 2,
+  so layer 0 is local, layer 1 global, and so on.
+- `sliding_window` (default 4096): a local layer's query i sees keys i - window < j <= i.
+- `query_pre_attn_scalar` (default 256): the attention scale is `query_pre_attn_scalar ** -0.5`
+  (not head_dim's); `attn_logit_softcapping` (50) and `final_logit_softcapping` (30): scores and
+  logits become `tanh(x / c) * c` (null: no capping).
+- `hidden_activation` must be "gelu_pytorch_tanh" (the only one transformers 5 reads; the legacy
+  `hidden_act` key is ignored, as there). `attention_bias` and `use_bidirectional_attention` true
+  are refused.
+- RoPE from transformers 5's `rope_parameters` or v4's `rope_theta` + `rope_scaling`, kept as the
+  whole dict (`rope_type`, `rope_theta`, scaling keys) and written back unchanged.
+
+`shape_tree` is the tree `models.gemma2.module.Gemma2` builds (see the `Params` list there: fp32,
+kernels `[in, out]`, every layer, local or global, stacked on one leading `[L]` axis; norm
+weights stored zero-centred, as HF stores them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from models.config_checks import as_floats, check_positive, require
+from models.errors import ConfigError
+
+ARCHITECTURE = "Gemma2ForCausalLM"
+SLIDING, FULL = "sliding_attention", "full_attention"
+ROPE_TYPES = ("default", "linear")  # what the module computes (TODO: every type, via models.rope)
+
+# A RoPE parameters dict, frozen so the config stays hashable: sorted (key, value) pairs, lists
+# as tuples. {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6} for example.
+RopeParams = tuple[tuple[str, Any], ...]
+
+
+def freeze_rope(rope: Mapping[str, Any] | Sequence[Sequence[Any]], where: str) -> RopeParams:
+    """`rope` (a dict, or the pairs our JSON gives back) as sorted pairs; checks its type and
+    theta."""
+    pairs = rope.items() if isinstance(rope, Mapping) else rope
+    try:
+        d = {str(k): tuple(v) if isinstance(v, list) else v for k, v in pairs}
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: expected a RoPE parameters object, found {rope!r}") from None
+    kind = rope_type(d)
+    if kind not in ROPE_TYPES:
+        raise ConfigError(
+            f"{where}: rope type {kind!r} is not implemented; expected one of {list(ROPE_TYPES)}"
+        )
+    theta = d.get("rope_theta")
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:
+        raise ConfigError(f"{where}: rope_theta must be a positive number, found {theta!r}")
+    if kind == "linear":
+        factor = d.get("factor")
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0:
+            raise ConfigError(f"{where}: linear RoPE needs a positive factor, found {factor!r}")
+    return tuple(sorted(d.items()))
+
+
+def rope_type(rope: Mapping[str, Any]) -> str:
+    """The RoPE type of an HF parameters dict (`rope_type`, or v4's `type`; "default")."""
+    return rope.get("rope_type", rope.get("type", "default"))
+
+
+def hf_rope_dict(d: Mapping[str, Any], source: str, default_theta: float) -> dict[str, Any]:
+    """One RoPE parameters dict from transformers 5's flat `rope_parameters` or v4's
+    `rope_theta` + `rope_scaling` (scaling keys kept as written)."""
+    rope: dict[str, Any] = {}
+    for key in ("rope_scaling", "rope_parameters"):
+        given = d.get(key)
+        if given is None:
+            continue
+        if not isinstance(given, Mapping):
+            raise ConfigError(f"{source}: {key} must be an object or null, found {given!r}")
+        rope.update(given)
+    if "rope_type" not in rope and "type" not in rope:
+        rope["rope_type"] = "default"
+    if rope.get("rope_theta") is None:
+        rope["rope_theta"] = d["rope_theta"] if d.get("rope_theta") is not None else default_theta
+    return rope
+
+
+def hf_rope_keys(rope: RopeParams) -> dict[str, Any]:
+    """`rope_theta` and `rope_scaling` (null for plain RoPE) as transformers 4 reads them."""
+    d = dict(rope)
+    scaling = {k: v for k, v in d.items() if k != "rope_theta"}
+    return {
+        "rope_theta": d["rope_theta"],
+        "rope_scaling": None if rope_type(d) == "default" else scaling,
+    }
+
+
+def hf_layer_types(d: Mapping[str, Any], num_layers: int, pattern: int) -> tuple[str, ...]:
+    """`layer_types` as given, else transformers' rule: layer i slides iff (i + 1) % pattern."""
+    given = d.get("layer_types")
+    if given is not None:
+        return tuple(given) if isinstance(given, list | tuple) else given
+    return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(num_layers))
+
+
+def check_gemma(cfg: Any) -> None:
+    """The checks every Gemma config shares (sizes, floats, layer kinds, window, heads)."""
+    name = type(cfg).__name__
+    ints = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads")
+    check_positive(cfg, (*ints, "num_kv_heads", "head_dim", "max_position_embeddings"))
+    as_floats(cfg, ("rms_norm_eps",))
+    for field in ("query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping"):
+        value = getattr(cfg, field)
+        if value is None and field != "query_pre_attn_scalar":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ConfigError(f"{name}.{field}: expected a positive number, found {value!r}")
+    object.__setattr__(cfg, "tie_word_embeddings", bool(cfg.tie_word_embeddings))
+    kinds = cfg.layer_types
+    if not isinstance(kinds, tuple) or len(kinds) != cfg.num_layers:
+        raise ConfigError(f"{name}.layer_types: expected {cfg.num_layers} entries, found {kinds!r}")
+    bad = sorted({k for k in kinds if k not in (SLIDING, FULL)}, key=str)
+    if bad:
+        raise ConfigError(f"{name}.layer_types: expected {SLIDING!r} or {FULL!r}, found {bad}")
+    if SLIDING in kinds:
+        check_positive(cfg, ("sliding_window",))
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ConfigError(
+            f"{name}: num_heads {cfg.num_heads} is not a multiple of num_kv_heads "
+            f"{cfg.num_kv_heads}"
+        )
+    if cfg.head_dim % 2:
+        raise ConfigError(f"{name}: RoPE needs an even head_dim, found {cfg.head_dim}")
+
+
+@dataclass(frozen=True)
+class Gemma2Config:
+    """Gemma 2 (Gemma2ForCausalLM). Field names follow HF's, except the usual renames
+    (num_layers, num_heads, num_kv_heads); `rope` is the whole RoPE parameters dict, frozen.
+
+    layer_types: "sliding_attention" / "full_attention" per layer; () means transformers'
+    alternation rule (resolved at construction).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = 4096
+    query_pre_attn_scalar: float = 256
+    attn_logit_softcapping: float | None = 50.0
+    final_logit_softcapping: float | None = 30.0
+    rms_norm_eps: float = 1e-6
+    rope: RopeParams = (("rope_theta", 10000.0), ("rope_type", "default"))
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        kinds = self.layer_types
+        if isinstance(kinds, list):
+            kinds = tuple(kinds)
+        if kinds == () and isinstance(self.num_layers, int):
+            kinds = hf_layer_types({}, self.num_layers, 2)
+        object.__setattr__(self, "layer_types", kinds)
+        object.__setattr__(self, "rope", freeze_rope(self.rope, "Gemma2Config.rope"))
+        check_gemma(self)
+
+    @property
+    def family(self) -> str:
+        return "gemma2"
+
+    @property
+    def sliding_layers(self) -> tuple[bool, ...]:
+        """Per layer: True for a local (sliding-window) layer, False for a global one."""
+        return tuple(kind == SLIDING for kind in self.layer_types)
+
+
+# ---------------------------------------------------------------------------------------- HF
+
+
+def check_hf_gemma(d: Mapping[str, Any], source: str, arch: str) -> None:
+    """What a Gemma `config.json` must say for our module to compute what transformers does."""
+    require(
+        d,
+        (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        ),
+        source,
+        arch,
+    )
+    act = d.get("hidden_activation") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ConfigError(
+            f"{source}: hidden_activation {act!r} is not supported; expected 'gelu_pytorch_tanh'"
+        )
+    for key in ("attention_bias", "use_bidirectional_attention"):
+        if d.get(key):
+            raise ConfigError(f"{source}: {key}=true is not supported; expected false")
+
+
+def hf_sizes(d: Mapping[str, Any]) -> dict[str, Any]:
+    """The size fields every Gemma config reads the same way (head_dim explicit, as HF's)."""
+    heads = d["num_attention_heads"]
+    return {
+        "vocab_size": d["vocab_size"],
+        "hidden_size": d["hidden_size"],
+        "intermediate_size": d["intermediate_size"],
+        "num_layers": d["num_hidden_layers"],
+        "num_heads": heads,
+        "num_kv_heads": d.get("num_key_value_heads") or heads,
+        "head_dim": d.get("head_dim") or d["hidden_size"] // heads,
+    }
+
+
+def from_hf(d: Mapping[str, Any], source: str) -> Gemma2Config:
+    """A Gemma2Config from an HF `config.json` dict; `source` names the file in errors."""
+    check_hf_gemma(d, source, ARCHITECTURE)
+    sizes = hf_sizes(d)
+    return Gemma2Config(
+        **sizes,
+        layer_types=hf_layer_types(d, sizes["num_layers"], 2),
+        sliding_window=d.get("sliding_window", 4096),
+        query_pre_attn_scalar=d.get("query_pre_attn_scalar", 256),
+        attn_logit_softcapping=d.get("attn_logit_softcapping", 50.0),
+        final_logit_softcapping=d.get("final_logit_softcapping", 30.0),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope=freeze_rope(hf_rope_dict(d, source, 10000.0), f"{source}: rope_parameters"),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+        max_position_embeddings=d.get("max_position_embeddings", 8192),
+    )
+
+
+def hf_common(cfg: Any, architecture: str, model_type: str) -> dict[str, Any]:
+    """The `config.json` keys every Gemma config writes the same way."""
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "layer_types": list(cfg.layer_types),
+        "sliding_window": cfg.sliding_window,
+        "query_pre_attn_scalar": cfg.query_pre_attn_scalar,
+        "attn_logit_softcapping": cfg.attn_logit_softcapping,
+        "final_logit_softcapping": cfg.final_logit_softcapping,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "attention_bias": False,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+    }
+
+
+def to_hf(cfg: Gemma2Config) -> dict[str, Any]:
+    """A `config.json` dict transformers loads back (v4 and v5 RoPE keys both written)."""
+    return {
+        **hf_common(cfg, ARCHITECTURE, "gemma2"),
+        **hf_rope_keys(cfg.rope),
+        "rope_parameters": dict(cfg.rope),
+    }
+
+
+# ---------------------------------------------------------------------- rules and shapes
+
+
+def rule_variables(cfg: Any) -> dict[str, Any]:
+    """Variables a rules text may use (`models.family.RULE_VARIABLES`); any Gemma config."""
+    return {
+        "num_heads": cfg.num_heads,
+        "num_kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "num_layers": cfg.num_layers,
+        "intermediate_size": cfg.intermediate_size,
+        "tied": cfg.tie_word_embeddings,
+    }
+
+
+def shape_tree(cfg: Any) -> dict:
+    """Nested dicts (the params' structure) of shape tuples; every param is fp32."""
+    L, E, M, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    norms = ("attn_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm")
+    tree = {
+        "embed": {"embedding": (V, E)},
+        "layers": {
+            **{name: {"scale": (L, E)} for name in norms},
+            "q": {"kernel": (L, E, q)},
+            "k": {"kernel": (L, E, kv)},
+            "v": {"kernel": (L, E, kv)},
+            "o": {"kernel": (L, q, E)},
+            "gate": {"kernel": (L, E, M)},
+            "up": {"kernel": (L, E, M)},
+            "down": {"kernel": (L, M, E)},
+        },
+        "final_norm": {"scale": (E,)},
+    }
+    if not cfg.tie_word_embeddings:
+        tree["lm_head"] = {"kernel": (E, V)}
+    return tree

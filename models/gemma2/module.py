@@ -1,0 +1,163 @@
+"""Gemma 2 family in Flax linen, numerically like transformers' Gemma2ForCausalLM; Gemma 3
+(`models.gemma3.module`) is this module with q/k norms and a second RoPE table.
+
+Rules from huggingface/transformers:src/transformers/models/gemma2/modeling_gemma2.py:
+- RMSNorm (`Gemma2RMSNorm`): x fp32 * rsqrt(mean(x^2) + eps) * (1 + w) in fp32, then cast back
+  to x's dtype; the stored w is zero-centred (init 0), so (1 + w) is the scale.
+- Embeddings times sqrt(hidden_size), that scalar cast to the compute dtype first
+  (`Gemma2TextScaledWordEmbedding`).
+- Four norms per layer: x += attn_out_norm(attn(attn_norm(x))); x += mlp_out_norm(mlp(mlp_norm(x)))
+  (HF: input_layernorm, post_attention_layernorm, pre_feedforward_layernorm,
+  post_feedforward_layernorm).
+- Attention: scale `query_pre_attn_scalar ** -0.5`; scores soft-capped `tanh(s / c) * c` with
+  c = attn_logit_softcapping before the mask (`eager_attention_forward`); GQA as Llama's; RoPE
+  half-split as Llama's. Local layers mask keys at distance >= sliding_window.
+- MLP: down(gelu_tanh(gate(x)) * up(x)) (`gelu_pytorch_tanh`).
+- Logits (tied `embed.embedding.T` or `lm_head`) soft-capped with final_logit_softcapping.
+
+How Gemma's alternating layers are stacked: every layer, local or global, has the same params, so
+all are stacked on one leading `layers` axis (sharded over `pp`) and run by one `nn.scan`. Which
+kind a layer is is data, not structure: `cfg.sliding_layers` enters the scan as a per-layer bool
+(a scanned input, `stacked(..., n_per_layer=1)`), and inside the block `jnp.where` picks the
+attention window (sliding_window, or the whole sequence) and the RoPE table (row 1 for local
+layers, row 0 for global ones; the two rows are equal in Gemma 2, they differ in Gemma 3).
+
+Params (fp32, kernels `[in, out]`, L = num_layers, norm scales zero-centred):
+  embed.embedding [vocab, embed];
+  layers.{attn_norm,attn_out_norm,mlp_norm,mlp_out_norm}.scale [L, embed];
+  layers.q.kernel [L, embed, heads*hd]; layers.{k,v}.kernel [L, embed, kv_heads*hd];
+  layers.o.kernel [L, heads*hd, embed]; layers.{gate,up}.kernel [L, embed, mlp];
+  layers.down.kernel [L, mlp, embed]; final_norm.scale [embed]; lm_head.kernel [embed, vocab]
+  (untied only). Gemma 3 adds layers.{q_norm,k_norm}.scale [L, hd].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models.common import causal_attention, dense, normal, stacked, zeros
+from models.gemma2.config import Gemma2Config, rope_type
+from models.llama.module import apply_rope
+
+
+class GemmaRMSNorm(nn.Module):
+    """RMSNorm scaling by (1 + w), all in fp32, cast back to the input's dtype."""
+
+    eps: float
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = self.param("scale", zeros((None,)), (x.shape[-1],), jnp.float32)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * (1.0 + w)).astype(x.dtype)
+
+
+def rope_tables(seq: int, head_dim: int, rope: Mapping[str, Any]) -> tuple[jax.Array, jax.Array]:
+    """cos, sin `[seq, head_dim]` fp32 for positions 0..seq-1 (angles repeated over halves).
+
+    Plain RoPE, and "linear" (inv_freq / factor), as transformers' modeling_rope_utils computes
+    them. TODO: replace by models.rope (every rope type) once it lands.
+    """
+    theta = rope["rope_theta"]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if rope_type(rope) == "linear":
+        inv_freq = inv_freq / rope["factor"]
+    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+class GemmaBlock(nn.Module):
+    """One decoder layer. cos/sin `[2, seq, hd]` (row 0 global, row 1 local); `sliding` a bool
+    scalar: this layer's kind."""
+
+    cfg: Any  # Gemma2Config or Gemma3Config
+    dtype: Any
+    qk_norm: bool
+    attn_softcap: float | None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, sliding: jax.Array):
+        cfg, dt = self.cfg, self.dtype
+        b, s, _ = x.shape
+        hd, eps = cfg.head_dim, cfg.rms_norm_eps
+
+        h = GemmaRMSNorm(eps, name="attn_norm")(x)
+        q = dense(cfg.num_heads * hd, ("embed", "heads"), "q", dt)(h)
+        k = dense(cfg.num_kv_heads * hd, ("embed", "kv_heads"), "k", dt)(h)
+        v = dense(cfg.num_kv_heads * hd, ("embed", "kv_heads"), "v", dt)(h)
+        q = q.reshape(b, s, cfg.num_heads, hd)
+        k = k.reshape(b, s, cfg.num_kv_heads, hd)
+        v = v.reshape(b, s, cfg.num_kv_heads, hd)
+        if self.qk_norm:  # per head, before RoPE
+            q = GemmaRMSNorm(eps, name="q_norm")(q)
+            k = GemmaRMSNorm(eps, name="k_norm")(k)
+        cos, sin = jnp.where(sliding, cos[1], cos[0]), jnp.where(sliding, sin[1], sin[0])
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rep = cfg.num_heads // cfg.num_kv_heads
+        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+        window = jnp.where(sliding, cfg.sliding_window or s, s)  # a global layer sees all of seq
+        scale = cfg.query_pre_attn_scalar**-0.5
+        attn = causal_attention(q, k, v, scale, softcap=self.attn_softcap, window=window)
+        attn = dense(cfg.hidden_size, ("heads", "embed"), "o", dt)(attn.reshape(b, s, -1))
+        x = x + GemmaRMSNorm(eps, name="attn_out_norm")(attn)
+
+        h = GemmaRMSNorm(eps, name="mlp_norm")(x)
+        gate = dense(cfg.intermediate_size, ("embed", "mlp"), "gate", dt)(h)
+        up = dense(cfg.intermediate_size, ("embed", "mlp"), "up", dt)(h)
+        h = dense(cfg.hidden_size, ("mlp", "embed"), "down", dt)(
+            nn.gelu(gate, approximate=True) * up
+        )
+        x = x + GemmaRMSNorm(eps, name="mlp_out_norm")(h)
+        return x, None
+
+
+class Gemma2(nn.Module):
+    """tokens `[batch, seq]` int -> logits `[batch, seq, vocab]` float32."""
+
+    cfg: Gemma2Config
+    dtype: Any = jnp.float32
+
+    qk_norm: ClassVar[bool] = False
+
+    def attention_softcap(self) -> float | None:
+        return self.cfg.attn_logit_softcapping
+
+    def rope(self, seq: int) -> tuple[jax.Array, jax.Array]:
+        """cos, sin `[2, seq, hd]`: row 0 for global layers, row 1 for local ones."""
+        cos, sin = rope_tables(seq, self.cfg.head_dim, dict(self.cfg.rope))
+        return jnp.stack([cos, cos]), jnp.stack([sin, sin])
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        cfg, dt = self.cfg, self.dtype
+        embed = nn.Embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype=dt,
+            param_dtype=jnp.float32,
+            embedding_init=normal(("vocab", "embed")),
+            name="embed",
+        )
+        x = embed(tokens) * jnp.float32(cfg.hidden_size**0.5).astype(dt)
+        cos, sin = self.rope(tokens.shape[1])
+        sliding = jnp.asarray(cfg.sliding_layers, dtype=bool)
+        layers = stacked(GemmaBlock, cfg.num_layers, 2, n_per_layer=1)(
+            cfg, dt, self.qk_norm, self.attention_softcap(), name="layers"
+        )
+        x, _ = layers(x, cos, sin, sliding)
+        x = GemmaRMSNorm(cfg.rms_norm_eps, name="final_norm")(x)
+        if cfg.tie_word_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = dense(cfg.vocab_size, ("embed", "vocab"), "lm_head", dt)(x)
+        cap = cfg.final_logit_softcapping
+        if cap is not None:
+            logits = jnp.tanh(logits / cap) * cap
+        return logits.astype(jnp.float32)

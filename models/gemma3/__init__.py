@@ -1,0 +1,22 @@
+"""The Gemma 3 text family: `config.py` (Gemma3Config, HF form, param shapes; no JAX),
+`module.py` (the Flax module: Gemma 2's with q/k norms and local/global RoPE tables),
+`hf.rules` (HF names -> params tree). Rule variables are Gemma 2's."""
+
+from __future__ import annotations
+
+from models.family import Family
+from models.gemma2.config import rule_variables
+from models.gemma3 import config
+
+FAMILY = Family(
+    name="gemma3",
+    config_cls=config.Gemma3Config,
+    hf_architectures=(config.ARCHITECTURE,),
+    hf_model_types=(config.MODEL_TYPE,),
+    config_from_hf=config.from_hf,
+    config_to_hf=config.to_hf,
+    shape_tree=config.shape_tree,
+    rule_variables=rule_variables,
+    module="models.gemma3.module:Gemma3",
+    hf_rules=f"{__name__}:hf.rules",
+)

@@ -1,0 +1,189 @@
+"""Gemma 3 text family config and its HF form, rule variables and param shapes (no JAX).
+
+HF `config.json` (`from_hf` / `to_hf`): architectures `Gemma3ForCausalLM` (or, when
+`architectures` is absent, `model_type` "gemma3_text"), read as
+huggingface/transformers:src/transformers/models/gemma3/configuration_gemma3.py
+(`Gemma3TextConfig`) reads it. What differs from Gemma 2 (`models.gemma2.config`, whose readers
+this reuses):
+- `layer_types` default: layer i slides iff (i + 1) % `sliding_window_pattern` (default 6), so
+  5 local layers, then 1 global.
+- Two RoPE parameter sets: transformers 5's `rope_parameters` nested by layer type
+  (`{"full_attention": {...}, "sliding_attention": {...}}`), or v4's `rope_theta` (global,
+  default 1e6) + `rope_scaling` (global layers only) + `rope_local_base_freq` (local, default
+  1e4). Each is kept as its whole dict and written back unchanged (both forms are written).
+- Per-head q/k RMSNorm (no config key); `final_logit_softcapping` defaults to null.
+- `attn_logit_softcapping` is kept for the round trip but never applied: transformers'
+  `Gemma3Attention` does not pass it to the attention (so Gemma 3 has no attention soft-cap).
+
+Only the text model: `Gemma3ForConditionalGeneration` (vision + `text_config`) is not read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from models.errors import ConfigError
+from models.gemma2.config import (
+    FULL,
+    SLIDING,
+    RopeParams,
+    check_gemma,
+    check_hf_gemma,
+    freeze_rope,
+    hf_common,
+    hf_layer_types,
+    hf_rope_keys,
+    hf_sizes,
+)
+from models.gemma2.config import shape_tree as gemma2_shape_tree
+
+ARCHITECTURE = "Gemma3ForCausalLM"
+MODEL_TYPE = "gemma3_text"
+DEFAULT_PATTERN = 6  # sliding_window_pattern: 5 local layers, then 1 global
+
+
+@dataclass(frozen=True)
+class Gemma3Config:
+    """Gemma 3 text (Gemma3ForCausalLM). Like `Gemma2Config`, with `rope_global` (the
+    "full_attention" RoPE dict) and `rope_local` (the "sliding_attention" one), frozen.
+
+    layer_types: () means transformers' rule with sliding_window_pattern 6 (resolved at
+    construction).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = 4096
+    query_pre_attn_scalar: float = 256
+    attn_logit_softcapping: float | None = None  # kept, never applied (as in transformers)
+    final_logit_softcapping: float | None = None
+    rms_norm_eps: float = 1e-6
+    rope_global: RopeParams = (("rope_theta", 1_000_000.0), ("rope_type", "default"))
+    rope_local: RopeParams = (("rope_theta", 10_000.0), ("rope_type", "default"))
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 131_072
+
+    def __post_init__(self) -> None:
+        kinds = self.layer_types
+        if isinstance(kinds, list):
+            kinds = tuple(kinds)
+        if kinds == () and isinstance(self.num_layers, int):
+            kinds = hf_layer_types({}, self.num_layers, DEFAULT_PATTERN)
+        object.__setattr__(self, "layer_types", kinds)
+        for field in ("rope_global", "rope_local"):
+            object.__setattr__(
+                self, field, freeze_rope(getattr(self, field), f"Gemma3Config.{field}")
+            )
+        check_gemma(self)
+
+    @property
+    def family(self) -> str:
+        return "gemma3"
+
+    @property
+    def sliding_layers(self) -> tuple[bool, ...]:
+        """Per layer: True for a local (sliding-window) layer, False for a global one."""
+        return tuple(kind == SLIDING for kind in self.layer_types)
+
+
+# ---------------------------------------------------------------------------------------- HF
+
+
+def _hf_ropes(d: Mapping[str, Any], source: str) -> tuple[dict, dict]:
+    """(global, local) RoPE dicts, as `Gemma3TextConfig.convert_rope_params_to_dict` builds
+    them: nested `rope_parameters` first, v4 `rope_scaling` over the global one, then the
+    thetas from `rope_theta` / `rope_local_base_freq` where the dicts give none."""
+    nested = d.get("rope_parameters") or {}
+    if not isinstance(nested, Mapping) or not set(nested) <= {FULL, SLIDING}:
+        raise ConfigError(
+            f"{source}: rope_parameters must be an object keyed by {FULL!r} and {SLIDING!r}, "
+            f"found {nested!r}"
+        )
+    ropes = []
+    for kind, theta_key, default_theta in (
+        (FULL, "rope_theta", 1_000_000.0),
+        (SLIDING, "rope_local_base_freq", 10_000.0),
+    ):
+        rope = nested.get(kind) or {}
+        if not isinstance(rope, Mapping):
+            raise ConfigError(f"{source}: rope_parameters.{kind} must be an object, found {rope!r}")
+        rope = dict(rope)
+        scaling = d.get("rope_scaling") if kind == FULL else None
+        if scaling is not None:
+            if not isinstance(scaling, Mapping):
+                raise ConfigError(
+                    f"{source}: rope_scaling must be an object or null, found {scaling!r}"
+                )
+            rope.update(scaling)
+        if "rope_type" not in rope and "type" not in rope:
+            rope["rope_type"] = "default"
+        if rope.get("rope_theta") is None:
+            given = d.get(theta_key)
+            rope["rope_theta"] = default_theta if given is None else given
+        ropes.append(rope)
+    return ropes[0], ropes[1]
+
+
+def from_hf(d: Mapping[str, Any], source: str) -> Gemma3Config:
+    """A Gemma3Config from an HF `config.json` dict; `source` names the file in errors."""
+    check_hf_gemma(d, source, ARCHITECTURE)
+    sizes = hf_sizes(d)
+    pattern = d.get("sliding_window_pattern") or DEFAULT_PATTERN
+    rope_global, rope_local = _hf_ropes(d, source)
+    return Gemma3Config(
+        **sizes,
+        layer_types=hf_layer_types(d, sizes["num_layers"], pattern),
+        sliding_window=d.get("sliding_window", 4096),
+        query_pre_attn_scalar=d.get("query_pre_attn_scalar", 256),
+        attn_logit_softcapping=d.get("attn_logit_softcapping"),
+        final_logit_softcapping=d.get("final_logit_softcapping"),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_global=freeze_rope(rope_global, f"{source}: rope_parameters.{FULL}"),
+        rope_local=freeze_rope(rope_local, f"{source}: rope_parameters.{SLIDING}"),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+        max_position_embeddings=d.get("max_position_embeddings", 131_072),
+    )
+
+
+def _pattern(layer_types: tuple[str, ...]) -> int | None:
+    """The sliding_window_pattern that gives `layer_types` by transformers' rule, if one does."""
+    n = len(layer_types)
+    for p in range(1, n + 2):
+        if hf_layer_types({}, n, p) == layer_types:
+            return p
+    return None
+
+
+def to_hf(cfg: Gemma3Config) -> dict[str, Any]:
+    """A `config.json` dict transformers loads back: v5's nested `rope_parameters` and v4's
+    `rope_theta`, `rope_scaling`, `rope_local_base_freq` (and `sliding_window_pattern` when the
+    layer kinds follow one)."""
+    out = {
+        **hf_common(cfg, ARCHITECTURE, MODEL_TYPE),
+        **hf_rope_keys(cfg.rope_global),
+        "rope_local_base_freq": dict(cfg.rope_local)["rope_theta"],
+        "rope_parameters": {FULL: dict(cfg.rope_global), SLIDING: dict(cfg.rope_local)},
+    }
+    pattern = _pattern(cfg.layer_types)
+    if pattern is not None:
+        out["sliding_window_pattern"] = pattern
+    return out
+
+
+# ---------------------------------------------------------------------- rules and shapes
+
+
+def shape_tree(cfg: Gemma3Config) -> dict:
+    """Gemma 2's tree plus the per-head q/k norm scales `[L, head_dim]`; every param is fp32."""
+    tree = gemma2_shape_tree(cfg)
+    tree["layers"]["q_norm"] = {"scale": (cfg.num_layers, cfg.head_dim)}
+    tree["layers"]["k_norm"] = {"scale": (cfg.num_layers, cfg.head_dim)}
+    return tree
