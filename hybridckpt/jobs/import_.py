@@ -148,8 +148,9 @@ def import_checkpoint(
         return {"checksums": _sum_across_processes(sums) if jax.process_count() > 1 else sums}
 
     set_total = getattr(progress, "set_total", None)
-    if set_total is not None:
-        set_total(sum(x.nbytes for x in leaves.values()))
+    if set_total is not None:  # every leaf written, the step counter included
+        written = jax.tree.leaves((params, opt_state), is_leaf=lambda x: isinstance(x, stream.LazyLeaf))
+        set_total(sum(x.nbytes for x in written if isinstance(x, stream.LazyLeaf)))
     save_checkpoint(dst, out_step, params, opt_state, trainer, overwrite=overwrite, trainer_state_after=checksums)
     nbytes = sum(x.nbytes for x in leaves.values())
     notes = opened.notes + opened.named.report + named.report[len(opened.named.report):] + p.notes

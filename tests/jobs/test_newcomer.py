@@ -193,3 +193,25 @@ def test_output_says_what_it_counts_and_every_argument_has_help(tmp_path):
             assert len(line.split()) > 1, (command, line)
     logits_help = run("logits", "--help").stdout
     assert "mesh to run on" in logits_help and "dtype of activations" in logits_help
+
+
+def test_the_progress_bar_is_told_its_total_before_the_first_tensor(tmp_path):
+    """The bar showed `14.2/? MB`: the jobs now give the total (bytes) before streaming."""
+    from hybridckpt import jobs
+
+    class Recorder:
+        def __init__(self):
+            self.total, self.seen = None, 0
+
+        def set_total(self, nbytes):
+            assert self.seen == 0  # told before any tensor is done
+            self.total = nbytes
+
+        def __call__(self, name, nbytes):
+            self.seen += nbytes
+
+    for job, args in ((jobs.import_checkpoint, (sample_path(), str(tmp_path / "ck"))),
+                      (jobs.export_checkpoint, (sample_path(), str(tmp_path / "out")))):
+        rec = Recorder()
+        s = job(*args, progress=rec)
+        assert rec.total == rec.seen >= s.bytes > 0, (job.__name__, rec.total, rec.seen, s.bytes)
