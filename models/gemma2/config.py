@@ -69,16 +69,14 @@ def rope_type(rope: Mapping[str, Any]) -> str:
 
 
 def hf_rope_dict(d: Mapping[str, Any], source: str, default_theta: float) -> dict[str, Any]:
-    """One RoPE parameters dict from transformers 5's flat `rope_parameters` or v4's
-    `rope_theta` + `rope_scaling` (scaling keys kept as written)."""
-    rope: dict[str, Any] = {}
+    """One RoPE parameters dict as transformers 5 builds it (modeling_rope_utils
+    `convert_rope_params_to_dict`): v4's `rope_scaling` if given, else v5's flat
+    `rope_parameters`; `rope_theta` (then `default_theta`) where the dict has none."""
     for key in ("rope_scaling", "rope_parameters"):
         given = d.get(key)
-        if given is None:
-            continue
-        if not isinstance(given, Mapping):
+        if given is not None and not isinstance(given, Mapping):
             raise ConfigError(f"{source}: {key} must be an object or null, found {given!r}")
-        rope.update(given)
+    rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
     if "rope_type" not in rope and "type" not in rope:
         rope["rope_type"] = "default"
     if rope.get("rope_theta") is None:

@@ -129,6 +129,10 @@ class Gemma2(nn.Module):
     def attention_softcap(self) -> float | None:
         return self.cfg.attn_logit_softcapping
 
+    def embedding_scale(self) -> float:
+        """What the embeddings are multiplied by: sqrt(hidden_size)."""
+        return self.cfg.hidden_size**0.5
+
     def rope(self, seq: int) -> tuple[jax.Array, jax.Array]:
         """cos, sin `[2, seq, hd]`: row 0 for global layers, row 1 for local ones."""
         cos, sin = rope_tables(seq, self.cfg.head_dim, dict(self.cfg.rope))
@@ -145,7 +149,7 @@ class Gemma2(nn.Module):
             embedding_init=normal(("vocab", "embed")),
             name="embed",
         )
-        x = embed(tokens) * jnp.float32(cfg.hidden_size**0.5).astype(dt)
+        x = embed(tokens) * jnp.float32(self.embedding_scale()).astype(dt)
         cos, sin = self.rope(tokens.shape[1])
         sliding = jnp.asarray(cfg.sliding_layers, dtype=bool)
         layers = stacked(GemmaBlock, cfg.num_layers, 2, n_per_layer=1)(
