@@ -14,8 +14,9 @@ huggingface/transformers:src/transformers/models/gemma2/configuration_gemma2.py 
 - `hidden_activation` must be "gelu_pytorch_tanh" (the only one transformers 5 reads; the legacy
   `hidden_act` key is ignored, as there). `attention_bias` and `use_bidirectional_attention` true
   are refused.
-- RoPE from transformers 5's `rope_parameters` or v4's `rope_theta` + `rope_scaling`, kept as the
-  whole dict (`rope_type`, `rope_theta`, scaling keys) and written back unchanged.
+- RoPE from transformers 5's `rope_parameters` or v4's `rope_theta` + `rope_scaling`, read and
+  written back unchanged by `models.rope` (`read_hf_rope`, `hf_rope_keys`), as for Llama; any
+  rope type `models.rope` implements (Gemma 2 releases use plain RoPE, theta 10000).
 
 `shape_tree` is the tree `models.gemma2.module.Gemma2` builds (see the `Params` list there: fp32,
 kernels `[in, out]`, every layer, local or global, stacked on one leading `[L]` axis; norm
@@ -24,74 +25,16 @@ weights stored zero-centred, as HF stores them).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from models.config_checks import as_floats, check_positive, require
 from models.errors import ConfigError
+from models.rope import Scaling, check_config_rope, hf_rope_keys, read_hf_rope
 
 ARCHITECTURE = "Gemma2ForCausalLM"
 SLIDING, FULL = "sliding_attention", "full_attention"
-ROPE_TYPES = ("default", "linear")  # what the module computes (TODO: every type, via models.rope)
-
-# A RoPE parameters dict, frozen so the config stays hashable: sorted (key, value) pairs, lists
-# as tuples. {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6} for example.
-RopeParams = tuple[tuple[str, Any], ...]
-
-
-def freeze_rope(rope: Mapping[str, Any] | Sequence[Sequence[Any]], where: str) -> RopeParams:
-    """`rope` (a dict, or the pairs our JSON gives back) as sorted pairs; checks its type and
-    theta."""
-    pairs = rope.items() if isinstance(rope, Mapping) else rope
-    try:
-        d = {str(k): tuple(v) if isinstance(v, list) else v for k, v in pairs}
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}: expected a RoPE parameters object, found {rope!r}") from None
-    kind = rope_type(d)
-    if kind not in ROPE_TYPES:
-        raise ConfigError(
-            f"{where}: rope type {kind!r} is not implemented; expected one of {list(ROPE_TYPES)}"
-        )
-    theta = d.get("rope_theta")
-    if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:
-        raise ConfigError(f"{where}: rope_theta must be a positive number, found {theta!r}")
-    if kind == "linear":
-        factor = d.get("factor")
-        if isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0:
-            raise ConfigError(f"{where}: linear RoPE needs a positive factor, found {factor!r}")
-    return tuple(sorted(d.items()))
-
-
-def rope_type(rope: Mapping[str, Any]) -> str:
-    """The RoPE type of an HF parameters dict (`rope_type`, or v4's `type`; "default")."""
-    return rope.get("rope_type", rope.get("type", "default"))
-
-
-def hf_rope_dict(d: Mapping[str, Any], source: str, default_theta: float) -> dict[str, Any]:
-    """One RoPE parameters dict as transformers 5 builds it (modeling_rope_utils
-    `convert_rope_params_to_dict`): v4's `rope_scaling` if given, else v5's flat
-    `rope_parameters`; `rope_theta` (then `default_theta`) where the dict has none."""
-    for key in ("rope_scaling", "rope_parameters"):
-        given = d.get(key)
-        if given is not None and not isinstance(given, Mapping):
-            raise ConfigError(f"{source}: {key} must be an object or null, found {given!r}")
-    rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
-    if "rope_type" not in rope and "type" not in rope:
-        rope["rope_type"] = "default"
-    if rope.get("rope_theta") is None:
-        rope["rope_theta"] = d["rope_theta"] if d.get("rope_theta") is not None else default_theta
-    return rope
-
-
-def hf_rope_keys(rope: RopeParams) -> dict[str, Any]:
-    """`rope_theta` and `rope_scaling` (null for plain RoPE) as transformers 4 reads them."""
-    d = dict(rope)
-    scaling = {k: v for k, v in d.items() if k != "rope_theta"}
-    return {
-        "rope_theta": d["rope_theta"],
-        "rope_scaling": None if rope_type(d) == "default" else scaling,
-    }
 
 
 def hf_layer_types(d: Mapping[str, Any], num_layers: int, pattern: int) -> tuple[str, ...]:
@@ -135,7 +78,8 @@ def check_gemma(cfg: Any) -> None:
 @dataclass(frozen=True)
 class Gemma2Config:
     """Gemma 2 (Gemma2ForCausalLM). Field names follow HF's, except the usual renames
-    (num_layers, num_heads, num_kv_heads); `rope` is the whole RoPE parameters dict, frozen.
+    (num_layers, num_heads, num_kv_heads); `rope_theta` / `rope_scaling` as `LlamaConfig`'s
+    (`models.rope.Scaling`, None for plain RoPE).
 
     layer_types: "sliding_attention" / "full_attention" per layer; () means transformers'
     alternation rule (resolved at construction).
@@ -154,7 +98,8 @@ class Gemma2Config:
     attn_logit_softcapping: float | None = 50.0
     final_logit_softcapping: float | None = 30.0
     rms_norm_eps: float = 1e-6
-    rope: RopeParams = (("rope_theta", 10000.0), ("rope_type", "default"))
+    rope_theta: float = 10000.0
+    rope_scaling: Scaling | None = None
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 8192
 
@@ -165,8 +110,10 @@ class Gemma2Config:
         if kinds == () and isinstance(self.num_layers, int):
             kinds = hf_layer_types({}, self.num_layers, 2)
         object.__setattr__(self, "layer_types", kinds)
-        object.__setattr__(self, "rope", freeze_rope(self.rope, "Gemma2Config.rope"))
         check_gemma(self)
+        as_floats(self, ("rope_theta",))
+        scaling = check_config_rope(self.rope_theta, self.rope_scaling, "Gemma2Config")
+        object.__setattr__(self, "rope_scaling", scaling)
 
     @property
     def family(self) -> str:
@@ -223,6 +170,7 @@ def from_hf(d: Mapping[str, Any], source: str) -> Gemma2Config:
     """A Gemma2Config from an HF `config.json` dict; `source` names the file in errors."""
     check_hf_gemma(d, source, ARCHITECTURE)
     sizes = hf_sizes(d)
+    theta, scaling = read_hf_rope(d, source)
     return Gemma2Config(
         **sizes,
         layer_types=hf_layer_types(d, sizes["num_layers"], 2),
@@ -231,7 +179,8 @@ def from_hf(d: Mapping[str, Any], source: str) -> Gemma2Config:
         attn_logit_softcapping=d.get("attn_logit_softcapping", 50.0),
         final_logit_softcapping=d.get("final_logit_softcapping", 30.0),
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        rope=freeze_rope(hf_rope_dict(d, source, 10000.0), f"{source}: rope_parameters"),
+        rope_theta=theta,
+        rope_scaling=scaling,
         tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
         max_position_embeddings=d.get("max_position_embeddings", 8192),
     )
@@ -266,8 +215,7 @@ def to_hf(cfg: Gemma2Config) -> dict[str, Any]:
     """A `config.json` dict transformers loads back (v4 and v5 RoPE keys both written)."""
     return {
         **hf_common(cfg, ARCHITECTURE, "gemma2"),
-        **hf_rope_keys(cfg.rope),
-        "rope_parameters": dict(cfg.rope),
+        **hf_rope_keys(cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings),
     }
 
 

@@ -11,7 +11,8 @@ Rules from huggingface/transformers:src/transformers/models/gemma2/modeling_gemm
   post_feedforward_layernorm).
 - Attention: scale `query_pre_attn_scalar ** -0.5`; scores soft-capped `tanh(s / c) * c` with
   c = attn_logit_softcapping before the mask (`eager_attention_forward`); GQA as Llama's; RoPE
-  half-split as Llama's. Local layers mask keys at distance >= sliding_window.
+  half-split as Llama's, of any rope type `models.rope` implements. Local layers mask keys at
+  distance >= sliding_window.
 - MLP: down(gelu_tanh(gate(x)) * up(x)) (`gelu_pytorch_tanh`).
 - Logits (tied `embed.embedding.T` or `lm_head`) soft-capped with final_logit_softcapping.
 
@@ -33,7 +34,6 @@ Params (fp32, kernels `[in, out]`, L = num_layers, norm scales zero-centred):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import flax.linen as nn
@@ -41,8 +41,9 @@ import jax
 import jax.numpy as jnp
 
 from models.common import causal_attention, dense, normal, stacked, zeros
-from models.gemma2.config import Gemma2Config, rope_type
+from models.gemma2.config import Gemma2Config
 from models.llama.module import apply_rope
+from models.rope import config_rope_tables
 
 
 class GemmaRMSNorm(nn.Module):
@@ -56,21 +57,6 @@ class GemmaRMSNorm(nn.Module):
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (y * (1.0 + w)).astype(x.dtype)
-
-
-def rope_tables(seq: int, head_dim: int, rope: Mapping[str, Any]) -> tuple[jax.Array, jax.Array]:
-    """cos, sin `[seq, head_dim]` fp32 for positions 0..seq-1 (angles repeated over halves).
-
-    Plain RoPE, and "linear" (inv_freq / factor), as transformers' modeling_rope_utils computes
-    them. TODO: replace by models.rope (every rope type) once it lands.
-    """
-    theta = rope["rope_theta"]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    if rope_type(rope) == "linear":
-        inv_freq = inv_freq / rope["factor"]
-    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]
-    angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles), jnp.sin(angles)
 
 
 class GemmaBlock(nn.Module):
@@ -135,7 +121,7 @@ class Gemma2(nn.Module):
 
     def rope(self, seq: int) -> tuple[jax.Array, jax.Array]:
         """cos, sin `[2, seq, hd]`: row 0 for global layers, row 1 for local ones."""
-        cos, sin = rope_tables(seq, self.cfg.head_dim, dict(self.cfg.rope))
+        cos, sin = config_rope_tables(self.cfg, seq)
         return jnp.stack([cos, cos]), jnp.stack([sin, sin])
 
     @nn.compact

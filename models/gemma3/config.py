@@ -10,7 +10,7 @@ this reuses):
 - Two RoPE parameter sets: transformers 5's `rope_parameters` nested by layer type
   (`{"full_attention": {...}, "sliding_attention": {...}}`), or v4's `rope_theta` (global,
   default 1e6) + `rope_scaling` (global layers only) + `rope_local_base_freq` (local, default
-  1e4). Each is kept as its whole dict and written back unchanged (both forms are written).
+  1e4). Each is read and written back unchanged by `models.rope` (both forms are written).
 - Per-head q/k RMSNorm (no config key); `final_logit_softcapping` defaults to null.
 - `attn_logit_softcapping` is kept for the round trip but never applied: transformers'
   `Gemma3Attention` does not pass it to the attention (so Gemma 3 has no attention soft-cap).
@@ -24,20 +24,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from models.config_checks import as_floats
 from models.errors import ConfigError
 from models.gemma2.config import (
     FULL,
     SLIDING,
-    RopeParams,
     check_gemma,
     check_hf_gemma,
-    freeze_rope,
     hf_common,
     hf_layer_types,
-    hf_rope_keys,
     hf_sizes,
 )
 from models.gemma2.config import shape_tree as gemma2_shape_tree
+from models.rope import Scaling, check_config_rope, read_hf_rope, rope_parameters, thaw
 
 ARCHITECTURE = "Gemma3ForCausalLM"
 MODEL_TYPE = "gemma3_text"
@@ -46,8 +45,10 @@ DEFAULT_PATTERN = 6  # sliding_window_pattern: 5 local layers, then 1 global
 
 @dataclass(frozen=True)
 class Gemma3Config:
-    """Gemma 3 text (Gemma3ForCausalLM). Like `Gemma2Config`, with `rope_global` (the
-    "full_attention" RoPE dict) and `rope_local` (the "sliding_attention" one), frozen.
+    """Gemma 3 text (Gemma3ForCausalLM). Like `Gemma2Config`, with two RoPEs (each a theta and
+    a `models.rope.Scaling`, None for plain RoPE): `rope_theta` / `rope_scaling` for the global
+    ("full_attention") layers, `rope_local_base_freq` / `rope_local_scaling` for the local
+    ("sliding_attention") ones.
 
     layer_types: () means transformers' rule with sliding_window_pattern 6 (resolved at
     construction).
@@ -66,8 +67,10 @@ class Gemma3Config:
     attn_logit_softcapping: float | None = None  # kept, never applied (as in transformers)
     final_logit_softcapping: float | None = None
     rms_norm_eps: float = 1e-6
-    rope_global: RopeParams = (("rope_theta", 1_000_000.0), ("rope_type", "default"))
-    rope_local: RopeParams = (("rope_theta", 10_000.0), ("rope_type", "default"))
+    rope_theta: float = 1_000_000.0
+    rope_scaling: Scaling | None = None
+    rope_local_base_freq: float = 10_000.0
+    rope_local_scaling: Scaling | None = None
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 131_072
 
@@ -78,11 +81,14 @@ class Gemma3Config:
         if kinds == () and isinstance(self.num_layers, int):
             kinds = hf_layer_types({}, self.num_layers, DEFAULT_PATTERN)
         object.__setattr__(self, "layer_types", kinds)
-        for field in ("rope_global", "rope_local"):
-            object.__setattr__(
-                self, field, freeze_rope(getattr(self, field), f"Gemma3Config.{field}")
-            )
         check_gemma(self)
+        as_floats(self, ("rope_theta", "rope_local_base_freq"))
+        for theta, field in (
+            ("rope_theta", "rope_scaling"),
+            ("rope_local_base_freq", "rope_local_scaling"),
+        ):
+            scaling = check_config_rope(getattr(self, theta), getattr(self, field), "Gemma3Config")
+            object.__setattr__(self, field, scaling)
 
     @property
     def family(self) -> str:
@@ -97,10 +103,12 @@ class Gemma3Config:
 # ---------------------------------------------------------------------------------------- HF
 
 
-def _hf_ropes(d: Mapping[str, Any], source: str) -> tuple[dict, dict]:
-    """(global, local) RoPE dicts, as `Gemma3TextConfig.convert_rope_params_to_dict` builds
-    them: nested `rope_parameters` first, v4 `rope_scaling` over the global one, then the
-    thetas from `rope_theta` / `rope_local_base_freq` where the dicts give none."""
+def _hf_ropes(d: Mapping[str, Any], source: str) -> list[tuple[float, Scaling | None]]:
+    """[(theta, scaling) of global layers, same of local layers], as
+    `Gemma3TextConfig.convert_rope_params_to_dict` builds them: the nested `rope_parameters`,
+    v4's `rope_scaling` over the global dict, then the thetas from `rope_theta` /
+    `rope_local_base_freq` (1e6 / 1e4) where the dicts give none. A given `rope_scaling` is
+    kept as written (plus any keys only the nested dict has), so it comes back unchanged."""
     nested = d.get("rope_parameters") or {}
     if not isinstance(nested, Mapping) or not set(nested) <= {FULL, SLIDING}:
         raise ConfigError(
@@ -115,21 +123,19 @@ def _hf_ropes(d: Mapping[str, Any], source: str) -> tuple[dict, dict]:
         rope = nested.get(kind) or {}
         if not isinstance(rope, Mapping):
             raise ConfigError(f"{source}: rope_parameters.{kind} must be an object, found {rope!r}")
-        rope = dict(rope)
         scaling = d.get("rope_scaling") if kind == FULL else None
-        if scaling is not None:
-            if not isinstance(scaling, Mapping):
-                raise ConfigError(
-                    f"{source}: rope_scaling must be an object or null, found {scaling!r}"
-                )
-            rope.update(scaling)
-        if "rope_type" not in rope and "type" not in rope:
-            rope["rope_type"] = "default"
-        if rope.get("rope_theta") is None:
-            given = d.get(theta_key)
-            rope["rope_theta"] = default_theta if given is None else given
-        ropes.append(rope)
-    return ropes[0], ropes[1]
+        if scaling is not None and not isinstance(scaling, Mapping):
+            raise ConfigError(
+                f"{source}: rope_scaling must be an object or null, found {scaling!r}"
+            )
+        theta = rope.get("rope_theta")
+        if scaling:  # transformers merges it over the nested dict; we keep it as written
+            extra = {k: v for k, v in rope.items() if k not in scaling and k != "rope_theta"}
+            rope = {**scaling, **extra}
+        theta = d.get(theta_key) if theta is None else theta
+        one = {"rope_parameters": rope, "rope_theta": default_theta if theta is None else theta}
+        ropes.append(read_hf_rope(one, f"{source}: rope_parameters.{kind}"))
+    return ropes
 
 
 def from_hf(d: Mapping[str, Any], source: str) -> Gemma3Config:
@@ -137,7 +143,7 @@ def from_hf(d: Mapping[str, Any], source: str) -> Gemma3Config:
     check_hf_gemma(d, source, ARCHITECTURE)
     sizes = hf_sizes(d)
     pattern = d.get("sliding_window_pattern") or DEFAULT_PATTERN
-    rope_global, rope_local = _hf_ropes(d, source)
+    (theta, scaling), (local_theta, local_scaling) = _hf_ropes(d, source)
     return Gemma3Config(
         **sizes,
         layer_types=hf_layer_types(d, sizes["num_layers"], pattern),
@@ -146,8 +152,10 @@ def from_hf(d: Mapping[str, Any], source: str) -> Gemma3Config:
         attn_logit_softcapping=d.get("attn_logit_softcapping"),
         final_logit_softcapping=d.get("final_logit_softcapping"),
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        rope_global=freeze_rope(rope_global, f"{source}: rope_parameters.{FULL}"),
-        rope_local=freeze_rope(rope_local, f"{source}: rope_parameters.{SLIDING}"),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rope_local_base_freq=local_theta,
+        rope_local_scaling=local_scaling,
         tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
         max_position_embeddings=d.get("max_position_embeddings", 131_072),
     )
@@ -166,11 +174,16 @@ def to_hf(cfg: Gemma3Config) -> dict[str, Any]:
     """A `config.json` dict transformers loads back: v5's nested `rope_parameters` and v4's
     `rope_theta`, `rope_scaling`, `rope_local_base_freq` (and `sliding_window_pattern` when the
     layer kinds follow one)."""
+    max_pos = cfg.max_position_embeddings
     out = {
         **hf_common(cfg, ARCHITECTURE, MODEL_TYPE),
-        **hf_rope_keys(cfg.rope_global),
-        "rope_local_base_freq": dict(cfg.rope_local)["rope_theta"],
-        "rope_parameters": {FULL: dict(cfg.rope_global), SLIDING: dict(cfg.rope_local)},
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": thaw(cfg.rope_scaling),
+        "rope_local_base_freq": cfg.rope_local_base_freq,
+        "rope_parameters": {
+            FULL: rope_parameters(cfg.rope_theta, cfg.rope_scaling, max_pos),
+            SLIDING: rope_parameters(cfg.rope_local_base_freq, cfg.rope_local_scaling, max_pos),
+        },
     }
     pattern = _pattern(cfg.layer_types)
     if pattern is not None:

@@ -35,6 +35,7 @@ from models.errors import ConfigError
 from models.gemma2 import module as gemma2_module
 from models.gemma2.config import FULL, SLIDING, Gemma2Config
 from models.gemma3.config import Gemma3Config
+from models.rope import rope_type
 
 ATOL = 1e-4
 MOVED = 100 * ATOL  # a dropped part must move some logit by more (observed 0.4 to 6)
@@ -150,10 +151,6 @@ class _NormScaledByW(nn.Module):
         return (y * w).astype(x.dtype)
 
 
-def _replace_rope(rope, **changes):
-    return tuple(sorted({**dict(rope), **changes}.items()))
-
-
 PARTS = {
     # part: (families, how to drop it: a config change or a monkeypatch)
     "(1+w) norm": (("gemma2", "gemma3"), "norm"),
@@ -163,14 +160,8 @@ PARTS = {
     "sliding window": (("gemma2", "gemma3"), lambda c: {"layer_types": (FULL,) * c.num_layers}),
     "query_pre_attn_scalar": (("gemma2",), lambda c: {"query_pre_attn_scalar": 16}),
     "q/k norms": (("gemma3",), "qk_norm"),
-    "local RoPE base": (
-        ("gemma3",),
-        lambda c: {"rope_local": _replace_rope(c.rope_local, rope_theta=1000.0)},
-    ),
-    "global RoPE scaling": (
-        ("gemma3",),
-        lambda c: {"rope_global": (("rope_theta", 1000.0), ("rope_type", "default"))},
-    ),
+    "local RoPE base": (("gemma3",), lambda c: {"rope_local_base_freq": c.rope_theta}),
+    "global RoPE scaling": (("gemma3",), lambda c: {"rope_scaling": None}),
 }
 
 
@@ -247,6 +238,53 @@ def _transformers_config(d: dict):
             rope_scaling={"rope_type": "linear", "factor": 8.0},
         ),
         dict(model_type="gemma3_text", num_hidden_layers=7),
+        # google/gemma-2-2b and google/gemma-3-1b-pt config.json (transformers 4.42 / 4.50)
+        dict(
+            model_type="gemma2",
+            architectures=["Gemma2ForCausalLM"],
+            attention_bias=False,
+            attn_logit_softcapping=50.0,
+            cache_implementation="hybrid",
+            final_logit_softcapping=30.0,
+            head_dim=256,
+            hidden_act="gelu_pytorch_tanh",
+            hidden_activation="gelu_pytorch_tanh",
+            hidden_size=2304,
+            intermediate_size=9216,
+            max_position_embeddings=8192,
+            num_attention_heads=8,
+            num_hidden_layers=26,
+            num_key_value_heads=4,
+            query_pre_attn_scalar=256,
+            rms_norm_eps=1e-06,
+            rope_theta=10000.0,
+            sliding_window=4096,
+            vocab_size=256000,
+        ),
+        dict(
+            model_type="gemma3_text",
+            architectures=["Gemma3ForCausalLM"],
+            attention_bias=False,
+            attn_logit_softcapping=None,
+            cache_implementation="hybrid",
+            final_logit_softcapping=None,
+            head_dim=256,
+            hidden_activation="gelu_pytorch_tanh",
+            hidden_size=1152,
+            intermediate_size=6912,
+            max_position_embeddings=32768,
+            num_attention_heads=4,
+            num_hidden_layers=26,
+            num_key_value_heads=1,
+            query_pre_attn_scalar=256,
+            rms_norm_eps=1e-06,
+            rope_local_base_freq=10000,
+            rope_scaling=None,
+            rope_theta=1000000,
+            sliding_window=512,
+            sliding_window_pattern=6,
+            vocab_size=262144,
+        ),
         # transformers 5 style: layer_types and rope_parameters
         dict(
             model_type="gemma3_text",
@@ -266,10 +304,15 @@ def test_config_reads_as_transformers_does(d):
     theirs = _transformers_config(d)
     assert list(ours.layer_types) == theirs.layer_types
     if isinstance(ours, Gemma3Config):
-        assert dict(ours.rope_global) == theirs.rope_parameters[FULL]
-        assert dict(ours.rope_local) == theirs.rope_parameters[SLIDING]
+        full, local = theirs.rope_parameters[FULL], theirs.rope_parameters[SLIDING]
+        assert ours.rope_theta == full["rope_theta"]
+        assert ours.rope_local_base_freq == local["rope_theta"]
+        assert dict(ours.rope_scaling or {}).get("factor") == full.get("factor")
+        assert rope_type(ours.rope_scaling) == full["rope_type"]
+        assert rope_type(ours.rope_local_scaling) == local["rope_type"]
     else:
-        assert dict(ours.rope) == theirs.rope_parameters
+        assert ours.rope_theta == theirs.rope_parameters["rope_theta"]
+        assert rope_type(ours.rope_scaling) == theirs.rope_parameters["rope_type"]
     for field in ("sliding_window", "query_pre_attn_scalar", "final_logit_softcapping"):
         assert getattr(ours, field) == getattr(theirs, field)
     # what we write, transformers reads as the same model, and so do we
@@ -278,6 +321,9 @@ def test_config_reads_as_transformers_does(d):
     assert again.layer_types == theirs.layer_types
     assert again.rope_parameters == theirs.rope_parameters
     assert models.config_from_hf(written) == ours
+    for key in ("rope_scaling", "rope_parameters"):  # RoPE keys come back as written
+        if d.get(key) is not None:
+            assert written[key] == d[key], key
     assert models.config_from_dict(json.loads(json.dumps(models.config_to_dict(ours)))) == ours
 
 
@@ -289,7 +335,10 @@ def test_config_reads_as_transformers_does(d):
         ({"attention_bias": True}, ["attention_bias"]),
         ({"layer_types": [SLIDING]}, ["layer_types", "expected 5 entries"]),
         ({"layer_types": ["chunked_attention"] * 5}, ["chunked_attention"]),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, ["'yarn'", "not implemented"]),
+        (
+            {"rope_scaling": {"rope_type": "longrope", "factor": 2.0}},
+            ["'longrope'", "not implemented"],
+        ),
         ({"num_key_value_heads": 3}, ["num_kv_heads 3"]),
     ],
 )
