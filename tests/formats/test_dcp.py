@@ -21,6 +21,7 @@ from fixtures.ckpt_checks import (
     optax_next,
     run_writer,
 )
+from fixtures.torch_common import load_reference, reference_names
 
 from hybridckpt import naming
 from hybridckpt.errors import FormatError
@@ -39,25 +40,14 @@ def root(tmp_path_factory):
     return out
 
 
-def reference(root, name):
-    ref = np.load(os.path.join(root, f"{name}_ref.npz"))
-    with open(os.path.join(root, f"{name}_ref.json")) as f:
-        info = json.load(f)
-    return ref, info
-
-
-def names_of(ref, kind):
-    return sorted(k[len(kind) + 1 :] for k in ref.files if k.startswith(kind + "/"))
-
-
 def assert_exact(src, ref):
-    assert sorted(src.tensors) == names_of(ref, "param")
+    assert sorted(src.tensors) == reference_names(ref, "param")
     for k, t in src.tensors.items():
         assert np.array_equal(t.materialize(), ref[f"param/{k}"]), k
     opt = src.optimizer
     for kind in ("exp_avg", "exp_avg_sq"):
         got = opt.slots[kind]
-        assert sorted(got) == names_of(ref, kind)
+        assert sorted(got) == reference_names(ref, kind)
         for k, t in got.items():
             assert t.dtype == np.float32
             assert np.array_equal(t.materialize(), ref[f"{kind}/{k}"]), (kind, k)
@@ -89,7 +79,7 @@ def test_params_and_moments_exact(root, variant):
     path = os.path.join(root, variant)
     assert detect(path) == "dcp"
     src = open_source(path)
-    ref, info = reference(root, "tp" if variant == "tp" else "fsdp2")
+    ref, info = load_reference(root, "tp" if variant == "tp" else "fsdp2")
     assert_exact(src, ref)
     assert src.optimizer.step == src.step == int(info["step"]) == 3
     hyper = info["hyper"]
@@ -108,9 +98,9 @@ def test_safetensors_shards(root):
     assert detect(path) == "dcp"
     assert not any(n.endswith(".metadata") for n in os.listdir(path))
     src = dcp.open(path)
-    ref, _ = reference(root, "fsdp2")
+    ref, _ = load_reference(root, "fsdp2")
     assert src.optimizer is None
-    assert sorted(src.tensors) == names_of(ref, "param")
+    assert sorted(src.tensors) == reference_names(ref, "param")
     for k, t in src.tensors.items():
         assert np.array_equal(t.materialize(), ref[f"param/{k}"]), k
 
@@ -164,7 +154,7 @@ def test_sgd_momentum_comes_through_as_its_own_slot(tmp_path):
 
 def test_torchtitan_names_and_rope_permutation(root):
     src = dcp.open(os.path.join(root, "titan"))
-    ref, _ = reference(root, "fsdp2")
+    ref, _ = load_reference(root, "fsdp2")
     assert (
         src.trainer["optimizer_prefix"] == "optimizer." and src.trainer["model_prefix"] == "model."
     )
@@ -174,7 +164,7 @@ def test_torchtitan_names_and_rope_permutation(root):
     assert src.optimizer.step == 3 and src.optimizer.hyper["lr"] == 0.01
     cfg = dcp.open(os.path.join(root, "fsdp2")).config
     hf = naming.source_to_hf(src, cfg)
-    assert sorted(hf.params) == names_of(ref, "param")
+    assert sorted(hf.params) == reference_names(ref, "param")
     for k, t in hf.params.items():
         assert np.array_equal(t.materialize(), ref[f"param/{k}"]), k
         assert np.array_equal(hf.slots["exp_avg"][k].materialize(), ref[f"exp_avg/{k}"]), k
@@ -194,7 +184,7 @@ def max_rel_error(got, ref):
 @pytest.mark.parametrize("variant", ["fsdp2", "tp"])
 def test_optax_step_matches_torch_adamw(root, variant):
     src = dcp.open(os.path.join(root, variant))
-    ref, _ = reference(root, variant)
+    ref, _ = load_reference(root, variant)
     grads = {k: ref[f"grad/{k}"] for k in src.tensors}
     moved = max(float(np.max(np.abs(ref[f"next/{k}"] - ref[f"param/{k}"]))) for k in src.tensors)
     assert moved > 1e-3  # the step really changes the params
@@ -215,7 +205,7 @@ def test_optax_step_matches_torch_adamw(root, variant):
 def test_box_reads_only_its_chunk(root):
     md = read_metadata(os.path.join(root, "fsdp2"))
     src = dcp.open(os.path.join(root, "fsdp2"))
-    ref, _ = reference(root, "fsdp2")
+    ref, _ = load_reference(root, "fsdp2")
     embed = src.tensors["model.embed_tokens.weight"]
     owner = next(
         c for c in md.tensors[EMBED].chunks if c.offsets[0] <= 70 < c.offsets[0] + c.sizes[0]
@@ -235,7 +225,7 @@ def test_moved_checkpoint_reads_the_new_folder(root, tmp_path):
     shutil.copytree(os.path.join(root, "fsdp2"), moved)
     src = dcp.open(str(moved))
     assert src.trainer["written_to"] == os.path.join(str(root), "fsdp2") != str(moved)
-    ref, _ = reference(root, "fsdp2")
+    ref, _ = load_reference(root, "fsdp2")
     with count_reads() as c:
         for k, t in src.tensors.items():
             assert np.array_equal(t.materialize(), ref[f"param/{k}"])
@@ -334,8 +324,8 @@ def test_import_restore_export_and_logits(root, tmp_path, variant, mesh_a, mesh_
     from hybridckpt import jobs
 
     path = os.path.join(root, variant)
-    ref, info = reference(root, "tp" if variant == "tp" else "fsdp2")
-    weights = {k: ref[f"param/{k}"] for k in names_of(ref, "param")}
+    ref, info = load_reference(root, "tp" if variant == "tp" else "fsdp2")
+    weights = {k: ref[f"param/{k}"] for k in reference_names(ref, "param")}
     params, mu, nu, step = roundtrip(path, str(tmp_path), mesh_a=mesh_a, mesh_b=mesh_b)
     assert_same(params, weights)
     assert_same(mu, {k: ref[f"exp_avg/{k}"] for k in weights}, "exp_avg")
@@ -386,8 +376,8 @@ def test_export_straight_to_safetensors_copies_stored_bytes_without_jax(root, tm
     out = str(tmp_path / "hf")
     probe = export_in_fresh_process(os.path.join(root, variant), out)
     assert probe["loaded"] == [] and probe["equal"]
-    ref, _ = reference(root, "tp" if variant == "tp" else "fsdp2")
-    opt = assert_export_equals(out, ref, names_of(ref, "param"))
+    ref, _ = load_reference(root, "tp" if variant == "tp" else "fsdp2")
+    opt = assert_export_equals(out, ref, reference_names(ref, "param"))
     assert int(opt["step"].materialize()) == 3
     if variant == "fsdp2":
         assert probe["copied"] == probe["bytes"]  # every tensor byte copied, none read

@@ -9,7 +9,6 @@ frozen param, two param groups); references come from DeepSpeed's own gather API
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -24,6 +23,7 @@ from fixtures.ckpt_checks import (
     optax_next,
     run_writer,
 )
+from fixtures.torch_common import load_reference, reference_names
 
 from hybridckpt.errors import FormatError
 from hybridckpt.formats import deepspeed as ds
@@ -41,16 +41,6 @@ def root(tmp_path_factory):
     out = tmp_path_factory.mktemp("deepspeed")
     run_writer(WRITER, out, env={**os.environ, "DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0"})
     return out
-
-
-def reference(root, name):
-    ref = np.load(os.path.join(root, f"{name}_ref.npz"))
-    with open(os.path.join(root, f"{name}_ref.json")) as f:
-        return ref, json.load(f)
-
-
-def names_of(ref, kind):
-    return sorted(k[len(kind) + 1 :] for k in ref.files if k.startswith(kind + "/"))
 
 
 def optim_file(root, variant, rank):
@@ -95,9 +85,9 @@ def test_masters_and_moments_exact(root, variant):
     path = os.path.join(root, variant)
     assert detect(path) == "deepspeed"
     src = open_source(path)
-    ref, info = reference(root, variant)
-    trainable = names_of(ref, "param")
-    frozen = names_of(ref, "frozen")
+    ref, info = load_reference(root, variant)
+    trainable = reference_names(ref, "param")
+    frozen = reference_names(ref, "frozen")
     assert sorted(src.tensors) == sorted(trainable + frozen + ["lm_head.weight"])
     for k in trainable:
         t = src.tensors[k]
@@ -120,13 +110,13 @@ def test_masters_and_moments_exact(root, variant):
 
 def test_tag_folder_opens_directly(root):
     src = ds.open(os.path.join(root, "z2", TAG))
-    ref, _ = reference(root, "z2")
+    ref, _ = load_reference(root, "z2")
     assert np.array_equal(src.tensors["fc1.weight"].materialize(), ref["param/fc1.weight"])
 
 
 def test_zero3_padding_is_never_read(root):
     src = ds.open(os.path.join(root, "z3"))
-    ref, _ = reference(root, "z3")
+    ref, _ = load_reference(root, "z3")
     t = src.tensors["fc1.weight"]  # 130 elements: 44 + 44 + 42 real, 2 of padding on rank 2
     with count_reads() as c:
         got = t.materialize()
@@ -144,8 +134,8 @@ def test_zero3_padding_is_never_read(root):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_optax_step_matches_deepspeed_adamw(root, variant):
     src = ds.open(os.path.join(root, variant))
-    ref, _ = reference(root, variant)
-    keys = names_of(ref, "next")
+    ref, _ = load_reference(root, variant)
+    keys = reference_names(ref, "next")
     grads = {k: ref[f"grad/{k}"] for k in keys}
     new = optax_next({k: src.tensors[k] for k in keys}, src.optimizer, grads, src.optimizer.step)
     assert max(float(np.max(np.abs(ref[f"next/{k}"] - ref[f"param/{k}"]))) for k in keys) > 1e-3
@@ -233,10 +223,10 @@ def test_llama_zero3_import_logits_and_orbax_roundtrip(root, tmp_path):
     from hybridckpt import jobs
 
     path = os.path.join(root, "z3_llama")
-    ref, info = reference(root, "z3_llama")
+    ref, info = load_reference(root, "z3_llama")
     src = open_source(path)
     assert src.config is not None and src.config.num_kv_heads == 2  # config.json beside it
-    weights = {k: ref[f"param/{k}"] for k in names_of(ref, "param")}
+    weights = {k: ref[f"param/{k}"] for k in reference_names(ref, "param")}
     assert any(v.size % 3 for v in weights.values())  # partitions padded on some params
     for k, w in weights.items():
         assert np.array_equal(src.tensors[k].materialize(), w), k
@@ -257,7 +247,7 @@ def test_export_straight_to_safetensors_copies_the_fp32_partitions(root, tmp_pat
     out = str(tmp_path / "hf")
     probe = export_in_fresh_process(os.path.join(root, "z3_llama"), out)
     assert probe["loaded"] == [] and probe["equal"]
-    ref, _ = reference(root, "z3_llama")
-    opt = assert_export_equals(out, ref, names_of(ref, "param"))
+    ref, _ = load_reference(root, "z3_llama")
+    opt = assert_export_equals(out, ref, reference_names(ref, "param"))
     assert int(opt["step"].materialize()) == 3
     assert probe["copied"] == probe["bytes"]  # every tensor byte copied, none read

@@ -34,6 +34,7 @@ import torch
 from fixtures import FIXTURES
 from fixtures import colossal_writer as cw
 from fixtures import paddle_writer as pw
+from fixtures.torch_common import load_reference
 from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 
@@ -45,37 +46,33 @@ SHAPE = (64, 32)  # [out, in]
 NAMES = [f"model.layers.{i}.mlp.up_proj.weight" for i in range(LAYERS)]
 STEP = 7
 DS_WRITER = os.path.join(FIXTURES, "ds_writer.py")
+TESTS = os.path.dirname(FIXTURES)  # on sys.path for `fixtures` in the writers' own processes
 
 # 2 gloo ranks save the same 16 tensors as DTensors: even layers split on dim 0 (FSDP2), odd
 # layers on dim 1 (row-parallel TP); every rank creates only its half
 _RANKS_WRITER = """
-import os, socket, sys
+import sys
+tests, out, layers, shape = sys.argv[1], sys.argv[2], int(sys.argv[3]), (int(sys.argv[4]), int(sys.argv[5]))
+sys.path.insert(0, tests)
 import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
+from fixtures.torch_common import fork_ranks, gloo_rank
 
-def worker(rank, out, port, layers, shape):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    mesh = init_device_mesh("cpu", (2,))
-    g = torch.Generator().manual_seed(rank)
-    sd = {}
-    for i in range(layers):
-        dim = i % 2
-        local = [n // 2 if d == dim else n for d, n in enumerate(shape)]
-        t = torch.randn(*local, generator=g)
-        sd[f"model.layers.{i}.mlp.up_proj.weight"] = DTensor.from_local(t, mesh, [Shard(dim)], run_check=False)
-    dcp.save(sd, checkpoint_id=out)
-    dist.barrier()
-    dist.destroy_process_group()
+def worker(rank, out, layers, shape, port):
+    with gloo_rank(rank, 2, port):
+        mesh = init_device_mesh("cpu", (2,))
+        g = torch.Generator().manual_seed(rank)
+        sd = {}
+        for i in range(layers):
+            dim = i % 2
+            local = [n // 2 if d == dim else n for d, n in enumerate(shape)]
+            t = torch.randn(*local, generator=g)
+            sd[f"model.layers.{i}.mlp.up_proj.weight"] = DTensor.from_local(t, mesh, [Shard(dim)], run_check=False)
+        dcp.save(sd, checkpoint_id=out)
+        dist.barrier()
 
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-mp.start_processes(worker, args=(sys.argv[1], port, int(sys.argv[2]), (int(sys.argv[3]), int(sys.argv[4]))),
-                   nprocs=2, start_method="fork")
+fork_ranks(worker, 2, out, layers, shape, warm_optimizers=False)
 """
 
 # the writer (it forks its 3 ranks), then DeepSpeed's own zero_to_fp32 in the same process, so
@@ -172,7 +169,7 @@ def dcp_optim(tmp_path_factory):
 
 def _start_dcp_ranks(out) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-c", _RANKS_WRITER, str(out), str(LAYERS), *map(str, SHAPE)],
+        [sys.executable, "-c", _RANKS_WRITER, TESTS, str(out), str(LAYERS), *map(str, SHAPE)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
 
@@ -233,7 +230,7 @@ def zero3(tmp_path_factory, writers):
     _wait(p)
     src = str(root / "z3")
     _no_config_anywhere(src)
-    return src, torch.load(root / "zero_to_fp32.pt", weights_only=True), np.load(root / "z3_ref.npz")
+    return src, torch.load(root / "zero_to_fp32.pt", weights_only=True), load_reference(root, "z3")[0]
 
 
 # -- DCP: inspect and export ----------------------------------------------------------------------

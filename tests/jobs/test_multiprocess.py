@@ -3,13 +3,13 @@ only the byte ranges of its own devices, writing one Orbax checkpoint that resto
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
+from fixtures.torch_common import free_port
 
 import models
 from hybridckpt import jobs, naming
@@ -21,12 +21,6 @@ from hybridckpt.plan import abstract_tree
 from hybridckpt.store import CheckpointStore
 
 WORKER = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +40,7 @@ def source(tmp_path_factory):
 def test_two_process_import_reads_own_shards_and_restores_on_one_process(source, tmp_path, capsys):
     src, hf = source
     dst = str(tmp_path / "ckpt")
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
     procs, outs = [], []
     for pid in range(2):

@@ -85,26 +85,17 @@ def sgd_dcp(tmp_path_factory):
     torch's next step on the same batch (grads and params), the reference for optax."""
     torch = pytest.importorskip("torch")
     dcp = pytest.importorskip("torch.distributed.checkpoint")
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from fixtures.torch_common import lm_step, next_step, perturbed_llama, token_batch
+    from transformers import LlamaConfig
 
     cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                       tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).float()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
+    model = perturbed_llama(cfg, seed=0, scale=0.02)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    batch = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(1))
-
-    def step():
-        opt.zero_grad()
-        model(input_ids=batch, labels=batch).loss.backward()
-        opt.step()
-
-    step()
-    step()
+    batch = token_batch(96, (2, 10), seed=1)
+    lm_step(model, opt, batch)
+    lm_step(model, opt, batch)
     names = {p: n for n, p in model.named_parameters()}
     state = {names[p]: {"momentum_buffer": s["momentum_buffer"].clone()} for p, s in opt.state.items()}
     groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [names[p] for p in g["params"]]}
@@ -115,15 +106,12 @@ def sgd_dcp(tmp_path_factory):
     src = root / "dcp"
     dcp.save(sd, checkpoint_id=str(src), no_dist=True)
     (src / "config.json").write_text(json.dumps(cfg.to_dict()))
-    opt.zero_grad()
-    model(input_ids=batch, labels=batch).loss.backward()
-    grads = {n: p.grad.detach().clone().numpy() for n, p in model.named_parameters()}
-    opt.step()
+    grads, after = next_step(model, opt, batch)
     ref = {
         "param": {k: v.numpy() for k, v in sd["model"].items()},
         "buf": {k: v["momentum_buffer"].numpy() for k, v in state.items()},
-        "grad": grads,
-        "next": {n: p.detach().clone().numpy() for n, p in model.named_parameters()},
+        "grad": {n: g.numpy() for n, g in grads.items()},
+        "next": {n: p.numpy() for n, p in after.items()},
     }
     return str(src), ref, root
 
