@@ -1,5 +1,5 @@
 """Checks every family's config uses: positive sizes, positive floats, required HF keys, and
-the RoPE keys of an HF `config.json`.
+the plain RoPE of an HF `config.json` (scaled RoPE: `models.rope`).
 
 Each check raises `ConfigError` naming the config class (or the source file), the field, what
 was expected and what was found.
@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from models.errors import ConfigError
+from models.rope import read_hf_rope, rope_type
 
 
 def check_positive(cfg: Any, names: tuple[str, ...]) -> None:
@@ -42,23 +43,16 @@ def require(d: Mapping[str, Any], keys: tuple[str, ...], source: str, arch: str)
 
 
 def hf_rope_theta(d: Mapping[str, Any], source: str) -> float:
-    """rope_theta from v4 (`rope_theta`, `rope_scaling`) or v5 (`rope_parameters`) keys.
+    """rope_theta of an HF config dict for a family that carries no RoPE scaling.
 
-    Only the plain ("default") RoPE is implemented; any other `rope_type` is a ConfigError.
+    Read by `models.rope.read_hf_rope` (v4 `rope_theta` + `rope_scaling` or v5
+    `rope_parameters`); a scaling dict (any rope_type but plain "default") is a ConfigError here.
+    Families whose config carries the scaling call `read_hf_rope` themselves.
     """
-    theta = d.get("rope_theta")
-    for key in ("rope_scaling", "rope_parameters"):
-        rope = d.get(key)
-        if rope is None:
-            continue
-        if not isinstance(rope, Mapping):
-            raise ConfigError(f"{source}: {key} must be an object or null, found {rope!r}")
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind != "default":
-            raise ConfigError(
-                f"{source}: {key} type {kind!r} is not implemented; only plain RoPE "
-                f"(rope_scaling null / rope_type 'default') is supported"
-            )
-        if rope.get("rope_theta") is not None:
-            theta = rope["rope_theta"]
-    return float(10000.0 if theta is None else theta)
+    theta, scaling = read_hf_rope(d, source)
+    if scaling is not None:
+        raise ConfigError(
+            f"{source}: rope_type {rope_type(scaling)!r} is not supported by this family; "
+            f"only plain RoPE (rope_scaling null / rope_type 'default') is"
+        )
+    return theta

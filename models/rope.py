@@ -52,7 +52,8 @@ from models.errors import ConfigError
 DEFAULT_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
 
 # A JSON object frozen to be hashable (configs are jax.jit cache keys): its (key, value) items
-# in file order, JSON arrays as tuples. `dataclasses.asdict` turns it into JSON arrays of pairs.
+# sorted by key (JSON objects are unordered; writers such as ours sort keys), JSON arrays as
+# tuples. `dataclasses.asdict` turns it into JSON arrays of pairs, which `freeze` reads back.
 Scaling = tuple[tuple[str, Any], ...]
 
 # rope_type -> (required keys, optional keys), beside rope_type / type / rope_theta /
@@ -97,7 +98,8 @@ def freeze(raw: Mapping[str, Any] | Sequence | None, where: str = "rope scaling"
         items = [tuple(p) for p in raw]
     else:
         raise ConfigError(f"{where}: expected an object or null, found {raw!r}")
-    return tuple((k, _freeze_value(v, f"{where}.{k}")) for k, v in items)
+    frozen = ((k, _freeze_value(v, f"{where}.{k}")) for k, v in items)
+    return tuple(sorted(frozen, key=lambda item: item[0]))
 
 
 def _thaw_value(v: Any) -> Any:

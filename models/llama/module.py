@@ -2,11 +2,15 @@
 
 Rules from huggingface/transformers:src/transformers/models/llama/modeling_llama.py:
 - RMSNorm: x fp32 * rsqrt(mean(x^2) + eps), cast back to the compute dtype, times scale.
-- RoPE, half-split convention: inv_freq = theta ** -(arange(0, hd, 2) / hd); angles repeated
-  over both halves; x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1).
+- RoPE, half-split convention: inv_freq of the config's rope type (`models.rope`: default
+  theta ** -(arange(0, hd, 2) / hd), linear, dynamic, llama3, yarn); angles = position *
+  inv_freq in fp32, repeated over both halves; cos and sin times the type's attention scaling,
+  cast to the compute dtype; x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1).
 - GQA: kv head j serves q heads j*rep .. (j+1)*rep - 1 (`repeat_kv`).
 - SwiGLU MLP: down(silu(gate(x)) * up(x)). Pre-norm residual blocks; untied `lm_head` or tied
   `embed.embedding.T`.
+- Attention mask: causal; `Llama.sliding_window()` (None here) is the hook a family built on
+  this module overrides to mask keys `window` or more positions back (Mistral).
 
 Params (fp32, kernels `[in, out]`, L = num_layers):
   embed.embedding [vocab, embed]; layers.{attn_norm,mlp_norm}.scale [L, embed];
@@ -26,6 +30,8 @@ import jax.numpy as jnp
 
 from models.common import causal_attention, dense, normal, ones, stacked
 from models.llama.config import LlamaConfig
+from models.rope import config_rope_tables
+from models.rope import rope_tables as _scaled_rope_tables
 
 
 class RMSNorm(nn.Module):
@@ -40,12 +46,15 @@ class RMSNorm(nn.Module):
         return y.astype(self.dtype) * scale.astype(self.dtype)
 
 
-def rope_tables(seq: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos, sin `[seq, head_dim]` fp32 for positions 0..seq-1 (angles repeated over halves)."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]
-    angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles), jnp.sin(angles)
+def rope_tables(
+    seq: int, head_dim: int, theta: float, scaling: Any = None, **kwargs: Any
+) -> tuple[jax.Array, jax.Array]:
+    """cos, sin `[seq, head_dim]` fp32 for positions 0..seq-1 (angles repeated over halves).
+
+    Kept for the families that import it from here: `models.rope.rope_tables` (scaling and
+    `max_position_embeddings` as there; `models.rope.config_rope_tables(cfg, seq)` reads them
+    from a config)."""
+    return _scaled_rope_tables(seq, head_dim, theta, scaling, **kwargs)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -58,8 +67,11 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 class LlamaBlock(nn.Module):
+    """One pre-norm block; `sliding_window` (None: plain causal) masks keys that far back."""
+
     cfg: LlamaConfig
     dtype: Any
+    sliding_window: int | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
@@ -76,7 +88,8 @@ class LlamaBlock(nn.Module):
         v = v.reshape(b, s, cfg.num_kv_heads, hd)
         rep = cfg.num_heads // cfg.num_kv_heads
         k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-        attn = causal_attention(q, k, v, hd**-0.5).reshape(b, s, cfg.num_heads * hd)
+        attn = causal_attention(q, k, v, hd**-0.5, window=self.sliding_window)
+        attn = attn.reshape(b, s, cfg.num_heads * hd)
         x = x + dense(cfg.hidden_size, ("heads", "embed"), "o", dt)(attn)
 
         h = RMSNorm(cfg.rms_norm_eps, dt, name="mlp_norm")(x)
@@ -92,6 +105,10 @@ class Llama(nn.Module):
     cfg: LlamaConfig
     dtype: Any = jnp.float32
 
+    def sliding_window(self) -> int | None:
+        """Attention window of every layer (None: plain causal); subclasses override."""
+        return None
+
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg, dt = self.cfg, self.dtype
@@ -104,8 +121,11 @@ class Llama(nn.Module):
             name="embed",
         )
         x = embed(tokens)
-        cos, sin = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta)
-        x, _ = stacked(LlamaBlock, cfg.num_layers, 2)(cfg, dt, name="layers")(x, cos, sin)
+        cos, sin = config_rope_tables(cfg, tokens.shape[1])
+        block = stacked(LlamaBlock, cfg.num_layers, 2)(
+            cfg, dt, self.sliding_window(), name="layers"
+        )
+        x, _ = block(x, cos, sin)
         x = RMSNorm(cfg.rms_norm_eps, dt, name="final_norm")(x)
         if cfg.tie_word_embeddings:
             logits = embed.attend(x)

@@ -472,8 +472,8 @@ def test_hf_param_shapes_agree_with_ours():
     "d, words",
     [
         (
-            {"architectures": ["MistralForCausalLM"], "model_type": "mistral"},
-            ["MistralForCausalLM", "LlamaForCausalLM", "GPT2LMHeadModel"],
+            {"architectures": ["FalconForCausalLM"], "model_type": "falcon"},
+            ["FalconForCausalLM", "LlamaForCausalLM", "GPT2LMHeadModel"],
         ),
         ({"model_type": "bert"}, ["'bert'", "gpt2"]),
         ({"model_type": "llama", "vocab_size": 8}, ["missing ['hidden_size', 'intermediate_size'"]),
@@ -501,7 +501,7 @@ def test_config_from_hf_rejects(d, words):
         models.config_from_hf(d, source="ckpt/config.json")
     for w in words:
         assert w in str(e.value)
-    if "missing" in words[0] or "Mistral" in words[0]:
+    if "missing" in words[0] or "Falcon" in words[0]:
         assert "ckpt/config.json" in str(e.value)
 
 
@@ -553,8 +553,9 @@ def test_config_from_meta_params():
         models.config_from_meta_params(llama2_7b)
     with pytest.raises(ConfigError, match="128256.*disagrees.*32000"):
         models.config_from_meta_params(llama3_8b, 32000)
-    with pytest.raises(ConfigError, match="use_scaled_rope"):
-        models.config_from_meta_params({**llama3_8b, "use_scaled_rope": True})
+    # use_scaled_rope (Llama 3.1+): the llama3 rope type, tests/families/test_llama_rope.py
+    scaled = models.config_from_meta_params({**llama3_8b, "use_scaled_rope": True})
+    assert dict(scaled.rope_scaling)["rope_type"] == "llama3"
     with pytest.raises(ConfigError, match="params.json.*missing \\['n_layers'\\]"):
         models.config_from_meta_params({"dim": 64, "n_heads": 4, "vocab_size": 10})
 
