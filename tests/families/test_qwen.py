@@ -34,7 +34,12 @@ SIZES = dict(
     vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, rope_theta=5000.0, max_position_embeddings=64,
 )  # fmt: skip
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 5000.0}
+YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "rope_theta": 5000.0,
+}
 LINEAR = {"rope_type": "linear", "factor": 3.0, "rope_theta": 5000.0}
 # name -> (transformers model class, config class, config overrides, saved dtype)
 MODELS = {
@@ -43,14 +48,19 @@ MODELS = {
     # head_dim 12: heads * head_dim = 48 != hidden 32
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {"head_dim": 12}, torch.float32),
     "qwen3_bias_tied": (
-        "Qwen3ForCausalLM", "Qwen3Config",
-        {"head_dim": 12, "attention_bias": True, "tie_word_embeddings": True}, torch.float32,
+        "Qwen3ForCausalLM",
+        "Qwen3Config",
+        {"head_dim": 12, "attention_bias": True, "tie_word_embeddings": True},
+        torch.float32,
     ),  # fmt: skip
     "qwen3_bf16": ("Qwen3ForCausalLM", "Qwen3Config", {"head_dim": 12}, torch.bfloat16),
     # RoPE scaling as Qwen2.5's long-context configs (yarn) and a linear one
     "qwen2_yarn": ("Qwen2ForCausalLM", "Qwen2Config", {"rope_parameters": YARN}, torch.float32),
     "qwen3_linear": (
-        "Qwen3ForCausalLM", "Qwen3Config", {"head_dim": 12, "rope_parameters": LINEAR}, torch.float32,
+        "Qwen3ForCausalLM",
+        "Qwen3Config",
+        {"head_dim": 12, "rope_parameters": LINEAR},
+        torch.float32,
     ),  # fmt: skip
 }
 
@@ -114,14 +124,18 @@ def _forward(cfg, params: dict) -> np.ndarray:
 )
 def test_logits_equal_transformers(hf_dirs, name, mesh):
     folder, m = hf_dirs[name]
-    np.testing.assert_allclose(jobs.logits(folder, TOKENS, mesh=mesh), _torch_logits(m), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(
+        jobs.logits(folder, TOKENS, mesh=mesh), _torch_logits(m), atol=ATOL, rtol=0
+    )
 
 
 def test_bf16_checkpoint_logits_in_fp32(hf_dirs):
     """bf16 weights widen exactly to fp32: our fp32 forward agrees with transformers' (the
     checkpoint loaded in fp32) within 1e-4."""
     folder, m = hf_dirs["qwen3_bf16"]
-    np.testing.assert_allclose(jobs.logits(folder, TOKENS, mesh="fsdp=2,tp=2,pp=2"), _torch_logits(m), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(
+        jobs.logits(folder, TOKENS, mesh="fsdp=2,tp=2,pp=2"), _torch_logits(m), atol=ATOL, rtol=0
+    )
 
 
 @pytest.mark.parametrize("name", ["qwen2_yarn", "qwen3_linear"])
@@ -130,7 +144,9 @@ def test_rope_scaling_is_read_and_matters(hf_dirs, name):
     transformers', and differ far beyond the tolerance with plain RoPE."""
     folder, m = hf_dirs[name]
     want = _torch_logits(m)
-    np.testing.assert_allclose(jobs.logits(folder, TOKENS, mesh="tp=4,pp=2"), want, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(
+        jobs.logits(folder, TOKENS, mesh="tp=4,pp=2"), want, atol=ATOL, rtol=0
+    )
     cfg, params = _params(folder)
     assert cfg.rope_scaling is not None
     plain = dataclasses.replace(cfg, rope_scaling=None)
@@ -181,7 +197,9 @@ def test_the_family_specific_part_matters(hf_dirs, monkeypatch, name, option, le
         ("qwen3_linear", "dp=1", "fsdp=2,tp=2,pp=2"),
     ],
 )
-def test_import_restore_export_is_bitwise_and_loads_in_transformers(hf_dirs, tmp_path, name, mesh_a, mesh_b):
+def test_import_restore_export_is_bitwise_and_loads_in_transformers(
+    hf_dirs, tmp_path, name, mesh_a, mesh_b
+):
     folder, m = hf_dirs[name]
     params, *_ = roundtrip(folder, tmp_path, mesh_a=mesh_a, mesh_b=mesh_b, optimizer=False)
     source = {k: v.materialize() for k, v in open_source(folder).tensors.items()}
@@ -209,9 +227,18 @@ def _hf_config(name: str) -> dict:
 def test_configs_read_and_written():
     q2 = models.config_from_hf(_hf_config("qwen2"))
     assert type(q2) is Qwen2Config and q2.family == "qwen2"
-    assert (q2.head_dim, q2.rope_theta, q2.rms_norm_eps, q2.tie_word_embeddings) == (8, 5000.0, 1e-6, False)
+    assert (q2.head_dim, q2.rope_theta, q2.rms_norm_eps, q2.tie_word_embeddings) == (
+        8,
+        5000.0,
+        1e-6,
+        False,
+    )
     q3 = models.config_from_hf(_hf_config("qwen3_bias_tied"))
-    assert type(q3) is Qwen3Config and (q3.head_dim, q3.attention_bias, q3.tie_word_embeddings) == (12, True, True)
+    assert type(q3) is Qwen3Config and (q3.head_dim, q3.attention_bias, q3.tie_word_embeddings) == (
+        12,
+        True,
+        True,
+    )
     for cfg in (q2, q3):
         assert models.config_from_dict(models.config_to_dict(cfg)) == cfg
         assert models.config_from_hf(models.config_to_hf(cfg)) == cfg
@@ -222,16 +249,26 @@ def test_configs_read_and_written():
     d = _hf_config("qwen3")
     del d["head_dim"]
     assert models.config_from_hf(d).head_dim == 128
-    assert models.config_from_hf({**d, "architectures": None, "model_type": "qwen3"}).family == "qwen3"
+    assert (
+        models.config_from_hf({**d, "architectures": None, "model_type": "qwen3"}).family == "qwen3"
+    )
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3"])
 def test_unimplemented_attention_is_refused(name):
     d = _hf_config(name)
-    with pytest.raises(ConfigError, match="use_sliding_window=true .* sliding_window 4096 .*not implemented"):
-        models.config_from_hf({**d, "use_sliding_window": True, "sliding_window": 4096}, source="c.json")
-    with pytest.raises(ConfigError, match=r"c.json: layer_types \['sliding_attention'\] are not implemented"):
-        models.config_from_hf({**d, "layer_types": ["full_attention", "sliding_attention"]}, source="c.json")
+    with pytest.raises(
+        ConfigError, match="use_sliding_window=true .* sliding_window 4096 .*not implemented"
+    ):
+        models.config_from_hf(
+            {**d, "use_sliding_window": True, "sliding_window": 4096}, source="c.json"
+        )
+    with pytest.raises(
+        ConfigError, match=r"c.json: layer_types \['sliding_attention'\] are not implemented"
+    ):
+        models.config_from_hf(
+            {**d, "layer_types": ["full_attention", "sliding_attention"]}, source="c.json"
+        )
     with pytest.raises(ConfigError, match="c.json: .*needs keys.*missing \\['hidden_size'\\]"):
         models.config_from_hf({**d, "hidden_size": None}, source="c.json")
     with pytest.raises(ConfigError, match="hidden_act 'gelu'"):
@@ -260,7 +297,11 @@ def _expected_axes(cfg) -> dict:
         layers["o"]["bias"] = ("layers", None)
     if cfg.qk_norm:
         layers["q_norm"] = layers["k_norm"] = {"scale": ("layers", None)}
-    tree = {"embed": {"embedding": ("vocab", "embed")}, "layers": layers, "final_norm": {"scale": (None,)}}
+    tree = {
+        "embed": {"embedding": ("vocab", "embed")},
+        "layers": layers,
+        "final_norm": {"scale": (None,)},
+    }
     if not cfg.tie_word_embeddings:
         tree["lm_head"] = {"kernel": ("embed", "vocab")}
     return tree

@@ -8,6 +8,10 @@ megatron/training/arguments.py): `normalization` ("LayerNorm" / "RMSNorm"), `swi
 (older `layernorm_epsilon`), `rotary_base`, `untie_embeddings_and_output_weights`,
 `max_position_embeddings` (else `seq_length`), and the vocabulary: `padded_vocab_size` rows are
 stored, `vocab_size` of them real (absent in many runs: then the given `--config` says it).
+Llama's layout splits three ways by its attention: q/k/v biases alone (`--add-qkv-bias`, with
+`add_bias_linear` false: Qwen2), per-head q/k norms (`--qk-layernorm`: Qwen3), or neither
+(Llama). Megatron's linear_qkv has a bias when `add_bias_linear or add_qkv_bias`
+(megatron/core/transformer/attention.py `SelfAttention.__init__`).
 
 `ARCHITECTURES` says which HF architecture a set of those choices is and which `config.json` key
 each size goes to; the HF dict is read by `models.config_from_hf`, so the model config is the
@@ -37,6 +41,8 @@ class Architecture:
     description:     how error messages name it ("Llama", "GPT-2")
     normalization, swiglu, position_embedding: the args that select it
     hf_keys:         our name of a value read from args (`_values`) -> its config.json key
+    attention:       facts about the attention (`_attention_facts`) the args must agree with;
+                     a fact the args do not record (an older Megatron) is not checked
     """
 
     hf_architecture: str
@@ -45,10 +51,36 @@ class Architecture:
     swiglu: bool
     position_embedding: str
     hf_keys: Mapping[str, str]
+    attention: Mapping[str, bool] = field(default_factory=dict)
 
     def summary(self) -> str:
         act = "SwiGLU" if self.swiglu else "GELU"
-        return f"{self.description} ({self.normalization}, {act}, {self.position_embedding})"
+        extra = "".join(f", {k}={v}" for k, v in self.attention.items() if v)
+        return f"{self.description} ({self.normalization}, {act}, {self.position_embedding}{extra})"
+
+    def matches(
+        self, swiglu: bool, norm: str, pos: str, attention: Mapping[str, bool | None]
+    ) -> bool:
+        """The args' choices are this architecture's (unrecorded attention facts pass)."""
+        if (self.swiglu, self.normalization, self.position_embedding) != (swiglu, norm, pos):
+            return False
+        return all(attention.get(k) in (None, want) for k, want in self.attention.items())
+
+
+# Llama's config.json keys, shared by the families built on its layout (Qwen2, Qwen3)
+LLAMA_HF_KEYS = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "ffn_hidden_size": "intermediate_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_query_groups": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "norm_eps": "rms_norm_eps",
+    "rope_theta": "rope_theta",
+    "tied": "tie_word_embeddings",
+    "max_positions": "max_position_embeddings",
+}
 
 
 ARCHITECTURES = (
@@ -58,19 +90,26 @@ ARCHITECTURES = (
         normalization="RMSNorm",
         swiglu=True,
         position_embedding="rope",
-        hf_keys={
-            "vocab_size": "vocab_size",
-            "hidden_size": "hidden_size",
-            "ffn_hidden_size": "intermediate_size",
-            "num_layers": "num_hidden_layers",
-            "num_heads": "num_attention_heads",
-            "num_query_groups": "num_key_value_heads",
-            "head_dim": "head_dim",
-            "norm_eps": "rms_norm_eps",
-            "rope_theta": "rope_theta",
-            "tied": "tie_word_embeddings",
-            "max_positions": "max_position_embeddings",
-        },
+        hf_keys=LLAMA_HF_KEYS,
+        attention={"qkv_bias": False, "qk_layernorm": False},
+    ),
+    Architecture(
+        "Qwen2ForCausalLM",
+        "Qwen2",
+        normalization="RMSNorm",
+        swiglu=True,
+        position_embedding="rope",
+        hf_keys=LLAMA_HF_KEYS,
+        attention={"qkv_bias": True, "linear_bias": False, "qk_layernorm": False},
+    ),
+    Architecture(
+        "Qwen3ForCausalLM",
+        "Qwen3",
+        normalization="RMSNorm",
+        swiglu=True,
+        position_embedding="rope",
+        hf_keys=LLAMA_HF_KEYS,
+        attention={"qkv_bias": False, "qk_layernorm": True},
     ),
     Architecture(
         "GPT2LMHeadModel",
@@ -111,6 +150,8 @@ class FamilyRules:
 
 FAMILY_RULES: Mapping[str, FamilyRules] = {
     "llama": FamilyRules("megatron_llama.rules"),
+    "qwen2": FamilyRules("megatron_qwen2.rules"),
+    "qwen3": FamilyRules("megatron_qwen3.rules"),
     "gpt2": FamilyRules(
         "megatron_gpt2.rules",
         notes=(
@@ -167,13 +208,28 @@ def architecture(args, file: str) -> Architecture:
         raise FormatError(
             f"{file}: args.apply_layernorm_1p=True (norm weights stored minus 1) is not supported"
         )
+    attention = _attention_facts(args)
     for a in ARCHITECTURES:
-        if (a.swiglu, a.normalization, a.position_embedding) == (swiglu, norm, pos):
+        if a.matches(swiglu, norm, pos, attention):
             return a
+    recorded = "".join(f", {k}={v}" for k, v in attention.items() if v is not None)
     raise FormatError(
-        f"{file}: args describe normalization={norm}, swiglu={swiglu}, position_embedding_type={pos}: "
-        f"neither {' nor '.join(a.summary() for a in ARCHITECTURES)}"
+        f"{file}: args describe normalization={norm}, swiglu={swiglu}, position_embedding_type={pos}"
+        f"{recorded}: neither {' nor '.join(a.summary() for a in ARCHITECTURES)}"
     )
+
+
+def _attention_facts(args) -> dict[str, bool | None]:
+    """qkv_bias (`add_qkv_bias or add_bias_linear`), linear_bias (`add_bias_linear`) and
+    qk_layernorm (`qk_layernorm`) as the args record them; None where they do not."""
+    linear, qkv = arg(args, "add_bias_linear"), arg(args, "add_qkv_bias")
+    recorded = [bool(x) for x in (linear, qkv) if x is not None]
+    qk_norm = arg(args, "qk_layernorm")
+    return {
+        "qkv_bias": any(recorded) if recorded else None,
+        "linear_bias": None if linear is None else bool(linear),
+        "qk_layernorm": None if qk_norm is None else bool(qk_norm),
+    }
 
 
 def _true_vocab(args, config, file: str) -> int:
