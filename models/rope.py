@@ -169,10 +169,6 @@ def check_scaling(scaling: Scaling | Mapping | None, where: str) -> None:
         if key == "truncate":
             if not isinstance(d.get(key, True), bool):
                 raise ConfigError(f"{where}: truncate must be true or false, found {d[key]!r}")
-        elif key == "original_max_position_embeddings":
-            v = d[key]
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{where}: {key} must be a positive int, found {v!r}")
         elif d.get(key) is not None or (key == "factor" and kind != "yarn"):
             _number(d, key, where)
     if kind == "llama3" and d["high_freq_factor"] <= d["low_freq_factor"]:

@@ -4,7 +4,8 @@ Layout (meta-llama/llama and meta-llama/llama3 `llama/model.py`, `llama/generati
 `Llama.build`; fairscale/nn/model_parallel/layers.py):
 - `params.json`: `dim`, `n_layers`, `n_heads`, `n_kv_heads` (absent = n_heads), `vocab_size`
   (-1 in Llama 1/2: the tokenizer's size), `multiple_of`, `ffn_dim_multiplier`, `norm_eps`,
-  `rope_theta`.
+  `rope_theta`, `use_scaled_rope` (Llama 3.1+: HF's llama3 RoPE scaling; read by
+  `models.llama.config.config_from_meta_params`).
 - One flat torch.save state dict per model-parallel rank, `consolidated.00.pth` ..
   `consolidated.{n-1:02d}.pth` (all must exist): `tok_embeddings.weight`,
   `layers.{i}.attention.{wq,wk,wv,wo}.weight`, `layers.{i}.feed_forward.{w1,w2,w3}.weight`,
