@@ -19,6 +19,7 @@ FORMATS = (
     "hybridckpt.store.source",
     "megatron",
     "meta_llama",
+    "megatron_dist",  # before dcp: a torch_dist folder is a DCP folder too
     "dcp",
     "deepspeed",
     "paddle",

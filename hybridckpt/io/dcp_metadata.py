@@ -214,7 +214,9 @@ def metadata_files(folder: str) -> list[str]:
 
 def _parse_one(path: str, folder: str):
     md = safe_load_file(path, DCP_POLICY)
-    if _kind(md) != "Metadata":
+    # megatron-core 0.15 pickles its subclass `MCoreMetadata` (NVIDIA/Megatron-LM@core_v0.15.0:
+    # megatron/core/dist_checkpointing/strategies/torch.py: Metadata plus `mcore_data`)
+    if _kind(md) not in ("Metadata", "MCoreMetadata"):
         raise FormatError(f"{path}: expected a DCP Metadata pickle, found {_kind(md)}")
     sdm = _attr(md, "state_dict_metadata", path)
     storage = _attr(md, "storage_data", path) if "storage_data" in vars(md) else None

@@ -204,14 +204,18 @@ class RuleSet:
         return MappingResult(out, unconsumed, tuple(unused))
 
     def apply_unstack(self, tensors: Mapping[str, LazyTensor], *, strict: bool = True) -> MappingResult:
-        """Like `apply`, for inverted rules whose sources are stacked (`name[$L]`): each stacked
-        tensor is first split into `name[0]`, `name[1]`, ... along its leading axis."""
+        """Like `apply`, for rules whose sources are stacked (`name[$L]`, e.g. inverted rules):
+        each tensor a stacked source's base matches (the base may be a pattern, `a.*[$L]`) is
+        first split into `name[0]`, `name[1]`, ... along its leading axis."""
         expanded: dict[str, LazyTensor] = {}
-        stacked_bases = {
-            _STACK.match(s).group("base") for r in self.rules for s in r.sources if _STACK.match(s)
-        }
+        stacked_bases = [
+            _compile(_STACK.match(s).group("base"))
+            for r in self.rules
+            for s in r.sources
+            if _STACK.match(s)
+        ]
         for name, t in tensors.items():
-            if name in stacked_bases:
+            if any(rx.match(name) for rx in stacked_bases):
                 for i in range(t.shape[0]):
                     expanded[f"{name}[{i}]"] = lazy.index0(t, i)
             else:

@@ -211,8 +211,13 @@ _SKIP = object()
 
 
 def _trainer(rd: Reader) -> dict:
-    st, args = rd.state0, rd.args
-    out: dict[str, Any] = {"iteration": rd.iteration, "checkpoint_version": rd.version}
+    return trainer_metadata(rd.state0, rd.args, rd.iteration, rd.version)
+
+
+def trainer_metadata(st: Mapping, args, iteration, version) -> dict:
+    """The JSON-serialisable trainer metadata of a Megatron state dict `st` (the rank-0 file, or
+    a torch_dist checkpoint's common state) and its `args`."""
+    out: dict[str, Any] = {"iteration": iteration, "checkpoint_version": version}
     for k in (
         "consumed_train_samples",
         "consumed_valid_samples",

@@ -1,0 +1,275 @@
+"""The distributed optimizer's `dp_reshardable` state: per-bucket 1-D tensors back to parameters.
+
+Keys (NVIDIA/Megatron-LM:megatron/core/optimizer/distrib_optimizer.py
+`sharded_param_state_dp_reshardable`; `fully_sharded_bucket_space` in core <= 0.12):
+`[chained_{i}.]optimizer.distributed.dp_group_idx_{g}.gbuf_idx_{b}.dtype_{(param_dtype,
+grad_dtype)}.bucket_idx_{k}.{param|exp_avg|exp_avg_sq}`, each a 1-D fp32 tensor of the bucket's
+`numel_unpadded` elements, the DP ranks' shards at their offsets. `param` is the fp32 master.
+
+What it does not store is which parameter lies where; it is rebuilt here:
+- `g` is the model-parallel rank, `tp_rank + tp * pp_rank` (optimizer/__init__.py
+  `data_parallel_group_idx=model_parallel_rank`; parallel_state.py
+  `generate_masked_orthogonal_rank_groups`, the `tp-pp` group), so each g is one (tp, pp) domain
+  holding that rank's LOCAL (tensor-parallel) shards.
+- `b` is the grad buffer: one per model chunk (virtual pipeline stage) while one dtype is used.
+- A buffer holds the chunk's trainable params in REVERSE `named_parameters()` order, each start
+  padded to a multiple of 64 elements, cut into buckets (optimizer/distrib_optimizer.py
+  `_compute_per_buffer_param_layout`, optimizer/param_layout.py `pad_param_start`); a bucket's
+  `numel_unpadded` ends at its last param's end (or at the padded start of a `shared_embedding`
+  param, which gets a bucket of its own). Walking the params with the stored bucket sizes gives
+  each one's bucket and offset; sizes that do not add up are a FormatError naming the key.
+- `named_parameters()` of a GPT model chunk (models/gpt/gpt_model.py): the embedding (first
+  stage, first chunk), the layers in order, `decoder.final_layernorm`, then `output_layer`
+  (last stage, last chunk; with tied embeddings and PP > 1 too, as the shared copy). Inside a
+  layer (`LAYER_ORDER`): transformer_layer.py builds input_layernorm, self_attention,
+  pre_mlp_layernorm, mlp; attention.py `linear_proj` before `linear_qkv`, then `q_layernorm`,
+  `k_layernorm`; TE's LayerNormLinear registers `layer_norm_weight`/`_bias` before `weight`/
+  `bias` (NVIDIA/TransformerEngine:transformer_engine/pytorch/module/layernorm_linear.py). With
+  the local spec (`args.transformer_impl == "local"`) the norms are separate modules, first.
+- Layers of chunk v on pipeline rank p: `v * L / vpp + p * L / (pp * vpp)` onwards
+  (transformer_block.py `get_transformer_layer_offset`, even split).
+Each rank's views are joined across tensor-parallel ranks by `rules/megatron_tp.rules`, as the
+legacy `distrib_optim.pt` reader does.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+
+from hybridckpt import lazy
+from hybridckpt.errors import FormatError
+from hybridckpt.formats.megatron.layout import Topology, arg
+from hybridckpt.formats.megatron.model import merge_tp
+from hybridckpt.lazy import LazyTensor
+from hybridckpt.rules import RuleSet
+
+BUCKET = re.compile(
+    r"^(?P<chain>chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(?P<g>\d+)\.gbuf_idx_(?P<b>\d+)"
+    r"\.dtype_(?P<dtype>.+)\.bucket_idx_(?P<k>\d+)\.(?P<kind>\w+)$"
+)
+_PAD = 64  # param_layout.py pad_param_start
+
+_ATTN_TE = (
+    "linear_proj.weight",
+    "linear_proj.bias",
+    "linear_qkv.layer_norm_weight",
+    "linear_qkv.layer_norm_bias",
+    "linear_qkv.weight",
+    "linear_qkv.bias",
+)
+_ATTN_LOCAL = (
+    "linear_qkv.layer_norm_weight",
+    "linear_qkv.layer_norm_bias",
+    "linear_proj.weight",
+    "linear_proj.bias",
+    "linear_qkv.weight",
+    "linear_qkv.bias",
+)
+_QK_NORMS = ("q_layernorm.weight", "q_layernorm.bias", "k_layernorm.weight", "k_layernorm.bias")
+_MLP = (
+    "linear_fc1.layer_norm_weight",
+    "linear_fc1.layer_norm_bias",
+    "linear_fc1.weight",
+    "linear_fc1.bias",
+    "linear_fc2.weight",
+    "linear_fc2.bias",
+)
+
+
+def layer_order(local_spec: bool) -> tuple[str, ...]:
+    """Parameter suffixes of a TransformerLayer in `named_parameters()` order (see module doc)."""
+    attn = _ATTN_LOCAL if local_spec else _ATTN_TE
+    return (
+        "input_layernorm.weight",
+        "input_layernorm.bias",
+        *(f"self_attention.{s}" for s in attn + _QK_NORMS),
+        "pre_mlp_layernorm.weight",
+        "pre_mlp_layernorm.bias",
+        *(f"mlp.{s}" for s in _MLP),
+    )
+
+
+def chunk_params(
+    model: Mapping[str, LazyTensor],
+    topo: Topology,
+    p: int,
+    v: int,
+    *,
+    tied: bool,
+    local_spec: bool,
+    where: str,
+) -> list[str]:
+    """Global names of the params of model chunk v on pipeline rank p, `named_parameters()` order."""
+    layers = sorted({int(n.split(".")[2]) for n in model if n.startswith("decoder.layers.")})
+    n_layers = len(layers)
+    per = n_layers // (topo.pp * topo.vpp)
+    if per * topo.pp * topo.vpp != n_layers:
+        raise FormatError(
+            f"{where}: {n_layers} layers do not split evenly over pp={topo.pp} x vpp={topo.vpp}; "
+            f"uneven pipeline stages are not supported for dp_reshardable optimizer state"
+        )
+    first, last = p == 0 and v == 0, p == topo.pp - 1 and v == topo.vpp - 1
+    out = []
+    if first:
+        out += [
+            n
+            for n in ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
+            if n in model
+        ]
+    order = {s: i for i, s in enumerate(layer_order(local_spec))}
+    start = v * (n_layers // topo.vpp) + p * per
+    for g in range(start, start + per):
+        pre = f"decoder.layers.{g}."
+        names = [n for n in model if n.startswith(pre)]
+        unknown = sorted(n for n in names if n[len(pre) :] not in order)
+        if unknown:
+            raise FormatError(
+                f"{where}: cannot place {unknown[:3]} in the distributed optimizer's buckets (unknown layer parameter)"
+            )
+        out += sorted(names, key=lambda n: order[n[len(pre) :]])
+    if last:
+        out += [
+            n
+            for n in ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias")
+            if n in model
+        ]
+        if "output_layer.weight" in model or (tied and topo.pp > 1):
+            out.append("output_layer.weight")
+    return out
+
+
+def place(
+    numels: list[int], sizes: list[int], what: str = "buffer", *, pad: bool = True
+) -> list[tuple[int, int]]:
+    """(bucket, offset in bucket) of each param (given in `named_parameters()` order), walking
+    them in reverse with the stored bucket sizes `sizes` (numel_unpadded each)."""
+    out: list[tuple[int, int]] = [(0, 0)] * len(numels)
+    k = rel = held = 0
+    for i in reversed(range(len(numels))):
+        if pad:
+            rel = -(-rel // _PAD) * _PAD
+        if (
+            held and k < len(sizes) and rel >= sizes[k]
+        ):  # a shared_embedding param closes the bucket
+            if rel != sizes[k]:
+                break
+            k, rel, held = k + 1, 0, 0
+        if k >= len(sizes):
+            raise FormatError(
+                f"{what}: the parameters need more than the {len(sizes)} buckets stored (sizes {sizes})"
+            )
+        out[i] = (k, rel)
+        rel += numels[i]
+        held += 1
+        if rel > sizes[k]:
+            break
+        if rel == sizes[k]:
+            k, rel, held = k + 1, 0, 0
+    else:
+        if k == len(sizes) and rel == 0:
+            return out
+    raise FormatError(
+        f"{what}: bucket sizes {sizes} do not add up with the {len(numels)} parameters of this "
+        f"chunk ({sum(numels)} elements{', 64-element aligned' if pad else ''})"
+    )
+
+
+def local_shape(name: str, shape: tuple[int, ...], tp_rules: RuleSet, tp: int) -> tuple[int, ...]:
+    """The shape one tensor-parallel rank holds of global `name`."""
+    if tp == 1:
+        return tuple(shape)
+    how = tp_rules.tp_merge_for(name).merge
+    if how.name == "replicated":
+        return tuple(shape)
+    axis = how.args[0] % len(shape)
+    out = list(shape)
+    if out[axis] % tp:
+        raise FormatError(f"'{name}' of shape {shape} does not split over tp={tp} on axis {axis}")
+    out[axis] //= tp
+    return tuple(out)
+
+
+def bucket_state(
+    tensors: Mapping[str, LazyTensor],
+    model: Mapping[str, LazyTensor],
+    topo: Topology,
+    args,
+    tp_rules: RuleSet,
+    *,
+    tied: bool,
+    where: str,
+) -> dict[str, dict[str, LazyTensor]]:
+    """kind ("param" = master, "exp_avg", ...) -> global name -> state, from the bucket keys in
+    `tensors`; `model` are the model tensors under global per-layer names."""
+    found: dict[tuple, dict[str, LazyTensor]] = {}
+    chains = set()
+    for key, t in tensors.items():
+        m = BUCKET.match(key)
+        if m is None:
+            continue
+        chains.add(m.group("chain") or "")
+        g, b, k = int(m.group("g")), int(m.group("b")), int(m.group("k"))
+        found.setdefault((g, b, m.group("dtype")), {}).setdefault(k, {})[m.group("kind")] = (key, t)
+    if len(chains) > 1:
+        raise FormatError(
+            f"{where}: several chained distributed optimizers {sorted(chains)} (MoE experts?) are not supported"
+        )
+    local_spec = arg(args, "transformer_impl") == "local"
+    per_kind: dict[str, dict[tuple[int, int], dict[str, LazyTensor]]] = {}
+    labels: dict[tuple[int, int], str] = {}
+    for p in range(topo.pp):
+        for r in range(topo.tp):
+            g = r + topo.tp * p
+            labels[(p, r)] = f"{where}: dp_group_idx_{g}"
+            for v in range(topo.vpp):
+                bufs = sorted(key for key in found if key[0] == g and key[1] == v)
+                if len(bufs) != 1:
+                    what = "missing" if not bufs else f"split by dtype {[d for *_, d in bufs]}"
+                    raise FormatError(
+                        f"{where}: dp_group_idx_{g}.gbuf_idx_{v} is {what} (tp={topo.tp} pp={topo.pp} vpp={topo.vpp})"
+                    )
+                buckets = found[bufs[0]]
+                if sorted(buckets) != list(range(len(buckets))):
+                    raise FormatError(
+                        f"{where}: dp_group_idx_{g}.gbuf_idx_{v} has buckets {sorted(buckets)}"
+                    )
+                names = chunk_params(
+                    model, topo, p, v, tied=tied, local_spec=local_spec, where=where
+                )
+                shapes = [local_shape(n, _global_shape(model, n), tp_rules, topo.tp) for n in names]
+                sizes = []
+                for k in range(len(buckets)):
+                    lens = {t.shape for _, t in buckets[k].values()}
+                    if len(lens) != 1 or len(next(iter(lens))) != 1:
+                        raise FormatError(
+                            f"{where}: bucket tensors {sorted(key for key, _ in buckets[k].values())} are not 1-D of one size"
+                        )
+                    sizes.append(next(iter(lens))[0])
+                what = f"{where}: dp_group_idx_{g}.gbuf_idx_{v} ({sorted(buckets[0].values())[0][0]} ...)"
+                numels = [math.prod(s) for s in shapes]
+                try:
+                    spots = place(numels, sizes, what)
+                except FormatError:
+                    spots = place(numels, sizes, what, pad=False)  # before core r0.8: no padding
+                for n, shape, n_el, (k, off) in zip(names, shapes, numels, spots, strict=True):
+                    for kind, (_, t) in buckets[k].items():
+                        view = lazy.reshape(lazy.slice_axis(t, 0, off, off + n_el), shape)
+                        per_kind.setdefault(kind, {}).setdefault((p, r), {})[n] = view
+    out = {}
+    for kind, per_rank in per_kind.items():
+        merged = merge_tp(per_rank, labels, tp_rules, topo.tp, what=f"optimizer {kind} ")
+        if tied and topo.pp > 1:
+            merged.pop(
+                "output_layer.weight", None
+            )  # the last stage's copy of the embedding's state
+        out[kind] = merged
+    return out
+
+
+def _global_shape(model: Mapping[str, LazyTensor], name: str) -> tuple[int, ...]:
+    """The global shape of param `name`; a tied head's shared copy has the embedding's."""
+    if name == "output_layer.weight" and name not in model:
+        name = "embedding.word_embeddings.weight"
+    return tuple(model[name].shape)

@@ -1,0 +1,180 @@
+"""Where a Megatron-Core distributed checkpoint (`torch_dist`) keeps its files.
+
+Layouts (each resolves to the checkpoint folder that holds the DCP files):
+- Megatron-LM (NVIDIA/Megatron-LM:megatron/training/checkpointing.py `get_checkpoint_name`,
+  `read_metadata`): `<save>/latest_checkpointed_iteration.txt` (an iteration or `release`),
+  `<save>/iter_{N:07d}/` or `release/`. A path may be the save folder or the iteration folder.
+- Megatron-Bridge (NVIDIA-NeMo/Megatron-Bridge:docs/training/checkpointing.md): the same, plus
+  `latest_train_state.pt` at the top and `run_config.yaml`, `train_state.pt` inside `iter_N/`.
+- NeMo 2 (NVIDIA/NeMo:nemo/lightning/ckpt_utils.py `WEIGHTS_PATH`, `CONTEXT_PATH`): the
+  checkpoint folder is `<ckpt>/weights/` beside `<ckpt>/context/` (model config and
+  hyper-parameters).
+
+Inside the checkpoint folder: torch DCP's `.metadata` and `__{rank}_{n}.distcp`, and
+`metadata.json` = `{"sharded_backend": "torch_dist", "sharded_backend_version": 1, ...}`
+(megatron/core/dist_checkpointing/core.py `save_config`), written LAST, after every rank's data
+and the `.metadata` (serialization.py `save`: `metadata_finalize_fn`): a folder without it is an
+unfinished save. Older releases also write `common.pt` (strategies/common.py `save_common`).
+Only the `torch_dist` backend is read (the retired `zarr` backend is refused by name).
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import os
+import re
+from dataclasses import dataclass
+
+from hybridckpt.errors import FormatError
+from hybridckpt.io.dcp_metadata import METADATA, metadata_files
+
+TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM, Bridge
+CONFIG_FILE = "metadata.json"  # dist_checkpointing/core.py CONFIG_FNAME
+COMMON_FILE = "common.pt"  # dist_checkpointing/strategies/common.py COMMON_STATE_FNAME
+BACKEND = "torch_dist"
+BRIDGE_TRAIN_STATE = "latest_train_state.pt"
+BRIDGE_RUN_CONFIG = "run_config.yaml"
+NEMO_WEIGHTS, NEMO_CONTEXT = "weights", "context"
+_ITER_DIR = re.compile(r"^(iter_\d+|release)$")
+
+
+@dataclass(frozen=True)
+class Location:
+    """A torch_dist checkpoint on disk.
+
+    folder:   the checkpoint folder (DCP files, `metadata.json`)
+    flavour:  "megatron-lm", "bridge" or "nemo2"
+    context:  NeMo 2's `context/` folder (None otherwise)
+    iteration: the iteration the folder name or tracker gives (None for `release` or unnamed)
+    """
+
+    folder: str
+    flavour: str
+    context: str | None = None
+    iteration: int | None = None
+
+
+def _has_dcp_files(folder: str) -> bool:
+    if metadata_files(folder):
+        return True
+    try:
+        return any(n.endswith(".distcp") for n in os.listdir(folder))
+    except OSError:
+        return False
+
+
+def _tracked(save: str) -> str:
+    """The iteration folder the tracker of `save` names (FormatError when unreadable/missing)."""
+    tracker = os.path.join(save, TRACKER)
+    with builtins.open(tracker, encoding="utf-8") as f:
+        text = f.read().strip()
+    if text == "release":
+        name = "release"
+    else:
+        try:
+            name = f"iter_{int(text):07d}"
+        except ValueError:
+            raise FormatError(
+                f"{tracker}: expected an iteration number or 'release', found {text!r}"
+            ) from None
+    folder = os.path.join(save, name)
+    if not os.path.isdir(folder):
+        raise FormatError(f"{tracker} names {text!r} but the folder {folder} is missing")
+    return folder
+
+
+def _iteration(folder: str) -> int | None:
+    m = re.match(r"^iter_(\d+)$", os.path.basename(os.path.normpath(folder)))
+    return int(m.group(1)) if m else None
+
+
+def locate(path: str) -> Location | None:
+    """The torch_dist checkpoint `path` names, or None when it does not look like one (cheap:
+    file names only, no pickle read). Raises FormatError only for a tracker that points nowhere."""
+    if not os.path.isdir(path):
+        return None
+    path = os.path.abspath(path)
+    weights, context = os.path.join(path, NEMO_WEIGHTS), os.path.join(path, NEMO_CONTEXT)
+    if os.path.isdir(weights) and os.path.isdir(context) and _has_dcp_files(weights):
+        return Location(weights, "nemo2", context, _iteration(path))
+    bridge = os.path.isfile(os.path.join(path, BRIDGE_TRAIN_STATE))
+    if os.path.isfile(os.path.join(path, TRACKER)):
+        folder = _tracked(path)
+    else:
+        folder = path
+        parent = os.path.dirname(path)
+        bridge = bridge or os.path.isfile(os.path.join(parent, BRIDGE_TRAIN_STATE))
+        # a bare DCP folder is plain DCP unless Megatron marks it: metadata.json, common.pt,
+        # Bridge's files, or an iteration folder under a tracker
+        marked = (
+            os.path.isfile(os.path.join(path, CONFIG_FILE))
+            or os.path.isfile(os.path.join(path, COMMON_FILE))
+            or os.path.isfile(os.path.join(path, BRIDGE_RUN_CONFIG))
+            or (
+                _ITER_DIR.match(os.path.basename(path))
+                and os.path.isfile(os.path.join(parent, TRACKER))
+            )
+        )
+        if not marked:
+            return None
+    if not _has_dcp_files(folder):
+        return None
+    bridge = bridge or os.path.isfile(os.path.join(folder, BRIDGE_RUN_CONFIG))
+    return Location(folder, "bridge" if bridge else "megatron-lm", None, _iteration(folder))
+
+
+def detect(path: str) -> bool:
+    """A torch_dist checkpoint (finished or not: `open` says which) or the folder holding one. A
+    `metadata.json` without `sharded_backend` is someone else's file: not claimed."""
+    try:
+        loc = locate(path)
+    except (FormatError, OSError):
+        return False
+    if loc is None:
+        return False
+    config = os.path.join(loc.folder, CONFIG_FILE)
+    if not os.path.isfile(config):
+        return True  # marked by a tracker, an iteration folder, common.pt or Bridge/NeMo files
+    try:
+        with builtins.open(config, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return True  # `open` names the damage
+    return not isinstance(data, dict) or "sharded_backend" in data
+
+
+def _backend(folder: str, *, strict: bool):
+    """`metadata.json`'s sharded_backend (None when the file is missing and not `strict`)."""
+    path = os.path.join(folder, CONFIG_FILE)
+    if not os.path.isfile(path):
+        if not strict:
+            return None
+        dcp_md = os.path.join(folder, METADATA)
+        written = "its .metadata is there" if os.path.isfile(dcp_md) else "no .metadata either"
+        raise FormatError(
+            f"{folder}: no {CONFIG_FILE}: an unfinished Megatron save (it is written last; "
+            f"{written}); use an earlier iteration or finish the save"
+        )
+    try:
+        with builtins.open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        if not strict:
+            return None
+        raise FormatError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        if not strict:
+            return None
+        raise FormatError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data.get("sharded_backend")
+
+
+def check_backend(folder: str) -> None:
+    """`metadata.json` is there and names the torch_dist backend (one-line FormatError else)."""
+    backend = _backend(folder, strict=True)
+    if backend != BACKEND:
+        raise FormatError(
+            f"{os.path.join(folder, CONFIG_FILE)}: sharded_backend is {backend!r}; only "
+            f"{BACKEND!r} checkpoints are read (the zarr backend is retired in Megatron-Core)"
+        )

@@ -1,0 +1,110 @@
+"""Optimizer state in model space: `optimizer.state.<kind>.<model key>`, and the step.
+
+Keys (NVIDIA/Megatron-LM:megatron/core/optimizer/distrib_optimizer.py, dist_checkpointing/
+optimizer.py `optim_state_to_sharding_state`): `<kind>` is the fp32 master (`param` in
+`fully_reshardable`, `fp32_param` in `fully_sharded_model_space` and the non-distributed
+Float16 optimizer) or an optimizer slot under torch's name (`exp_avg`, `exp_avg_sq`); the rest
+is the model tensor's key, so the slot has the model tensor's shape, offsets and factories:
+- `fully_reshardable` (`sharded_param_state_fully_reshardable`) and the non-distributed
+  optimizer: stored with the model tensor's global shape; read like the weights.
+- `fully_sharded_model_space` (former default, `sharded_param_state_fs_model_space`; core <= 0.14
+  wrote it, strategies/resharding.py `nd_flattened_tensor_reformulated_global_shape`): a model
+  tensor of global shape G cut into a grid of F fragments (`axis_fragmentations`, the prepended
+  layer axis included) of local shape G/F is stored as `F + (prod(G/F),)`, each fragment's
+  elements flattened on the last axis (DP ranks wrote `flattened_range` pieces of it). Read back
+  as the tiling of fragment f, unflattened to G/F, at offsets f * G/F.
+With a `ChainedOptimizer` the keys may start with `chained_{i}.` (optimizer/optimizer.py).
+The step is each param group's `step` (`DistributedOptimizer.state_dict`), from the common state
+or from the `optimizer` ShardedObject (see `common`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from collections.abc import Mapping
+
+from hybridckpt import lazy
+from hybridckpt.errors import FormatError
+from hybridckpt.formats.dcp.views import tiled
+from hybridckpt.lazy import LazyTensor
+
+MASTER_KINDS = ("param", "fp32_param")
+_STATE = re.compile(r"^(?P<chain>chained_\d+\.)?optimizer\.state\.(?P<kind>\w+?)\.(?P<key>.+)$")
+
+
+def is_model_space(key: str) -> bool:
+    return _STATE.match(key) is not None
+
+
+def unflatten_fragments(t: LazyTensor, shape: tuple[int, ...], where: str) -> LazyTensor:
+    """A `fully_sharded_model_space` tensor `F + (n,)` as the model tensor of global `shape`."""
+    frag = t.shape[:-1]
+    if len(frag) != len(shape) or any(f == 0 or g % f for g, f in zip(shape, frag, strict=True)):
+        raise FormatError(f"{where}: shape {t.shape} is no fragment grid of the model's {shape}")
+    local = tuple(g // f for g, f in zip(shape, frag, strict=True))
+    if math.prod(local) != t.shape[-1]:
+        raise FormatError(
+            f"{where}: fragments of {t.shape[-1]} elements, but {shape} cut {frag} ways gives "
+            f"{local} ({math.prod(local)} elements)"
+        )
+    pieces = []
+    for f in itertools.product(*(range(n) for n in frag)):
+        block = t
+        for axis, i in enumerate(f):
+            block = lazy.slice_axis(block, axis, i, i + 1)
+        pieces.append(
+            (tuple(i * n for i, n in zip(f, local, strict=True)), lazy.reshape(block, local))
+        )
+    return tiled(shape, t.dtype, pieces)
+
+
+def model_space_state(
+    tensors: Mapping[str, LazyTensor], model: Mapping[str, LazyTensor], where: str
+) -> dict[str, dict[str, LazyTensor]]:
+    """kind -> model key -> state tensor in the model tensor's shape (DCP keys of the model)."""
+    out: dict[str, dict[str, LazyTensor]] = {}
+    for key, t in tensors.items():
+        m = _STATE.match(key)
+        if m is None:
+            continue
+        kind, mkey = m.group("kind"), m.group("key")
+        ref = model.get(mkey)
+        if ref is None:
+            raise FormatError(
+                f"{where}: '{key}' is optimizer state for '{mkey}', which the checkpoint does not hold"
+            )
+        if t.shape != ref.shape:
+            t = unflatten_fragments(t, ref.shape, f"{where}: '{key}'")
+        slot = out.setdefault(kind, {})
+        if mkey in slot:
+            raise FormatError(
+                f"{where}: optimizer state '{kind}' of '{mkey}' is stored twice (chained optimizers)"
+            )
+        slot[mkey] = t
+    return out
+
+
+def step_and_hyper(groups, where: str) -> tuple[int | None, dict]:
+    """(step, hyperparameters of group 0: lr, betas, eps, weight_decay) of Megatron's param
+    groups (group 0 holds the weight-decayed params: optimizer/__init__.py `_get_param_groups`)."""
+    if not groups:
+        return None, {}
+    steps = {g.get("step") for g in groups if g.get("step") is not None}
+    step = None
+    if steps:
+        if len(steps) > 1:
+            raise FormatError(f"{where}: param groups have different steps {sorted(steps)}")
+        s = steps.pop()
+        step = int(s.materialize()) if isinstance(s, LazyTensor) else int(s)
+    g0 = groups[0]
+    hyper = {
+        k: float(g0[k])
+        for k in ("lr", "eps", "weight_decay")
+        if isinstance(g0.get(k), (int, float))
+    }
+    betas = g0.get("betas")
+    if isinstance(betas, (tuple, list)) and all(isinstance(b, (int, float)) for b in betas):
+        hyper["betas"] = [float(b) for b in betas]
+    return step, hyper
