@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import traceback
+import warnings
 
 from hybridckpt.errors import HybridCkptError
 
@@ -52,7 +53,11 @@ class _Interrupt:
         raise KeyboardInterrupt
 
     def restore(self) -> None:
-        """Give stderr back (before the one line is printed)."""
+        """Give stderr back (before the one line is printed). What the abandoned job leaves to
+        be collected (Orbax coroutines never awaited, callbacks of closed loops) stays silent."""
+        if self.quiet_unwind:
+            warnings.simplefilter("ignore")
+            sys.unraisablehook = lambda unraisable: None
         if self._saved_fd is not None:
             sys.stderr.flush()
             os.dup2(self._saved_fd, 2)

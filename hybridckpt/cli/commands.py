@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 
-from hybridckpt.cli.output import Progress, compact_json, peak_rss_gib, size, summary
+from hybridckpt.cli.output import Progress, compact_json, job_finished, peak_rss_gib, size, summary
 from hybridckpt.errors import HybridCkptError
 
 
@@ -65,6 +65,7 @@ def cmd_import(a) -> int:
             params_only=a.params_only, dtype=a.dtype, strict_sharding=a.strict_sharding,
             overwrite=a.overwrite, progress=prog, io_threads=a.io_threads,
         )
+    job_finished()
     print(f"imported {s.source_format} checkpoint into {s.destination} at step {s.step} on mesh {s.mesh}"
           f" ({'with' if s.with_optimizer else 'without'} optimizer state)")
     for n in s.notes:
@@ -86,6 +87,7 @@ def cmd_export(a) -> int:
             max_shard_bytes=int(a.max_shard_gb * 1024**3) if a.max_shard_gb else None,
             overwrite=a.overwrite, progress=prog, io_threads=a.io_threads,
         )
+    job_finished()
     print(f"exported {s.source_format} checkpoint to {s.destination}: {', '.join(s.files)}")
     for n in s.notes:
         print(f"note: {n}")

@@ -12,6 +12,16 @@ import sys
 from typing import Any
 
 
+def job_finished() -> None:
+    """Called by a command once its job has returned: from here on a Ctrl-C is ignored, so a
+    finished job reports its success (`cli.main` puts the previous handler back)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
 
