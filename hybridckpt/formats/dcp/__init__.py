@@ -26,18 +26,22 @@ are `<opt>param_groups.N.{lr, betas, eps, weight_decay, params}`, or per fqn
 `flatten_optimizer_state_dict`, as torchtitan saves it).
 
 Names after the model prefix are the model's own: HF names for HF models (`hf_rules` empty), or
-torchtitan Llama names (`tok_embeddings`, `layers.N.attention.wq`, ...) mapped by
-`rules/torchtitan_llama.rules`.
+torchtitan's Llama 3 / Qwen3 names (`tok_embeddings`, `layers.N.attention.qkv_linear.wq`, ...)
+mapped by `rules/torchtitan_{llama,qwen3}.rules`. torchtitan 0.3 (`torchtitan`): a
+CheckpointManager folder of `step-N/` DCP folders, the model at the top level beside
+`optimizer`, `lr_scheduler`, `train_state`, `dataloader`; q/k/v saved split while their moments
+are keyed by the fused `qkv_linear.wqkv` parameter (split here like the weights).
 
 Modules: `views` (a torch.save chunk, a tiled global tensor), `storage` (files, chunks,
 safetensors blobs and shards, detection), `structure` (model and optimizer prefixes, param
-groups), `reader` (`open`).
+groups), `torchtitan` (step folders, names, fused q/k/v, trainer state), `reader` (`open`,
+`detect`).
 """
 
 from __future__ import annotations
 
-from hybridckpt.formats.dcp.reader import NAME, open  # noqa: A004 - the format contract
-from hybridckpt.formats.dcp.storage import detect, read_hf_shards
+from hybridckpt.formats.dcp.reader import NAME, detect, open  # noqa: A004 - the format contract
+from hybridckpt.formats.dcp.storage import read_hf_shards
 from hybridckpt.formats.dcp.structure import Structure, find_structure
 from hybridckpt.formats.dcp.views import Tiled, TorchSaveChunk, tiled
 

@@ -3,18 +3,22 @@
 The `.metadata` layouts give the model tensors (after the model prefix), the optimizer's slots
 and step and its param groups (`structure`); the safetensors-shards layout gives tensors only.
 Names after the model prefix are the model's own: HF names for HF models (`hf_rules` empty), or
-torchtitan Llama names (`tok_embeddings`, `layers.N.attention.wq`, ...) mapped by
-`rules/torchtitan_llama.rules`.
+torchtitan's Llama 3 / Qwen3 names (`tok_embeddings`, `layers.N.attention.qkv_linear.wq`, ...)
+mapped by `rules/torchtitan_{llama,qwen3}.rules`, the moments of its fused q/k/v parameter split
+like the weights first (`torchtitan`). A torchtitan CheckpointManager folder (`step-N/`
+subfolders) reads its latest step; a `step-N` folder's config.json may sit in its parent.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from dataclasses import replace
 
 from hybridckpt.errors import FormatError
 from hybridckpt.formats import torch_optim
 from hybridckpt.formats.config_file import config_beside
+from hybridckpt.formats.dcp import torchtitan
 from hybridckpt.formats.dcp.storage import (
     check_files,
     entry_tensor,
@@ -22,6 +26,7 @@ from hybridckpt.formats.dcp.storage import (
     read_hf_shards,
     safetensors_blobs,
 )
+from hybridckpt.formats.dcp.storage import detect as storage_detect
 from hybridckpt.formats.dcp.structure import find_structure, param_groups
 from hybridckpt.formats.rules_files import rules_text
 from hybridckpt.formats.torch_optim import STEP, check_complete
@@ -36,20 +41,29 @@ def _strip(name: str, prefix: str) -> str:
     return name[len(prefix) :] if name.startswith(prefix) else name
 
 
-def _is_torchtitan(names) -> bool:
-    return any(n.startswith("tok_embeddings.") for n in names) or any(
-        ".attention.wq." in n for n in names
-    )
-
-
 def _config(folder: str, config):
-    return config_beside(folder, config=config)
+    """The given config, else a config.json in the folder (or, for a torchtitan `step-N`
+    folder, in the CheckpointManager folder above it)."""
+    folders = [folder]
+    if re.match(r"^step-\d+$", os.path.basename(folder)):
+        folders.append(os.path.dirname(folder))
+    return config_beside(*folders, config=config)
+
+
+def detect(path: str) -> bool:
+    """A DCP folder, or a torchtitan CheckpointManager folder holding `step-N` DCP folders."""
+    return storage_detect(path) or torchtitan.latest_step_folder(path) is not None
 
 
 def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the format contract
     folder = os.path.abspath(path)
     if not os.path.isdir(folder):
         raise FormatError(f"{path}: a DCP checkpoint is a folder")
+    latest = torchtitan.latest_step_folder(folder)
+    if latest is not None:
+        src = _open_metadata(path, latest, config)
+        note = f"torchtitan checkpoint folder: read its latest step, {os.path.basename(latest)}"
+        return replace(src, notes=(note, *src.notes))
     if not metadata_files(folder):
         return _open_hf_shards(path, folder, config)
     return _open_metadata(path, folder, config)
@@ -61,12 +75,13 @@ def _open_hf_shards(path: str, folder: str, config) -> SourceCheckpoint:
     if not shards:
         raise FormatError(f"{path}: no .metadata, __<rank>.metadata or shard-*.safetensors")
     tensors = read_hf_shards(folder, shards)
-    names = list(tensors)
+    dialect = torchtitan.dialect(tensors)
     return SourceCheckpoint(
         format=NAME,
         path=path,
         tensors=tensors,
-        hf_rules=rules_text("torchtitan_llama.rules") if _is_torchtitan(names) else "",
+        hf_rules=rules_text(dialect.rules) if dialect else "",
+        rule_vars=dict(dialect.rule_vars) if dialect else {},
         config=_config(folder, config),
         topology={"files": len(shards)},
         notes=("DCP safetensors shards (HuggingFaceStorageWriter, save_distributed)",),
@@ -102,6 +117,8 @@ def _open_metadata(path: str, folder: str, config) -> SourceCheckpoint:
                 slots.setdefault(slot, {})[name] = t
         elif groups_prefix is not None and k.startswith(groups_prefix):
             continue
+        elif not st.model and torchtitan.is_trainer_state(k):
+            skipped.append(k)  # torchtitan's lr_scheduler / train_state / dataloader
         elif k.startswith(st.model):
             tensors[k[len(st.model) :]] = t
         else:
@@ -111,6 +128,11 @@ def _open_metadata(path: str, folder: str, config) -> SourceCheckpoint:
             f"skipped {len(skipped)} tensors outside the model and optimizer state: "
             f"{sorted(skipped)[:5]}"
         )
+    cfg = _config(folder, config)
+    dialect = torchtitan.dialect(tensors)
+    if dialect is not None:
+        tensors, slots, titan_notes = _split_fused(tensors, slots, cfg)
+        notes += titan_notes
     optimizer = None
     step = None
     if slots:
@@ -136,10 +158,11 @@ def _open_metadata(path: str, folder: str, config) -> SourceCheckpoint:
         optimizer = OptimizerState(slots, step, hyper=hyper)
     if not tensors:
         raise FormatError(f"{md.files[0]}: no model tensors found (keys: {sorted(md.tensors)[:5]})")
-    hf_rules = ""
-    if _is_torchtitan(tensors):
-        hf_rules = rules_text("torchtitan_llama.rules")
-        notes.append("torchtitan Llama names: rules/torchtitan_llama.rules (wq/wk RoPE permuted)")
+    if dialect is not None:
+        notes.append(dialect.note())
+    trainer_state = torchtitan.trainer_state(md) if not st.model else {}
+    if step is None:
+        step = trainer_state.get("train_state.step")
     if len(md.files) > 1:
         notes.append(f"rank-local metadata: {len(md.files)} __<rank>.metadata files merged")
     writers = {
@@ -153,8 +176,9 @@ def _open_metadata(path: str, folder: str, config) -> SourceCheckpoint:
         path=path,
         tensors=tensors,
         optimizer=optimizer,
-        hf_rules=hf_rules,
-        config=_config(folder, config),
+        hf_rules=rules_text(dialect.rules) if dialect else "",
+        rule_vars=dict(dialect.rule_vars) if dialect else {},
+        config=cfg,
         step=step,
         topology={"writers": len(writers)} if writers else {},
         trainer={
@@ -162,6 +186,31 @@ def _open_metadata(path: str, folder: str, config) -> SourceCheckpoint:
             "written_to": md.written_to,
             "model_prefix": st.model,
             "optimizer_prefix": st.optim,
+            **trainer_state,
         },
         notes=tuple(notes),
     )
+
+
+def _split_fused(tensors: dict, slots: dict, cfg) -> tuple[dict, dict, list[str]]:
+    """torchtitan's fused `qkv_linear.wqkv` (the moments; a model tensor in some releases)
+    split into the wq/wk/wv names of the model tensors (`torchtitan.split_fused_qkv`); without
+    a config the head counts are unknown and they stay fused (noted)."""
+    fused = torchtitan.has_fused(tensors) or any(torchtitan.has_fused(v) for v in slots.values())
+    if not fused:
+        return tensors, slots, []
+    if cfg is None:
+        return tensors, slots, [
+            "torchtitan's fused q/k/v (`qkv_linear.wqkv`) stays fused: splitting it into wq/wk/wv "
+            "like the model tensors needs the head counts (pass --config)"
+        ]
+    import models
+
+    v = models.rule_variables(cfg)
+    heads, kv = v["num_heads"], v["num_kv_heads"]
+    tensors = torchtitan.split_fused_qkv(tensors, heads, kv)
+    slots = {s: torchtitan.split_fused_qkv(t, heads, kv) for s, t in slots.items()}
+    return tensors, slots, [
+        f"torchtitan's fused q/k/v (`qkv_linear.wqkv`, moments keyed by the fused parameter) split "
+        f"into wq/wk/wv per kv group ({heads} heads, {kv} kv heads)"
+    ]
