@@ -1,4 +1,5 @@
-"""Meta Llama reference checkpoints: `params.json` + `consolidated.{mp:02d}.pth`.
+"""Meta Llama reference checkpoints (`params.json` + `consolidated.{mp:02d}.pth`) and Mistral's
+native layout (`params.json` + `consolidated.safetensors`).
 
 Layout (meta-llama/llama and meta-llama/llama3 `llama/model.py`, `llama/generation.py`
 `Llama.build`; fairscale/nn/model_parallel/layers.py):
@@ -16,6 +17,24 @@ Layout (meta-llama/llama and meta-llama/llama3 `llama/model.py`, `llama/generati
   comparing rank 0's shard shape with `dim`. When n_kv_heads < mp (Llama 3.1 405B), each kv
   head is replicated on mp / n_kv_heads consecutive ranks: one rank of each group is read.
 - q/k rows are interleaved RoPE pairs per head; `hf_rules` permute them to HF's half-split.
+
+Mistral (mistralai/mistral-inference:src/mistral_inference/transformer.py `Transformer.from_folder`:
+`params.json` plus `consolidated.safetensors`, or a single `consolidated.00.pth`, never both;
+transformer_layers.py: the same module names as Meta's, q/k rotated as interleaved pairs by
+rope.py `apply_rotary_emb`, so the same rules and RoPE permutation):
+- `params.json` is `TransformerArgs` (mistral_inference/args.py): `dim`, `n_layers`, `head_dim`,
+  `hidden_dim` (the SwiGLU width), `n_heads`, `n_kv_heads`, `norm_eps`, `vocab_size`, optional
+  `rope_theta`, `sliding_window` (`_sliding_window` in some releases), `moe`, `lora`,
+  `vision_encoder`. `hidden_dim` and `head_dim` (absent from Meta's `ModelArgs`) tell a Mistral
+  params.json apart, whichever file holds the weights.
+- It becomes an HF MistralConfig dict as transformers' own converter writes it
+  (huggingface/transformers:src/transformers/models/mistral/convert_mistral_weights_to_hf.py
+  `convert_config`: `sliding_window` may be a string; `max_seq_len` or 32768 for
+  max_position_embeddings), read by `models.config_from_hf`. A missing `rope_theta` is 1e6
+  without a sliding window and 1e4 with one (mistral-inference@b818190 transformer.py, the rule
+  Mistral 7B v0.1's windowed params.json was released under; HF's conversion of it says 10000).
+- Refused: `moe` (Mixtral), `vision_encoder` (Pixtral), per-layer `sliding_window` lists that
+  differ between layers: no family implements them.
 """
 
 from __future__ import annotations
@@ -25,16 +44,18 @@ import re
 
 import numpy as np
 
-from hybridckpt.errors import ConfigError, FormatError
+from hybridckpt.errors import ConfigError, FormatError, UnknownModelError
 from hybridckpt.formats.config_file import read_json
 from hybridckpt.formats.rules_files import load_rules, rules_text
 from hybridckpt.io.pickle import torch_save
+from hybridckpt.io.safetensors_file import read_header
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.source import SourceCheckpoint
 
 NAME = "meta-llama"
 PARAMS = "params.json"
 _SHARD = re.compile(r"^consolidated\.(\d{2})\.pth$")
+SAFETENSORS = "consolidated.safetensors"  # Mistral's native layout
 _RULES = "meta_llama.rules"
 _SKIPPED = ("rope.freqs",)
 _KV = re.compile(r"^layers\.\d+\.attention\.w[kv]\.weight$")
@@ -50,7 +71,9 @@ def _shards(folder: str) -> list[str]:
 
 def detect(path: str) -> bool:
     return (
-        os.path.isdir(path) and os.path.isfile(os.path.join(path, PARAMS)) and bool(_shards(path))
+        os.path.isdir(path)
+        and os.path.isfile(os.path.join(path, PARAMS))
+        and (bool(_shards(path)) or os.path.isfile(os.path.join(path, SAFETENSORS)))
     )
 
 
@@ -71,6 +94,82 @@ def _files(folder: str) -> list[str]:
             f"{', '.join(f'consolidated.{i:02d}.pth' for i in missing)} is missing"
         )
     return [os.path.join(folder, f"consolidated.{i:02d}.pth") for i in idx]
+
+
+def _load_states(folder: str) -> tuple[list[str], list[dict[str, LazyTensor]]]:
+    """The weight files and their flat state dicts: `consolidated.NN.pth` (one per rank) or
+    Mistral's single `consolidated.safetensors`."""
+    st_file = os.path.join(folder, SAFETENSORS)
+    if os.path.isfile(st_file):
+        if _shards(folder):  # mistral-inference's from_folder asserts the same
+            raise FormatError(
+                f"{folder}: holds both {SAFETENSORS} and consolidated.NN.pth; which is the model?"
+            )
+        return [st_file], [dict(read_header(st_file).tensors)]
+    files = _files(folder)
+    states = []
+    for f in files:
+        st = torch_save.load(f)
+        if not isinstance(st, dict) or not all(isinstance(v, LazyTensor) for v in st.values()):
+            raise FormatError(f"{f}: expected a flat dict of tensors")
+        states.append(st)
+    return files, states
+
+
+def is_mistral_params(params: dict) -> bool:
+    """A Mistral `TransformerArgs` params.json (it requires `hidden_dim` and `head_dim`)."""
+    return "hidden_dim" in params and "head_dim" in params
+
+
+def _sliding_window(params: dict, source: str):
+    w = params.get("sliding_window", params.get("_sliding_window"))
+    if isinstance(w, list):  # per-layer windows (mistral-inference args.py allows a list)
+        if not w or len(set(w)) != 1:
+            raise UnknownModelError(
+                f"{source}: sliding_window {w} differs between layers; no family implements "
+                f"per-layer windows"
+            )
+        w = w[0]
+    if isinstance(w, str):  # "This may sometimes be a string in `params.json`" (convert_config)
+        try:
+            w = int(w)
+        except ValueError:
+            raise ConfigError(f"{source}: sliding_window {w!r} is not an integer") from None
+    return w
+
+
+def mistral_config(params: dict, source: str):
+    """The MistralConfig of a Mistral params.json: the HF dict transformers' `convert_config`
+    writes, read by `models.config_from_hf` (see the module docstring)."""
+    import models
+
+    for key, what in (("moe", "a mixture of experts (Mixtral)"), ("vision_encoder", "a vision encoder (Pixtral)")):
+        if params.get(key):
+            raise UnknownModelError(f"{source}: '{key}': {what} is not implemented by any family")
+    missing = [k for k in ("dim", "n_layers", "n_heads", "norm_eps", "vocab_size") if k not in params]
+    if missing:
+        raise ConfigError(f"{source}: a Mistral params.json needs {missing}")
+    window = _sliding_window(params, source)
+    theta = params.get("rope_theta")
+    if theta is None:
+        theta = 1e6 if window is None else 1e4
+    hf = {
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "hidden_size": params["dim"],
+        "num_hidden_layers": params["n_layers"],
+        "intermediate_size": params["hidden_dim"],
+        "num_attention_heads": params["n_heads"],
+        "num_key_value_heads": params.get("n_kv_heads") or params["n_heads"],
+        "head_dim": params["head_dim"],
+        "rms_norm_eps": params["norm_eps"],
+        "vocab_size": params["vocab_size"],
+        "rope_theta": theta,
+        "sliding_window": window,
+        "max_position_embeddings": params.get("max_seq_len", 32768),
+        "tie_word_embeddings": False,
+    }
+    return models.config_from_hf(hf, source=source)
 
 
 def _vocab_parallel(emb: LazyTensor, dim: int, mp: int, file: str) -> bool:
@@ -102,19 +201,14 @@ def _dedup_kv(name: str, shards: list[LazyTensor], rows: int, files: list[str]) 
 
 
 def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the format contract
-    """Plan the import of a Meta Llama folder (reads params.json and the pickles only)."""
+    """Plan the import of a Meta Llama or Mistral folder (reads params.json and the pickles or
+    the safetensors header only)."""
     import models
 
     params_path = os.path.join(path, PARAMS)
     params = read_params(params_path)
-    files = _files(path)
+    files, states = _load_states(path)
     mp = len(files)
-    states = []
-    for f in files:
-        st = torch_save.load(f)
-        if not isinstance(st, dict) or not all(isinstance(v, LazyTensor) for v in st.values()):
-            raise FormatError(f"{f}: expected a flat dict of tensors")
-        states.append(st)
     names = list(states[0])
     for f, st in zip(files[1:], states[1:], strict=True):
         if set(st) != set(names):
@@ -138,9 +232,12 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         raise ConfigError(
             f"{path}: the given config has vocab_size {given} but tok_embeddings holds {vocab} rows"
         )
-    cfg = models.config_from_meta_params(
-        params, vocab if file_vocab in (None, -1) else None, source=params_path
-    )
+    if is_mistral_params(params):
+        cfg = mistral_config(params, params_path)
+    else:
+        cfg = models.config_from_meta_params(
+            params, vocab if file_vocab in (None, -1) else None, source=params_path
+        )
 
     model_vars = models.rule_variables(cfg)
     variables = {
