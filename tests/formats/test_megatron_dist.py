@@ -127,6 +127,42 @@ def test_vocab_from_config(tmp_path):
         open_source(str(tmp_path), config=wrong)
 
 
+@pytest.mark.parametrize(
+    "layout, optim, source",
+    [
+        ("bridge", "dp_reshardable", "run_config.yaml"),
+        ("nemo2", "fully_sharded_model_space", "model.yaml"),
+        ("nemo2", "dp_reshardable", "model.yaml"),
+    ],
+)
+def test_bridge_and_nemo2_folders(tmp_path, layout, optim, source):
+    """No `args`: the config from Bridge's run_config.yaml or NeMo's context/model.yaml, the
+    degrees from the buckets and the embedding's chunks; NeMo's `module.` keys."""
+    ref = make_llama(**LLAMA, seed=11)
+    folder = write_torch_dist(
+        str(tmp_path), ref, tp=2, pp=2, optim=optim, layout=layout, iteration=55
+    )
+    assert os.path.basename(folder) == ("weights" if layout == "nemo2" else "iter_0000055")
+    assert detect(str(tmp_path)) == "megatron-dist"
+    src = open_source(str(tmp_path))
+    assert src.config == models.config_from_hf(ref.config)
+    assert src.step == 55 and src.optimizer.step == 55
+    assert (src.topology["tp"], src.topology["pp"]) == (2, 2)
+    assert f"model config from {source}" in src.notes
+    assert_matches(src, ref)
+
+
+def test_no_args_and_no_yaml_needs_config(tmp_path):
+    ref = make_llama(**LLAMA, seed=12)
+    it_dir = write_torch_dist(str(tmp_path), ref, tp=2, pp=2, layout="bridge")
+    os.remove(os.path.join(it_dir, "run_config.yaml"))
+    with pytest.raises(ConfigError, match=r"no 'args' .* pass --config"):
+        open_source(str(tmp_path))
+    src = open_source(str(tmp_path), config=models.config_from_hf(ref.config))
+    assert "model config from the given config" in src.notes
+    assert_matches(src, ref)
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_plain_dcp_is_still_dcp(tmp_path):
     import torch.distributed.checkpoint as dcp

@@ -13,7 +13,10 @@ megatron/core/dist_checkpointing/serialization.py). Read here without torch or m
   0.15's `MCoreMetadata` pickle is accepted. ShardedObjects are byte items
   `<key>/shard_<offsets>_<shape>` holding `torch.save([data])`.
 - Common state (`common`): `common.pt` (older) or the `common_state` object (core 0.19): `args`,
-  `iteration`, `checkpoint_version`, `content_metadata`, the optimizer's param groups.
+  `iteration`, `checkpoint_version`, `content_metadata`, the optimizer's param groups. Without
+  `args` (Megatron-Bridge, NeMo 2) the model config is `run_config.yaml`'s `model:` or NeMo's
+  `context/model.yaml` `config:` (`config`: TransformerConfig fields back to args), or `--config`;
+  the parallel degrees then come from the optimizer's bucket keys and the embedding's chunks.
 - Model (`model`): global names, padded vocab, TE norm names, SwiGLU fc1 as `[gate; up]`,
   stacked layer keys unstacked by `rules/megatron_dist_layers.rules` to the per-layer names the
   legacy reader produces, so the same `rules/megatron_<family>.rules` map them to HF names.
@@ -22,8 +25,8 @@ megatron/core/dist_checkpointing/serialization.py). Read here without torch or m
   param-to-bucket map rebuilt), `chained_{i}.` prefixes; the step from the param groups.
 
 Modules: `layout` (folders, detection, the finished-save check), `common` (common state,
-ShardedObjects), `model` (model keys), `optimizer` (model-space state, step), `buckets`
-(dp_reshardable), `reader` (`open`).
+ShardedObjects), `config` (Bridge / NeMo YAML model configs), `model` (model keys), `optimizer`
+(model-space state, step), `buckets` (dp_reshardable, degrees from keys), `reader` (`open`).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from collections.abc import Mapping
 
 from hybridckpt import lazy
 from hybridckpt.errors import FormatError
-from hybridckpt.formats.megatron.layout import Topology, arg
+from hybridckpt.formats.megatron.layout import Topology
 from hybridckpt.formats.megatron.model import merge_tp
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.rules import RuleSet
@@ -195,10 +195,10 @@ def bucket_state(
     tensors: Mapping[str, LazyTensor],
     model: Mapping[str, LazyTensor],
     topo: Topology,
-    args,
     tp_rules: RuleSet,
     *,
     tied: bool,
+    local_spec: bool,
     where: str,
 ) -> dict[str, dict[str, LazyTensor]]:
     """kind ("param" = master, "exp_avg", ...) -> global name -> state, from the bucket keys in
@@ -216,7 +216,6 @@ def bucket_state(
         raise FormatError(
             f"{where}: several chained distributed optimizers {sorted(chains)} (MoE experts?) are not supported"
         )
-    local_spec = arg(args, "transformer_impl") == "local"
     per_kind: dict[str, dict[tuple[int, int], dict[str, LazyTensor]]] = {}
     labels: dict[tuple[int, int], str] = {}
     for p in range(topo.pp):
@@ -266,6 +265,26 @@ def bucket_state(
             )  # the last stage's copy of the embedding's state
         out[kind] = merged
     return out
+
+
+def topology_of(tensors: Mapping[str, LazyTensor], embedding) -> Topology | None:
+    """(tp, pp, vpp) the bucket keys show: `tp * pp` domains (`dp_group_idx`), `vpp` grad buffers
+    each, and tp the embedding's row chunks (`VocabParallelEmbedding` cuts axis 0 by TP rank;
+    `embedding` is its DCP entry); None without bucket keys. dp is not recorded (1)."""
+    bufs: dict[int, set[int]] = {}
+    for key in tensors:
+        m = BUCKET.match(key)
+        if m:
+            bufs.setdefault(int(m.group("g")), set()).add(int(m.group("b")))
+    if not bufs:
+        return None
+    tp = len({c.offsets[0] for c in embedding.chunks}) or 1
+    if len(bufs) % tp:
+        raise FormatError(
+            f"{embedding.fqn}: {tp} tensor-parallel row chunks, but {len(bufs)} distributed "
+            f"optimizer domains (dp_group_idx) is no multiple of it"
+        )
+    return Topology(tp=tp, pp=len(bufs) // tp, vpp=max(len(b) for b in bufs.values()), ep=1, dp=1)
 
 
 def _global_shape(model: Mapping[str, LazyTensor], name: str) -> tuple[int, ...]:

@@ -7,20 +7,24 @@ model tensors under per-layer global Megatron names (`model`), and the optimizer
 (`optimizer` for model-space formats, `buckets` for `dp_reshardable`). The model config, the
 rules to HF names and the rule variables are the legacy Megatron reader's
 (`formats.megatron.config`: args -> HF config, `FAMILY_RULES`), as the names after `model` are
-the ones that reader produces.
+the ones that reader produces; without `args` they come from Bridge's / NeMo's YAML (`config`)
+or from the given `--config` alone.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Any
 
 import models
 from hybridckpt.errors import ConfigError, FormatError
 from hybridckpt.formats.dcp.storage import check_files, entry_tensor
-from hybridckpt.formats.megatron.config import family_rules, model_config, notes_for
-from hybridckpt.formats.megatron.layout import arg, topology
+from hybridckpt.formats.megatron.config import ARCHITECTURES, family_rules, model_config, notes_for
+from hybridckpt.formats.megatron.layout import Topology, arg, topology
 from hybridckpt.formats.megatron.reader import trainer_metadata
 from hybridckpt.formats.megatron_dist import buckets, common, model, optimizer
+from hybridckpt.formats.megatron_dist import config as mconfig
 from hybridckpt.formats.megatron_dist.layout import Location, check_backend, locate
 from hybridckpt.formats.rules_files import load_rules, rules_text
 from hybridckpt.formats.torch_optim import check_complete
@@ -45,87 +49,125 @@ def _location(path: str) -> Location:
 
 
 def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the format contract
-    """Plan the import of a torch_dist checkpoint (reads metadata and the common state; no
-    tensor bytes)."""
+    """Plan the import of a torch_dist checkpoint (reads metadata, the common state and the
+    model config; no tensor bytes)."""
     loc = _location(path)
     check_backend(loc.folder)
     md = read_metadata(loc.folder)
     check_files(md)
     com = common.read_common(loc.folder, md)
-    args = com.state.get("args")
-    if args is None:
-        raise ConfigError(
-            f"{com.where}: no 'args' in the common state ({loc.flavour}); reading the model "
-            f"config from NeMo's context/ or Bridge's run_config.yaml is not supported yet"
-        )
-    file = com.where
-    if arg(args, "num_experts") or (arg(args, "expert_model_parallel_size", 1) or 1) > 1:
-        raise FormatError(f"{file}: mixture-of-experts checkpoints (num_experts) are not supported")
-    cfg = model_config(args, config, file)
-    fam = family_rules(cfg, file)
-    topo = topology(args, file)
-    notes = [
-        f"Megatron-Core torch_dist ({loc.flavour}); common state from {os.path.basename(file.split(' ')[0])}"
-    ]
-
     raw = {k: entry_tensor(e) for k, e in md.tensors.items()}
     raw_model, raw_optim = model.split_keys(raw)
     prefix = model.model_prefix(raw_model)
-    if prefix:
-        notes.append(f"model keys carry NeMo's {prefix!r} prefix")
-    num_layers = arg(args, "num_layers")
-    tensors = model.global_names(
-        raw_model, prefix, md.files[0], num_layers if isinstance(num_layers, int) else None
-    )
-    if EMBEDDING not in tensors:
+    if prefix + EMBEDDING not in raw_model:
         raise FormatError(
             f"{md.files[0]}: no '{prefix}{EMBEDDING}' (keys: {sorted(raw_model)[:5]})"
         )
-    tied = not arg(args, "untie_embeddings_and_output_weights", False)
-    swiglu = bool(arg(args, "swiglu", False))
-    opt = _optimizer(
-        com, md, raw_model, raw_optim, tensors, prefix, topo, args, tied, swiglu, notes
+    notes = [f"Megatron-Core torch_dist ({loc.flavour})"]
+    if prefix:
+        notes.append(f"model keys carry NeMo's {prefix!r} prefix")
+    m = _model(loc, com, config, raw_model[prefix + EMBEDDING].shape[0], notes)
+    topo = _topology(m, md, raw_optim, prefix)
+    num_layers = arg(m.args, "num_layers")
+    tensors = model.global_names(
+        raw_model, prefix, md.files[0], num_layers if isinstance(num_layers, int) else None
     )
-    padded = arg(args, "padded_vocab_size") or tensors[EMBEDDING].shape[0]
+    opt = _optimizer(com, md, raw_model, raw_optim, tensors, prefix, topo, m, notes)
     rule_vars = {
-        **models.rule_variables(cfg),
-        "padded_vocab": padded,
-        "swiglu": swiglu,
-        "tied": tied,
+        **models.rule_variables(m.cfg),
+        "padded_vocab": tensors[EMBEDDING].shape[0],
+        "swiglu": m.swiglu,
+        "tied": m.tied,
         "te_norms": any(n.endswith(".linear_qkv.layer_norm_weight") for n in tensors),
     }
     notes.extend(
-        notes_for(fam, {**rule_vars, "openai_gelu": bool(arg(args, "openai_gelu", False))})
+        notes_for(m.rules, {**rule_vars, "openai_gelu": bool(arg(m.args, "openai_gelu", False))})
     )
-    iteration = com.state.get("iteration", loc.iteration)
-    skipped = len(md.bytes_items) - 1
+    iteration = com.state.get("iteration", com.state.get("global_step", loc.iteration))
+    skipped = len(md.bytes_items) - (common.COMMON_OBJECT in md.bytes_items)
     if skipped > 0:
         notes.append(
             f"skipped {skipped} non-tensor objects (TE extra state, rng state, optimizer metadata)"
         )
+    files = len({c.path for e in md.tensors.values() for c in e.chunks})
     return SourceCheckpoint(
         format=NAME,
         path=path,
         tensors=tensors,
         optimizer=opt,
-        hf_rules=rules_text(fam.hf_rules),
+        hf_rules=rules_text(m.rules.hf_rules),
         rule_vars=rule_vars,
-        config=cfg,
+        config=m.cfg,
         step=iteration if isinstance(iteration, int) else None,
-        topology={
-            "tp": topo.tp,
-            "pp": topo.pp,
-            "vpp": topo.vpp,
-            "dp": topo.dp,
-            "files": len({c.path for e in md.tensors.values() for c in e.chunks}),
-        },
-        trainer=trainer_metadata(com.state, args, iteration, com.state.get("checkpoint_version")),
+        topology={"tp": topo.tp, "pp": topo.pp, "vpp": topo.vpp, "dp": topo.dp, "files": files},
+        trainer=trainer_metadata(com.state, m.args, iteration, com.state.get("checkpoint_version")),
         notes=tuple(notes),
     )
 
 
+@dataclass(frozen=True)
+class _Model:
+    """What the checkpoint says its model is: `args` (Megatron-LM's, or rebuilt from Bridge's /
+    NeMo's YAML; None when only `--config` tells), where they were read, the model config, the
+    family's rules, and the two layout facts the rules need."""
+
+    args: Any
+    where: str
+    cfg: Any
+    rules: Any
+    swiglu: bool
+    tied: bool
+    from_args: bool
+
+
+def _model(loc: Location, com: common.Common, config, padded: int, notes: list[str]) -> _Model:
+    args, where = com.state.get("args"), com.where
+    from_args = args is not None
+    if args is None:
+        src = mconfig.config_source(loc.flavour, loc.folder, loc.context)
+        if src is not None:
+            where = src[0]
+            args = mconfig.transformer_args(mconfig.read_yaml(*src), padded, where)
+        elif config is None:
+            raise ConfigError(
+                f"{com.where}: no 'args' in the common state and no run_config.yaml or "
+                f"context/model.yaml beside it; pass --config (the model's HF config.json)"
+            )
+    told = "the given config" if args is None else os.path.basename(where.split(" ")[0])
+    notes.append(f"model config from {told}")
+    if args is None:  # only the given config: the layout facts follow from its architecture
+        cfg = config
+        arch = models.config_to_hf(cfg)["architectures"][0]
+        swiglu = any(a.swiglu for a in ARCHITECTURES if a.hf_architecture == arch)
+        tied = bool(models.rule_variables(cfg)["tied"])
+    else:
+        if arg(args, "num_experts") or (arg(args, "expert_model_parallel_size", 1) or 1) > 1:
+            raise FormatError(
+                f"{where}: mixture-of-experts checkpoints (num_experts) are not supported"
+            )
+        cfg = model_config(args, config, where)
+        swiglu = bool(arg(args, "swiglu", False))
+        tied = not arg(args, "untie_embeddings_and_output_weights", False)
+    return _Model(args, where, cfg, family_rules(cfg, where), swiglu, tied, from_args)
+
+
+def _topology(m: _Model, md, raw_optim, prefix: str) -> Topology:
+    """The parallel degrees: Megatron-LM's args, checked against what the bucket keys and the
+    embedding's chunks show; without args, those (or the YAML's) alone."""
+    seen = buckets.topology_of(raw_optim, md.tensors[prefix + EMBEDDING])
+    if m.args is not None and (m.from_args or seen is None):
+        topo = topology(m.args, m.where)
+        if seen is not None and (seen.tp, seen.pp, seen.vpp) != (topo.tp, topo.pp, topo.vpp):
+            raise FormatError(
+                f"{m.where}: args say tp={topo.tp} pp={topo.pp} vpp={topo.vpp} but the checkpoint's "
+                f"optimizer buckets and embedding chunks show tp={seen.tp} pp={seen.pp} vpp={seen.vpp}"
+            )
+        return topo
+    return seen or Topology(tp=1, pp=1, vpp=1, ep=1, dp=1)
+
+
 def _optimizer(
-    com, md, raw_model, raw_optim, tensors, prefix, topo, args, tied, swiglu, notes
+    com, md, raw_model, raw_optim, tensors, prefix, topo, m: _Model, notes
 ) -> OptimizerState | None:
     """The optimizer slots (torch names), fp32 masters and step, whichever format holds them."""
     if not raw_optim:
@@ -137,9 +179,10 @@ def _optimizer(
         kind = (
             kind if kind in ("dp_reshardable", "fully_sharded_bucket_space") else "dp_reshardable"
         )
-        tp_rules = load_rules("megatron_tp.rules", {"swiglu": swiglu})
+        tp_rules = load_rules("megatron_tp.rules", {"swiglu": m.swiglu})
+        local_spec = arg(m.args, "transformer_impl") == "local"
         state = buckets.bucket_state(
-            raw_optim, tensors, topo, args, tp_rules, tied=tied, where=where
+            raw_optim, tensors, topo, tp_rules, tied=m.tied, local_spec=local_spec, where=where
         )
     elif any(optimizer.is_model_space(k) for k in raw_optim):
         by_key = optimizer.model_space_state(raw_optim, raw_model, where)
@@ -165,11 +208,11 @@ def _optimizer(
         if key in md.bytes_items:
             groups = common.param_groups(common.sharded_object(md, key))
             break
-    if groups is None:
+    if groups is None:  # NeMo 2 keeps Lightning's list under the same key
         groups = common.param_groups(com.state.get("optimizer"))
     step, hyper = optimizer.step_and_hyper(groups, where)
     if step is None:
-        it = com.state.get("iteration")
+        it = com.state.get("iteration", com.state.get("global_step"))
         step = it if isinstance(it, int) else None
         notes.append("optimizer step not recorded in the param groups: the iteration is used")
     notes.append(
