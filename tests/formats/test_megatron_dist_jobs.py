@@ -1,10 +1,13 @@
-"""Megatron-Core torch_dist checkpoints of Qwen2 (`--add-qkv-bias`) and Qwen3 (`--qk-layernorm`).
+"""The jobs on Megatron-Core torch_dist checkpoints: Qwen2 (`--add-qkv-bias`) and Qwen3
+(`--qk-layernorm`) end to end, and an export that needs no JAX.
 
 Fixtures: tests/fixtures/megatron_dist_writer.py on `make_qwen` references (Llama's layout plus
 `linear_qkv.bias`, fused per query group and cut on rows like the weight, or per-head
 `q_layernorm`/`k_layernorm` weights replicated over TP: megatron/core/transformer/attention.py).
 Checks: import -> Orbax -> restore on another mesh -> export gives the reference back bit for
-bit, moments too; our logits equal transformers' forward on the unsplit reference (fp32, 1e-4).
+bit, moments too; our logits equal transformers' forward on the unsplit reference (fp32, 1e-4);
+`export --optimizer` of the source in a fresh process loads no JAX, copies stored bytes file to
+file and equals the source.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ import pytest
 import torch
 import transformers
 from e2e import assert_same, roundtrip
+from fixtures.ckpt_checks import export_in_fresh_process
 from fixtures.megatron_dist_writer import write_torch_dist
-from fixtures.megatron_writer import make_qwen
+from fixtures.megatron_writer import make_llama, make_qwen
 
 import models
 from hybridckpt import jobs
@@ -63,3 +67,11 @@ def test_roundtrip_and_logits(tmp_path, family, opts, mesh_a, mesh_b):
         want = model(torch.from_numpy(tokens).long()).logits.numpy()
     got = jobs.logits(src, tokens, mesh="fsdp=2,pp=2")
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_export_without_jax(tmp_path):
+    src = str(tmp_path / "mdist")
+    write_torch_dist(src, make_llama(**SIZES, seed=4), tp=2, pp=2, optim="dp_reshardable")
+    out = export_in_fresh_process(src, str(tmp_path / "out"))
+    assert out["equal"] and out["loaded"] == []
+    assert out["copied"] > out["bytes"] / 2  # stored runs copied file to file, not read
