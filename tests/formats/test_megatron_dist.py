@@ -289,6 +289,15 @@ def test_chunks_that_do_not_tile(tmp_path):
         open_source(str(tmp_path))
 
 
+def test_uneven_pipeline_leaves_the_buckets_out(tmp_path):
+    ref = make_llama(**LLAMA, seed=13)
+    overrides = {"decoder_first_pipeline_num_layers": 2}
+    write_torch_dist(str(tmp_path), ref, tp=2, pp=2, args_overrides=overrides)
+    src = open_source(str(tmp_path))
+    assert src.optimizer is None and any("optimizer state NOT read" in n for n in src.notes)
+    assert_matches(src, ref, moments=False)
+
+
 def test_bucket_layout_that_does_not_add_up(tmp_path):
     """args say the head is untied but the buckets hold the tied head's shared copy."""
     ref = make_llama(**LLAMA, tied=True, seed=10)
