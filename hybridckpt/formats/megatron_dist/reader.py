@@ -188,8 +188,6 @@ def _optimizer(
         kind = (
             kind if kind in ("dp_reshardable", "fully_sharded_bucket_space") else "dp_reshardable"
         )
-        tp_rules = load_rules("megatron_tp.rules", {"swiglu": m.swiglu})
-        local_spec = arg(m.args, "transformer_impl") == "local"
         uneven = [a for a in UNEVEN_PIPELINE_ARGS if arg(m.args, a)]
         if uneven:  # the weights still convert; say loudly what is left out
             notes.append(
@@ -197,6 +195,8 @@ def _optimizer(
                 f"the dp_reshardable bucket layout is not rebuilt for"
             )
             return None
+        tp_rules = load_rules("megatron_tp.rules", {"swiglu": m.swiglu})
+        local_spec = arg(m.args, "transformer_impl") == "local"
         state = buckets.bucket_state(
             raw_optim, tensors, topo, tp_rules, tied=m.tied, local_spec=local_spec, where=where
         )
