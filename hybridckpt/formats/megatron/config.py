@@ -20,6 +20,15 @@ from Megatron's (mcore, global, TP-merged) names to HF names and the remarks `in
 the rule variables are the family's (`models.rule_variables`) plus Megatron's own
 (`padded_vocab`, `swiglu`, `tied`, `te_norms`). A family without an entry is a FormatError.
 Refused outright: interleaved (Meta-style) RoPE, partial RoPE, `apply_layernorm_1p` norms.
+
+RoPE scaling (`_rope_scaling`, HF's `rope_scaling` dict), as Megatron's `RotaryEmbedding` computes
+it (megatron/core/models/common/embeddings/rotary_pos_embedding.py):
+- `--use-rope-scaling` with `--rope-scaling-factor F` (default 8.0): `_apply_scaling` is Llama
+  3.x's, with its other constants fixed (`low_freq_factor` 1, `high_freq_factor` 4,
+  `original_max_position_embeddings` 8192): HF's `{"rope_type": "llama3", "factor": F, ...}`;
+- `--rotary-seq-len-interpolation-factor F`: positions divided by F before the frequencies, HF's
+  `{"rope_type": "linear", "factor": F}`;
+both at once is refused (HF has no dict for it).
 """
 
 from __future__ import annotations
@@ -276,11 +285,40 @@ def _values(args, vocab: int) -> dict[str, Any]:
     }
 
 
+# Megatron's `_apply_scaling` defaults, not recorded in args (rotary_pos_embedding.py)
+MEGATRON_LLAMA3_SCALING = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def _rope_scaling(args, file: str) -> dict[str, Any] | None:
+    """HF's `rope_scaling` dict for the args' RoPE scaling (module docstring); None for plain RoPE."""
+    llama3 = bool(arg(args, "use_rope_scaling", False))
+    linear = arg(args, "rotary_seq_len_interpolation_factor")
+    if llama3 and linear:
+        raise FormatError(
+            f"{file}: args set both use_rope_scaling (Llama 3.x scaling) and "
+            f"rotary_seq_len_interpolation_factor={linear}; no HF rope_scaling expresses both"
+        )
+    if llama3:
+        factor = float(arg(args, "rope_scaling_factor", 8.0) or 8.0)
+        return {"rope_type": "llama3", "factor": factor, **MEGATRON_LLAMA3_SCALING}
+    if linear:
+        return {"rope_type": "linear", "factor": float(linear)}
+    return None
+
+
 def hf_config(args, config, file: str) -> dict[str, Any]:
     """The HF `config.json` dict `args` describe (true vocab from args or the given `config`)."""
     a = architecture(args, file)
     values = _values(args, _true_vocab(args, config, file))
-    return {"architectures": [a.hf_architecture], **{k: values[v] for v, k in a.hf_keys.items()}}
+    out = {"architectures": [a.hf_architecture], **{k: values[v] for v, k in a.hf_keys.items()}}
+    scaling = _rope_scaling(args, file) if a.position_embedding == "rope" else None
+    if scaling is not None:
+        out["rope_scaling"] = scaling
+    return out
 
 
 def model_config(args, config, file: str):
