@@ -31,6 +31,7 @@ from typing import Any
 
 from models.config_checks import as_floats, check_positive, require
 from models.errors import ConfigError
+from models.llama import config as llama_config
 from models.rope import Scaling, check_config_rope, hf_rope_keys, read_hf_rope
 
 ARCHITECTURE = "Gemma2ForCausalLM"
@@ -223,38 +224,15 @@ def to_hf(cfg: Gemma2Config) -> dict[str, Any]:
 
 
 def rule_variables(cfg: Any) -> dict[str, Any]:
-    """Variables a rules text may use (`models.family.RULE_VARIABLES`); any Gemma config."""
-    return {
-        "num_heads": cfg.num_heads,
-        "num_kv_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_size": cfg.hidden_size,
-        "vocab_size": cfg.vocab_size,
-        "num_layers": cfg.num_layers,
-        "intermediate_size": cfg.intermediate_size,
-        "tied": cfg.tie_word_embeddings,
-    }
+    """Variables a rules text may use (`models.family.RULE_VARIABLES`): Llama's, same fields."""
+    return llama_config.rule_variables(cfg)
 
 
 def shape_tree(cfg: Any) -> dict:
-    """Nested dicts (the params' structure) of shape tuples; every param is fp32."""
-    L, E, M, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    norms = ("attn_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm")
-    tree = {
-        "embed": {"embedding": (V, E)},
-        "layers": {
-            **{name: {"scale": (L, E)} for name in norms},
-            "q": {"kernel": (L, E, q)},
-            "k": {"kernel": (L, E, kv)},
-            "v": {"kernel": (L, E, kv)},
-            "o": {"kernel": (L, q, E)},
-            "gate": {"kernel": (L, E, M)},
-            "up": {"kernel": (L, E, M)},
-            "down": {"kernel": (L, M, E)},
-        },
-        "final_norm": {"scale": (E,)},
-    }
-    if not cfg.tie_word_embeddings:
-        tree["lm_head"] = {"kernel": (E, V)}
+    """Llama's param tree with four norms per layer instead of two; every param is fp32."""
+    tree = llama_config.shape_tree(cfg)
+    layers = tree["layers"]
+    L, E = cfg.num_layers, cfg.hidden_size
+    del layers["attn_norm"], layers["mlp_norm"]
+    layers |= {name: {"scale": (L, E)} for name in ("attn_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm")}
     return tree
