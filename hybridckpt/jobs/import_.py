@@ -102,6 +102,8 @@ def import_checkpoint(
         MeshShape.parse(mesh) if isinstance(mesh, str) else mesh
     )
     opt = None if params_only else named.optimizer
+    if opt is not None:
+        _check_slots_match_params(named, opened.path)
     if cfg is not None:
         p = plan.for_model(cfg, jmesh, optimizer=opt, indivisible="error" if strict_sharding else "replicate")
     else:
@@ -164,6 +166,24 @@ def import_checkpoint(
         time.perf_counter() - t0, opt is not None, tuple(dict.fromkeys(notes)),
         sum(1 for k in leaves if k.startswith("params.")), len(opened.named.params),
     )
+
+
+def _check_slots_match_params(named: Any, path: str) -> None:
+    """Every optimizer slot holds exactly one tensor per param, under the param's name: else one
+    line saying which names differ (e.g. torchtitan's fused `wqkv` moments, which only a model
+    config can split like the weights; or frozen params without state)."""
+    from hybridckpt.errors import MappingError
+
+    params = set(named.params)
+    for slot, tensors in named.slots.items():
+        extra, missing = sorted(set(tensors) - params), sorted(params - set(tensors))
+        if extra or missing:
+            what = (f"state for {extra[:3]}, which is no param's name" if extra
+                    else f"no state for params {missing[:3]}")
+            raise MappingError(
+                f"{path}: optimizer slot {slot!r} has {what} ({len(extra)} extra, {len(missing)} "
+                f"missing); pass --config so the model's rules can map it, or --params-only"
+            )
 
 
 def _zeros_for_the_rest(state: Any, p: Any, opts: Any) -> Any:

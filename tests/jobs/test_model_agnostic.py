@@ -417,3 +417,20 @@ def test_colossal_without_config_lists_and_consolidates(tmp_path, capsys):
     assert sorted(got) == sorted(ref.params)
     for k, v in ref.params.items():
         _assert_same(got[k], v, k)
+
+
+def test_optimizer_state_that_does_not_match_the_params_is_one_line(tmp_path, capsys):
+    """A param without state (frozen), with no model config to say what it means: refused in one
+    line naming the slot and the param, nothing written; --params-only imports the weights."""
+    import torch.distributed.checkpoint as dcp
+
+    src = tmp_path / "partial"
+    a, b = torch.ones(4, 2), torch.zeros(6)
+    state = {"exp_avg": torch.full((4, 2), 0.5), "exp_avg_sq": torch.full((4, 2), 0.25), "step": torch.tensor(3.0)}
+    dcp.save({"model": {"a": a, "b": b}, "optim": {"state": {"a": state}, "param_groups": [{"lr": 0.1, "params": ["a"]}]}},
+             checkpoint_id=str(src), no_dist=True)
+    assert main(["import", str(src), str(tmp_path / "x"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "optimizer slot" in err and "no state for params ['b']" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "x").exists()
+    assert main(["import", str(src), str(tmp_path / "y"), "--params-only", "--quiet"]) == 0
