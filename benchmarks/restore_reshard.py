@@ -31,7 +31,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from hybridckpt.mesh import mesh_from_shape, tree_shardings  # noqa: E402
-from hybridckpt.store import CheckpointStore, abstract_tree  # noqa: E402
+from hybridckpt.plan import abstract_tree  # noqa: E402
+from hybridckpt.store import CheckpointStore  # noqa: E402
 
 HIDDEN, MLP, VOCAB = 2048, 4096, 32768
 AXES = {

@@ -1,4 +1,4 @@
-"""`hybridckpt.restore.restore`: one call puts a checkpoint on any mesh, config from the checkpoint."""
+"""`hybridckpt.restore` (store.restore): one call puts a checkpoint on any mesh, config from the checkpoint."""
 
 import jax
 import numpy as np
