@@ -301,7 +301,7 @@ def _meshes() -> tuple[str, list[str], str]:
 def _local_shape(mesh: str, spec) -> tuple[int, ...]:
     """The shape of one device's shard of a SHAPE tensor under `spec` on `mesh`."""
     sizes = MeshShape.parse(mesh).as_dict()
-    return tuple(n // (sizes[a] if a else 1) for n, a in zip(SHAPE, tuple(spec) + (None,) * len(SHAPE)))
+    return tuple(n // (sizes[a] if a else 1) for n, a in zip(SHAPE, (tuple(spec) + (None,) * len(SHAPE))[: len(SHAPE)], strict=True))
 
 
 # the generic rule on [64, 32]: fsdp takes the largest dim it divides, tp the largest left
