@@ -66,6 +66,15 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
+def swiglu_residual(cfg: Any, dt: Any, x: jax.Array) -> jax.Array:
+    """`x + down(silu(gate(n)) * up(n))` with `n = mlp_norm(x)`: the second half of every
+    Llama-like block (called inside a compact module: the params are its own)."""
+    h = RMSNorm(cfg.rms_norm_eps, dt, name="mlp_norm")(x)
+    gate = dense(cfg.intermediate_size, ("embed", "mlp"), "gate", dt)(h)
+    up = dense(cfg.intermediate_size, ("embed", "mlp"), "up", dt)(h)
+    return x + dense(cfg.hidden_size, ("mlp", "embed"), "down", dt)(nn.silu(gate) * up)
+
+
 class LlamaBlock(nn.Module):
     """One pre-norm block; `sliding_window` (None: plain causal) masks keys that far back."""
 
@@ -92,11 +101,7 @@ class LlamaBlock(nn.Module):
         attn = attn.reshape(b, s, cfg.num_heads * hd)
         x = x + dense(cfg.hidden_size, ("heads", "embed"), "o", dt)(attn)
 
-        h = RMSNorm(cfg.rms_norm_eps, dt, name="mlp_norm")(x)
-        gate = dense(cfg.intermediate_size, ("embed", "mlp"), "gate", dt)(h)
-        up = dense(cfg.intermediate_size, ("embed", "mlp"), "up", dt)(h)
-        x = x + dense(cfg.hidden_size, ("mlp", "embed"), "down", dt)(nn.silu(gate) * up)
-        return x, None
+        return swiglu_residual(cfg, dt, x), None
 
 
 class Llama(nn.Module):
@@ -108,6 +113,13 @@ class Llama(nn.Module):
     def sliding_window(self) -> int | None:
         """Attention window of every layer (None: plain causal); subclasses override."""
         return None
+
+    def block(self) -> nn.Module:
+        """The layer stack: `LlamaBlock` scanned over the layers; a family with another block
+        (Qwen's biases and q/k norms) overrides this and keeps the rest of the model."""
+        return stacked(LlamaBlock, self.cfg.num_layers, 2)(
+            self.cfg, self.dtype, self.sliding_window(), name="layers"
+        )
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -122,10 +134,7 @@ class Llama(nn.Module):
         )
         x = embed(tokens)
         cos, sin = config_rope_tables(cfg, tokens.shape[1])
-        block = stacked(LlamaBlock, cfg.num_layers, 2)(
-            cfg, dt, self.sliding_window(), name="layers"
-        )
-        x, _ = block(x, cos, sin)
+        x, _ = self.block()(x, cos, sin)
         x = RMSNorm(cfg.rms_norm_eps, dt, name="final_norm")(x)
         if cfg.tie_word_embeddings:
             logits = embed.attend(x)

@@ -26,9 +26,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.common import causal_attention, dense, normal, stacked
-from models.llama.module import RMSNorm, apply_rope
-from models.rope import config_rope_tables
+from models.common import causal_attention, dense, stacked
+from models.llama.module import Llama, RMSNorm, apply_rope, swiglu_residual
 
 
 class QwenBlock(nn.Module):
@@ -62,37 +61,12 @@ class QwenBlock(nn.Module):
         o_bias = (None,) if cfg.o_bias else None
         x = x + dense(cfg.hidden_size, ("heads", "embed"), "o", dt, bias_axes=o_bias)(attn)
 
-        h = RMSNorm(cfg.rms_norm_eps, dt, name="mlp_norm")(x)
-        gate = dense(cfg.intermediate_size, ("embed", "mlp"), "gate", dt)(h)
-        up = dense(cfg.intermediate_size, ("embed", "mlp"), "up", dt)(h)
-        x = x + dense(cfg.hidden_size, ("mlp", "embed"), "down", dt)(nn.silu(gate) * up)
-        return x, None
+        return swiglu_residual(cfg, dt, x), None
 
 
-class Qwen2(nn.Module):
-    """tokens `[batch, seq]` int -> logits `[batch, seq, vocab]` float32."""
+class Qwen2(Llama):
+    """tokens `[batch, seq]` int -> logits `[batch, seq, vocab]` float32: Llama's model with
+    `QwenBlock` layers."""
 
-    cfg: Any
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        cfg, dt = self.cfg, self.dtype
-        embed = nn.Embed(
-            cfg.vocab_size,
-            cfg.hidden_size,
-            dtype=dt,
-            param_dtype=jnp.float32,
-            embedding_init=normal(("vocab", "embed")),
-            name="embed",
-        )
-        cos, sin = config_rope_tables(cfg, tokens.shape[1])
-        x, _ = stacked(QwenBlock, cfg.num_layers, 2)(cfg, dt, name="layers")(
-            embed(tokens), cos, sin
-        )
-        x = RMSNorm(cfg.rms_norm_eps, dt, name="final_norm")(x)
-        if cfg.tie_word_embeddings:
-            logits = embed.attend(x)
-        else:
-            logits = dense(cfg.vocab_size, ("embed", "vocab"), "lm_head", dt)(x)
-        return logits.astype(jnp.float32)
+    def block(self) -> nn.Module:
+        return stacked(QwenBlock, self.cfg.num_layers, 2)(self.cfg, self.dtype, name="layers")
