@@ -50,25 +50,32 @@ def detect(path: str) -> bool:
         return False
 
 
+
+def tracked_folder(save: str) -> str:
+    """The iteration folder (`iter_NNNNNNN` or `release`) that `save`'s tracker file
+    (`latest_checkpointed_iteration.txt`) names; FormatError when it is malformed or missing.
+    Megatron-LM writes the same tracker for legacy and torch_dist saves."""
+    tracker = os.path.join(save, TRACKER)
+    with builtins.open(tracker, encoding="utf-8") as f:
+        text = f.read().strip()
+    if text == "release":
+        name = "release"
+    else:
+        try:
+            name = f"iter_{int(text):07d}"
+        except ValueError:
+            raise FormatError(
+                f"{tracker}: expected an iteration number or 'release', found {text!r}"
+            ) from None
+    folder = os.path.join(save, name)
+    if not os.path.isdir(folder):
+        raise FormatError(f"{tracker} names {text!r} but the folder {folder} is missing")
+    return folder
+
 def iteration_dir(path: str) -> str:
     """The `iter_N` / `release` folder of `path` (a save folder or the iteration folder)."""
-    tracker = os.path.join(path, TRACKER)
-    if os.path.isfile(tracker):
-        with builtins.open(tracker, encoding="utf-8") as f:
-            text = f.read().strip()
-        if text == "release":
-            folder = "release"
-        else:
-            try:
-                folder = f"iter_{int(text):07d}"
-            except ValueError:
-                raise FormatError(
-                    f"{tracker}: expected an iteration number or 'release', found {text!r}"
-                ) from None
-        it_dir = os.path.join(path, folder)
-        if not os.path.isdir(it_dir):
-            raise FormatError(f"{tracker} names {text!r} but the folder {it_dir} is missing")
-        return it_dir
+    if os.path.isfile(os.path.join(path, TRACKER)):
+        return tracked_folder(path)
     if _has_rank_dirs(path):
         return path
     raise FormatError(f"{path}: no {TRACKER} and no mp_rank_* folders: not a Megatron checkpoint")

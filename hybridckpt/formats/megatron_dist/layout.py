@@ -27,6 +27,7 @@ import re
 from dataclasses import dataclass
 
 from hybridckpt.errors import FormatError
+from hybridckpt.formats.megatron.layout import tracked_folder
 from hybridckpt.io.dcp_metadata import METADATA, metadata_files
 
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM, Bridge
@@ -65,23 +66,8 @@ def _has_dcp_files(folder: str) -> bool:
 
 
 def _tracked(save: str) -> str:
-    """The iteration folder the tracker of `save` names (FormatError when unreadable/missing)."""
-    tracker = os.path.join(save, TRACKER)
-    with builtins.open(tracker, encoding="utf-8") as f:
-        text = f.read().strip()
-    if text == "release":
-        name = "release"
-    else:
-        try:
-            name = f"iter_{int(text):07d}"
-        except ValueError:
-            raise FormatError(
-                f"{tracker}: expected an iteration number or 'release', found {text!r}"
-            ) from None
-    folder = os.path.join(save, name)
-    if not os.path.isdir(folder):
-        raise FormatError(f"{tracker} names {text!r} but the folder {folder} is missing")
-    return folder
+    """The iteration folder the tracker of `save` names (the legacy reader's rule: one tracker)."""
+    return tracked_folder(save)
 
 
 def _iteration(folder: str) -> int | None:
