@@ -198,10 +198,10 @@ def child_import(src: str, dst: str, compression: str, profile: str) -> dict:
     if profile == "1":
         inner = stream._read_tile
 
-        def timed(leaf, box):
+        def timed(leaf, box, chunk):
             t = time.perf_counter()
             try:
-                return inner(leaf, box)
+                return inner(leaf, box, chunk)
             finally:
                 read_s[0] += time.perf_counter() - t
 
@@ -231,7 +231,7 @@ def child_read_only(src: str) -> dict:
         chunk = stream.chunk_shape(leaf)
         for box in stream.owned_boxes(leaf.shape, leaf.sharding):
             for tile in stream.plan_tiles(box, chunk, leaf.dtype.itemsize, stream.TILE_BYTES):
-                futures.append(parallel.pool().submit(stream._read_tile, leaf, tile))
+                futures.append(parallel.pool().submit(stream._read_tile, leaf, tile, chunk))
         while len(futures) > 8:
             futures.pop(0).result()
     for f in futures:

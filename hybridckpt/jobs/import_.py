@@ -6,8 +6,10 @@ config, the source's own names as a flat named tree -> the sharding plan (`plan.
 `store.stream.LazyLeaf`s): no array is ever whole in memory; every leaf is written tile by tile,
 read by a pool of `io_threads` readers, so peak host memory is a few tiles, not the checkpoint.
 Under `jax.distributed` each process reads and writes only the shards its devices hold; the
-per-tensor checksums are summed across processes into `trainer_state["checksums"]` (names
-`params.<path>`, `<slot state name>.<path>` e.g. `mu.layers.q.kernel`, and `count`).
+per-tensor checksums (`checksum.CHUNKS`, on each tensor's stored chunk grid) are summed across
+processes into `trainer_state["checksums"]` (names `params.<path>`, `<slot state name>.<path>`
+e.g. `mu.layers.q.kernel`, and `count`), with the grid in `"checksum_chunks"` and the definition
+in `"checksum_algorithm"`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from hybridckpt.errors import ConfigError
 from hybridckpt.naming import flatten, nest
 
 Progress = Callable[[str, int], None]  # (tensor name, bytes) after each tensor
+CHECKSUM_KEYS = ("checksums", "checksum_chunks", "checksum_algorithm")  # trainer_state keys of an import's
+# checksums: a source that is itself one of our imports does not pass its own along
 
 
 @dataclass(frozen=True)
@@ -147,14 +151,18 @@ def import_checkpoint(
         "model_config": models.config_to_dict(cfg) if cfg is not None else None,
         "optimizer": opt.name if opt is not None else None,
         "source": {"format": opened.format, "path": opened.path, "topology": dict(opened.topology)},
-        **{k: v for k, v in opened.trainer.items() if k not in ("step", "model_config", "mesh", "optimizer", "checksums")},
+        **{k: v for k, v in opened.trainer.items() if k not in ("step", "model_config", "mesh", "optimizer", *CHECKSUM_KEYS)},
     }
 
     def checksums() -> dict:
-        from hybridckpt.checksum import to_hex
+        from hybridckpt.checksum import CHUNKS, to_hex
 
         sums = {name: to_hex(leaf.checksum) for name, leaf in leaves.items()}
-        return {"checksums": _sum_across_processes(sums) if jax.process_count() > 1 else sums}
+        return {
+            "checksum_algorithm": CHUNKS,
+            "checksum_chunks": {name: list(leaf.checksum_chunk or leaf.shape) for name, leaf in leaves.items()},
+            "checksums": _sum_across_processes(sums) if jax.process_count() > 1 else sums,
+        }
 
     set_total = getattr(progress, "set_total", None)
     if set_total is not None:  # every leaf written, the step counter included

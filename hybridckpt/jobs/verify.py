@@ -6,7 +6,10 @@ re-read from disk against the checksums recorded when it was imported.
   Per tensor the max |a - b| in float64 (NaN equal to NaN); `atol=0` means bit for bit.
 - `verify_checksums(path)`: every array of the params and optimizer items read from disk (lazily,
   a fresh TensorStore context, one tile at a time: bounded memory) and its checksum
-  (`hybridckpt.checksum`) compared with `trainer_state["checksums"]`.
+  (`hybridckpt.checksum`) compared with `trainer_state["checksums"]`: by the definition
+  `trainer_state["checksum_algorithm"]` names (`CHUNKS`, on the grid recorded in
+  `"checksum_chunks"`, read box by box from whatever chunk layout is on disk now), or
+  `ELEMENTS` for imports that recorded no algorithm.
 """
 
 from __future__ import annotations
@@ -115,6 +118,12 @@ def verify_checksums(
             arrays |= {f"{slot.state_name}.{k[len(prefix):]}": v for k, v in leaves.items() if k.startswith(prefix)}
         if opt.orbax_step in leaves and "count" in recorded:
             arrays["count"] = leaves[opt.orbax_step]
+    algorithm = state.get("checksum_algorithm", checksum.ELEMENTS)
+    if algorithm not in checksum.ALGORITHMS:
+        raise CheckpointError(
+            f"{path}: trainer_state checksum_algorithm is {algorithm!r}; expected one of {list(checksum.ALGORITHMS)}"
+        )
+    grids = state.get("checksum_chunks") or {}
     rows = []
     for name in sorted(set(recorded) | set(arrays)):
         if name not in arrays:
@@ -126,7 +135,18 @@ def verify_checksums(
             continue
         shape = tuple(t.shape)
         try:
-            parts = [checksum.box_part(shape, box, t.read_box(box)) for box in _tiles(shape, np.dtype(t.dtype).itemsize)]
+            if algorithm == checksum.ELEMENTS:
+                boxes = _tiles(shape, np.dtype(t.dtype).itemsize)
+                parts = [checksum.box_part(shape, box, t.read_box(box)) for box in boxes]
+            elif name not in grids:
+                rows.append(TensorDiff(name, shape, float("inf"), False, "no chunk grid recorded at import"))
+                continue
+            else:
+                grid = tuple(int(c) for c in grids[name])
+                parts = [checksum.chunk_part(shape, grid, b, t.read_box(b)) for b in checksum.grid_boxes(shape, grid)]
+        except ValueError as e:  # a recorded grid that does not fit the array on disk
+            rows.append(TensorDiff(name, shape, float("inf"), False, f"unreadable: {e}"))
+            continue
         except HybridCkptError as e:
             rows.append(TensorDiff(name, shape, float("inf"), False, f"unreadable: {e}"))
             continue

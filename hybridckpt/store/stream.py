@@ -108,8 +108,9 @@ class LazyLeaf:
     """A leaf to save: `tensor` (global shape and dtype) placed by `sharding`.
 
     chunk_axes: axes every chunk has extent 1 on (0 for a stacked `[layers, ...]` leaf).
-    After the save, `checksum` is this process's part of the tensor's checksum
-    (`hybridckpt.checksum`): the sum over the boxes this process wrote.
+    After the save, `checksum` is this process's part of the tensor's `checksum.CHUNKS` checksum
+    on the grid of its stored chunks, `checksum_chunk` (the sum over the chunks this process
+    wrote).
     """
 
     tensor: LazyTensor
@@ -118,6 +119,7 @@ class LazyLeaf:
     chunk_axes: tuple[int, ...] = ()
     options: StreamOptions | None = None
     checksum: int = 0
+    checksum_chunk: tuple[int, ...] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -246,11 +248,12 @@ class _Budget:
 # -- the Orbax type handler -----------------------------------------------------------------------
 
 
-def _read_tile(leaf: LazyLeaf, box: Box) -> np.ndarray:
-    """One tile into a fresh buffer, adding its checksum part (runs in a reader thread)."""
+def _read_tile(leaf: LazyLeaf, box: Box, chunk: tuple[int, ...]) -> np.ndarray:
+    """One tile (whole chunks of shape `chunk`) into a fresh buffer, adding its checksum part
+    (runs in a reader thread)."""
     buf = np.empty(box_shape(box), dtype=leaf.dtype)
     leaf.tensor.read_into(box, buf)
-    leaf.add_part(checksum.box_part(leaf.shape, box, buf))
+    leaf.add_part(checksum.tile_part(leaf.shape, chunk, box, buf))
     return buf
 
 
@@ -333,6 +336,7 @@ class LazyArrayHandler(ocp.type_handlers.ArrayHandler):
             for t in plan_tiles(box, chunk, item, opts.tile_bytes)
         ]
         loop = asyncio.get_running_loop()
+        leaf.checksum_chunk = tuple(chunk)
 
         async def one(box: Box) -> None:
             n = max(1, math.prod(box_shape(box)) * item)
@@ -340,7 +344,7 @@ class LazyArrayHandler(ocp.type_handlers.ArrayHandler):
             try:
                 if failed:  # another tile failed: read nothing more
                     return
-                buf = await _in_pool(loop, _read_tile, leaf, box)
+                buf = await _in_pool(loop, _read_tile, leaf, box, chunk)
                 index = tuple(slice(a, b) for a, b in box)
                 if n < opts.small_tile_bytes():
                     await small.write(store, index, buf, n)

@@ -15,6 +15,8 @@ change it (with probability 1 - 2^-64 for random damage); it is not a cryptograp
 
 from __future__ import annotations
 
+import binascii
+import itertools
 import math
 
 import numpy as np
@@ -68,4 +70,23 @@ def box_part(shape: tuple[int, ...], box: Box, data: np.ndarray) -> int:
             idx = (rows[:, None] + inner[None, :]).reshape(-1)
             part = bits[(r - a0) * n_inner : (r1 - a0) * n_inner]
             total = (total + int(_mix(idx, part).sum(dtype=np.uint64))) & _MASK
+    return total
+
+
+def _splitmix64(z: int) -> int:
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 % 2**64
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB % 2**64
+    return z ^ (z >> 31)
+
+
+def chunks(x: np.ndarray, chunk: tuple[int, ...]) -> int:
+    """The `CHUNKS` checksum written plainly: every box of the grid of `chunk` over `x` (clipped
+    at the edge), numbered in C order over the grid, adds splitmix64(number << 32 | CRC-32 of
+    the box's C-order bytes), mod 2^64 (binascii's CRC-32, not the library's zlib call)."""
+    total = 0
+    counts = [math.ceil(n / c) for n, c in zip(x.shape, chunk, strict=True)]
+    for number, pos in enumerate(itertools.product(*(range(k) for k in counts))):
+        index = tuple(slice(p * c, (p + 1) * c) for p, c in zip(pos, chunk, strict=True))
+        crc = binascii.crc32(np.ascontiguousarray(x[index]).tobytes())
+        total = (total + _splitmix64(number * 2**32 + crc)) % 2**64
     return total

@@ -1,12 +1,16 @@
-"""Per-tensor checksums: independent of sharding, recorded at import, re-checked by `verify CKPT`."""
+"""Per-tensor checksums: independent of sharding (ELEMENTS) or on a recorded chunk grid (CHUNKS,
+what an import records), recorded at import, re-checked by `verify CKPT`."""
 
+import json
 import os
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from oracles import checksum_reference
 
 from hybridckpt import checksum, jobs
 from hybridckpt.cli import main
@@ -32,6 +36,50 @@ def test_checksum_is_sharding_independent_and_sensitive():
     parts = checksum.box_part(x.shape, box, x[2:5, 1:6, :])
     rest = checksum.of_array(x) - parts
     assert parts != 0 and rest != 0
+
+
+CHUNK_CASES = [
+    ((8, 6, 4), (1, 6, 4), np.float32),  # per-layer chunks of a stacked leaf
+    ((10, 7), (4, 3), ml_dtypes.bfloat16),  # edge boxes clipped on both axes
+    ((5, 9), (5, 9), np.int32),  # one chunk
+    ((), (), np.int32),  # a 0-d step counter
+    ((6, 4), (2, 4), np.float16),
+]
+
+
+@pytest.mark.parametrize(("shape", "chunk", "dtype"), CHUNK_CASES)
+def test_chunks_checksum_matches_the_oracle_over_any_tiling_and_catches_damage(shape, chunk, dtype):
+    rng = np.random.default_rng(len(shape) + sum(chunk))
+    x = np.asarray(rng.standard_normal(shape) * 100).astype(dtype)
+    want = checksum.of_chunks(x, chunk)
+    assert want == checksum_reference.chunks(x, chunk)
+    # tiles of 1 or 2 grid boxes along dim 0 (an import's tiles are whole chunks) sum to the same
+    if shape:
+        for per in (1, 2):
+            step = per * chunk[0]
+            tiles = [((a, min(shape[0], a + step)), *((0, n) for n in shape[1:])) for a in range(0, shape[0], step)]
+            parts = [checksum.tile_part(shape, chunk, t, x[tuple(slice(a, b) for a, b in t)]) for t in tiles]
+            assert checksum.combine(parts) == want
+    flipped = x.copy()
+    flipped.reshape(-1).view(f"u{x.dtype.itemsize}")[x.size // 2] ^= 1  # one bit
+    assert checksum.of_chunks(flipped, chunk) != want
+    if x.size > 1:
+        flat = x.reshape(-1).copy()
+        i = int(np.flatnonzero(flat != flat[0])[0])  # two different elements swapped
+        flat[[0, i]] = flat[[i, 0]]
+        assert checksum.of_chunks(flat.reshape(shape), chunk) != want
+    if shape and shape[0] >= 2 * chunk[0]:  # two whole chunks swapped: the crc of each is the same
+        swapped = x.copy()
+        c = chunk[0]
+        swapped[:c], swapped[c : 2 * c] = x[c : 2 * c], x[:c]
+        assert checksum.of_chunks(swapped, chunk) != want
+
+
+def test_chunks_checksum_refuses_a_grid_that_does_not_fit():
+    with pytest.raises(ValueError, match="does not fit"):
+        checksum.of_chunks(np.zeros((4, 4), np.float32), (2,))
+    with pytest.raises(ValueError, match="does not start on the grid"):
+        checksum.chunk_part((4, 4), (2, 2), ((1, 3), (0, 2)), np.zeros((2, 2), np.float32))
 
 
 @pytest.fixture()
@@ -125,3 +173,50 @@ def test_a_flipped_byte_inside_array_data_is_always_reported(request, capsys, ar
     # makes every array of that node unreadable: either way the array is named, on one line each
     assert f"BAD params.{array}: " in out.out, out.out
     assert all(len(line) < 600 for line in out.out.splitlines())
+
+
+def test_import_records_chunks_checksums_on_the_stored_grid(imported):
+    state = read_trainer_state(imported)
+    assert state["checksum_algorithm"] == checksum.CHUNKS
+    grids, sums = state["checksum_chunks"], state["checksums"]
+    assert set(grids) == set(sums)
+    _, r = restore(imported, "dp=1")
+    q = np.asarray(r.params["layers"]["q"]["kernel"])
+    grid = tuple(grids["params.layers.q.kernel"])
+    assert grid[0] == 1 and grid != q.shape  # per layer, and more than one chunk
+    assert checksum.to_hex(checksum.of_chunks(q, grid)) == sums["params.layers.q.kernel"]
+    assert checksum.to_hex(checksum.of_array(q)) != sums["params.layers.q.kernel"]  # not ELEMENTS
+
+
+def test_verify_reads_an_older_elements_checksum_import(tmp_path, capsys):
+    """An import from before CHUNKS recorded ELEMENTS sums and no algorithm: still verified by
+    them, and a changed value still caught."""
+    imported = str(tmp_path / "ckpt")
+    jobs.import_checkpoint(sample_path(), imported, mesh="fsdp=2,tp=2,pp=2", params_only=True)
+    _, r = restore(imported, "dp=1")
+    state = dict(r.trainer_state)
+    flat = {f"params.{k}": v for k, v in _flat(r.params).items()}
+    old = {k: checksum.to_hex(checksum.of_array(np.asarray(v))) for k, v in flat.items()}
+    assert set(old) == set(state["checksums"])
+    path = os.path.join(imported, str(state["step"]), "trainer_state", "metadata")
+    saved = json.loads(open(path).read())
+    for k in ("checksum_algorithm", "checksum_chunks"):
+        saved.pop(k)
+    saved["checksums"] = old
+    open(path, "w").write(json.dumps(saved))
+    capsys.readouterr()
+    assert main(["verify", imported]) == 0
+    saved["checksums"]["params.final_norm.scale"] = checksum.to_hex(1)
+    open(path, "w").write(json.dumps(saved))
+    assert main(["verify", imported]) == 1
+    assert "BAD params.final_norm.scale" in capsys.readouterr().out
+
+
+def _flat(tree, prefix=""):
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out |= _flat(v, f"{prefix}{k}.")
+        else:
+            out[prefix + k] = v
+    return out

@@ -164,8 +164,10 @@ def test_streamed_save_matches_orbax_files_and_restores_on_other_meshes_bitwise(
     }
     save_checkpoint(tmp_path / "lazy", 3, leaves, trainer_state={"note": "streamed"})
     assert opts.stats.tiles > len(leaves) and opts.stats.peak_inflight_bytes <= 16384  # tiled, bounded
-    for k, v in vals.items():
-        assert leaves[k].checksum == checksum.of_array(v), k
+    for k, v in vals.items():  # the CHUNKS checksum on the grid of the chunks written
+        assert leaves[k].checksum_chunk == stream.chunk_shape(leaves[k]), k
+        assert leaves[k].checksum == checksum.of_chunks(v, leaves[k].checksum_chunk), k
+        assert leaves[k].checksum == checksum_reference.chunks(v, leaves[k].checksum_chunk), k
     # the files Orbax writes for the same jax.Arrays and SaveArgs
     arrays = {k: jax.device_put(v, shard[k]) for k, v in vals.items()}
     _reference_save(tmp_path / "ref", arrays, stream.save_args(leaves))
