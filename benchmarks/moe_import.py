@@ -10,9 +10,10 @@ Each is imported (`jobs.import_checkpoint`, what `hybridckpt import` runs, param
 `dp=4,fsdp=2` on 8 CPU devices: experts split over dp (4 x 8), their embed axis over fsdp, so
 every expert is cut in two boxes written by two devices. Measured in the import's own process:
 
-- **read ratio**: every `ByteSource.read_into` / `copy_to` call (the one door through which
-  hybridckpt reads checkpoint bytes, `hybridckpt/io/byte_source.py`) is recorded with its file,
-  offset and length; the bytes of those reads that fall inside the expert tensors' data ranges
+- **read ratio**: every `ByteSource.read_into` / `copy_to` / `read_runs_into` call (the one door
+  through which hybridckpt reads checkpoint bytes, `hybridckpt/io/byte_source.py`) is recorded
+  with its file, offset and length (each run of a `read_runs_into`; its gaps, under a page and
+  so in pages the runs read anyway, are counted apart as `gap_bytes`); the bytes of those reads that fall inside the expert tensors' data ranges
   (`moe_sources.expert_ranges`) over the expert tensors' bytes. 1.00 with every expert byte
   covered = each expert byte read exactly once. (Counting per file, as `count_reads` does, could
   not tell one expert read twice from another never read.)
@@ -120,7 +121,7 @@ def measure(src: str, dst: str, mesh: str = MESH) -> dict:
     # path -> flat (offset, length) pairs, 16 bytes a read; `array.extend` of a tuple holds the
     # GIL throughout, so the reader threads' records never interleave
     reads: dict[str, array] = {}
-    inner_read, inner_copy = ByteSource.read_into, ByteSource.copy_to
+    inner_read, inner_copy, inner_runs = ByteSource.read_into, ByteSource.copy_to, ByteSource.read_runs_into
 
     def read_into(self, offset, buffer):
         reads.setdefault(self.path, array("q")).extend((offset, len(buffer)))
@@ -130,13 +131,23 @@ def measure(src: str, dst: str, mesh: str = MESH) -> dict:
         reads.setdefault(self.path, array("q")).extend((offset, nbytes))
         return inner_copy(self, offset, nbytes, out_fd, out_offset)
 
+    gap_bytes = [0]  # gaps under a page inside one preadv (copied to scratch, in pages read anyway)
+
+    def read_runs_into(self, offset, pieces):
+        rec, at = reads.setdefault(self.path, array("q")), offset
+        for buf, gap in pieces:
+            rec.extend((at, len(buf)))
+            at += len(buf) + gap
+        gap_bytes[0] += sum(gap for _, gap in pieces[:-1])
+        return inner_runs(self, offset, pieces)
+
     ranges = expert_ranges(src)
     path, config_file = src, None
     if os.path.exists(os.path.join(src, RANGES)):  # titan: the checkpoint folder, HF config beside
         path, config_file = os.path.join(src, "checkpoint"), os.path.join(src, "config.json")
     opts = stream.StreamOptions()
     rss_before = _status("VmRSS")
-    ByteSource.read_into, ByteSource.copy_to = read_into, copy_to
+    ByteSource.read_into, ByteSource.copy_to, ByteSource.read_runs_into = read_into, copy_to, read_runs_into
     try:
         t0 = time.perf_counter()
         s = jobs.import_checkpoint(
@@ -150,7 +161,7 @@ def measure(src: str, dst: str, mesh: str = MESH) -> dict:
         )
         dt = time.perf_counter() - t0
     finally:
-        ByteSource.read_into, ByteSource.copy_to = inner_read, inner_copy
+        ByteSource.read_into, ByteSource.copy_to, ByteSource.read_runs_into = inner_read, inner_copy, inner_runs
     files = source_files(src)
     return {
         "seconds": dt,
@@ -160,6 +171,7 @@ def measure(src: str, dst: str, mesh: str = MESH) -> dict:
         "files_bytes": sum(os.path.getsize(f) for f in files),
         "bytes_read": sum(sum(a[1::2]) for a in reads.values()),
         "reads": sum(len(a) // 2 for a in reads.values()),
+        "gap_bytes": gap_bytes[0],
         "peak_inflight_bytes": opts.stats.peak_inflight_bytes,
         "largest_tile_bytes": opts.stats.largest_tile_bytes,
         "tiles": opts.stats.tiles,

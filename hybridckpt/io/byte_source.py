@@ -1,7 +1,8 @@
 """Byte-range reads from files, with a read counter.
 
 Every byte hybridckpt reads from a checkpoint goes through `ByteSource.read_into`: one `pread`
-per contiguous run, straight into a caller's preallocated buffer, or `ByteSource.copy_to`, which
+per contiguous run, straight into a caller's preallocated buffer (`read_runs_into`: many runs
+separated by gaps shorter than a page in one `preadv`, the gaps into scratch), or `ByteSource.copy_to`, which
 copies a byte range into another file inside the kernel (`copy_file_range`: no user-space buffer,
 for exports that only rearrange stored bytes). `count_reads()` records how many bytes each file
 gave, so tests can prove a device's read touched only the bytes of its box.
@@ -58,6 +59,17 @@ def count_reads() -> Iterator[Counter]:
 
 
 COPY_BUFFER_BYTES = 8 << 20  # bytes per pread/pwrite step where the kernel cannot copy
+PAGE_BYTES = 4096  # a gap shorter than this between two runs lies in pages they touch anyway
+MAX_IOVECS = 1024  # Linux's IOV_MAX: buffers (runs and gaps) per preadv
+_local = threading.local()
+
+
+def _scratch() -> memoryview:
+    """This thread's buffer for the gaps of `read_runs_into` (its contents are never used)."""
+    buf = getattr(_local, "scratch", None)
+    if buf is None:
+        buf = _local.scratch = memoryview(bytearray(PAGE_BYTES))
+    return buf
 _HAS_COPY_FILE_RANGE = hasattr(os, "copy_file_range")
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
 
@@ -111,6 +123,40 @@ class ByteSource:
                     f"but the file ends at {offset + done}"
                 )
             done += got
+
+    def read_runs_into(self, offset: int, pieces: list[tuple[memoryview, int]]) -> None:
+        """Fill each buffer of `pieces` (buffer, gap after it in bytes) from consecutive ranges of
+        the file starting at `offset`, skipping each gap: one `preadv` for the whole span, the
+        gaps landing in a scratch buffer. Meant for gaps under PAGE_BYTES, which lie in pages the
+        ranges on either side touch anyway (no page is read that the buffers do not need); the
+        count records the buffers' bytes, and the gaps' under `(path, "gap")`."""
+        iov: list = []
+        scratch = _scratch()
+        useful = gaps = 0
+        for i, (buf, gap) in enumerate(pieces):
+            iov.append(buf)
+            useful += len(buf)
+            if gap and i + 1 < len(pieces):
+                iov.append(scratch[:gap])
+                gaps += gap
+        if offset < 0:
+            raise FormatError(f"{self.path}: read at byte {offset}, before the start of the file")
+        try:
+            got = os.preadv(_fd(self.path), iov, offset)
+        except OSError as e:
+            raise FormatError(
+                f"{self.path}: cannot read bytes [{offset}, {offset + useful + gaps}): {e.strerror}"
+            ) from e
+        if got != useful + gaps:  # short (a signal, the end of the file): piece by piece
+            at = offset
+            for buf, gap in pieces:
+                self._pread_into(at, buf)
+                at += len(buf) + gap
+        _count(self.path, useful)
+        if gaps and _counters:
+            with _lock:
+                for c in _counters:
+                    c[(self.path, "gap")] += gaps
 
     def copy_to(self, offset: int, nbytes: int, out_fd: int, out_offset: int) -> None:
         """Copy bytes `[offset, offset + nbytes)` of the file to byte `out_offset` of the open file

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybridckpt.io.byte_source import ByteSource
+from hybridckpt.io.byte_source import MAX_IOVECS, PAGE_BYTES, ByteSource
 from hybridckpt.lazy.base import FileRun, LazyTensor, copy_into
 from hybridckpt.lazy.box import Box, box_runs, box_shape, flat_ranges
 
@@ -58,25 +58,40 @@ class StoredTensor(LazyTensor):
             copy_into(out, self.read_box(box))
 
     def _pread_into(self, box: Box, out: np.ndarray) -> None:
-        """Fill the C-contiguous `out` with one pread per run of touching rows."""
+        """Fill the C-contiguous `out` with one pread per run of touching rows; runs separated
+        by gaps shorter than a page share one `preadv` (`ByteSource.read_runs_into`: e.g. the
+        2.8 KiB half-rows of a row-parallel weight split two ways, 164k preads -> 330 for a 1 GiB
+        Meta import, each pread one GIL hand-off among the reader threads)."""
         if out.size == 0:
             return
         starts, run_len = box_runs(self.shape, box)
         item = out.dtype.itemsize
         view = memoryview(out.reshape(-1).view(np.uint8))
         nbytes = run_len * item
-        # merge runs that touch, then read each with one pread
-        pos = 0
-        i = 0
-        n = len(starts)
+        runs = []  # (file offset, length): runs that touch merged
+        i, n = 0, len(starts)
         while i < n:
             j = i + 1
             while j < n and starts[j] == starts[j - 1] + run_len:
                 j += 1
-            length = (j - i) * nbytes
-            self.source.read_into(self.offset + int(starts[i]) * item, view[pos : pos + length])
-            pos += length
+            runs.append((self.offset + int(starts[i]) * item, (j - i) * nbytes))
             i = j
+        pos = 0
+        k = 0
+        while k < len(runs):
+            group = [runs[k]]
+            while (k + len(group) < len(runs) and 2 * len(group) < MAX_IOVECS
+                   and runs[k + len(group)][0] - sum(group[-1]) < PAGE_BYTES):
+                group.append(runs[k + len(group)])
+            pieces = []
+            for (at, length), nxt in zip(group, [*group[1:], None], strict=True):
+                pieces.append((view[pos : pos + length], 0 if nxt is None else nxt[0] - at - length))
+                pos += length
+            if len(pieces) == 1:
+                self.source.read_into(group[0][0], pieces[0][0])
+            else:
+                self.source.read_runs_into(group[0][0], pieces)
+            k += len(group)
 
     def file_runs(self, box: Box, limit: int) -> list[FileRun] | None:
         ranges = flat_ranges(self.shape, box, limit)

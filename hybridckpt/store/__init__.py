@@ -6,7 +6,10 @@
 - `save.save_checkpoint`: one step written atomically (temporary sibling, then rename); leaves may
   be `stream.LazyLeaf`s, written tile by tile (`stream`).
 - `codec`: the arrays' zarr compressor of a streaming save (`--compression`; raw by default).
-- `chunk_index`: where each stored chunk lies in the item's files (the OCDBT index).
+- `chunk_files`: raw chunks written as plain files, one per chunk (a raw import's items are saved
+  without OCDBT; compressed ones and training-loop saves use OCDBT, Orbax's default).
+- `chunk_index`: where each stored chunk lies in the item's files (the OCDBT index, or the
+  folder of each array).
 - `reader`: any array of a saved item as a lazy tensor (a box read reads only its chunks; raw
   chunks by pread, or copied file to file by an export).
 - `restore.restore`: a checkpoint onto a mesh in one call, with its optimizer state.

@@ -15,6 +15,11 @@ read): `ItemIndex.locations` maps each value stored by reference to its `ChunkLo
 `ItemIndex.zarrays` each array's `.zarray` metadata (small, so inline in a node) as parsed JSON,
 `ItemIndex.inline` the other inline values (chunks of at most 1024 bytes) as bytes.
 Only tensorstore is imported (no JAX, no Orbax): an export of our store runs in tens of MiB.
+
+An item saved without OCDBT (no `manifest.ocdbt`; a raw `hybridckpt import`, `store.chunk_files`)
+keeps each array in its own folder `<item>/<array>/`: its `.zarray` and one file per chunk. The
+same `ItemIndex` is then read by listing those folders: each chunk file is a location at offset
+0 of its whole length; nothing is inline.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from hybridckpt.errors import CheckpointError
+
+OCDBT_MANIFEST = "manifest.ocdbt"  # at the root of an item saved with OCDBT (Orbax's `format_utils`)
 
 
 class ChunkLocation(NamedTuple):
@@ -61,6 +68,8 @@ def chunk_locations(item_dir: str, context=None) -> dict[str, ChunkLocation]:
 
 def read_index(item_dir: str, context=None) -> ItemIndex:
     """The item's `ItemIndex` (see the module doc); a CheckpointError when its index is unreadable."""
+    if not os.path.isfile(os.path.join(item_dir, OCDBT_MANIFEST)):
+        return _list_folders(item_dir)
     import tensorstore as ts
 
     try:
@@ -95,6 +104,31 @@ def _walk(ts, item_dir: str, context) -> ItemIndex:
             elif "inline_value" in entry:
                 inline[key.decode("utf-8", "replace")] = bytes(entry["inline_value"])
     return ItemIndex(out, zarrays, inline)
+
+
+def _list_folders(item_dir: str) -> ItemIndex:
+    """The `ItemIndex` of an item without OCDBT: every `<array>/.zarray` and its chunk files."""
+    out: dict[str, ChunkLocation] = {}
+    zarrays: dict[str, dict] = {}
+    try:
+        names = sorted(os.listdir(item_dir))
+    except OSError as e:
+        raise CheckpointError(f"{item_dir}: cannot list the item: {e.strerror}") from e
+    for name in names:
+        folder = os.path.join(item_dir, name)
+        meta = os.path.join(folder, ".zarray")
+        if not os.path.isfile(meta):
+            continue
+        try:
+            with open(meta, "rb") as f:
+                zarrays[name] = json.loads(f.read())
+        except (OSError, ValueError):
+            continue  # TensorStore reads it and says what is wrong
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if entry.is_file() and not entry.name.startswith("."):
+                    out[f"{name}/{entry.name}"] = ChunkLocation(entry.path, 0, entry.stat().st_size)
+    return ItemIndex(out, zarrays, {})
 
 
 def _bytes(x) -> bytes:

@@ -2,7 +2,8 @@
 
 Layout on disk (one `orbax.checkpoint.CheckpointManager` root, default step naming):
 
-    DIR/<step>/params/          StandardSave of the params pytree (global jax.Arrays, OCDBT)
+    DIR/<step>/params/          StandardSave of the params pytree (global jax.Arrays; OCDBT, or
+                                a folder per array with a file per raw chunk for a raw import)
     DIR/<step>/opt_state/       StandardSave of the optax state (optional; NamedTuples are
                                 stored as lists/dicts and restored into the target's structure)
     DIR/<step>/trainer_state/   JSON dict, keys below

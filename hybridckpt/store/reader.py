@@ -1,7 +1,8 @@
 """Arrays of an Orbax checkpoint as LazyTensors: a box read reads only the chunks covering it.
 
 Layout read (see `hybridckpt.store.layout`): `DIR/<step>/<item>/` is one Orbax pytree item
-(`params`, `opt_state`) in OCDBT format; its `_METADATA` names every leaf (the dotted key path,
+(`params`, `opt_state`) in OCDBT format or, for a raw import, a folder per array
+(`store.chunk_files`); its `_METADATA` names every leaf (the dotted key path,
 e.g. `layers.q.kernel`, `0.mu.layers.q.kernel`) and says whether arrays are zarr v2 or v3. Each
 array is a zarr array at that name inside the item's OCDBT database, opened with Orbax's own
 read spec (`tensorstore_utils.build_array_read_spec`, orbax-checkpoint 0.12.8), so a box read
@@ -37,7 +38,7 @@ from hybridckpt.formats.config_file import read_json
 from hybridckpt.formats.dcp.views import tiled
 from hybridckpt.io.byte_source import ByteSource
 from hybridckpt.lazy import ArrayTensor, Box, FileRun, LazyTensor, StoredTensor
-from hybridckpt.store.chunk_index import ItemIndex, read_index
+from hybridckpt.store.chunk_index import OCDBT_MANIFEST, ItemIndex, read_index
 
 
 class _Item:
@@ -60,12 +61,17 @@ class _Item:
                     self._index.append(None)
             return self._index[0]
 
+    @property
+    def use_ocdbt(self) -> bool:
+        """Whether the item is one OCDBT database (else a folder per array: `store.chunk_files`)."""
+        return os.path.isfile(os.path.join(self.item_dir, OCDBT_MANIFEST))
+
     def context(self):
         from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
         with self._lock:
             if not self._context:
-                self._context.append(ts_utils.get_ts_context(use_ocdbt=True))
+                self._context.append(ts_utils.get_ts_context(use_ocdbt=self.use_ocdbt))
             return self._context[0]
 
 
@@ -89,15 +95,16 @@ class OrbaxArray(LazyTensor):
             from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
             from orbax.checkpoint._src.serialization import types as ts_types
 
-            context = (self.item or _Item(self.item_dir)).context()
+            item = self.item or _Item(self.item_dir)
+            context = item.context()
             info = ts_types.ParamInfo(
                 name=self.name,
                 parent_dir=epath.Path(self.item_dir),
-                is_ocdbt_checkpoint=True,
+                is_ocdbt_checkpoint=item.use_ocdbt,
                 use_zarr3=self.use_zarr3,
                 ts_context=context,
             )
-            spec = ts_utils.build_array_read_spec(info, use_ocdbt=True).json
+            spec = ts_utils.build_array_read_spec(info, use_ocdbt=item.use_ocdbt).json
             try:
                 store = ts.open(ts.Spec(spec), open=True, context=context).result()
             except ValueError as e:

@@ -10,17 +10,22 @@ OCDBT databases, their merge and the atomic commit); only the data path differs,
 
 1. the TensorStore spec and ArrayMetadata come from Orbax's `build_array_write_spec` (write
    shape = the shard shape, chunk shape from `SaveArgs(chunk_byte_size, shard_axes)`);
-2. the primary process creates each zarr array in its OCDBT database, every process opens it
-   with `assume_metadata`;
+2. the primary process creates each zarr array (its `.zarray`), every process opens it with
+   `assume_metadata`;
 3. every distinct shard box is written once, by the process of the lowest-id device holding
    it, as tiles: boxes made of whole chunks of at most `tile_bytes` (a stacked `[layers, ...]`
    leaf is chunked per layer, so its tiles are whole layers). The reader pool
    (`hybridckpt.io.parallel`) fills a fresh buffer per tile (`LazyTensor.read_into`: preads,
-   casts, TP concatenation) and adds the tile's part of the leaf's checksum while TensorStore
-   compresses and writes earlier tiles;
+   casts, TP concatenation) and adds the tile's part of the leaf's checksum. Raw chunks (the
+   default codec) go straight to their files from the reader thread (`store.chunk_files`: the
+   item is saved without OCDBT, one file per chunk, fsync'd); compressed ones are written by
+   TensorStore into the item's OCDBT database, which compresses and writes earlier tiles
+   meanwhile;
 4. the array metadata is appended to `array_metadatas/process_<i>`, shardings to `_sharding`.
 
-Codec: `StreamOptions.compression` (`store.codec`; "none" by default: raw chunks).
+Codec: `StreamOptions.compression` (`store.codec`; "none" by default: raw chunks, in plain files;
+"zstd": in OCDBT, as Orbax writes by default). `StreamingCheckpointHandler` picks the layout per
+save from its leaves' codec.
 
 Memory: tiles read but not yet written are bounded by `inflight_bytes` (a tile larger than the
 bound runs alone), plus at most two batches of small tiles (`SMALL_BATCH_BYTES`) staged for a
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -53,7 +59,8 @@ from hybridckpt import checksum
 from hybridckpt.io import parallel
 from hybridckpt.lazy import Box, LazyTensor, box_shape
 from hybridckpt.plan import box_owners
-from hybridckpt.store.codec import COMPRESSION, apply_codec
+from hybridckpt.store import chunk_files
+from hybridckpt.store.codec import COMPRESSION, apply_codec, parse_compression
 
 CHUNK_BYTES = 8 << 20  # zarr chunk target: small against any shard a resharding restore reads
 TILE_BYTES = 8 << 20  # bytes per read/write unit (whole chunks; at least one chunk). 8 MiB against
@@ -171,6 +178,12 @@ def chunk_shape(leaf: LazyLeaf) -> tuple[int, ...]:
     return tuple(subchunking.choose_chunk_shape(leaf.shape, shard, leaf.dtype, size, shard_axes=leaf.chunk_axes))
 
 
+def _all_raw_lazy(tree: Any) -> bool:
+    """Whether `tree` has lazy leaves and all of them are written raw (codec "none")."""
+    lazy = [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, LazyLeaf)) if isinstance(x, LazyLeaf)]
+    return bool(lazy) and all(parse_compression((x.options or StreamOptions()).compression)[0] == "none" for x in lazy)
+
+
 def has_lazy(tree: Any) -> bool:
     return any(isinstance(x, LazyLeaf) for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, LazyLeaf)))
 
@@ -257,6 +270,11 @@ def _read_tile(leaf: LazyLeaf, box: Box, chunk: tuple[int, ...]) -> np.ndarray:
     return buf
 
 
+def _copy_tile(leaf: LazyLeaf, box: Box, target: chunk_files.ChunkFiles) -> None:
+    """One tile read (`_read_tile`) and written to its chunk files (runs in a reader thread)."""
+    chunk_files.write_tile(target, box, _read_tile(leaf, box, target.chunk))
+
+
 class LazyArrayHandler(ocp.type_handlers.ArrayHandler):
     """Orbax's ArrayHandler for `LazyLeaf` values: same files, data written tile by tile."""
 
@@ -299,22 +317,31 @@ class LazyArrayHandler(ocp.type_handlers.ArrayHandler):
         for spec in specs:
             apply_codec(spec, opts.compression)
         primary = multihost.is_primary_host(self._primary_host)
-        stores = []
+        stores, targets = [], []
         for spec, info in zip(specs, infos, strict=True):
+            target = None if use_ocdbt else chunk_files.target_of(spec.json, tuple(spec.metadata.chunk_shape))
             if primary:
                 await ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context)
-            stores.append(
-                await ts.open(ts.Spec(spec.json), open=True, assume_metadata=True, context=info.ts_context)
-            )
+            if target is not None:
+                os.makedirs(target.folder, exist_ok=True)  # (another process may write first)
+                stores.append(None)
+            else:
+                stores.append(
+                    await ts.open(ts.Spec(spec.json), open=True, assume_metadata=True, context=info.ts_context)
+                )
+            targets.append(target)
         small = _SmallWrites(opts.small_batch_bytes())
         try:
             await _all(
                 [
-                    self._write_leaf(v, store, tuple(spec.metadata.chunk_shape), small, opts)
-                    for v, store, spec in zip(values, stores, specs, strict=True)
+                    self._write_leaf(v, store, tuple(spec.metadata.chunk_shape), small, opts, target)
+                    for v, store, spec, target in zip(values, stores, specs, targets, strict=True)
                 ]
             )
             await small.commit()
+            for target in targets:  # the chunk files' names, before Orbax commits the item
+                if target is not None:
+                    chunk_files.sync_folder(target.folder)
         except BaseException:
             small.abort()
             raise
@@ -323,10 +350,11 @@ class LazyArrayHandler(ocp.type_handlers.ArrayHandler):
     async def _write_leaf(
         self,
         leaf: LazyLeaf,
-        store: ts.TensorStore,
+        store: ts.TensorStore | None,
         chunk: tuple[int, ...],
         small: _SmallWrites,
         opts: StreamOptions,
+        target: chunk_files.ChunkFiles | None = None,
     ) -> None:
         budget = opts.budget()
         failed = budget.failed
@@ -344,13 +372,16 @@ class LazyArrayHandler(ocp.type_handlers.ArrayHandler):
             try:
                 if failed:  # another tile failed: read nothing more
                     return
-                buf = await _in_pool(loop, _read_tile, leaf, box, chunk)
-                index = tuple(slice(a, b) for a, b in box)
-                if n < opts.small_tile_bytes():
-                    await small.write(store, index, buf, n)
+                if target is not None:  # raw chunks: read and written by the reader thread
+                    await _in_pool(loop, _copy_tile, leaf, box, target)
                 else:
-                    await store[index].write(buf, can_reference_source_data_indefinitely=True)
-                del buf
+                    buf = await _in_pool(loop, _read_tile, leaf, box, chunk)
+                    index = tuple(slice(a, b) for a, b in box)
+                    if n < opts.small_tile_bytes():
+                        await small.write(store, index, buf, n)
+                    else:
+                        await store[index].write(buf, can_reference_source_data_indefinitely=True)
+                    del buf
                 opts.stats.bytes_written += n
                 opts.stats.tiles += 1
                 opts.stats.largest_tile_bytes = max(opts.stats.largest_tile_bytes, n)
@@ -456,15 +487,33 @@ def _registry() -> _Registry:
 
 class StreamingCheckpointHandler(ocp.StandardCheckpointHandler):
     """`StandardCheckpointHandler` that also saves `LazyLeaf` leaves (restores are unchanged,
-    and its type string is the standard one, so `_CHECKPOINT_METADATA` is identical)."""
+    and its type string is the standard one, so `_CHECKPOINT_METADATA` is identical).
+
+    A save whose lazy leaves are all raw (`compression` "none") is written without OCDBT, each
+    chunk a file (`store.chunk_files`); any other save (jax.Arrays from a training loop,
+    compressed imports) in OCDBT, Orbax's default. Restores read either: Orbax records which
+    in the item's `_METADATA` (`use_ocdbt`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self._supported_types = (*self._supported_types, LazyLeaf)
-        self._impl = pytree_checkpoint_handler.PyTreeCheckpointHandler(
-            save_concurrent_gb=96, restore_concurrent_gb=96, use_ocdbt=True,
-            type_handler_registry=_registry(),
-        )
+        registry = _registry()
+        self._by_ocdbt = {
+            use: pytree_checkpoint_handler.PyTreeCheckpointHandler(
+                save_concurrent_gb=96, restore_concurrent_gb=96, use_ocdbt=use, type_handler_registry=registry,
+            )
+            for use in (True, False)
+        }
+        self._impl = self._by_ocdbt[True]
+
+    async def async_save(self, directory, item=None, save_args=None, args=None):
+        tree = args.item if args is not None else item
+        self._impl = self._by_ocdbt[not _all_raw_lazy(tree)]  # also the one `finalize` uses
+        return await super().async_save(directory, item=item, save_args=save_args, args=args)
+
+    def close(self) -> None:
+        for impl in self._by_ocdbt.values():
+            impl.close()
 
     @classmethod
     def typestr(cls) -> str:

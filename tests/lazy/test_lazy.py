@@ -134,3 +134,38 @@ def test_bitcast_views_bytes_without_changing_them():
     np.testing.assert_array_equal(back.view(np.uint16), vals.view(np.uint16))
     with pytest.raises(FormatError, match="item sizes differ"):
         lazy.Bitcast(lazy.ArrayTensor(vals), np.dtype(np.float32))
+
+
+def test_runs_split_by_gaps_under_a_page_share_one_preadv(tmp_path):
+    """A tp shard of a row-parallel weight (half of every row) is thousands of runs; gaps under
+    a page lie in pages the runs touch anyway, so they are read in one preadv (into scratch, and
+    counted apart); a gap of a page or more is never read."""
+    p = str(tmp_path / "w.bin")
+    w = np.arange(256 * 1024, dtype=np.float32).reshape(256, 1024)  # rows of 4 KiB
+    w.tofile(p)
+    t = lazy.StoredTensor(ByteSource(p), 0, w.shape, np.dtype(np.float32))
+    with count_reads() as c:
+        got = t.read_box(((0, 256), (0, 512)))  # 2 KiB runs, 2 KiB gaps
+    np.testing.assert_array_equal(got, w[:, :512])
+    assert c[p] == got.nbytes and c[(p, "gap")] == 255 * 2048
+    assert c[(p, "calls")] == 1  # 511 iovecs: one preadv
+    with count_reads() as c:
+        got = t.read_box(((0, 256), (0, 8)))  # 32-byte runs, gaps of a page minus 32 bytes
+    np.testing.assert_array_equal(got, w[:, :8])
+    assert c[(p, "calls")] == 1 and c[(p, "gap")] == 255 * (4096 - 32)
+    w2 = np.arange(64 * 2048, dtype=np.float32).reshape(64, 2048)  # rows of 8 KiB
+    w2.tofile(p)
+    t2 = lazy.StoredTensor(ByteSource(p), 0, w2.shape, np.dtype(np.float32))
+    with count_reads() as c:
+        got = t2.read_box(((0, 64), (0, 1024)))  # gaps of a whole page: one pread a run
+    np.testing.assert_array_equal(got, w2[:, :1024])
+    assert c[(p, "calls")] == 64 and c[(p, "gap")] == 0
+
+
+def test_a_truncated_file_under_a_shared_preadv_is_one_error(tmp_path):
+    p = str(tmp_path / "w.bin")
+    np.zeros((64, 256), np.float32).tofile(p)
+    __import__("os").truncate(p, 64 * 256 * 4 - 800)  # the last run cut short
+    t = lazy.StoredTensor(ByteSource(p), 0, (64, 256), np.dtype(np.float32))
+    with pytest.raises(FormatError, match="truncated"):
+        t.read_box(((0, 64), (0, 128)))

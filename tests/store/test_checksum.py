@@ -109,12 +109,16 @@ def test_verify_recorded_checksums_then_detect_a_changed_tensor(imported, capsys
 
 def _chunk_locations(item_dir: str, array: str) -> list[list[tuple[str, int, int]]]:
     """Per stored chunk of `array` in an Orbax item, every (data file, offset, length) where its
-    bytes lie. OCDBT only appends: a small chunk is kept inline in b-tree nodes, and the nodes of
+    bytes lie. A raw import's item has a file per chunk. OCDBT only appends: a small chunk is kept inline in b-tree nodes, and the nodes of
     earlier commits stay in the files unreferenced, so one chunk's bytes can lie in several
     places of which one is live; flipping a byte in all of them surely flips live array data
     (flipping one place at random, as this test once did, sometimes hit a dead copy)."""
     import tensorstore as ts
 
+    folder = os.path.join(item_dir, array)
+    if not os.path.exists(os.path.join(item_dir, "manifest.ocdbt")):  # a raw import: a file a chunk
+        names = sorted(n for n in os.listdir(folder) if not n.startswith("."))
+        return [[(os.path.join(folder, n), 0, os.path.getsize(os.path.join(folder, n)))] for n in names]
     kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{os.path.abspath(item_dir)}/"}).result()
     values = [kv.read(k).result().value for k in kv.list().result() if k.startswith(f"{array}/".encode())]
     values = [v for v in values if not v.startswith(b"{")]  # chunks, not the .zarray metadata
@@ -136,7 +140,7 @@ def _chunk_locations(item_dir: str, array: str) -> list[list[tuple[str, int, int
 def imported_zstd(tmp_path):
     """Imported with Orbax's zstd: a small chunk's compressed bytes (barely compressible) stay
     verbatim inside the zstd-compressed B-tree node that inlines them, so `_chunk_locations` finds
-    them; a raw one (the default codec) is compressed with its node and cannot be found."""
+    them (a raw import, the default codec, keeps every chunk in a file of its own)."""
     ckpt = str(tmp_path / "ckpt")
     jobs.import_checkpoint(sample_path(), ckpt, mesh="fsdp=2,tp=2,pp=2", compression="zstd")
     return ckpt
@@ -144,10 +148,10 @@ def imported_zstd(tmp_path):
 
 @pytest.mark.parametrize(
     ("array", "codec"),
-    # a raw inline chunk (final_norm.scale, 128 bytes) lies inside a compressed B-tree node where
-    # it cannot be located; its zstd case covers inline chunks
-    [("layers.down.kernel", "none"), ("embed.embedding", "none"), ("layers.down.kernel", "zstd"),
-     ("embed.embedding", "zstd"), ("final_norm.scale", "zstd")],
+    # raw chunks are files of their own (final_norm.scale too); a zstd import's small chunks are
+    # inline in OCDBT B-tree nodes
+    [("layers.down.kernel", "none"), ("embed.embedding", "none"), ("final_norm.scale", "none"),
+     ("layers.down.kernel", "zstd"), ("embed.embedding", "zstd"), ("final_norm.scale", "zstd")],
 )
 def test_a_flipped_byte_inside_array_data_is_always_reported(request, capsys, array, codec):
     """One byte flipped in the middle of a stored chunk of `array` (located through the OCDBT

@@ -71,13 +71,27 @@ def test_read_into_fills_plain_and_transposed_buffers_like_read_box(stored):
         assert np.array_equal(plain, want), name
 
 
-def test_copy_into_transposes_in_tiles_exactly(monkeypatch):
-    monkeypatch.setattr("hybridckpt.lazy.base.COPY_BLOCK", 3)
-    x = RNG.standard_normal((2, 11, 7)).astype(np.float32)
-    out = np.empty((2, 7, 11), np.float32)
-    assert out.shape != x.shape  # a layout change: the copy really transposes
-    lazy.copy_into(out, x.transpose(0, 2, 1))
-    assert np.array_equal(out, x.transpose(0, 2, 1))
+@pytest.mark.parametrize("staged_max_outer", [256, 1])  # staged 2-D slices, or plain tiles
+@pytest.mark.parametrize(("src_dtype", "out_dtype"), [
+    (np.float32, np.float32), (ml_dtypes.bfloat16, ml_dtypes.bfloat16), (ml_dtypes.bfloat16, np.float32),
+    (np.float32, ml_dtypes.bfloat16), (np.int8, np.int8),
+])
+def test_copy_into_transposes_in_tiles_exactly(monkeypatch, src_dtype, out_dtype, staged_max_outer):
+    monkeypatch.setattr("hybridckpt.lazy.element_copy.COPY_BLOCK", 3)
+    monkeypatch.setattr("hybridckpt.lazy.element_copy.STAGED_MAX_OUTER", staged_max_outer)
+    x = (RNG.standard_normal((2, 11, 7)) * 50).astype(src_dtype)
+    for perm in ((0, 2, 1), (2, 1, 0), (1, 0, 2)):
+        src = np.ascontiguousarray(x.transpose(perm))  # contiguous along its last axis
+        buf = np.empty(src.shape[::-1], out_dtype)
+        out = buf.T  # contiguous along its first axis: the copy really transposes
+        lazy.copy_into(out, src)
+        assert np.array_equal(out.astype(np.float64), src.astype(out_dtype).astype(np.float64)), perm
+        if src_dtype == out_dtype:
+            assert out.tobytes() == src.tobytes()  # bit for bit (NaN payloads, -0.0 too)
+    wide = np.frombuffer(RNG.bytes(2 * 13 * 9), np.uint16).reshape(13, 9).view(ml_dtypes.bfloat16)  # NaNs too
+    buf = np.empty((9, 13), ml_dtypes.bfloat16)
+    lazy.copy_into(buf.T, wide)
+    assert buf.T.view(np.uint16).tolist() == wide.view(np.uint16).tolist()
 
 
 # -- planning and the fast checksum -----------------------------------------------------------------
@@ -143,14 +157,15 @@ def _tree(mesh):
     return vals, shard
 
 
-def _reference_save(path, arrays, save_args):
-    """Orbax's own save of jax.Arrays (replica-parallel off: one writer per shard, as ours)."""
+def _reference_save(path, arrays, save_args, **options):
+    """Orbax's own save of jax.Arrays (replica-parallel off: one writer per shard, as ours);
+    `options` go to its PyTreeCheckpointHandler (use_ocdbt, use_compression)."""
     store = ocp.type_handlers.get_type_handler(jax.Array)._array_metadata_store  # noqa: SLF001
     handler = ocp.type_handlers.ArrayHandler(use_replica_parallel=False, array_metadata_store=store)
     registry = ocp.type_handlers.create_type_handler_registry(
         (jax.Array, handler), (int, ocp.type_handlers.ScalarHandler())
     )
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry)) as ck:
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry, **options)) as ck:
         ck.save(path, args=ocp.args.PyTreeSave(arrays, save_args=save_args))
 
 
@@ -168,12 +183,19 @@ def test_streamed_save_matches_orbax_files_and_restores_on_other_meshes_bitwise(
         assert leaves[k].checksum_chunk == stream.chunk_shape(leaves[k]), k
         assert leaves[k].checksum == checksum.of_chunks(v, leaves[k].checksum_chunk), k
         assert leaves[k].checksum == checksum_reference.chunks(v, leaves[k].checksum_chunk), k
-    # the files Orbax writes for the same jax.Arrays and SaveArgs
+    # the files Orbax writes for the same jax.Arrays and SaveArgs, raw and without OCDBT (what a
+    # raw streaming save is): the same metadata, and every chunk file byte for byte (our own
+    # writes, `store.chunk_files`, against TensorStore's)
     arrays = {k: jax.device_put(v, shard[k]) for k, v in vals.items()}
-    _reference_save(tmp_path / "ref", arrays, stream.save_args(leaves))
+    _reference_save(tmp_path / "ref", arrays, stream.save_args(leaves), use_ocdbt=False, use_compression=False)
     ours, ref = tmp_path / "lazy" / "3" / "params", tmp_path / "ref"
-    for name in ("_METADATA", "_sharding", "array_metadatas/process_0"):
+    for name in ("_METADATA", "_sharding", "array_metadatas/process_0", *(f"{k}/.zarray" for k in vals)):
         assert json.loads((ours / name).read_text()) == json.loads((ref / name).read_text()), name
+    for k in vals:
+        names = sorted(os.listdir(ref / k))
+        assert sorted(os.listdir(ours / k)) == names and len(names) > (1 if k == "count" else 2), k
+        for n in names:
+            assert (ours / k / n).read_bytes() == (ref / k / n).read_bytes(), (k, n)
     # restored onto other meshes through CheckpointStore: bit for bit
     for other in (make_mesh(tp=4, pp=2), make_mesh(dp=8)):
         specs = {"stacked": P("tp", None, "pp"), "repl": P("pp"), "half": P(None, "tp"), "count": P()}
