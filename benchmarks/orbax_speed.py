@@ -196,7 +196,7 @@ def child_import(src: str, dst: str, compression: str, profile: str) -> dict:
 
     read_s = [0.0]
     if profile == "1":
-        inner = stream._read_tile
+        inner = stream.read_tile
 
         def timed(leaf, box, chunk):
             t = time.perf_counter()
@@ -205,7 +205,7 @@ def child_import(src: str, dst: str, compression: str, profile: str) -> dict:
             finally:
                 read_s[0] += time.perf_counter() - t
 
-        stream._read_tile = timed
+        stream.read_tile = timed
     t0 = time.perf_counter()
     s = jobs.import_checkpoint(src, dst, mesh=MESH, params_only=True, compression=compression, overwrite=True)
     return {"seconds": time.perf_counter() - t0, "bytes": s.bytes, "peak_rss": peak_rss(), "read_cast_s": read_s[0]}
@@ -231,7 +231,7 @@ def child_read_only(src: str) -> dict:
         chunk = stream.chunk_shape(leaf)
         for box in stream.owned_boxes(leaf.shape, leaf.sharding):
             for tile in stream.plan_tiles(box, chunk, leaf.dtype.itemsize, stream.TILE_BYTES):
-                futures.append(parallel.pool().submit(stream._read_tile, leaf, tile, chunk))
+                futures.append(parallel.pool().submit(stream.read_tile, leaf, tile, chunk))
         while len(futures) > 8:
             futures.pop(0).result()
     for f in futures:

@@ -2,7 +2,7 @@
 the trainer-state JSON, tree checks against a target and partial restores.
 
 Items (see `store.layout`): `params` and `opt_state` are written by
-`store.stream.StreamingCheckpointHandler` (Orbax's StandardCheckpointHandler that also streams
+`store.stream_orbax.StreamingCheckpointHandler` (Orbax's StandardCheckpointHandler that also streams
 `stream.LazyLeaf` leaves), `trainer_state` by Orbax's JSON handler. Orbax's info/warning chatter
 (logged through absl) is dropped; its errors are kept.
 """
@@ -43,7 +43,7 @@ if not any(isinstance(f, _QuietOrbax) for f in logging.getLogger("absl").filters
 
 
 def handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
-    from hybridckpt.store.stream import StreamingCheckpointHandler
+    from hybridckpt.store.stream_orbax import StreamingCheckpointHandler
 
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     for item in (PARAMS, OPT_STATE):

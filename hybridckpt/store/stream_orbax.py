@@ -1,0 +1,300 @@
+"""The Orbax side of a streaming save: the type handler that writes `stream.LazyLeaf` leaves.
+
+`LazyArrayHandler.serialize` follows Orbax 0.12.8's own `ArrayHandler.serialize`
+(google/orbax:checkpoint/orbax/checkpoint/_src/serialization/jax_array_handlers.py,
+`_async_serialize_replica_slices` and `serialization.async_serialize_from_host`):
+
+1. the TensorStore spec and ArrayMetadata come from Orbax's `build_array_write_spec` (write
+   shape = the shard shape, chunk shape from `SaveArgs(chunk_byte_size, shard_axes)`), the codec
+   from `store.codec`;
+2. the primary process creates each zarr array (its `.zarray`); every process opens it with
+   `assume_metadata` where TensorStore writes the chunks;
+3. the tiles of `stream.plan_tiles` are read by the reader pool (`stream.read_tile`) under the
+   save's byte budget and written: raw chunks to their files by the reader thread itself
+   (`store.chunk_files`, then each array folder fsync'd), compressed ones through TensorStore
+   (small tiles batched into shared OCDBT commits, `_SmallWrites`);
+4. the array metadata is appended to `array_metadatas/process_<i>`, shardings to `_sharding`.
+
+`StreamingCheckpointHandler` is `StandardCheckpointHandler` with that handler registered for
+`LazyLeaf`: a save whose lazy leaves are all raw goes without OCDBT, any other with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+
+# Orbax internals the data path mirrors (pinned: orbax-checkpoint 0.12.8)
+from orbax.checkpoint._src.handlers import pytree_checkpoint_handler
+from orbax.checkpoint._src.multihost import multihost
+from orbax.checkpoint._src.serialization import jax_array_handlers, ocdbt_utils
+from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+
+from hybridckpt.io import parallel
+from hybridckpt.lazy import Box, box_shape
+from hybridckpt.store import chunk_files, stream
+from hybridckpt.store.codec import apply_codec, parse_compression
+from hybridckpt.store.stream import LazyLeaf, StreamOptions, opts_of, owned_boxes, plan_tiles
+
+
+def _all_raw_lazy(tree: Any) -> bool:
+    """Whether `tree` has lazy leaves and all of them are written raw (codec "none")."""
+    lazy = [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, LazyLeaf)) if isinstance(x, LazyLeaf)]
+    return bool(lazy) and all(parse_compression((x.options or StreamOptions()).compression)[0] == "none" for x in lazy)
+
+
+def _copy_tile(leaf: LazyLeaf, box: Box, target: chunk_files.ChunkFiles) -> None:
+    """One tile read (`stream.read_tile`) and written to its chunk files (runs in a reader thread)."""
+    chunk_files.write_tile(target, box, stream.read_tile(leaf, box, target.chunk))
+
+
+class LazyArrayHandler(ocp.type_handlers.ArrayHandler):
+    """Orbax's ArrayHandler for `LazyLeaf` values: same files, data written tile by tile."""
+
+    async def serialize(self, values, infos, args=None):  # noqa: D401 - see the module doc
+        opts = opts_of(values)
+        group = opts.budget()
+        await group.enter()  # before any await: every item of the save is counted from the start
+        try:
+            specs = await self._write_all(values, infos, list(args or [ocp.SaveArgs()] * len(values)), opts)
+        except BaseException as e:
+            group.failed.append(e)
+            # the other items of this save (params / opt_state) stop reading; wait for them so
+            # no TensorStore or reader callback outlives the event loop Orbax closes on error
+            await group.leave(wait=True)
+            raise
+        await group.leave()
+        if self._array_metadata_store is not None:
+            await self._array_metadata_store.write(
+                checkpoint_dir=infos[0].parent_dir,
+                array_metadatas=[s.metadata for s in specs],
+                process_index=multihost.process_index(),
+            )
+        return []
+
+    async def _write_all(self, values, infos, args, opts: StreamOptions) -> list:
+        for info in infos:
+            await info.await_path_creation()
+        await jax_array_handlers._async_serialize_shardings(  # noqa: SLF001 - Orbax's own writer
+            shardings=[v.sharding for v in values], infos=infos, primary_host=self._primary_host
+        )
+        use_ocdbt = bool(infos[0].is_ocdbt_checkpoint)
+        pidx = ocdbt_utils.get_process_index_for_subdir(use_ocdbt)
+        specs = [
+            ts_utils.build_array_write_spec(
+                info, arg, global_shape=v.shape, local_shape=tuple(v.sharding.shard_shape(v.shape)),
+                dtype=v.dtype, use_ocdbt=use_ocdbt, process_index=pidx, metadata_key=self._metadata_key,
+            )
+            for v, info, arg in zip(values, infos, args, strict=True)
+        ]
+        for spec in specs:
+            apply_codec(spec, opts.compression)
+        primary = multihost.is_primary_host(self._primary_host)
+        stores, targets = [], []
+        for spec, info in zip(specs, infos, strict=True):
+            target = None if use_ocdbt else chunk_files.target_of(spec.json, tuple(spec.metadata.chunk_shape))
+            if primary:
+                await ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context)
+            if target is not None:
+                os.makedirs(target.folder, exist_ok=True)  # (another process may write first)
+                stores.append(None)
+            else:
+                stores.append(
+                    await ts.open(ts.Spec(spec.json), open=True, assume_metadata=True, context=info.ts_context)
+                )
+            targets.append(target)
+        small = _SmallWrites(opts.small_batch_bytes())
+        try:
+            await _all(
+                [
+                    self._write_leaf(v, store, tuple(spec.metadata.chunk_shape), small, opts, target)
+                    for v, store, spec, target in zip(values, stores, specs, targets, strict=True)
+                ]
+            )
+            await small.commit()
+            for target in targets:  # the chunk files' names, before Orbax commits the item
+                if target is not None:
+                    chunk_files.sync_folder(target.folder)
+        except BaseException:
+            small.abort()
+            raise
+        return specs
+
+    async def _write_leaf(
+        self,
+        leaf: LazyLeaf,
+        store: ts.TensorStore | None,
+        chunk: tuple[int, ...],
+        small: _SmallWrites,
+        opts: StreamOptions,
+        target: chunk_files.ChunkFiles | None = None,
+    ) -> None:
+        budget = opts.budget()
+        failed = budget.failed
+        item = leaf.dtype.itemsize
+        tiles = [
+            t for box in owned_boxes(leaf.shape, leaf.sharding)
+            for t in plan_tiles(box, chunk, item, opts.tile_bytes)
+        ]
+        loop = asyncio.get_running_loop()
+        leaf.checksum_chunk = tuple(chunk)
+
+        async def one(box: Box) -> None:
+            n = max(1, math.prod(box_shape(box)) * item)
+            await budget.acquire(n)
+            try:
+                if failed:  # another tile failed: read nothing more
+                    return
+                if target is not None:  # raw chunks: read and written by the reader thread
+                    await _in_pool(loop, _copy_tile, leaf, box, target)
+                else:
+                    buf = await _in_pool(loop, stream.read_tile, leaf, box, chunk)
+                    index = tuple(slice(a, b) for a, b in box)
+                    if n < opts.small_tile_bytes():
+                        await small.write(store, index, buf, n)
+                    else:
+                        await store[index].write(buf, can_reference_source_data_indefinitely=True)
+                    del buf
+                opts.stats.bytes_written += n
+                opts.stats.tiles += 1
+                opts.stats.largest_tile_bytes = max(opts.stats.largest_tile_bytes, n)
+            except BaseException as e:
+                failed.append(e)
+                raise
+            finally:
+                await budget.release(n)
+
+        await _all([one(b) for b in tiles])
+        if opts.on_leaf is not None:
+            opts.on_leaf(leaf.name, leaf.nbytes)
+
+
+def _in_pool(loop: asyncio.AbstractEventLoop, fn, *args) -> asyncio.Future:
+    """`fn(*args)` in the reader pool, awaitable in `loop`; a result arriving after the loop
+    closed (a failed save whose other reads were still running) is dropped quietly."""
+    result = loop.create_future()
+
+    def deliver(cf) -> None:
+        if result.cancelled():
+            return
+        if cf.exception() is not None:
+            result.set_exception(cf.exception())
+        else:
+            result.set_result(cf.result())
+
+    def done(cf) -> None:
+        if loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(deliver, cf)
+        except RuntimeError:  # closed in between
+            pass
+
+    parallel.pool().submit(fn, *args).add_done_callback(done)
+    return result
+
+
+async def _all(coros: list) -> None:
+    """Await every coroutine, then raise the first error: no reader thread outlives the save's
+    event loop (Orbax closes it as soon as the save returns)."""
+    results = await asyncio.gather(*coros, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+
+
+class _SmallWrites:
+    """Small tiles share a non-atomic TensorStore transaction, committed once it holds `limit`
+    bytes and at the end: each OCDBT commit rewrites the B-tree root (and chunks under 1 KiB
+    are inlined in it), so batching keeps the files compact. A staged tile leaves the byte
+    budget at once (no tile ever waits on a commit, so no deadlock); the staged bytes are
+    bounded by `limit` per transaction instead (one filling, one committing)."""
+
+    def __init__(self, limit: int):
+        self.limit = max(1, int(limit))
+        self.txn = ts.Transaction(atomic=False)
+        self.staged = 0
+
+    async def write(self, store: ts.TensorStore, index, buf: np.ndarray, n: int) -> None:
+        await store.with_transaction(self.txn)[index].write(buf, can_reference_source_data_indefinitely=True)
+        self.staged += n
+        if self.staged >= self.limit:
+            await self.commit()
+
+    async def commit(self) -> None:
+        txn, staged = self.txn, self.staged
+        self.txn, self.staged = ts.Transaction(atomic=False), 0
+        if staged:
+            await txn.commit_async()
+
+    def abort(self) -> None:
+        self.txn.abort()
+
+
+class _Registry(ocp.type_handlers.TypeHandlerRegistry):
+    """Orbax's global type registry plus `LazyLeaf`; restores use the global one unchanged."""
+
+    def __init__(self, lazy: LazyArrayHandler):
+        self._lazy = lazy
+
+    def add(self, ty, handler, func=None, override=False):  # pragma: no cover - not used
+        raise NotImplementedError("hybridckpt's streaming registry is read-only")
+
+    def get(self, ty):
+        if isinstance(ty, type) and issubclass(ty, LazyLeaf):
+            return self._lazy
+        return ocp.type_handlers.get_type_handler(ty)
+
+    def has(self, ty) -> bool:
+        try:
+            self.get(ty)
+            return True
+        except ValueError:
+            return False
+
+
+def _registry() -> _Registry:
+    store = getattr(ocp.type_handlers.get_type_handler(jax.Array), "_array_metadata_store", None)
+    return _Registry(LazyArrayHandler(array_metadata_store=store))
+
+
+class StreamingCheckpointHandler(ocp.StandardCheckpointHandler):
+    """`StandardCheckpointHandler` that also saves `LazyLeaf` leaves (restores are unchanged,
+    and its type string is the standard one, so `_CHECKPOINT_METADATA` is identical).
+
+    A save whose lazy leaves are all raw (`compression` "none") is written without OCDBT, each
+    chunk a file (`store.chunk_files`); any other save (jax.Arrays from a training loop,
+    compressed imports) in OCDBT, Orbax's default. Restores read either: Orbax records which
+    in the item's `_METADATA` (`use_ocdbt`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._supported_types = (*self._supported_types, LazyLeaf)
+        registry = _registry()
+        self._by_ocdbt = {
+            use: pytree_checkpoint_handler.PyTreeCheckpointHandler(
+                save_concurrent_gb=96, restore_concurrent_gb=96, use_ocdbt=use, type_handler_registry=registry,
+            )
+            for use in (True, False)
+        }
+        self._impl = self._by_ocdbt[True]
+
+    async def async_save(self, directory, item=None, save_args=None, args=None):
+        tree = args.item if args is not None else item
+        self._impl = self._by_ocdbt[not _all_raw_lazy(tree)]  # also the one `finalize` uses
+        return await super().async_save(directory, item=item, save_args=save_args, args=args)
+
+    def close(self) -> None:
+        for impl in self._by_ocdbt.values():
+            impl.close()
+
+    @classmethod
+    def typestr(cls) -> str:
+        return ocp.StandardCheckpointHandler.typestr()
