@@ -301,7 +301,7 @@ def _moe(a, base, rows) -> None:
             f"{min(r['coverages']):.3f})", f"{r['expert_bytes'] / GIB:.2f} GiB of experts; all reads "
             f"{r['bytes_read'] / r['files_bytes']:.3f}x the files", f"{worst:.2f}", "= 1.00", once)
         w, rd = r["floors"]["write_s"], r["floors"]["read_s"]
-        row(rows, name, "import time", f"{r['seconds']:.1f} s ({r['reads']} preads)",
+        row(rows, name, "import time", f"{r['seconds']:.1f} s ({r['reads']} runs read)",
             f"write floor {w:.2f} s", f"{r['seconds'] / w:.2f}x the write floor", "", True,
             floors.cell(r["seconds"], w), floors.cell(r["seconds"], rd))
         grew = r["peak_rss"] - r["rss_before"]
