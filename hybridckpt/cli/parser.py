@@ -64,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--replicate-indivisible", action="store_true", help=argparse.SUPPRESS)  # the default now
     s.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     s.add_argument("--compression", default="none", metavar="CODEC",
-                   help="codec of the stored arrays: none (default: raw chunks, written at the disk's speed "
-                   "and exported file to file), zstd (Orbax's default, level 1; about 21%% smaller bf16, 7%% "
+                   help="codec of the stored arrays: none (default: raw chunks, a file each, written at the disk's "
+                   "speed and exported file to file), zstd (Orbax's default, level 1; about 21%% smaller bf16, 7%% "
                    "smaller fp32, several times slower on few cores) or zstd:LEVEL (1-22)")
     _common(s, io=True)
     s.set_defaults(fn=commands.cmd_import)
