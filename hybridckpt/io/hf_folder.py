@@ -20,6 +20,7 @@ import numpy as np
 
 from hybridckpt.errors import HybridCkptError
 from hybridckpt.io import safetensors_file as sf
+from hybridckpt.io.writeback import fsync_folder
 from hybridckpt.lazy import ArrayTensor, LazyTensor
 
 DEFAULT_SHARD_BYTES = 5 * 1024**3
@@ -59,21 +60,13 @@ class AtomicDir:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(self.tmp, self.dst)
-        _fsync_dir(os.path.dirname(self.dst))
+        fsync_folder(os.path.dirname(self.dst))
 
 
 def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_sharded(

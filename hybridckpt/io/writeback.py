@@ -1,4 +1,5 @@
-"""Start writing a file's dirty pages to disk early, so the closing `fsync` has little left.
+"""Start writing a file's dirty pages to disk early, so the closing `fsync` has little left;
+and `fsync_folder`, which makes the names of files written into a folder durable.
 
 A writer that fsyncs once at the end leaves the disk idle while it fills the page cache, then
 waits for every byte. `start_writeback(fd, offset, nbytes)` asks Linux to begin writing that
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 
 SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h
@@ -42,3 +44,12 @@ class WritebackTracker:
         if end - self.started >= self.every:
             start_writeback(self.fd, self.started, end - self.started)
             self.started = end
+
+
+def fsync_folder(path: str) -> None:
+    """fsync a folder, so the names of the files created or renamed in it are durable too."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hybridckpt.io.writeback import fsync_folder
 from hybridckpt.lazy import Box
 
 
@@ -89,9 +90,5 @@ def _write_file(path: str, data: np.ndarray) -> int:
 
 
 def sync_folder(folder: str) -> None:
-    """fsync a folder, so the names of the chunk files written into it are durable too."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """fsync an array's folder, so the names of the chunk files written into it are durable too."""
+    fsync_folder(folder)
