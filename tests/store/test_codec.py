@@ -166,3 +166,32 @@ def test_our_store_is_exported_without_jax_or_orbax(imports, tmp_path):
     for name in ("model.safetensors", "config.json"):
         with open(os.path.join(outs["default"], name), "rb") as a, open(os.path.join(outs["zstd:3"], name), "rb") as b:
             assert a.read() == b.read(), name
+
+
+def test_raw_chunks_inside_ocdbt_are_still_read_through_its_index(tmp_path):
+    """Imports before chunk files kept raw chunks inside the item's OCDBT database (what Orbax
+    writes with `use_compression=False`): they are still read through the index, by pread (small
+    chunks inline in B-tree nodes too), with neither JAX nor Orbax needed, bit for bit."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from hybridckpt.mesh import make_mesh
+
+    mesh = make_mesh(fsdp=2, tp=2, pp=2)
+    rng = np.random.default_rng(3)
+    vals = {"big": rng.standard_normal((64, 48)).astype(np.float32), "small": np.arange(6, dtype=np.float32)}
+    arrays = {"big": jax.device_put(vals["big"], NamedSharding(mesh, P("fsdp", "tp"))),
+              "small": jax.device_put(vals["small"], NamedSharding(mesh, P()))}
+    item = str(tmp_path / "item")
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_compression=False)) as ck:
+        ck.save(item, args=ocp.args.PyTreeSave(arrays))
+    assert os.path.exists(os.path.join(item, "manifest.ocdbt"))
+    index = read_index(item)
+    assert any(k.startswith("big/") for k in index.locations)  # stored by reference
+    assert any(k.startswith("small/") for k in index.inline)  # 24 bytes: inline in a node
+    got = item_arrays(item)
+    for k, v in vals.items():
+        assert got[k].raw() is not None, k  # the index's raw path, not TensorStore
+        assert got[k].read_box(tuple((0, n) for n in v.shape)).tobytes() == v.tobytes(), k
+    runs = got["big"].file_runs(((0, 32), (0, 24)), 8)  # a shard: byte ranges of the OCDBT data files
+    assert runs and all("/d/" in r.source.path for r in runs) and sum(r.nbytes for r in runs) == 32 * 24 * 4
