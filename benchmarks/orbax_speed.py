@@ -10,7 +10,8 @@ log-normal factor (sigma 0.5), norms near 1; not uniform noise, whose bytes no c
 - `hf`: an HF Llama folder, fp32, in 256 MiB `model-0000N-of-0000M.safetensors` shards with
   their index and `config.json`, written by `safetensors.numpy`.
 
-Each figure comes from its own process, page cache warm (every file read once first):
+Each figure comes from its own process, page cache warm (every file read once first; the imported
+checkpoints too before they are exported: a raw import writes with O_DIRECT, past the page cache):
 - read floor: `cat` of the source files to /dev/null;
 - write floor: the same bytes copied file to file (`copy_file_range`) and fsync'd: what any
   converter that writes them durably pays at least (`benchmarks/floors.py`);
@@ -329,6 +330,7 @@ def run(kind: str, gib: float, base: str, *, repeat: int = 2, peer: bool = True)
             for c in ("none", "zstd"):
                 shutil.rmtree(out, ignore_errors=True)
                 subprocess.run(["sync"], check=True)
+                cat_seconds(files_of(dst[c]))  # warm, as every source here (a raw import bypassed the page cache)
                 runs[f"export_{c}"].append(_child("export", dst[c], out))
             runs["export_read"].append(_child("export_read", dst["none"]))
             if peer and kind == "hf":

@@ -197,6 +197,7 @@ def _others(a, base, rows) -> None:
     src, ckpt = small["src"], small["imported"]
     print("(c) restores ...", file=sys.stderr, flush=True)
     subprocess.run(["sync"], check=True)
+    floors.read_floor(floors.files_under(ckpt))  # warm: the import wrote past the page cache (O_DIRECT)
     times: dict[str, list[float]] = {"tp=4,pp=2": [], "fsdp=2,tp=2,pp=2": []}
     for _ in range(4):  # alternating, best of 4 each: single restores swing by +-20% here
         for mesh in times:

@@ -64,6 +64,7 @@ def cmd_import(a) -> int:
             a.src, a.dst, fmt=a.format, mesh=a.mesh, config=a.config, rules=a.rules,
             params_only=a.params_only, dtype=a.dtype, strict_sharding=a.strict_sharding,
             overwrite=a.overwrite, progress=prog, io_threads=a.io_threads, compression=a.compression,
+            direct_io=not a.buffered_writes,
         )
     job_finished()
     print(f"imported {s.source_format} checkpoint into {s.destination} at step {s.step} on mesh {s.mesh}"

@@ -76,6 +76,7 @@ def import_checkpoint(
     io_threads: int | None = None,
     stream_options: Any = None,
     compression: str | None = None,
+    direct_io: bool | None = None,
 ) -> ImportSummary:
     """Import any supported checkpoint into an Orbax checkpoint at `dst` on `mesh`, streaming.
 
@@ -88,6 +89,8 @@ def import_checkpoint(
     step: which step of a hybridckpt (Orbax) source (default: latest).
     compression: the arrays' codec, "none" (default: raw chunks, the fastest write and the
       file-to-file export), "zstd" (Orbax's default, level 1) or "zstd:LEVEL"; see `store.stream`.
+    direct_io: raw chunk files of whole 4 KiB blocks written with O_DIRECT, bypassing the page
+      cache (default True; False: buffered writes); see `store.chunk_files`.
     """
     import jax
 
@@ -121,6 +124,8 @@ def import_checkpoint(
     if compression is not None:
         parse_compression(compression)  # a bad value fails before anything is read
         opts.compression = compression
+    if direct_io is not None:
+        opts.direct_io = bool(direct_io)
     leaves: dict[str, stream.LazyLeaf] = {}
 
     def lazy_tree(flat: dict, shardings: Any, cast: np.dtype | None, prefix: str) -> dict:

@@ -10,6 +10,16 @@ the chunk's C-order little-endian bytes (zarr v2 spec, "Chunk storage"; TensorSt
 files), so a tile read by an import is written with one `write` per chunk, from the tile's own
 buffer where the chunk is a contiguous part of it, and fsync'd before Orbax commits the item.
 
+Direct I/O (`ChunkFiles.direct`, on unless `--buffered-writes`): a chunk of whole 4 KiB blocks
+from a 4 KiB-aligned buffer (`aligned_empty`: every tile buffer an import reads into) is written
+with `O_DIRECT`, from the tile's memory to the device, with no copy into the page cache. That copy
+was the largest system-time cost of an import (0.5-1.0 CPU-s per GiB on 2 cores, and what varied
+most between runs); a converter's output is also rarely read back from the page cache (a restore
+runs elsewhere, or after the checkpoint has long been evicted), and writing it there evicts what
+the machine had cached. Anything else (a small chunk, an unaligned piece) is written buffered. A
+filesystem that refuses `O_DIRECT` (EINVAL at open or write: tmpfs before Linux 6.6, some network
+filesystems) gets buffered writes for the rest of the process. fsync follows either way.
+
 Against TensorStore's write path (OCDBT: an encode copy into a fresh buffer per chunk, a B-tree
 commit and fsync per tile, its own thread pool), this is one copy into the page cache per byte;
 `benchmarks/orbax_speed.py` rows (f) measure the difference. Plain `orbax.checkpoint` restores
@@ -19,6 +29,7 @@ by listing the folder instead of walking an OCDBT index.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 from dataclasses import dataclass
@@ -28,15 +39,30 @@ import numpy as np
 from hybridckpt.io.writeback import fsync_folder
 from hybridckpt.lazy import Box
 
+DIRECT_ALIGN = 4096  # bytes: O_DIRECT's alignment of buffer address, length and file offset
+_EINVAL_DIRECT = {errno.EINVAL, errno.EOPNOTSUPP}
+_direct_refused: set[int] = set()  # st_dev of filesystems that refused O_DIRECT in this process
+
+
+def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on a DIRECT_ALIGN boundary."""
+    dtype = np.dtype(dtype)
+    n = max(1, int(np.prod(shape, dtype=np.int64))) * dtype.itemsize
+    raw = np.empty(n + DIRECT_ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % DIRECT_ALIGN
+    return raw[start : start + n].view(dtype)[: int(np.prod(shape, dtype=np.int64))].reshape(shape)
+
 
 @dataclass(frozen=True)
 class ChunkFiles:
     """Where the raw chunks of one array go: `folder` (`<item>/<array name>`), the zarr key
-    separator, and the chunk shape (elements per axis)."""
+    separator, the chunk shape (elements per axis), and whether whole-block chunks are written
+    with O_DIRECT (see the module doc)."""
 
     folder: str
     separator: str
     chunk: tuple[int, ...]
+    direct: bool = True
 
     def key(self, origin: tuple[int, ...]) -> str:
         """The file name of the chunk whose first element is at `origin` (on the grid)."""
@@ -46,7 +72,7 @@ class ChunkFiles:
         return os.path.join(self.folder, self.key(origin))
 
 
-def target_of(spec_json: dict, chunk: tuple[int, ...]) -> ChunkFiles | None:
+def target_of(spec_json: dict, chunk: tuple[int, ...], direct: bool = True) -> ChunkFiles | None:
     """The `ChunkFiles` of an Orbax write spec whose chunks are raw bytes in plain files (zarr v2,
     no compressor or filters, C order, a `file` kvstore, no dtype cast), else None: TensorStore
     then writes them (compressed chunks, OCDBT, zarr v3)."""
@@ -56,7 +82,9 @@ def target_of(spec_json: dict, chunk: tuple[int, ...]) -> ChunkFiles | None:
             or meta.get("compressor") is not None or meta.get("filters") or meta.get("order", "C") != "C"
             or str(meta.get("dtype", "<")).startswith(">")):
         return None
-    return ChunkFiles(os.fspath(kv["path"]), meta.get("dimension_separator", "."), tuple(int(c) for c in chunk))
+    return ChunkFiles(
+        os.fspath(kv["path"]), meta.get("dimension_separator", "."), tuple(int(c) for c in chunk), direct
+    )
 
 
 def write_tile(target: ChunkFiles, box: Box, data: np.ndarray) -> int:
@@ -68,25 +96,63 @@ def write_tile(target: ChunkFiles, box: Box, data: np.ndarray) -> int:
         sub = tuple(slice(o - a, min(o + c, b) - a) for o, c, (a, b) in zip(origin, target.chunk, box, strict=True))
         piece = data[sub]
         if piece.shape != target.chunk:  # an edge chunk: zarr v2 stores it whole, padded
-            full = np.zeros(target.chunk, dtype=data.dtype)
+            full = aligned_empty(target.chunk, data.dtype)
+            full[...] = 0
             full[tuple(slice(0, n) for n in piece.shape)] = piece
             piece = full
-        written += _write_file(target.path(origin), np.ascontiguousarray(piece))
+        written += _write_file(target.path(origin), np.ascontiguousarray(piece), target.direct)
     return written
 
 
-def _write_file(path: str, data: np.ndarray) -> int:
-    """`data`'s bytes as the whole file `path` (created or truncated), fsync'd."""
+def _write_file(path: str, data: np.ndarray, direct: bool = False) -> int:
+    """`data`'s bytes as the whole file `path` (created or truncated), fsync'd; with O_DIRECT
+    where `direct`, the bytes are whole aligned blocks and the filesystem takes it."""
     view = memoryview(data.reshape(-1).view(np.uint8))
+    if direct and len(view) and len(view) % DIRECT_ALIGN == 0 and data.ctypes.data % DIRECT_ALIGN == 0:
+        if _write_direct(path, view):
+            return len(view)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        done = 0
-        while done < len(view):
-            done += os.write(fd, view[done:])
+        _write_all(fd, view)
         os.fsync(fd)
     finally:
         os.close(fd)
     return len(view)
+
+
+def _write_direct(path: str, view: memoryview) -> bool:
+    """Write `view` as the file `path` with O_DIRECT and fsync it; False (nothing kept) where the
+    filesystem refuses O_DIRECT, which is then not tried again on it."""
+    try:
+        dev = os.stat(os.path.dirname(path) or ".").st_dev
+    except OSError:
+        return False
+    if dev in _direct_refused or not hasattr(os, "O_DIRECT"):
+        return False
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    except OSError as e:
+        if e.errno in _EINVAL_DIRECT:
+            _direct_refused.add(dev)
+            return False
+        raise
+    try:
+        _write_all(fd, view)
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in _EINVAL_DIRECT:
+            raise
+        _direct_refused.add(dev)
+        return False  # the caller rewrites the file buffered (O_TRUNC)
+    finally:
+        os.close(fd)
+    return True
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        done += os.write(fd, view[done:])
 
 
 def sync_folder(folder: str) -> None:

@@ -42,6 +42,7 @@ import orbax.checkpoint as ocp
 from hybridckpt import checksum
 from hybridckpt.lazy import Box, LazyTensor, box_shape
 from hybridckpt.plan import box_owners
+from hybridckpt.store.chunk_files import aligned_empty
 from hybridckpt.store.codec import COMPRESSION
 
 CHUNK_BYTES = 8 << 20  # zarr chunk target: small against any shard a resharding restore reads
@@ -72,6 +73,7 @@ class StreamOptions:
     inflight_bytes: int = INFLIGHT_BYTES
     chunk_bytes: int = CHUNK_BYTES
     compression: str = COMPRESSION  # "none", "zstd", "zstd:LEVEL" (`store.codec`)
+    direct_io: bool = True  # raw chunk files of whole 4 KiB blocks with O_DIRECT (`store.chunk_files`)
     on_leaf: Callable[[str, int], None] | None = None  # (leaf name, bytes) once written
     stats: StreamStats = field(default_factory=StreamStats)
     _budgets: dict = field(default_factory=dict, repr=False)
@@ -240,7 +242,7 @@ class _Budget:
 def read_tile(leaf: LazyLeaf, box: Box, chunk: tuple[int, ...]) -> np.ndarray:
     """One tile (whole chunks of shape `chunk`) into a fresh buffer, adding its checksum part
     (runs in a reader thread)."""
-    buf = np.empty(box_shape(box), dtype=leaf.dtype)
+    buf = aligned_empty(box_shape(box), leaf.dtype)  # (O_DIRECT writes it from here)
     leaf.tensor.read_into(box, buf)
     leaf.add_part(checksum.tile_part(leaf.shape, chunk, box, buf))
     return buf

@@ -99,7 +99,9 @@ class LazyArrayHandler(ocp.type_handlers.ArrayHandler):
         primary = multihost.is_primary_host(self._primary_host)
         stores, targets = [], []
         for spec, info in zip(specs, infos, strict=True):
-            target = None if use_ocdbt else chunk_files.target_of(spec.json, tuple(spec.metadata.chunk_shape))
+            target = None if use_ocdbt else chunk_files.target_of(
+                spec.json, tuple(spec.metadata.chunk_shape), direct=opts.direct_io
+            )
             if primary:
                 await ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context)
             if target is not None:

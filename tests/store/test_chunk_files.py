@@ -63,3 +63,105 @@ def test_specs_tensorstore_must_write_are_left_to_it():
     cast = {"driver": "cast", "base": base, "dtype": "float32"}
     for spec in (compressed, fortran, ocdbt, cast):
         assert chunk_files.target_of(spec, (2,)) is None
+
+
+def _direct_supported(folder) -> bool:
+    path = os.path.join(folder, "probe")
+    buf = chunk_files.aligned_empty((chunk_files.DIRECT_ALIGN,), np.uint8)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    except OSError:
+        return False
+    try:
+        os.write(fd, memoryview(buf))
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        os.remove(path)
+
+
+def _spy_opens(monkeypatch, refuse: str = ""):
+    """Record the flags of every file chunk_files opens; with `refuse` "open" or "write", an
+    O_DIRECT open or write fails with EINVAL as on a filesystem without O_DIRECT."""
+    import errno
+
+    opened, direct_fds = [], set()
+    real_open, real_write = os.open, os.write
+
+    def fake_open(path, flags, *a):
+        if flags & os.O_DIRECT and refuse == "open":
+            raise OSError(errno.EINVAL, "Invalid argument")
+        fd = real_open(path, flags, *a)
+        opened.append((os.path.basename(path), bool(flags & os.O_DIRECT)))
+        if flags & os.O_DIRECT:
+            direct_fds.add(fd)
+        else:
+            direct_fds.discard(fd)  # a number reused after a direct file was closed
+        return fd
+
+    def fake_write(fd, data):
+        if fd in direct_fds and refuse == "write":
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(chunk_files.os, "open", fake_open)
+    monkeypatch.setattr(chunk_files.os, "write", fake_write)
+    monkeypatch.setattr(chunk_files, "_direct_refused", set())
+    return opened
+
+
+@pytest.mark.parametrize("refuse", ["", "open", "write"])
+def test_whole_block_chunks_go_direct_and_fall_back_to_buffered(tmp_path, monkeypatch, refuse):
+    """Chunks of whole 4 KiB blocks from aligned buffers are written with O_DIRECT where the
+    filesystem takes it; a refusal at open or at write (EINVAL) falls back to buffered writes,
+    for the rest of the process on that filesystem; the files hold the same bytes either way."""
+    path = str(tmp_path / "arr")
+    spec = _create(path, (8, 2048), (2, 2048), "<f4")  # 16 KiB chunks
+    small = str(tmp_path / "small")
+    small_spec = _create(small, (4, 3), (2, 3), "<f4")  # 24-byte chunks: always buffered
+    supported = _direct_supported(str(tmp_path))  # (before the spy: it patches the os module)
+    opened = _spy_opens(monkeypatch, refuse)
+    x = np.random.default_rng(1).standard_normal((8, 2048)).astype(np.float32)
+    buf = chunk_files.aligned_empty(x.shape, x.dtype)
+    buf[...] = x
+    target = chunk_files.target_of(spec, (2, 2048))
+    chunk_files.write_tile(target, ((0, 4), (0, 2048)), buf[:4])
+    chunk_files.write_tile(target, ((4, 8), (0, 2048)), buf[4:])
+    y = np.arange(12, dtype=np.float32).reshape(4, 3)
+    chunk_files.write_tile(chunk_files.target_of(small_spec, (2, 3)), ((0, 4), (0, 3)), y)
+    got = ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": path}}).result().read().result()
+    assert np.asarray(got).tobytes() == x.tobytes()
+    got = ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": small}}).result().read().result()
+    assert np.asarray(got).tobytes() == y.tobytes()
+    direct = [name for name, d in opened if d]
+    if refuse == "open" or not supported:
+        assert direct == []
+    elif refuse == "write":  # tried once, then buffered for the rest
+        assert len(direct) == 1 and len([n for n, d in opened if not d]) == 4 + 2
+    else:
+        assert sorted(direct) == ["0.0", "1.0", "2.0", "3.0"]  # the small array's chunks buffered
+        assert len(opened) == 4 + 2
+    assert chunk_files.target_of(spec, (2, 2048), direct=False).direct is False
+
+
+def test_an_import_writes_the_same_chunk_files_direct_or_buffered(tmp_path, capsys):
+    from hybridckpt.cli import main
+    from hybridckpt.demo import sample_path
+
+    outs = {}
+    for flag in ("", "--buffered-writes"):
+        outs[flag] = str(tmp_path / (flag or "direct"))
+        assert main(["import", sample_path(), outs[flag], "--mesh", "fsdp=2,tp=2,pp=2", "--quiet", *filter(None, [flag])]) == 0
+    for item in ("params", "opt_state"):
+        a, b = (os.path.join(outs[f], "12", item) for f in ("", "--buffered-writes"))
+        arrays = sorted(n for n in os.listdir(a) if os.path.isfile(os.path.join(a, n, ".zarray")))
+        assert arrays and arrays == sorted(n for n in os.listdir(b) if os.path.isfile(os.path.join(b, n, ".zarray")))
+        for name in arrays:
+            files = sorted(os.listdir(os.path.join(a, name)))
+            assert files == sorted(os.listdir(os.path.join(b, name))), name
+            for f in files:
+                with open(os.path.join(a, name, f), "rb") as x, open(os.path.join(b, name, f), "rb") as y:
+                    assert x.read() == y.read(), (item, name, f)
+    assert main(["verify", outs[""]]) == 0
