@@ -251,7 +251,7 @@ def _orbax(a, base, rows) -> None:
     """(f): the Orbax write and read paths, for a Meta 2-way bf16 and an HF sharded fp32 source."""
     for kind, what in (("meta", "Meta 2-way bf16"), ("hf", "HF sharded fp32")):
         print(f"(f) {what} {a.orbax_gib} GiB <-> Orbax ...", file=sys.stderr, flush=True)
-        r = orbax_speed.run(kind, a.orbax_gib, os.path.join(base, "f-" + kind))
+        r = orbax_speed.run(kind, a.orbax_gib, os.path.join(base, "f-" + kind), repeat=3)
         name = f"(f) {what} {r['files_bytes'] / GIB:.2f} GiB"
         w, rd = r["write"]["seconds"], r["read"]["seconds"]
         imp, z = r["import_none"], r["import_zstd"]
