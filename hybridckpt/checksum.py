@@ -36,12 +36,12 @@ the first, which imports before 2026-11 recorded):
 
 from __future__ import annotations
 
-import itertools
 import zlib
 from collections.abc import Iterable, Iterator
 
 import numpy as np
 
+from hybridckpt import lazy
 from hybridckpt.lazy import Box, box_runs
 
 ELEMENTS = "elements-splitmix64"
@@ -153,9 +153,8 @@ def _grid(shape: tuple[int, ...], chunk: tuple[int, ...]) -> tuple[int, ...]:
 
 def grid_boxes(shape: tuple[int, ...], chunk: tuple[int, ...]) -> Iterator[Box]:
     """Every box of the grid of `chunk`-shaped boxes over `shape`, clipped at the edge, C order."""
-    grid = _grid(shape, chunk)
-    for pos in itertools.product(*(range(g) for g in grid)):
-        yield tuple((p * c, min(n, (p + 1) * c)) for p, c, n in zip(pos, chunk, shape, strict=True))
+    _grid(shape, chunk)  # (a chunk shape that does not fit: ValueError)
+    return lazy.grid_boxes(lazy.full_box(shape), chunk)
 
 
 def chunk_part(shape: tuple[int, ...], chunk: tuple[int, ...], box: Box, data: np.ndarray) -> int:
@@ -179,13 +178,7 @@ def tile_part(shape: tuple[int, ...], chunk: tuple[int, ...], box: Box, data: np
     it (the usual case: no copy); any other is copied out first."""
     if data.size == 0:
         return 0
-    parts = []
-    inner = [range(a, b, c) for (a, b), c in zip(box, chunk, strict=True)]
-    for origin in itertools.product(*inner):
-        sub = tuple((o, min(o + c, b)) for o, c, (_, b) in zip(origin, chunk, box, strict=True))
-        view = data[tuple(slice(o - a, e - a) for (o, e), (a, _) in zip(sub, box, strict=True))]
-        parts.append(chunk_part(shape, chunk, sub, view))
-    return combine(parts)
+    return combine(chunk_part(shape, chunk, sub, data[lazy.box_slices(sub, box)]) for sub in lazy.grid_boxes(box, chunk))
 
 
 def of_chunks(x: np.ndarray, chunk: tuple[int, ...]) -> int:
@@ -194,7 +187,7 @@ def of_chunks(x: np.ndarray, chunk: tuple[int, ...]) -> int:
     if x.size == 0:
         return 0
     return combine(
-        chunk_part(x.shape, chunk, b, x[tuple(slice(a, e) for a, e in b)]) for b in grid_boxes(x.shape, chunk)
+        chunk_part(x.shape, chunk, b, x[lazy.box_slices(b)]) for b in grid_boxes(x.shape, chunk)
     )
 
 

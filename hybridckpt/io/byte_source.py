@@ -61,6 +61,8 @@ def count_reads() -> Iterator[Counter]:
 COPY_BUFFER_BYTES = 8 << 20  # bytes per pread/pwrite step where the kernel cannot copy
 PAGE_BYTES = 4096  # a gap shorter than this between two runs lies in pages they touch anyway
 MAX_IOVECS = 1024  # Linux's IOV_MAX: buffers (runs and gaps) per preadv
+_HAS_COPY_FILE_RANGE = hasattr(os, "copy_file_range")
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
 _local = threading.local()
 
 
@@ -70,8 +72,6 @@ def _scratch() -> memoryview:
     if buf is None:
         buf = _local.scratch = memoryview(bytearray(PAGE_BYTES))
     return buf
-_HAS_COPY_FILE_RANGE = hasattr(os, "copy_file_range")
-_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
 
 
 def _count(path: str, nbytes: int) -> None:
@@ -130,6 +130,8 @@ class ByteSource:
         gaps landing in a scratch buffer. Meant for gaps under PAGE_BYTES, which lie in pages the
         ranges on either side touch anyway (no page is read that the buffers do not need); the
         count records the buffers' bytes, and the gaps' under `(path, "gap")`."""
+        if offset < 0:
+            raise FormatError(f"{self.path}: read at byte {offset}, before the start of the file")
         iov: list = []
         scratch = _scratch()
         useful = gaps = 0
@@ -139,8 +141,6 @@ class ByteSource:
             if gap and i + 1 < len(pieces):
                 iov.append(scratch[:gap])
                 gaps += gap
-        if offset < 0:
-            raise FormatError(f"{self.path}: read at byte {offset}, before the start of the file")
         try:
             got = os.preadv(_fd(self.path), iov, offset)
         except OSError as e:

@@ -44,10 +44,12 @@ from hybridckpt.lazy.box import (
     block_overlap,
     box_runs,
     box_shape,
+    box_slices,
     check_box,
     flat_boxes,
     flat_ranges,
     full_box,
+    grid_boxes,
     normalize_box,
 )
 from hybridckpt.lazy.constructors import (
@@ -71,10 +73,12 @@ __all__ = [
     "block_overlap",
     "box_runs",
     "box_shape",
+    "box_slices",
     "check_box",
     "flat_boxes",
     "flat_ranges",
     "full_box",
+    "grid_boxes",
     "normalize_box",
     # the protocol and file runs
     "FileRun",

@@ -9,6 +9,7 @@ a tensor (tensor-parallel shards, DCP chunks).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 
@@ -115,6 +116,21 @@ def flat_ranges(shape: Sequence[int], box: Box, limit: int) -> list[tuple[int, i
         return None
     edges = [0, *breaks.tolist(), len(starts)]
     return [(int(starts[i]), int(starts[i]) + (j - i) * run_len) for i, j in zip(edges[:-1], edges[1:], strict=True)]
+
+
+def grid_boxes(box: Box, chunk: Sequence[int]) -> Iterator[Box]:
+    """The boxes of a grid of `chunk`-shaped blocks anchored at `box`'s start, clipped to `box`, in
+    C order (a tile cut into its stored chunks; `full_box(shape)` for a whole tensor's grid)."""
+    steps = [range(a, b, c) for (a, b), c in zip(box, chunk, strict=True)]
+    for origin in itertools.product(*steps):
+        yield tuple((o, min(o + c, b)) for o, c, (_, b) in zip(origin, chunk, box, strict=True))
+
+
+def box_slices(box: Box, within: Box | None = None) -> tuple[slice, ...]:
+    """numpy index of `box` in an array holding the global tensor (`within` None) or the box
+    `within` (coordinates relative to its start)."""
+    starts = [0] * len(box) if within is None else [a for a, _ in within]
+    return tuple(slice(a - s, b - s) for (a, b), s in zip(box, starts, strict=True))
 
 
 def block_overlap(box: Box, offsets: Sequence[int], block_shape: Sequence[int]) -> Box | None:

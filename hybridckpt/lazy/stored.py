@@ -81,7 +81,7 @@ class StoredTensor(LazyTensor):
         while k < len(runs):
             group = [runs[k]]
             while (k + len(group) < len(runs) and 2 * len(group) < MAX_IOVECS
-                   and runs[k + len(group)][0] - sum(group[-1]) < PAGE_BYTES):
+                   and runs[k + len(group)][0] - (group[-1][0] + group[-1][1]) < PAGE_BYTES):  # the gap
                 group.append(runs[k + len(group)])
             pieces = []
             for (at, length), nxt in zip(group, [*group[1:], None], strict=True):

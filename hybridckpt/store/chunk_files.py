@@ -30,14 +30,13 @@ by listing the folder instead of walking an OCDBT index.
 from __future__ import annotations
 
 import errno
-import itertools
+import math
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
-from hybridckpt.io.writeback import fsync_folder
-from hybridckpt.lazy import Box
+from hybridckpt.lazy import Box, box_slices, grid_boxes
 
 DIRECT_ALIGN = 4096  # bytes: O_DIRECT's alignment of buffer address, length and file offset
 _EINVAL_DIRECT = {errno.EINVAL, errno.EOPNOTSUPP}
@@ -46,11 +45,10 @@ _direct_refused: set[int] = set()  # st_dev of filesystems that refused O_DIRECT
 
 def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
     """An uninitialised C-contiguous array whose data starts on a DIRECT_ALIGN boundary."""
-    dtype = np.dtype(dtype)
-    n = max(1, int(np.prod(shape, dtype=np.int64))) * dtype.itemsize
-    raw = np.empty(n + DIRECT_ALIGN, dtype=np.uint8)
+    dtype, count = np.dtype(dtype), math.prod(shape)
+    raw = np.empty(count * dtype.itemsize + DIRECT_ALIGN, dtype=np.uint8)
     start = -raw.ctypes.data % DIRECT_ALIGN
-    return raw[start : start + n].view(dtype)[: int(np.prod(shape, dtype=np.int64))].reshape(shape)
+    return raw[start : start + count * dtype.itemsize].view(dtype).reshape(shape)
 
 
 @dataclass(frozen=True)
@@ -91,16 +89,14 @@ def write_tile(target: ChunkFiles, box: Box, data: np.ndarray) -> int:
     """Write every chunk of the tile `data` at `box` (whole chunks of the grid, clipped at the
     array's edge) to its file and fsync it; returns the bytes written."""
     written = 0
-    steps = [range(a, b, c) for (a, b), c in zip(box, target.chunk, strict=True)]
-    for origin in itertools.product(*steps):
-        sub = tuple(slice(o - a, min(o + c, b) - a) for o, c, (a, b) in zip(origin, target.chunk, box, strict=True))
-        piece = data[sub]
+    for sub in grid_boxes(box, target.chunk):
+        piece = data[box_slices(sub, box)]
         if piece.shape != target.chunk:  # an edge chunk: zarr v2 stores it whole, padded
             full = aligned_empty(target.chunk, data.dtype)
             full[...] = 0
             full[tuple(slice(0, n) for n in piece.shape)] = piece
             piece = full
-        written += _write_file(target.path(origin), np.ascontiguousarray(piece), target.direct)
+        written += _write_file(target.path(tuple(a for a, _ in sub)), np.ascontiguousarray(piece), target.direct)
     return written
 
 
@@ -154,7 +150,3 @@ def _write_all(fd: int, view: memoryview) -> None:
     while done < len(view):
         done += os.write(fd, view[done:])
 
-
-def sync_folder(folder: str) -> None:
-    """fsync an array's folder, so the names of the chunk files written into it are durable too."""
-    fsync_folder(folder)

@@ -38,6 +38,7 @@ from orbax.checkpoint._src.serialization import jax_array_handlers, ocdbt_utils
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
 from hybridckpt.io import parallel
+from hybridckpt.io.writeback import fsync_folder
 from hybridckpt.lazy import Box, box_shape
 from hybridckpt.store import chunk_files, stream
 from hybridckpt.store.codec import apply_codec, parse_compression
@@ -123,7 +124,7 @@ class LazyArrayHandler(ocp.type_handlers.ArrayHandler):
             await small.commit()
             for target in targets:  # the chunk files' names, before Orbax commits the item
                 if target is not None:
-                    chunk_files.sync_folder(target.folder)
+                    fsync_folder(target.folder)
         except BaseException:
             small.abort()
             raise

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
+from hybridckpt.io.writeback import fsync_folder
 from hybridckpt.store import chunk_files
 
 
@@ -38,7 +39,7 @@ def test_chunk_files_are_what_tensorstore_reads(tmp_path, shape, chunks, dtype, 
             chunk_files.write_tile(target, box, x[box[0][0] : box[0][1]])
     else:
         chunk_files.write_tile(target, (), x)
-    chunk_files.sync_folder(path)
+    fsync_folder(path)
     got = ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": path}}).result().read().result()
     assert np.asarray(got).tobytes() == x.tobytes()
     names = sorted(n for n in os.listdir(path) if n != ".zarray")
