@@ -10,10 +10,10 @@ Each is imported (`jobs.import_checkpoint`, what `hybridckpt import` runs, param
 `dp=4,fsdp=2` on 8 CPU devices: experts split over dp (4 x 8), their embed axis over fsdp, so
 every expert is cut in two boxes written by two devices. Measured in the import's own process:
 
-- **read ratio**: every `ByteSource.read_into` / `copy_to` / `read_runs_into` call (the one door
+- **read ratio**: every `ByteSource.read_into` / `copy_to` / `mapped` call (the one door
   through which hybridckpt reads checkpoint bytes, `hybridckpt/io/byte_source.py`) is recorded
-  with its file, offset and length (each run of a `read_runs_into`; its gaps, under a page and
-  so in pages the runs read anyway, are counted apart as `gap_bytes`); the bytes of those reads that fall inside the expert tensors' data ranges
+  with its file, offset and length (each run a `mapped` read copies out of the map; the pages
+  between its runs are never touched); the bytes of those reads that fall inside the expert tensors' data ranges
   (`moe_sources.expert_ranges`) over the expert tensors' bytes. 1.00 with every expert byte
   covered = each expert byte read exactly once. (Counting per file, as `count_reads` does, could
   not tell one expert read twice from another never read.)
@@ -40,6 +40,8 @@ import sys
 import tempfile
 import time
 from array import array
+
+import numpy as np
 
 HERE = os.path.abspath(__file__)
 sys.path.insert(0, os.path.dirname(HERE))
@@ -121,7 +123,7 @@ def measure(src: str, dst: str, mesh: str = MESH) -> dict:
     # path -> flat (offset, length) pairs, 16 bytes a read; `array.extend` of a tuple holds the
     # GIL throughout, so the reader threads' records never interleave
     reads: dict[str, array] = {}
-    inner_read, inner_copy, inner_runs = ByteSource.read_into, ByteSource.copy_to, ByteSource.read_runs_into
+    inner_read, inner_copy, inner_mapped = ByteSource.read_into, ByteSource.copy_to, ByteSource.mapped
 
     def read_into(self, offset, buffer):
         reads.setdefault(self.path, array("q")).extend((offset, len(buffer)))
@@ -131,15 +133,12 @@ def measure(src: str, dst: str, mesh: str = MESH) -> dict:
         reads.setdefault(self.path, array("q")).extend((offset, nbytes))
         return inner_copy(self, offset, nbytes, out_fd, out_offset)
 
-    gap_bytes = [0]  # gaps under a page inside one preadv (copied to scratch, in pages read anyway)
-
-    def read_runs_into(self, offset, pieces):
-        rec, at = reads.setdefault(self.path, array("q")), offset
-        for buf, gap in pieces:
-            rec.extend((at, len(buf)))
-            at += len(buf) + gap
-        gap_bytes[0] += sum(gap for _, gap in pieces[:-1])
-        return inner_runs(self, offset, pieces)
+    def mapped(self, offset, nbytes, run_starts, run_bytes):
+        """The runs a mapped read copies out (the pages between them are never touched)."""
+        pairs = np.empty((len(run_starts), 2), np.int64)
+        pairs[:, 0], pairs[:, 1] = np.asarray(run_starts, np.int64) + offset, run_bytes
+        reads.setdefault(self.path, array("q")).frombytes(pairs.tobytes())
+        return inner_mapped(self, offset, nbytes, run_starts, run_bytes)
 
     ranges = expert_ranges(src)
     path, config_file = src, None
@@ -147,7 +146,7 @@ def measure(src: str, dst: str, mesh: str = MESH) -> dict:
         path, config_file = os.path.join(src, "checkpoint"), os.path.join(src, "config.json")
     opts = stream.StreamOptions()
     rss_before = _status("VmRSS")
-    ByteSource.read_into, ByteSource.copy_to, ByteSource.read_runs_into = read_into, copy_to, read_runs_into
+    ByteSource.read_into, ByteSource.copy_to, ByteSource.mapped = read_into, copy_to, mapped
     try:
         t0 = time.perf_counter()
         s = jobs.import_checkpoint(
@@ -161,7 +160,7 @@ def measure(src: str, dst: str, mesh: str = MESH) -> dict:
         )
         dt = time.perf_counter() - t0
     finally:
-        ByteSource.read_into, ByteSource.copy_to, ByteSource.read_runs_into = inner_read, inner_copy, inner_runs
+        ByteSource.read_into, ByteSource.copy_to, ByteSource.mapped = inner_read, inner_copy, inner_mapped
     files = source_files(src)
     return {
         "seconds": dt,
@@ -171,7 +170,6 @@ def measure(src: str, dst: str, mesh: str = MESH) -> dict:
         "files_bytes": sum(os.path.getsize(f) for f in files),
         "bytes_read": sum(sum(a[1::2]) for a in reads.values()),
         "reads": sum(len(a) // 2 for a in reads.values()),
-        "gap_bytes": gap_bytes[0],
         "peak_inflight_bytes": opts.stats.peak_inflight_bytes,
         "largest_tile_bytes": opts.stats.largest_tile_bytes,
         "tiles": opts.stats.tiles,

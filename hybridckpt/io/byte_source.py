@@ -1,21 +1,23 @@
 """Byte-range reads from files, with a read counter.
 
-Every byte hybridckpt reads from a checkpoint goes through `ByteSource.read_into`: one `pread`
-per contiguous run, straight into a caller's preallocated buffer (`read_runs_into`: many runs
-separated by gaps shorter than a page in one `preadv`, the gaps into scratch), or `ByteSource.copy_to`, which
-copies a byte range into another file inside the kernel (`copy_file_range`: no user-space buffer,
-for exports that only rearrange stored bytes). `count_reads()` records how many bytes each file
-gave, so tests can prove a device's read touched only the bytes of its box.
+Every byte hybridckpt reads from a checkpoint goes through a `ByteSource`: `read_into`, one
+`pread` per contiguous run straight into a caller's preallocated buffer; `mapped`, a range mapped
+read-only for a box of many short runs, which its consumer copies (strided, transposed or cast)
+straight out of the page cache; or `copy_to`, which copies a byte range into another file inside
+the kernel (`copy_file_range`: no user-space buffer, for exports that only rearrange stored
+bytes). `count_reads()` records how many bytes each file gave, so tests can prove a device's read
+touched only the bytes of its box.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import mmap
 import os
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from hybridckpt.errors import FormatError
@@ -59,21 +61,8 @@ def count_reads() -> Iterator[Counter]:
 
 
 COPY_BUFFER_BYTES = 8 << 20  # bytes per pread/pwrite step where the kernel cannot copy
-PAGE_BYTES = 4096  # a gap shorter than this between two runs lies in pages they touch anyway
-MAX_IOVECS = 1024  # Linux's IOV_MAX: buffers (runs and gaps) per preadv
 _HAS_COPY_FILE_RANGE = hasattr(os, "copy_file_range")
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
-_local = threading.local()
-
-
-def _scratch() -> memoryview:
-    """This thread's buffer for the gaps of `read_runs_into` (its contents are never used)."""
-    buf = getattr(_local, "scratch", None)
-    if buf is None:
-        buf = _local.scratch = memoryview(bytearray(PAGE_BYTES))
-    return buf
-
-
 def _count(path: str, nbytes: int) -> None:
     if _counters:
         with _lock:
@@ -124,39 +113,42 @@ class ByteSource:
                 )
             done += got
 
-    def read_runs_into(self, offset: int, pieces: list[tuple[memoryview, int]]) -> None:
-        """Fill each buffer of `pieces` (buffer, gap after it in bytes) from consecutive ranges of
-        the file starting at `offset`, skipping each gap: one `preadv` for the whole span, the
-        gaps landing in a scratch buffer. Meant for gaps under PAGE_BYTES, which lie in pages the
-        ranges on either side touch anyway (no page is read that the buffers do not need); the
-        count records the buffers' bytes, and the gaps' under `(path, "gap")`."""
+    @contextlib.contextmanager
+    def mapped(
+        self, offset: int, nbytes: int, run_starts: Sequence[int], run_bytes: int
+    ) -> Iterator[tuple[mmap.mmap, int] | None]:
+        """The bytes `[offset, offset + nbytes)` mapped read-only: yields `(map, at)`, the range
+        starting at byte `at` of `map`, or None where the file cannot be mapped (the caller
+        preads instead). A box of many short runs (a tp shard of a row-parallel weight: half
+        of every row) is then copied straight out of the page cache by its consumer (one
+        strided or transposing copy) instead of one pread a run; only the pages holding its
+        bytes are touched. `run_starts` (byte offsets from `offset`) and `run_bytes`: the runs the
+        caller copies out, counted as read (one call). The file is checked long enough first (a truncated file is a FormatError, not a
+        SIGBUS); it must not shrink while mapped. Every view of the map must be dropped before
+        the block ends (else the unmap waits for the garbage collector)."""
         if offset < 0:
             raise FormatError(f"{self.path}: read at byte {offset}, before the start of the file")
-        iov: list = []
-        scratch = _scratch()
-        useful = gaps = 0
-        for i, (buf, gap) in enumerate(pieces):
-            iov.append(buf)
-            useful += len(buf)
-            if gap and i + 1 < len(pieces):
-                iov.append(scratch[:gap])
-                gaps += gap
-        try:
-            got = os.preadv(_fd(self.path), iov, offset)
-        except OSError as e:
+        fd = _fd(self.path)
+        size = os.fstat(fd).st_size
+        if offset + nbytes > size:
             raise FormatError(
-                f"{self.path}: cannot read bytes [{offset}, {offset + useful + gaps}): {e.strerror}"
-            ) from e
-        if got != useful + gaps:  # short (a signal, the end of the file): piece by piece
-            at = offset
-            for buf, gap in pieces:
-                self._pread_into(at, buf)
-                at += len(buf) + gap
-        _count(self.path, useful)
-        if gaps and _counters:
-            with _lock:
-                for c in _counters:
-                    c[(self.path, "gap")] += gaps
+                f"{self.path}: truncated: wanted bytes [{offset}, {offset + nbytes}) but the file "
+                f"ends at {size}"
+            )
+        base = offset - offset % mmap.ALLOCATIONGRANULARITY
+        try:
+            m = mmap.mmap(fd, offset + nbytes - base, prot=mmap.PROT_READ, offset=base)
+        except (OSError, ValueError):  # a filesystem without mmap (some FUSE mounts)
+            yield None
+            return
+        try:
+            yield m, offset - base
+            _count(self.path, len(run_starts) * run_bytes)
+        finally:
+            try:
+                m.close()
+            except BufferError:  # a view still held (an exception's traceback): unmapped by GC
+                pass
 
     def copy_to(self, offset: int, nbytes: int, out_fd: int, out_offset: int) -> None:
         """Copy bytes `[offset, offset + nbytes)` of the file to byte `out_offset` of the open file

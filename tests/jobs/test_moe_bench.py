@@ -76,8 +76,8 @@ def test_a_double_read_is_detected(source, tmp_path, monkeypatch):
             plain(self, full_box(self.shape), whole)
             out[...] = whole[tuple(slice(a, b) for a, b in box)]
 
-    plain = stored.StoredTensor._pread_into
-    monkeypatch.setattr(stored.StoredTensor, "_pread_into", whole_then_cut)
+    plain = stored.StoredTensor.read_into
+    monkeypatch.setattr(stored.StoredTensor, "read_into", whole_then_cut)
     layout, root = source
     for mesh in ("dp=4,fsdp=2", "dp=8"):
         r = moe_import.measure(root, str(tmp_path / mesh), mesh)

@@ -77,7 +77,7 @@ def test_read_into_fills_plain_and_transposed_buffers_like_read_box(stored):
     (np.float32, ml_dtypes.bfloat16), (np.int8, np.int8),
 ])
 def test_copy_into_transposes_in_tiles_exactly(monkeypatch, src_dtype, out_dtype, staged_max_outer):
-    monkeypatch.setattr("hybridckpt.lazy.element_copy.COPY_BLOCK", 3)
+    monkeypatch.setattr("hybridckpt.lazy.element_copy.STRIP_ROWS", 3)
     monkeypatch.setattr("hybridckpt.lazy.element_copy.STAGED_MAX_OUTER", staged_max_outer)
     x = (RNG.standard_normal((2, 11, 7)) * 50).astype(src_dtype)
     for perm in ((0, 2, 1), (2, 1, 0), (1, 0, 2)):
