@@ -4,7 +4,7 @@ no JAX); every function builds the family's module named by `family_of(cfg).modu
 
 from __future__ import annotations
 
-from functools import lru_cache, partial
+from functools import lru_cache
 from typing import Any
 
 import flax.linen as nn
@@ -31,7 +31,9 @@ _jit_boxed_init = jax.jit(_boxed_init, static_argnums=0)  # cached per (hashable
 
 @lru_cache(maxsize=32)
 def _abstract(cfg: ModelConfig) -> Any:
-    return jax.eval_shape(partial(_boxed_init, cfg), jax.random.key(0))
+    # the key is made inside the trace: a concrete `jax.random.key(0)` runs an XLA computation
+    # (about 60 ms, the first in a process) that shapes never need
+    return jax.eval_shape(lambda: _boxed_init(cfg, jax.random.key(0)))
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
