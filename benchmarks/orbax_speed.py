@@ -10,8 +10,9 @@ log-normal factor (sigma 0.5), norms near 1; not uniform noise, whose bytes no c
 - `hf`: an HF Llama folder, fp32, in 256 MiB `model-0000N-of-0000M.safetensors` shards with
   their index and `config.json`, written by `safetensors.numpy`.
 
-Each figure comes from its own process, page cache warm (every file read once first; the imported
-checkpoints too before they are exported: a raw import writes with O_DIRECT, past the page cache):
+Each figure comes from its own process (bytecode cached, `floors.cached_bytecode`), page cache
+warm (every file read once first; the imported checkpoints too before they are exported: a raw
+import writes with O_DIRECT, past the page cache):
 - read floor: `cat` of the source files to /dev/null;
 - write floor: the same bytes copied file to file (`copy_file_range`) and fsync'd: what any
   converter that writes them durably pays at least (`benchmarks/floors.py`);
@@ -365,6 +366,7 @@ def main() -> None:
         print(json.dumps(CHILDREN[a._child[0]](*a._child[1:])))
         return
     base = a.dir or tempfile.mkdtemp(prefix="hybridckpt-bench-", dir="/tmp")
+    floors.cached_bytecode(base)
     try:
         for kind in (a.only,) if a.only else ("meta", "hf"):
             print(json.dumps(run(kind, a.gib, base, repeat=a.repeat), indent=1))
