@@ -81,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
             "dcp_to_torch_save and DeepSpeed's zero_to_fp32): with a model config, the model's "
             "tensors under Hugging Face names and config.json; without one, every tensor under "
             "SRC's own names. Tensors whose bytes are stored in order (FSDP2 and ZeRO shards, dim-0 "
-            "splits) are copied file to file by the kernel and never enter memory; the rest are read "
-            "and written one at a time. OUT appears complete (fsync'd, renamed into place) or not at all."
+            "splits) are copied as they are, never materialised; the rest are read and written one at "
+            "a time. Files are written with O_DIRECT through two 8 MiB buffers (--buffered-writes: "
+            "through the page cache). OUT appears complete (fsync'd, renamed into place) or not at all."
         ),
     )
     s.add_argument("src", help=SRC_HELP)
@@ -97,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "paddleformers-unified (HF names and [out, in] weights, optimizer state [in, out]): Paddle unified "
                    "checkpoints with optimizer-*/master_weights-* (fp32 masters when --dtype is 16-bit)")
     s.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    s.add_argument("--buffered-writes", action="store_true",
+                   help="write the safetensors files through the page cache, stored runs copied file to file by "
+                   "the kernel (default: O_DIRECT where the filesystem allows it: no copy into the page cache)")
     _common(s, io=True)
     s.set_defaults(fn=commands.cmd_export)
 

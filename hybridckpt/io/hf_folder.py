@@ -76,18 +76,22 @@ def write_sharded(
     stem: str,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     on_tensor: Callable[[str, int], None] | None = None,
+    direct_io: bool = True,
 ) -> list[str]:
     """Write `stem.safetensors`, or `stem-0000i-of-0000N.safetensors` + `stem.safetensors.index.json`
-    when the tensors exceed `max_shard_bytes`. Returns the file names."""
+    when the tensors exceed `max_shard_bytes` (`direct_io`: see `safetensors_file.write`). Returns
+    the file names."""
     names = sorted(tensors)
     shards = sf.plan_shards(((n, tensors[n].nbytes) for n in names), max_shard_bytes)
     if len(shards) <= 1:
-        sf.write(os.path.join(folder, f"{stem}.safetensors"), tensors, {"format": "pt"}, on_tensor=on_tensor)
+        sf.write(os.path.join(folder, f"{stem}.safetensors"), tensors, {"format": "pt"}, on_tensor=on_tensor,
+                 direct_io=direct_io)
         return [f"{stem}.safetensors"]
     files, weight_map = [], {}
     for i, shard in enumerate(shards, 1):
         fname = f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
-        sf.write(os.path.join(folder, fname), {n: tensors[n] for n in shard}, {"format": "pt"}, on_tensor=on_tensor)
+        sf.write(os.path.join(folder, fname), {n: tensors[n] for n in shard}, {"format": "pt"}, on_tensor=on_tensor,
+                 direct_io=direct_io)
         files.append(fname)
         weight_map.update({n: fname for n in shard})
     index = {"metadata": {"total_size": sum(tensors[n].nbytes for n in names)}, "weight_map": weight_map}
@@ -108,6 +112,7 @@ def write_hf(
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     overwrite: bool = False,
     on_tensor: Callable[[str, int], None] | None = None,
+    direct_io: bool = True,
 ) -> list[str]:
     """Write an HF folder at `dst` atomically.
 
@@ -115,10 +120,12 @@ def write_hf(
     model-agnostic consolidation (no config.json); slots: optimizer slot -> name -> tensor, written
     to `optimizer*.safetensors` as `<name>.<slot>` with the 0-d int64 `step` (unless `with_step` is
     False: an optimizer that keeps no step, e.g. SGD); trainer: written to
-    `hybridckpt.json`.
+    `hybridckpt.json`. direct_io: the safetensors files written with O_DIRECT
+    (`io.sequential_file`; False: through the page cache).
     """
     with AtomicDir(dst, overwrite=overwrite) as tmp:
-        files = write_sharded(tmp, params, stem="model", max_shard_bytes=max_shard_bytes, on_tensor=on_tensor)
+        files = write_sharded(tmp, params, stem="model", max_shard_bytes=max_shard_bytes, on_tensor=on_tensor,
+                              direct_io=direct_io)
         if hf_config is not None:
             with open(os.path.join(tmp, "config.json"), "w") as f:
                 json.dump(dict(hf_config), f, indent=2, sort_keys=True)
@@ -129,7 +136,8 @@ def write_hf(
                 state |= {f"{k}.{slot}": v for k, v in tensors.items()}
             if with_step:
                 state["step"] = ArrayTensor(np.asarray(step or 0, dtype=np.int64))
-            files += write_sharded(tmp, state, stem="optimizer", max_shard_bytes=max_shard_bytes, on_tensor=on_tensor)
+            files += write_sharded(tmp, state, stem="optimizer", max_shard_bytes=max_shard_bytes,
+                                   on_tensor=on_tensor, direct_io=direct_io)
         if trainer:
             with open(os.path.join(tmp, "hybridckpt.json"), "w") as f:
                 json.dump(dict(trainer), f, indent=2, sort_keys=True, default=str)

@@ -10,16 +10,17 @@ overlap, no name appears twice, `__metadata__` values are strings.
 Reading returns `StoredTensor`s: a box reads only its bytes. Writing streams: the header is
 computed from shapes first, then each tensor is read (one at a time) and written at its offset,
 so peak memory is one tensor, not the file. A tensor whose bytes already lie in files as they
-must be written (`lazy.copy_runs`: a DCP chunk, a dim-0 shard) is copied file to file by the
-kernel and never enters memory. Writeback starts every 64 MiB (`io.writeback`), so the closing
-fsync waits for little.
+must be written (`lazy.copy_runs`: a DCP chunk, a dim-0 shard) is copied as it is, never
+materialised as a tensor. The file is written front to back through two aligned buffers with
+O_DIRECT (`io.sequential_file`: the device's write overlaps reading the next tensor, and no
+page-cache copy), or through the page cache with `direct_io=False` (runs then copied file to file
+by the kernel, writeback started as it goes).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ import numpy as np
 
 from hybridckpt.errors import FormatError
 from hybridckpt.io.byte_source import ByteSource
-from hybridckpt.io.writeback import WritebackTracker
+from hybridckpt.io.sequential_file import SequentialFile
 from hybridckpt.lazy import LazyTensor, StoredTensor, copy_runs
 
 MAX_HEADER = 100 * 1024 * 1024
@@ -153,12 +154,14 @@ def write(
     metadata: Mapping[str, str] | None = None,
     *,
     on_tensor: Callable[[str, int], None] | None = None,
+    direct_io: bool = True,
 ) -> int:
     """Write `tensors` (lazy or in memory) to `path` one at a time and fsync it; returns bytes
     written.
 
     `on_tensor(name, nbytes)` is called after each tensor (progress). Names are sorted like the
-    safetensors library does, so files compare equal byte for byte.
+    safetensors library does, so files compare equal byte for byte. `direct_io`: written with
+    O_DIRECT through two aligned buffers (`io.sequential_file`; False: through the page cache).
     """
     names = sorted(tensors)
     header: dict[str, object] = {}
@@ -176,18 +179,14 @@ def write(
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # align the buffer to 8 bytes like the reference writer
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-    try:
-        pos = _pwrite_all(fd, struct.pack("<Q", len(blob)) + blob, 0)
-        flushed = WritebackTracker(fd)
+    with SequentialFile(path, direct=direct_io) as out:
+        out.write(struct.pack("<Q", len(blob)) + blob)
         for name in names:
             t = tensors[name]
             runs = copy_runs(t) if isinstance(t, LazyTensor) else None
-            if runs is not None:  # stored bytes as they are: copied file to file in the kernel
+            if runs is not None:  # stored bytes as they are: never materialised as a tensor
                 for r in runs:
-                    r.source.copy_to(r.offset, r.nbytes, fd, pos)
-                    pos += r.nbytes
-                    flushed.wrote_up_to(pos)
+                    out.copy_run(r.source, r.offset, r.nbytes)
                 nbytes = sum(r.nbytes for r in runs)
             else:
                 nbytes = 0
@@ -195,15 +194,11 @@ def write(
                     arr = np.ascontiguousarray(arr)
                     if arr.dtype.byteorder == ">":
                         arr = arr.astype(arr.dtype.newbyteorder("<"))
-                    pos = _pwrite_all(fd, memoryview(arr.reshape(-1).view(np.uint8)), pos)
-                    flushed.wrote_up_to(pos)
+                    out.write(arr.reshape(-1).view(np.uint8))
                     nbytes += arr.nbytes
                     del arr
             if on_tensor:
                 on_tensor(name, nbytes)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
     return 8 + len(blob) + offset
 
 
@@ -226,15 +221,6 @@ def _row_blocks(t):
     rest = tuple((0, n) for n in t.shape[1:])
     for a in range(0, t.shape[0], step):
         yield read_box_parallel(t, ((a, min(t.shape[0], a + step)), *rest))
-
-
-def _pwrite_all(fd: int, data, offset: int) -> int:
-    """Write all of `data` at `offset`; returns the offset after it."""
-    view = memoryview(data).cast("B")
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
-    return offset + done
 
 
 def plan_shards(

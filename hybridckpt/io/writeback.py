@@ -15,7 +15,6 @@ import os
 import sys
 
 SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h
-WRITEBACK_EVERY_BYTES = 64 << 20  # bytes written between two `start_writeback` calls
 
 _sync_file_range = None
 if sys.platform.startswith("linux"):
@@ -32,18 +31,6 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
     """Begin writing bytes `[offset, offset + nbytes)` of `fd` to disk; returns at once."""
     if _sync_file_range is not None and nbytes > 0:
         _sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)  # best effort: errors ignored
-
-
-class WritebackTracker:
-    """Calls `start_writeback` for each further `WRITEBACK_EVERY_BYTES` a sequential writer adds."""
-
-    def __init__(self, fd: int, every: int = WRITEBACK_EVERY_BYTES):
-        self.fd, self.every, self.started = fd, every, 0
-
-    def wrote_up_to(self, end: int) -> None:
-        if end - self.started >= self.every:
-            start_writeback(self.fd, self.started, end - self.started)
-            self.started = end
 
 
 def fsync_folder(path: str) -> None:

@@ -60,6 +60,7 @@ def export_checkpoint(
     progress: Progress | None = None,
     io_threads: int | None = None,
     to: str = "hf",
+    direct_io: bool = True,
 ) -> ExportSummary:
     """Any supported checkpoint (Orbax included) -> one safetensors folder at `out`.
 
@@ -68,6 +69,8 @@ def export_checkpoint(
       under the source's own names). step: which step of a hybridckpt (Orbax) source.
     to: "hf", or a Paddle unified layout ("paddlenlp-unified", "paddleformers-unified":
       `formats/paddle/export.py`).
+    direct_io: the HF safetensors files written with O_DIRECT through two aligned buffers (default;
+      False: through the page cache, runs copied file to file by the kernel): `io.sequential_file`.
     """
     from hybridckpt import naming
     from hybridckpt.io import parallel
@@ -129,6 +132,7 @@ def export_checkpoint(
         os.fspath(out), params, hf_cfg, slots=slots or None, step=named.step,
         with_step=bool(slots) and named.optimizer.has_step, trainer=trainer,
         max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES, overwrite=overwrite, on_tensor=progress,
+        direct_io=direct_io,
     )
     return ExportSummary(
         opened.format, os.path.abspath(out), tuple(files), len(all_t), sum(t.nbytes for t in all_t),

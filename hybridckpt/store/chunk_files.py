@@ -11,14 +11,10 @@ files), so a tile read by an import is written with one `write` per chunk, from 
 buffer where the chunk is a contiguous part of it, and fsync'd before Orbax commits the item.
 
 Direct I/O (`ChunkFiles.direct`, on unless `--buffered-writes`): a chunk of whole 4 KiB blocks
-from a 4 KiB-aligned buffer (`aligned_empty`: every tile buffer an import reads into) is written
-with `O_DIRECT`, from the tile's memory to the device, with no copy into the page cache. That copy
-was the largest system-time cost of an import (0.5-1.0 CPU-s per GiB on 2 cores, and what varied
-most between runs); a converter's output is also rarely read back from the page cache (a restore
-runs elsewhere, or after the checkpoint has long been evicted), and writing it there evicts what
-the machine had cached. Anything else (a small chunk, an unaligned piece) is written buffered. A
-filesystem that refuses `O_DIRECT` (EINVAL at open or write: tmpfs before Linux 6.6, some network
-filesystems) gets buffered writes for the rest of the process. fsync follows either way.
+from a 4 KiB-aligned buffer (every tile buffer an import reads into) is written with `O_DIRECT`
+(`io.direct_io`: why, and the fallback where a filesystem refuses it), from the tile's memory to
+the device, with no copy into the page cache. Anything else (a small chunk, an unaligned piece) is
+written buffered. fsync follows either way.
 
 Against TensorStore's write path (OCDBT: an encode copy into a fresh buffer per chunk, a B-tree
 commit and fsync per tile, its own thread pool), this is one copy into the page cache per byte;
@@ -29,26 +25,13 @@ by listing the folder instead of walking an OCDBT index.
 
 from __future__ import annotations
 
-import errno
-import math
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
+from hybridckpt.io.direct_io import DIRECT_ALIGN, aligned_empty, open_direct, refused
 from hybridckpt.lazy import Box, box_slices, grid_boxes
-
-DIRECT_ALIGN = 4096  # bytes: O_DIRECT's alignment of buffer address, length and file offset
-_EINVAL_DIRECT = {errno.EINVAL, errno.EOPNOTSUPP}
-_direct_refused: set[int] = set()  # st_dev of filesystems that refused O_DIRECT in this process
-
-
-def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
-    """An uninitialised C-contiguous array whose data starts on a DIRECT_ALIGN boundary."""
-    dtype, count = np.dtype(dtype), math.prod(shape)
-    raw = np.empty(count * dtype.itemsize + DIRECT_ALIGN, dtype=np.uint8)
-    start = -raw.ctypes.data % DIRECT_ALIGN
-    return raw[start : start + count * dtype.itemsize].view(dtype).reshape(shape)
 
 
 @dataclass(frozen=True)
@@ -118,27 +101,16 @@ def _write_file(path: str, data: np.ndarray, direct: bool = False) -> int:
 
 def _write_direct(path: str, view: memoryview) -> bool:
     """Write `view` as the file `path` with O_DIRECT and fsync it; False (nothing kept) where the
-    filesystem refuses O_DIRECT, which is then not tried again on it."""
-    try:
-        dev = os.stat(os.path.dirname(path) or ".").st_dev
-    except OSError:
+    filesystem refuses O_DIRECT (`io.direct_io`)."""
+    fd = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    if fd is None:
         return False
-    if dev in _direct_refused or not hasattr(os, "O_DIRECT"):
-        return False
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-    except OSError as e:
-        if e.errno in _EINVAL_DIRECT:
-            _direct_refused.add(dev)
-            return False
-        raise
     try:
         _write_all(fd, view)
         os.fsync(fd)
     except OSError as e:
-        if e.errno not in _EINVAL_DIRECT:
+        if not refused(path, e):
             raise
-        _direct_refused.add(dev)
         return False  # the caller rewrites the file buffered (O_TRUNC)
     finally:
         os.close(fd)

@@ -40,9 +40,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from hybridckpt import checksum
+from hybridckpt.io.direct_io import aligned_empty
 from hybridckpt.lazy import Box, LazyTensor, box_shape
 from hybridckpt.plan import box_owners
-from hybridckpt.store.chunk_files import aligned_empty
 from hybridckpt.store.codec import COMPRESSION
 
 CHUNK_BYTES = 8 << 20  # zarr chunk target: small against any shard a resharding restore reads

@@ -9,7 +9,8 @@ from safetensors.numpy import load_file
 
 from hybridckpt import jobs
 from hybridckpt.demo import sample_path
-from hybridckpt.io import byte_source, parallel, safetensors_file
+from hybridckpt.io import parallel, safetensors_file
+from hybridckpt.io.sequential_file import SequentialFile
 
 BIG = {f"model.layers.{i}.mlp.up_proj.weight": (256, 128) for i in range(3)}  # 128 KiB fp32 each
 
@@ -30,15 +31,16 @@ def plain_source(tmp_path_factory):
 
 
 def _copied(monkeypatch) -> list[int]:
-    """Bytes of every `ByteSource.copy_to` call (a file-to-file copy) from now on."""
+    """Bytes of every `SequentialFile.copy_run` call (stored bytes copied as they are, never
+    materialised) from now on."""
     calls: list[int] = []
-    inner = byte_source.ByteSource.copy_to
+    inner = SequentialFile.copy_run
 
-    def spy(self, offset, nbytes, out_fd, out_offset):
+    def spy(self, source, offset, nbytes):
         calls.append(nbytes)
-        return inner(self, offset, nbytes, out_fd, out_offset)
+        return inner(self, source, offset, nbytes)
 
-    monkeypatch.setattr(byte_source.ByteSource, "copy_to", spy)
+    monkeypatch.setattr(SequentialFile, "copy_run", spy)
     return calls
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
+from hybridckpt.io import direct_io
 from hybridckpt.io.writeback import fsync_folder
 from hybridckpt.store import chunk_files
 
@@ -68,7 +69,7 @@ def test_specs_tensorstore_must_write_are_left_to_it():
 
 def _direct_supported(folder) -> bool:
     path = os.path.join(folder, "probe")
-    buf = chunk_files.aligned_empty((chunk_files.DIRECT_ALIGN,), np.uint8)
+    buf = direct_io.aligned_empty((direct_io.DIRECT_ALIGN,), np.uint8)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
     except OSError:
@@ -109,7 +110,7 @@ def _spy_opens(monkeypatch, refuse: str = ""):
 
     monkeypatch.setattr(chunk_files.os, "open", fake_open)
     monkeypatch.setattr(chunk_files.os, "write", fake_write)
-    monkeypatch.setattr(chunk_files, "_direct_refused", set())
+    monkeypatch.setattr(direct_io, "_refused", set())
     return opened
 
 
@@ -125,7 +126,7 @@ def test_whole_block_chunks_go_direct_and_fall_back_to_buffered(tmp_path, monkey
     supported = _direct_supported(str(tmp_path))  # (before the spy: it patches the os module)
     opened = _spy_opens(monkeypatch, refuse)
     x = np.random.default_rng(1).standard_normal((8, 2048)).astype(np.float32)
-    buf = chunk_files.aligned_empty(x.shape, x.dtype)
+    buf = direct_io.aligned_empty(x.shape, x.dtype)
     buf[...] = x
     target = chunk_files.target_of(spec, (2, 2048))
     chunk_files.write_tile(target, ((0, 4), (0, 2048)), buf[:4])
