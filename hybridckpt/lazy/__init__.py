@@ -10,8 +10,8 @@ buffer with no intermediate copies (`read_box` allocates that buffer and calls i
 
 `file_runs(box, limit)` says where a box's bytes already lie in files, in C order, when a view
 only rearranges stored bytes (concatenations, stacks, slices, reshapes; not casts, transposes or
-in-memory arrays): an export then copies those runs file to file (`ByteSource.copy_to`) instead
-of reading them (`copy_runs` picks the tensors worth it).
+in-memory arrays): an export then copies those runs file to file (`SequentialFile.copy_run`)
+instead of materialising the tensor (`copy_runs` picks the tensors worth it).
 
 Views:
 - `ArrayTensor`    an in-memory numpy array.

@@ -2,8 +2,9 @@
 
 `file_runs(box, limit)` of a view that only rearranges stored bytes (concatenations, stacks,
 slices, reshapes; not casts, transposes or in-memory arrays) is the box's C-order bytes as at
-most `limit` `FileRun`s; an export then copies those runs file to file (`ByteSource.copy_to`)
-instead of reading them, and `copy_runs` picks the tensors worth it. Touching runs (same source,
+most `limit` `FileRun`s; an export then copies those runs file to file
+(`io.sequential_file.SequentialFile.copy_run`) instead of materialising the tensor, and
+`copy_runs` picks the tensors worth it. Touching runs (same source,
 one ending where the next starts) are merged into one.
 """
 
