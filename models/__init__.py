@@ -10,7 +10,7 @@ Params are plain nested dicts of fp32 arrays, layers stacked on a leading `layer
 each family's `module.py` for its tree). `forward` holds no mesh code: jit it with sharded
 params and XLA propagates the shardings.
 
-Configs, `param_shape_tree`, rules and the registry need no JAX; the JAX functions (`module`,
+Configs, `param_shape_tree`, `param_axes_tree`, rules and the registry need no JAX; the JAX functions (`module`,
 `init_params`, `param_shapes`, `logical_axes`, `forward`, `loss`) live in `models.jax_api` and
 are imported on first use, so `import models` stays light for conversions that only move bytes.
 """
@@ -28,6 +28,7 @@ from models.api import (
     fit_to_hf_names,
     hf_name_fixes,
     hf_rules,
+    param_axes_tree,
     param_shape_tree,
     rule_variables,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "hf_name_fixes",
     "hf_rules",
     "meta_ffn_hidden_dim",
+    "param_axes_tree",
     "param_shape_tree",
     "rule_variables",
     *_JAX_API,

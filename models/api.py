@@ -89,6 +89,14 @@ def param_shape_tree(cfg: ModelConfig) -> dict:
     return family_of(cfg).shape_tree(cfg)
 
 
+def param_axes_tree(cfg: ModelConfig) -> dict | None:
+    """Nested dicts (the `param_shape_tree` structure) of logical-axis tuples, one name or None
+    per dim, computed without JAX where the family gives them (`Family.axes_tree`), else None
+    (then `logical_axes`, which traces the Flax module)."""
+    fam = family_of(cfg)
+    return None if fam.axes_tree is None else fam.axes_tree(cfg)
+
+
 def rule_variables(cfg: ModelConfig) -> dict[str, Any]:
     """Variables a rules text may use, from a model config: at least `RULE_VARIABLES`
     (num_heads, num_kv_heads, head_dim, hidden_size, vocab_size, num_layers, intermediate_size,

@@ -234,6 +234,34 @@ def rule_variables(cfg: LlamaConfig) -> dict[str, Any]:
     }
 
 
+# logical axes of each layer's params as `module.py` annotates them (`models.common.dense`, the
+# RMSNorm scale), before the stack's leading "layers" axis (`models.common.stacked`)
+_LAYER_AXES = {
+    "attn_norm": {"scale": (None,)},
+    "mlp_norm": {"scale": (None,)},
+    "q": {"kernel": ("embed", "heads")},
+    "k": {"kernel": ("embed", "kv_heads")},
+    "v": {"kernel": ("embed", "kv_heads")},
+    "o": {"kernel": ("heads", "embed")},
+    "gate": {"kernel": ("embed", "mlp")},
+    "up": {"kernel": ("embed", "mlp")},
+    "down": {"kernel": ("mlp", "embed")},
+}
+
+
+def axes_tree(cfg: LlamaConfig) -> dict:
+    """The logical axes of every param, the `shape_tree` structure (no JAX): what the Flax
+    module's init annotates (`tests/families/test_models.py` checks both agree)."""
+    tree = {
+        "embed": {"embedding": ("vocab", "embed")},
+        "layers": {m: {p: ("layers", *ax) for p, ax in ps.items()} for m, ps in _LAYER_AXES.items()},
+        "final_norm": {"scale": (None,)},
+    }
+    if not cfg.tie_word_embeddings:
+        tree["lm_head"] = {"kernel": ("embed", "vocab")}
+    return tree
+
+
 def shape_tree(cfg: LlamaConfig) -> dict:
     """Nested dicts (the params' structure) of shape tuples; every param is fp32."""
     L, E, M, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size

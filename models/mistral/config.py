@@ -75,3 +75,8 @@ def rule_variables(cfg: MistralConfig) -> dict[str, Any]:
 def shape_tree(cfg: MistralConfig) -> dict:
     """Llama's tree of fp32 param shapes (Mistral has the same tensors)."""
     return llama.shape_tree(cfg)
+
+
+def axes_tree(cfg: MistralConfig) -> dict:
+    """Llama's logical axes (the same module, with a window hook)."""
+    return llama.axes_tree(cfg)

@@ -166,6 +166,29 @@ def test_jax_free_shapes_equal_the_flax_modules(cfg):
     assert models.param_shape_tree(wrong) != flax_shapes
 
 
+@pytest.mark.parametrize("cfg", [LLAMA, LLAMA_TIED, LLAMA_ODD], ids=["llama", "tied", "llama_mqa"])
+def test_jax_free_axes_equal_the_flax_modules_and_plan_the_same(cfg, monkeypatch):
+    """`models.param_axes_tree` (no JAX: how `plan.for_model` plans a family that gives it) is
+    what Flax's init annotates, for Llama and Mistral (the same module); the plan built from the
+    tables equals the plan built by tracing, and a wrong axis would be seen."""
+    from hybridckpt import plan
+    from models.mistral.config import MistralConfig
+
+    for c in (cfg, MistralConfig(**dataclasses.asdict(cfg), sliding_window=4)):
+        assert models.param_axes_tree(c) == models.logical_axes(c)
+    mesh = make_mesh(fsdp=2, tp=2, pp=2)
+    fast = plan.for_model(cfg, mesh)
+    monkeypatch.setattr(plan, "_model_shapes_and_axes", lambda c: (models.param_shapes(c), models.logical_axes(c)))
+    traced = plan.for_model(cfg, mesh)
+    assert fast.param_shardings == traced.param_shardings and fast.chunk_axes == traced.chunk_axes
+    assert jax.tree.map(lambda s: (s.shape, s.dtype), fast.param_shapes) == jax.tree.map(
+        lambda s: (s.shape, s.dtype), traced.param_shapes
+    )
+    wrong = models.param_axes_tree(cfg)
+    wrong["layers"]["k"]["kernel"] = ("layers", "embed", "heads")
+    assert wrong != models.logical_axes(cfg)
+
+
 @pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama", "gpt2"])
 def test_init_params(cfg):
     params = models.init_params(cfg, jax.random.key(1))
