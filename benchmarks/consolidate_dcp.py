@@ -11,8 +11,8 @@ parallelism does (row-parallel: 30% of the bytes), the rest on dim 0. Then, each
 own process under `/usr/bin/time` (wall seconds, peak RSS), page cache warm:
 
 - hybridckpt: `hybridckpt export DCP OUT --config config.json` (HF safetensors, streamed,
-  fsync'd before the atomic rename; dim-0 chunks are copied file to file by the kernel, dim-1
-  chunks read and interleaved);
+  fsync'd before the atomic rename; dim-0 chunks are copied file to file through the O_DIRECT
+  write buffer, never materialised, dim-1 chunks read and interleaved);
 - torch: `dcp_to_torch_save(DCP, OUT.pt)` (torch/distributed/checkpoint/format_utils.py:
   loads the whole state dict into memory, then `torch.save`; no fsync). The same process then
   fsyncs the output, timed apart: torch's time is reported without it (as users run it) and,

@@ -7,27 +7,13 @@ import os
 
 import numpy as np
 import pytest
+from fixtures.direct_probe import direct_supported
 
 from hybridckpt.io import direct_io, sequential_file
 from hybridckpt.io.byte_source import ByteSource, close_all, count_reads
 from hybridckpt.io.sequential_file import SequentialFile
 
 BUF = 4 * direct_io.DIRECT_ALIGN  # 16 KiB buffers: every boundary case in a few KiB
-
-
-def _direct_supported(folder) -> bool:
-    path = os.path.join(folder, "probe")
-    fd = direct_io.open_direct(path, os.O_WRONLY | os.O_CREAT)
-    if fd is None:
-        return False
-    try:
-        os.write(fd, memoryview(direct_io.aligned_empty((direct_io.DIRECT_ALIGN,), np.uint8)))
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-        os.remove(path)
 
 
 def _write_mix(path, src, rng, direct):
@@ -65,7 +51,7 @@ def test_full_buffers_go_direct_and_stored_runs_are_read_into_them(tmp_path, mon
     """Where the filesystem takes O_DIRECT, every full buffer is written through the O_DIRECT
     descriptor (aligned offsets, whole blocks), only the last partial block buffered; a stored run
     is read into the buffer (counted as read), not copied by the kernel."""
-    if not _direct_supported(str(tmp_path)):
+    if not direct_supported(str(tmp_path)):
         pytest.skip("this filesystem refuses O_DIRECT (the fallback is tested below)")
     src = str(tmp_path / "src.bin")
     np.arange(3 * BUF, dtype=np.uint8).tofile(src)

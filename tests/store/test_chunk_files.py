@@ -9,6 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tensorstore as ts
+from fixtures.direct_probe import direct_supported
 
 from hybridckpt.io import direct_io
 from hybridckpt.io.writeback import fsync_folder
@@ -67,23 +68,6 @@ def test_specs_tensorstore_must_write_are_left_to_it():
         assert chunk_files.target_of(spec, (2,)) is None
 
 
-def _direct_supported(folder) -> bool:
-    path = os.path.join(folder, "probe")
-    buf = direct_io.aligned_empty((direct_io.DIRECT_ALIGN,), np.uint8)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
-    except OSError:
-        return False
-    try:
-        os.write(fd, memoryview(buf))
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-        os.remove(path)
-
-
 def _spy_opens(monkeypatch, refuse: str = ""):
     """Record the flags of every file chunk_files opens; with `refuse` "open" or "write", an
     O_DIRECT open or write fails with EINVAL as on a filesystem without O_DIRECT."""
@@ -123,7 +107,7 @@ def test_whole_block_chunks_go_direct_and_fall_back_to_buffered(tmp_path, monkey
     spec = _create(path, (8, 2048), (2, 2048), "<f4")  # 16 KiB chunks
     small = str(tmp_path / "small")
     small_spec = _create(small, (4, 3), (2, 3), "<f4")  # 24-byte chunks: always buffered
-    supported = _direct_supported(str(tmp_path))  # (before the spy: it patches the os module)
+    supported = direct_supported(str(tmp_path))  # (before the spy: it patches the os module)
     opened = _spy_opens(monkeypatch, refuse)
     x = np.random.default_rng(1).standard_normal((8, 2048)).astype(np.float32)
     buf = direct_io.aligned_empty(x.shape, x.dtype)
