@@ -29,8 +29,8 @@ the first, which imports before 2026-11 recorded):
   order (little-endian raw bits). zlib's CRC-32, computed by zlib-ng (carry-less multiply
   folding: about 65 GB/s a core here, against 6.7 for the system zlib 1.2 and 0.5 G elements/s
   for the element mix) with the GIL released; CRC-32 is the per-block integrity check of zip,
-  gzip and TensorStore's own OCDBT. An import writes whole chunks anyway, so it adds each chunk's part
-  as it writes it; `verify` reads the same grid boxes from whatever is on disk (any later chunk
+  gzip and TensorStore's own OCDBT. An import writes whole chunks anyway, so it adds each
+  chunk's part as it writes it; `verify` reads the same grid boxes from whatever is on disk (any later chunk
   layout, any codec), so a re-saved checkpoint still verifies. A flipped bit, two swapped chunks
   or two swapped elements change it (a damaged chunk escapes with probability 2^-32).
 """

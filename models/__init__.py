@@ -10,9 +10,10 @@ Params are plain nested dicts of fp32 arrays, layers stacked on a leading `layer
 each family's `module.py` for its tree). `forward` holds no mesh code: jit it with sharded
 params and XLA propagates the shardings.
 
-Configs, `param_shape_tree`, `param_axes_tree`, rules and the registry need no JAX; the JAX functions (`module`,
-`init_params`, `param_shapes`, `logical_axes`, `forward`, `loss`) live in `models.jax_api` and
-are imported on first use, so `import models` stays light for conversions that only move bytes.
+Configs, `param_shape_tree`, `param_axes_tree`, rules and the registry need no JAX; the JAX
+functions (`module`, `init_params`, `param_shapes`, `logical_axes`, `forward`, `loss`) live in
+`models.jax_api` and are imported on first use, so `import models` stays light for conversions
+that only move bytes.
 """
 
 from __future__ import annotations

@@ -63,6 +63,8 @@ def count_reads() -> Iterator[Counter]:
 COPY_BUFFER_BYTES = 8 << 20  # bytes per pread/pwrite step where the kernel cannot copy
 _HAS_COPY_FILE_RANGE = hasattr(os, "copy_file_range")
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
+
+
 def _count(path: str, nbytes: int) -> None:
     if _counters:
         with _lock:
@@ -122,10 +124,11 @@ class ByteSource:
         preads instead). A box of many short runs (a tp shard of a row-parallel weight: half
         of every row) is then copied straight out of the page cache by its consumer (one
         strided or transposing copy) instead of one pread a run; only the pages holding its
-        bytes are touched. `run_starts` (byte offsets from `offset`) and `run_bytes`: the runs the
-        caller copies out, counted as read (one call). The file is checked long enough first (a truncated file is a FormatError, not a
-        SIGBUS); it must not shrink while mapped. Every view of the map must be dropped before
-        the block ends (else the unmap waits for the garbage collector)."""
+        bytes are touched. `run_starts` (byte offsets from `offset`) and `run_bytes`: the runs
+        the caller copies out, counted as read (one call). The file is checked long enough first
+        (a truncated file is a FormatError, not a SIGBUS); it must not shrink while mapped.
+        Every view of the map must be dropped before the block ends (else the unmap waits for
+        the garbage collector)."""
         if offset < 0:
             raise FormatError(f"{self.path}: read at byte {offset}, before the start of the file")
         fd = _fd(self.path)

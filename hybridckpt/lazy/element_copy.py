@@ -67,7 +67,7 @@ def _strips(out: np.ndarray, src: np.ndarray, a: int, b: int, others: list[int])
     of the `others` axes at a time, strip by strip through a padded staging buffer."""
     if out.dtype == src.dtype and out.dtype.itemsize in (1, 2, 4, 8):
         out, src = _as_bits(out), _as_bits(src)
-    h, n = STRIP_ROWS, src.shape[b]
+    h, n = min(STRIP_ROWS, out.shape[a]), src.shape[b]  # (the buffer: at most the 2-D slice)
     pad = max(1, PAD_BYTES // src.dtype.itemsize)
     stage = np.empty((h, n + pad), dtype=src.dtype)  # [strip index along a, index along b]
     for rest in np.ndindex(*(out.shape[d] for d in others)):
