@@ -15,6 +15,7 @@ FAMILY = Family(
     config_from_hf=config.from_hf,
     config_to_hf=config.to_hf,
     shape_tree=config.shape_tree,
+    axes_tree=config.axes_tree,
     rule_variables=config.rule_variables,
     module="models.qwen2.module:Qwen2",
     hf_rules=f"{__name__}:hf.rules",

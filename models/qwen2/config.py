@@ -144,6 +144,27 @@ def add_attention_params(tree: dict, cfg: Any) -> dict:
     return tree
 
 
+def add_attention_axes(tree: dict, cfg: Any) -> dict:
+    """Llama's axes `tree` with those of the biases and q/k norms of `add_attention_params`, as
+    `module.py`'s `QwenBlock` annotates them."""
+    layers = tree["layers"]
+    if cfg.qkv_bias:
+        layers["q"]["bias"] = ("layers", "heads")
+        layers["k"]["bias"] = ("layers", "kv_heads")
+        layers["v"]["bias"] = ("layers", "kv_heads")
+    if cfg.o_bias:
+        layers["o"]["bias"] = ("layers", None)
+    if cfg.qk_norm:
+        layers["q_norm"] = {"scale": ("layers", None)}
+        layers["k_norm"] = {"scale": ("layers", None)}
+    return tree
+
+
 def shape_tree(cfg: Qwen2Config) -> dict:
     """Nested dicts (the params' structure) of shape tuples; every param is fp32."""
     return add_attention_params(llama.shape_tree(cfg), cfg)
+
+
+def axes_tree(cfg: Qwen2Config) -> dict:
+    """The logical axes of every param (no JAX), the `shape_tree` structure."""
+    return add_attention_axes(llama.axes_tree(cfg), cfg)

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from models.llama import config as llama
-from models.qwen2.config import add_attention_params, llama_fields, llama_to_hf
+from models.qwen2.config import add_attention_axes, add_attention_params, llama_fields, llama_to_hf
 
 ARCHITECTURE = "Qwen3ForCausalLM"
 HF_DEFAULT_HEAD_DIM = 128  # transformers' Qwen3Config.head_dim when config.json has none
@@ -81,3 +81,8 @@ def rule_variables(cfg: Qwen3Config) -> dict[str, Any]:
 def shape_tree(cfg: Qwen3Config) -> dict:
     """Nested dicts (the params' structure) of shape tuples; every param is fp32."""
     return add_attention_params(llama.shape_tree(cfg), cfg)
+
+
+def axes_tree(cfg: Qwen3Config) -> dict:
+    """The logical axes of every param (no JAX), the `shape_tree` structure."""
+    return add_attention_axes(llama.axes_tree(cfg), cfg)

@@ -169,13 +169,17 @@ def test_jax_free_shapes_equal_the_flax_modules(cfg):
 @pytest.mark.parametrize("cfg", [LLAMA, LLAMA_TIED, LLAMA_ODD], ids=["llama", "tied", "llama_mqa"])
 def test_jax_free_axes_equal_the_flax_modules_and_plan_the_same(cfg, monkeypatch):
     """`models.param_axes_tree` (no JAX: how `plan.for_model` plans a family that gives it) is
-    what Flax's init annotates, for Llama and Mistral (the same module); the plan built from the
+    what Flax's init annotates, for Llama, Mistral and Qwen 2 / 3 (biases, q/k norms); the plan built from the
     tables equals the plan built by tracing, and a wrong axis would be seen."""
     from hybridckpt import plan
     from models.mistral.config import MistralConfig
+    from models.qwen2.config import Qwen2Config
+    from models.qwen3.config import Qwen3Config
 
-    for c in (cfg, MistralConfig(**dataclasses.asdict(cfg), sliding_window=4)):
-        assert models.param_axes_tree(c) == models.logical_axes(c)
+    fields = dataclasses.asdict(cfg)
+    for c in (cfg, MistralConfig(**fields, sliding_window=4), Qwen2Config(**fields),
+              Qwen3Config(**fields), Qwen3Config(**fields, attention_bias=True)):
+        assert models.param_axes_tree(c) == models.logical_axes(c), c.family
     mesh = make_mesh(fsdp=2, tp=2, pp=2)
     fast = plan.for_model(cfg, mesh)
     monkeypatch.setattr(plan, "_model_shapes_and_axes", lambda c: (models.param_shapes(c), models.logical_axes(c)))
