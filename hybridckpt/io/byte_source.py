@@ -115,6 +115,19 @@ class ByteSource:
                 )
             done += got
 
+    def _fd_holding(self, offset: int, nbytes: int) -> int:
+        """The open file, checked to hold bytes `[offset, offset + nbytes)` (else FormatError)."""
+        if offset < 0:
+            raise FormatError(f"{self.path}: read at byte {offset}, before the start of the file")
+        fd = _fd(self.path)
+        size = os.fstat(fd).st_size
+        if offset + nbytes > size:
+            raise FormatError(
+                f"{self.path}: truncated: wanted bytes [{offset}, {offset + nbytes}) but the file "
+                f"ends at {size}"
+            )
+        return fd
+
     @contextlib.contextmanager
     def mapped(
         self, offset: int, nbytes: int, run_starts: Sequence[int], run_bytes: int
@@ -129,15 +142,7 @@ class ByteSource:
         (a truncated file is a FormatError, not a SIGBUS); it must not shrink while mapped.
         Every view of the map must be dropped before the block ends (else the unmap waits for
         the garbage collector)."""
-        if offset < 0:
-            raise FormatError(f"{self.path}: read at byte {offset}, before the start of the file")
-        fd = _fd(self.path)
-        size = os.fstat(fd).st_size
-        if offset + nbytes > size:
-            raise FormatError(
-                f"{self.path}: truncated: wanted bytes [{offset}, {offset + nbytes}) but the file "
-                f"ends at {size}"
-            )
+        fd = self._fd_holding(offset, nbytes)
         base = offset - offset % mmap.ALLOCATIONGRANULARITY
         try:
             m = mmap.mmap(fd, offset + nbytes - base, prot=mmap.PROT_READ, offset=base)
@@ -157,15 +162,7 @@ class ByteSource:
         """Copy bytes `[offset, offset + nbytes)` of the file to byte `out_offset` of the open file
         `out_fd`: `copy_file_range` where the kernel has it, else `pread` + `pwrite` through a
         bounded buffer. Errors name this file; errors writing `out_fd` stay OSError."""
-        if offset < 0:
-            raise FormatError(f"{self.path}: read at byte {offset}, before the start of the file")
-        fd = _fd(self.path)
-        size = os.fstat(fd).st_size
-        if offset + nbytes > size:
-            raise FormatError(
-                f"{self.path}: truncated: wanted bytes [{offset}, {offset + nbytes}) but the file "
-                f"ends at {size}"
-            )
+        fd = self._fd_holding(offset, nbytes)
         done = 0
         while done < nbytes and _HAS_COPY_FILE_RANGE:
             try:
