@@ -68,8 +68,3 @@ def refused(path: str, error: OSError) -> bool:
         _refused.add(dev)
     return True
 
-
-def direct_ok(view: memoryview, offset: int) -> bool:
-    """Whether `view` (bytes) at file `offset` meets O_DIRECT's alignment rules."""
-    address = np.frombuffer(view, np.uint8).ctypes.data if len(view) else 0
-    return len(view) % DIRECT_ALIGN == 0 and offset % DIRECT_ALIGN == 0 and address % DIRECT_ALIGN == 0
