@@ -9,6 +9,8 @@ from __future__ import annotations
 
 # The root and the model-config error live in `models` (which imports nothing from hybridckpt);
 # they are re-exported here so every error still comes from one family.
+import reprlib
+
 from models.errors import ConfigError, HybridCkptError, UnknownModelError
 
 __all__ = [
@@ -20,7 +22,16 @@ __all__ = [
     "MeshError",
     "UnknownModelError",
     "UnsafePickleError",
+    "short_repr",
 ]
+
+
+def short_repr(obj: object, n: int = 120) -> str:
+    """`repr(obj)` cut to about `n` characters per string or object, for error messages (a name
+    read from a hostile file can be megabytes long)."""
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = n
+    return r.repr(obj)
 
 
 class FormatError(HybridCkptError):

@@ -31,6 +31,7 @@ import numpy as np
 from hybridckpt import lazy
 from hybridckpt.errors import FormatError
 from hybridckpt.formats.config_file import config_beside, read_json
+from hybridckpt.io.paths import plain_name
 from hybridckpt.io.pickle import torch_save
 from hybridckpt.io.safetensors_file import read_header
 from hybridckpt.lazy import LazyTensor
@@ -128,8 +129,8 @@ class _Files:
 
     def get(self, fname: str, meta_path: str) -> Mapping[str, LazyTensor]:
         if fname not in self.cache:
-            path = os.path.join(self.folder, fname)
-            if os.path.basename(fname) != fname or not os.path.isfile(path):
+            path = os.path.join(self.folder, plain_name(fname, meta_path, "weight file"))
+            if not os.path.isfile(path):
                 raise FormatError(f"{meta_path}: weight file {fname!r} is missing")
             if fname.endswith(".safetensors"):
                 tensors = read_header(path).tensors

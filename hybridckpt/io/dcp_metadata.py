@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from hybridckpt.errors import FormatError
+from hybridckpt.io.paths import inside
 from hybridckpt.io.pickle.allow import Policy, Stub
 from hybridckpt.io.pickle.machine import safe_load_file
 from hybridckpt.io.pickle.torch_policy import TORCH_POLICY, TorchDtype
@@ -132,9 +133,7 @@ def _dtype(props: Any, what: str) -> np.dtype:
 
 
 def _rel_path(folder: str, rel: Any, what: str) -> str:
-    if not isinstance(rel, str) or not rel or os.path.isabs(rel) or ".." in rel.split("/"):
-        raise FormatError(f"{what}: storage path {rel!r} is not a relative path inside {folder}")
-    return os.path.join(folder, rel)
+    return inside(folder, rel, what, "storage path")
 
 
 def _planner(data: Any) -> dict[str, tuple]:

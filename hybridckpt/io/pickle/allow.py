@@ -26,14 +26,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
 
-from hybridckpt.errors import UnsafePickleError
-
-
-def short_repr(obj: object, n: int = 120) -> str:
-    """`repr(obj)` cut to about `n` characters per string or object, for error messages."""
-    r = reprlib.Repr()
-    r.maxstring = r.maxother = n
-    return r.repr(obj)
+from hybridckpt.errors import UnsafePickleError, short_repr  # noqa: F401 - short_repr re-exported
 
 
 # -- policy ------------------------------------------------------------------------------
