@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib
 import os
 
-from hybridckpt.errors import FormatError
+from hybridckpt.errors import FormatError, short_repr
+from hybridckpt.lazy import shape_problem
 from hybridckpt.source import SourceCheckpoint
 
 # module names under hybridckpt.formats (or full module paths), in detection order (most
@@ -58,13 +59,34 @@ def detect(path: str) -> str:
     )
 
 
-def open_source(path: str, fmt: str = "auto", *, config=None, step: int | None = None) -> SourceCheckpoint:
+def open_source(path: str, fmt: str = "auto", *, config=None, step: int | None = None,
+                verify_reads: bool = True) -> SourceCheckpoint:
     """Open `path` as format `fmt` ("auto" detects it); `config` is a model config for sources
-    that carry none; `step` picks a step of a source that holds several (ours)."""
+    that carry none; `step` picks a step of a source that holds several (ours), whose reads are
+    checked against the CRC-32s of its import unless `verify_reads=False`."""
     if fmt == "auto":
         fmt = detect(path)
     for name in FORMATS:
         mod = _module(name)
         if mod is not None and mod.NAME == fmt:
-            return mod.open(path, config=config, step=step) if step is not None else mod.open(path, config=config)
+            if mod.NAME == "orbax":
+                src = mod.open(path, config=config, step=step, verify_reads=verify_reads)
+            else:
+                src = mod.open(path, config=config, step=step) if step is not None else mod.open(path, config=config)
+            check_shapes(src)
+            return src
     raise FormatError(f"unknown format {fmt!r} (known: {', '.join(available())})")
+
+
+def check_shapes(src: SourceCheckpoint) -> None:
+    """Every tensor of `src` (params, optimizer slots, masters) has a shape within the bounds of
+    `lazy.shape_problem`: a FormatError naming the tensor otherwise, before anything plans on it."""
+    groups = [("tensor", src.tensors)]
+    if src.optimizer is not None:
+        groups += [(f"{slot} of", t) for slot, t in src.optimizer.slots.items()]
+        groups.append(("master weight", src.optimizer.master))
+    for what, tensors in groups:
+        for name, t in tensors.items():
+            problem = shape_problem(tuple(t.shape))
+            if problem is not None:
+                raise FormatError(f"{src.path}: {what} {short_repr(name)}: {problem}")

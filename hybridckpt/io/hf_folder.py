@@ -3,70 +3,24 @@
 `<hf name>.exp_avg`, `<hf name>.exp_avg_sq`), and a 0-d int64 `step`.
 
 Everything is written into a temporary sibling of the destination and renamed into place when
-complete, so a failed or killed export leaves no folder that looks complete; the folder gets the
-mode a plain `mkdir` gives under the user's umask (not `mkdtemp`'s private 0700). Tensors are read
-and written one at a time: peak memory is the largest tensor, not the checkpoint.
+complete (`io.destination`: checked against the sources, locked against a second job), so a
+failed or killed export leaves no folder that looks complete. Tensors are read and written one at
+a time: peak memory is the largest tensor, not the checkpoint.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
-from hybridckpt.errors import HybridCkptError
 from hybridckpt.io import safetensors_file as sf
-from hybridckpt.io.writeback import fsync_folder
+from hybridckpt.io.destination import Destination
 from hybridckpt.lazy import ArrayTensor, LazyTensor
 
 DEFAULT_SHARD_BYTES = 5 * 1024**3
-
-
-class AtomicDir:
-    """A temporary sibling of `dst`, renamed to `dst` on success and removed on failure."""
-
-    def __init__(self, dst: str, *, overwrite: bool = False):
-        self.dst = os.path.abspath(dst)
-        self.overwrite = overwrite
-        self.tmp = ""
-
-    def __enter__(self) -> str:
-        if os.path.exists(self.dst) and (not os.path.isdir(self.dst) or os.listdir(self.dst)):
-            if not self.overwrite:
-                raise HybridCkptError(f"{self.dst}: already exists and is not empty (pass --overwrite)")
-        parent = os.path.dirname(self.dst)
-        try:
-            os.makedirs(parent, exist_ok=True)
-            self.tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(self.dst)}.tmp-", dir=parent)
-            os.chmod(self.tmp, 0o777 & ~_umask())
-        except OSError as e:
-            raise HybridCkptError(f"{parent}: cannot write: {e.strerror}") from e
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            if isinstance(exc, OSError):
-                raise HybridCkptError(f"{self.dst}: write failed: {exc.strerror or exc}") from exc
-            return
-        if os.path.exists(self.dst):
-            old = self.dst + ".old-" + os.path.basename(self.tmp)
-            os.rename(self.dst, old)
-            os.rename(self.tmp, self.dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(self.tmp, self.dst)
-        fsync_folder(os.path.dirname(self.dst))
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def write_sharded(
@@ -113,8 +67,9 @@ def write_hf(
     overwrite: bool = False,
     on_tensor: Callable[[str, int], None] | None = None,
     direct_io: bool = True,
+    sources: Iterable[str] = (),
 ) -> list[str]:
-    """Write an HF folder at `dst` atomically.
+    """Write an HF folder at `dst` atomically (never at or around one of `sources`).
 
     params: name -> tensor (`model*.safetensors`); hf_config: the `config.json` dict, or None for a
     model-agnostic consolidation (no config.json); slots: optimizer slot -> name -> tensor, written
@@ -123,7 +78,8 @@ def write_hf(
     `hybridckpt.json`. direct_io: the safetensors files written with O_DIRECT
     (`io.sequential_file`; False: through the page cache).
     """
-    with AtomicDir(dst, overwrite=overwrite) as tmp:
+    dest = Destination(dst, overwrite=overwrite, sources=sources)
+    with dest as tmp:
         files = write_sharded(tmp, params, stem="model", max_shard_bytes=max_shard_bytes, on_tensor=on_tensor,
                               direct_io=direct_io)
         if hf_config is not None:
@@ -142,4 +98,5 @@ def write_hf(
             with open(os.path.join(tmp, "hybridckpt.json"), "w") as f:
                 json.dump(dict(trainer), f, indent=2, sort_keys=True, default=str)
             files.append("hybridckpt.json")
+        dest.commit()
     return files

@@ -186,7 +186,7 @@ def write(
             runs = copy_runs(t) if isinstance(t, LazyTensor) else None
             if runs is not None:  # stored bytes as they are: never materialised as a tensor
                 for r in runs:
-                    out.copy_run(r.source, r.offset, r.nbytes)
+                    out.copy_run(r.source, r.offset, r.nbytes, r.check)
                 nbytes = sum(r.nbytes for r in runs)
             else:
                 nbytes = 0

@@ -62,6 +62,7 @@ def export_checkpoint(
     io_threads: int | None = None,
     to: str = "hf",
     direct_io: bool = True,
+    verify_reads: bool = True,
 ) -> ExportSummary:
     """Any supported checkpoint (Orbax included) -> one safetensors folder at `out`.
 
@@ -72,9 +73,11 @@ def export_checkpoint(
       `formats/paddle/export.py`).
     direct_io: the HF safetensors files written with O_DIRECT through two aligned buffers (default;
       False: through the page cache, runs copied file to file by the kernel): `io.sequential_file`.
+    verify_reads: a hybridckpt (Orbax) source's chunks checked against their import's CRC-32s.
     """
     from hybridckpt import naming
     from hybridckpt.io import parallel
+    from hybridckpt.io.destination import Destination
     from hybridckpt.io.hf_folder import DEFAULT_SHARD_BYTES, write_hf
     from hybridckpt.io.safetensors_file import WRITE_BLOCK_BYTES
     from hybridckpt.jobs.import_ import np_dtype
@@ -83,7 +86,8 @@ def export_checkpoint(
     t0 = time.perf_counter()
     if io_threads is not None:
         parallel.set_io_threads(io_threads)
-    opened = open_checkpoint(src, fmt, config=config, rules=rules, step=step)
+    opened = open_checkpoint(src, fmt, config=config, rules=rules, step=step, verify_reads=verify_reads)
+    Destination(out, overwrite=overwrite, sources=[opened.path]).preflight()  # before any read
     cfg = opened.config
     named = naming.model_hf(opened.named, cfg) if cfg is not None else opened.named
     if to != "hf":  # Paddle's unified layouts (formats/paddle/export.py)
@@ -92,7 +96,8 @@ def export_checkpoint(
         if optimizer and not named.slots:
             raise CheckpointError(f"{opened.path}: has no optimizer state to export (drop --optimizer)")
         files = write_export(os.fspath(out), named.params, cfg, layout=to, slots=named.slots if optimizer else None,
-                             step=named.step, dtype=np_dtype(dtype) if dtype else None, overwrite=overwrite)
+                             step=named.step, dtype=np_dtype(dtype) if dtype else None, overwrite=overwrite,
+                             sources=(opened.path,))
         nbytes = sum(t.nbytes for t in named.params.values())
         return ExportSummary(opened.format, os.path.abspath(out), tuple(files), len(named.params), nbytes,
                              time.perf_counter() - t0, optimizer, opened.notes)
@@ -133,7 +138,7 @@ def export_checkpoint(
         os.fspath(out), params, hf_cfg, slots=slots or None, step=named.step,
         with_step=bool(slots) and named.optimizer.has_step, trainer=trainer,
         max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES, overwrite=overwrite, on_tensor=progress,
-        direct_io=direct_io,
+        direct_io=direct_io, sources=(opened.path,),
     )
     return ExportSummary(
         opened.format, os.path.abspath(out), tuple(files), len(all_t), sum(t.nbytes for t in all_t),

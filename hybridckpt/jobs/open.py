@@ -76,12 +76,15 @@ def open_checkpoint(
     rules: str | os.PathLike | None = None,
     step: int | None = None,
     strict: bool = True,
+    verify_reads: bool = True,
 ) -> Opened:
     """Open `path` (any supported format, our Orbax checkpoints included) without reading it.
 
     config: an HF `config.json` / Meta `params.json` path or a model config, for sources that
       carry none (or to override theirs). rules: a user rules file applied before the format's.
     step: which step of our Orbax checkpoint (default: latest); other formats hold one step.
+    verify_reads: every read of our Orbax checkpoint is checked against the CRC-32s its import
+      recorded (`store.checked`); False reads it unchecked.
     """
     from hybridckpt import formats
 
@@ -93,7 +96,7 @@ def open_checkpoint(
             f"{path}: --step selects a step of a hybridckpt (Orbax) checkpoint; this {fmt} "
             f"checkpoint holds one step"
         )
-    src = formats.open_source(path, fmt, config=cfg, step=step)
+    src = formats.open_source(path, fmt, config=cfg, step=step, verify_reads=verify_reads)
     cfg = cfg or src.config
     notes = tuple(src.notes)
     if cfg is None:

@@ -51,6 +51,7 @@ from hybridckpt.lazy.box import (
     full_box,
     grid_boxes,
     normalize_box,
+    shape_problem,
 )
 from hybridckpt.lazy.constructors import (
     as_lazy,
@@ -80,6 +81,7 @@ __all__ = [
     "full_box",
     "grid_boxes",
     "normalize_box",
+    "shape_problem",
     # the protocol and file runs
     "FileRun",
     "LazyTensor",

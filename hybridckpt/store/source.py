@@ -93,19 +93,29 @@ def model_config(state: dict, config: Any = None) -> Any:
     return None if saved is None else models.config_from_dict(saved)
 
 
-def open(path: str, *, config: Any = None, step: int | None = None):  # noqa: A001 - the format API
-    """Our checkpoint at `path` as a lazy `SourceCheckpoint` (see the module docstring)."""
+def open(path: str, *, config: Any = None, step: int | None = None, verify_reads: bool = True):  # noqa: A001
+    """Our checkpoint at `path` as a lazy `SourceCheckpoint` (see the module docstring). Every
+    array is read through the CRC-32s its import recorded (`store.checked`) unless
+    `verify_reads=False`."""
     from hybridckpt import naming, optim
     from hybridckpt.source import OptimizerState, SourceCheckpoint
+    from hybridckpt.store.keys import NAMES_KEY, original_names
+    from hybridckpt.store.checked import checked_arrays
     from hybridckpt.store.reader import item_arrays
 
     root, step, state = resolve(path, step)
     cfg = model_config(state, config)
     step_dir = os.path.join(root, str(step))
-    params = item_arrays(os.path.join(step_dir, "params"))
+
+    def arrays(item: str, prefix: str = "") -> dict:
+        folder = os.path.join(step_dir, item)
+        found = item_arrays(folder)
+        return checked_arrays(found, state, prefix, folder) if verify_reads else found
+
+    params = arrays("params", "params.")
 
     def named(flat: dict) -> dict:
-        return naming.tree_to_hf(flat, cfg) if cfg is not None else dict(flat)
+        return naming.tree_to_hf(flat, cfg) if cfg is not None else original_names(flat, state.get(NAMES_KEY))
 
     optimizer = None
     opt_step = state.get("step", step)
@@ -115,9 +125,15 @@ def open(path: str, *, config: Any = None, step: int | None = None):  # noqa: A0
         slots = {}
         for slot in opt.slots:
             prefix = opt.orbax_prefix(slot.name)
-            slots[slot.name] = named({k[len(prefix):]: v for k, v in leaves.items() if k.startswith(prefix)})
+            mine = {k[len(prefix):]: v for k, v in leaves.items() if k.startswith(prefix)}
+            if verify_reads:
+                mine = checked_arrays(mine, state, f"{slot.state_name}.", os.path.join(step_dir, "opt_state"))
+            slots[slot.name] = named(mine)
         if opt.orbax_step in leaves:
-            opt_step = int(leaves[opt.orbax_step].materialize())
+            count = {"count": leaves[opt.orbax_step]}
+            if verify_reads and "count" in (state.get("chunk_crc32") or {}):
+                count = checked_arrays(count, state, "", os.path.join(step_dir, "opt_state"))
+            opt_step = int(count["count"].materialize())
         optimizer = OptimizerState(slots, opt_step)
     return SourceCheckpoint(
         format=NAME,
@@ -134,12 +150,13 @@ def open(path: str, *, config: Any = None, step: int | None = None):  # noqa: A0
 def describe(path: str, step: int | None = None) -> dict:
     """What `inspect` shows of our checkpoint: steps, config, mesh, and the arrays as stored
     (Flax tree names, one piece each); reads metadata only."""
+    from hybridckpt.store.keys import NAMES_KEY, original_names
     from hybridckpt.store.orbax_io import list_steps
     from hybridckpt.store.reader import item_arrays
 
     root, step, state = resolve(path, step)
     step_dir = os.path.join(root, str(step))
-    arrays = item_arrays(os.path.join(step_dir, "params"))
+    arrays = original_names(item_arrays(os.path.join(step_dir, "params")), state.get(NAMES_KEY))
     has_opt = os.path.isdir(os.path.join(step_dir, "opt_state"))
     return {
         "format": NAME,
@@ -154,5 +171,5 @@ def describe(path: str, step: int | None = None) -> dict:
         ],
         "optimizer": {"saved": has_opt, "name": state.get("optimizer") or ("adamw" if has_opt else None)},
         "notes": [] if state.get("model_config") else ["imported without a model config: tensors keep the source's names"],
-        "trainer_state": {k: v for k, v in state.items() if k not in ("checksums", "checksum_chunks")},
+        "trainer_state": {k: v for k, v in state.items() if k not in ("checksums", "checksum_chunks", NAMES_KEY)},
     }

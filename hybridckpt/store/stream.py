@@ -101,7 +101,8 @@ class LazyLeaf:
     chunk_axes: axes every chunk has extent 1 on (0 for a stacked `[layers, ...]` leaf).
     After the save, `checksum` is this process's part of the tensor's `checksum.CHUNKS` checksum
     on the grid of its stored chunks, `checksum_chunk` (the sum over the chunks this process
-    wrote).
+    wrote), and `crcs` the CRC-32 of each of those chunks by grid position (what every later
+    read of the store checks: `store.checked`).
     """
 
     tensor: LazyTensor
@@ -111,6 +112,7 @@ class LazyLeaf:
     options: StreamOptions | None = None
     checksum: int = 0
     checksum_chunk: tuple[int, ...] | None = None
+    crcs: dict[int, int] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -132,6 +134,22 @@ class LazyLeaf:
     def add_part(self, part: int) -> None:
         with self._lock:
             self.checksum = checksum.combine((self.checksum, part))
+
+    def add_crcs(self, crcs: list[tuple[int, int]]) -> None:
+        """Record chunks written: (grid position, CRC-32) each, and their checksum part."""
+        part = checksum.combine(checksum.part_of(i, c) for i, c in crcs)
+        with self._lock:
+            self.crcs.update(crcs)
+            self.checksum = checksum.combine((self.checksum, part))
+
+    def crc_table(self) -> np.ndarray:
+        """This process's CRC-32 per grid position (uint32; 0 where another process wrote the
+        chunk): summed over processes, the table `trainer_state["chunk_crc32"]` records."""
+        chunk = self.checksum_chunk or self.shape
+        table = np.zeros(checksum.grid_size(self.shape, chunk), np.uint32)
+        for i, c in self.crcs.items():
+            table[i] = c
+        return table
 
 
 def opts_of(values) -> StreamOptions:
@@ -244,5 +262,5 @@ def read_tile(leaf: LazyLeaf, box: Box, chunk: tuple[int, ...]) -> np.ndarray:
     (runs in a reader thread)."""
     buf = aligned_empty(box_shape(box), leaf.dtype)  # (O_DIRECT writes it from here)
     leaf.tensor.read_into(box, buf)
-    leaf.add_part(checksum.tile_part(leaf.shape, chunk, box, buf))
+    leaf.add_crcs(checksum.tile_crcs(leaf.shape, chunk, box, buf))
     return buf

@@ -36,9 +36,9 @@ def _copied(monkeypatch) -> list[int]:
     calls: list[int] = []
     inner = SequentialFile.copy_run
 
-    def spy(self, source, offset, nbytes):
+    def spy(self, source, offset, nbytes, check=None):
         calls.append(nbytes)
-        return inner(self, source, offset, nbytes)
+        return inner(self, source, offset, nbytes, check)
 
     monkeypatch.setattr(SequentialFile, "copy_run", spy)
     return calls

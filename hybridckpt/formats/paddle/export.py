@@ -10,7 +10,7 @@ writes them with `unified.write_unified` in the chosen flavour (`LAYOUTS`):
   state and master weights of Linear weights in Paddle's `[in, out]` (`paddleformers.py`).
 Params cast to a 16-bit `dtype` with the optimizer keep their fp32 values as `master_weights-*`
 (what Paddle's AMP O2 saves); AdamW's beta pows are written from the step and the betas
-(Paddle's defaults). The folder appears complete or not at all (`io.hf_folder.AtomicDir`).
+(Paddle's defaults). The folder appears complete or not at all (`io.destination.Destination`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 
 from hybridckpt.errors import ConfigError
 from hybridckpt.formats.paddle import paddleformers, unified
-from hybridckpt.io.hf_folder import AtomicDir
+from hybridckpt.io.destination import Destination
 from hybridckpt.lazy import LazyTensor
 
 LAYOUTS = {
@@ -42,9 +42,10 @@ def write_export(
     step: int | None = None,
     dtype: np.dtype | None = None,
     overwrite: bool = False,
+    sources: tuple[str, ...] = (),
 ) -> list[str]:
     """Write HF-named `params` (and `slots`, `step`) of model config `cfg` at `out` in `layout`
-    (a key of `LAYOUTS`); returns the file names written."""
+    (a key of `LAYOUTS`), never at or around one of `sources`; returns the file names written."""
     if layout not in LAYOUTS:
         raise ConfigError(f"export: layout {layout!r}; expected one of {sorted(LAYOUTS)}")
     if cfg is None:
@@ -56,8 +57,9 @@ def write_export(
     master = None
     if slots and written in SIXTEEN_BIT and first == np.float32:
         master = dict(params)  # AMP O2: fp32 master weights beside the 16-bit params
-    with AtomicDir(out, overwrite=overwrite) as tmp:
-        return unified.write_unified(
+    dest = Destination(out, overwrite=overwrite, sources=sources)
+    with dest as tmp:
+        files = unified.write_unified(
             tmp,
             params,
             config=cfg,
@@ -67,3 +69,5 @@ def write_export(
             dtype=dtype,
             flavour=LAYOUTS[layout],
         )
+        dest.commit()
+    return files
