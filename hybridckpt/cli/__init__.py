@@ -17,15 +17,33 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import traceback
-
-def _is_main_thread_now() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
-
 
 _INTERRUPTED = "hybridckpt: interrupted; nothing was written (a checkpoint already at the destination is kept)"
+
+
+def _running_as_the_command() -> bool:
+    """Whether this process is the `hybridckpt` command (its console script, or `python -m
+    hybridckpt` / `python -m hybridckpt.cli`), not a program that imports the library."""
+    argv = list(getattr(sys, "orig_argv", sys.argv))  # (runpy has not set `__main__` yet under -m)
+    script = os.path.basename(sys.argv[0]) if sys.argv else ""
+    if "-m" in argv[:-1] and argv[argv.index("-m") + 1].split(".")[0] == "hybridckpt":
+        return True
+    return script in ("hybridckpt", "hybridckpt.exe")
+
+
+def _interrupted_before_the_job(signum, frame) -> None:
+    """SIGINT while the command is still starting (nothing written yet): one line, exit 130."""
+    os.write(2, (_INTERRUPTED + "\n").encode())
+    os._exit(130)
+
+
+if _running_as_the_command():  # first of all: the rest of this module (and `run`) installs the full handler
+    try:
+        signal.signal(signal.SIGINT, _interrupted_before_the_job)
+    except ValueError:  # not the main thread: not the command starting
+        pass
+
+import traceback  # noqa: E402
 
 
 def _simulate_host_devices(count: int = 8) -> None:
@@ -48,15 +66,16 @@ class _OnInterrupt:
         self.debug = False
 
     def __call__(self, signum, frame) -> None:
-        from hybridckpt.io import interrupts
-
-        if interrupts.committed():
+        interrupts = sys.modules.get("hybridckpt.io.interrupts")  # (maybe still being imported)
+        ready = interrupts is not None and hasattr(interrupts, "remove_temporaries")
+        if ready and interrupts.committed():
             return
         if self.debug and frame is not None:
             traceback.print_stack(frame)
         try:
             os.write(2, (_INTERRUPTED + "\n").encode())
-            interrupts.remove_temporaries()
+            if ready:
+                interrupts.remove_temporaries()
         finally:
             os._exit(130)
 
@@ -64,17 +83,11 @@ class _OnInterrupt:
 _ON_INTERRUPT = _OnInterrupt()
 
 
-def _running_as_the_command() -> bool:
-    """Whether this process is the `hybridckpt` command (its console script, or `python -m
-    hybridckpt` / `python -m hybridckpt.cli`), not a program that imports the library."""
-    main_mod = sys.modules.get("__main__")
-    script = os.path.basename(getattr(main_mod, "__file__", "") or "")
-    spec = getattr(main_mod, "__spec__", None)
-    return script in ("hybridckpt", "hybridckpt.exe") or (spec is not None and spec.name.startswith("hybridckpt"))
-
-
-if _running_as_the_command() and _is_main_thread_now():  # as early as the command can: see `run`
-    signal.signal(signal.SIGINT, _ON_INTERRUPT)
+if _running_as_the_command():  # the full handler, now that it is defined (see `run`)
+    try:
+        signal.signal(signal.SIGINT, _ON_INTERRUPT)
+    except ValueError:
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     if in_main_thread:
         signal.signal(signal.SIGINT, _ON_INTERRUPT)
     try:
-        args = build_parser().parse_args(argv)
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as e:  # --help (0), or a usage error already printed as one line (2)
+            return e.code if isinstance(e.code, int) else 2
         _ON_INTERRUPT.debug = bool(args.debug)
         _simulate_host_devices()
         try:

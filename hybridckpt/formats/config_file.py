@@ -18,8 +18,15 @@ def read_bytes(path: str, limit: int = MAX_METADATA_BYTES) -> bytes:
     """The bytes of a metadata file, at most `limit`; FormatError naming the file when it is
     missing, unreadable or larger."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(limit + 1)
+        with open(path, "rb") as f:  # by pieces: read(limit) would allocate `limit` bytes at once
+            parts, got = [], 0
+            while got <= limit:
+                piece = f.read(min(1 << 20, limit + 1 - got))
+                if not piece:
+                    break
+                parts.append(piece)
+                got += len(piece)
+            raw = b"".join(parts)
     except FileNotFoundError:
         raise FormatError(f"{path}: missing") from None
     except OSError as e:

@@ -17,7 +17,9 @@ Every writer (our Orbax store, HF folders, Paddle unified folders) goes through 
    not replaced; a folder being replaced is moved aside to `.<name>.old-<token>` first and
    removed after), fsyncs the parent, and holds interrupts meanwhile (`io.interrupts`). A
    failure or interrupt before removes the temporary and puts back what was there: nothing is
-   left beside the destination.
+   left beside the destination. What a job killed outright (SIGKILL, power loss) leaves is
+   cleaned up by the next job that takes the lock: its temporary removed, a checkpoint it had
+   moved aside put back.
 
 Under `jax.distributed` the primary process checks, locks and commits; the others write into the
 same temporary folder (its token agreed by the caller).
@@ -138,8 +140,25 @@ class Destination:
                     "since": time.strftime("%Y-%m-%d %H:%M:%S")}
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(info).encode(), 0)
+            self._recover_stale()
             return
         raise CheckpointError(f"{self.lock_path}: the lock keeps changing hands; try again")
+
+    def _recover_stale(self) -> None:
+        """What a killed job left beside the destination (under the lock no job is writing it):
+        its temporary folders go; a previous checkpoint it had moved aside during its swap comes
+        back if the destination is missing, else goes."""
+        parent, name = os.path.split(self.dst)
+        for entry in os.listdir(parent):
+            if entry.startswith(f".{name}.tmp-"):
+                interrupts.remove(os.path.join(parent, entry))
+        for entry in sorted(os.listdir(parent)):
+            if entry.startswith(f".{name}.old-"):
+                old = os.path.join(parent, entry)
+                if not os.path.lexists(self.dst):
+                    os.rename(old, self.dst)
+                else:
+                    interrupts.remove(old)
 
     # -- closing ---------------------------------------------------------------------------------
     def commit(self) -> None:

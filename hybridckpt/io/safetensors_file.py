@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from hybridckpt.errors import FormatError
+from hybridckpt.errors import FormatError, short_repr
 from hybridckpt.io.byte_source import ByteSource
 from hybridckpt.io.sequential_file import SequentialFile
-from hybridckpt.lazy import LazyTensor, StoredTensor, copy_runs
+from hybridckpt.lazy import LazyTensor, StoredTensor, copy_runs, shape_problem
 
 MAX_HEADER = 100 * 1024 * 1024
 
@@ -86,8 +86,8 @@ def read_header(path: str) -> SafetensorsFile:
         header = json.loads(src.read(8, n), object_pairs_hook=_no_duplicates)
     except _DuplicateKey as e:
         raise FormatError(f"{path}: header names {e.args[0]!r} twice") from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise FormatError(f"{path}: header is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # (bad UTF-8, bad JSON, an int of 4300+ digits)
+        raise FormatError(f"{path}: header is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(header, dict):
         raise FormatError(f"{path}: header is not a JSON object")
     base = 8 + n
@@ -104,15 +104,16 @@ def read_header(path: str) -> SafetensorsFile:
             begin, end = _ints(info["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise FormatError(
-                f"{path}: tensor {name!r}: expected dtype (one of {sorted(DTYPES)}), shape and "
-                f"data_offsets, found {info!r}"
+                f"{path}: tensor {short_repr(name)}: expected dtype (one of {sorted(DTYPES)}), shape and "
+                f"data_offsets, found {short_repr(info)}"
             ) from None
-        if any(s < 0 for s in shape):
-            raise FormatError(f"{path}: tensor {name!r}: negative shape {shape}")
+        problem = shape_problem(shape)
+        if problem is not None:
+            raise FormatError(f"{path}: tensor {short_repr(name)}: {problem}")
         want = math.prod(shape) * dt.itemsize
         if not (0 <= begin <= end <= buffer_len) or end - begin != want:
             raise FormatError(
-                f"{path}: tensor {name!r}: data_offsets [{begin}, {end}) do not hold {shape} "
+                f"{path}: tensor {short_repr(name)}: data_offsets [{begin}, {end}) do not hold {shape} "
                 f"{info['dtype']} ({want} bytes) inside a buffer of {buffer_len} bytes"
             )
         spans.append((begin, end, name))
@@ -120,7 +121,7 @@ def read_header(path: str) -> SafetensorsFile:
     spans.sort()
     for (_b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:], strict=False):
         if b1 < e0:
-            raise FormatError(f"{path}: tensors {n0!r} and {n1!r} overlap")
+            raise FormatError(f"{path}: tensors {short_repr(n0)} and {short_repr(n1)} overlap")
     if not all(isinstance(v, str) for v in meta.values()):
         raise FormatError(f"{path}: __metadata__ values must be strings")
     return SafetensorsFile(path, tensors, dict(meta))

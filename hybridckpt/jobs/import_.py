@@ -29,7 +29,8 @@ from hybridckpt.store.keys import NAMES_KEY
 
 Progress = Callable[[str, int], None]  # (tensor name, bytes) after each tensor
 CRC_TABLES = "chunk_crc32"  # trainer_state key: array name -> its chunks' CRC-32s (`checksum.encode_crcs`)
-CHECKSUM_KEYS = ("checksums", "checksum_chunks", "checksum_algorithm", CRC_TABLES)  # trainer_state keys of an import's
+ARRAY_SPECS = "array_specs"  # trainer_state key: array name -> {"shape", "dtype"} as written
+CHECKSUM_KEYS = ("checksums", "checksum_chunks", "checksum_algorithm", CRC_TABLES, ARRAY_SPECS)  # trainer_state keys of an import's
 # checksums: a source that is itself one of our imports does not pass its own along
 
 
@@ -187,6 +188,7 @@ def import_checkpoint(
             "checksum_chunks": {name: list(leaf.checksum_chunk or leaf.shape) for name, leaf in recorded.items()},
             "checksums": sums,
             CRC_TABLES: {name: encode_crcs(t) for name, t in tables.items()},
+            ARRAY_SPECS: {name: {"shape": list(leaf.shape), "dtype": leaf.dtype.name} for name, leaf in recorded.items()},
         }
 
     set_total = getattr(progress, "set_total", None)

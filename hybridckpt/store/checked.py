@@ -34,7 +34,8 @@ from hybridckpt import checksum
 from hybridckpt.errors import CheckpointError
 from hybridckpt.lazy import Box, FileRun, LazyTensor, box_shape, copy_into
 
-CRC_TABLES = "chunk_crc32"  # trainer_state key (written by `jobs.import_`)
+CRC_TABLES = "chunk_crc32"  # trainer_state keys (written by `jobs.import_`)
+ARRAY_SPECS = "array_specs"
 
 
 class RunCheck:
@@ -266,6 +267,7 @@ def checked_arrays(arrays: Mapping[str, LazyTensor], state: Mapping, prefix: str
     `trainer_state` records their CRC tables under `prefix + key`; an import that recorded
     tables for an item but not for one of its arrays is an error, not an unchecked read."""
     tables, grids = state.get(CRC_TABLES), state.get("checksum_chunks") or {}
+    specs = state.get(ARRAY_SPECS) or {}
     if not isinstance(tables, Mapping):
         return dict(arrays)
     out = {}
@@ -273,6 +275,12 @@ def checked_arrays(arrays: Mapping[str, LazyTensor], state: Mapping, prefix: str
         name = prefix + key
         if name not in tables:
             raise CheckpointError(f"{where}: array {key} has no CRC-32s recorded beside the others (trainer_state)")
+        spec = specs.get(name)
+        if isinstance(spec, Mapping) and (list(t.shape) != list(spec.get("shape", [])) or np.dtype(t.dtype).name != spec.get("dtype")):
+            raise CheckpointError(
+                f"{where}: array {key} is stored as {np.dtype(t.dtype).name} {list(t.shape)} but its import wrote "
+                f"{spec.get('dtype')} {spec.get('shape')}: its metadata (.zarray) was changed"
+            )
         grid = tuple(int(c) for c in grids.get(name, t.shape))
         size = checksum.grid_size(tuple(t.shape), grid) if len(grid) == len(t.shape) else -1
         crcs = None if size < 0 else checksum.decode_crcs(tables[name], size)

@@ -46,7 +46,7 @@ from hybridckpt.store.orbax_io import (
 
 # what an import records about the arrays it wrote: a later save writes other arrays, so a
 # trainer state carried over from a restore must not bring them along
-IMPORT_CHECKSUM_KEYS = ("checksums", "checksum_chunks", "checksum_algorithm", CRC_TABLES)
+IMPORT_CHECKSUM_KEYS = ("checksums", "checksum_chunks", "checksum_algorithm", CRC_TABLES, "array_specs")
 
 
 def _metric(name: str, metrics: Mapping[str, float]) -> float:
@@ -165,13 +165,15 @@ class CheckpointStore:
 
     def trainer_state(self, step: int | None = None) -> dict:
         self._manager.wait_until_finished()
-        return read_json(self._manager, resolve_step(self._manager, step))
+        step = resolve_step(self._manager, step)
+        return _unwrapped(f"{self.directory}/{step}", "its trainer state", lambda: read_json(self._manager, step))
 
     def params_metadata(self, step: int | None = None) -> Any:
         """Saved params as a tree of `jax.ShapeDtypeStruct` (no sharding); reads no arrays."""
         self._manager.wait_until_finished()
         step = resolve_step(self._manager, step)
-        return as_shape_dtype(item_metadata(self._manager, step, PARAMS))
+        where = f"{self.directory}/{step}"
+        return as_shape_dtype(_unwrapped(where, f"the metadata of {PARAMS}", lambda: item_metadata(self._manager, step, PARAMS)))
 
     # -- save
     def _trainer_json(self, step: int, params: Any, trainer_state: Mapping | None) -> dict:

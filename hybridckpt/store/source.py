@@ -171,5 +171,6 @@ def describe(path: str, step: int | None = None) -> dict:
         ],
         "optimizer": {"saved": has_opt, "name": state.get("optimizer") or ("adamw" if has_opt else None)},
         "notes": [] if state.get("model_config") else ["imported without a model config: tensors keep the source's names"],
-        "trainer_state": {k: v for k, v in state.items() if k not in ("checksums", "checksum_chunks", NAMES_KEY)},
+        "trainer_state": {k: v for k, v in state.items()
+                          if k not in ("checksums", "checksum_chunks", "chunk_crc32", "array_specs", NAMES_KEY)},
     }
