@@ -171,15 +171,6 @@ def save_args(tree: Any, chunk_bytes: int | None = None) -> Any:
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, LazyLeaf))
 
 
-def chunk_shape(leaf: LazyLeaf) -> tuple[int, ...]:
-    """The chunk shape Orbax's write spec picks for `leaf` (`subchunking.choose_chunk_shape`)."""
-    from orbax.checkpoint._src.arrays import subchunking
-
-    size = leaf.options.chunk_bytes if leaf.options else CHUNK_BYTES
-    shard = tuple(leaf.sharding.shard_shape(leaf.shape))
-    return tuple(subchunking.choose_chunk_shape(leaf.shape, shard, leaf.dtype, size, shard_axes=leaf.chunk_axes))
-
-
 def has_lazy(tree: Any) -> bool:
     return any(isinstance(x, LazyLeaf) for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, LazyLeaf)))
 
