@@ -130,6 +130,11 @@ def test_manager_folder_trainer_state_and_hyperparameters():
         assert h["betas"] == [0.9, 0.95] and h["eps"] == 1e-8 and h["weight_decay"] == 0.1
         # the scheduler's lr for the NEXT step (warmup 2, then linear decay over 100 steps)
         assert h["lr"] == pytest.approx(1e-2 * (1 - (STEP - 2) / 98), rel=1e-12)
+    # without a config (no head counts) the fused moments stay fused, and inspect says so
+    info = jobs.inspect(ckpt("torchtitan_llama3"))
+    assert info["needs_config"] and info["step"] == STEP
+    bare = dcp.open(ckpt("torchtitan_llama3"))
+    assert "layers.0.attention.qkv_linear.wqkv.weight" in bare.optimizer.slots["exp_avg"]
 
 
 # -- the whole path: bitwise, logits, next step ---------------------------------------------------
