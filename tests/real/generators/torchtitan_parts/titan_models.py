@@ -23,7 +23,7 @@ def sdpa(cfg):
     flex_attention has no backward on CPU (see titan_shims.NOTES)."""
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
-    for layer in cfg.layers:
+    for layer in [*cfg.layers, *getattr(cfg, "mtp_layers", [])]:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     return cfg
 
@@ -154,4 +154,61 @@ def qwen3_moe() -> Case:
                 parallelism={"expert_parallel_degree": 2}, moe=True)  # fmt: skip
 
 
-CASES = {"llama3": llama3, "qwen3": qwen3, "qwen3_moe": qwen3_moe}
+def deepseek_v3() -> Case:
+    """DeepSeek V3 as torchtitan's 671B config shapes it, tiny: MLA with q LoRA, yarn RoPE (factor
+    40 over 4096), one dense layer then one MoE layer (sigmoid router over 2 groups of 2 experts,
+    1 group kept, top-2, route scale 2.5, route_norm, one shared expert, load-balancing bias) and
+    one MTP layer; EP 2 x FSDP 2 over the experts on 4 ranks."""
+    from torchtitan.models import deepseek_v3 as m
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+
+    heads, q_lora, kv_lora, nope, rope_dim, v_dim = 4, 16, 16, 8, 8, 8
+    dense_hidden, moe_hidden, experts, top_k, layers = 48, 16, 4, 2, 2
+    layer_cfgs = m._build_dsv3_layers(
+        n_layers=layers, n_dense_layers=1, dim=DIM, n_heads=heads, q_lora_rank=q_lora,
+        kv_lora_rank=kv_lora, qk_nope_head_dim=nope, qk_rope_head_dim=rope_dim, v_head_dim=v_dim,
+        mscale=1.0, dense_hidden_dim=dense_hidden, moe_hidden_dim=moe_hidden, num_experts=experts,
+        num_shared_experts=1, router_top_k=top_k, router_score_func="sigmoid",
+        router_num_expert_groups=2, router_num_limited_groups=1, router_route_scale=2.5,
+        router_route_norm=True, attn_backend="flex", moe_comm_backend="standard",
+        non_blocking_capacity_factor=None,
+        rope=ComplexRoPE.Config(dim=rope_dim, max_seq_len=64, theta=10000.0, scaling="yarn",
+                                rope_factor=40.0, beta_fast=32.0, beta_slow=1.0, original_seq_len=4096),
+    )  # fmt: skip
+    cfg = m.DeepSeekV3Model.Config(
+        vocab_size=VOCAB,
+        dim=DIM,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=m._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=m._NORM_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=m._output_linear_init(DIM)),
+        layers=layer_cfgs,
+        mtp_layers=m._build_mtp_layers(layer_cfgs[-1], dim=DIM, num_mtp_layers=1),
+    )  # fmt: skip
+    from torchtitan.components.optimizer import register_moe_load_balancing_hook
+    from torchtitan.protocols.model_spec import ModelSpec
+
+    spec = ModelSpec(name="deepseek_v3", flavor="tiny", model=sdpa(cfg),
+                     parallelize_fn=m.parallelize_deepseekv3, pipelining_fn=None,
+                     post_optimizer_build_fn=register_moe_load_balancing_hook,
+                     state_dict_adapter=m.DeepSeekV3StateDictAdapter)  # fmt: skip
+    hf = {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": VOCAB,
+        "hidden_size": DIM, "intermediate_size": dense_hidden, "moe_intermediate_size": moe_hidden,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": heads,
+        "q_lora_rank": q_lora, "kv_lora_rank": kv_lora, "qk_nope_head_dim": nope,
+        "qk_rope_head_dim": rope_dim, "v_head_dim": v_dim, "n_routed_experts": experts,
+        "n_shared_experts": 1, "num_experts_per_tok": top_k, "n_group": 2, "topk_group": 1,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc", "first_k_dense_replace": 1, "moe_layer_freq": 1,
+        "num_nextn_predict_layers": 1, "max_position_embeddings": 163840,
+        "rms_norm_eps": cfg.norm.eps, "tie_word_embeddings": False, "hidden_act": "silu",
+        "attention_bias": False, "rope_interleave": True, "torch_dtype": "float32",
+        "rope_theta": 10000.0,
+        "rope_scaling": {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    }  # fmt: skip
+    return Case("torchtitan_deepseek_v3", spec, hf, world=4,
+                parallelism={"expert_parallel_degree": 2}, moe=True)  # fmt: skip
+
+
+CASES = {"llama3": llama3, "qwen3": qwen3, "qwen3_moe": qwen3_moe, "deepseek_v3": deepseek_v3}

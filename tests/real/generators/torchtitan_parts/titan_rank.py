@@ -68,11 +68,21 @@ def _redraw(model) -> None:
                 p.copy_(full)
 
 
+def _loss(model_config):
+    """The loss config torchtitan's own configs pair with the model: MTPLoss with MTP layers."""
+    from torchtitan.components.loss import CrossEntropyLoss
+
+    if getattr(model_config, "mtp_layers", None):
+        from torchtitan.models.deepseek_v3 import MTPLoss
+
+        return MTPLoss.Config(global_vocab_size=model_config.vocab_size)
+    return CrossEntropyLoss.Config(global_vocab_size=model_config.vocab_size)
+
+
 def build(case, out: str):
     """(trainer, model, adapter): torchtitan's components wired as `Trainer.__init__` wires them."""
     from torchtitan.components.checkpointer import CheckpointManager
     from torchtitan.components.dataloader import ParallelAwareDataloader
-    from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
     from torchtitan.config import ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
@@ -83,7 +93,7 @@ def build(case, out: str):
     spec = case.spec
     config = Trainer.Config(
         model_spec=spec,
-        loss=CrossEntropyLoss.Config(global_vocab_size=spec.model.vocab_size),
+        loss=_loss(spec.model),
         optimizer=default_adamw(lr=LR),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=None),
         training=TrainingConfig(local_batch_size=1, seq_len=SEQ, steps=100, mixed_precision_param="float32",
@@ -230,6 +240,8 @@ def logits(model, vocab: int, bias: bool = True) -> dict[str, np.ndarray]:
             if n in saved:
                 b.copy_(saved[n])
     model.train()
+    if isinstance(out, list):  # MTP: [main logits, one per MTP depth]
+        out = out[0]
     return {"tokens": tokens.numpy().astype(np.int32), "logits": _full(out).float().numpy()}
 
 
