@@ -2,9 +2,10 @@
 scaling and Qwen3, q/k/v saved split while their moments are keyed by the fused `wqkv`.
 
 Fixtures are written in this session by torch's real `dcp.save` in torchtitan 0.3.0's layout
-(tests/fixtures/titan_writer.py, which cites the torchtitan code it follows), from transformers'
-own models trained 3 AdamW steps; references are what torch itself computed (params, moments,
-the next step's gradients and params) and transformers' forward pass.
+(tests/fixtures/titan_writer.py, which cites the torchtitan code it follows, its layout checked
+against torchtitan's own saves in tests/real/test_real_torchtitan.py), from transformers' own
+models trained 3 AdamW steps; references are what torch itself computed (params, moments, the
+next step's gradients and params) and transformers' forward pass.
 """
 
 from __future__ import annotations
