@@ -10,7 +10,7 @@ writes them with `unified.write_unified` in the chosen flavour (`LAYOUTS`):
   state and master weights of Linear weights in Paddle's `[in, out]` (`paddleformers.py`).
 Params cast to a 16-bit `dtype` with the optimizer keep their fp32 values as `master_weights-*`
 (what Paddle's AMP O2 saves); AdamW's beta pows are written from the step and the betas
-(Paddle's defaults). The folder appears complete or not at all (`io.hf_folder.AtomicDir`).
+(the source's, `adam_betas` in its trainer state, else Paddle's defaults). The folder appears complete or not at all (`io.hf_folder.AtomicDir`).
 """
 
 from __future__ import annotations
@@ -42,9 +42,11 @@ def write_export(
     step: int | None = None,
     dtype: np.dtype | None = None,
     overwrite: bool = False,
+    betas: tuple[float, float] | list[float] | None = None,
 ) -> list[str]:
     """Write HF-named `params` (and `slots`, `step`) of model config `cfg` at `out` in `layout`
-    (a key of `LAYOUTS`); returns the file names written."""
+    (a key of `LAYOUTS`); returns the file names written. `betas`: AdamW's, for the beta pows
+    (the source's `adam_betas` when it recorded them; else Paddle's defaults)."""
     if layout not in LAYOUTS:
         raise ConfigError(f"export: layout {layout!r}; expected one of {sorted(LAYOUTS)}")
     if cfg is None:
@@ -64,6 +66,7 @@ def write_export(
             slots=slots or None,
             master=master,
             step=step,
+            betas=tuple(betas) if betas else unified.DEFAULT_BETAS,
             dtype=dtype,
             flavour=LAYOUTS[layout],
         )
