@@ -1,7 +1,9 @@
 """PaddleFormers 1.2 Trainer checkpoints (FlexCheckpoint and unified), written by the Trainer itself.
 
     python tests/real/make.py paddleformers [--only CASE]
-    python tests/real/make.py paddleformers --check-export DIR   # does PaddleFormers load our export?
+
+(`_paddleformers_check_export.py`: does PaddleFormers itself load our `export --to
+paddleformers-unified`? Its docstring says how to run it.)
 
 Each case is one training run of a tiny Llama (`paddleformers.transformers.LlamaForCausalLM`, fp32
 weights moved off their init) by `paddleformers.trainer.Trainer` on CPU: AdamW (betas 0.9 / 0.95,
@@ -28,9 +30,9 @@ References, from Paddle's runtime after the save (rank 0 gathers every rank's
 saves, and assembles the global tensors; HF names, HF layouts: the weights the model lists in
 `transpose_weight_keys` transposed from Paddle's `[in, out]`, everything else as Paddle holds it):
 - `manifest["digests"]`: SHA-256 of each global tensor's bytes (C order, HF layout, the stored
-  dtype: bf16 params as their raw 16 bits) for `params`, `master`, `exp_avg`, `exp_avg_sq`, with
-  `beta1_pow` / `beta2_pow` (every param's, all equal) and the step; a tied model's state is under
-  the embedding's name;
+  dtype: bf16 params as their raw 16 bits) for `params`, `master`, `exp_avg`, `exp_avg_sq` (a
+  tied model's state under the embedding's name); `manifest["beta_pows"]` (every param's, all
+  equal: beta ** (step + 1)) and `steps`;
 - `logits` [1, seq, vocab]: a fresh fp32 single-card `LlamaForCausalLM` of the same config loaded
   with the fp32 weights (the masters of a bf16 run), `forward(tokens)`, eval mode; `tokens`;
 - `grad:<name>`, `next:<name>`: that model's gradients of its own loss on `NEXT_BATCH` and the
