@@ -97,7 +97,7 @@ def export_checkpoint(
             raise CheckpointError(f"{opened.path}: has no optimizer state to export (drop --optimizer)")
         files = write_export(os.fspath(out), named.params, cfg, layout=to, slots=named.slots if optimizer else None,
                              step=named.step, dtype=np_dtype(dtype) if dtype else None, overwrite=overwrite,
-                             sources=(opened.path,))
+                             sources=(opened.path,), betas=opened.trainer.get("adam_betas"))
         nbytes = sum(t.nbytes for t in named.params.values())
         return ExportSummary(opened.format, os.path.abspath(out), tuple(files), len(named.params), nbytes,
                              time.perf_counter() - t0, optimizer, opened.notes)

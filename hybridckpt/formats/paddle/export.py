@@ -10,7 +10,8 @@ writes them with `unified.write_unified` in the chosen flavour (`LAYOUTS`):
   state and master weights of Linear weights in Paddle's `[in, out]` (`paddleformers.py`).
 Params cast to a 16-bit `dtype` with the optimizer keep their fp32 values as `master_weights-*`
 (what Paddle's AMP O2 saves); AdamW's beta pows are written from the step and the betas
-(Paddle's defaults). The folder appears complete or not at all (`io.destination.Destination`).
+(the source's, `adam_betas` in its trainer state, else Paddle's defaults). The folder appears
+complete or not at all (`io.destination.Destination`).
 """
 
 from __future__ import annotations
@@ -43,9 +44,12 @@ def write_export(
     dtype: np.dtype | None = None,
     overwrite: bool = False,
     sources: tuple[str, ...] = (),
+    betas: tuple[float, float] | list[float] | None = None,
 ) -> list[str]:
     """Write HF-named `params` (and `slots`, `step`) of model config `cfg` at `out` in `layout`
-    (a key of `LAYOUTS`), never at or around one of `sources`; returns the file names written."""
+    (a key of `LAYOUTS`), never at or around one of `sources`; returns the file names written.
+    `betas`: AdamW's, for the beta pows (the source's `adam_betas` when it recorded them; else
+    Paddle's defaults)."""
     if layout not in LAYOUTS:
         raise ConfigError(f"export: layout {layout!r}; expected one of {sorted(LAYOUTS)}")
     if cfg is None:
@@ -66,6 +70,7 @@ def write_export(
             slots=slots or None,
             master=master,
             step=step,
+            betas=tuple(betas) if betas else unified.DEFAULT_BETAS,
             dtype=dtype,
             flavour=LAYOUTS[layout],
         )

@@ -23,7 +23,10 @@ transposed to the weights' layout, so any family (Gemma 2/3 included) and any ar
 `write_unified` writes either flavour from HF-named tensors (`flavour=`): PaddleNLP's names come
 from `RuleSet.invert()` of the family's rules (fused qkv / gate_up written unfused unless asked,
 as PaddleNLP's default model); PaddleFormers' are the HF names, with the optimizer state
-transposed back to `[in, out]`.
+transposed back to `[in, out]`, model files as PaddleFormers 1.2 writes them (bf16 as `BF16`,
+metadata `{"format": "pt"}`; a tied model's files list the shared weight under `lm_head.weight`
+too, and its optimizer state and master are under `lm_head.weight`: checked against the
+Trainer's own files, tests/real/cases/paddleformers_*).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ MODEL_INDEX = "model.safetensors.index.json"
 OPT_INDEX = "optimizer.safetensors.index.json"
 MASTER_INDEX = "master_weights.safetensors.index.json"
 ACCUMULATOR_SUFFIX = "_0"  # `<name>/<accumulator>_0`
+TIED_EMBEDDING, TIED_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 MAX_SHARD_BYTES = 2 * 1024**3
 
 
@@ -82,6 +86,32 @@ def detect(path: str) -> bool:
 
 
 read_indexed = hf.read_indexed  # lazy tensors of every file an index names
+
+
+def adam_betas(optimizer: OptimizerState | None) -> dict:
+    """`{"adam_betas": [b1, b2]}` for the trainer state (kept by an import, so that an export
+    to Paddle's layouts writes the beta pows of the run's betas), or {}."""
+    betas = optimizer.hyper.get("betas") if optimizer is not None else None
+    return {"adam_betas": [float(b) for b in betas]} if betas else {}
+
+
+def _whole_tensors(where: str, weights: Mapping[str, LazyTensor], state: Mapping[str, LazyTensor]) -> None:
+    """Refuse 1-D optimizer state (or masters) of a param with more axes: what PaddleFormers
+    writes under sharding stage1 v2 (`split_param`) when `unified_checkpoint_config` lacks
+    "gather_split_param": each rank's `optimizer.state_dict()`, padded 1-D slices of the sharding
+    buffers under the param names, a param split over two ranks in two files of which the index
+    names one (checked on PaddleFormers 1.2's own save, tests/real/cases/
+    paddleformers_untied_bf16_sharding2/ckpt/unified_split). The pieces' offsets are not in the
+    files, so they cannot be put back together."""
+    for name, t in state.items():
+        w = weights.get(name)
+        if w is not None and len(t.shape) == 1 and len(w.shape) > 1:
+            raise FormatError(
+                f"{where}: {name!r} is a 1-D piece of {t.shape[0]} elements for a param of shape "
+                f"{tuple(w.shape)}: sharding stage1 v2 (split_param) state saved without "
+                f"unified_checkpoint_config 'gather_split_param' (each rank's padded slice, not whole "
+                f"tensors); save again with 'gather_split_param'"
+            )
 
 
 def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the format contract
@@ -129,6 +159,9 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
             raise FormatError(
                 f"{os.path.join(path, MASTER_INDEX)}: master weights for unknown params {unknown[:10]}"
             )
+        for where, named in ((OPT_INDEX, t) for t in slots.values()):
+            _whole_tensors(os.path.join(path, where), tensors, named)
+        _whole_tensors(os.path.join(path, MASTER_INDEX), tensors, master)
         step, hyper = adam_step(path, beta_pows, notes)
         optimizer = OptimizerState(slots, step, master, hyper)
     kind = paddleformers.flavour(
@@ -158,7 +191,7 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         rule_vars=rule_vars,
         config=cfg,
         step=optimizer.step if optimizer else None,
-        trainer={"flavour": kind},
+        trainer={"flavour": kind, **adam_betas(optimizer)},
         notes=tuple(notes),
     )
 
@@ -177,6 +210,7 @@ def _write_group(
     tensors: Mapping[str, LazyTensor],
     max_shard_bytes: int,
     extra: Mapping | None = None,
+    file_format: str = "np",
 ) -> list[str]:
     shards = safetensors_file.plan_shards(
         ((k, tensors[k].nbytes) for k in tensors), max_shard_bytes
@@ -185,7 +219,7 @@ def _write_group(
     for i, names in enumerate(shards, 1):
         fname = f"{prefix}-{i:05d}-of-{len(shards):05d}.safetensors"
         safetensors_file.write(
-            os.path.join(out_dir, fname), {k: tensors[k] for k in names}, {"format": "np"}
+            os.path.join(out_dir, fname), {k: tensors[k] for k in names}, {"format": file_format}
         )
         files.append(fname)
         weight_map.update({k: fname for k in names})
@@ -261,8 +295,20 @@ def write_unified(
     if dtype is not None:
         params = {k: lazy.cast(t, dtype) for k, t in params.items()}
     os.makedirs(out_dir, exist_ok=True)
+    state_key = {k: k for k in params}  # the name each param's optimizer state is saved under
+    if flavour == paddleformers.PADDLENLP:
+        model_files = {k: _storable(t) for k, t in params.items()}
+        file_format = "np"
+    else:  # as PaddleFormers' prepare_safe_save_state_dict: bf16 as BF16, {"format": "pt"}
+        model_files = dict(params)
+        file_format = "pt"
+        if getattr(config, "tie_word_embeddings", False) and TIED_EMBEDDING in params:
+            # the model's state dict lists the shared param under the head's name too, and the
+            # optimizer keys take the last structured name of each param
+            model_files.setdefault(TIED_HEAD, params[TIED_EMBEDDING])
+            state_key[TIED_EMBEDDING] = TIED_HEAD
     written = _write_group(
-        out_dir, "model", MODEL_INDEX, {k: _storable(t) for k, t in params.items()}, max_shard_bytes
+        out_dir, "model", MODEL_INDEX, model_files, max_shard_bytes, file_format=file_format
     )
     if slots:
         accumulator = {slot: acc for acc, slot in SLOT_OF_ACCUMULATOR.items()}
@@ -282,11 +328,11 @@ def write_unified(
         per_slot = {slot: stored(tensors, slot) for slot, tensors in slots.items()}
         for k in params:
             for slot, tensors in per_slot.items():
-                opt[f"{k}/{accumulator[slot]}{ACCUMULATOR_SUFFIX}"] = lazy.cast(
+                opt[f"{state_key[k]}/{accumulator[slot]}{ACCUMULATOR_SUFFIX}"] = lazy.cast(
                     tensors[k], np.float32
                 )
             for acc, value in pow_values.items():
-                opt[f"{k}/{acc}{ACCUMULATOR_SUFFIX}"] = lazy.ArrayTensor(value)
+                opt[f"{state_key[k]}/{acc}{ACCUMULATOR_SUFFIX}"] = lazy.ArrayTensor(value)
         written += _write_group(
             out_dir,
             "optimizer",
@@ -301,7 +347,7 @@ def write_unified(
             out_dir,
             "master_weights",
             MASTER_INDEX,
-            {k: lazy.cast(mw[k], np.float32) for k in params},
+            {state_key[k]: lazy.cast(mw[k], np.float32) for k in params},
             max_shard_bytes,
         )
     from models import config_to_hf

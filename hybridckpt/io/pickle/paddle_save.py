@@ -154,10 +154,11 @@ PADDLE_POLICY = Policy(
             for core in ("numpy.core", "numpy._core")
         },
     },
-    ("paddle.", "paddlenlp.", "paddlefleet."),
+    ("paddle.", "paddlenlp.", "paddleformers.", "paddlefleet."),
 )
 """Plain containers, `builtins.tuple` (the `(name, ndarray)` form), guarded numpy arrays (lazy
-when large), `_codecs.encode` (protocol 2); paddle/paddlenlp globals become stubs."""
+when large), `_codecs.encode` (protocol 2); paddle/paddlenlp/paddleformers globals become stubs
+(PaddleFormers' Trainer pickles its `TrainingArguments` into `training_args.bin`)."""
 
 
 def _unslot(x, seen=None):
