@@ -388,7 +388,7 @@ def _colossal_setup(folder: str) -> dict:
     from fixtures import paddle_writer as pw
 
     out = os.path.join(folder, "colossal")
-    ref = pw.reference_llama(4, vocab=11, hidden=8, mlp=8, layers=1, heads=2, kv_heads=2)
+    ref = pw.reference_llama(4, vocab=12, hidden=8, mlp=8, layers=1, heads=2, kv_heads=2)
     cw.write_colossal(out, ref.params, layers=1, tp=2, safetensors=True, params_per_shard=20)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(ref.config, f)

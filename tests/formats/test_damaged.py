@@ -200,7 +200,7 @@ def test_colossal_offsets_and_lengths(sources, tmp_path, item, match):
     doc = json.loads(meta.read_text())
     doc["metadata"][damage.GATE].update(item)
     meta.write_text(json.dumps(doc))
-    with pytest.raises(FormatError, match=rf"index\.json: 'model\.layers\.0\.mlp\.gate_proj\.weight': {match}"):
+    with pytest.raises(FormatError, match=rf"meta-dist-00001\.json: 'model\.layers\.0\.mlp\.gate_proj\.weight': {match}"):
         damage.read_everything(str(path), "colossal")
 
 
