@@ -219,7 +219,7 @@ def child_read_only(src: str) -> dict:
     """Every tile an import onto MESH would write, read and cast (and checksummed), then dropped."""
     _devices()
     from hybridckpt import jobs, lazy, naming, plan
-    from hybridckpt.io import parallel
+    from hybridckpt.lazy import parallel
     from hybridckpt.mesh import mesh_from_shape
     from hybridckpt.naming import flatten
     from hybridckpt.store import stream

@@ -26,7 +26,7 @@ from hybridckpt import lazy
 from hybridckpt.errors import MappingError
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.rules import RuleSet, parse_rules
-from hybridckpt.source import SourceCheckpoint
+from hybridckpt.source_checkpoint import SourceCheckpoint
 
 
 def nest(flat: Mapping[str, Any]) -> dict:
@@ -121,7 +121,7 @@ def source_to_hf(
     """Tensors and slots of `src` under HF names, by the user's rules, then the source's, then the
     family's name fixes (`models.hf_name_fixes`). All apply with `apply_unstack`: a rule whose source is stacked (`experts.w[$E]`) takes a tensor
     with a leading experts axis apart into per-expert HF names (grouped expert weights)."""
-    import models
+    from hybridckpt import models
 
     named = source_named(src)
     if user_rules is not None:
@@ -142,7 +142,7 @@ def source_to_hf(
 
 def model_rules(cfg: Any) -> RuleSet:
     """The family's rules from HF names to the flat params tree of `cfg`."""
-    import models
+    from hybridckpt import models
 
     text, origin = models.hf_rules(cfg)
     return parse_rules(text, models.rule_variables(cfg), origin=origin)
@@ -164,7 +164,7 @@ def _check_against(flat: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]
 def hf_to_tree(hf: Named, cfg: Any, *, strict: bool = True) -> Named:
     """HF-named params and slots -> flat tree paths (`layers.q.kernel`) of `cfg`'s params,
     checked against the model's shapes (every slot must cover every param)."""
-    import models
+    from hybridckpt import models
 
     out = map_named(hf, model_rules(cfg), strict=strict)
     shapes = flatten(models.param_shape_tree(cfg))
@@ -185,7 +185,7 @@ def _placeholder(shape: tuple[int, ...]) -> LazyTensor:
 def model_hf_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
     """The HF names and shapes of every tensor `cfg`'s model has (derived from the inverse of
     the family's rules; nothing read or allocated)."""
-    import models
+    from hybridckpt import models
 
     flat = {k: _placeholder(tuple(s)) for k, s in flatten(models.param_shape_tree(cfg)).items()}
     return {k: tuple(t.shape) for k, t in model_rules(cfg).invert().apply_unstack(flat).tensors.items()}

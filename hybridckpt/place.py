@@ -12,8 +12,7 @@ from typing import Any
 import jax
 
 from hybridckpt import checksum, lazy
-from hybridckpt.io import parallel
-from hybridckpt.lazy import LazyTensor
+from hybridckpt.lazy import LazyTensor, parallel
 from hybridckpt.naming import flatten, nest
 from hybridckpt.plan import box_holders, box_owners
 
@@ -24,7 +23,7 @@ def to_array(t: LazyTensor, sharding: jax.sharding.Sharding, dtype=None, *, with
     of the boxes this process owns (`plan.box_owners`).
 
     Each distinct box of this process's devices is read once, by the reader pool
-    (`hybridckpt.io.parallel`, at most `io_threads()` boxes held at a time), into its own buffer,
+    (`hybridckpt.lazy.parallel`, at most `io_threads()` boxes held at a time), into its own buffer,
     which goes straight to every device holding it (`jax.device_put` per shard): no host copy
     of the global array is ever made, and reads overlap host-to-device transfers.
     `with_checksum=False` skips the checksum (0): a restore whose reads are checked already.

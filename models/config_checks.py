@@ -10,9 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from models.errors import ConfigError
-from models.rope import read_hf_rope, rope_type
-
+from hybridckpt.models.errors import ConfigError
+from hybridckpt.models.rope import read_hf_rope, rope_type
 
 MAX_SIZE = 1 << 31  # the largest size field a config may hold (vocab, hidden, layers, heads...): a
 # config is untrusted data, and shapes, loops and rule variables are computed from these

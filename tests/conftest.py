@@ -1,6 +1,6 @@
 """Test session set-up: 8 simulated host devices before jax initialises (the same tests run on GPUs).
 
-The tests are laid out like the code: `lazy/`, `rules/`, `io/` (`io/pickle/`), `optim/`,
+The tests are laid out like the code: `lazy/`, `rules/`, `io/` (`containers/pickle/`), `optim/`,
 `formats/` (one file per format, plus damaged files), `store/` (our Orbax checkpoints: manager,
 streaming save, restore, checksums, crash safety), `jobs/` (the CLI and the jobs end to end),
 `families/` (the model families of `models/`; a folder named `models` here would shadow that

@@ -11,10 +11,9 @@ import os
 import jax
 import numpy as np
 
-import models
-from hybridckpt import jobs, naming
-from hybridckpt.formats import open_source
+from hybridckpt import jobs, models, naming
 from hybridckpt.mesh import mesh_from_shape, tree_shardings
+from hybridckpt.readers import open_source
 from hybridckpt.store.restore import restore
 
 

@@ -31,10 +31,10 @@ from attacks.hostile import (
 
 import hybridckpt
 from hybridckpt.cli import main
+from hybridckpt.containers.safetensors_file import read_header
 from hybridckpt.demo import sample_path
 from hybridckpt.errors import HybridCkptError
 from hybridckpt.io.byte_source import close_all
-from hybridckpt.io.safetensors_file import read_header
 
 CLI = [sys.executable, "-m", "hybridckpt.cli"]
 
@@ -322,7 +322,7 @@ def test_runs_copied_file_to_file_are_checked_too(imported, tmp_path, capsys, bu
 
 
 def test_verify_fails_on_a_changed_moment_and_says_what_it_compared(imported, tmp_path, capsys):
-    from hybridckpt.io.safetensors_file import write
+    from hybridckpt.containers.safetensors_file import write
 
     out = str(tmp_path / "out")
     assert cli(capsys, "export", imported, out, "--optimizer")[0] == 0
@@ -370,7 +370,7 @@ def test_a_destination_over_the_source_is_refused_and_the_source_kept(imported, 
 
 
 def test_a_second_job_on_the_same_destination_is_refused_naming_the_first(tmp_path, capsys):
-    from hybridckpt.io.destination import Destination
+    from hybridckpt.writers.destination import Destination
 
     dst = str(tmp_path / "dst")
     with Destination(dst) as _tmp:  # a job holding dst (this process)
@@ -382,7 +382,7 @@ def test_a_second_job_on_the_same_destination_is_refused_naming_the_first(tmp_pa
 
 _HOLDER = """
 import sys, time
-from hybridckpt.io.destination import Destination
+from hybridckpt.writers.destination import Destination
 with Destination(sys.argv[1]) as tmp:
     print("holding", flush=True)
     time.sleep(600)

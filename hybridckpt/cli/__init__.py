@@ -5,7 +5,7 @@ Errors of the project's family print one line and exit 2 (`--debug` shows the tr
 summary: arrays or tensors, bytes, rate, peak memory.
 
 Ctrl-C at any moment prints one line and exits 130; the jobs write atomically (a temporary
-sibling renamed into place, `io.destination`), and the handler removes what is being written, so
+sibling renamed into place, `writers.destination`), and the handler removes what is being written, so
 an interrupted job leaves nothing, or the previous checkpoint, at its destination and nothing
 beside it. Once a job has put its output in place, a late Ctrl-C is ignored: the job reports its
 success.

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from hybridckpt import readers
 from hybridckpt.cli import commands
 
-# every name of `formats.available()` (spelled out: importing the readers would slow every start;
-# tests/jobs/test_newcomer.py checks the two agree)
-FORMAT_CHOICES = [
-    "auto", "hf", "orbax", "megatron", "megatron-dist", "meta-llama", "dcp", "flex-checkpoint",
-    "deepspeed", "paddle", "paddle-unified", "colossal",
-]
+FORMAT_CHOICES = ["auto", *readers.NAMES]  # `hybridckpt.readers`: names only, no reader imported
 SRC_HELP = "checkpoint folder or file of any supported format, or a hybridckpt (Orbax) checkpoint"
 NO_VERIFY_HELP = ("read a hybridckpt (Orbax) source without checking each chunk against the CRC-32 recorded "
                   "at import (default: every read is checked; a damaged chunk is an error naming it)")

@@ -37,13 +37,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridckpt import lazy
+from hybridckpt.containers.pickle import torch_save
+from hybridckpt.containers.safetensors_file import read_header
 from hybridckpt.errors import FormatError
 from hybridckpt.formats.config_file import config_beside, read_json
 from hybridckpt.io.paths import plain_name
-from hybridckpt.io.pickle import torch_save
-from hybridckpt.io.safetensors_file import read_header
 from hybridckpt.lazy import LazyTensor
-from hybridckpt.source import SourceCheckpoint
+from hybridckpt.source_checkpoint import SourceCheckpoint
 
 NAME = "colossal"
 META_RE = re.compile(r"^pytorch_model-meta-dist-(?P<id>\d+)(?:\.index)?\.json$")

@@ -9,7 +9,6 @@ import os
 
 from hybridckpt.errors import ConfigError, FormatError, UnknownModelError
 
-
 MAX_METADATA_BYTES = 256 << 20  # bytes: the largest JSON index or metadata file read
 MAX_TEXT_BYTES = 4096  # bytes: the largest tracker / tag file (`latest`, `latest_checkpointed_iteration.txt`)
 
@@ -72,7 +71,7 @@ def config_beside(*folders: str, config=None, required_for: str | None = None):
     """
     if config is not None:
         return config
-    from models import config_from_hf
+    from hybridckpt.models import config_from_hf
 
     for folder in folders:
         path = os.path.join(folder, "config.json")

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import os
 
-import models
+from hybridckpt import models
+from hybridckpt.containers.safetensors_file import read_header
 from hybridckpt.errors import FormatError, short_repr
 from hybridckpt.formats.config_file import config_beside, read_json
 from hybridckpt.formats.torch_optim import check_complete
 from hybridckpt.io.paths import check_relative
-from hybridckpt.io.safetensors_file import read_header
 from hybridckpt.lazy import LazyTensor
-from hybridckpt.source import OptimizerState, SourceCheckpoint
+from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
 NAME = "hf"
 WEIGHTS = "model.safetensors"

@@ -1,6 +1,6 @@
 """What an interrupt must clean up, and when it must wait: shared by the writers and the CLI.
 
-A job writes into temporary siblings of its destination (`io.destination`) and renames them into
+A job writes into temporary siblings of its destination (`writers.destination`) and renames them into
 place. `temporaries()` lists the paths written now (a folder being filled, its lock file): the
 CLI's SIGINT handler removes them and exits 130 at once, instead of unwinding through Orbax's and
 TensorStore's threads. `committing()` marks the few renames that swap a finished folder in:

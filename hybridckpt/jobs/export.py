@@ -70,18 +70,18 @@ def export_checkpoint(
     config: a config path or model config for sources that carry none (omit it to consolidate
       under the source's own names). step: which step of a hybridckpt (Orbax) source.
     to: "hf", or a Paddle unified layout ("paddlenlp-unified", "paddleformers-unified":
-      `formats/paddle/export.py`).
+      `writers/paddle_unified.py`).
     direct_io: the HF safetensors files written with O_DIRECT through two aligned buffers (default;
       False: through the page cache, runs copied file to file by the kernel): `io.sequential_file`.
     verify_reads: a hybridckpt (Orbax) source's chunks checked against their import's CRC-32s.
     """
     from hybridckpt import naming
-    from hybridckpt.io import parallel
-    from hybridckpt.io.destination import Destination
-    from hybridckpt.io.hf_folder import DEFAULT_SHARD_BYTES, write_hf
-    from hybridckpt.io.safetensors_file import WRITE_BLOCK_BYTES
+    from hybridckpt.containers.safetensors_file import WRITE_BLOCK_BYTES
     from hybridckpt.jobs.import_ import np_dtype
     from hybridckpt.jobs.open import open_checkpoint
+    from hybridckpt.lazy import parallel
+    from hybridckpt.writers.destination import Destination
+    from hybridckpt.writers.hf_folder import DEFAULT_SHARD_BYTES, write_hf
 
     t0 = time.perf_counter()
     if io_threads is not None:
@@ -90,8 +90,8 @@ def export_checkpoint(
     Destination(out, overwrite=overwrite, sources=[opened.path]).preflight()  # before any read
     cfg = opened.config
     named = naming.model_hf(opened.named, cfg) if cfg is not None else opened.named
-    if to != "hf":  # Paddle's unified layouts (formats/paddle/export.py)
-        from hybridckpt.formats.paddle.export import write_export
+    if to != "hf":  # Paddle's unified layouts (writers/paddle_unified.py)
+        from hybridckpt.writers.paddle_unified import write_export
 
         if optimizer and not named.slots:
             raise CheckpointError(f"{opened.path}: has no optimizer state to export (drop --optimizer)")
@@ -128,7 +128,7 @@ def export_checkpoint(
         set_total(sum(t.nbytes for t in all_t))
     hf_cfg = None
     if cfg is not None:
-        import models
+        from hybridckpt import models
 
         hf_cfg = models.config_to_hf(cfg)
     trainer = {"step": named.step, "source_format": opened.format}

@@ -99,15 +99,14 @@ def import_checkpoint(
     """
     import jax
 
-    import models
-    from hybridckpt import naming, plan
-    from hybridckpt.io import parallel
-    from hybridckpt.io.destination import Destination
+    from hybridckpt import models, naming, plan
     from hybridckpt.jobs.open import open_checkpoint
+    from hybridckpt.lazy import parallel
     from hybridckpt.mesh import MeshShape, mesh_from_shape
     from hybridckpt.store import stream
     from hybridckpt.store.codec import parse_compression
     from hybridckpt.store.save import save_checkpoint
+    from hybridckpt.writers.destination import Destination
 
     t0 = time.perf_counter()
     if io_threads is not None:

@@ -32,8 +32,7 @@ def logits(
     import jax
     import jax.numpy as jnp
 
-    import models
-    from hybridckpt import naming, plan
+    from hybridckpt import models, naming, plan
     from hybridckpt.jobs.open import open_checkpoint, require_config
     from hybridckpt.mesh import MeshShape, mesh_from_shape
     from hybridckpt.place import assemble

@@ -1,7 +1,7 @@
 """Open any checkpoint, ours included: HF-named lazy tensors, optimizer slots, trainer metadata.
 
 `open_checkpoint` is the one way every job sees a checkpoint. It detects the format (or takes
-`fmt`), asks the format (or `store.source` for our own Orbax checkpoints) for a `SourceCheckpoint`
+`fmt`), asks the format (or `store.as_source` for our own Orbax checkpoints) for a `SourceCheckpoint`
 and renames it once, by rules only (`naming.source_to_hf`), to single-card HF names. A source with
 no model config and no `config=` is opened model-agnostic: its tensors keep the source's own
 names (tensor-parallel pieces already merged, pipeline stages already global), which is what
@@ -24,7 +24,7 @@ from hybridckpt.naming import Named
 
 def load_config_file(path: str, vocab_size: int | None = None) -> Any:
     """A model config from an HF `config.json` or a Meta `params.json`."""
-    import models
+    from hybridckpt import models
 
     try:
         data = read_json(path)
@@ -86,17 +86,17 @@ def open_checkpoint(
     verify_reads: every read of our Orbax checkpoint is checked against the CRC-32s its import
       recorded (`store.checked`); False reads it unchecked.
     """
-    from hybridckpt import formats
+    from hybridckpt import readers
 
     path = os.path.abspath(os.fspath(path))
     cfg = _config_arg(config)
-    fmt = formats.detect(path) if fmt == "auto" else fmt
+    fmt = readers.detect(path) if fmt == "auto" else fmt
     if step is not None and fmt != "orbax":
         raise CheckpointError(
             f"{path}: --step selects a step of a hybridckpt (Orbax) checkpoint; this {fmt} "
             f"checkpoint holds one step"
         )
-    src = formats.open_source(path, fmt, config=cfg, step=step, verify_reads=verify_reads)
+    src = readers.open_source(path, fmt, config=cfg, step=step, verify_reads=verify_reads)
     cfg = cfg or src.config
     notes = tuple(src.notes)
     if cfg is None:
@@ -106,7 +106,7 @@ def open_checkpoint(
             named = naming.map_named(named, user, strict=strict)
         notes = named.notes
     else:
-        import models
+        from hybridckpt import models
 
         user = (
             load_user_rules(os.fspath(rules), models.rule_variables(cfg), naming.source_named(src).params)
@@ -127,7 +127,7 @@ def open_checkpoint(
 def _check_fits(src: Any, named: Named | None, cfg: Any, path: str) -> None:
     """A ConfigError when the config's model is not the checkpoint's (fewer than half of the
     model's tensors found under its HF names): said plainly, before any rule's error."""
-    import models
+    from hybridckpt import models
 
     want = naming.model_hf_shapes(cfg)
     have = set(named.params) if named is not None else set()

@@ -179,8 +179,8 @@ def verify_checksums(
     one recorded at import; max_abs_diff is 0 (match) or inf (differs, or not recorded)."""
     from hybridckpt import checksum, optim
     from hybridckpt.errors import HybridCkptError
+    from hybridckpt.store.as_source import resolve
     from hybridckpt.store.reader import UnreadableArray, item_arrays
-    from hybridckpt.store.source import resolve
 
     root, step, state = resolve(os.fspath(path), step)
     recorded = state.get("checksums")

@@ -20,8 +20,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from hybridckpt.errors import CheckpointError
-from hybridckpt.store.checked import CRC_TABLES, read_tree
 from hybridckpt.mesh import MeshShape
+from hybridckpt.store.checked import CRC_TABLES, read_tree
 from hybridckpt.store.layout import (
     OPT_STATE,
     PARAMS,
@@ -42,7 +42,6 @@ from hybridckpt.store.orbax_io import (
     restore_partial,
     standard_save,
 )
-
 
 # what an import records about the arrays it wrote: a later save writes other arrays, so a
 # trainer state carried over from a restore must not bring them along

@@ -9,7 +9,7 @@ Orbax builds, written on TensorStore's public API (`store.ts_spec`), so a box re
 fetches and decompresses only the chunks it overlaps (a stacked `[layers, ...]` leaf saved by
 `hybridckpt import` is chunked per layer: one layer read = one layer's chunks).
 
-This is how every job reads our store (`store.source`): `export` streams: one HF tensor in memory at a time,
+This is how every job reads our store (`store.as_source`): `export` streams: one HF tensor in memory at a time,
 instead of restoring the whole tree onto one device.
 
 Raw chunks: where an array is stored uncompressed (zarr v2 `compressor: null`, no filters, C order,
@@ -35,9 +35,8 @@ import numpy as np
 
 from hybridckpt.errors import CheckpointError
 from hybridckpt.formats.config_file import read_json
-from hybridckpt.formats.dcp.views import tiled
 from hybridckpt.io.byte_source import ByteSource
-from hybridckpt.lazy import ArrayTensor, Box, FileRun, LazyTensor, StoredTensor
+from hybridckpt.lazy import ArrayTensor, Box, FileRun, LazyTensor, StoredTensor, tiled
 from hybridckpt.store import ts_spec
 from hybridckpt.store.chunk_index import OCDBT_MANIFEST, ItemIndex, read_index
 

@@ -1,7 +1,7 @@
 """One-shot atomic save of a one-step checkpoint root, also under `jax.distributed`.
 
 Everything is written into a temporary sibling `.<name>.tmp-<id>` and renamed into place once
-complete (`io.destination`), so the destination never holds a half-written checkpoint; a failed
+complete (`writers.destination`), so the destination never holds a half-written checkpoint; a failed
 write (disk full, read-only, permissions) is one CheckpointError naming the OS reason and leaves
 the previous contents.
 """
@@ -21,9 +21,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from hybridckpt.errors import CheckpointError
-from hybridckpt.io.destination import Destination
 from hybridckpt.store.layout import TRAINER_STATE
 from hybridckpt.store.manager import CheckpointStore
+from hybridckpt.writers.destination import Destination
 
 
 def save_checkpoint(
@@ -46,7 +46,7 @@ def save_checkpoint(
     import records the checksums of the arrays it streamed.
 
     Everything is written into a temporary sibling `.<name>.tmp-<id>` and renamed into place
-    once complete, so `directory` never holds a half-written checkpoint (`io.destination`: the
+    once complete, so `directory` never holds a half-written checkpoint (`writers.destination`: the
     lock against a second job, the checks against `sources`, what an interrupt leaves). A
     non-empty `directory` is refused unless `overwrite=True` (then it is replaced, also by rename).
     Under `jax.distributed` every process calls this with the same arguments: they write one

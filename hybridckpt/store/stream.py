@@ -8,7 +8,7 @@ commit); only the data path differs (`store.stream_orbax`: the Orbax type handle
 - every distinct shard box is written once, by the process of the lowest-id device holding it,
   as tiles: boxes made of whole chunks of at most `tile_bytes` (`plan_tiles`; a stacked
   `[layers, ...]` leaf is chunked per layer, so its tiles are whole layers);
-- the reader pool (`hybridckpt.io.parallel`) fills a fresh buffer per tile (`read_tile`:
+- the reader pool (`hybridckpt.lazy.parallel`) fills a fresh buffer per tile (`read_tile`:
   `LazyTensor.read_into`: preads, casts, TP concatenation) and adds the tile's part of the leaf's
   checksum (`checksum.CHUNKS` on the chunk grid);
 - raw chunks (the default codec) go straight to their files from the reader thread

@@ -34,12 +34,12 @@ import tensorstore as ts
 # The two Orbax internals still used (tests/store/test_orbax_private.py pins them; orbax-checkpoint 0.12):
 # _async_serialize_shardings: writes the item's `_sharding` record exactly as Orbax's own ArrayHandler does
 from orbax.checkpoint._src.serialization import jax_array_handlers
+
 # build_array_write_spec: the zarr spec and ArrayMetadata (chunk shape from SaveArgs) Orbax's save records
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
-from hybridckpt.io import parallel
 from hybridckpt.io.writeback import fsync_folder
-from hybridckpt.lazy import Box, box_shape
+from hybridckpt.lazy import Box, box_shape, parallel
 from hybridckpt.store import chunk_files, stream
 from hybridckpt.store.codec import apply_codec, parse_compression
 from hybridckpt.store.stream import LazyLeaf, StreamOptions, opts_of, owned_boxes, plan_tiles

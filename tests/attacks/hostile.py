@@ -87,7 +87,7 @@ def raw_header_file(path: str, header_text: str, data: bytes = b"") -> None:
 
 def unknown_arch_folder(folder: str, tensors: dict[str, np.ndarray], config: dict | None = None) -> None:
     """An HF folder of an architecture no family implements: tensors keep their own names."""
-    from hybridckpt.io.safetensors_file import write
+    from hybridckpt.containers.safetensors_file import write
 
     os.makedirs(folder, exist_ok=True)
     write(os.path.join(folder, "model.safetensors"), tensors, {"format": "pt"})

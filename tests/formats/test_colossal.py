@@ -16,7 +16,7 @@ import torch
 from fixtures import colossal_writer as cw
 from fixtures import paddle_writer as pw
 
-from hybridckpt import formats, naming
+from hybridckpt import naming, readers
 from hybridckpt.errors import FormatError
 from hybridckpt.formats import colossal
 from hybridckpt.io.byte_source import count_reads
@@ -58,7 +58,7 @@ def _meta(path, dist_id=0):
 )
 def test_import_bitwise(tmp_path, ref, kw):
     path = _write(tmp_path, ref, **kw)
-    assert formats.detect(path) == "colossal"
+    assert readers.detect(path) == "colossal"
     tp = kw.get("tp", 2)
     if tp > 1:  # the last rank's piece of the vocab starts at its partition
         meta = json.loads(_meta(tmp_path, tp - 1).read_text())["metadata"][

@@ -25,7 +25,7 @@ from fixtures import colossal_writer as cw
 from fixtures.torch_common import load_reference, perturbed_model, reference_names
 
 from hybridckpt import jobs
-from hybridckpt.formats import detect, open_source
+from hybridckpt.readers import detect, open_source
 
 # every dim divides by tp=2 and the 2 layers by pp=2
 SMALL = dict(

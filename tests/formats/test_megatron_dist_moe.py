@@ -21,9 +21,8 @@ from e2e import assert_same, roundtrip
 from fixtures.megatron_dist_moe_writer import write_torch_dist_moe
 from fixtures.megatron_moe_writer import make_moe
 
-import models
-from hybridckpt import jobs
-from hybridckpt.formats import open_source
+from hybridckpt import jobs, models
+from hybridckpt.readers import open_source
 
 
 @pytest.mark.parametrize(

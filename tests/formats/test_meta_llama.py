@@ -14,11 +14,11 @@ import pytest
 import torch
 from fixtures.meta_writer import meta_llama_reference, to_meta_rows, write_meta
 
-import models
+from hybridckpt import models
 from hybridckpt.errors import ConfigError, FormatError
-from hybridckpt.formats import detect, open_source
 from hybridckpt.io.byte_source import count_reads
 from hybridckpt.lazy import ArrayTensor
+from hybridckpt.readers import detect, open_source
 from hybridckpt.rules import parse_rules
 
 

@@ -26,7 +26,7 @@ from fixtures.torch_common import load_reference, reference_names
 from test_families_in_formats import TOKENS, _transformers_logits, _write
 
 from hybridckpt import jobs
-from hybridckpt.formats import detect, open_source
+from hybridckpt.readers import detect, open_source
 
 MOE_FFN = 8
 

@@ -30,12 +30,13 @@ from fixtures.torch_common import load_reference, reference_names
 from safetensors.numpy import load_file
 
 from hybridckpt import jobs, lazy, naming
+from hybridckpt.containers.dcp_metadata import read_metadata
 from hybridckpt.errors import FormatError
-from hybridckpt.formats import dcp, detect
+from hybridckpt.formats import dcp
 from hybridckpt.formats.dcp import torchtitan
 from hybridckpt.io.byte_source import count_reads
-from hybridckpt.io.dcp_metadata import read_metadata
 from hybridckpt.jobs.open import load_config_file
+from hybridckpt.readers import detect
 from hybridckpt.rules import parse_rules
 
 WRITER = os.path.join(FIXTURES, "titan_moe_writer.py")

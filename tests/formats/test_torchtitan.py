@@ -21,12 +21,12 @@ from fixtures.ckpt_checks import optax_next
 from fixtures.titan_writer import STEPS, write_titan
 from fixtures.torch_common import load_reference, reference_names
 
-import models
-from hybridckpt import jobs, lazy, naming
-from hybridckpt.formats import dcp, detect
+from hybridckpt import jobs, lazy, models, naming
+from hybridckpt.containers.dcp_metadata import read_metadata
+from hybridckpt.formats import dcp
 from hybridckpt.formats.dcp import torchtitan
-from hybridckpt.io.dcp_metadata import read_metadata
 from hybridckpt.jobs.open import load_config_file
+from hybridckpt.readers import detect
 from hybridckpt.rules import parse_rules
 
 NAMES = ("llama3", "qwen3", "llama3_tied")

@@ -8,9 +8,10 @@ import pytest
 from safetensors.numpy import load_file
 
 from hybridckpt import jobs
+from hybridckpt.containers import safetensors_file
 from hybridckpt.demo import sample_path
-from hybridckpt.io import parallel, safetensors_file
 from hybridckpt.io.sequential_file import SequentialFile
+from hybridckpt.lazy import parallel
 
 BIG = {f"model.layers.{i}.mlp.up_proj.weight": (256, 128) for i in range(3)}  # 128 KiB fp32 each
 

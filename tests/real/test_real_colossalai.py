@@ -21,7 +21,8 @@ from roundtrip_real import bitwise_equal, import_export, mesh_pair
 
 from hybridckpt import jobs
 from hybridckpt.errors import FormatError
-from hybridckpt.formats import colossal, detect
+from hybridckpt.formats import colossal
+from hybridckpt.readers import detect
 
 CASES = ["colossal_tp2_sharded_bin", "colossal_tp2_sharded_safetensors", "colossal_tp2_unsharded"]
 LOGITS_ATOL = 1e-5
@@ -37,7 +38,7 @@ def _weights(ref: dict) -> dict:
 
 @pytest.mark.parametrize("case", CASES)
 def test_reader_gives_the_model_bit_for_bit(case):
-    import models
+    from hybridckpt import models
 
     path = ckpt(case)
     assert detect(path) == "colossal" and not os.path.exists(os.path.join(path, "config.json"))

@@ -11,12 +11,11 @@ Megatron's own step (relative 1e-5), and the same step with the count off by one
 
 from __future__ import annotations
 
+import cases
 import jax
 import numpy as np
 import optax
 import pytest
-
-import cases
 from megatron_reference import to_hf
 
 DENSE = "megatron_core_dense_dp_reshardable"
@@ -130,7 +129,7 @@ def test_moe_expert_keys_are_megatrons():
     """megatron-core writes a routed expert's weights under `...mlp.experts.experts.linear_fc1.
     weight` (the MoE layer's `experts.` and SequentialMLP's own), layer and global expert axes
     prepended: what the reader must take apart (rules/megatron_dist_experts.rules)."""
-    from hybridckpt.io.dcp_metadata import read_metadata
+    from hybridckpt.containers.dcp_metadata import read_metadata
 
     md = read_metadata(cases.ckpt(MOE, "iter_0000003"))
     shapes = {k: tuple(e.shape) for k, e in md.tensors.items() if ".experts." in k}

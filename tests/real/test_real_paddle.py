@@ -32,7 +32,7 @@ from cases import all_cases, case_dir, ckpt, manifest, reference
 from e2e import roundtrip
 
 import hybridckpt
-from hybridckpt import formats
+from hybridckpt import readers
 from hybridckpt.errors import FormatError
 from hybridckpt.formats import flex_checkpoint
 from hybridckpt.formats.paddle import unified as paddle_unified
@@ -113,7 +113,7 @@ def test_corpus_has_the_paddleformers_runs():
 def test_import_restore_export_bitwise(imported, case, fmt):
     """Import on mesh A, restore on mesh B, export: Paddle's runtime values bit for bit."""
     m = manifest(case)
-    assert formats.detect(src(case, fmt)) == DETECTED[fmt]
+    assert readers.detect(src(case, fmt)) == DETECTED[fmt]
     _, params, mu, nu, step = imported(case, fmt)
     assert_digests(params, weights_digests(m), "params")
     assert_digests(mu, m["digests"]["exp_avg"], "exp_avg")

@@ -22,9 +22,10 @@ from e2e import assert_same, roundtrip
 from fixtures.ckpt_checks import optax_next
 
 from hybridckpt import jobs, lazy
-from hybridckpt.formats import dcp, detect
-from hybridckpt.io.dcp_metadata import read_metadata
+from hybridckpt.containers.dcp_metadata import read_metadata
+from hybridckpt.formats import dcp
 from hybridckpt.jobs.open import load_config_file
+from hybridckpt.readers import detect
 
 CASES = ("torchtitan_llama3", "torchtitan_qwen3", "torchtitan_qwen3_moe")
 STEP = 3

@@ -18,17 +18,16 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from oracles import checksum_reference
 
-import models
-from hybridckpt import checksum, jobs, lazy, naming, place
+from hybridckpt import checksum, jobs, lazy, models, naming, place
+from hybridckpt.containers.safetensors_file import read_header as read_safetensors
 from hybridckpt.demo import sample_path
 from hybridckpt.errors import ConfigError
-from hybridckpt.io import parallel
 from hybridckpt.io.byte_source import ByteSource
-from hybridckpt.io.hf_folder import write_hf
-from hybridckpt.io.safetensors_file import read_header as read_safetensors
+from hybridckpt.lazy import parallel
 from hybridckpt.mesh import make_mesh, tree_shardings
 from hybridckpt.plan import abstract_tree
 from hybridckpt.store import CheckpointStore, save_checkpoint, stream
+from hybridckpt.writers.hf_folder import write_hf
 
 RNG = np.random.default_rng(0)
 

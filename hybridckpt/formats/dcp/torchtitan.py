@@ -69,10 +69,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hybridckpt import lazy
+from hybridckpt.containers.dcp_metadata import DcpMetadata, metadata_files
 from hybridckpt.errors import FormatError
 from hybridckpt.formats.dcp.storage import load_item
 from hybridckpt.formats.rules_files import load_rules, rules_text
-from hybridckpt.io.dcp_metadata import DcpMetadata, metadata_files
 from hybridckpt.lazy import LazyTensor
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -244,7 +244,7 @@ def num_experts(cfg) -> int | None:
     """The number of routed experts a model config declares, or None (no config, or not MoE)."""
     if cfg is None:
         return None
-    import models
+    from hybridckpt import models
 
     for key in ("num_experts", "n_routed_experts", "num_local_experts"):
         v = models.rule_variables(cfg).get(key, getattr(cfg, key, None))

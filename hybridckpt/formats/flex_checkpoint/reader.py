@@ -34,6 +34,8 @@ from importlib import resources
 import numpy as np
 
 from hybridckpt import lazy
+from hybridckpt.containers.pickle.allow import Stub
+from hybridckpt.containers.pickle.machine import safe_load_file
 from hybridckpt.errors import FormatError, HybridCkptError
 from hybridckpt.formats.config_file import config_beside, read_json
 from hybridckpt.formats.flex_checkpoint.metadata import (
@@ -51,10 +53,8 @@ from hybridckpt.formats.paddle.optimizer import (
     optimizer_step,
     scalar,
 )
-from hybridckpt.io.pickle.allow import Stub
-from hybridckpt.io.pickle.machine import safe_load_file
 from hybridckpt.lazy import LazyTensor
-from hybridckpt.source import OptimizerState, SourceCheckpoint
+from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
 NAME = "flex-checkpoint"
 MODEL, OPTIMIZER, MASTER = "model_state", "optimizer_state", "master_weight"

@@ -19,9 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hybridckpt.containers.pickle import torch_save
 from hybridckpt.errors import FormatError, short_repr
 from hybridckpt.formats.config_file import read_small_text
-from hybridckpt.io.pickle import torch_save
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"

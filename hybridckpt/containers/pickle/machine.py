@@ -29,12 +29,12 @@ import os
 import pickle
 import struct
 
+from hybridckpt.containers.pickle.allow import Contextual, Policy, short_repr, stub_class
+from hybridckpt.containers.pickle.base_policy import BASE_POLICY
+from hybridckpt.containers.pickle.numpy_guard import finalize
+from hybridckpt.containers.pickle.opcodes import check_pickle
 from hybridckpt.errors import FormatError, HybridCkptError, UnsafePickleError
 from hybridckpt.io.byte_source import ByteSource
-from hybridckpt.io.pickle.allow import Contextual, Policy, short_repr, stub_class
-from hybridckpt.io.pickle.base_policy import BASE_POLICY
-from hybridckpt.io.pickle.numpy_guard import finalize
-from hybridckpt.io.pickle.opcodes import check_pickle
 
 _MISSING = object()
 

@@ -32,13 +32,13 @@ import struct
 import zipfile
 import zlib
 
+from hybridckpt.containers.pickle.allow import Policy
+from hybridckpt.containers.pickle.machine import safe_loads
+from hybridckpt.containers.pickle.opcodes import Truncated, check_pickle
+from hybridckpt.containers.pickle.torch_policy import TorchDtype
+from hybridckpt.containers.pickle.torch_tensors import TORCH_SAVE_POLICY, Storage, unpickle_tensors
 from hybridckpt.errors import FormatError
 from hybridckpt.io.byte_source import ByteSource
-from hybridckpt.io.pickle.allow import Policy
-from hybridckpt.io.pickle.machine import safe_loads
-from hybridckpt.io.pickle.opcodes import Truncated, check_pickle
-from hybridckpt.io.pickle.torch_policy import TorchDtype
-from hybridckpt.io.pickle.torch_tensors import TORCH_SAVE_POLICY, Storage, unpickle_tensors
 
 __all__ = ["load", "is_torch_zip", "is_torch_legacy"]
 

@@ -85,7 +85,7 @@ def _trainer_state_file(root: str, step: int) -> dict | None:
 def model_config(state: dict, config: Any = None) -> Any:
     """The model config of a checkpoint: `config` when given, else the saved one (None for a
     model-agnostic import)."""
-    import models
+    from hybridckpt import models
 
     if config is not None:
         return config
@@ -98,9 +98,9 @@ def open(path: str, *, config: Any = None, step: int | None = None, verify_reads
     array is read through the CRC-32s its import recorded (`store.checked`) unless
     `verify_reads=False`."""
     from hybridckpt import naming, optim
-    from hybridckpt.source import OptimizerState, SourceCheckpoint
-    from hybridckpt.store.keys import NAMES_KEY, original_names
+    from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
     from hybridckpt.store.checked import checked_arrays
+    from hybridckpt.store.keys import NAMES_KEY, original_names
     from hybridckpt.store.reader import item_arrays
 
     root, step, state = resolve(path, step)

@@ -3,7 +3,7 @@
 `<hf name>.exp_avg`, `<hf name>.exp_avg_sq`), and a 0-d int64 `step`.
 
 Everything is written into a temporary sibling of the destination and renamed into place when
-complete (`io.destination`: checked against the sources, locked against a second job), so a
+complete (`writers.destination`: checked against the sources, locked against a second job), so a
 failed or killed export leaves no folder that looks complete. Tensors are read and written one at
 a time: peak memory is the largest tensor, not the checkpoint.
 """
@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
-from hybridckpt.io import safetensors_file as sf
-from hybridckpt.io.destination import Destination
+from hybridckpt.containers import safetensors_file as sf
 from hybridckpt.lazy import ArrayTensor, LazyTensor
+from hybridckpt.writers.destination import Destination
 
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 

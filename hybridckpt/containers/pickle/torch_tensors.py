@@ -29,11 +29,11 @@ from types import MappingProxyType
 
 import numpy as np
 
+from hybridckpt.containers.pickle.allow import Contextual, Frozen, Policy, Token
+from hybridckpt.containers.pickle.machine import RestrictedUnpickler, safe_loads
+from hybridckpt.containers.pickle.torch_policy import TORCH_DTYPES, TORCH_POLICY, TorchDtype
 from hybridckpt.errors import FormatError, UnsafePickleError
 from hybridckpt.io.byte_source import ByteSource
-from hybridckpt.io.pickle.allow import Contextual, Frozen, Policy, Token
-from hybridckpt.io.pickle.machine import RestrictedUnpickler, safe_loads
-from hybridckpt.io.pickle.torch_policy import TORCH_DTYPES, TORCH_POLICY, TorchDtype
 from hybridckpt.lazy import ArrayTensor, LazyTensor, stored_strided
 
 # -- storages --------------------------------------------------------------------------------

@@ -38,13 +38,17 @@ import ml_dtypes
 import numpy as np
 
 from hybridckpt import lazy
+from hybridckpt.containers.pickle.allow import Contextual, Policy, Stub, UnpicklerView, short_repr
+from hybridckpt.containers.pickle.base_policy import BASE_ALLOWED
+from hybridckpt.containers.pickle.machine import (
+    RestrictedUnpickler,
+    refuse_named_threat,
+    safe_loads,
+)
+from hybridckpt.containers.pickle.numpy_guard import NDARRAY
+from hybridckpt.containers.pickle.opcodes import FRAME_SIZE, scan_pickle
 from hybridckpt.errors import FormatError, UnsafePickleError
 from hybridckpt.io.byte_source import ByteSource
-from hybridckpt.io.pickle.allow import Contextual, Policy, Stub, UnpicklerView, short_repr
-from hybridckpt.io.pickle.base_policy import BASE_ALLOWED
-from hybridckpt.io.pickle.machine import RestrictedUnpickler, refuse_named_threat, safe_loads
-from hybridckpt.io.pickle.numpy_guard import NDARRAY
-from hybridckpt.io.pickle.opcodes import FRAME_SIZE, scan_pickle
 from hybridckpt.lazy import ArrayTensor, LazyTensor, StoredTensor
 
 NAME_TABLE = "StructuredToParameterName@@"

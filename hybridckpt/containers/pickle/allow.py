@@ -28,7 +28,6 @@ from typing import Protocol
 
 from hybridckpt.errors import UnsafePickleError, short_repr  # noqa: F401 - short_repr re-exported
 
-
 # -- policy ------------------------------------------------------------------------------
 
 

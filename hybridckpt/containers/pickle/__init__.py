@@ -12,5 +12,5 @@ Modules, each importing only those above it:
     torch_save    the torch.save zip and legacy containers: `load`
     paddle_save   paddle.save pickles, lazy payloads, PaddleDict: `read`, `safe_load`
 
-Readers of other pickled files (`io.dcp_metadata`) build on `machine` and `torch_policy`.
+Readers of other pickled files (`containers.dcp_metadata`) build on `machine` and `torch_policy`.
 """

@@ -33,11 +33,11 @@ from typing import Any
 
 import numpy as np
 
+from hybridckpt.containers.pickle.allow import Policy, Stub
+from hybridckpt.containers.pickle.machine import safe_load_file
+from hybridckpt.containers.pickle.torch_policy import TORCH_POLICY, TorchDtype
 from hybridckpt.errors import FormatError
 from hybridckpt.io.paths import inside
-from hybridckpt.io.pickle.allow import Policy, Stub
-from hybridckpt.io.pickle.machine import safe_load_file
-from hybridckpt.io.pickle.torch_policy import TORCH_POLICY, TorchDtype
 
 METADATA = ".metadata"
 

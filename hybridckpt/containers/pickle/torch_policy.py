@@ -23,9 +23,9 @@ from types import MappingProxyType
 import ml_dtypes
 import numpy as np
 
+from hybridckpt.containers.pickle.allow import Frozen, Policy, short_repr
+from hybridckpt.containers.pickle.base_policy import BASE_ALLOWED
 from hybridckpt.errors import FormatError, UnsafePickleError
-from hybridckpt.io.pickle.allow import Frozen, Policy, short_repr
-from hybridckpt.io.pickle.base_policy import BASE_ALLOWED
 
 
 @dataclass(frozen=True, slots=True)

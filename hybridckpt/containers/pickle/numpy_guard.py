@@ -29,8 +29,8 @@ from types import MappingProxyType
 import ml_dtypes
 import numpy as np
 
+from hybridckpt.containers.pickle.allow import Contextual, Stub, Token, UnpicklerView, short_repr
 from hybridckpt.errors import FormatError, UnsafePickleError
-from hybridckpt.io.pickle.allow import Contextual, Stub, Token, UnpicklerView, short_repr
 
 
 def _check_np_dtype(dt: np.dtype, what: str) -> np.dtype:

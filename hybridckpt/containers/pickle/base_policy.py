@@ -23,9 +23,16 @@ import types
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from hybridckpt.containers.pickle.allow import (
+    Contextual,
+    Frozen,
+    Policy,
+    Stub,
+    UnpicklerView,
+    short_repr,
+)
+from hybridckpt.containers.pickle.numpy_guard import NUMPY_ALLOWED
 from hybridckpt.errors import FormatError, UnsafePickleError
-from hybridckpt.io.pickle.allow import Contextual, Frozen, Policy, Stub, UnpicklerView, short_repr
-from hybridckpt.io.pickle.numpy_guard import NUMPY_ALLOWED
 
 
 def _safe_bytes(up: UnpicklerView):

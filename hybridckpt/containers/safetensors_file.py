@@ -212,7 +212,7 @@ def _row_blocks(t):
     if not isinstance(t, LazyTensor):
         yield np.asarray(t)
         return
-    from hybridckpt.io.parallel import read_box_parallel
+    from hybridckpt.lazy.parallel import read_box_parallel
 
     row = math.prod(t.shape[1:]) * np.dtype(t.dtype).itemsize
     if t.nbytes <= WRITE_BLOCK_BYTES or not t.shape or row == 0:
