@@ -109,3 +109,37 @@ def test_misassigned_ep_offsets_move_the_logits(tmp_path):
         want = model(torch.from_numpy(tokens).long()).logits.numpy()
     got = jobs.logits(str(tmp_path), tokens, mesh="dp=2,tp=2,pp=2")
     assert np.abs(got - want).max() > 1000 * 1e-4
+
+
+def test_local_spec_pre_mlp_norm_lies_before_the_router():
+    """The local spec's pre-MLP norm is a module of its own, `pre_mlp_layernorm`, registered
+    before the MoE layer (router, experts), which torch_dist saves under TE's fused key
+    `mlp.linear_fc1.layer_norm_weight` (gpt_layer_specs.py sharded_state_dict_keys_map): in the
+    dense optimizer's buckets (reverse `named_parameters()` order) it lies before the router, as
+    megatron-core 0.19.2 wrote tests/real/cases/megatron_core_moe_sequential_dp_reshardable.
+    Ordered as TE's `linear_fc1` norm, after the router, the two swap their moments and masters."""
+    from hybridckpt.formats.megatron.layout import Topology
+    from hybridckpt.formats.megatron_dist import buckets
+
+    layer = [
+        "self_attention.linear_qkv.layer_norm_weight",
+        "self_attention.linear_qkv.weight",
+        "self_attention.linear_proj.weight",
+        "mlp.router.weight",
+        "mlp.linear_fc1.layer_norm_weight",
+        "mlp.experts.0.linear_fc1.weight",
+    ]
+    model = {f"decoder.layers.0.{s}": None for s in layer}
+    topo = Topology(tp=1, pp=1, vpp=1, ep=1, dp=1)
+    got = buckets.chunk_params(model, topo, 0, 0, tied=False, local_spec=True, where="x")
+    assert [n[len("decoder.layers.0.") :] for n in got] == [
+        "self_attention.linear_qkv.layer_norm_weight",  # input_layernorm
+        "self_attention.linear_proj.weight",
+        "self_attention.linear_qkv.weight",
+        "mlp.linear_fc1.layer_norm_weight",  # pre_mlp_layernorm
+        "mlp.router.weight",
+    ]
+    # TE: the norm is linear_fc1's own (a dense layer), after the router if there were one
+    te = buckets.layer_order(local_spec=False)
+    assert te.index("mlp.linear_fc1.layer_norm_weight") > te.index("mlp.router.weight")
+    assert te.index("pre_mlp_layernorm.weight") < te.index("mlp.router.weight")

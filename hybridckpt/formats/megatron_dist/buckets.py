@@ -25,7 +25,12 @@ What it does not store is which parameter lies where; it is rebuilt here:
   pre_mlp_layernorm, mlp; attention.py `linear_proj` before `linear_qkv`, then `q_layernorm`,
   `k_layernorm`; TE's LayerNormLinear registers `layer_norm_weight`/`_bias` before `weight`/
   `bias` (NVIDIA/TransformerEngine:transformer_engine/pytorch/module/layernorm_linear.py). With
-  the local spec (`args.transformer_impl == "local"`) the norms are separate modules, first.
+  the local spec (`args.transformer_impl == "local"`) the norms are modules of their own,
+  `input_layernorm` and `pre_mlp_layernorm`, registered before the attention and before the MLP
+  (the MoE layer's router included), which its `sharded_state_dict_keys_map` saves under TE's
+  fused names `self_attention.linear_qkv.layer_norm_*` and `mlp.linear_fc1.layer_norm_*`
+  (models/gpt/gpt_layer_specs.py `get_gpt_layer_local_submodules`; megatron-core 0.19.2 lays a
+  MoE layer out so, tests/real/cases/megatron_core_moe_*).
 - Layers of chunk v on pipeline rank p: `v * L / vpp + p * L / (pp * vpp)` onwards
   (transformer_block.py `get_transformer_layer_offset`, even split).
 Each rank's views are joined across tensor-parallel ranks by `rules/megatron_tp.rules`, as the
@@ -104,16 +109,27 @@ _MLP = (
 )
 
 
+_MLP_NORM = ("linear_fc1.layer_norm_weight", "linear_fc1.layer_norm_bias")
+
+
 def layer_order(local_spec: bool) -> tuple[str, ...]:
-    """Parameter suffixes of a TransformerLayer in `named_parameters()` order (see module doc)."""
+    """Parameter suffixes of a TransformerLayer in `named_parameters()` order, under the keys
+    torch_dist saves them with (see module doc): with the local spec the pre-MLP norm's key
+    `mlp.linear_fc1.layer_norm_*` stands where its module `pre_mlp_layernorm` is, before the
+    MLP's (and a MoE layer's router's) own parameters; with TE it is `linear_fc1`'s own, inside
+    the MLP."""
     attn = _ATTN_LOCAL if local_spec else _ATTN_TE
+    pre_mlp = ("pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias")
+    mlp = _MLP
+    if local_spec:
+        pre_mlp += tuple(f"mlp.{s}" for s in _MLP_NORM)
+        mlp = tuple(s for s in _MLP if s not in _MLP_NORM)
     return (
         "input_layernorm.weight",
         "input_layernorm.bias",
         *(f"self_attention.{s}" for s in attn + _MLA + _QK_NORMS),
-        "pre_mlp_layernorm.weight",
-        "pre_mlp_layernorm.bias",
-        *(f"mlp.{s}" for s in _MLP),
+        *pre_mlp,
+        *(f"mlp.{s}" for s in mlp),
     )
 
 
