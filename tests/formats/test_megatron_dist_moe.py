@@ -143,3 +143,45 @@ def test_local_spec_pre_mlp_norm_lies_before_the_router():
     te = buckets.layer_order(local_spec=False)
     assert te.index("mlp.linear_fc1.layer_norm_weight") > te.index("mlp.router.weight")
     assert te.index("pre_mlp_layernorm.weight") < te.index("mlp.router.weight")
+
+
+def test_ep1_experts_lie_in_the_dense_buffer_after_the_router():
+    """With expert_model_parallel_size 1 (experts split like the dense layers) megatron-core
+    builds one optimizer, unchained, and the routed experts are ordinary params of the dense
+    buffers, at their `named_parameters()` place: the MoE layer registers router, experts, shared
+    experts (moe_layer.py). SequentialMLP: per expert fc1, fc2; TEGroupedMLP: all fc1, all fc2.
+    megatron-core 0.19.2 lays it out so (tests/real/cases/megatron_core_moe_ep1_dp_reshardable)."""
+    from hybridckpt.errors import FormatError
+    from hybridckpt.formats.megatron_dist.expert_buckets import ExpertLayout, with_inline_experts
+    from hybridckpt.lazy import ArrayTensor
+
+    pre = "decoder.layers.3.mlp."
+    model = {
+        f"{pre}experts.{e}.{fc}.weight": ArrayTensor(np.zeros(s, np.float32))
+        for e in range(2)
+        for fc, s in (("linear_fc1", (8, 4)), ("linear_fc2", (4, 4)))
+    }
+    dense = [f"{pre}router.weight", f"{pre}shared_experts.linear_fc1.weight"]
+    names, shapes = with_inline_experts(
+        model, [3], dense, [(2, 4), (8, 4)], ExpertLayout("sequential", 1, 2, 4), 2, "x"
+    )
+    assert names == [
+        f"{pre}router.weight",
+        f"{pre}experts.local_experts.0.linear_fc1.weight",
+        f"{pre}experts.local_experts.0.linear_fc2.weight",
+        f"{pre}experts.local_experts.1.linear_fc1.weight",
+        f"{pre}experts.local_experts.1.linear_fc2.weight",
+        f"{pre}shared_experts.linear_fc1.weight",
+    ]
+    assert shapes[1:3] == [(4, 4), (4, 2)]  # tp 2: fc1 rows, fc2 columns halved
+    names, _ = with_inline_experts(
+        model, [3], dense, [(2, 4), (8, 4)], ExpertLayout("te_grouped", 1, 2, 4), 1, "x"
+    )
+    assert names[1:5] == [
+        f"{pre}experts.linear_fc1.weight0",
+        f"{pre}experts.linear_fc1.weight1",
+        f"{pre}experts.linear_fc2.weight0",
+        f"{pre}experts.linear_fc2.weight1",
+    ]
+    with pytest.raises(FormatError, match=r"x: layer 3 holds routed experts but no .*router"):
+        with_inline_experts(model, [3], [], [], ExpertLayout("sequential", 1, 2, 4), 1, "x")
