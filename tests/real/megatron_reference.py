@@ -7,7 +7,8 @@ GPTModel's parameters (what the reference run loaded) are
   `SelfAttention.get_query_key_value_tensors`);
 - `mlp.linear_fc1.weight` `[2 * ffn, hidden]`: gate rows, then up rows (transformer/mlp.py:
   `torch.chunk(x, 2, -1)`, `act(x[0]) * x[1]`); `linear_fc2` is down;
-- MoE: `mlp.router.weight` `[E, hidden]`, experts `mlp.experts.local_experts.{e}.linear_fc1/fc2`
+- MoE: `mlp.router.weight` `[E, hidden]`, experts `mlp.experts.local_experts.{e}.linear_fc1/fc2`,
+  `e` the global expert (the reference run renames an ep rank's local experts)
   (SequentialMLP), each an MLP as above;
 - embedding and output layer with the padded vocabulary (rows past `vocab` dropped here).
 """

@@ -7,12 +7,14 @@ MODE `train`: Megatron-LM's own `initialize_megatron`, `setup_model_and_optimize
 `save_checkpoint` (megatron/training/checkpointing.py) once per entry of OUT, a JSON list of
 `[save_dir, ckpt_format, fully_reshardable]`, all of the same trained state.
 
-MODE `reference`: one rank (tp = pp = ep = dp = 1) loads a `fully_reshardable` torch_dist save of
-that state with Megatron-LM's `load_checkpoint` (megatron-core's own resharding), and writes to
-OUT (a .pt file) what the tests compare with: every parameter under its megatron-core name with
-its Adam `exp_avg` / `exp_avg_sq` and the fp32 master (`_get_main_param_and_optimizer_states`),
-the optimizer step, GPTModel's logits for fixed tokens (eval forward), then one more
-`train_step`: the gradients its optimizer step consumed (`main_grad`) and the params after it.
+MODE `reference`: ranks with tp = pp = 1 (one rank; for an expert-parallel save, ep ranks, as
+its chained [dense, experts] optimizer loads only into the same chain) load a `fully_reshardable`
+torch_dist save of that state with Megatron-LM's `load_checkpoint` (megatron-core's own
+resharding), and write to `OUT.rank{r}` what the tests compare with: every parameter under its
+megatron-core name with its Adam `exp_avg` / `exp_avg_sq` and the fp32 master
+(`_get_main_param_and_optimizer_states`, the slice the rank's distributed optimizer owns), the
+optimizer step, GPTModel's logits for fixed tokens (eval forward), then one more `train_step`:
+the gradients its optimizer step consumed (`main_grad`) and the params after it.
 
 The model builder follows Megatron-LM's gpt_builders.py `gpt_builder` (core_v0.19.0) and the loss
 its pretrain_gpt.py `loss_func`; tokens come from a seeded generator, not a dataset.
@@ -181,48 +183,84 @@ def train(argv: list[str], saves: list) -> None:
         torch.distributed.barrier()
 
 
-def _named(model):
+def _named(model) -> dict:
+    """The model chunk's parameters under tp = pp = ep = 1 names: a routed expert's
+    `mlp.experts.local_experts.{j}` renamed to its global index, the MoE layer's own
+    `local_expert_indices[j]` (moe/moe_layer.py: `ep_rank * num_local_experts + j`)."""
+    import re
+
     from megatron.core.utils import unwrap_model
 
     (m,) = unwrap_model(model)
-    return dict(m.named_parameters())
+    out = {}
+    for name, p in m.named_parameters():
+        e = re.match(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(.+)$", name)
+        if e:
+            layer = m.decoder.layers[int(e[1])]  # tp = pp = 1: the chunk's layer i is global i
+            g = layer.mlp.local_expert_indices[int(e[2])]
+            name = f"decoder.layers.{e[1]}.mlp.experts.local_experts.{g}.{e[3]}"
+        out[name] = p
+    return out
 
 
 def _optimizers(optimizer):
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
+def _owned(optimizer, params: dict) -> dict:
+    """name -> (optimizer, [start, end) of the flattened param this data-parallel rank's
+    distributed optimizer holds: `_get_model_param_range_map(p)["param"]`)."""
+    out = {}
+    for opt in _optimizers(optimizer):
+        for name, p in params.items():
+            if p in opt.model_param_group_index_map:
+                r = opt._get_model_param_range_map(p)["param"]
+                out[name] = (opt, r.start, r.end)
+    return out
+
+
 def reference(argv: list[str], out: str) -> None:
+    """Rank r writes `OUT.rank{r}` (a torch.save dict): the full model params it holds (dense
+    ones replicated over data / expert parallel ranks, its ep rank's experts), and, of the
+    slice `[start, end)` of each flattened param its distributed optimizer owns, the fp32 main
+    param, the Adam moments (`_get_main_param_and_optimizer_states`) and the next step's
+    gradient (the main param's `.grad` inside torch.optim.AdamW.step); the generator joins the
+    ranks (megatron_core.py `join_ranks`)."""
+    from megatron.core import mpu
     from megatron.training import get_args
 
     model, optimizer, scheduler = _setup(argv)
     args = get_args()
     params = _named(model)
-    ref: dict = {"params": {}, "exp_avg": {}, "exp_avg_sq": {}, "master": {}, "no_weight_decay": []}
-    with_optim = not args.no_load_optim
+    owned = _owned(optimizer, params)
+    ref: dict = {"params": {}, "slices": {}, "no_weight_decay": [], "shapes": {}}
     for name, p in params.items():
         ref["params"][name] = p.detach().clone()
-        for opt in _optimizers(optimizer) if with_optim else ():
-            if p in opt.model_param_group_index_map:
-                st = opt._get_main_param_and_optimizer_states(p)
-                for k in ("exp_avg", "exp_avg_sq"):
-                    ref[k][name] = st[k].detach().clone().view(p.shape)
-                ref["master"][name] = st["param"].detach().clone().view(p.shape)
-                gi, _ = opt.model_param_group_index_map[p]
-                group = opt.optimizer.param_groups[gi]
-                if group.get("wd_mult", 1.0) == 0.0 or group["weight_decay"] == 0.0:
-                    ref["no_weight_decay"].append(name)
-    steps = set()
+        ref["shapes"][name] = tuple(p.shape)
+    for name, (opt, a, b) in owned.items():
+        st = opt._get_main_param_and_optimizer_states(params[name])
+        piece = {k: st[k].detach().clone().view(-1) for k in ("exp_avg", "exp_avg_sq")}
+        piece["master"] = st["param"].detach().clone().view(-1)
+        assert all(v.numel() == b - a for v in piece.values()), name
+        ref["slices"][name] = {"range": (a, b), **piece}
+        gi, _ = opt.model_param_group_index_map[params[name]]
+        group = opt.optimizer.param_groups[gi]
+        if group.get("wd_mult", 1.0) == 0.0 or group["weight_decay"] == 0.0:
+            ref["no_weight_decay"].append(name)
+    steps, hypers = set(), []
     for opt in _optimizers(optimizer):
         for g in opt.optimizer.param_groups:
             steps.add(int(g["step"]) if "step" in g else -1)
+            hypers.append({k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
+                           if k != "params" and isinstance(v, (int, float, tuple, bool))})  # fmt: skip
         ref["optimizer_class"] = type(opt.optimizer).__module__ + "." + type(opt.optimizer).__name__
     ref["steps"] = sorted(steps)
     ref["iteration"] = args.iteration
-    g0 = _optimizers(optimizer)[0].optimizer.param_groups[0]
-    ref["hyper"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in g0.items() if k != "params"
-                    and isinstance(v, (int, float, tuple, bool))}  # fmt: skip
-    # GPTModel's own logits on fixed tokens, eval mode
+    ref["hyper"] = hypers[0]  # group 0: the weight-decayed dense params
+    ref["hypers"] = hypers
+    ref["ranks"] = {"dp": mpu.get_data_parallel_rank(), "ep": mpu.get_expert_model_parallel_rank()}
+    # GPTModel's own logits on fixed tokens, eval mode (every rank runs it: the MoE layer's token
+    # dispatch is collective over the expert-parallel ranks)
     fixed = batch(10_000, 0, 0, 2, args.seq_length, args.vocab_size)
     for m in model:
         m.eval()
@@ -232,32 +270,26 @@ def reference(argv: list[str], out: str) -> None:
         m.train()
     ref["tokens"] = fixed["tokens"]
     ref["logits"] = logits.detach().clone()
-    if not with_optim:  # (a save whose optimizer this one-rank run cannot load)
-        ref["grads"], ref["params_after"] = {}, {}
-        torch.save(ref, out)
-        return
-    # the next step: the gradients its inner torch.optim.AdamW consumes (each main param's
-    # `.grad`, which the DistributedOptimizer set from the model param's main_grad), and the
-    # params after it
-    grads: dict = {}
+    # the next step: the gradients each inner torch.optim.AdamW consumes (its main params'
+    # `.grad`, which the DistributedOptimizer set from the model params' main_grad), and the
+    # params after it (all-gathered by Megatron into the model params)
     for opt in _optimizers(optimizer):
         inner, orig = opt.optimizer, opt.optimizer.step
         mains = {}
-        for name, p in params.items():
-            if p in opt.model_param_group_index_map:
-                gi, go = opt.model_param_group_index_map[p]
-                mains[name] = (inner.param_groups[gi]["params"][go], p.shape)
+        for name, (o, _, _) in owned.items():
+            if o is opt:
+                gi, go = opt.model_param_group_index_map[params[name]]
+                mains[name] = inner.param_groups[gi]["params"][go]
 
         def step_and_record(*a, _orig=orig, _mains=mains, **k):
-            for name, (mp, shape) in _mains.items():
-                grads[name] = mp.grad.detach().clone().view(shape)
+            for name, mp in _mains.items():
+                ref["slices"][name]["grad"] = mp.grad.detach().clone().view(-1)
             return _orig(*a, **k)
 
         inner.step = step_and_record
     _train_step(model, optimizer, scheduler, args.iteration)
-    ref["grads"] = grads
     ref["params_after"] = {n: p.detach().clone() for n, p in params.items()}
-    torch.save(ref, out)
+    torch.save(ref, f"{out}.rank{torch.distributed.get_rank()}")
 
 
 def main() -> None:

@@ -7,11 +7,15 @@ Each training run is Megatron-LM's own code (`megatron/training` as shipped in t
 5be9626709af2722333bf54797c954c09edeada3): `initialize_megatron`, `setup_model_and_optimizer`
 (GPTModel, DDP, DistributedOptimizer), `train_step` x 3 on synthetic tokens, then
 `save_checkpoint` of that one state in several formats (`_megatron_core_run.py train`). The
-references come from Megatron's runtime too: one rank (tp = pp = ep = dp = 1) loads the
-`fully_reshardable` save with Megatron-LM's `load_checkpoint` (megatron-core's resharding), and
-records every parameter, its Adam moments, the step, GPTModel's logits on fixed tokens, and one
-more `train_step`: the gradients its optimizer step consumed and the params after it
-(`_megatron_core_run.py reference`). CPU shims: `_megatron_core_shims.py` (listed in each
+references come from Megatron's runtime too: ranks with tp = pp = 1 load the `fully_reshardable`
+save with Megatron-LM's `load_checkpoint` (megatron-core's resharding) and record every
+parameter, its Adam moments and fp32 master (the slices each data-parallel rank's distributed
+optimizer owns, joined here: `join_ranks`), the step, GPTModel's logits on fixed tokens, and
+one more `train_step`: the gradients its optimizer step consumed and the params after it
+(`_megatron_core_run.py reference`). One rank for a dense or ep 1 save; for the ep 2 save two
+(tp = pp = 1, ep = 2): its chained [dense, experts] optimizer loads only into a model with the
+same chain (one rank at ep 1 builds one unchained optimizer: KeyError 'optimizer' in
+DistributedOptimizer.load_state_dict). CPU shims: `_megatron_core_shims.py` (listed in each
 manifest's notes).
 
 Cases (tests/real/cases/<case>/):
@@ -22,8 +26,12 @@ Cases (tests/real/cases/<case>/):
 - `megatron_lm_dense_torch`: the same state, the legacy `--ckpt-format torch` (per-rank
   `model_optim_rng.pt` + `distrib_optim.pt`).
 - `megatron_core_moe_sequential_dp_reshardable`: Mixtral-like MoE (4 experts, top-2,
-  SequentialMLP, local spec) on tp2 x pp2 x ep2 (dp2), torch_dist `dp_reshardable`, with its
-  references.
+  SequentialMLP, local spec) on tp2 x pp2 x ep2 (dp2), torch_dist `dp_reshardable`, optimizer
+  chained [dense, experts], with its references.
+- `megatron_core_moe_ep1_dp_reshardable`: MoE (2 experts, top-2, SequentialMLP) on tp1 x pp2 x
+  dp2 with ep1: one unchained optimizer, the experts in the dense buffers, with its references.
+The MoE runs save without RNG state (`--no-save-rng`; the dense saves keep it) to stay within the
+corpus budget: every parameter slice is a DCP chunk of its own, each a torch.save archive.
 Not made, and why (recorded in the manifests): TEGroupedMLP / the TE spec / `--moe-grouped-gemm`
 need transformer_engine (CUDA-only build: `pip install transformer-engine[pytorch]` compiles
 against CUDA and nvcc, neither here); the legacy GroupedMLP is gone from megatron-core 0.19.
@@ -38,6 +46,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -58,9 +67,11 @@ COMMON = """
 --no-persist-layer-norm --ckpt-format torch_dist --save-interval 1000 --log-interval 1000
 """.split()
 MOE = """
---num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 24 --moe-token-dispatcher-type allgather
---moe-aux-loss-coeff 0.01 --expert-model-parallel-size 2 --sequence-parallel
+--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 8 --moe-token-dispatcher-type allgather
+--moe-aux-loss-coeff 0.01 --no-save-rng --no-load-rng
 """.split()
+MOE_EP1 = [*MOE, "--expert-model-parallel-size", "1"]
+MOE_EP1[MOE_EP1.index("--num-experts") + 1] = "2"
 PARALLEL = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 SINGLE = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
 
@@ -101,62 +112,64 @@ def torchrun(n: int, mode: str, out: str, args: list[str], log: str) -> None:
         raise SystemExit(f"megatron_core: {mode} failed ({r.returncode}); log {log}:\n{tail}")
 
 
-def references(ref_pt: str) -> tuple[dict, dict]:
-    """(arrays for reference.safetensors, facts for the manifest) of a reference run."""
+def join_ranks(prefix: str, n: int) -> tuple[dict, dict]:
+    """(arrays for reference.safetensors, facts for the manifest) of a reference run's `n` rank
+    files: full params as the ranks hold them (a param two ranks hold must agree bit for bit),
+    and each flattened param's optimizer state joined from the slices the data-parallel ranks'
+    distributed optimizers own (every element covered, overlaps equal)."""
+    import numpy as np
     import torch
 
-    r = torch.load(ref_pt, weights_only=False)
-    arrays = {"tokens": r["tokens"].numpy(), "logits": r["logits"].float().numpy()}
-    for kind, prefix in (("params", "param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"),
-                         ("grads", "grad"), ("params_after", "param_next")):  # fmt: skip
-        for name, t in r[kind].items():
-            arrays[f"{prefix}/{name}"] = t.detach().float().numpy()
-    # fp32 training: the optimizer's main params are the model params (checked, not stored)
-    for name, t in r["master"].items():
-        if not torch.equal(t, r["params"][name]):
-            raise SystemExit(f"megatron_core: the fp32 main param of {name} differs from the param")
+    rs = [torch.load(f"{prefix}.rank{r}", weights_only=False) for r in range(n)]
+    arrays = {"tokens": rs[0]["tokens"].numpy(), "logits": rs[0]["logits"].float().numpy()}
+
+    def put(key: str, a) -> None:
+        if key in arrays and not np.array_equal(arrays[key].view(np.uint32), a.view(np.uint32)):
+            raise SystemExit(f"megatron_core: ranks disagree on {key}")
+        arrays[key] = a
+
+    shapes: dict = {}
+    for r in rs:
+        if not torch.equal(r["logits"], rs[0]["logits"]):
+            raise SystemExit("megatron_core: ranks computed different logits for the same tokens")
+        shapes.update(r["shapes"])
+        for kind, pre in (("params", "param"), ("params_after", "param_next")):
+            for name, t in r[kind].items():
+                put(f"{pre}/{name}", t.detach().float().numpy())
+    flat: dict = {}
+    for r in rs:
+        for name, sl in r["slices"].items():
+            a, b = sl["range"]
+            numel = int(np.prod(shapes[name]))
+            for slot in ("exp_avg", "exp_avg_sq", "grad", "master"):
+                buf, seen = flat.setdefault((slot, name), (np.zeros(numel, np.float32), np.zeros(numel, bool)))
+                v = sl[slot].float().numpy()
+                if seen[a:b].any() and not np.array_equal(buf[a:b][seen[a:b]], v[seen[a:b]]):
+                    raise SystemExit(f"megatron_core: ranks disagree on {slot} of {name}")
+                buf[a:b], seen[a:b] = v, True
+    for (slot, name), (buf, seen) in flat.items():
+        if not seen.all():
+            raise SystemExit(f"megatron_core: {slot} of {name}: {int((~seen).sum())} elements on no rank")
+        arr = buf.reshape(shapes[name])
+        if slot == "master":  # fp32 training: the optimizer's main params are the model params
+            if not np.array_equal(arr.view(np.uint32), arrays[f"param/{name}"].view(np.uint32)):
+                raise SystemExit(f"megatron_core: the fp32 main param of {name} differs from the param")
+            continue
+        arrays[f"{slot}/{name}"] = arr
+    missing = sorted(set(shapes) - {name for _, name in flat})
+    if missing:
+        raise SystemExit(f"megatron_core: no optimizer state for {missing[:3]}")
+    steps = sorted({s for r in rs for s in r["steps"]})
     facts = {
-        "optimizer_step": r["steps"],
-        "iteration": r["iteration"],
-        "optimizer_class": r["optimizer_class"],
-        "hyper": r["hyper"],
-        "no_weight_decay": sorted(r["no_weight_decay"]),
-        "master_equals_param": True,
+        "optimizer_step": steps,
+        "iteration": rs[0]["iteration"],
+        "optimizer_class": rs[0]["optimizer_class"],
+        "hyper": rs[0]["hyper"],
+        "no_weight_decay": sorted({x for r in rs for x in r["no_weight_decay"]}),
+        "master_equals_param": True,  # checked above, every element of every param
+        "reference_ranks": n,
     }
     return arrays, facts
-
-
-def model_space_moments(save: str) -> dict:
-    """`exp_avg/<name>`, `exp_avg_sq/<name>` read with torch DCP from Megatron's own
-    fully_reshardable save (`optimizer.state.<kind>.<model key>`: global tensors, the layer axis
-    of stacked keys first, then the expert axis of `mlp.experts.experts.*`), under the names of a
-    tp = pp = ep = 1 model: per layer, experts as `mlp.experts.local_experts.{e}`."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    folder = os.path.join(save, "iter_0000003")
-    md = dcp.FileSystemReader(folder).read_metadata()
-    want = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
-            if isinstance(m, TensorStorageMetadata) and k.startswith("optimizer.state.exp_avg")}  # fmt: skip
-    dcp.load(want, checkpoint_id=folder, no_dist=True)
-    out = {}
-    for key, t in want.items():
-        kind, name = key[len("optimizer.state."):].split(".", 1)
-        if not name.startswith("decoder.layers.") or name.split(".")[2].isdigit():
-            out[f"{kind}/{name}"] = t.numpy()
-            continue
-        rest = name[len("decoder.layers."):]
-        for layer in range(t.shape[0]):
-            if rest.startswith("mlp.experts.experts."):
-                for e in range(t.shape[1]):
-                    local = rest.replace("mlp.experts.experts.", f"mlp.experts.local_experts.{e}.")
-                    out[f"{kind}/decoder.layers.{layer}.{local}"] = t[layer, e].numpy()
-            else:  # the TE norm names of the local spec's norms (gpt_layer_specs.py keys map)
-                local = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-                         "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}.get(rest, rest)  # fmt: skip
-                out[f"{kind}/decoder.layers.{layer}.{local}"] = t[layer].numpy()
-    return out
 
 
 REFERENCE_DOC = {
@@ -164,7 +177,8 @@ REFERENCE_DOC = {
     "loaded from the fully_reshardable save; linear_fc1 [gate; up] rows, linear_qkv per query "
     "group [q heads; k; v] rows, the padded vocabulary)",
     "exp_avg/<name>, exp_avg_sq/<name>": "Adam moments of each parameter (DistributedOptimizer "
-    "_get_main_param_and_optimizer_states)",
+    "_get_main_param_and_optimizer_states, the slices of the reference run's data-parallel ranks "
+    "joined); routed experts under their global index, mlp.experts.local_experts.<e>",
     "tokens": "[2, 8] int64 fixed tokens",
     "logits": "[2, 8, padded_vocab] GPTModel(tokens, position_ids, causal mask) in eval mode, fp32",
     "grad/<name>": "the gradient the next train_step's optimizer step consumed (the main param's "
@@ -175,57 +189,88 @@ REFERENCE_DOC = {
 }
 
 
-def make(out: str, name: str, moe: bool, keep: str | None) -> None:
+@dataclass(frozen=True)
+class Run:
+    """One training run of Megatron-LM and the cases cut from its saves.
+
+    `args` its model / parallel arguments beyond COMMON, `ranks` its world size, `parallel` the
+    degrees for the manifest; `formats` the saves besides the fully_reshardable one (which the
+    reference run loads); `ref_args`, `ref_ranks` the reference run's parallel arguments (tp =
+    pp = 1; an expert-parallel save's chained [dense, experts] optimizer loads only into the same
+    chain, so with the same ep); `cases` (case, save, what the manifest calls its optimizer
+    format), the first holding the references."""
+
+    args: tuple[str, ...]
+    ranks: int
+    parallel: dict
+    formats: tuple[str, ...]
+    ref_args: tuple[str, ...]
+    ref_ranks: int
+    cases: tuple[tuple[str, str, str], ...]
+
+
+RUNS = {
+    "dense": Run(
+        (*PARALLEL,), 8, {"tp": 2, "pp": 2, "dp": 2, "ep": 1}, ("dp", "torch"), (*SINGLE,), 1,
+        (("megatron_core_dense_dp_reshardable", "dp", "dp_reshardable"),
+         ("megatron_core_dense_fully_reshardable", "fully", "fully_reshardable"),
+         ("megatron_lm_dense_torch", "torch", "legacy torch format, distrib_optim.pt")),
+    ),  # fmt: skip
+    # expert parallel: the optimizer is chained [dense, experts] (chained_0. / chained_1.)
+    "moe": Run(
+        (*MOE, "--expert-model-parallel-size", "2", "--sequence-parallel", *PARALLEL), 8,
+        {"tp": 2, "pp": 2, "dp": 2, "ep": 2}, ("dp",),
+        (*MOE, "--expert-model-parallel-size", "2", *SINGLE), 2,
+        (("megatron_core_moe_sequential_dp_reshardable", "dp", "dp_reshardable"),),
+    ),  # fmt: skip
+    # ep 1 (experts split like the dense layers): no chain, the experts in the dense buffers;
+    # 2 experts (top 2: the router's weights still weigh them) and tp 1 keep the case small
+    # (every parameter slice is a DCP chunk of its own; the experts' tp merge is the ep 2 case's)
+    "moe_ep1": Run(
+        (*MOE_EP1, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"), 4,
+        {"tp": 1, "pp": 2, "dp": 2, "ep": 1}, ("dp",), (*MOE_EP1, *SINGLE), 1,
+        (("megatron_core_moe_ep1_dp_reshardable", "dp", "dp_reshardable"),),
+    ),  # fmt: skip
+}
+
+
+def make(out: str, name: str, run: Run, keep: str | None) -> None:
     import _megatron_core_shims as shims
     from tools import fresh_case, record_manifest, write_reference
 
     work = keep or tempfile.mkdtemp(prefix=f"megatron_core_{name}_")
     os.makedirs(work, exist_ok=True)
-    extra = MOE if moe else []
-    saves = {"dp": os.path.join(work, "dp_reshardable"), "fully": os.path.join(work, "fully_reshardable"),
-             "torch": os.path.join(work, "torch")}  # fmt: skip
+    saves = {f: os.path.join(work, f) for f in ("fully", *run.formats)}
     for d in saves.values():
         shutil.rmtree(d, ignore_errors=True)
-    plan = [[saves["dp"], "torch_dist", False], [saves["fully"], "torch_dist", True]]
-    if not moe:
-        plan.append([saves["torch"], "torch", False])
-    train_args = [*COMMON, *extra, *PARALLEL, "--save", saves["dp"]]
-    torchrun(8, "train", json.dumps(plan), train_args, os.path.join(work, "train.log"))
+    how = {"dp": ("torch_dist", False), "fully": ("torch_dist", True), "torch": ("torch", False)}
+    plan = [[saves[f], *how[f]] for f in run.formats + ("fully",)]
+    train_args = [*COMMON, *run.args, "--save", saves[run.formats[0]]]
+    torchrun(run.ranks, "train", json.dumps(plan), train_args, os.path.join(work, "train.log"))
     ref_pt = os.path.join(work, "reference.pt")
-    # one rank holds every expert (ep 1), where Megatron chains no experts' optimizer: the ep 2
-    # save's chained [dense, experts] optimizer does not load there (KeyError 'optimizer' in
-    # DistributedOptimizer.load_state_dict), so the MoE reference run loads the weights only
-    single = ["--expert-model-parallel-size", "1", "--no-load-optim"] if moe else []
-    ref_args = [*COMMON, *[a for a in extra if a != "--sequence-parallel"], *SINGLE, *single,
-                "--load", saves["fully"], "--exit-on-missing-checkpoint"]  # fmt: skip
-    torchrun(1, "reference", ref_pt, ref_args, os.path.join(work, "reference.log"))
-    arrays, facts = references(ref_pt)
-    if moe:
-        arrays.update(model_space_moments(saves["fully"]))
-        facts.update(optimizer_step=[3], no_weight_decay=[])
+    ref_args = [*COMMON, *run.ref_args, "--load", saves["fully"], "--exit-on-missing-checkpoint"]
+    torchrun(run.ref_ranks, "reference", ref_pt, ref_args, os.path.join(work, "reference.log"))
+    arrays, facts = join_ranks(ref_pt, run.ref_ranks)
     dists = ["megatron-core", "torch", "numpy"]
     cmd = "python tests/real/make.py megatron_core"
     notes = [*shims.NOTES, f"Megatron-LM training code: megatron/training from the megatron-core "
              f"0.19.2 wheel (= NVIDIA/Megatron-LM core_v0.19.0, {MEGATRON_LM_COMMIT})", *NOT_MADE]  # fmt: skip
-    train = "torchrun --nproc-per-node 8 _megatron_core_run.py train (Megatron-LM " + " ".join(train_args) + ")"
-    if moe:
-        cases = [("megatron_core_moe_sequential_dp_reshardable", saves["dp"], "dp_reshardable")]
-    else:
-        cases = [("megatron_core_dense_dp_reshardable", saves["dp"], "dp_reshardable"),
-                 ("megatron_core_dense_fully_reshardable", saves["fully"], "fully_reshardable"),
-                 ("megatron_lm_dense_torch", saves["torch"], "legacy torch format, distrib_optim.pt")]  # fmt: skip
-    ref_case = cases[0][0]
-    for case, src, what in cases:
+    train = (f"torchrun --nproc-per-node {run.ranks} _megatron_core_run.py train (Megatron-LM "
+             + " ".join(train_args) + ")").replace(work, "<work>")  # fmt: skip
+    reference = (f"torchrun --nproc-per-node {run.ref_ranks} _megatron_core_run.py reference "
+                 f"(Megatron-LM {' '.join(ref_args)})").replace(work, "<work>")  # fmt: skip
+    ref_case = run.cases[0][0]
+    for case, save, what in run.cases:
         d = fresh_case(out, case)
-        shutil.copytree(src, os.path.join(d, "ckpt"))
+        shutil.copytree(saves[save], os.path.join(d, "ckpt"))
         if case == ref_case:
             write_reference(d, arrays)
         record_manifest(
             d, tool="Megatron-LM + megatron-core (GPTModel, DistributedOptimizer, save_checkpoint)",
             dists=dists, command=cmd, references=REFERENCE_DOC if case == ref_case else {},
             notes=notes, reference_case=ref_case, optimizer_format=what, training=train,
-            parallel={"tp": 2, "pp": 2, "dp": 2, "ep": 2 if moe else 1}, vocab_size=60,
-            padded_vocab_size=64, **facts,
+            reference_run=reference, parallel=run.parallel, vocab_size=60, padded_vocab_size=64,
+            **facts,
         )  # fmt: skip
         print(f"wrote {d}", flush=True)
     if keep is None:
@@ -235,13 +280,13 @@ def make(out: str, name: str, moe: bool, keep: str | None) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--only", choices=["dense", "moe"])
+    ap.add_argument("--only", choices=sorted(RUNS))
     ap.add_argument("--keep", help="a work folder to keep the runs' logs and saves in")
     a = ap.parse_args()
     ensure_megatron()
-    for name, moe in (("dense", False), ("moe", True)):
+    for name, run in RUNS.items():
         if a.only in (None, name):
-            make(a.out, name, moe, a.keep and os.path.join(a.keep, name))
+            make(a.out, name, run, a.keep and os.path.join(a.keep, name))
     return 0
 
 
