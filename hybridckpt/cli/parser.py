@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from hybridckpt import readers
+from hybridckpt import readers, writers
 from hybridckpt.cli import commands
 
 FORMAT_CHOICES = ["auto", *readers.NAMES]  # `hybridckpt.readers`: names only, no reader imported
@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-shard-gb", type=_positive_number, metavar="G",
                    help="shard size in GiB above which files are split (default 5)")
     s.add_argument("--no-verify-reads", action="store_true", help=NO_VERIFY_HELP)
-    s.add_argument("--to", default="hf", choices=["hf", "paddlenlp-unified", "paddleformers-unified"],
+    s.add_argument("--to", default="hf", choices=list(writers.NAMES),
                    help="layout of OUT: hf (default); paddlenlp-unified (PaddleNLP's names, Linear weights [in, out]) or "
                    "paddleformers-unified (HF names and [out, in] weights, optimizer state [in, out]): Paddle unified "
                    "checkpoints with optimizer-*/master_weights-* (fp32 masters when --dtype is 16-bit)")

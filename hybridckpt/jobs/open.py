@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridckpt import naming
-from hybridckpt.errors import CheckpointError, ConfigError, FormatError, MappingError
+from hybridckpt.errors import CheckpointError, ConfigError, FormatError
 from hybridckpt.formats.config_file import read_json
-from hybridckpt.formats.rules_files import load_user_rules
 from hybridckpt.naming import Named
 
 
@@ -97,50 +96,8 @@ def open_checkpoint(
             f"checkpoint holds one step"
         )
     src = readers.open_source(path, fmt, config=cfg, step=step, verify_reads=verify_reads)
-    cfg = cfg or src.config
-    notes = tuple(src.notes)
-    if cfg is None:
-        named = naming.source_named(src)
-        if rules:
-            user = load_user_rules(os.fspath(rules), dict(src.rule_vars), named.params)
-            named = naming.map_named(named, user, strict=strict)
-        notes = named.notes
-    else:
-        from hybridckpt import models
-
-        user = (
-            load_user_rules(os.fspath(rules), models.rule_variables(cfg), naming.source_named(src).params)
-            if rules
-            else None
-        )
-        try:
-            named = naming.source_to_hf(src, cfg, user_rules=user, strict=strict)
-        except MappingError:
-            _check_fits(src, None, cfg, path)
-            raise
-        cfg = models.fit_to_hf_names(cfg, named.params)  # parts a checkpoint may leave out
-        _check_fits(src, named, cfg, path)
-        notes = named.notes
-    return Opened(src.format, path, cfg, named, dict(src.trainer), dict(src.topology), notes)
-
-
-def _check_fits(src: Any, named: Named | None, cfg: Any, path: str) -> None:
-    """A ConfigError when the config's model is not the checkpoint's (fewer than half of the
-    model's tensors found under its HF names): said plainly, before any rule's error."""
-    from hybridckpt import models
-
-    want = naming.model_hf_shapes(cfg)
-    have = set(named.params) if named is not None else set()
-    if named is not None and 2 * len(have & set(want)) >= len(want):
-        return
-    fam = models.family_of(cfg)
-    arch = ", ".join(fam.hf_architectures)
-    theirs = sorted(src.tensors)[:3]
-    raise ConfigError(
-        f"{path}: the config describes a {fam.name} model ({arch}), but this {src.format} "
-        f"checkpoint's tensors are not that model's (the model expects names like "
-        f"{sorted(want)[:2]}, the checkpoint has {theirs}); pass the checkpoint's own config"
-    )
+    named, cfg = naming.named_for_model(src, cfg or src.config, rules=rules, strict=strict)
+    return Opened(src.format, path, cfg, named, dict(src.trainer), dict(src.topology), named.notes)
 
 
 def require_config(opened: Opened, what: str) -> Any:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -100,3 +101,51 @@ def write_hf(
             files.append("hybridckpt.json")
         dest.commit()
     return files
+
+
+def write_export(request) -> Any:
+    """`writers.write`'s HF layout: the request's params (cast to its dtype) as `model*.safetensors`
+    with the model's `config.json`, its slots and step as `optimizer*.safetensors` when asked.
+
+    Read ahead in the order `write_hf` writes (model tensors by name, then optimizer tensors by
+    `<name>.<slot>`) by the reader pool (`lazy.parallel.Prefetcher`), within a window of the
+    largest tensor staged; tensors copied file to file, or read and written in row blocks (over
+    `WRITE_BLOCK_BYTES`), are not read ahead."""
+    from hybridckpt import lazy
+    from hybridckpt.containers.safetensors_file import WRITE_BLOCK_BYTES
+    from hybridckpt.lazy import parallel
+    from hybridckpt.writers import Written
+
+    named, cfg = request.named, request.config
+    params = dict(named.params)
+    if request.dtype is not None:
+        params = {k: lazy.cast(v, request.dtype) for k, v in params.items()}
+    slots = {s: dict(t) for s, t in named.slots.items()} if request.optimizer else {}
+    staged: dict[tuple[str, str], LazyTensor] = {("model", k): v for k, v in params.items()}
+    for slot, tensors in slots.items():
+        staged |= {("optimizer", f"{k}.{slot}"): v for k, v in tensors.items()}
+    every = list(staged.values())
+    staged = {k: v for k, v in staged.items() if v.nbytes <= WRITE_BLOCK_BYTES and lazy.copy_runs(v) is None}
+    order = sorted(k for k in staged if k[0] == "model") + sorted(k for k in staged if k[0] == "optimizer")
+    window = max((t.nbytes for t in staged.values()), default=0)
+    ahead = parallel.Prefetcher(staged, order, window).tensors()
+    params = {k: ahead.get(("model", k), v) for k, v in params.items()}
+    slots = {s: {k: ahead.get(("optimizer", f"{k}.{s}"), v) for k, v in t.items()} for s, t in slots.items()}
+    set_total = getattr(request.progress, "set_total", None)
+    if set_total is not None:
+        set_total(sum(t.nbytes for t in every))
+    hf_cfg = None
+    if cfg is not None:
+        from hybridckpt import models
+
+        hf_cfg = models.config_to_hf(cfg)
+    trainer = {"step": named.step, "source_format": request.source_format}
+    if slots:
+        trainer["optimizer_name"] = named.optimizer.name
+    files = write_hf(
+        request.out, params, hf_cfg, slots=slots or None, step=named.step,
+        with_step=bool(slots) and named.optimizer.has_step, trainer=trainer,
+        max_shard_bytes=request.max_shard_bytes or DEFAULT_SHARD_BYTES, overwrite=request.overwrite,
+        on_tensor=request.progress, direct_io=request.direct_io, sources=request.sources,
+    )
+    return Written(tuple(files), len(every), sum(t.nbytes for t in every))

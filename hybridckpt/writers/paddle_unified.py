@@ -56,23 +56,18 @@ LAYOUTS = {
 SIXTEEN_BIT = (np.dtype(np.float16), BF16)
 
 
-def write_export(
-    out: str,
-    params: Mapping[str, LazyTensor],
-    cfg: Any,
-    *,
-    layout: str,
-    slots: Mapping[str, Mapping[str, LazyTensor]] | None = None,
-    step: int | None = None,
-    dtype: np.dtype | None = None,
-    overwrite: bool = False,
-    sources: tuple[str, ...] = (),
-    betas: tuple[float, float] | list[float] | None = None,
-) -> list[str]:
-    """Write HF-named `params` (and `slots`, `step`) of model config `cfg` at `out` in `layout`
-    (a key of `LAYOUTS`), never at or around one of `sources`; returns the file names written.
-    `betas`: AdamW's, for the beta pows (the source's `adam_betas` when it recorded them; else
-    Paddle's defaults)."""
+def write_export(request) -> Any:
+    """`writers.write`'s Paddle unified layouts (`request.layout`, a key of `LAYOUTS`): the HF-named
+    params (and slots, step) of a model config, never at or around one of the request's sources.
+    AdamW's beta pows come from the source's `adam_betas` when it recorded them, else Paddle's
+    defaults."""
+    from hybridckpt.writers import Written
+
+    layout, cfg, named = request.layout, request.config, request.named
+    params, dtype = named.params, request.dtype
+    slots = named.slots if request.optimizer else None
+    step, betas = named.step, request.trainer.get("adam_betas")
+    out, overwrite, sources = request.out, request.overwrite, request.sources
     if layout not in LAYOUTS:
         raise ConfigError(f"export: layout {layout!r}; expected one of {sorted(LAYOUTS)}")
     if cfg is None:
@@ -98,7 +93,7 @@ def write_export(
             flavour=LAYOUTS[layout],
         )
         dest.commit()
-    return files
+    return Written(tuple(files), len(params), sum(t.nbytes for t in params.values()))
 
 
 def _storable(t: LazyTensor) -> LazyTensor:
