@@ -1,13 +1,15 @@
 """Model families as plug-ins: each is a folder `models/<family>/` found through a registry.
 
 A family folder holds `__init__.py` (`FAMILY = Family(...)`, see `models.family`), `config.py`
-(the frozen config dataclass, its HF (and Meta) forms, rule variables and param shapes; no JAX),
-`module.py` (the Flax module) and `hf.rules` (HF names -> params tree). Nothing outside
+(the frozen config dataclass, its HF (and Meta) forms and rule variables; no JAX), `params.py`
+(its param table, `models.table`: each param's path, shape, logical axes, HF name and layout op,
+from which the shape and axes trees and the HF rules are generated; no JAX) and `module.py` (the
+Flax module, which creates its params from the table). Nothing outside
 `models/` names a family; `models` imports nothing from `hybridckpt` (its errors are
 `models.errors`, which `hybridckpt.errors` re-exports).
 
 Params are plain nested dicts of fp32 arrays, layers stacked on a leading `layers` axis (see
-each family's `module.py` for its tree). `forward` holds no mesh code: jit it with sharded
+each family's `params.py` for its tree). `forward` holds no mesh code: jit it with sharded
 params and XLA propagates the shardings.
 
 Configs, `param_shape_tree`, `param_axes_tree`, rules and the registry need no JAX; the JAX
