@@ -2,9 +2,10 @@
 
 A family folder holds `__init__.py` (`FAMILY = Family(...)`, see `models.family`), `config.py`
 (the frozen config dataclass, its HF (and Meta) forms, rule variables and param shapes; no JAX),
-`module.py` (the Flax module) and `hf.rules` (HF names -> params tree). Nothing outside
-`models/` names a family; `models` imports nothing from `hybridckpt` (its errors are
-`models.errors`, which `hybridckpt.errors` re-exports).
+`module.py` (the Flax module), `hf.rules` (HF names -> params tree) and `dialects/` (how other
+frameworks name and describe it: `models.dialect`). Nothing outside `models/` names a family;
+`models` imports nothing from `hybridckpt` (its errors are `models.errors`, which
+`hybridckpt.errors` re-exports).
 
 Params are plain nested dicts of fp32 arrays, layers stacked on a leading `layers` axis (see
 each family's `module.py` for its tree). `forward` holds no mesh code: jit it with sharded
@@ -33,7 +34,15 @@ from hybridckpt.models.api import (
     param_shape_tree,
     rule_variables,
 )
-from hybridckpt.models.family import RULE_VARIABLES, Family, ModelConfig, families, family_of
+from hybridckpt.models.dialect import Dialect, dialects
+from hybridckpt.models.family import (
+    RULE_VARIABLES,
+    Family,
+    ModelConfig,
+    families,
+    family_named,
+    family_of,
+)
 from hybridckpt.models.gpt2.config import GPT2Config
 from hybridckpt.models.llama.config import LlamaConfig, meta_ffn_hidden_dim
 
@@ -41,6 +50,7 @@ _JAX_API = ("forward", "init_params", "logical_axes", "loss", "module", "param_s
 
 __all__ = [
     "RULE_VARIABLES",
+    "Dialect",
     "Family",
     "GPT2Config",
     "LlamaConfig",
@@ -50,7 +60,9 @@ __all__ = [
     "config_from_meta_params",
     "config_to_dict",
     "config_to_hf",
+    "dialects",
     "families",
+    "family_named",
     "family_of",
     "fit_to_hf_names",
     "hf_name_fixes",
