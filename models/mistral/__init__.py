@@ -26,5 +26,5 @@ FAMILY = Family(
     axes_tree=config.axes_tree,
     rule_variables=config.rule_variables,
     module="hybridckpt.models.mistral.module:Mistral",
-    hf_rules="models.llama:hf.rules",
+    hf_rules="hybridckpt.models.llama:hf.rules",
 )
