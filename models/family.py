@@ -21,6 +21,10 @@ What a family gives (JAX-free unless said):
   to the canonical ones the family's rules expect ("" when there are none).
 - `fit_to_hf_names(cfg, names)`: the config of the checkpoint whose HF tensor names are `names`
   (default: `cfg`); DeepSeek V3 counts the MTP modules a checkpoint carries.
+
+A family's dialects (how Megatron, torchtitan, PaddleNLP, Meta... name and describe it) are files
+in its folder, `models/<family>/dialects/`, found by `Family.dialect(name)` (`models.dialect`);
+no field declares them.
 """
 
 from __future__ import annotations
@@ -113,6 +117,15 @@ class Family:
         table; origin reads like "models/llama/params.py table" (line N is row N)."""
         return self.table.rules_text(), self.table.rules_origin
 
+    def dialect(self, name: str):
+        """The family's dialect `name` (`models.dialect.Dialect`: its rules and matcher, from
+        `models/<family>/dialects/<name>.{rules,py}`), or None when the family has none."""
+        from hybridckpt.models import dialect
+
+        _discover()
+        package = _PACKAGES.get(self.name)
+        return None if package is None else dialect.find(self.name, package, name)
+
 
 # -------------------------------------------------------------------------------- registry
 
@@ -133,6 +146,10 @@ def _check_unique(found: dict[str, Family], fam: Family, where: str) -> None:
                 )
 
 
+# family name -> the package (folder) that defines it, where its dialects are looked up
+_PACKAGES: dict[str, str] = {}
+
+
 @functools.cache
 def _discover() -> dict[str, Family]:
     package = importlib.import_module(__package__)
@@ -147,6 +164,7 @@ def _discover() -> dict[str, Family]:
             raise ConfigError(f"{info.name}.FAMILY: expected a Family, found {type(fam).__name__}")
         _check_unique(found, fam, f"{info.name}.FAMILY")
         found[fam.name] = fam
+        _PACKAGES[fam.name] = info.name
     return dict(sorted(found.items()))
 
 

@@ -26,8 +26,8 @@ from fixtures.megatron_moe_writer import make_moe, write_megatron_moe
 from hybridckpt import jobs, models
 from hybridckpt.errors import FormatError, MappingError
 from hybridckpt.formats.megatron.reader import read_global
-from hybridckpt.formats.rules_files import load_rules
 from hybridckpt.readers import open_source
+from hybridckpt.rules import parse_rules
 
 EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -38,7 +38,8 @@ def _hf_rules(ref, tensors):
         vocab_size=c["vocab_size"], padded_vocab=tensors[EMBEDDING].shape[0],
         num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"], tied=False,
     )  # fmt: skip
-    return load_rules(f"megatron_{ref.family}.rules", variables)
+    text, origin = models.family_named(ref.family).dialect("megatron").rules()
+    return parse_rules(text, variables, origin=origin)
 
 
 def _hf_named(path, ref):
