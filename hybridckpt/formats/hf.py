@@ -101,7 +101,7 @@ def _model_files(path: str, folder: str) -> tuple[dict[str, LazyTensor], str]:
     if tensors:
         return tensors, INDEX if os.path.isfile(os.path.join(folder, INDEX)) else WEIGHTS
     if hf_bin.present(folder):
-        return hf_bin.read(folder)
+        return hf_bin.read(folder, read_index(os.path.join(folder, hf_bin.INDEX)))
     raise FormatError(f"{path}: no {WEIGHTS}, {INDEX} or {hf_bin.SINGLE}")
 
 

@@ -67,13 +67,11 @@ def _bare_shards(folder: str) -> list[str]:
     return names
 
 
-def read(folder: str) -> tuple[dict[str, LazyTensor], str]:
+def read(folder: str, weight_map: Mapping[str, str] | None) -> tuple[dict[str, LazyTensor], str]:
     """(tensors of every torch shard in `folder`, how they were found: "pytorch_model.bin",
-    "N shards by pytorch_model.bin.index.json" or "N shards by their names (no index)")."""
-    from hybridckpt.formats.hf import read_index
-
+    "N shards by pytorch_model.bin.index.json" or "N shards by their names (no index)");
+    `weight_map`: the index's (`formats.hf.read_index`, file names checked), None without one."""
     index_path = os.path.join(folder, INDEX)
-    weight_map = read_index(index_path)
     if weight_map is not None:
         files = list(dict.fromkeys(weight_map.values()))
         how = f"{len(files)} torch shard(s) by {INDEX}"
