@@ -1,6 +1,14 @@
 """Quantized Hugging Face releases as the real tools write and read them (FP8 blocks, MXFP4).
 
-    python tests/real/make.py hf_quantized -- --converter ~/.cache/hybridckpt-real/src/convert_gpt_oss_weights_to_hf.py
+    python tests/real/make.py hf_quantized -- --converter FILE --deepseek-kernel FILE
+
+Two files no package index holds, taken from the repositories (never copied into this one):
+`--converter` (default ~/.cache/hybridckpt-real/src/convert_gpt_oss_weights_to_hf.py): transformers
+@08b031b7 src/transformers/models/gpt_oss/convert_gpt_oss_weights_to_hf.py, its weight conversion
+(`write_model`, `save_sharded_model`, `create_safetensors_index`; the tokenizer part, which
+downloads o200k_base, and the unpacked non-mxfp4 branch left out); `--deepseek-kernel` (default
+~/.cache/hybridckpt-real/src/deepseek_v3_kernel.py): deepseek-ai/DeepSeek-V3@9b4e978
+inference/kernel.py as it is.
 
 Cases:
 - `hf_fp8_qwen3`: a tiny Qwen3ForCausalLM quantized by transformers 5.24's own fine-grained FP8
