@@ -46,6 +46,20 @@ class ExportSummary:
     notes: tuple[str, ...] = ()
 
 
+def exported_hyper(opened: Any, names: set[str]) -> dict:
+    """The source's optimizer hyper-parameters with each param group's params under the exported
+    names (`opened.hf_of`: HF names with a model config), those not exported left out."""
+    hyper = dict(opened.hyper)
+    groups = hyper.pop("groups", None)
+    if groups:
+        hyper["groups"] = [
+            {**{k: v for k, v in g.items() if k != "params"},
+             "params": [h for n in g.get("params") or [] for h in opened.hf_of(str(n)) if h in names]}
+            for g in groups
+        ]
+    return hyper
+
+
 def export_checkpoint(
     src: str | os.PathLike,
     out: str | os.PathLike,
@@ -134,6 +148,8 @@ def export_checkpoint(
     trainer = {"step": named.step, "source_format": opened.format}
     if slots:
         trainer["optimizer_name"] = named.optimizer.name
+        if opened.hyper:  # read back by the hf reader as the hyper-parameters (formats/hf.py)
+            trainer["optimizer"] = exported_hyper(opened, set(params))
     files = write_hf(
         os.fspath(out), params, hf_cfg, slots=slots or None, step=named.step,
         with_step=bool(slots) and named.optimizer.has_step, trainer=trainer,

@@ -55,6 +55,9 @@ class Opened:
     trainer: Mapping[str, Any] = field(default_factory=dict)
     topology: Mapping[str, int] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    hyper: Mapping[str, Any] = field(default_factory=dict)  # the optimizer's hyper-parameters, source names
+    leaf_of: Any = None  # source param name -> the names it ends under (`naming.leaf_namer`)
+    hf_of: Any = None  # source param name -> its HF names (the source's names without a config)
 
     @property
     def step(self) -> int | None:
@@ -99,6 +102,7 @@ def open_checkpoint(
     src = readers.open_source(path, fmt, config=cfg, step=step, verify_reads=verify_reads)
     cfg = cfg or src.config
     notes = tuple(src.notes)
+    user = None
     if cfg is None:
         named = naming.source_named(src)
         if rules:
@@ -121,7 +125,9 @@ def open_checkpoint(
         cfg = models.fit_to_hf_names(cfg, named.params)  # parts a checkpoint may leave out
         _check_fits(src, named, cfg, path)
         notes = named.notes
-    return Opened(src.format, path, cfg, named, dict(src.trainer), dict(src.topology), notes)
+    hyper = dict(src.optimizer.hyper) if src.optimizer is not None else {}
+    return Opened(src.format, path, cfg, named, dict(src.trainer), dict(src.topology), notes, hyper,
+                  naming.leaf_namer(src, cfg, user_rules=user), naming.leaf_namer(src, cfg, user_rules=user, tree=False))
 
 
 def _check_fits(src: Any, named: Named | None, cfg: Any, path: str) -> None:

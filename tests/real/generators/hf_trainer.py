@@ -340,10 +340,9 @@ def _logits(params: dict):
 
 
 def _write_case(out: str, case: str, src: str, work: str, refs_from: str, notes: list[str], **extra) -> None:
+    import tools
     import torch
     from safetensors.torch import load_file
-
-    import tools
 
     case_dir = tools.fresh_case(out, case)
     shutil.copytree(src, os.path.join(case_dir, "ckpt"), symlinks=False)
