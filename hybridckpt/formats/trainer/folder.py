@@ -77,8 +77,8 @@ def layout(folder: str) -> str | None:
         return None
     if "latest" in have:
         return "deepspeed"
-    if any(n in have for n in PLAIN_MODELS):
-        return "plain"
+    if any(n in have for n in PLAIN_MODELS) and any(n in have for n in PLAIN_OPTIMIZERS):
+        return "plain"  # (a weights-only save is an HF folder; PaddleFormers' unified one has neither)
     return None
 
 
