@@ -16,6 +16,7 @@ or stays there (export, verify: `model_hf`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -148,11 +149,8 @@ def named_for_model(src: SourceCheckpoint, cfg: Any, *, rules: str | None = None
     the source's own names (user `rules` alone). A config whose model is not the checkpoint's
     (fewer than half of its tensors found) is one ConfigError saying so, before any rule's."""
     from hybridckpt import models
-    from hybridckpt.formats.rules_files import load_user_rules
-
     named = source_named(src)
-    variables = dict(src.rule_vars) if cfg is None else models.rule_variables(cfg)
-    user = load_user_rules(str(rules), variables, named.params) if rules else None
+    user = user_rules(src, cfg, rules) if rules else None
     if cfg is None:
         return (map_named(named, user, strict=strict) if user is not None else named), None
     try:
@@ -163,6 +161,16 @@ def named_for_model(src: SourceCheckpoint, cfg: Any, *, rules: str | None = None
     cfg = models.fit_to_hf_names(cfg, named.params)  # parts a checkpoint may leave out
     _check_fits(src, named, cfg)
     return named, cfg
+
+
+def user_rules(src: SourceCheckpoint, cfg: Any, rules: str | os.PathLike) -> RuleSet:
+    """A user's `--rules` file read against `src`'s names, with the variables of the model config
+    `cfg` (the source's own rule variables without one)."""
+    from hybridckpt import models
+    from hybridckpt.formats.rules_files import load_user_rules
+
+    variables = dict(src.rule_vars) if cfg is None else models.rule_variables(cfg)
+    return load_user_rules(os.fspath(rules), variables, source_named(src).params)
 
 
 def _check_fits(src: SourceCheckpoint, named: Named | None, cfg: Any) -> None:
@@ -252,3 +260,46 @@ def tree_to_hf(tree: Mapping[str, Any], cfg: Any) -> dict[str, LazyTensor]:
     flat = flatten(tree)
     tensors = {k: v if isinstance(v, LazyTensor) else lazy.ArrayTensor(np.asarray(v)) for k, v in flat.items()}
     return model_rules(cfg).invert().apply_unstack(tensors).tensors
+
+
+def leaf_namer(src: SourceCheckpoint, cfg: Any, *, user_rules: RuleSet | None = None, tree: bool = True):
+    """`leaf_of(source name) -> [names]`: where a source param ends after the renames an import
+    applies (`source_to_hf` then the family's rules: flat tree paths, stacked leaves by their
+    base), from the names alone: nothing is read. Without a model config the names stay the
+    source's. For per-param facts recorded by source name (optimizer param groups)."""
+    from hybridckpt import models
+
+    stages: list[RuleSet] = [user_rules] if user_rules is not None else []
+    if cfg is not None:
+        variables = {**models.rule_variables(cfg), **dict(src.rule_vars)}
+        if src.hf_rules.strip():
+            stages.append(parse_rules(src.hf_rules, variables, origin=f"{src.format} rules"))
+
+    def through(names: list[str], rules: RuleSet) -> list[str]:
+        out: list[str] = []
+        for n in names:
+            t = rules.targets_of(n)
+            out.extend(t if t is not None else ())
+        return out
+
+    fixes_and_model: list[RuleSet] = []
+    if cfg is not None:
+        hf_names = list(src.tensors)
+        for rs in stages:
+            hf_names = through(hf_names, rs)
+        fixes = models.hf_name_fixes(cfg, hf_names)
+        if fixes.strip():
+            fixes_and_model.append(parse_rules(fixes, variables, origin="name fixes"))
+        fixes_and_model.append(model_rules(cfg) if tree else RuleSet((), (), "none"))
+
+    def leaf_of(name: str) -> list[str]:
+        names = [name]
+        for rs in stages:
+            names = through(names, rs)
+        for rs in fixes_and_model[:-1]:  # fixes rename some names and pass the others on
+            names = [m for n in names for m in (rs.targets_of(n) or (n,))]
+        if fixes_and_model and tree:
+            names = through(names, fixes_and_model[-1])
+        return names
+
+    return leaf_of

@@ -24,7 +24,9 @@ READERS: tuple[tuple[str, str], ...] = (
     ("meta-llama", "hybridckpt.formats.meta_llama"),
     ("megatron-dist", "hybridckpt.formats.megatron_dist"),  # before dcp: a torch_dist folder is a DCP folder too
     ("flex-checkpoint", "hybridckpt.formats.flex_checkpoint"),  # Paddle's {id}.metadata + {rank}_{id}.distcp
+    ("hf-trainer", "hybridckpt.formats.trainer"),  # before dcp, deepspeed and hf: a layer over their files
     ("dcp", "hybridckpt.formats.dcp"),
+    ("deepspeed-universal", "hybridckpt.formats.deepspeed.universal"),  # before deepspeed: its tag holds mp_rank_00_model_states.pt
     ("deepspeed", "hybridckpt.formats.deepspeed"),
     ("paddle", "hybridckpt.formats.paddle"),
     ("paddle-unified", "hybridckpt.formats.paddle.unified"),

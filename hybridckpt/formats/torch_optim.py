@@ -19,7 +19,8 @@ from hybridckpt.errors import FormatError, HybridCkptError
 from hybridckpt.lazy import LazyTensor
 
 STEP = "step"  # torch's step counter in `state[i]` (optax's `count`)
-HYPER_FLOATS = ("lr", "eps", "weight_decay")
+HYPER_FLOATS = ("lr", "eps", "weight_decay", "momentum", "dampening")
+HYPER_BOOLS = ("decoupled_weight_decay", "amsgrad", "nesterov", "maximize")
 
 
 def param_state(entry: Mapping, where: str) -> tuple[dict[str, LazyTensor], float | None]:
@@ -78,11 +79,15 @@ def slot_shape(slot_names: Sequence[str], slot: str, param_shape: Sequence[int])
 
 
 def hyper(groups: Sequence[Mapping], names: Sequence[Sequence[str]]) -> dict:
-    """The param groups' hyperparameters: group 0's `lr`, `betas`, `eps`, `weight_decay`, plus
-    `groups` (each group's values and its param names `names[g]`) when the groups differ."""
+    """The param groups' hyperparameters: group 0's `lr`, `betas`, `eps`, `weight_decay` (and
+    SGD's `momentum`, `dampening`; the flags `decoupled_weight_decay`, `amsgrad`, `nesterov`,
+    `maximize` where the group has them), plus `groups` (each group's values and its param names
+    `names[g]`) when the groups differ."""
 
     def norm(g):
-        h = {k: float(g[k]) for k in HYPER_FLOATS if isinstance(g.get(k), (int, float))}
+        h = {k: float(g[k]) for k in HYPER_FLOATS
+             if isinstance(g.get(k), (int, float)) and not isinstance(g.get(k), bool)}
+        h |= {k: g[k] for k in HYPER_BOOLS if isinstance(g.get(k), bool)}
         if isinstance(g.get("betas"), (tuple, list)):
             h["betas"] = [float(b) for b in g["betas"]]
         return h

@@ -45,6 +45,20 @@ class ExportSummary:
     notes: tuple[str, ...] = ()
 
 
+def exported_hyper(opened: Any, names: set[str]) -> dict:
+    """The source's optimizer hyper-parameters with each param group's params under the exported
+    names (`opened.hf_of`: HF names with a model config), those not exported left out."""
+    hyper = dict(opened.hyper)
+    groups = hyper.pop("groups", None)
+    if groups:
+        hyper["groups"] = [
+            {**{k: v for k, v in g.items() if k != "params"},
+             "params": [h for n in g.get("params") or [] for h in opened.hf_of(str(n)) if h in names]}
+            for g in groups
+        ]
+    return hyper
+
+
 def export_checkpoint(
     src: str | os.PathLike,
     out: str | os.PathLike,
@@ -93,6 +107,7 @@ def export_checkpoint(
         to, os.fspath(out), named, opened.config, optimizer=optimizer, dtype=np_dtype(dtype) if dtype else None,
         max_shard_bytes=max_shard_bytes, overwrite=overwrite, progress=progress, direct_io=direct_io,
         sources=(opened.path,), source_format=opened.format, trainer=dict(opened.trainer),
+        hyper=exported_hyper(opened, set(named.params)) if optimizer and opened.hyper else {},
     ))
     return ExportSummary(opened.format, os.path.abspath(out), done.files, done.tensors, done.nbytes,
                          time.perf_counter() - t0, optimizer, opened.notes)

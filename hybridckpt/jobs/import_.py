@@ -184,6 +184,10 @@ def import_checkpoint(
     }
     if escaped:
         trainer[NAMES_KEY] = escaped
+    hyper_notes: tuple[str, ...] = ()
+    if opt is not None and opened.hyper:
+        trainer_hyper, hyper_notes = _recorded_hyper(opened, named.params, escaped)
+        trainer.update(trainer_hyper)
 
     def checksums() -> dict:
         from hybridckpt.checksum import CHUNKS, encode_crcs, to_hex
@@ -208,7 +212,7 @@ def import_checkpoint(
     save_checkpoint(dst, out_step, params, opt_state, trainer, overwrite=overwrite, trainer_state_after=checksums,
                     sources=[opened.path])
     nbytes = sum(x.nbytes for x in leaves.values())
-    notes = opened.notes + opened.named.report + named.report[len(opened.named.report):] + p.notes
+    notes = opened.notes + opened.named.report + named.report[len(opened.named.report):] + p.notes + hyper_notes
     if cfg is None:
         from hybridckpt.jobs.open import unknown_architecture
 
@@ -223,6 +227,31 @@ def import_checkpoint(
         time.perf_counter() - t0, opt is not None, tuple(dict.fromkeys(notes)),
         sum(1 for k in leaves if k.startswith("params.")), len(opened.named.params),
     )
+
+
+def _recorded_hyper(opened: Any, leaves: dict, escaped: dict[str, str]) -> tuple[dict, tuple[str, ...]]:
+    """Trainer-state entries for the source's optimizer hyper-parameters: `optimizer_hyper` (lr,
+    betas, eps, weight_decay, ...) and, when the param groups decay differently, the
+    `weight_decay_mask` over the imported leaves (`optim.groups`). Groups optax cannot express
+    are kept as they are (`optimizer_param_groups`), with a note."""
+    from hybridckpt.errors import CheckpointError
+    from hybridckpt.optim import groups
+
+    to_key = {orig: key for key, orig in escaped.items()}
+
+    def leaf_of(name: str) -> list[str]:
+        return [to_key.get(n, n) for n in opened.leaf_of(name)]
+
+    try:
+        scalars, mask = groups.weight_decay_mask(opened.hyper, leaf_of, list(leaves), opened.path)
+    except CheckpointError as e:
+        scalars = {k: v for k, v in opened.hyper.items() if k != "groups"}
+        return {"optimizer_hyper": scalars, "optimizer_param_groups": list(opened.hyper.get("groups") or [])}, (
+            f"optimizer hyper-parameters recorded, param groups kept as they are: {e}",)
+    out: dict = {"optimizer_hyper": scalars}
+    if mask is not None:
+        out["weight_decay_mask"] = mask
+    return out, ()
 
 
 def _under_storage_keys(named: Any) -> tuple[Any, dict[str, str]]:

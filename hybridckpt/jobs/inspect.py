@@ -82,5 +82,10 @@ def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, s
             "slots": sorted(opt.slots),
             "params_with_state": opt.num_params(),
             "master_weights": len(opt.master),
+            "hyper": {k: v for k, v in opt.hyper.items() if k != "groups"},
+            "param_groups": [
+                {**{k: v for k, v in g.items() if k != "params"}, "params": len(g.get("params") or [])}
+                for g in opt.hyper.get("groups") or []
+            ],
         }
     return info

@@ -54,6 +54,9 @@ class Opened:
     trainer: Mapping[str, Any] = field(default_factory=dict)
     topology: Mapping[str, int] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    hyper: Mapping[str, Any] = field(default_factory=dict)  # the optimizer's hyper-parameters, source names
+    leaf_of: Any = None  # source param name -> the names it ends under (`naming.leaf_namer`)
+    hf_of: Any = None  # source param name -> its HF names (the source's names without a config)
 
     @property
     def step(self) -> int | None:
@@ -97,7 +100,10 @@ def open_checkpoint(
         )
     src = readers.open_source(path, fmt, config=cfg, step=step, verify_reads=verify_reads)
     named, cfg = naming.named_for_model(src, cfg or src.config, rules=rules, strict=strict)
-    return Opened(src.format, path, cfg, named, dict(src.trainer), dict(src.topology), named.notes)
+    user = naming.user_rules(src, cfg, rules) if rules else None
+    hyper = dict(src.optimizer.hyper) if src.optimizer is not None else {}
+    return Opened(src.format, path, cfg, named, dict(src.trainer), dict(src.topology), named.notes, hyper,
+                  naming.leaf_namer(src, cfg, user_rules=user), naming.leaf_namer(src, cfg, user_rules=user, tree=False))
 
 
 def unknown_architecture(opened: Opened) -> str | None:

@@ -84,6 +84,11 @@ class Optimizer:
     make_state:  (abstract or concrete params) -> an optax state of this optimizer with the same
                  tree structure (a function of optax; imported only when called)
     step_name:   the source frameworks' name of the step counter ("step")
+    build:       (hyper, mask) -> the optax transformation with a checkpoint's recorded
+                 hyper-parameters (`hyper`: torch's names, `lr`, `betas`, `eps`, `weight_decay`,
+                 ...; `mask`: a params-shaped tree of bools, True where weight decay applies,
+                 or None for all), whose state has this optimizer's `state_paths`; None when
+                 the optimizer cannot be rebuilt from a checkpoint
     """
 
     name: str
@@ -91,6 +96,7 @@ class Optimizer:
     state_paths: Mapping[str, tuple]
     make_state: Callable[[Any], Any]
     step_name: str = "step"
+    build: Callable[[Mapping[str, Any], Any], Any] | None = None
 
     @property
     def slot_names(self) -> tuple[str, ...]:

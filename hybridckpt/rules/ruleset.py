@@ -209,6 +209,31 @@ class RuleSet:
             raise MappingError(f"{self.origin}: no rule consumes source keys {shown}{more}")
         return MappingResult(out, unconsumed, tuple(unused))
 
+    def targets_of(self, name: str) -> tuple[str, ...] | None:
+        """The target names (stacked targets by their base) the rule consuming `name` produces,
+        from the names alone (nothing is read): () for a deleting rule, None when no rule
+        matches. A stacked source matches its expanded names `base[i]` and the stacked `base`."""
+        for rule in self.rules:
+            for text in rule.sources:
+                spec = parse_stack(text, rule.where())
+                rx = _compile(spec.base)
+                caps = _match(spec, rx, name)
+                if caps is None and spec.stacked:
+                    m = rx.match(name)
+                    caps = m.groupdict() if m else None
+                if caps is None:
+                    continue
+                if rule.deletes:
+                    return ()
+                out = []
+                for t in rule.targets:
+                    try:
+                        out.append(_fill(parse_stack(t, rule.where()).base, caps))
+                    except (KeyError, StopIteration):  # a capture only the stack positions give
+                        continue
+                return tuple(out)
+        return None
+
     def apply_unstack(self, tensors: Mapping[str, LazyTensor], *, strict: bool = True) -> MappingResult:
         """Like `apply`, for rules whose sources are stacked (`name[$L]`, `name[$L, $E]`, e.g.
         inverted rules): each tensor a stacked source's base matches (the base may be a

@@ -93,6 +93,21 @@ def model_config(state: dict, config: Any = None) -> Any:
     return None if saved is None else models.config_from_dict(saved)
 
 
+def recorded_hyper(state: dict, params: dict, named) -> dict:
+    """The optimizer hyper-parameters an import recorded (`optimizer_hyper`), with the weight
+    decay mask (`weight_decay_mask`, by leaf) as torch-style groups under the names `named`
+    gives each leaf's params (HF names with a model config)."""
+    hyper = dict(state.get("optimizer_hyper") or {})
+    mask = state.get("weight_decay_mask")
+    if not hyper or not isinstance(mask, dict):
+        return hyper
+    groups = [{**hyper, "params": []}, {**hyper, "weight_decay": 0.0, "params": []}]
+    for leaf, decays in mask.items():
+        if leaf in params:
+            groups[0 if decays else 1]["params"].extend(named({leaf: params[leaf]}))
+    return {**hyper, "groups": groups}
+
+
 def open(path: str, *, config: Any = None, step: int | None = None, verify_reads: bool = True):  # noqa: A001
     """Our checkpoint at `path` as a lazy `SourceCheckpoint` (see the module docstring). Every
     array is read through the CRC-32s its import recorded (`store.checked`) unless
@@ -134,7 +149,7 @@ def open(path: str, *, config: Any = None, step: int | None = None, verify_reads
             if verify_reads and "count" in (state.get("chunk_crc32") or {}):
                 count = checked_arrays(count, state, "", os.path.join(step_dir, "opt_state"))
             opt_step = int(count["count"].materialize())
-        optimizer = OptimizerState(slots, opt_step)
+        optimizer = OptimizerState(slots, opt_step, hyper=recorded_hyper(state, params, named))
     return SourceCheckpoint(
         format=NAME,
         path=path,
@@ -169,7 +184,8 @@ def describe(path: str, step: int | None = None) -> dict:
         "tensors": [
             {"name": k, "shape": list(v.shape), "dtype": str(v.dtype), "pieces": 1} for k, v in arrays.items()
         ],
-        "optimizer": {"saved": has_opt, "name": state.get("optimizer") or ("adamw" if has_opt else None)},
+        "optimizer": {"saved": has_opt, "name": state.get("optimizer") or ("adamw" if has_opt else None),
+                      "hyper": state.get("optimizer_hyper"), "weight_decay_mask": state.get("weight_decay_mask")},
         "notes": [] if state.get("model_config") else ["imported without a model config: tensors keep the source's names"],
         "trainer_state": {k: v for k, v in state.items()
                           if k not in ("checksums", "checksum_chunks", "chunk_crc32", "array_specs", NAMES_KEY)},

@@ -168,3 +168,4 @@ class Restored:
     topology: TopologyChange
     missing_keys: tuple[str, ...] = ()
     unexpected_keys: tuple[str, ...] = ()
+    tx: Any = None  # the optax optimizer rebuilt from the checkpoint (`restore(optimizer="from-checkpoint")`)

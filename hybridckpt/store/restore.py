@@ -38,14 +38,17 @@ def restore(
     mesh: jax.sharding.Mesh | MeshShape | str,
     *,
     step: int | None = None,
-    optimizer: bool = True,
+    optimizer: bool | str = True,
     config: Any = None,
     strict_sharding: bool = False,
     **restore_kwargs: Any,
 ) -> tuple[Any, Restored]:
     """(model config or None, Restored) of `directory` (step: latest) on `mesh`.
 
-    optimizer: restore the optimizer state too when the step has one. strict_sharding: a dimension
+    optimizer: restore the optimizer state too when the step has one; "from-checkpoint" also
+    rebuilds the optax optimizer from the hyper-parameters the import recorded (lr, betas, eps,
+    weight decay and its mask: `optim.groups`) and returns the state in that optimizer's
+    structure, the transformation as `restored.tx`. strict_sharding: a dimension
     the mesh cannot divide is an error (default: replicated on that axis). Other keyword arguments go
     to `CheckpointStore.restore` (global_batch_size, allow_batch_size_change, strict).
     """
@@ -62,4 +65,36 @@ def restore(
         restored = store.restore(
             step, target_params=p.param_targets(saved), target_opt_state=p.opt_targets(), **restore_kwargs
         )
+    if optimizer == "from-checkpoint":
+        restored = with_optimizer(restored, opt, state, directory)
+    elif not isinstance(optimizer, bool):
+        raise ValueError(f"optimizer={optimizer!r}: expected True, False or 'from-checkpoint'")
     return model_config(state, config), restored
+
+
+def with_optimizer(restored: Restored, opt: optim.Optimizer | None, state: dict, directory: str) -> Restored:
+    """`restored` with `tx`, the optax optimizer rebuilt from the recorded hyper-parameters, and
+    its opt_state in that optimizer's structure (slots and step moved over, nothing recomputed)."""
+    from dataclasses import replace
+
+    from hybridckpt.errors import CheckpointError
+    from hybridckpt.optim import groups
+
+    if opt is None:
+        raise CheckpointError(f"{directory}: no optimizer state saved: nothing to rebuild")
+    hyper = state.get("optimizer_hyper")
+    if not hyper:
+        raise CheckpointError(f"{directory}: the import recorded no optimizer hyper-parameters (the source "
+                              f"stores none): build the optax optimizer yourself")
+    if state.get("optimizer_param_groups"):
+        raise CheckpointError(f"{directory}: the source's param groups differ in what one optax optimizer "
+                              f"cannot express (see trainer_state['optimizer_param_groups'])")
+    tx = groups.build(opt, hyper, state.get("weight_decay_mask"), restored.params)
+    slots, count = optim.slots_of(opt, restored.opt_state)
+    fresh = jax.eval_shape(tx.init, restored.params)
+    new = optim.state(opt, fresh, slots, count)
+    leftover = [x for x in jax.tree.leaves(new) if isinstance(x, jax.ShapeDtypeStruct)]
+    if leftover:
+        raise CheckpointError(f"{directory}: the rebuilt {opt.name} keeps state beyond its slots and step "
+                              f"({len(leftover)} arrays): not restorable from this checkpoint")
+    return replace(restored, opt_state=new, tx=tx)

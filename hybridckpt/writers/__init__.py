@@ -33,7 +33,9 @@ class ExportRequest:
     out: the folder to create; named: `naming.Named` under HF names (the model's tensors when
     `config` is set, else the source's own names), with its slots and step; optimizer: write the
     slots and step too; dtype: cast params on write (numpy dtype) or None; trainer: the source's
-    trainer metadata (e.g. `adam_betas`); sources: paths the output must not be, hold or lie in;
+    trainer metadata (e.g. `adam_betas`); hyper: the optimizer's hyper-parameters with its param
+    groups under the exported names ({} when unknown or not exported); sources: paths the output
+    must not be, hold or lie in;
     extra: writer-specific options (e.g. a target's parallel degrees)."""
 
     layout: str
@@ -49,6 +51,7 @@ class ExportRequest:
     sources: tuple[str, ...] = ()
     source_format: str = ""
     trainer: Mapping[str, Any] = field(default_factory=dict)
+    hyper: Mapping[str, Any] = field(default_factory=dict)  # optimizer hyper-parameters, exported names
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 

@@ -150,6 +150,8 @@ def write_export(request) -> Any:
     trainer = {"step": named.step, "source_format": request.source_format}
     if slots:
         trainer["optimizer_name"] = named.optimizer.name
+        if request.hyper:  # read back by the hf reader as the hyper-parameters (formats/hf.py)
+            trainer["optimizer"] = dict(request.hyper)
     files = write_hf(
         request.out, params, hf_cfg, slots=slots or None, step=named.step,
         with_step=bool(slots) and named.optimizer.has_step, trainer=trainer,

@@ -89,6 +89,8 @@ def test_params_and_moments_exact(root, variant):
         "eps": hyper["eps"],
         "weight_decay": hyper["weight_decay"],
         "betas": list(hyper["betas"]),
+        # torch AdamW's flags, kept: decoupled decay is what optax.adamw does
+        "decoupled_weight_decay": True, "amsgrad": False, "maximize": False,
     }
     assert src.hf_rules == ""
     assert src.config is not None and src.config.vocab_size == 250  # config.json beside it

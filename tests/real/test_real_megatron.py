@@ -177,3 +177,45 @@ def test_moe_optimizer_chains():
 
     assert domains(MOE) == {("chained_0.", g) for g in range(4)} | {("chained_1.", g) for g in range(8)}
     assert domains(MOE_EP1) == {("", 0), ("", 1)}  # tp 1 x pp 2
+
+
+@pytest.mark.parametrize("case", [DENSE, "megatron_core_dense_fully_reshardable"])
+def test_hyper_parameters_and_the_rebuilt_optimizer(case, tmp_path):
+    """What Megatron recorded (its param groups: lr, betas, eps, weight decay; the no-decay group
+    of megatron-core's default rule, 1-D params and biases) is recorded at import, and the optax
+    optimizer `restore(optimizer="from-checkpoint")` rebuilds from it takes Megatron's next step;
+    without the no-decay mask it does not."""
+    from hybridckpt import jobs, lazy, models, naming
+    from hybridckpt.store.restore import restore
+
+    man = cases.manifest(CASES[case])
+    ckpt = str(tmp_path / "orbax")
+    jobs.import_checkpoint(cases.ckpt(case), ckpt, mesh=meshes(case)[0])
+    cfg, r = restore(ckpt, meshes(case)[1], optimizer="from-checkpoint")
+    hyper = r.trainer_state["optimizer_hyper"]
+    assert {k: hyper[k] for k in ("lr", "eps", "weight_decay")} == {k: man["hyper"][k] for k in ("lr", "eps", "weight_decay")}
+    assert hyper["betas"] == man["hyper"]["betas"]
+    undecayed = set()
+    shapes = naming.flatten(models.param_shape_tree(cfg))
+    for leaf, decays in r.trainer_state["weight_decay_mask"].items():
+        if not decays:
+            undecayed |= set(naming.tree_to_hf({leaf: np.zeros(shapes[leaf], np.float32)}, cfg))
+    want = set(to_hf({f"x/{n}": np.zeros(1) for n in man["no_weight_decay"]}, "x", **{**DIMS, "vocab": 1}))
+    assert undecayed == want
+
+    grads = naming.hf_to_tree(naming.Named({k: lazy.ArrayTensor(v) for k, v in expected(case, "grad").items()}), cfg)
+    g = jax.tree.map(lambda p, t: jax.numpy.asarray(t.materialize(), p.dtype), r.params, naming.nest(grads.params))
+
+    def step(tx, state):
+        updates, _ = tx.update(g, state, r.params)
+        out = optax.apply_updates(r.params, updates)
+        return {k: v.materialize() for k, v in naming.tree_to_hf(jax.tree.map(np.asarray, out), cfg).items()}
+
+    after = expected(case, "param_next")
+    got = step(r.tx, r.opt_state)
+    for k, w in after.items():
+        np.testing.assert_allclose(got[k], w, rtol=1e-5, atol=1e-7, err_msg=k)
+    h = hyper
+    plain = optax.adamw(h["lr"], b1=h["betas"][0], b2=h["betas"][1], eps=h["eps"], weight_decay=h["weight_decay"])
+    wrong = step(plain, (r.opt_state[0], *plain.init(r.params)[1:]))
+    assert not all(np.allclose(wrong[k], after[k], rtol=1e-5, atol=1e-7) for k in after)

@@ -82,7 +82,8 @@ def find_structure(tensor_keys, planner_data: Mapping[str, tuple]) -> Structure:
     return Structure("", None)
 
 
-_HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "params")
+_HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "params", "momentum", "dampening", "decoupled_weight_decay",
+               "amsgrad", "nesterov", "maximize")
 
 
 def param_groups(md: DcpMetadata, opt: str) -> list[dict]:

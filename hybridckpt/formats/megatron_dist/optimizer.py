@@ -85,7 +85,22 @@ def model_space_state(
     return out
 
 
-def step_and_hyper(groups, where: str) -> tuple[int | None, dict]:
+def decay_groups(groups, tensors) -> list[dict] | None:
+    """Megatron's param groups as torch-style groups naming their params, when they decay
+    differently: megatron-core's default (optimizer/__init__.py `_get_param_groups` overrides:
+    `wd_mult` 0 for `*.bias` and every 1-D param) says which params each holds, which its saved
+    groups do not. None when every group decays alike."""
+    wds = {float(g["weight_decay"]) for g in groups if isinstance(g.get("weight_decay"), (int, float))}
+    if len(wds) < 2:
+        return None
+    no_decay = sorted(n for n, t in tensors.items() if n.endswith(".bias") or t.ndim == 1)
+    decay = sorted(n for n in tensors if n not in set(no_decay))
+    g_decay = next((g for g in groups if g.get("weight_decay")), groups[0])
+    g_none = next((g for g in groups if not g.get("weight_decay")), groups[-1])
+    return [{**g_decay, "params": decay}, {**g_none, "params": no_decay}]
+
+
+def step_and_hyper(groups, where: str, tensors=None) -> tuple[int | None, dict]:
     """(step, hyperparameters of group 0: lr, betas, eps, weight_decay) of Megatron's param
     groups (group 0 holds the weight-decayed params: optimizer/__init__.py `_get_param_groups`)."""
     if not groups:
@@ -106,4 +121,11 @@ def step_and_hyper(groups, where: str) -> tuple[int | None, dict]:
     betas = g0.get("betas")
     if isinstance(betas, (tuple, list)) and all(isinstance(b, (int, float)) for b in betas):
         hyper["betas"] = [float(b) for b in betas]
+    if isinstance(g0.get("decoupled_weight_decay"), bool):
+        hyper["decoupled_weight_decay"] = g0["decoupled_weight_decay"]
+    split = decay_groups(groups, tensors) if tensors is not None else None
+    if split is not None:
+        from hybridckpt.formats.torch_optim import hyper as torch_hyper
+
+        hyper = {**hyper, "groups": torch_hyper(split, [g["params"] for g in split])["groups"]}
     return step, hyper

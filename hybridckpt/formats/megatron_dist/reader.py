@@ -268,7 +268,7 @@ def _optimizer(
             break
     if groups is None:  # NeMo 2 keeps Lightning's list under the same key
         groups = common.param_groups(com.state.get("optimizer"))
-    step, hyper = optimizer.step_and_hyper(groups, where)
+    step, hyper = optimizer.step_and_hyper(groups, where, tensors)
     if step is None:
         it = com.state.get("iteration", com.state.get("global_step"))
         step = it if isinstance(it, int) else None

@@ -1,0 +1,20 @@
+"""transformers Trainer / accelerate checkpoint folders, read without torch, transformers or
+accelerate: a layer over the readers of the weights and optimizer files they hold.
+
+Layouts (`folder`): FSDP1/FSDP2 `SHARDED_STATE_DICT` (`pytorch_model_fsdp_K/`, `optimizer_K/`:
+DCP folders), `FULL_STATE_DICT` (`pytorch_model_fsdp_K.bin` or `model.safetensors`, and
+`optimizer_K.bin`), the DeepSpeed variant (`latest`, `global_stepN/`: the DeepSpeed reader),
+and plain folders (`model.safetensors` + `optimizer.pt` / accelerate's `optimizer.bin`). The
+trainer layer (`reader`) adds the step of `trainer_state.json`, the scheduler's learning rate,
+the optimizer's hyper-parameters, and the model config from `--config`, the folder or the
+output folder above it (which one, said). An output folder reads its latest `checkpoint-N`.
+
+Modules: `folder` (which files, trainer_state / scheduler / training_args), `fsdp` (model and
+optimizer files as tensors and slots), `reader` (`open`, `detect`).
+"""
+
+from __future__ import annotations
+
+from hybridckpt.formats.trainer.reader import NAME, detect, open  # noqa: A004 - the format contract
+
+__all__ = ["NAME", "detect", "open"]
