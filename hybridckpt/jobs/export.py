@@ -1,7 +1,8 @@
 """The export job: any checkpoint (ours included) to one single-card safetensors folder, streamed.
 
 - With a model config: the model's tensors under HF names (`naming.model_hf`: every name and
-  shape checked against the model, buffers and tied copies dropped), `config.json`, and with
+  shape checked against the model, buffers and tied copies dropped), `config.json`,
+  `generation_config.json` and the source's tokenizer files (`writers.hf_files`), and with
   `optimizer=True` the optimizer slots as `optimizer*.safetensors` (`<hf name>.<slot>`, `step`).
   The checkpoint goes to HF names once, when it is opened; the export writes those tensors.
 - Without one (model-agnostic): every tensor under the source's own names, tensor-parallel and
@@ -126,16 +127,14 @@ def export_checkpoint(
     set_total = getattr(progress, "set_total", None)
     if set_total is not None:
         set_total(sum(t.nbytes for t in all_t))
-    hf_cfg = None
-    if cfg is not None:
-        from hybridckpt import models
+    from hybridckpt.writers.hf_files import export_files
 
-        hf_cfg = models.config_to_hf(cfg)
+    beside = export_files(cfg, opened.files, params)  # config.json, generation_config.json, tokenizer
     trainer = {"step": named.step, "source_format": opened.format}
     if slots:
         trainer["optimizer_name"] = named.optimizer.name
     files = write_hf(
-        os.fspath(out), params, hf_cfg, slots=slots or None, step=named.step,
+        os.fspath(out), params, None, files=beside, slots=slots or None, step=named.step,
         with_step=bool(slots) and named.optimizer.has_step, trainer=trainer,
         max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES, overwrite=overwrite, on_tensor=progress,
         direct_io=direct_io, sources=(opened.path,),

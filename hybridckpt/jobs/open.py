@@ -19,6 +19,8 @@ from hybridckpt import naming
 from hybridckpt.errors import CheckpointError, ConfigError, FormatError, MappingError
 from hybridckpt.formats.config_file import read_json
 from hybridckpt.formats.rules_files import load_user_rules
+from hybridckpt.io import model_files
+from hybridckpt.io.model_files import ModelFile
 from hybridckpt.naming import Named
 
 
@@ -46,6 +48,8 @@ class Opened:
     trainer:  trainer metadata (step, consumed samples, ...; our trainer_state for ours)
     topology: parallel degrees read from the files
     notes:    remarks from the format and the rules
+    files:    the config, generation config and tokenizer files that travel with the weights
+              (`io.model_files`): an import stores them, an HF export writes them
     """
 
     format: str
@@ -55,6 +59,7 @@ class Opened:
     trainer: Mapping[str, Any] = field(default_factory=dict)
     topology: Mapping[str, int] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    files: Mapping[str, ModelFile] = field(default_factory=dict)
 
     @property
     def step(self) -> int | None:
@@ -121,7 +126,31 @@ def open_checkpoint(
         cfg = models.fit_to_hf_names(cfg, named.params)  # parts a checkpoint may leave out
         _check_fits(src, named, cfg, path)
         notes = named.notes
-    return Opened(src.format, path, cfg, named, dict(src.trainer), dict(src.topology), notes)
+    files, skipped = _model_files(src, path, config)
+    return Opened(src.format, path, cfg, named, dict(src.trainer), dict(src.topology), notes + tuple(skipped), files)
+
+
+def _model_files(src: Any, path: str, config: Any) -> tuple[dict[str, ModelFile], list[str]]:
+    """The config, generation and tokenizer files that travel with `src` (`io.model_files`):
+    what our store recorded; else those in the source's folder (or, when its config.json lies in
+    the folder above, as for torchtitan's `step-N` and PaddleFormers' `checkpoint-N`, there);
+    a `--config` file is the config.json, with the files beside it."""
+    if src.format == "orbax" or src.files:  # (ours: what the import stored, nothing else)
+        return dict(src.files), []
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    files, skipped = model_files.find(folder)
+    if model_files.CONFIG not in files and config is None and src.config is not None:
+        above, more = model_files.find(os.path.dirname(folder))
+        if model_files.CONFIG in above:
+            files, skipped = above | files, skipped + more
+    if isinstance(config, str | os.PathLike):
+        cpath = os.path.abspath(os.fspath(config))
+        data = read_json(cpath)
+        if not ("dim" in data and "n_layers" in data):  # an HF config.json (a Meta params.json is not carried)
+            beside, more = model_files.find(os.path.dirname(cpath))
+            files, skipped = files | beside, skipped + more
+            files[model_files.CONFIG] = ModelFile(model_files.CONFIG, cpath, os.path.getsize(cpath))
+    return files, skipped
 
 
 def _check_fits(src: Any, named: Named | None, cfg: Any, path: str) -> None:

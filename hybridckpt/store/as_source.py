@@ -144,7 +144,17 @@ def open(path: str, *, config: Any = None, step: int | None = None, verify_reads
         step=opt_step,
         topology=dict(state.get("mesh", {})),
         trainer=state,
+        files=stored_files(step_dir, state),
     )
+
+
+def stored_files(step_dir: str, state: dict) -> dict:
+    """The config and tokenizer files an import kept in `<step>/hf_files/` (`io.model_files`),
+    each to be read against the size and CRC-32 recorded in the trainer state."""
+    from hybridckpt.io import model_files
+
+    where = os.path.join(step_dir, "trainer_state")
+    return model_files.recorded(os.path.join(step_dir, "hf_files"), state.get("hf_files"), f"{where} 'hf_files'")
 
 
 def describe(path: str, step: int | None = None) -> dict:
