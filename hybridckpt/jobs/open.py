@@ -108,7 +108,7 @@ def open_checkpoint(
         named = naming.source_named(src)
         if rules:
             user = load_user_rules(os.fspath(rules), dict(src.rule_vars), named.params)
-            named = naming.map_named(named, user, strict=strict)
+            named = naming.map_named(named, user, strict=strict, user=True)
         notes = named.notes
     else:
         from hybridckpt import models
@@ -126,11 +126,11 @@ def open_checkpoint(
         cfg = models.fit_to_hf_names(cfg, named.params)  # parts a checkpoint may leave out
         _check_fits(src, named, cfg, path)
         notes = named.notes
-    files, skipped = _model_files(src, path, config)
+    files, skipped = model_files_of(src, path, config)
     return Opened(src.format, path, cfg, named, dict(src.trainer), dict(src.topology), notes + tuple(skipped), files)
 
 
-def _model_files(src: Any, path: str, config: Any) -> tuple[dict[str, ModelFile], list[str]]:
+def model_files_of(src: Any, path: str, config: Any) -> tuple[dict[str, ModelFile], list[str]]:
     """The config, generation and tokenizer files that travel with `src` (`io.model_files`):
     what our store recorded; else those in the source's folder (or, when its config.json lies in
     the folder above, as for torchtitan's `step-N` and PaddleFormers' `checkpoint-N`, there);
