@@ -31,6 +31,8 @@ def cmd_inspect(a) -> int:
         print(f"config:    {compact_json(info['config'])}")
     if info.get("optimizer"):
         print(f"optimizer: {compact_json(info['optimizer'])}")
+    if info.get("files"):
+        print(f"files:     {', '.join(info['files'])} (carried into an import and out by an export)")
     for note in info.get("notes", []):
         print(f"note:      {note}")
     tensors = info["tensors"]
@@ -68,7 +70,7 @@ def cmd_import(a) -> int:
         )
     job_finished()
     print(f"imported {s.source_format} checkpoint into {s.destination} at step {s.step} on mesh {s.mesh}"
-          f" ({'with' if s.with_optimizer else 'without'} optimizer state)")
+          f" ({_devices_used(s.mesh)}; {'with' if s.with_optimizer else 'without'} optimizer state)")
     for n in s.notes:
         print(f"note: {n}")
     print(f"arrays: {s.param_arrays} param arrays from {s.source_tensors} source tensors"
@@ -76,6 +78,15 @@ def cmd_import(a) -> int:
           f", {s.tensors - s.param_arrays} optimizer arrays")
     print(summary("arrays", s.tensors, s.bytes, s.seconds))
     return 0
+
+
+def _devices_used(mesh: str) -> str:
+    """`N of M devices`: a mesh uses the first N (its sizes' product) of the M present."""
+    import jax
+
+    from hybridckpt.mesh import MeshShape
+
+    return f"{MeshShape.parse(mesh).size} of {jax.device_count()} devices"
 
 
 def cmd_export(a) -> int:
