@@ -13,7 +13,7 @@ Streams: each tensor is read (by `io_threads` readers, ahead of the writer withi
 largest tensor up to `WRITE_BLOCK_BYTES`) and written before the next ones are read; a larger one
 is read and written in blocks of rows of that size, so peak host memory is a couple of blocks
 (our raw Orbax store, read without JAX or Orbax, exports in under 256 MiB whatever its size:
-README "The Orbax write and read paths"); tensors whose bytes already lie in the source files in the order they must be written
+docs/benchmarks.md "The Orbax write and read paths"); tensors whose bytes already lie in the source files in the order they must be written
 are copied file to file without being materialised (`lazy.copy_runs`: through the O_DIRECT
 write buffer of `io.sequential_file`, or by the kernel with `--buffered-writes`). Our Orbax
 store is read lazily too (`store.reader`: a layer of a stacked leaf reads only its chunks).

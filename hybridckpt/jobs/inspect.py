@@ -17,7 +17,7 @@ import numpy as np
 from hybridckpt.lazy import LazyTensor
 
 SCHEMA_VERSION = 1
-# `inspect --json`: the same keys for every format, in this order (README "inspect --json")
+# `inspect --json`: the same keys for every format, in this order (docs/cli.md "inspect --json")
 SCHEMA = {
     "schema": "the version of this schema (1)",
     "format": "the format name (`--format` choices; `orbax` for ours)",
@@ -52,7 +52,7 @@ def _pieces(t: LazyTensor) -> int:
 
 def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, step: int | None = None) -> dict:
     """What a checkpoint holds, as a JSON-able dict of one schema for every format (`SCHEMA`;
-    README "inspect --json"); reads metadata only."""
+    docs/cli.md "inspect --json"); reads metadata only."""
     from hybridckpt import readers
     from hybridckpt.jobs.open import _config_arg, model_files_of
     from hybridckpt.store import as_source as store_source
