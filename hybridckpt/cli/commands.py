@@ -118,7 +118,10 @@ def cmd_verify(a) -> int:
             bad = [r for r in rows if not r.ok]
             for r in bad:
                 print(f"BAD {r.name}: {r.reason or 'checksum differs'}")
-            print(f"{len(rows) - len(bad)}/{len(rows)} arrays match their import checksums; "
+            files = [r for r in rows if r.kind == "file"]
+            arrays = len(rows) - len(files)
+            kept = f", {sum(r.ok for r in files)}/{len(files)} carried config and tokenizer files" if files else ""
+            print(f"{arrays - sum(r.kind != 'file' for r in bad)}/{arrays} arrays match their import checksums{kept}; "
                   f"{time.perf_counter() - t0:.2f} s")
             return 1 if bad else 0
         rows, only_a, only_b = verify(a.a, a.b, atol=a.atol, config=a.config, progress=prog,

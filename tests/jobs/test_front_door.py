@@ -146,7 +146,11 @@ def test_carried_files_are_data_checked_on_the_way_out(hf_llama, tmp_path):
     nothing written."""
     ok("import", str(hf_llama), str(tmp_path / "ck"), "--quiet")
     stored = tmp_path / "ck" / "0" / "hf_files" / "tokenizer.json"
+    assert "12/12 arrays match their import checksums, 4/4 carried config and tokenizer files" in ok("verify", str(tmp_path / "ck"))
     stored.write_bytes(stored.read_bytes().replace(b"t1", b"x1"))
+    checked = run("verify", str(tmp_path / "ck"))
+    assert checked.returncode == 1 and "BAD hf_files/tokenizer.json: unreadable:" in checked.stdout
+    assert "12/12 arrays match their import checksums, 3/4 carried config and tokenizer files" in checked.stdout
     err = one_line_error(run("export", str(tmp_path / "ck"), str(tmp_path / "out")))
     assert "tokenizer.json: CRC-32" in err and not (tmp_path / "out").exists()
     state_file = tmp_path / "ck" / "0" / "trainer_state" / "metadata"
