@@ -70,7 +70,12 @@ def test_a_non_editable_install_leaves_a_users_models_folder_alone(tmp_path):
         "print(models.MINE)\n"
         "print(hybridckpt.__file__)\n"
         "print(families.__file__, families.LlamaConfig.__name__)\n"
+        "try:\n"
+        "    families.config_from_hf({'architectures': ['NotAModel']})\n"
+        "except hybridckpt.HybridCkptError as e:\n"
+        "    print(type(e).__module__, type(e).__name__)\n"
     ), cwd=user, env=env).splitlines()
+    assert out[3] == "hybridckpt.errors UnknownModelError"  # the families' errors are the project's
     assert out[0] == "the user models package"
     assert out[1].startswith(site) and out[2].startswith(os.path.join(site, "hybridckpt", "models")), out
     # the command, from the venv's own script, in that folder
