@@ -200,7 +200,13 @@ def import_checkpoint(
                     sources=[opened.path], files=opened.files.values())
     nbytes = sum(x.nbytes for x in leaves.values())
     notes = opened.notes + opened.named.report + named.report[len(opened.named.report):] + p.notes
-    if cfg is None:
+    if cfg is None and "config.json" in opened.files:  # (an architecture no family implements)
+        notes += (
+            "its config.json names an architecture hybridckpt has no model for: tensors imported under the "
+            "source's own names, each sharded by the generic rule (fsdp on its largest divisible dim, then tp); "
+            "an export gives them back as they were, with that config.json",
+        )
+    elif cfg is None:
         notes += (
             "no model config: tensors imported under the source's own names, each sharded by the "
             "generic rule (fsdp on its largest divisible dim, then tp); pass --config to import the model",

@@ -141,6 +141,27 @@ def test_a_config_given_with_config_travels_with_its_tokenizer(hf_llama, tmp_pat
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (hf_llama / "tokenizer.json").read_bytes()
 
 
+def test_a_family_hybridckpt_has_no_model_for_comes_back_as_transformers_saved_it(tmp_path):
+    """Phi (no family here): imported under its own names, exported with its own config.json and
+    generation config; transformers' logits of the export equal the source's, bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    cfg = transformers.PhiConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    transformers.PhiForCausalLM(cfg).save_pretrained(tmp_path / "phi")
+    out = ok("import", str(tmp_path / "phi"), str(tmp_path / "ck"), "--mesh", "fsdp=2", "--quiet")
+    assert "its config.json names an architecture hybridckpt has no model for" in out and "pass --config" not in out
+    ok("export", str(tmp_path / "ck"), str(tmp_path / "out"), "--quiet")
+    for name in ("config.json", "generation_config.json"):
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "phi" / name).read_bytes(), name
+    ids = torch.tensor([[1, 5, 7, 9]])
+    with torch.no_grad():
+        want, got = (transformers.AutoModelForCausalLM.from_pretrained(tmp_path / d)(ids).logits for d in ("phi", "out"))
+    assert torch.equal(want, got)
+
+
 def test_carried_files_are_data_checked_on_the_way_out(hf_llama, tmp_path):
     """A stored file whose bytes changed, or a recorded name that is a path: one line, exit 2,
     nothing written."""
