@@ -39,8 +39,11 @@ def run(workdir: str | None = None, keep: bool = False) -> int:
     n = len(jax.devices())
     mesh_a = "fsdp=2,tp=2,pp=2" if n >= 8 else "dp=1"
     mesh_b = "dp=2,tp=4" if n >= 8 else "dp=1"
+    temporary = workdir is None and not keep
     print(f"sample:   {src} (tiny Llama, HF safetensors + optimizer.safetensors)")
     print(f"devices:  {n} x {jax.devices()[0].platform}")
+    print(f"folder:   {work}" + (" (temporary: deleted when the demo ends; --keep or --workdir DIR keeps the files)"
+                                 if temporary else " (kept)"))
 
     s = jobs.import_checkpoint(src, ckpt, mesh=mesh_a)
     print(f"1. import -> {ckpt}: step {s.step}, mesh {s.mesh}, {s.tensors} arrays "
@@ -70,10 +73,11 @@ def run(workdir: str | None = None, keep: bool = False) -> int:
     lb = jobs.logits(out, tokens, mesh=mesh_b)
     print(f"4. verify: {len(rows)} weights bitwise equal: {same}; optimizer slots bitwise equal: {moments_same}; "
           f"step {a.step} -> {b.step}; logits max|diff| {float(np.abs(la - lb).max()):.2g}")
-    if not keep and workdir is None:
+    if temporary:
         shutil.rmtree(work, ignore_errors=True)
+        print(f"removed {work} (the demo's temporary folder)")
     else:
-        print(f"files kept in {work}")
+        print(f"files kept in {work}: hybridckpt inspect {ckpt}")
     ok = same and moments_same and a.step == b.step
     print("demo: OK" if ok else "demo: MISMATCH")
     return 0 if ok else 1

@@ -31,7 +31,21 @@ def short_repr(obj: object, n: int = 120) -> str:
 
 
 class HybridCkptError(Exception):
-    """Base of every error hybridckpt raises on purpose."""
+    """Base of every error hybridckpt raises on purpose.
+
+    A message that names a fix names it in the caller's words: `str(e)` in the library's
+    (`overwrite=True`), `e.cli_message` in the command line's (`--overwrite`), given as `cli=`
+    where the two differ.
+    """
+
+    def __init__(self, *args: object, cli: str | None = None) -> None:
+        super().__init__(*args)
+        self.cli = cli
+
+    @property
+    def cli_message(self) -> str:
+        """The message as the command line prints it."""
+        return self.cli or str(self)
 
 
 class ConfigError(HybridCkptError):

@@ -99,11 +99,15 @@ class MeshShape:
         sizes: dict[str, int] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, eq, value = (x.strip() for x in part.partition("="))
-            if key not in MESH_AXES or not eq:
+            if not eq or not key:
                 raise MeshError(
                     f"bad mesh {text!r}: {part!r} is not axis=size; expected comma-separated "
                     f"axis=size with axes {', '.join(MESH_AXES)}"
                 )
+            if key not in MESH_AXES:
+                hint = (" (expert parallelism is not an axis of its own: experts are sharded over dp, "
+                        f"or as ${AXIS_RULES_ENV} says, e.g. experts=fsdp)") if key in ("ep", "expert", "experts") else ""
+                raise MeshError(f"bad mesh {text!r}: unknown axis {key!r}; the axes are {', '.join(MESH_AXES)}{hint}")
             if key in sizes:
                 raise MeshError(f"bad mesh {text!r}: axis {key} is given twice")
             try:
@@ -143,13 +147,27 @@ def make_mesh(
     return Mesh(grid, MESH_AXES)
 
 
+def _too_few_devices(shape: MeshShape, devs: Sequence[jax.Device]) -> MeshError:
+    """The error for a mesh larger than the devices present, saying how to get more CPU devices
+    (JAX starts with one; the `hybridckpt` command simulates 8)."""
+    what = f"mesh {shape} needs {shape.size} devices but only {len(devs)} exist"
+    if not devs or devs[0].platform != "cpu":
+        return MeshError(what)
+    flag = f"--xla_force_host_platform_device_count={shape.size}"
+    return MeshError(
+        f"{what}; on a CPU, simulate them: os.environ['XLA_FLAGS'] = '{flag}' before JAX is imported",
+        cli=f"{what}; on a CPU, simulate them: XLA_FLAGS={flag} hybridckpt ... (the command simulates 8 otherwise)",
+    )
+
+
 def mesh_from_shape(shape: MeshShape | str, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """`make_mesh` from a MeshShape or a `dp=..,tp=..` string, taking the first devices needed."""
+    """`make_mesh` from a MeshShape or a `dp=..,tp=..` string on the first `shape.size` devices:
+    the sizes' product is how many devices the mesh uses, at most the devices present."""
     if isinstance(shape, str):
         shape = MeshShape.parse(shape)
     devs = list(jax.devices() if devices is None else devices)
     if shape.size > len(devs):
-        raise MeshError(f"mesh {shape} needs {shape.size} devices but only {len(devs)} exist")
+        raise _too_few_devices(shape, devs)
     return make_mesh(**shape.as_dict(), devices=devs[: shape.size])
 
 
@@ -189,11 +207,10 @@ def partition_spec(
                     notes.append(f"{name} dim {dim} ({logical} {size} over {'*'.join(axes)}={n})")
                 spec.append(None)
                 continue
-            raise MeshError(
-                f"{name}: dim {dim} ({logical}) has size {size}, which mesh axes {axes} of total "
-                f"size {n} cannot divide (shape {tuple(shape)}); choose another mesh or drop "
-                f"--strict-sharding (strict_sharding=True) to replicate that dimension"
-            )
+            what = (f"{name}: dim {dim} ({logical}) has size {size}, which mesh axes {axes} of total "
+                    f"size {n} cannot divide (shape {tuple(shape)}); choose another mesh or drop")
+            raise MeshError(f"{what} strict_sharding=True to replicate that dimension",
+                            cli=f"{what} --strict-sharding to replicate that dimension")
         used.update(axes)
         spec.append(axes[0] if len(axes) == 1 else axes)
     return PartitionSpec(*spec)

@@ -94,12 +94,13 @@ class Named:
         )
 
 
-def map_named(named: Named, rules: RuleSet, *, strict: bool, unstack: bool = False) -> Named:
-    """Apply `rules` to params (strictly: every name must be consumed) and to every slot."""
+def map_named(named: Named, rules: RuleSet, *, strict: bool, unstack: bool = False, user: bool = False) -> Named:
+    """Apply `rules` to params (strictly: every name must be consumed) and to every slot. `user`:
+    the rules are the user's (`--rules`), whose rules that matched nothing are reported."""
     apply = rules.apply_unstack if unstack else rules.apply
     res = apply(named.params, strict=strict)
     slots = {s: apply(t, strict=False).tensors for s, t in named.slots.items()}
-    return replace(named, params=res.tensors, slots=slots, report=named.report + tuple(res.report()))
+    return replace(named, params=res.tensors, slots=slots, report=named.report + tuple(res.report(unused=user)))
 
 
 def source_named(src: SourceCheckpoint) -> Named:
@@ -126,7 +127,7 @@ def source_to_hf(
 
     named = source_named(src)
     if user_rules is not None:
-        named = map_named(named, user_rules, strict=strict, unstack=True)
+        named = map_named(named, user_rules, strict=strict, unstack=True, user=True)
     variables = {**models.rule_variables(cfg), **dict(src.rule_vars)}
     if src.hf_rules.strip():
         rules = parse_rules(src.hf_rules, variables, origin=f"{src.format} rules")
@@ -152,7 +153,7 @@ def named_for_model(src: SourceCheckpoint, cfg: Any, *, rules: str | None = None
     named = source_named(src)
     user = user_rules(src, cfg, rules) if rules else None
     if cfg is None:
-        return (map_named(named, user, strict=strict) if user is not None else named), None
+        return (map_named(named, user, strict=strict, user=True) if user is not None else named), None
     try:
         named = source_to_hf(src, cfg, user_rules=user, strict=strict)
     except MappingError:

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridckpt.io.model_files import ModelFile
 from hybridckpt.lazy import LazyTensor
 
 
@@ -63,6 +64,9 @@ class SourceCheckpoint:
     topology:    parallel degrees read from the files, e.g. {"tp": 2, "pp": 2, "dp": 4}
     trainer:     other trainer metadata (consumed samples, lr, rng, ...), JSON-serialisable
     notes:       human-readable remarks (skipped entries, assumptions), shown by `inspect`
+    files:       the config, generation config and tokenizer files that travel with the weights
+                 (`io.model_files.ModelFile` by name); set by `jobs.open` for other formats'
+                 folders, by `store.as_source` from what an import stored
     """
 
     format: str
@@ -76,3 +80,4 @@ class SourceCheckpoint:
     topology: Mapping[str, int] = field(default_factory=dict)
     trainer: Mapping[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    files: Mapping[str, ModelFile] = field(default_factory=dict)

@@ -4,8 +4,10 @@
 A family is picked by the config's type (`family_of`), an HF `config.json`'s `architectures` or
 `model_type` (`config_from_hf`), or the `"family"` of our own JSON (`config_from_dict`).
 
-Our own JSON (`config_to_dict` / `config_from_dict`), stored in trainer state: the config
-dataclass's fields plus `"family"`; unknown families or keys are a ConfigError.
+Our own JSON (`config_to_dict` / `config_from_dict`), stored in trainer state and shown by
+`inspect --json`: the config dataclass's fields plus `"family"`, RoPE scaling dicts as objects
+(stores written before hold them as arrays of pairs: both are read); unknown families or keys are a
+ConfigError.
 """
 
 from __future__ import annotations
@@ -56,9 +58,16 @@ def config_from_meta_params(
 
 
 def config_to_dict(cfg: ModelConfig) -> dict[str, Any]:
-    """JSON-able dict: the dataclass fields plus "family"."""
+    """JSON-able dict: the dataclass fields plus "family"; a RoPE scaling (`models.rope.Scaling`,
+    frozen pairs) as the JSON object it was read from."""
+    from hybridckpt.models.rope import thaw
+
     fam = family_of(cfg)
-    return {"family": fam.name, **dataclasses.asdict(cfg)}
+    out = {"family": fam.name, **dataclasses.asdict(cfg)}
+    for f in dataclasses.fields(cfg):
+        if "Scaling" in str(f.type) and getattr(cfg, f.name) is not None:
+            out[f.name] = thaw(getattr(cfg, f.name))
+    return out
 
 
 def config_from_dict(d: Mapping[str, Any]) -> ModelConfig:

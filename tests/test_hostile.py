@@ -1,7 +1,7 @@
 """Hostile names, paths and numbers, a damaged store, and jobs that must not clobber (issue 23).
 
 Every case runs the real CLI (in-process `main`, or a subprocess where signals and a second job
-are involved) and checks the promises of the README's threat model: a name read from a file
+are involved) and checks the promises of the threat model (docs/security.md): a name read from a file
 never becomes a path (nothing is written outside the destination, and the name comes back
 exactly on export), a path a file names stays inside the source, bad input is one line and exit 2
 with nothing left beside the destination, every read of our store is checked, and no job
@@ -410,7 +410,7 @@ def test_another_process_holding_the_destination_and_a_killed_one(tmp_path):
 def _started(pid: int, timeout: float = 60) -> None:
     """Wait until the command's own code runs in process `pid` (numpy's extension is mapped: the
     command imports it after installing its handler). Before that the interpreter is starting
-    up, and its own default applies (README, threat model)."""
+    up, and its own default applies (docs/security.md, threat model)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:

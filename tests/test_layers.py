@@ -1,4 +1,4 @@
-"""The layers of the code base (README "Architecture"): folders are the layers, and a module
+"""The layers of the code base (docs/design.md "Architecture"): folders are the layers, and a module
 imports only from its own layer or the layers below it. Read from the source: every `import`
 statement (those inside functions too) and every module named by a string to `importlib`
 (`import_module("hybridckpt...")` or a registry's `("name", "hybridckpt.x.y")` entry), so a new

@@ -108,15 +108,38 @@ def main(argv: list[str] | None = None) -> int:
         _simulate_host_devices()
         try:
             return args.fn(args)
-        except HybridCkptError as e:
+        except Exception as e:
+            msg = e.cli_message if isinstance(e, HybridCkptError) else _backend_failure()
+            if msg is None:
+                raise
             if args.debug:
                 traceback.print_exc()
-            msg = " ".join(str(e).split())
+            msg = " ".join(msg.split())
             print(f"hybridckpt: error: {msg}", file=sys.stderr)
             return 2
     finally:
         if in_main_thread:
             signal.signal(signal.SIGINT, previous)
+
+
+def _backend_failure() -> str | None:
+    """After an unexpected error: when JAX was loaded and cannot start its backend (e.g.
+    JAX_PLATFORMS=cuda with a CPU-only jaxlib: an AssertionError or RuntimeError deep in JAX),
+    one line saying so and what to install; else None (the error is not that)."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return None
+    try:
+        jax.devices()
+        return None
+    except Exception as e:  # noqa: BLE001 - whatever JAX raises, the backend did not start
+        why = " ".join(str(e).split("(set JAX_PLATFORMS")[0].split())[:200] or "no installed JAX plugin provides it"
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    cuda = "install JAX's CUDA build: pip install 'hybridckpt[cuda]' (that is, jax[cuda12])"
+    tpu = "install JAX's TPU build: pip install 'jax[tpu]'"
+    fix = cuda if "cuda" in platforms or "gpu" in platforms else tpu if "tpu" in platforms else f"{cuda}; or {tpu}"
+    return (f"JAX cannot start the backend JAX_PLATFORMS={platforms!r} asks for ({why}); {fix}; "
+            "or unset JAX_PLATFORMS to run on the CPU")
 
 
 def _is_main_thread() -> bool:

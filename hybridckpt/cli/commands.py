@@ -36,6 +36,8 @@ def cmd_inspect(a) -> int:
         print(f"quantized: {compact_json(info['quantization'])}")
     if info.get("optimizer"):
         print(f"optimizer: {compact_json(info['optimizer'])}")
+    if info.get("files"):
+        print(f"files:     {', '.join(info['files'])} (carried into an import and out by an export)")
     for note in info.get("notes", []):
         print(f"note:      {note}")
     tensors = info["tensors"]
@@ -73,7 +75,7 @@ def cmd_import(a) -> int:
         )
     job_finished()
     print(f"imported {s.source_format} checkpoint into {s.destination} at step {s.step} on mesh {s.mesh}"
-          f" ({'with' if s.with_optimizer else 'without'} optimizer state)")
+          f" ({_devices_used(s.mesh)}; {'with' if s.with_optimizer else 'without'} optimizer state)")
     for n in s.notes:
         print(f"note: {n}")
     print(f"arrays: {s.param_arrays} param arrays from {s.source_tensors} source tensors"
@@ -81,6 +83,15 @@ def cmd_import(a) -> int:
           f", {s.tensors - s.param_arrays} optimizer arrays")
     print(summary("arrays", s.tensors, s.bytes, s.seconds))
     return 0
+
+
+def _devices_used(mesh: str) -> str:
+    """`N of M devices`: a mesh uses the first N (its sizes' product) of the M present."""
+    import jax
+
+    from hybridckpt.mesh import MeshShape
+
+    return f"{MeshShape.parse(mesh).size} of {jax.device_count()} devices"
 
 
 def cmd_export(a) -> int:
@@ -112,7 +123,10 @@ def cmd_verify(a) -> int:
             bad = [r for r in rows if not r.ok]
             for r in bad:
                 print(f"BAD {r.name}: {r.reason or 'checksum differs'}")
-            print(f"{len(rows) - len(bad)}/{len(rows)} arrays match their import checksums; "
+            files = [r for r in rows if r.kind == "file"]
+            arrays = len(rows) - len(files)
+            kept = f", {sum(r.ok for r in files)}/{len(files)} carried config and tokenizer files" if files else ""
+            print(f"{arrays - sum(r.kind != 'file' for r in bad)}/{arrays} arrays match their import checksums{kept}; "
                   f"{time.perf_counter() - t0:.2f} s")
             return 1 if bad else 0
         rows, only_a, only_b = verify(a.a, a.b, atol=a.atol, config=a.config, progress=prog,

@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Move training checkpoints (weights and optimizer state) between parallel layouts "
         "and frameworks as sharded JAX arrays.",
     )
+    from hybridckpt import __version__
+
+    p.add_argument("--version", action="version", version=f"hybridckpt {__version__}")
     p.add_argument("--debug", action="store_true", help="show the traceback of errors")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
@@ -179,7 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=commands.cmd_logits)
 
     s = sub.add_parser("demo", help="import, reshard, export and verify a built-in sample (no other install needed)")
-    s.add_argument("--workdir", help="where to write (default: a temporary directory)")
-    s.add_argument("--keep", action="store_true", help="keep the workdir")
+    s.add_argument("--workdir", help="write into this folder and keep it (its orbax/ and exported/ are replaced; "
+                   "default: a temporary folder, deleted when the demo ends)")
+    s.add_argument("--keep", action="store_true", help="keep the temporary folder (its path is printed)")
     s.set_defaults(fn=commands.cmd_demo)
+    for command in sub.choices.values():  # `hybridckpt import ... --debug` too (the top-level default kept)
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help="show the traceback of errors")
     return p

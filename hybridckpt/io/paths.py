@@ -1,6 +1,6 @@
 """Paths that a checkpoint file names, kept inside the checkpoint's folder.
 
-The line drawn (README, "Threat model"): a path the user typed is trusted; a path a file told us
+The line drawn (docs/security.md, "Threat model"): a path the user typed is trusted; a path a file told us
 (an index's `weight_map` file, a DCP storage path, DeepSpeed's `latest` tag, an OCDBT value
 reference) is data. `inside(folder, rel, where)` accepts it only as a relative path whose every
 component is a plain name: not absolute, no `..`, no empty or `.` component games, no NUL, no

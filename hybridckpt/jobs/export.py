@@ -2,7 +2,8 @@
 (`hybridckpt.writers`: an HF single-card safetensors folder by default), streamed.
 
 - With a model config: the model's tensors under HF names (`naming.model_hf`: every name and
-  shape checked against the model, buffers and tied copies dropped), `config.json`, and with
+  shape checked against the model, buffers and tied copies dropped), `config.json`,
+  `generation_config.json` and the source's tokenizer files (`writers.hf_files`), and with
   `optimizer=True` the optimizer slots as `optimizer*.safetensors` (`<hf name>.<slot>`, `step`).
   The checkpoint goes to HF names once, when it is opened; the export writes those tensors.
 - Without one (model-agnostic): every tensor under the source's own names, tensor-parallel and
@@ -13,7 +14,7 @@ Streams (the HF writer, `writers.hf_folder.write_export`): each tensor is read (
 readers, ahead of the writer within a window of the largest tensor up to `WRITE_BLOCK_BYTES`) and written before the next ones are read; a larger one
 is read and written in blocks of rows of that size, so peak host memory is a couple of blocks
 (our raw Orbax store, read without JAX or Orbax, exports in under 256 MiB whatever its size:
-README "The Orbax write and read paths"); tensors whose bytes already lie in the source files in the order they must be written
+docs/benchmarks.md "The Orbax write and read paths"); tensors whose bytes already lie in the source files in the order they must be written
 are copied file to file without being materialised (`lazy.copy_runs`: through the O_DIRECT
 write buffer of `io.sequential_file`, or by the kernel with `--buffered-writes`). Our Orbax
 store is read lazily too (`store.reader`: a layer of a stacked leaf reads only its chunks).
@@ -106,7 +107,7 @@ def export_checkpoint(
     done = writers.write(writers.ExportRequest(
         to, os.fspath(out), named, opened.config, optimizer=optimizer, dtype=np_dtype(dtype) if dtype else None,
         max_shard_bytes=max_shard_bytes, overwrite=overwrite, progress=progress, direct_io=direct_io,
-        sources=(opened.path,), source_format=opened.format, trainer=dict(opened.trainer),
+        sources=(opened.path,), source_format=opened.format, trainer=dict(opened.trainer), files=dict(opened.files),
         hyper=exported_hyper(opened, set(named.params)) if optimizer and opened.hyper else {},
     ))
     return ExportSummary(opened.format, os.path.abspath(out), done.files, done.tensors, done.nbytes,

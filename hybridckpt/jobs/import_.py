@@ -115,6 +115,7 @@ def import_checkpoint(
     from hybridckpt.mesh import MeshShape, mesh_from_shape
     from hybridckpt.store import stream
     from hybridckpt.store.codec import parse_compression
+    from hybridckpt.store.layout import HF_FILES
     from hybridckpt.store.save import save_checkpoint
     from hybridckpt.writers.destination import Destination
 
@@ -180,7 +181,8 @@ def import_checkpoint(
         "model_config": models.config_to_dict(cfg) if cfg is not None else None,
         "optimizer": opt.name if opt is not None else None,
         "source": {"format": opened.format, "path": opened.path, "topology": dict(opened.topology)},
-        **{k: v for k, v in opened.trainer.items() if k not in ("step", "model_config", "mesh", "optimizer", NAMES_KEY, *CHECKSUM_KEYS)},
+        **{k: v for k, v in opened.trainer.items()
+           if k not in ("step", "model_config", "mesh", "optimizer", NAMES_KEY, HF_FILES, *CHECKSUM_KEYS)},
     }
     if escaped:
         trainer[NAMES_KEY] = escaped
@@ -210,7 +212,7 @@ def import_checkpoint(
         written = jax.tree.leaves((params, opt_state), is_leaf=lambda x: isinstance(x, stream.LazyLeaf))
         set_total(sum(x.nbytes for x in written if isinstance(x, stream.LazyLeaf)))
     save_checkpoint(dst, out_step, params, opt_state, trainer, overwrite=overwrite, trainer_state_after=checksums,
-                    sources=[opened.path])
+                    sources=[opened.path], files=opened.files.values())
     nbytes = sum(x.nbytes for x in leaves.values())
     notes = opened.notes + opened.named.report + named.report[len(opened.named.report):] + p.notes + hyper_notes
     if cfg is None:
@@ -220,7 +222,8 @@ def import_checkpoint(
         what = f"{arch}, which no model family implements" if arch else "no model config"
         notes += (
             f"{what}: tensors imported under the source's own names, each sharded by the "
-            "generic rule (fsdp on its largest divisible dim, then tp)" + ("" if arch else "; pass --config to import the model"),
+            "generic rule (fsdp on its largest divisible dim, then tp)"
+            + ("; an export gives them back as they were, with its config.json" if arch else "; pass --config to import the model"),
         )
     return ImportSummary(
         opened.format, os.fspath(dst), out_step, str(MeshShape.of(jmesh)), len(leaves), nbytes,

@@ -1,9 +1,10 @@
 """The inspect job: what a checkpoint holds, from its metadata alone (no tensor bytes read).
 
 Format, topology, step, the model config (or that one is needed for a model-level job), the
-optimizer (which one, by its slots; how many params have state; master weights), and every
-tensor under the source's own names with its global shape, dtype and number of stored pieces.
-A source of a model the project does not know is listed all the same.
+optimizer (which one, by its slots; how many params have state; master weights), the config and
+tokenizer files, and every tensor under the source's own names with its global shape, dtype and
+number of stored pieces. A source of a model the project does not know is listed all the same.
+Every format answers in one schema (`SCHEMA`: the keys, in order, that `inspect --json` prints).
 """
 
 from __future__ import annotations
@@ -14,6 +15,29 @@ from typing import Any
 import numpy as np
 
 from hybridckpt.lazy import LazyTensor
+
+SCHEMA_VERSION = 1
+# `inspect --json`: the same keys for every format, in this order (docs/cli.md "inspect --json")
+SCHEMA = {
+    "schema": "the version of this schema (1)",
+    "format": "the format name (`--format` choices; `orbax` for ours)",
+    "path": "the absolute path inspected",
+    "step": "the training step, or null when the checkpoint does not say",
+    "steps": "every step the checkpoint holds (ours may hold several; others: [step] or [])",
+    "topology": "parallel degrees read from the files, e.g. {\"tp\": 2, \"pp\": 2}; ours: the mesh it was saved on",
+    "config": "the model config: {\"family\", ...fields} (RoPE scaling as an object), or null",
+    "needs_config": "true when model-level jobs (logits, import as a model) need --config",
+    "optimizer": "null, or {\"name\" (adamw, sgd, or null: undeclared), \"step\", \"slots\" (the "
+                 "framework's slot names), \"params_with_state\" (tensors with state; ours: stored arrays), "
+                 "\"master_weights\" (fp32 masters kept apart), \"hyper\" (lr, betas, eps, weight_decay, "
+                 "... as the source recorded them, or {}), \"param_groups\" ([{hyper-parameters of the "
+                 "group, \"params\": how many}])}",
+    "files": "config, generation config and tokenizer files that travel with the weights (names)",
+    "notes": "remarks (strings)",
+    "trainer_state": "ours: the saved trainer state (checksums left out); others: null",
+    "tensors": "[{\"name\", \"shape\", \"dtype\", \"pieces\"}]: every tensor (ours: the stored arrays, "
+               "Flax tree names) with its global shape and how many stored pieces it is made of",
+}
 
 
 def _pieces(t: LazyTensor) -> int:
@@ -29,32 +53,36 @@ def _pieces(t: LazyTensor) -> int:
 
 
 def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, step: int | None = None) -> dict:
-    """Format, topology, step, config and tensors (name, global shape, dtype, pieces) of a
-    checkpoint, as a JSON-able dict."""
+    """What a checkpoint holds, as a JSON-able dict of one schema for every format (`SCHEMA`;
+    docs/cli.md "inspect --json"); reads metadata only."""
     from hybridckpt import readers
-    from hybridckpt.jobs.open import _config_arg
+    from hybridckpt.jobs.open import _config_arg, model_files_of
     from hybridckpt.store import as_source as store_source
 
     path = os.path.abspath(os.fspath(path))
     fmt = readers.detect(path) if fmt == "auto" else fmt
     if fmt == store_source.NAME:
-        return store_source.describe(path, step)
+        return _in_order(store_source.describe(path, step))
     cfg = _config_arg(config)
     src = readers.open_source(path, fmt, config=cfg)
     cfg = cfg or src.config
+    files, skipped = model_files_of(src, path, config)
     info: dict[str, Any] = {
         "format": src.format,
         "path": path,
         "step": src.step,
+        "steps": [] if src.step is None else [src.step],
         "topology": dict(src.topology),
         "config": None,
         "needs_config": cfg is None,
+        "optimizer": None,
+        "files": sorted(files),
+        "notes": [*src.notes, *skipped],
+        "trainer_state": None,
         "tensors": [
             {"name": k, "shape": list(t.shape), "dtype": str(np.dtype(t.dtype)), "pieces": _pieces(t)}
             for k, t in src.tensors.items()
         ],
-        "optimizer": None,
-        "notes": list(src.notes),
     }
     if "quantization" in src.trainer:
         info["quantization"] = dict(src.trainer["quantization"])
@@ -88,4 +116,9 @@ def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, s
                 for g in opt.hyper.get("groups") or []
             ],
         }
-    return info
+    return _in_order(info)
+
+
+def _in_order(info: dict) -> dict:
+    """`info` under exactly the keys of `SCHEMA`, in its order, with the schema's version."""
+    return {k: SCHEMA_VERSION if k == "schema" else info[k] for k in SCHEMA}

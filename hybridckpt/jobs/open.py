@@ -18,6 +18,8 @@ from typing import Any
 from hybridckpt import naming
 from hybridckpt.errors import CheckpointError, ConfigError, FormatError
 from hybridckpt.formats.config_file import read_json
+from hybridckpt.io import model_files
+from hybridckpt.io.model_files import ModelFile
 from hybridckpt.naming import Named
 
 
@@ -45,6 +47,8 @@ class Opened:
     trainer:  trainer metadata (step, consumed samples, ...; our trainer_state for ours)
     topology: parallel degrees read from the files
     notes:    remarks from the format and the rules
+    files:    the config, generation config and tokenizer files that travel with the weights
+              (`io.model_files`): an import stores them, an HF export writes them
     """
 
     format: str
@@ -57,6 +61,7 @@ class Opened:
     hyper: Mapping[str, Any] = field(default_factory=dict)  # the optimizer's hyper-parameters, source names
     leaf_of: Any = None  # source param name -> the names it ends under (`naming.leaf_namer`)
     hf_of: Any = None  # source param name -> its HF names (the source's names without a config)
+    files: Mapping[str, ModelFile] = field(default_factory=dict)
 
     @property
     def step(self) -> int | None:
@@ -102,8 +107,33 @@ def open_checkpoint(
     named, cfg = naming.named_for_model(src, cfg or src.config, rules=rules, strict=strict)
     user = naming.user_rules(src, cfg, rules) if rules else None
     hyper = dict(src.optimizer.hyper) if src.optimizer is not None else {}
-    return Opened(src.format, path, cfg, named, dict(src.trainer), dict(src.topology), named.notes, hyper,
-                  naming.leaf_namer(src, cfg, user_rules=user), naming.leaf_namer(src, cfg, user_rules=user, tree=False))
+    files, skipped = model_files_of(src, path, config)
+    return Opened(src.format, path, cfg, named, dict(src.trainer), dict(src.topology), named.notes + tuple(skipped),
+                  hyper, naming.leaf_namer(src, cfg, user_rules=user),
+                  naming.leaf_namer(src, cfg, user_rules=user, tree=False), files)
+
+
+def model_files_of(src: Any, path: str, config: Any) -> tuple[dict[str, ModelFile], list[str]]:
+    """The config, generation and tokenizer files that travel with `src` (`io.model_files`):
+    what our store recorded; else those in the source's folder (or, when its config.json lies in
+    the folder above, as for torchtitan's `step-N` and PaddleFormers' `checkpoint-N`, there);
+    a `--config` file is the config.json, with the files beside it."""
+    if src.format == "orbax" or src.files:  # (ours: what the import stored, nothing else)
+        return dict(src.files), []
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    files, skipped = model_files.find(folder)
+    if model_files.CONFIG not in files and config is None and src.config is not None:
+        above, more = model_files.find(os.path.dirname(folder))
+        if model_files.CONFIG in above:
+            files, skipped = above | files, skipped + more
+    if isinstance(config, str | os.PathLike):
+        cpath = os.path.abspath(os.fspath(config))
+        data = read_json(cpath)
+        if not ("dim" in data and "n_layers" in data):  # an HF config.json (a Meta params.json is not carried)
+            beside, more = model_files.find(os.path.dirname(cpath))
+            files, skipped = files | beside, skipped + more
+            files[model_files.CONFIG] = ModelFile(model_files.CONFIG, cpath, os.path.getsize(cpath))
+    return files, skipped
 
 
 def unknown_architecture(opened: Opened) -> str | None:

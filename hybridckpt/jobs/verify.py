@@ -176,7 +176,8 @@ def verify_checksums(
     path: str | os.PathLike, *, step: int | None = None, progress: Progress | None = None
 ) -> list[TensorDiff]:
     """Re-read every array of one of our checkpoints from disk and compare its checksum with the
-    one recorded at import; max_abs_diff is 0 (match) or inf (differs, or not recorded)."""
+    one recorded at import, and every config and tokenizer file it kept (rows `hf_files/<name>`);
+    max_abs_diff is 0 (match) or inf (differs, or not recorded)."""
     from hybridckpt import checksum, optim
     from hybridckpt.errors import HybridCkptError
     from hybridckpt.store.as_source import resolve
@@ -233,4 +234,24 @@ def verify_checksums(
         rows.append(TensorDiff(name, shape, 0.0 if ok else float("inf"), ok, reason))
         if progress:
             progress(name, t.nbytes)
+    return rows + _carried_files(step_dir, state)
+
+
+def _carried_files(step_dir: str, state: dict) -> list[TensorDiff]:
+    """One row per config or tokenizer file the import kept (`io.model_files`), read against the
+    size and CRC-32 it recorded."""
+    from hybridckpt.errors import HybridCkptError
+    from hybridckpt.store.as_source import stored_files
+
+    try:
+        files = stored_files(step_dir, state)
+    except HybridCkptError as e:
+        return [TensorDiff("hf_files", (), float("inf"), False, f"unreadable: {e}", kind="file")]
+    rows = []
+    for name, f in sorted(files.items()):
+        try:
+            f.read()
+            rows.append(TensorDiff(f"hf_files/{name}", (), 0.0, True, kind="file"))
+        except HybridCkptError as e:
+            rows.append(TensorDiff(f"hf_files/{name}", (), float("inf"), False, f"unreadable: {e}", kind="file"))
     return rows

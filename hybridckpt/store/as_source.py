@@ -159,12 +159,36 @@ def open(path: str, *, config: Any = None, step: int | None = None, verify_reads
         step=opt_step,
         topology=dict(state.get("mesh", {})),
         trainer=state,
+        files=stored_files(step_dir, state),
     )
 
 
+def stored_files(step_dir: str, state: dict) -> dict:
+    """The config and tokenizer files an import kept in `<step>/hf_files/` (`io.model_files`),
+    each to be read against the size and CRC-32 recorded in the trainer state."""
+    from hybridckpt.io import model_files
+
+    where = os.path.join(step_dir, "trainer_state")
+    return model_files.recorded(os.path.join(step_dir, "hf_files"), state.get("hf_files"), f"{where} 'hf_files'")
+
+
+def _config_json(saved: Any) -> Any:
+    """A saved model config in today's JSON form (`models.config_to_dict`: RoPE scaling as an
+    object, where stores written before hold pairs); as saved when it is not one we read."""
+    from hybridckpt import models
+    from hybridckpt.errors import HybridCkptError
+
+    try:
+        return None if saved is None else models.config_to_dict(models.config_from_dict(saved))
+    except HybridCkptError:
+        return saved
+
+
 def describe(path: str, step: int | None = None) -> dict:
-    """What `inspect` shows of our checkpoint: steps, config, mesh, and the arrays as stored
-    (Flax tree names, one piece each); reads metadata only."""
+    """What `inspect` shows of our checkpoint (`jobs.inspect.SCHEMA`): steps, config, mesh, the
+    optimizer by its slots, the carried files, and the arrays as stored (Flax tree names, one
+    piece each); reads metadata only."""
+    from hybridckpt import optim
     from hybridckpt.store.keys import NAMES_KEY, original_names
     from hybridckpt.store.orbax_io import list_steps
     from hybridckpt.store.reader import item_arrays
@@ -172,21 +196,37 @@ def describe(path: str, step: int | None = None) -> dict:
     root, step, state = resolve(path, step)
     step_dir = os.path.join(root, str(step))
     arrays = original_names(item_arrays(os.path.join(step_dir, "params")), state.get(NAMES_KEY))
-    has_opt = os.path.isdir(os.path.join(step_dir, "opt_state"))
+    optimizer = None
+    if os.path.isdir(os.path.join(step_dir, "opt_state")):
+        opt = optim.get(state.get("optimizer") or optim.DEFAULT)
+        leaves = item_arrays(os.path.join(step_dir, "opt_state"))
+        first = opt.orbax_prefix(opt.slots[0].name) if opt.slots else None
+        optimizer = {
+            "name": opt.name,
+            "step": state.get("step", step),
+            "slots": sorted(s.name for s in opt.slots),
+            "params_with_state": sum(1 for k in leaves if first is not None and k.startswith(first)),
+            "master_weights": 0,
+            "hyper": dict(state.get("optimizer_hyper") or {}),
+            "param_groups": [
+                {**{k: v for k, v in g.items() if k != "params"}, "params": len(g.get("params") or [])}
+                for g in state.get("optimizer_param_groups") or [] if isinstance(g, dict)
+            ],
+        }
     return {
         "format": NAME,
         "path": path,
-        "steps": list_steps(root),
         "step": step,
+        "steps": list_steps(root),
         "topology": state.get("mesh", {}),
-        "config": state.get("model_config"),
+        "config": _config_json(state.get("model_config")),
         "needs_config": False,
-        "tensors": [
-            {"name": k, "shape": list(v.shape), "dtype": str(v.dtype), "pieces": 1} for k, v in arrays.items()
-        ],
-        "optimizer": {"saved": has_opt, "name": state.get("optimizer") or ("adamw" if has_opt else None),
-                      "hyper": state.get("optimizer_hyper"), "weight_decay_mask": state.get("weight_decay_mask")},
+        "optimizer": optimizer,
+        "files": sorted(stored_files(step_dir, state)),
         "notes": [] if state.get("model_config") else ["imported without a model config: tensors keep the source's names"],
         "trainer_state": {k: v for k, v in state.items()
                           if k not in ("checksums", "checksum_chunks", "chunk_crc32", "array_specs", NAMES_KEY)},
+        "tensors": [
+            {"name": k, "shape": list(v.shape), "dtype": str(v.dtype), "pieces": 1} for k, v in arrays.items()
+        ],
     }

@@ -17,7 +17,7 @@ no byte of it reaches a caller unchecked:
 A mismatch is one `CheckpointError` naming the item, the array, the chunk's grid position and box,
 and the chunk file where there is one: a flipped byte, a truncated, missing or swapped chunk file
 all end there. zlib-ng computes the CRC at tens of GB/s a core, and it runs over bytes already in
-memory; `benchmarks/orbax_speed.py` measures the cost (README). `checked=False` (CLI
+memory; `benchmarks/orbax_speed.py` measures the cost (docs/benchmarks.md). `checked=False` (CLI
 `--no-verify-reads`) reads unchecked.
 """
 

@@ -8,7 +8,7 @@ included, finds it:
   google/orbax:checkpoint/orbax/checkpoint/_src/serialization/tensorstore_utils.py
   `_build_zarr2_metadata`); "zstd:N" another level (1-22).
 
-Why "none" (README "Performance", `benchmarks/orbax_speed.py`): on trained-like weights (normal,
+Why "none" (docs/benchmarks.md "The Orbax write and read paths", `benchmarks/orbax_speed.py`): on trained-like weights (normal,
 per-row scales) zstd level 1 saves about 21% of bf16 bytes and 7% of fp32 bytes (higher levels
 barely more) while its encoding takes most of an import's write time on 2 cores and its decoding
 most of an export's read time; a converter's output is read back soon and whole, so the disk's

@@ -7,14 +7,16 @@ Layout on disk (one `orbax.checkpoint.CheckpointManager` root, default step nami
     DIR/<step>/opt_state/       StandardSave of the optax state (optional; NamedTuples are
                                 stored as lists/dicts and restored into the target's structure)
     DIR/<step>/trainer_state/   JSON dict, keys below
+    DIR/<step>/hf_files/        the source's config, generation config and tokenizer files, as
+                                they were (an import's; `io.model_files`), for an HF export
     DIR/<step>/_CHECKPOINT_METADATA, commit_success.txt   written by Orbax
 
 `trainer_state` keys (all JSON): `step` (int, equal to the step directory), `mesh` (the
 MeshShape dict `{"dp","fsdp","tp","pp"}` the params were saved from), and, when known,
 `consumed_samples` or `batch_index` (ints), `rng` (raw PRNG key data as a list of uint32 ints,
 see `rng_to_json`), `lr` (float), `loss`, `best_loss` (floats), `model_config` (dict),
-`global_batch_size` (int, sequences per optimizer step), `metrics` (dict of floats), plus any
-extra key the caller adds.
+`global_batch_size` (int, sequences per optimizer step), `metrics` (dict of floats), `hf_files`
+(name -> {"bytes", "crc32"} of each file in `hf_files/`), plus any extra key the caller adds.
 
 Restoring never depends on the saving mesh: the caller gives abstract targets
 (`jax.ShapeDtypeStruct(shape, dtype, sharding=...)`, see `abstract_tree`) on the target mesh and
@@ -40,6 +42,7 @@ from jax.sharding import NamedSharding
 from hybridckpt.mesh import MeshShape
 
 PARAMS, OPT_STATE, TRAINER_STATE = "params", "opt_state", "trainer_state"
+HF_FILES = "hf_files"  # a folder of plain files, not an Orbax item: restore it with the items named
 
 
 def has_shape(x: Any) -> bool:

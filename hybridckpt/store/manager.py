@@ -23,6 +23,7 @@ from hybridckpt.errors import CheckpointError
 from hybridckpt.mesh import MeshShape
 from hybridckpt.store.checked import CRC_TABLES, read_tree
 from hybridckpt.store.layout import (
+    HF_FILES,
     OPT_STATE,
     PARAMS,
     TRAINER_STATE,
@@ -46,6 +47,8 @@ from hybridckpt.store.orbax_io import (
 # what an import records about the arrays it wrote: a later save writes other arrays, so a
 # trainer state carried over from a restore must not bring them along
 IMPORT_CHECKSUM_KEYS = ("checksums", "checksum_chunks", "checksum_algorithm", CRC_TABLES, "array_specs")
+# (and the files it kept beside them, `<step>/hf_files/`, which a later save does not copy)
+IMPORT_KEYS = (*IMPORT_CHECKSUM_KEYS, HF_FILES)
 
 
 def _metric(name: str, metrics: Mapping[str, float]) -> float:
@@ -176,7 +179,7 @@ class CheckpointStore:
 
     # -- save
     def _trainer_json(self, step: int, params: Any, trainer_state: Mapping | None) -> dict:
-        state = {k: v for k, v in (trainer_state or {}).items() if k not in IMPORT_CHECKSUM_KEYS}
+        state = {k: v for k, v in (trainer_state or {}).items() if k not in IMPORT_KEYS}
         if "step" in state and int(state["step"]) != step:
             raise CheckpointError(
                 f"{self.directory}: trainer_state['step']={state['step']} but saving step {step}"

@@ -33,9 +33,20 @@ def plan_for(state: dict, saved_params: Any, mesh: jax.sharding.Mesh, *, config:
     return plan.for_named(flatten(saved_params), mesh, optimizer=optimizer)
 
 
+def _saved_mesh_if_it_fits(saved: Any) -> MeshShape:
+    """The saved mesh (trainer state `mesh`: data) when this process has that many devices, else
+    one device."""
+    try:
+        shape = MeshShape(**{k: int(v) for k, v in saved.items()})
+    except (AttributeError, TypeError, ValueError):
+        return MeshShape()
+    ok = min(shape.as_dict().values()) >= 1 and shape.size <= jax.device_count()
+    return shape if ok else MeshShape()
+
+
 def restore(
     directory: str,
-    mesh: jax.sharding.Mesh | MeshShape | str,
+    mesh: jax.sharding.Mesh | MeshShape | str | None = None,
     *,
     step: int | None = None,
     optimizer: bool | str = True,
@@ -44,6 +55,11 @@ def restore(
     **restore_kwargs: Any,
 ) -> tuple[Any, Restored]:
     """(model config or None, Restored) of `directory` (step: latest) on `mesh`.
+
+    mesh: a Mesh, a MeshShape or "dp=2,tp=4" (its sizes' product is how many devices it uses, the
+      first ones); default: the mesh the checkpoint was saved on when that many devices are
+      present, else one device. The saved mesh is only how the arrays lie on disk: any mesh reads
+      them.
 
     optimizer: restore the optimizer state too when the step has one; "from-checkpoint" also
     rebuilds the optax optimizer from the hyper-parameters the import recorded (lr, betas, eps,
@@ -54,9 +70,11 @@ def restore(
     """
     from hybridckpt.store.as_source import model_config
 
-    jmesh = mesh if isinstance(mesh, jax.sharding.Mesh) else mesh_from_shape(mesh)
     with CheckpointStore(os.path.abspath(directory)) as store:
         state = store.trainer_state(step)
+        if mesh is None:
+            mesh = _saved_mesh_if_it_fits(state.get("mesh"))
+        jmesh = mesh if isinstance(mesh, jax.sharding.Mesh) else mesh_from_shape(mesh)
         step = state.get("step", step) if step is None else step
         saved = store.params_metadata(step)
         has_opt = os.path.isdir(os.path.join(str(store.directory), str(step), "opt_state"))

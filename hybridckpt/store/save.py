@@ -21,7 +21,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from hybridckpt.errors import CheckpointError
-from hybridckpt.store.layout import TRAINER_STATE
+from hybridckpt.io import model_files
+from hybridckpt.io.model_files import ModelFile
+from hybridckpt.store.layout import HF_FILES, TRAINER_STATE
 from hybridckpt.store.manager import CheckpointStore
 from hybridckpt.writers.destination import Destination
 
@@ -36,6 +38,7 @@ def save_checkpoint(
     overwrite: bool = False,
     trainer_state_after: Callable[[], Mapping[str, Any]] | None = None,
     sources: Iterable[str | os.PathLike] = (),
+    files: Iterable[ModelFile] = (),
 ) -> Path:
     """Write a one-step checkpoint root at `directory`, atomically.
 
@@ -64,10 +67,14 @@ def save_checkpoint(
             _barrier(f"hybridckpt-save-start-{token}")
             with CheckpointStore(tmp, async_save=False) as store, _no_cyclic_gc():
                 store.save(step, params, opt_state, trainer_state, force=True)
-            if trainer_state_after is not None:
-                extra = dict(trainer_state_after())
-                if primary:
-                    _add_to_trainer_state(tmp / str(step), extra)
+            extra = dict(trainer_state_after()) if trainer_state_after is not None else {}
+            files = list(files)
+            if primary and files:
+                folder = tmp / str(step) / HF_FILES
+                folder.mkdir()
+                extra[HF_FILES] = model_files.write(str(folder), files)
+            if primary and extra:
+                _add_to_trainer_state(tmp / str(step), extra)
             _barrier(f"hybridckpt-save-done-{token}")
             dest.commit()
             _barrier(f"hybridckpt-save-renamed-{token}")

@@ -35,7 +35,8 @@ class ExportRequest:
     slots and step too; dtype: cast params on write (numpy dtype) or None; trainer: the source's
     trainer metadata (e.g. `adam_betas`); hyper: the optimizer's hyper-parameters with its param
     groups under the exported names ({} when unknown or not exported); sources: paths the output
-    must not be, hold or lie in;
+    must not be, hold or lie in; files: the config, generation config and tokenizer files that
+    travel with the source (name -> `io.model_files.ModelFile`);
     extra: writer-specific options (e.g. a target's parallel degrees)."""
 
     layout: str
@@ -52,6 +53,7 @@ class ExportRequest:
     source_format: str = ""
     trainer: Mapping[str, Any] = field(default_factory=dict)
     hyper: Mapping[str, Any] = field(default_factory=dict)  # optimizer hyper-parameters, exported names
+    files: Mapping[str, Any] = field(default_factory=dict)  # carried config/tokenizer files (io.model_files)
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 

@@ -97,17 +97,22 @@ class Destination:
 
     def _check_existing(self) -> None:
         d = self.dst
+        what = None
         if os.path.islink(d):
             if not self.overwrite:
                 raise CheckpointError(
-                    f"{d}: is a symlink (to {os.readlink(d)}); pass --overwrite (overwrite=True) to replace the "
-                    f"link itself, or give the link's target as the destination"
+                    f"{d}: is a symlink (to {os.readlink(d)}); pass overwrite=True to replace the link itself, "
+                    f"or give the link's target as the destination",
+                    cli=f"{d}: is a symlink (to {os.readlink(d)}); pass --overwrite to replace the link itself, "
+                    f"or give the link's target as the destination",
                 )
         elif os.path.isdir(d):
-            if os.listdir(d) and not self.overwrite:
-                raise CheckpointError(f"{d}: exists and is not empty; pass --overwrite (overwrite=True) to replace it")
-        elif os.path.lexists(d) and not self.overwrite:
-            raise CheckpointError(f"{d}: exists and is not a folder; pass --overwrite (overwrite=True) to replace it")
+            what = "exists and is not empty" if os.listdir(d) else None
+        elif os.path.lexists(d):
+            what = "exists and is not a folder"
+        if what is not None and not self.overwrite:
+            raise CheckpointError(f"{d}: {what}; pass overwrite=True to replace it",
+                                  cli=f"{d}: {what}; pass --overwrite to replace it")
 
     def _lock(self) -> None:
         """Take `.<name>.lock` (see the module doc), or a CheckpointError naming the holder."""

@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 
 from hybridckpt.containers import safetensors_file as sf
+from hybridckpt.io import model_files
+from hybridckpt.io.model_files import CONFIG, ModelFile
 from hybridckpt.lazy import ArrayTensor, LazyTensor
 from hybridckpt.writers.destination import Destination
 
@@ -69,6 +71,7 @@ def write_hf(
     on_tensor: Callable[[str, int], None] | None = None,
     direct_io: bool = True,
     sources: Iterable[str] = (),
+    files: Mapping[str, bytes | ModelFile] | None = None,
 ) -> list[str]:
     """Write an HF folder at `dst` atomically (never at or around one of `sources`).
 
@@ -77,8 +80,11 @@ def write_hf(
     to `optimizer*.safetensors` as `<name>.<slot>` with the 0-d int64 `step` (unless `with_step` is
     False: an optimizer that keeps no step, e.g. SGD); trainer: written to
     `hybridckpt.json`. direct_io: the safetensors files written with O_DIRECT
-    (`io.sequential_file`; False: through the page cache).
+    (`io.sequential_file`; False: through the page cache). files: more files by plain name
+    (`io.model_files`: config, generation config, tokenizer), bytes or a carried file to copy
+    (read and checked); a `config.json` among them is written unless `hf_config` is given.
     """
+    files_in = files
     dest = Destination(dst, overwrite=overwrite, sources=sources)
     with dest as tmp:
         files = write_sharded(tmp, params, stem="model", max_shard_bytes=max_shard_bytes, on_tensor=on_tensor,
@@ -87,6 +93,13 @@ def write_hf(
             with open(os.path.join(tmp, "config.json"), "w") as f:
                 json.dump(dict(hf_config), f, indent=2, sort_keys=True)
             files.append("config.json")
+        for name, content in sorted((files_in or {}).items()):
+            if name == CONFIG and hf_config is not None:
+                continue
+            data = content.read() if isinstance(content, ModelFile) else content
+            with open(os.path.join(tmp, model_files.plain(name)), "wb") as f:
+                f.write(data)
+            files.append(name)
         if slots:
             state: dict[str, LazyTensor] = {}
             for slot, tensors in slots.items():
@@ -142,18 +155,17 @@ def write_export(request) -> Any:
     set_total = getattr(request.progress, "set_total", None)
     if set_total is not None:
         set_total(sum(t.nbytes for t in every))
-    hf_cfg = source_config_json(request.trainer)
-    if cfg is not None:
-        from hybridckpt import models
+    from hybridckpt.writers.hf_files import export_files
 
-        hf_cfg = models.config_to_hf(cfg)
+    # config.json, generation_config.json, tokenizer files (writers/hf_files.py)
+    beside = export_files(cfg, request.files, params, source_config=source_config_json(request.trainer))
     trainer = {"step": named.step, "source_format": request.source_format}
     if slots:
         trainer["optimizer_name"] = named.optimizer.name
         if request.hyper:  # read back by the hf reader as the hyper-parameters (formats/hf.py)
             trainer["optimizer"] = dict(request.hyper)
     files = write_hf(
-        request.out, params, hf_cfg, slots=slots or None, step=named.step,
+        request.out, params, None, files=beside, slots=slots or None, step=named.step,
         with_step=bool(slots) and named.optimizer.has_step, trainer=trainer,
         max_shard_bytes=request.max_shard_bytes or DEFAULT_SHARD_BYTES, overwrite=request.overwrite,
         on_tensor=request.progress, direct_io=request.direct_io, sources=request.sources,

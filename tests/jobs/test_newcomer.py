@@ -147,7 +147,8 @@ def test_a_late_ctrl_c_does_not_turn_a_finished_job_into_a_failure(tmp_path):
     ("dp=-2", "sizes must be positive, found dp=-2"),
     ("tp=2,tp=2", "axis tp is given twice"),
     ("tp=two", "tp='two' is not an integer size"),
-    ("xx=2", "'xx=2' is not axis=size"),
+    ("xx=2", "unknown axis 'xx'; the axes are dp, fsdp, tp, pp"),
+    ("tp2", "'tp2' is not axis=size"),
 ])
 def test_mesh_mistakes_are_named(mesh, message, tmp_path):
     r = run("import", sample_path(), str(tmp_path / "x"), "--mesh", mesh)
