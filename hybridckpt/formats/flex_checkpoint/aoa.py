@@ -98,6 +98,20 @@ class RuleChain:
         """`apply` with each stage's `RuleSet.apply_unstack` (AOA names stack nothing)."""
         return self.apply(tensors, strict=strict, unstack=True)
 
+    def targets_of(self, name: str) -> tuple[str, ...] | None:
+        """`RuleSet.targets_of` through every stage in turn (names alone, nothing read): None
+        when a stage has no rule for one of the names (each stage ends in `* -> *`)."""
+        names: tuple[str, ...] = (name,)
+        for rs in self.stages:
+            out: list[str] = []
+            for n in names:
+                t = rs.targets_of(n)
+                if t is None:
+                    return None
+                out.extend(t)
+            names = tuple(out)
+        return names
+
     def invert(self) -> RuleChain:
         return RuleChain(
             tuple(rs.invert() for rs in reversed(self.stages)), f"reverse of {self.origin}"
