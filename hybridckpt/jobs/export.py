@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,12 @@ from hybridckpt.errors import CheckpointError
 from hybridckpt.lazy import LazyTensor
 
 Progress = Callable[[str, int], None]  # (tensor name, bytes) after each tensor
+# `--to` layouts of torch trainers: the module writing each (its `write_export`)
+TORCH_TARGETS = {
+    "dcp": "hybridckpt.writers.torch_dcp",
+    "torchtitan": "hybridckpt.writers.torchtitan",
+    "megatron": "hybridckpt.writers.megatron_dist",
+}
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,7 @@ def export_checkpoint(
     to: str = "hf",
     direct_io: bool = True,
     verify_reads: bool = True,
+    layout: Mapping[str, int] | None = None,
 ) -> ExportSummary:
     """Any supported checkpoint (Orbax included) -> one safetensors folder at `out`.
 
@@ -70,7 +77,11 @@ def export_checkpoint(
     config: a config path or model config for sources that carry none (omit it to consolidate
       under the source's own names). step: which step of a hybridckpt (Orbax) source.
     to: "hf", or a Paddle unified layout ("paddlenlp-unified", "paddleformers-unified":
-      `writers/paddle_unified.py`).
+      `writers/paddle_unified.py`), or a torch trainer's ("dcp", "torchtitan", "megatron":
+      `TORCH_TARGETS`).
+    layout: for the torch trainers' layouts, how the files are split: `writers` (DCP files),
+      `tp`, `pp` (Megatron's parallel sizes the chunks follow); `max_shard_bytes` is then the
+      largest chunk (a larger tensor is saved as row blocks).
     direct_io: the HF safetensors files written with O_DIRECT through two aligned buffers (default;
       False: through the page cache, runs copied file to file by the kernel): `io.sequential_file`.
     verify_reads: a hybridckpt (Orbax) source's chunks checked against their import's CRC-32s.
@@ -90,6 +101,10 @@ def export_checkpoint(
     Destination(out, overwrite=overwrite, sources=[opened.path]).preflight()  # before any read
     cfg = opened.config
     named = naming.model_hf(opened.named, cfg) if cfg is not None else opened.named
+    if to in TORCH_TARGETS:
+        return _export_torch(opened, named, out, to, t0, optimizer=optimizer, dtype=dtype, overwrite=overwrite,
+                             progress=progress, direct_io=direct_io, max_shard_bytes=max_shard_bytes,
+                             layout=layout or {})  # fmt: skip
     if to != "hf":  # Paddle's unified layouts (writers/paddle_unified.py)
         from hybridckpt.writers.paddle_unified import write_export
 
@@ -144,3 +159,33 @@ def export_checkpoint(
         opened.format, os.path.abspath(out), tuple(files), len(all_t), sum(t.nbytes for t in all_t),
         time.perf_counter() - t0, bool(slots), opened.notes,
     )
+
+
+def _export_torch(opened, named, out, to, t0, *, optimizer, dtype, overwrite, progress, direct_io,
+                  max_shard_bytes, layout) -> ExportSummary:  # fmt: skip
+    """`--to dcp|torchtitan|megatron`: the HF-named tensors, slots, step and hyperparameters
+    handed to the target's writer (`TORCH_TARGETS`), which streams them into its files."""
+    import importlib
+
+    from hybridckpt.jobs.import_ import np_dtype
+
+    if optimizer and not named.slots:
+        raise CheckpointError(f"{opened.path}: has no optimizer state to export (drop --optimizer)")
+    params = dict(named.params)
+    if dtype is not None:
+        params = {k: lazy.cast(v, np_dtype(dtype)) for k, v in params.items()}
+    slots = {s: dict(t) for s, t in named.slots.items()} if optimizer else None
+    all_t = list(params.values()) + [t for v in (slots or {}).values() for t in v.values()]
+    set_total = getattr(progress, "set_total", None)
+    if set_total is not None:
+        set_total(sum(t.nbytes for t in all_t))
+    extra = {"max_chunk_bytes": max_shard_bytes} if max_shard_bytes else {}
+    writer = importlib.import_module(TORCH_TARGETS[to])
+    files, notes = writer.write_export(
+        os.fspath(out), params, opened.config, slots=slots, step=named.step, hyper=opened.hyper,
+        optimizer_name=named.optimizer.name if slots else None, direct_io=direct_io, overwrite=overwrite,
+        sources=(opened.path,), on_tensor=progress, trainer=opened.trainer, **dict(layout), **extra,
+    )
+    return ExportSummary(opened.format, os.path.abspath(out), tuple(files), len(all_t),
+                         sum(t.nbytes for t in all_t), time.perf_counter() - t0, bool(slots),
+                         tuple(opened.notes) + tuple(notes))  # fmt: skip

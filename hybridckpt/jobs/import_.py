@@ -169,7 +169,8 @@ def import_checkpoint(
         "model_config": models.config_to_dict(cfg) if cfg is not None else None,
         "optimizer": opt.name if opt is not None else None,
         "source": {"format": opened.format, "path": opened.path, "topology": dict(opened.topology)},
-        **{k: v for k, v in opened.trainer.items() if k not in ("step", "model_config", "mesh", "optimizer", NAMES_KEY, *CHECKSUM_KEYS)},
+        **({"optimizer_hyper": dict(opened.hyper)} if opt is not None and opened.hyper else {}),
+        **{k: v for k, v in opened.trainer.items() if k not in ("step", "model_config", "mesh", "optimizer", "optimizer_hyper", NAMES_KEY, *CHECKSUM_KEYS)},
     }
     if escaped:
         trainer[NAMES_KEY] = escaped

@@ -46,6 +46,8 @@ class Opened:
     trainer:  trainer metadata (step, consumed samples, ...; our trainer_state for ours)
     topology: parallel degrees read from the files
     notes:    remarks from the format and the rules
+    hyper:    the optimizer's hyperparameters as the source recorded them (lr, betas, eps,
+              weight_decay; `OptimizerState.hyper`), kept by an import as `optimizer_hyper`
     """
 
     format: str
@@ -55,6 +57,7 @@ class Opened:
     trainer: Mapping[str, Any] = field(default_factory=dict)
     topology: Mapping[str, int] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    hyper: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def step(self) -> int | None:
@@ -121,7 +124,8 @@ def open_checkpoint(
         cfg = models.fit_to_hf_names(cfg, named.params)  # parts a checkpoint may leave out
         _check_fits(src, named, cfg, path)
         notes = named.notes
-    return Opened(src.format, path, cfg, named, dict(src.trainer), dict(src.topology), notes)
+    hyper = dict(src.optimizer.hyper) if src.optimizer is not None else {}
+    return Opened(src.format, path, cfg, named, dict(src.trainer), dict(src.topology), notes, hyper)
 
 
 def _check_fits(src: Any, named: Named | None, cfg: Any, path: str) -> None:

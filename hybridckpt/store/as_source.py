@@ -134,7 +134,7 @@ def open(path: str, *, config: Any = None, step: int | None = None, verify_reads
             if verify_reads and "count" in (state.get("chunk_crc32") or {}):
                 count = checked_arrays(count, state, "", os.path.join(step_dir, "opt_state"))
             opt_step = int(count["count"].materialize())
-        optimizer = OptimizerState(slots, opt_step)
+        optimizer = OptimizerState(slots, opt_step, hyper=dict(state.get("optimizer_hyper") or {}))
     return SourceCheckpoint(
         format=NAME,
         path=path,
