@@ -82,7 +82,7 @@ def find_structure(tensor_keys, planner_data: Mapping[str, tuple]) -> Structure:
     return Structure("", None)
 
 
-_HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "params")
+_HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "initial_lr", "params")
 
 
 def param_groups(md: DcpMetadata, opt: str) -> list[dict]:

@@ -134,6 +134,27 @@ class Dialect:
         return f"torchtitan {self.family} names: rules/{self.rules} ({permuted}){moe}"
 
 
+_FAMILY_RULES = {  # torchtitan's model (its names tell it apart) -> the rules to HF names
+    "deepseek_v3": "torchtitan_deepseek_v3_moe.rules",
+    "qwen3": "torchtitan_qwen3.rules",
+    "llama": "torchtitan_llama.rules",
+}
+# our model families torchtitan 0.3 trains (its models/llama3, models/qwen3), dense
+EXPORT_FAMILIES = {"llama": "llama", "qwen3": "qwen3"}
+
+
+def export_dialect(family: str) -> Dialect | None:
+    """The dialect torchtitan 0.3 saves a dense model of our `family` in (fused q/k/v moments,
+    `qkv_linear.` names, head `lm_head`; the writer inverts its rules), or None when
+    torchtitan has no such model here."""
+    titan = EXPORT_FAMILIES.get(family)
+    if titan is None:
+        return None
+    rule_vars = {"qkv": "qkv_linear.", "head": "lm_head", "freqs_cis": False, "dense_ffn": True,
+                 "shared_experts": False, "expert_bias_to_hf": False, "expert_bias_dropped": False}  # fmt: skip
+    return Dialect(titan, _FAMILY_RULES[titan], rule_vars)
+
+
 def dialect(names) -> Dialect | None:
     """The torchtitan dialect of model tensor `names` (after the model prefix), or None."""
     names = list(names)
@@ -150,12 +171,8 @@ def dialect(names) -> Dialect | None:
         head = "lm_head" if qkv else "output"
     deepseek = any(".attention.wkv_a." in n for n in names)  # MLA
     qwen3 = any(".attention.q_norm." in n for n in names)  # (DeepSeek's q_norm is its q_a norm)
-    if deepseek:
-        family, rules = "deepseek_v3", "torchtitan_deepseek_v3_moe.rules"
-    elif qwen3:
-        family, rules = "qwen3", "torchtitan_qwen3.rules"
-    else:
-        family, rules = "llama", "torchtitan_llama.rules"
+    family = "deepseek_v3" if deepseek else "qwen3" if qwen3 else "llama"
+    rules = _FAMILY_RULES[family]
     bias = any(_EXPERT_BIAS.match(n) for n in names)
     rule_vars = {
         "qkv": qkv,
@@ -182,6 +199,17 @@ def split_fused_qkv(
     if not any(FUSED in n for n in tensors):
         return dict(tensors)
     rules = load_rules(_FUSED_RULES, {"num_heads": num_heads, "num_kv_heads": num_kv_heads})
+    res = rules.apply(tensors, strict=False)
+    return {**{n: tensors[n] for n in res.unconsumed}, **res.tensors}
+
+
+def fuse_qkv(
+    tensors: Mapping[str, LazyTensor], num_heads: int, num_kv_heads: int
+) -> dict[str, LazyTensor]:
+    """The inverse of `split_fused_qkv` (the same rules, inverted): every `qkv_linear.wq/wk/wv`
+    triple fused into `qkv_linear.wqkv`, rows per kv group `[heads/kv_heads q | k | v]` (what
+    torchtitan's optimizer keys the moments by); the others as they are."""
+    rules = load_rules(_FUSED_RULES, {"num_heads": num_heads, "num_kv_heads": num_kv_heads}).invert()
     res = rules.apply(tensors, strict=False)
     return {**{n: tensors[n] for n in res.unconsumed}, **res.tensors}
 
