@@ -110,14 +110,16 @@ def _info(s: Stored) -> Obj:
 def metadata_bytes(
     entries: Sequence[TensorOut | BytesOut],
     written: Sequence[tuple[str, int | None]],
-    planner_data: Mapping[str, tuple],
+    planner_data: Mapping[str, tuple] | None,
     checkpoint_id: str,
     save_id: str,
+    id_as_path: bool = True,
 ) -> bytes:
     """The `.metadata` pickle. `entries` in state-dict order (its `state_dict_metadata`);
     `written`: `(fqn, chunk index or None)` in the order the pieces were written (its
-    `storage_data`); `planner_data`: fqn -> key path; `checkpoint_id`: the folder's absolute
-    path (a PosixPath, as `FileSystemWriter` records it; informational)."""
+    `storage_data`); `planner_data`: fqn -> key path (None: Megatron's planner records none);
+    `checkpoint_id`: the folder's absolute path (a PosixPath, as `FileSystemWriter` records
+    it, or a str, as Megatron passes it: `id_as_path`; informational)."""
     by_fqn = {e.fqn: e for e in entries}
     fqn = {e.fqn: sys.intern(e.fqn) for e in entries}  # one string object per name, as torch's
     sdm = {fqn[e.fqn]: _tensor_md(e) if isinstance(e, TensorOut) else Obj(_CLS["BytesStorageMetadata"])
@@ -136,11 +138,18 @@ def metadata_bytes(
             )
             storage[key] = _info(c.stored)
     parts = tuple(p for p in os.path.abspath(checkpoint_id).split(os.sep) if p)
+    where = (
+        Reduce(Global("pathlib", "PosixPath"), (os.sep, *parts))
+        if id_as_path
+        else os.path.abspath(checkpoint_id)
+    )
     meta = Obj(_CLS["StorageMeta"], {
-        "checkpoint_id": Reduce(Global("pathlib", "PosixPath"), (os.sep, *parts)),
+        "checkpoint_id": where,
         "save_id": save_id, "load_id": None, "modules": [],
     })  # fmt: skip
-    planner = {fqn.get(k, k): tuple(v) for k, v in planner_data.items()}
+    planner = (
+        None if planner_data is None else {fqn.get(k, k): tuple(v) for k, v in planner_data.items()}
+    )
     return dumps(Obj(_CLS["Metadata"], {
         "state_dict_metadata": sdm, "planner_data": planner, "storage_data": storage,
         "storage_meta": meta, "version": DCP_VERSION,

@@ -184,7 +184,8 @@ def _export_torch(opened, named, out, to, t0, *, optimizer, dtype, overwrite, pr
     files, notes = writer.write_export(
         os.fspath(out), params, opened.config, slots=slots, step=named.step, hyper=opened.hyper,
         optimizer_name=named.optimizer.name if slots else None, direct_io=direct_io, overwrite=overwrite,
-        sources=(opened.path,), on_tensor=progress, trainer=opened.trainer, **dict(layout), **extra,
+        sources=(opened.path,), on_tensor=progress, trainer=opened.trainer, masters=named.params, **dict(layout),
+        **extra,
     )
     return ExportSummary(opened.format, os.path.abspath(out), tuple(files), len(all_t),
                          sum(t.nbytes for t in all_t), time.perf_counter() - t0, bool(slots),

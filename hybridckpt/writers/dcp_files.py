@@ -49,16 +49,23 @@ DEFAULT_CHUNK_BYTES = 1 << 30  # a tensor larger than this is saved as row block
 @dataclass(frozen=True)
 class Item:
     """One entry of the state dict: `path` (its nested key path: `("model", "lm_head.weight")`,
-    `("optim", "param_groups", 0, "lr")`; the fqn is the path joined by dots) and either a
-    `tensor` or a plain Python `value` (saved as a byte item)."""
+    `("optim", "param_groups", 0, "lr")`; the fqn is the path joined by dots, or `key` when
+    given) and either a `tensor` or a plain Python `value` (saved as a byte item).
+
+    `boxes`: the tensor's chunks, as the saving ranks would hold them (each `((start, stop),
+    ...)` per dim; they must tile it), else planned (module doc); `files`: the writer file of
+    each box (of the byte item: one), else planned."""
 
     path: tuple
     tensor: LazyTensor | None = None
     value: Any = None
+    key: str | None = None
+    boxes: tuple | None = None
+    files: tuple[int, ...] | None = None
 
     @property
     def fqn(self) -> str:
-        return ".".join(map(str, self.path))
+        return self.key if self.key is not None else ".".join(map(str, self.path))
 
 
 @dataclass(frozen=True)
@@ -82,30 +89,75 @@ def row_blocks(
     return [((a, min(shape[0], a + step)), *whole[1:]) for a in range(0, shape[0], step)]
 
 
+def split_box(box: tuple[tuple[int, int], ...], itemsize: int, max_bytes: int) -> list:
+    """`box` as blocks of at most `max_bytes`: cut on its first axis longer than 1 (a unit of
+    that axis still too large is cut on the next axes)."""
+    sizes = [b - a for a, b in box]
+    if math.prod(sizes) * itemsize <= max_bytes:
+        return [box]
+    axis = next(i for i, n in enumerate(sizes) if n > 1)
+    unit = math.prod(sizes[axis + 1 :]) * itemsize * math.prod(sizes[:axis])
+    step = max(1, max_bytes // max(unit, 1))
+    out = []
+    a0, b0 = box[axis]
+    for a in range(a0, b0, step):
+        part = (*box[:axis], (a, min(b0, a + step)), *box[axis + 1 :])
+        out += split_box(part, itemsize, max_bytes) if step == 1 and unit > max_bytes else [part]
+    return out
+
+
+def item_boxes(it: Item, max_chunk_bytes: int) -> list:
+    """The chunks `it` is saved as: its `boxes` (each cut to the size limit) or row blocks."""
+    t = it.tensor
+    size = np.dtype(t.dtype).itemsize
+    limit = min(max_chunk_bytes, MAX_ARCHIVE // 2)
+    if it.boxes is None:
+        return row_blocks(tuple(t.shape), size, limit)
+    return [b for box in it.boxes for b in split_box(tuple(box), size, limit)]
+
+
 def plan_pieces(items: Sequence[Item], files: int, max_chunk_bytes: int) -> list[list[_Piece]]:
-    """Which pieces each writer file holds, in write order (module doc)."""
+    """Which pieces each writer file holds, in write order (module doc); an item's own `files`
+    place its pieces, the rest are planned."""
     bins: list[list[_Piece]] = [[] for _ in range(files)]
     chunks: list[_Piece] = []
     n_bytes = 0
     for it in items:
         if it.tensor is None:
-            bins[n_bytes % files].append(_Piece(it.fqn, None, None, 0))
-            n_bytes += 1
+            at = it.files[0] if it.files else n_bytes % files
+            bins[at].append(_Piece(it.fqn, None, None, 0))
+            n_bytes += it.files is None
             continue
-        t = it.tensor
-        size = np.dtype(t.dtype).itemsize
-        limit = min(max_chunk_bytes, MAX_ARCHIVE // 2)
-        for i, box in enumerate(row_blocks(tuple(t.shape), size, limit)):
-            chunks.append(_Piece(it.fqn, i, box, math.prod(b - a for a, b in box) * size))
+        size = np.dtype(it.tensor.dtype).itemsize
+        placed = _placed(it, max_chunk_bytes)
+        for i, box in enumerate(item_boxes(it, max_chunk_bytes)):
+            piece = _Piece(it.fqn, i, box, math.prod(b - a for a, b in box) * size)
+            if placed is None:
+                chunks.append(piece)
+            else:
+                bins[placed[i]].append(piece)
     if files == 1:
         bins[0] += chunks
         return bins
-    load = [0] * files
+    load = [sum(p.nbytes for p in b) for b in bins]
     for p in sorted(chunks, key=lambda p: -p.nbytes):  # stable: plan order among equals
         i = min(range(files), key=lambda j: load[j])
         bins[i].append(p)
         load[i] += p.nbytes
     return bins
+
+
+def _placed(it: Item, max_chunk_bytes: int) -> list[int] | None:
+    """The file of each of `it`'s (cut) chunks when the item places its boxes, else None."""
+    if it.files is None or it.boxes is None:
+        return None
+    size = np.dtype(it.tensor.dtype).itemsize
+    limit = min(max_chunk_bytes, MAX_ARCHIVE // 2)
+    return [
+        f
+        for box, f in zip(it.boxes, it.files, strict=True)
+        for _ in split_box(tuple(box), size, limit)
+    ]
 
 
 class _Crc:
@@ -123,7 +175,8 @@ class _Crc:
 
 def _write_chunk(out: SequentialFile, t: LazyTensor, box) -> int:
     """One chunk's torch.save archive at the end of `out`; returns its length in bytes."""
-    view = lazy.slice_axis(t, 0, *box[0]) if box else t  # (boxes are whole rows: dim 0 only)
+    whole = all((a, b) == (0, n) for (a, b), n in zip(box, t.shape, strict=True))
+    view = t if whole else lazy.Slice(t, tuple(box))
     archive = TensorArchive(tuple(view.shape), t.dtype)
     out.write(archive.head)
     crc = _Crc()
@@ -156,10 +209,15 @@ def write_folder(
     direct_io: bool = True,
     checkpoint_id: str | None = None,
     on_tensor: Callable[[str, int], None] | None = None,
+    planner: bool = True,
+    id_as_path: bool = True,
 ) -> list[str]:
     """Write `items` as a DCP checkpoint into the existing folder `folder` (module doc):
     `__{r}_0.distcp` for r < `files`, then `.metadata`. `checkpoint_id`: the path recorded in
-    the metadata (the destination the folder will be renamed to). Returns the file names."""
+    the metadata (the destination the folder will be renamed to; a PosixPath, as torch's
+    `FileSystemWriter` records it, or the string Megatron passes: `id_as_path`). `planner`:
+    record the key paths (`dcp.save`'s planner does; Megatron's saves none). Returns the file
+    names."""
     if files < 1:
         raise ValueError(f"files must be >= 1, got {files}")
     by_fqn = {it.fqn: it for it in items}
@@ -191,13 +249,14 @@ def write_folder(
         if it.tensor is None:
             entries.append(BytesOut(it.fqn, stored[(it.fqn, None)]))
             continue
-        size = np.dtype(it.tensor.dtype).itemsize
-        boxes = row_blocks(tuple(it.tensor.shape), size, min(max_chunk_bytes, MAX_ARCHIVE // 2))
+        boxes = item_boxes(it, max_chunk_bytes)
         chunks = tuple(ChunkOut(tuple(a for a, _ in b), tuple(e - a for a, e in b), stored[(it.fqn, i)])
                        for i, b in enumerate(boxes))  # fmt: skip
         entries.append(TensorOut(it.fqn, np.dtype(it.tensor.dtype), tuple(it.tensor.shape), chunks))
-    planner = {it.fqn: tuple(it.path) for it in items}
-    blob = metadata_bytes(entries, written, planner, checkpoint_id or folder, str(uuid.uuid4()))
+    paths = {it.fqn: tuple(it.path) for it in items} if planner else None
+    blob = metadata_bytes(
+        entries, written, paths, checkpoint_id or folder, str(uuid.uuid4()), id_as_path
+    )
     with open(os.path.join(folder, ".metadata"), "wb") as f:
         f.write(blob)
         f.flush()

@@ -140,6 +140,7 @@ def write_export(
     sources: tuple[str, ...] = (),
     on_tensor=None,
     trainer: Mapping[str, Any] | None = None,
+    masters: Mapping[str, LazyTensor] | None = None,
 ) -> tuple[list[str], list[str]]:
     """Write HF-named `params` (and AdamW `slots`, `step`, the source's `hyper`) at `out` as a
     DCP checkpoint for `get_state_dict` + `dcp.load` + `set_state_dict` (module doc); returns

@@ -129,6 +129,7 @@ def write_export(
     sources: tuple[str, ...] = (),
     on_tensor=None,
     trainer: Mapping[str, Any] | None = None,
+    masters: Mapping[str, LazyTensor] | None = None,
 ) -> tuple[list[str], list[str]]:
     """Write HF-named `params` (AdamW `slots`, `step`, the source's `hyper`) of model config
     `cfg` at `out` as a torchtitan 0.3 checkpoint folder (module doc); returns (files, notes)."""

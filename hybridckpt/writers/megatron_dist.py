@@ -1,0 +1,274 @@
+"""Export to a Megatron-Core torch_dist checkpoint: `hybridckpt export --to megatron [--tp N --pp M]`.
+
+What megatron-core 0.19's `dist_checkpointing.save` writes for Megatron-LM's `save_checkpoint`
+with `--ckpt-format torch_dist --dist-ckpt-optim-fully-reshardable` (pinned by
+tests/real/cases/megatron_core_dense_fully_reshardable), and what `load_checkpoint` reads back
+at ANY tp/pp (it reshards on load):
+- `OUT/latest_checkpointed_iteration.txt` (the iteration, no newline) and `OUT/iter_{N:07d}/`:
+  torch's DCP files (`writers.dcp_files`; no planner data, the checkpoint id a string, as
+  Megatron's planner saves them), then `metadata.json` `{"sharded_backend": "torch_dist",
+  "sharded_backend_version": 1}`, written last (a folder without it is an unfinished save);
+- model keys under megatron-core's GLOBAL names, from HF names by the INVERSE of the reader's
+  rules (`formats.megatron.config.family_rules`: rules/megatron_{llama,qwen2,qwen3}.rules with
+  Transformer Engine norm names, fused q/k/v per query group, SwiGLU fc1 `[gate; up]`, the
+  vocabulary padded with zero rows to a multiple of 128 x tp, as `_vocab_size_with_padding`,
+  or of the source's `--make-vocab-size-divisible-by` x tp for a Megatron source),
+  then stacked on a leading layer axis by rules/megatron_dist_layers.rules inverted
+  (`decoder.layers.<suffix>` `[num_layers, ...]`);
+- chunks as the ranks of a tp x pp run hold them: one per layer and tensor-parallel rank, split
+  on the axis rules/megatron_tp.rules gives the key (column parallel rows, row parallel columns,
+  SwiGLU fc1 as a gate and an up block per rank, norms whole), the file of (stage, tp rank)
+  `__{stage * tp + rank}_0.distcp`;
+- a `<module>._extra_state/shard_{layer}_{num_layers}` ShardedObject `[None]` for every linear
+  layer (tensor_parallel/layers.py: what a local-spec model requests on load);
+- `fully_reshardable` optimizer state: `optimizer.state.param.<key>` (the fp32 master),
+  `optimizer.state.exp_avg.<key>`, `optimizer.state.exp_avg_sq.<key>`, each chunked like its
+  model key (distrib_optimizer.py `sharded_param_state_fully_reshardable`);
+- the common state (`writers.megatron_common`).
+Dense Llama, Qwen2 and Qwen3. Every value is the source's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from hybridckpt import lazy
+from hybridckpt.errors import CheckpointError, ConfigError
+from hybridckpt.formats.megatron.config import ARCHITECTURES, family_rules
+from hybridckpt.formats.megatron_dist.model import LAYERS_RULES
+from hybridckpt.formats.rules_files import load_rules, rules_text
+from hybridckpt.lazy import LazyTensor
+from hybridckpt.rules import parse_rules
+from hybridckpt.writers import megatron_common as mc
+from hybridckpt.writers.dcp_files import DEFAULT_CHUNK_BYTES, Item, write_folder
+from hybridckpt.writers.destination import Destination
+
+VOCAB_MULTIPLE = 128  # Megatron's --make-vocab-size-divisible-by default
+EXPORT_FAMILIES = ("llama", "qwen2", "qwen3")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LINEAR = re.compile(r"^(decoder\.layers\.(?:.+\.)?linear_\w+)\.weight$")
+
+
+def padded_vocab(vocab: int, tp: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    """megatron/training/vocab_utils.py `_vocab_size_with_padding`."""
+    step = multiple * tp
+    return -(-vocab // step) * step
+
+
+def _variables(cfg: Any, tp: int, multiple: int) -> dict:
+    from hybridckpt import models
+
+    v = models.rule_variables(cfg)
+    arch = models.config_to_hf(cfg)["architectures"][0]
+    swiglu = any(a.swiglu for a in ARCHITECTURES if a.hf_architecture == arch)
+    return {
+        **v,
+        "padded_vocab": padded_vocab(v["vocab_size"], tp, multiple),
+        "swiglu": swiglu,
+        "te_norms": True,
+    }
+
+
+def megatron_names(
+    tensors: Mapping[str, LazyTensor], cfg: Any, v: Mapping, strict: bool = True
+) -> dict:
+    """HF-named tensors under megatron-core's per-layer global names (the reader's rules, inverted)."""
+    entry = family_rules(cfg, "export --to megatron")
+    inverse = parse_rules(rules_text(entry.hf_rules), dict(v), origin=entry.hf_rules).invert()
+    return inverse.apply(dict(tensors), strict=strict).tensors
+
+
+def _tp_boxes(name: str, shape: tuple[int, ...], tp_rules, tp: int) -> list[tuple[int, tuple]]:
+    """(tp rank, box) of each chunk of per-layer tensor `name` in a tp-way run."""
+    whole = tuple((0, n) for n in shape)
+    merge = tp_rules.tp_merge_for(name).merge
+    if merge.name == "replicated" or tp == 1:
+        return [(0, whole)]
+    axis = merge.args[0] % len(shape)
+    parts = 2 if merge.name == "halves" else 1
+    n = shape[axis] // parts
+    if shape[axis] % (parts * tp):
+        raise ConfigError(
+            f"export --to megatron: {name} {shape} does not split {tp} ways on axis {axis}"
+        )
+    step = n // tp
+    out = []
+    for r in range(tp):
+        for h in range(parts):
+            box = list(whole)
+            box[axis] = (h * n + r * step, h * n + (r + 1) * step)
+            out.append((r, tuple(box)))
+    return out
+
+
+def layout(per_layer: Mapping[str, LazyTensor], *, tp: int, pp: int, num_layers: int, swiglu: bool):
+    """{stacked key: (boxes, files)}: the chunks of a tp x pp run (module doc)."""
+    if num_layers % pp:
+        raise ConfigError(
+            f"export --to megatron: {num_layers} layers do not split into {pp} equal stages"
+        )
+    tp_rules = load_rules("megatron_tp.rules", {"swiglu": swiglu, "te_down_proj": False})
+    per_stage = num_layers // pp
+    out: dict[str, tuple[list, list]] = {}
+    for name, t in per_layer.items():
+        m = _LAYER.match(name)
+        if m:
+            layer = int(m.group(1))
+            key, stage, lift = (
+                f"decoder.layers.{m.group(2)}",
+                layer // per_stage,
+                ((layer, layer + 1),),
+            )
+        else:
+            key, stage, lift = name, 0 if name.startswith("embedding.") else pp - 1, ()
+        boxes, files = out.setdefault(key, ([], []))
+        for rank, box in _tp_boxes(name, tuple(t.shape), tp_rules, tp):
+            boxes.append((*lift, *box))
+            files.append(stage * tp + rank)
+    return out
+
+
+def _stack(per_layer: Mapping[str, LazyTensor]) -> dict[str, LazyTensor]:
+    """Per-layer names stacked on the layer axis (rules/megatron_dist_layers.rules inverted)."""
+    res = load_rules(LAYERS_RULES).invert().apply(dict(per_layer), strict=False)
+    return {**{n: per_layer[n] for n in res.unconsumed}, **res.tensors}
+
+
+def state_items(
+    model: Mapping[str, LazyTensor],
+    slots: Mapping[str, Mapping[str, LazyTensor]] | None,
+    chunks: Mapping[str, tuple[list, list]],
+    *,
+    num_layers: int,
+    per_stage: int,
+    tp: int,
+    common: dict,
+) -> list[Item]:
+    """The DCP items: model keys, their `_extra_state` objects, the optimizer state and the
+    common state, each chunk in its rank's file."""
+    items = []
+    for key, t in model.items():
+        boxes, files = chunks[key]
+        items.append(Item((key,), tensor=t, boxes=tuple(boxes), files=tuple(files)))
+        m = _LINEAR.match(key)
+        if m:  # a Megatron linear layer: its (empty) extra state, one object per layer
+            for layer in range(num_layers):
+                name = f"{m.group(1)}._extra_state/shard_{layer}_{num_layers}"
+                items.append(Item((name,), value=[None], files=((layer // per_stage) * tp,)))
+    for slot, tensors in (slots or {}).items():
+        for key in model:
+            boxes, files = chunks[key]
+            t = tensors[key] if slot == "param" else lazy.cast(tensors[key], np.float32)
+            items.append(
+                Item(
+                    (f"optimizer.state.{slot}.{key}",),
+                    tensor=t,
+                    boxes=tuple(boxes),
+                    files=tuple(files),
+                )
+            )
+    items.append(Item((mc.COMMON_KEY,), value=[common], files=(0,)))
+    return items
+
+
+def write_export(
+    out: str,
+    params: Mapping[str, LazyTensor],
+    cfg: Any,
+    *,
+    slots: Mapping[str, Mapping[str, LazyTensor]] | None = None,
+    step: int | None = None,
+    hyper: Mapping[str, Any] | None = None,
+    optimizer_name: str | None = None,
+    tp: int = 1,
+    pp: int = 1,
+    max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    direct_io: bool = True,
+    overwrite: bool = False,
+    sources: tuple[str, ...] = (),
+    on_tensor=None,
+    trainer: Mapping[str, Any] | None = None,
+    masters: Mapping[str, LazyTensor] | None = None,
+) -> tuple[list[str], list[str]]:
+    """Write HF-named `params` (with AdamW `slots`, `step`, the source's `hyper`; `masters`: the
+    fp32 values when `params` were cast) of model config `cfg` at `out` as a Megatron-Core
+    torch_dist checkpoint chunked for tp x pp (module doc); returns (files, notes)."""
+    from hybridckpt import models
+
+    if cfg is None:
+        raise ConfigError(
+            "export --to megatron: needs a model config (the source has none; pass --config)"
+        )
+    family = models.family_of(cfg).name
+    if family not in EXPORT_FAMILIES:
+        raise ConfigError(
+            f"export --to megatron: writes {list(EXPORT_FAMILIES)} models; this one is {family}"
+        )
+    if slots and optimizer_name not in (None, "adamw"):
+        raise CheckpointError(f"export --to megatron --optimizer writes AdamW's state; this checkpoint's optimizer "
+                              f"is {optimizer_name}")  # fmt: skip
+    trainer = dict(trainer or {})
+    multiple = trainer.get("make_vocab_size_divisible_by")
+    multiple = multiple if isinstance(multiple, int) and multiple > 0 else VOCAB_MULTIPLE
+    v = _variables(cfg, tp, multiple)
+    num_layers = int(v["num_layers"])
+    model_pl = megatron_names(params, cfg, v)
+    chunks = layout(model_pl, tp=tp, pp=pp, num_layers=num_layers, swiglu=v["swiglu"])
+    model = _stack(model_pl)
+    opt = None
+    if slots:
+        opt = {"param": _stack(megatron_names(masters or params, cfg, v))}
+        opt |= {s: _stack(megatron_names(t, cfg, v, strict=False)) for s, t in slots.items()}
+    hyper = dict(hyper or {})
+    n = int(step or 0)
+    notes = [f"megatron-core names by rules/{family_rules(cfg, '').hf_rules} inverted, layers stacked; "
+             f"chunks of a tp={tp} pp={pp} run; vocabulary padded to {v['padded_vocab']}"]  # fmt: skip
+    gbs = trainer.get("global_batch_size")
+    consumed = trainer.get("consumed_train_samples", n * gbs if isinstance(gbs, int) else 0)
+    if "consumed_train_samples" not in trainer:
+        notes.append(f"consumed_train_samples written as {consumed} (the source recorded none)")
+    sizes = {
+        "num_layers": num_layers, "hidden_size": v["hidden_size"], "num_attention_heads": v["num_heads"],
+        "num_query_groups": v["num_kv_heads"], "ffn_hidden_size": v.get("intermediate_size"),
+        "kv_channels": v.get("head_dim"), "padded_vocab_size": v["padded_vocab"],
+        "make_vocab_size_divisible_by": multiple, "global_batch_size": gbs,
+        "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
+    }  # fmt: skip
+    args = mc.args_namespace(sizes, tp=tp, pp=pp, optimizer=bool(slots), consumed=consumed)
+    groups = schedule = None
+    if slots:
+        source_schedule = trainer.get("opt_param_scheduler")
+        schedule = mc.scheduler_state(hyper, source_schedule, consumed)
+        groups = mc.param_groups(hyper, n, schedule)
+        if not source_schedule:
+            notes.append("no Megatron LR schedule in the source: a constant one at its lr is written; resume with "
+                         "--override-opt-param-scheduler (the run's own schedule)")  # fmt: skip
+    flops = trainer.get("num_floating_point_operations_so_far", 0)
+    common = mc.common_state(args=args, iteration=n, groups=groups, schedule=schedule,
+                             flops=flops if isinstance(flops, int) else 0)  # fmt: skip
+    items = state_items(model, opt, chunks, num_layers=num_layers, per_stage=num_layers // pp, tp=tp,
+                        common=common)  # fmt: skip
+    name = f"iter_{n:07d}"
+    dest = Destination(out, overwrite=overwrite, sources=sources)
+    with dest as tmp:
+        folder = os.path.join(tmp, name)
+        os.mkdir(folder)
+        files = write_folder(folder, items, files=tp * pp, max_chunk_bytes=max_chunk_bytes, direct_io=direct_io,
+                             checkpoint_id=os.path.join(dest.dst, name), on_tensor=on_tensor, planner=False,
+                             id_as_path=False)  # fmt: skip
+        with open(os.path.join(folder, "metadata.json"), "w") as f:
+            json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
+        with open(os.path.join(tmp, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(n))
+        dest.commit()
+    names = [f"{name}/{x}" for x in files] + [
+        f"{name}/metadata.json",
+        "latest_checkpointed_iteration.txt",
+    ]
+    return names, notes
