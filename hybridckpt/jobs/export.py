@@ -32,7 +32,7 @@ from hybridckpt.errors import CheckpointError
 from hybridckpt.lazy import LazyTensor
 
 Progress = Callable[[str, int], None]  # (tensor name, bytes) after each tensor
-# `--to` layouts of torch trainers: the module writing each (its `write_export`)
+# `--to` layouts of torch trainers: the module writing each (its `write_request`)
 TORCH_TARGETS = {
     "dcp": "hybridckpt.writers.torch_dcp",
     "torchtitan": "hybridckpt.writers.torchtitan",
@@ -163,30 +163,21 @@ def export_checkpoint(
 
 def _export_torch(opened, named, out, to, t0, *, optimizer, dtype, overwrite, progress, direct_io,
                   max_shard_bytes, layout) -> ExportSummary:  # fmt: skip
-    """`--to dcp|torchtitan|megatron`: the HF-named tensors, slots, step and hyperparameters
-    handed to the target's writer (`TORCH_TARGETS`), which streams them into its files."""
+    """`--to dcp|torchtitan|megatron`: the request handed to the target's writer
+    (`TORCH_TARGETS`, its `write_request`: writers/torch_request.py), which streams it."""
     import importlib
 
     from hybridckpt.jobs.import_ import np_dtype
+    from hybridckpt.writers.torch_request import TorchRequest
 
     if optimizer and not named.slots:
         raise CheckpointError(f"{opened.path}: has no optimizer state to export (drop --optimizer)")
-    params = dict(named.params)
-    if dtype is not None:
-        params = {k: lazy.cast(v, np_dtype(dtype)) for k, v in params.items()}
-    slots = {s: dict(t) for s, t in named.slots.items()} if optimizer else None
-    all_t = list(params.values()) + [t for v in (slots or {}).values() for t in v.values()]
-    set_total = getattr(progress, "set_total", None)
-    if set_total is not None:
-        set_total(sum(t.nbytes for t in all_t))
-    extra = {"max_chunk_bytes": max_shard_bytes} if max_shard_bytes else {}
-    writer = importlib.import_module(TORCH_TARGETS[to])
-    files, notes = writer.write_export(
-        os.fspath(out), params, opened.config, slots=slots, step=named.step, hyper=opened.hyper,
-        optimizer_name=named.optimizer.name if slots else None, direct_io=direct_io, overwrite=overwrite,
-        sources=(opened.path,), on_tensor=progress, trainer=opened.trainer, masters=named.params, **dict(layout),
-        **extra,
-    )
-    return ExportSummary(opened.format, os.path.abspath(out), tuple(files), len(all_t),
-                         sum(t.nbytes for t in all_t), time.perf_counter() - t0, bool(slots),
-                         tuple(opened.notes) + tuple(notes))  # fmt: skip
+    request = TorchRequest(
+        os.fspath(out), named, opened.config, optimizer=optimizer, dtype=np_dtype(dtype) if dtype else None,
+        max_shard_bytes=max_shard_bytes, overwrite=overwrite, progress=progress, direct_io=direct_io,
+        sources=(opened.path,), trainer=dict(opened.trainer or {}), hyper=dict(opened.hyper or {}),
+        extra=dict(layout),
+    )  # fmt: skip
+    done = importlib.import_module(TORCH_TARGETS[to]).write_request(request)
+    return ExportSummary(opened.format, os.path.abspath(out), done.files, done.tensors, done.nbytes,
+                         time.perf_counter() - t0, optimizer, tuple(opened.notes) + done.notes)  # fmt: skip

@@ -12,9 +12,11 @@ checkpointing.py, core_v0.19.0) takes from it, and what is written here:
   `no_save_rng=True` (there is no RNG state to restore: the run keeps its own),
   `no_save_optim` (True without optimizer state: the run then skips loading it),
   `consumed_train_samples` (the data position; the source's, else 0) and a few informational
-  sizes. A run with a `--vocab-file` also compares `tokenizer_type`, which a converted checkpoint
-  cannot know: it must resume with `--finetune`-free `--use-checkpoint-args`-free defaults, see
-  docs/export-to-torch.md.
+  sizes. A run with a `--vocab-file` (GPT2BPETokenizer and the like) also compares
+  `tokenizer_type`, `max_position_embeddings` and `make_vocab_size_divisible_by`
+  (`check_checkpoint_args`, getattr without a default): `tokenizer_type` is written when the
+  source recorded it (a Megatron source), else such a run fails on load with AttributeError
+  (docs/torch-export.md). Runs with `--tokenizer-model` (HuggingFaceTokenizer) compare none.
 - `checkpoint_version` 3.0, `iteration`, `num_floating_point_operations_so_far`;
 - `content_metadata`: `distrib_optim_sharding_type = "fully_reshardable"` (what the optimizer
   state is requested as on load), `chained_optim_avoid_prefix`, `singleton_local_shards` False;
@@ -94,7 +96,7 @@ def args_namespace(
 ) -> Obj:
     """The `args` Namespace (module doc); `sizes`: num_layers, hidden_size, num_attention_heads,
     num_query_groups, ffn_hidden_size, padded_vocab_size, make_vocab_size_divisible_by,
-    max_position_embeddings, global_batch_size (those known)."""
+    max_position_embeddings, global_batch_size, tokenizer_type (those known)."""
     fields = {
         **{k: v for k, v in sizes.items() if v is not None},
         "add_position_embedding": True,  # (Megatron's default, rope or not)

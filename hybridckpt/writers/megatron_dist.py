@@ -46,6 +46,7 @@ from hybridckpt.formats.rules_files import load_rules, rules_text
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.rules import parse_rules
 from hybridckpt.writers import megatron_common as mc
+from hybridckpt.writers import torch_request
 from hybridckpt.writers.dcp_files import DEFAULT_CHUNK_BYTES, Item, write_folder
 from hybridckpt.writers.destination import Destination
 
@@ -164,7 +165,7 @@ def state_items(
     for slot, tensors in (slots or {}).items():
         for key in model:
             boxes, files = chunks[key]
-            t = tensors[key] if slot == "param" else lazy.cast(tensors[key], np.float32)
+            t = lazy.cast(tensors[key], np.float32)  # fp32 masters and moments, as Megatron keeps them
             items.append(
                 Item(
                     (f"optimizer.state.{slot}.{key}",),
@@ -239,6 +240,7 @@ def write_export(
         "kv_channels": v.get("head_dim"), "padded_vocab_size": v["padded_vocab"],
         "make_vocab_size_divisible_by": multiple, "global_batch_size": gbs,
         "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
+        "tokenizer_type": trainer.get("tokenizer_type"),
     }  # fmt: skip
     args = mc.args_namespace(sizes, tp=tp, pp=pp, optimizer=bool(slots), consumed=consumed)
     groups = schedule = None
@@ -272,3 +274,8 @@ def write_export(
         "latest_checkpointed_iteration.txt",
     ]
     return names, notes
+
+
+def write_request(request) -> torch_request.TorchWritten:
+    """A writers-registry entry: `request` (writers/torch_request.py) through `write_export`."""
+    return torch_request.run(request, write_export)

@@ -33,6 +33,7 @@ import numpy as np
 from hybridckpt import lazy
 from hybridckpt.errors import CheckpointError
 from hybridckpt.lazy import LazyTensor
+from hybridckpt.writers import torch_request
 from hybridckpt.writers.dcp_files import DEFAULT_CHUNK_BYTES, Item, write_folder
 from hybridckpt.writers.destination import Destination
 
@@ -165,3 +166,8 @@ def write_export(
                              checkpoint_id=dest.dst, on_tensor=on_tensor)  # fmt: skip
         dest.commit()
     return names, notes
+
+
+def write_request(request) -> torch_request.TorchWritten:
+    """A writers-registry entry: `request` (writers/torch_request.py) through `write_export`."""
+    return torch_request.run(request, write_export)

@@ -35,6 +35,7 @@ from hybridckpt.errors import CheckpointError, ConfigError
 from hybridckpt.formats.dcp import torchtitan
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.rules import parse_rules
+from hybridckpt.writers import torch_request
 from hybridckpt.writers.dcp_files import DEFAULT_CHUNK_BYTES, Item, write_folder
 from hybridckpt.writers.destination import Destination
 from hybridckpt.writers.torch_dcp import ADAMW_DEFAULTS, adamw_group
@@ -160,3 +161,8 @@ def write_export(
                              checkpoint_id=os.path.join(dest.dst, f"step-{n}"), on_tensor=on_tensor)  # fmt: skip
         dest.commit()
     return [f"step-{n}/{name}" for name in names], notes
+
+
+def write_request(request) -> torch_request.TorchWritten:
+    """A writers-registry entry: `request` (writers/torch_request.py) through `write_export`."""
+    return torch_request.run(request, write_export)

@@ -16,6 +16,8 @@ megatron_core_dense_dp_reshardable, megatron-core names):
 - every parameter, every fp32 master and Adam moment (`_get_main_param_and_optimizer_states`)
   bitwise the run's on the model's rows; the padded vocabulary rows (60..63: Megatron-internal,
   not part of the HF model our import keeps) are zero in ours, said apart;
+- GPTModel's own forward on the run's fixed tokens: its logits on the model's 60 vocabulary
+  columns equal the run's (relative 1e-5);
 - the optimizer step: the run's next-step gradients put into the params' `main_grad` and
   Megatron's `DistributedOptimizer.step()` taken: the params after it equal the run's next params
   (`param_next`) within relative 1e-5 on the model's rows; from every `step` set to 1 instead (a
@@ -86,6 +88,20 @@ def _check(ours: str, result: str) -> None:
     steps = sorted({float(st["step"]) for o in run._optimizers(optimizer) for st in o.optimizer.state.values()})
     ok &= steps == [3.0] and args.iteration == 3
     lines.append(f"optimizer steps {steps}, iteration {args.iteration} (run: 3)")
+
+    fixed = run.batch(10_000, 0, 0, 2, args.seq_length, args.vocab_size)
+    assert np.array_equal(fixed["tokens"].numpy(), ref["tokens"])
+    for m in model:
+        m.eval()
+    with torch.no_grad():
+        logits = model[0](fixed["tokens"], fixed["position_ids"], fixed["attention_mask"]).float().numpy()
+    for m in model:
+        m.train()
+    want = ref["logits"][..., :VOCAB]
+    lw = float(np.abs(logits[..., :VOCAB] - want).max() / np.abs(want).max())
+    ok &= lw <= TOL
+    lines.append(f"GPTModel's logits on the run's fixed tokens, the model's {VOCAB} vocabulary columns: max relative "
+                 f"difference {lw:.3g} (tolerance {TOL})")  # fmt: skip
 
     inner = [o.optimizer for o in run._optimizers(optimizer)]
     snapshot = ({n: p.detach().clone() for n, p in params.items()},
