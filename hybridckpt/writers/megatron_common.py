@@ -91,12 +91,58 @@ def scheduler_state(
     }  # fmt: skip
 
 
+def model_args(hf: Mapping[str, Any], attention: Mapping[str, bool]) -> tuple[dict, list[str]]:
+    """The args that describe the model, as Megatron-LM records them (its argument names), from
+    the HF `config.json` dict `hf` and the architecture's attention facts (`qkv_bias`,
+    `qk_layernorm`: formats/megatron/config.py ARCHITECTURES); with the notes on what Megatron
+    cannot express. Megatron's own load needs few of them; a reader of the checkpoint
+    (`--use-checkpoint-args`, Megatron-Bridge, ours) rebuilds the model from them."""
+    heads = int(hf["num_attention_heads"])
+    groups = int(hf.get("num_key_value_heads") or heads)
+    notes: list[str] = []
+    out = {
+        "num_layers": hf["num_hidden_layers"],
+        "hidden_size": hf["hidden_size"],
+        "ffn_hidden_size": hf["intermediate_size"],
+        "num_attention_heads": heads,
+        "group_query_attention": groups != heads,
+        "num_query_groups": groups,
+        "kv_channels": hf.get("head_dim") or hf["hidden_size"] // heads,
+        "vocab_size": hf["vocab_size"],
+        "max_position_embeddings": hf.get("max_position_embeddings"),
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": float(hf.get("rms_norm_eps", 1e-5)),  # (--norm-epsilon's dest)
+        "swiglu": True,
+        "position_embedding_type": "rope",
+        "rotary_base": hf.get("rope_theta", 10000),
+        "rotary_percent": 1.0,
+        "rotary_interleaved": False,
+        "untie_embeddings_and_output_weights": not hf.get("tie_word_embeddings", False),
+        "add_bias_linear": False,
+        "add_qkv_bias": bool(attention.get("qkv_bias", False)),
+        "qk_layernorm": bool(attention.get("qk_layernorm", False)),
+        "use_rope_scaling": False,
+    }
+    scaling = hf.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":
+        out["use_rope_scaling"] = True
+        out["rope_scaling_factor"] = float(scaling.get("factor", 8.0))
+        fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        if any(scaling.get(k, v) != v for k, v in fixed.items()):
+            notes.append(f"rope_scaling {dict(scaling)}: Megatron's Llama 3 scaling fixes {fixed}; the run computes "
+                         f"RoPE with those")  # fmt: skip
+    elif kind not in (None, "default"):
+        notes.append(f"rope_scaling {dict(scaling)}: not expressible in Megatron's args; written without")
+    return out, notes
+
+
 def args_namespace(
     sizes: Mapping[str, Any], *, tp: int, pp: int, optimizer: bool, consumed: int
 ) -> Obj:
-    """The `args` Namespace (module doc); `sizes`: num_layers, hidden_size, num_attention_heads,
-    num_query_groups, ffn_hidden_size, padded_vocab_size, make_vocab_size_divisible_by,
-    max_position_embeddings, global_batch_size, tokenizer_type (those known)."""
+    """The `args` Namespace (module doc); `sizes`: the model's args (`model_args`),
+    padded_vocab_size, make_vocab_size_divisible_by, global_batch_size, tokenizer_type (those
+    known)."""
     fields = {
         **{k: v for k, v in sizes.items() if v is not None},
         "add_position_embedding": True,  # (Megatron's default, rope or not)

@@ -108,6 +108,16 @@ def _tp_boxes(name: str, shape: tuple[int, ...], tp_rules, tp: int) -> list[tupl
     return out
 
 
+def check_layout(v: Mapping[str, Any], tp: int, pp: int) -> None:
+    """What Megatron asks of a tp x pp run of this model (TransformerConfig.__post_init__:
+    attention heads and query groups divisible by tp; equal pipeline stages)."""
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"export --to megatron: --tp and --pp must be >= 1, got tp={tp} pp={pp}")
+    for what, n in (("attention heads", v["num_heads"]), ("query groups", v["num_kv_heads"])):
+        if int(n) % tp:
+            raise ConfigError(f"export --to megatron: {n} {what} do not split {tp} ways (tp={tp})")
+
+
 def layout(per_layer: Mapping[str, LazyTensor], *, tp: int, pp: int, num_layers: int, swiglu: bool):
     """{stacked key: (boxes, files)}: the chunks of a tp x pp run (module doc)."""
     if num_layers % pp:
@@ -218,6 +228,7 @@ def write_export(
     multiple = trainer.get("make_vocab_size_divisible_by")
     multiple = multiple if isinstance(multiple, int) and multiple > 0 else VOCAB_MULTIPLE
     v = _variables(cfg, tp, multiple)
+    check_layout(v, tp, pp)
     num_layers = int(v["num_layers"])
     model_pl = megatron_names(params, cfg, v)
     chunks = layout(model_pl, tp=tp, pp=pp, num_layers=num_layers, swiglu=v["swiglu"])
@@ -234,13 +245,15 @@ def write_export(
     consumed = trainer.get("consumed_train_samples", n * gbs if isinstance(gbs, int) else 0)
     if "consumed_train_samples" not in trainer:
         notes.append(f"consumed_train_samples written as {consumed} (the source recorded none)")
+    hf = models.config_to_hf(cfg)
+    arch = next((a for a in ARCHITECTURES if a.hf_architecture == hf["architectures"][0]), None)
+    if arch is None:
+        raise ConfigError(f"export --to megatron: no Megatron architecture writes {hf['architectures'][0]}")
+    described, more = mc.model_args(hf, arch.attention)
+    notes += more
     sizes = {
-        "num_layers": num_layers, "hidden_size": v["hidden_size"], "num_attention_heads": v["num_heads"],
-        "num_query_groups": v["num_kv_heads"], "ffn_hidden_size": v.get("intermediate_size"),
-        "kv_channels": v.get("head_dim"), "padded_vocab_size": v["padded_vocab"],
-        "make_vocab_size_divisible_by": multiple, "global_batch_size": gbs,
-        "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
-        "tokenizer_type": trainer.get("tokenizer_type"),
+        **described, "padded_vocab_size": v["padded_vocab"], "make_vocab_size_divisible_by": multiple,
+        "global_batch_size": gbs, "tokenizer_type": trainer.get("tokenizer_type"),
     }  # fmt: skip
     args = mc.args_namespace(sizes, tp=tp, pp=pp, optimizer=bool(slots), consumed=consumed)
     groups = schedule = None
