@@ -28,7 +28,9 @@ checkpointing.py, core_v0.19.0) takes from it, and what is written here:
   `param_group_identifier_keys` (optimizer/optimizer.py), so `max_lr` / `min_lr` must be the
   run's `--lr` / `--min-lr`;
 - `opt_param_scheduler`: the source's (a Megatron source), else a constant schedule at the
-  source's lr; `OptimizerParamScheduler.load_state_dict` asserts it equals the run's unless the
+  source's peak lr (`initial_lr`, else its lr) with `min_lr` Megatron's default 0.0 (the
+  groups' `max_lr` / `min_lr` are the schedule's: a run resumes with `--lr` and `--min-lr`
+  equal to them, else `load_state_dict` fails with KeyError on the group's identifier tuple); `OptimizerParamScheduler.load_state_dict` asserts it equals the run's unless the
   run passes `--override-opt-param-scheduler` (its own schedule, our `num_steps`).
 """
 
@@ -42,6 +44,7 @@ from hybridckpt.containers.pickle.emit import Global, Obj
 CHECKPOINT_VERSION = 3.0
 SHARDING = "fully_reshardable"
 COMMON_KEY = "common_state/shard_0_1"  # ShardedObject("common_state", ..., (1,), (0,)).unique_key
+MEGATRON_MIN_LR = 0.0  # --min-lr's default (megatron/training/arguments.py)
 TORCH_ADAMW_FLAGS = {  # torch 2.13 AdamW's group keys besides the hyperparameters (Megatron's order)
     "amsgrad": False,
     "capturable": False,
@@ -55,7 +58,7 @@ TORCH_ADAMW_FLAGS = {  # torch 2.13 AdamW's group keys besides the hyperparamete
 
 def param_groups(hyper: Mapping[str, Any], step: int, schedule: Mapping[str, Any]) -> list[dict]:
     """Megatron's two default AdamW groups (decayed, then not) with the source's values."""
-    lr = float(hyper.get("lr", schedule.get("max_lr", 1e-3)))
+    lr = float(hyper.get("lr", schedule.get("max_lr", 1e-3)))  # the current one (informational)
     base = {
         **TORCH_ADAMW_FLAGS,
         "betas": tuple(float(b) for b in hyper.get("betas", (0.9, 0.999))),
@@ -82,11 +85,11 @@ def scheduler_state(
     """`OptimizerParamScheduler.state_dict()`: the source's, else constant at its lr (module doc)."""
     if source:
         return dict(source)
-    lr = float(hyper.get("lr", 1e-3))
+    lr = float(hyper.get("initial_lr", hyper.get("lr", 1e-3)))  # the peak: a run's --lr
     wd = float(hyper.get("weight_decay", 0.01))
     return {
         "max_lr": lr, "lr_warmup_steps": 0, "num_steps": int(consumed), "lr_decay_style": "constant",
-        "lr_decay_steps": max(int(consumed), 1), "min_lr": lr, "start_wd": wd, "end_wd": wd,
+        "lr_decay_steps": max(int(consumed), 1), "min_lr": MEGATRON_MIN_LR, "start_wd": wd, "end_wd": wd,
         "wd_incr_steps": max(int(consumed), 1), "wd_incr_style": "constant",
     }  # fmt: skip
 

@@ -261,8 +261,10 @@ def write_export(
         source_schedule = trainer.get("opt_param_scheduler")
         schedule = mc.scheduler_state(hyper, source_schedule, consumed)
         groups = mc.param_groups(hyper, n, schedule)
+        notes.append(f"Megatron pairs the optimizer's param groups by max_lr/min_lr: resume with --lr {schedule['max_lr']!r} "
+                     f"--min-lr {schedule['min_lr']!r}")  # fmt: skip
         if not source_schedule:
-            notes.append("no Megatron LR schedule in the source: a constant one at its lr is written; resume with "
+            notes.append("no Megatron LR schedule in the source: a constant one at its peak lr is written; resume with "
                          "--override-opt-param-scheduler (the run's own schedule)")  # fmt: skip
     flops = trainer.get("num_floating_point_operations_so_far", 0)
     common = mc.common_state(args=args, iteration=n, groups=groups, schedule=schedule,

@@ -169,3 +169,43 @@ def test_one_rank_layout_reads_back(orbax):
     assert set(a) == set(b)
     for k in a:
         assert np.array_equal(a[k].materialize(), b[k].materialize()), k
+
+
+def test_megatron_itself_loaded_ours_from_torchtitan():
+    """The recorded runs of generators/_megatron_core_check_foreign.py: Megatron-LM's
+    load_checkpoint loaded our export of torchtitan's own Qwen3 run (tied head, q/k norms;
+    exported for tp1 pp2 and tp2 pp1, the latter with 256 vocabulary rows where the loading
+    run has 128) at tp1 pp1: params, fp32 masters and moments bitwise torchtitan's, its step,
+    and GPTModel's logits equal to torchtitan's forward."""
+    seen = set()
+    for name in sorted(os.listdir(CHECKS)):
+        if not name.startswith("megatron_core_from_torchtitan_"):
+            continue
+        with open(os.path.join(CHECKS, name)) as f:
+            doc = json.load(f)
+        assert doc["ok"] and doc["case"] == "torchtitan_qwen3", name
+        assert doc["versions"]["megatron-core"] == "0.19.2" and doc["loaded_at"] == {"tp": 1, "pp": 1}
+        assert sum("24/24 bitwise" in x for x in doc["lines"]) == 4, name
+        assert any("iteration 3 (torchtitan: 3.0)" in x for x in doc["lines"]), name
+        seen.add(doc["exported_with"])
+    assert seen == {"--pp 2", "--tp 2"}
+
+
+def test_groups_carry_the_schedule_megatron_pairs_them_by(tmp_path):
+    """Megatron's DistributedOptimizer pairs saved and live param groups by (max_lr, min_lr,
+    wd_mult, ...): a non-Megatron source's groups carry its peak lr (torchtitan's initial_lr,
+    not the warmed-up lr of the save) and Megatron's default min_lr 0.0, and the note says
+    which --lr / --min-lr resume them."""
+    case = "torchtitan_qwen3"
+    from cases import case_dir
+
+    config = os.path.join(case_dir(case), "config.json")
+    jobs.import_checkpoint(ckpt(case), str(tmp_path / "orbax"), mesh=_mesh(), config=config)
+    s = jobs.export_checkpoint(str(tmp_path / "orbax"), str(tmp_path / "ours"), to="megatron", optimizer=True,
+                               layout={"pp": 2})  # fmt: skip
+    (common,) = load_item(read_metadata(str(tmp_path / "ours" / ITER)), "common_state/shard_0_1")
+    groups = common["optimizer"]["optimizer"]["param_groups"]
+    assert [(g["max_lr"], g["min_lr"], g["wd_mult"]) for g in groups] == [(0.01, 0.0, 1.0), (0.01, 0.0, 0.0)]
+    assert groups[0]["lr"] != 0.01  # the save's own (warm-up) lr, kept as the current one
+    assert "resume with --lr 0.01 --min-lr 0.0" in " ".join(s.notes)
+    assert common["args"].qk_layernorm is True and common["args"].untie_embeddings_and_output_weights is False
