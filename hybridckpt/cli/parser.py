@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "Distributed Checkpoint FSDP2 resumes on any number of ranks (get_state_dict + dcp.load + "
                    "set_state_dict); torchtitan: a CheckpointManager folder (step-N/) torchtitan 0.3 resumes; "
                    "megatron: a Megatron-Core torch_dist checkpoint (iter_N/) Megatron-LM loads at any tp/pp "
-                   "(docs/export-to-torch.md)")
+                   "(docs/torch-export.md)")
     s.add_argument("--writers", type=int, default=1, metavar="N",
                    help="--to dcp/torchtitan: how many __R_0.distcp files (as N ranks write them; default 1)")
     s.add_argument("--tp", type=int, default=1, metavar="N",

@@ -19,7 +19,7 @@ what its own save writes (pinned by tests/real/cases/torchtitan_*):
   `train_state.step` and `train_state.ntokens_seen` (the source's when it is a torchtitan run,
   else 0).
 No `dataloader` state is written (the data position belongs to the new job): resume with
-`checkpoint.exclude_from_loading = ["dataloader"]` (docs/export-to-torch.md).
+`checkpoint.exclude_from_loading = ["dataloader"]` (docs/torch-export.md).
 """
 
 from __future__ import annotations
