@@ -51,9 +51,15 @@ from hybridckpt.writers.dcp_files import DEFAULT_CHUNK_BYTES, Item, write_folder
 from hybridckpt.writers.destination import Destination
 
 VOCAB_MULTIPLE = 128  # Megatron's --make-vocab-size-divisible-by default
+MAX_VOCAB_MULTIPLE = 1 << 16  # a source's larger value is not taken (it would pad that many zero rows)
 EXPORT_FAMILIES = ("llama", "qwen2", "qwen3")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LINEAR = re.compile(r"^(decoder\.layers\.(?:.+\.)?linear_\w+)\.weight$")
+
+
+def _count(x: Any) -> bool:
+    """A positive int (not a bool), as a source's metadata must give a size or count."""
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
 
 
 def padded_vocab(vocab: int, tp: int, multiple: int = VOCAB_MULTIPLE) -> int:
@@ -226,7 +232,7 @@ def write_export(
                               f"is {optimizer_name}")  # fmt: skip
     trainer = dict(trainer or {})
     multiple = trainer.get("make_vocab_size_divisible_by")
-    multiple = multiple if isinstance(multiple, int) and multiple > 0 else VOCAB_MULTIPLE
+    multiple = multiple if _count(multiple) and multiple <= MAX_VOCAB_MULTIPLE else VOCAB_MULTIPLE
     v = _variables(cfg, tp, multiple)
     check_layout(v, tp, pp)
     num_layers = int(v["num_layers"])
@@ -241,10 +247,12 @@ def write_export(
     n = int(step or 0)
     notes = [f"megatron-core names by rules/{family_rules(cfg, '').hf_rules} inverted, layers stacked; "
              f"chunks of a tp={tp} pp={pp} run; vocabulary padded to {v['padded_vocab']}"]  # fmt: skip
-    gbs = trainer.get("global_batch_size")
-    consumed = trainer.get("consumed_train_samples", n * gbs if isinstance(gbs, int) else 0)
-    if "consumed_train_samples" not in trainer:
-        notes.append(f"consumed_train_samples written as {consumed} (the source recorded none)")
+    gbs = trainer.get("global_batch_size")  # (the source's metadata: numbers checked, else left out)
+    gbs = gbs if _count(gbs) else None
+    consumed = trainer.get("consumed_train_samples")
+    consumed = consumed if _count(consumed) or consumed == 0 else n * (gbs or 0)
+    if consumed != trainer.get("consumed_train_samples"):
+        notes.append(f"consumed_train_samples written as {consumed} (the source recorded none usable)")
     hf = models.config_to_hf(cfg)
     arch = next((a for a in ARCHITECTURES if a.hf_architecture == hf["architectures"][0]), None)
     if arch is None:
@@ -253,7 +261,7 @@ def write_export(
     notes += more
     sizes = {
         **described, "padded_vocab_size": v["padded_vocab"], "make_vocab_size_divisible_by": multiple,
-        "global_batch_size": gbs, "tokenizer_type": trainer.get("tokenizer_type"),
+        "global_batch_size": gbs, "tokenizer_type": tok if isinstance(tok := trainer.get("tokenizer_type"), str) else None,
     }  # fmt: skip
     args = mc.args_namespace(sizes, tp=tp, pp=pp, optimizer=bool(slots), consumed=consumed)
     groups = schedule = None

@@ -209,3 +209,30 @@ def test_groups_carry_the_schedule_megatron_pairs_them_by(tmp_path):
     assert groups[0]["lr"] != 0.01  # the save's own (warm-up) lr, kept as the current one
     assert "resume with --lr 0.01 --min-lr 0.0" in " ".join(s.notes)
     assert common["args"].qk_layernorm is True and common["args"].untie_embeddings_and_output_weights is False
+
+
+def test_the_sources_metadata_is_checked_not_trusted(orbax):
+    """Trainer metadata comes from the source's files: a vocabulary multiple that would pad a
+    billion zero rows, a batch size that is a bool, a sample count that is a string, a
+    tokenizer type that is a number are not taken (Megatron's defaults, said in the notes).
+    Through the registry entry (`write_request`) with the export job's request."""
+    from hybridckpt import naming
+    from hybridckpt.jobs.open import open_checkpoint
+    from hybridckpt.writers import megatron_dist
+    from hybridckpt.writers.torch_request import TorchRequest
+
+    opened = open_checkpoint(str(orbax / "orbax"), "auto")
+    named = naming.model_hf(opened.named, opened.config)
+    bad = {"make_vocab_size_divisible_by": 10**9, "global_batch_size": True,
+           "consumed_train_samples": "12; rm -rf /", "tokenizer_type": 5}  # fmt: skip
+    out = str(orbax / "untrusted")
+    done = megatron_dist.write_request(TorchRequest(out, named, opened.config, optimizer=True, trainer=bad,
+                                                    hyper=opened.hyper, extra={"tp": 2}))  # fmt: skip
+    assert done.files[-1] == "latest_checkpointed_iteration.txt" and done.tensors == 3 * len(named.params)  # params and two moments
+    meta = read_metadata(os.path.join(out, ITER))
+    assert meta.tensors["embedding.word_embeddings.weight"].shape == (256, 16)  # 128 x tp 2
+    (common,) = load_item(meta, "common_state/shard_0_1")
+    args = vars(common["args"])
+    assert args["make_vocab_size_divisible_by"] == 128 and args["consumed_train_samples"] == 0
+    assert "global_batch_size" not in args and "tokenizer_type" not in args
+    assert any("consumed_train_samples written as 0" in n for n in done.notes)
