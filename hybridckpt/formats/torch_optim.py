@@ -19,7 +19,7 @@ from hybridckpt.errors import FormatError, HybridCkptError
 from hybridckpt.lazy import LazyTensor
 
 STEP = "step"  # torch's step counter in `state[i]` (optax's `count`)
-HYPER_FLOATS = ("lr", "eps", "weight_decay", "momentum", "dampening")
+HYPER_FLOATS = ("lr", "eps", "weight_decay", "momentum", "dampening", "initial_lr")  # (initial_lr: an LR scheduler's)
 HYPER_BOOLS = ("decoupled_weight_decay", "amsgrad", "nesterov", "maximize")
 
 
@@ -81,7 +81,7 @@ def slot_shape(slot_names: Sequence[str], slot: str, param_shape: Sequence[int])
 def hyper(groups: Sequence[Mapping], names: Sequence[Sequence[str]]) -> dict:
     """The param groups' hyperparameters: group 0's `lr`, `betas`, `eps`, `weight_decay` (and
     SGD's `momentum`, `dampening`; the flags `decoupled_weight_decay`, `amsgrad`, `nesterov`,
-    `maximize` where the group has them), plus `groups` (each group's values and its param names
+    `maximize` where the group has them; `initial_lr` where an LR scheduler added it), plus `groups` (each group's values and its param names
     `names[g]`) when the groups differ."""
 
     def norm(g):

@@ -25,15 +25,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from hybridckpt.errors import CheckpointError
 
 Progress = Callable[[str, int], None]  # (tensor name, bytes) after each tensor
-
-
 @dataclass(frozen=True)
 class ExportSummary:
     source_format: str
@@ -77,6 +75,7 @@ def export_checkpoint(
     to: str = "hf",
     direct_io: bool = True,
     verify_reads: bool = True,
+    layout: Mapping[str, int] | None = None,
 ) -> ExportSummary:
     """Any supported checkpoint (Orbax included) -> one safetensors folder at `out`.
 
@@ -84,7 +83,11 @@ def export_checkpoint(
     config: a config path or model config for sources that carry none (omit it to consolidate
       under the source's own names). step: which step of a hybridckpt (Orbax) source.
     to: "hf", or a Paddle unified layout ("paddlenlp-unified", "paddleformers-unified":
-      `writers/paddle_unified.py`).
+      `writers/paddle_unified.py`), or a torch trainer's ("dcp", "torchtitan", "megatron":
+      `writers.torch_dcp`, `writers.torchtitan`, `writers.megatron_dist`).
+    layout: for the torch trainers' layouts, how the files are split: `writers` (DCP files),
+      `tp`, `pp` (Megatron's parallel sizes the chunks follow); `max_shard_bytes` is then the
+      largest chunk (a larger tensor is saved as row blocks).
     direct_io: the HF safetensors files written with O_DIRECT through two aligned buffers (default;
       False: through the page cache, runs copied file to file by the kernel): `io.sequential_file`.
     verify_reads: a hybridckpt (Orbax) source's chunks checked against their import's CRC-32s.
@@ -108,7 +111,7 @@ def export_checkpoint(
         to, os.fspath(out), named, opened.config, optimizer=optimizer, dtype=np_dtype(dtype) if dtype else None,
         max_shard_bytes=max_shard_bytes, overwrite=overwrite, progress=progress, direct_io=direct_io,
         sources=(opened.path,), source_format=opened.format, trainer=dict(opened.trainer), files=dict(opened.files),
-        hyper=exported_hyper(opened, set(named.params)) if optimizer and opened.hyper else {},
+        hyper=exported_hyper(opened, set(named.params)) if opened.hyper else {}, extra=dict(layout or {}),
     ))
     return ExportSummary(opened.format, os.path.abspath(out), done.files, done.tensors, done.nbytes,
-                         time.perf_counter() - t0, optimizer, opened.notes)
+                         time.perf_counter() - t0, optimizer, tuple(opened.notes) + done.notes)

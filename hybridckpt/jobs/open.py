@@ -49,6 +49,8 @@ class Opened:
     notes:    remarks from the format and the rules
     files:    the config, generation config and tokenizer files that travel with the weights
               (`io.model_files`): an import stores them, an HF export writes them
+    hyper:    the optimizer's hyperparameters as the source recorded them (lr, betas, eps,
+              weight_decay; `OptimizerState.hyper`), kept by an import as `optimizer_hyper`
     """
 
     format: str

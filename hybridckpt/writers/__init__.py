@@ -22,6 +22,9 @@ WRITERS: tuple[tuple[str, str], ...] = (
     ("hf", "hybridckpt.writers.hf_folder:write_export"),
     ("paddlenlp-unified", "hybridckpt.writers.paddle_unified:write_export"),
     ("paddleformers-unified", "hybridckpt.writers.paddle_unified:write_export"),
+    ("dcp", "hybridckpt.writers.torch_dcp:write_request"),
+    ("torchtitan", "hybridckpt.writers.torchtitan:write_request"),
+    ("megatron", "hybridckpt.writers.megatron_dist:write_request"),
 )
 NAMES: tuple[str, ...] = tuple(name for name, _ in WRITERS)
 
@@ -37,7 +40,8 @@ class ExportRequest:
     groups under the exported names ({} when unknown or not exported); sources: paths the output
     must not be, hold or lie in; files: the config, generation config and tokenizer files that
     travel with the source (name -> `io.model_files.ModelFile`);
-    extra: writer-specific options (e.g. a target's parallel degrees)."""
+    extra: writer-specific options (`--to dcp|torchtitan`: `files`, the writer files; `--to megatron`:
+    `tp`, `pp`)."""
 
     layout: str
     out: str
@@ -59,11 +63,13 @@ class ExportRequest:
 
 @dataclass(frozen=True)
 class Written:
-    """What a writer wrote: file names (in the folder), tensors and their bytes."""
+    """What a writer wrote: file names (in the folder), tensors and their bytes, remarks for the
+    user (e.g. the flags a trainer resumes with)."""
 
     files: tuple[str, ...]
     tensors: int
     nbytes: int
+    notes: tuple[str, ...] = ()
 
 
 def write(request: ExportRequest) -> Written:

@@ -82,7 +82,7 @@ def find_structure(tensor_keys, planner_data: Mapping[str, tuple]) -> Structure:
     return Structure("", None)
 
 
-_HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "params", "momentum", "dampening", "decoupled_weight_decay",
+_HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "params", "initial_lr", "momentum", "dampening", "decoupled_weight_decay",
                "amsgrad", "nesterov", "maximize")
 
 

@@ -155,6 +155,22 @@ def _is_torchtitan(names: list[str]) -> bool:
     )
 
 
+def export_families() -> list[str]:
+    """Our families torchtitan 0.3 trains dense (their torchtitan dialect says `EXPORTED`)."""
+    return sorted(f for f, d in models.dialects(DIALECT).items() if d.get("EXPORTED", False))
+
+
+def export_dialect(family: str) -> Dialect | None:
+    """The dialect torchtitan 0.3 saves a dense model of our `family` in (fused q/k/v moments,
+    `qkv_linear.` names, head `lm_head`; the writer inverts its rules), or None when
+    torchtitan has no such model here."""
+    if family not in export_families():
+        return None
+    rule_vars = {"qkv": "qkv_linear.", "head": "lm_head", "freqs_cis": False, "dense_ffn": True,
+                 "shared_experts": False, "expert_bias_to_hf": False, "expert_bias_dropped": False}  # fmt: skip
+    return Dialect(family, rule_vars)
+
+
 def dialect(names) -> Dialect | None:
     """The torchtitan dialect of model tensor `names` (after the model prefix), or None when
     they are not torchtitan's. The family is the one whose `MARKERS` (substrings some name
@@ -209,6 +225,17 @@ def split_fused_qkv(
     if not any(FUSED in n for n in tensors):
         return dict(tensors)
     rules = load_rules(_FUSED_RULES, {"num_heads": num_heads, "num_kv_heads": num_kv_heads})
+    res = rules.apply(tensors, strict=False)
+    return {**{n: tensors[n] for n in res.unconsumed}, **res.tensors}
+
+
+def fuse_qkv(
+    tensors: Mapping[str, LazyTensor], num_heads: int, num_kv_heads: int
+) -> dict[str, LazyTensor]:
+    """The inverse of `split_fused_qkv` (the same rules, inverted): every `qkv_linear.wq/wk/wv`
+    triple fused into `qkv_linear.wqkv`, rows per kv group `[heads/kv_heads q | k | v]` (what
+    torchtitan's optimizer keys the moments by); the others as they are."""
+    rules = load_rules(_FUSED_RULES, {"num_heads": num_heads, "num_kv_heads": num_kv_heads}).invert()
     res = rules.apply(tensors, strict=False)
     return {**{n: tensors[n] for n in res.unconsumed}, **res.tensors}
 

@@ -310,6 +310,8 @@ def trainer_metadata(st: Mapping, args, iteration, version) -> dict:
         "seed",
         "seq_length",
         "global_batch_size",
+        "make_vocab_size_divisible_by",  # (an export to Megatron pads the vocabulary alike)
+        "tokenizer_type",  # (and records it: a run with --vocab-file compares it on load)
     ):
         v = _plain(arg(args, k))
         if v is not None and v is not _SKIP:

@@ -3,3 +3,6 @@ family's marks; its names map by `torchtitan.rules`, wq/wk rows permuted from Me
 
 MARKERS: tuple[str, ...] = ()  # substrings some tensor name holds: none beyond torchtitan's own
 NOTE = "wq/wk RoPE rows permuted"
+
+# torchtitan 0.3 trains this family dense: `export --to torchtitan` writes it (writers/torchtitan.py)
+EXPORTED = True

@@ -4,3 +4,6 @@
 
 MARKERS = (".attention.k_norm.",)  # substrings some tensor name holds
 NOTE = "no RoPE permutation"
+
+# torchtitan 0.3 trains this family dense: `export --to torchtitan` writes it (writers/torchtitan.py)
+EXPORTED = True

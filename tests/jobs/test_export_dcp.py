@@ -1,0 +1,181 @@
+"""`export --to dcp --optimizer`, resumed by the real torch FSDP2 on 1, 2 and 4 gloo ranks.
+
+The source is a real FSDP2 training run (tests/fixtures/dcp_writer.py: 4 ranks, 3 AdamW steps,
+with the gradients and params of its 4th step gathered by torch). It is imported onto a mesh of
+the devices present, exported to DCP (several writer files, row-block chunks), and resumed by
+tests/fixtures/dcp_resume.py: `get_state_dict` + `dcp.load` + `set_state_dict` into a model
+and an AdamW built with other values, on another number of ranks. Then: every parameter and
+every moment bitwise the run's (the moments are checked one by one: torch would leave one the
+checkpoint lacks at its template's value), the step the run's, the param group the run's, and
+the loader's own AdamW step with the run's 4th gradients equal to the run's 4th step (relative
+1e-5; the same step from step 1 is off by far more: the check can fail).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from fixtures import FIXTURES
+from fixtures.ckpt_checks import run_writer
+from fixtures.torch_common import load_reference, reference_names
+
+from hybridckpt import jobs
+from hybridckpt.cli import main
+from hybridckpt.containers.dcp_metadata import read_metadata
+from hybridckpt.errors import CheckpointError
+
+RESUME = os.path.join(FIXTURES, "dcp_resume.py")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The real FSDP2 run and its references (dcp_writer.py)."""
+    out = tmp_path_factory.mktemp("fsdp2")
+    run_writer(os.path.join(FIXTURES, "dcp_writer.py"), out)
+    return out
+
+
+def _mesh() -> str:
+    n = jax.device_count()
+    return f"fsdp={n // 2},tp=2" if n >= 4 else f"fsdp={n}"
+
+
+@pytest.fixture(scope="module")
+def exported(run, tmp_path_factory):
+    """The run imported onto a mesh, then exported to DCP in 3 files, chunks of at most 16 KiB."""
+    d = tmp_path_factory.mktemp("dcp_export")
+    orbax, out = str(d / "orbax"), str(d / "dcp")
+    jobs.import_checkpoint(str(run / "fsdp2"), orbax, mesh=_mesh())
+    assert main(["export", orbax, out, "--to", "dcp", "--optimizer", "--writers", "3", "--max-shard-gb",
+                 str(16 / 1024**2), "--quiet"]) == 0  # fmt: skip
+    return out
+
+
+def resume(ckpt: str, world: int, run, out, config: str | None = None):
+    """What `dcp_resume.py` (the real FSDP2 on `world` ranks) loaded and stepped."""
+    res = subprocess.run(
+        [sys.executable, RESUME, ckpt, str(out), str(world), str(run / "fsdp2_ref.npz"),
+         str(run / "fsdp2_ref.json"), *([config] if config else [])],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-6000:]
+    return np.load(out)
+
+
+def assert_resumed(got, run) -> None:
+    ref, info = load_reference(run, "fsdp2")
+    names = reference_names(ref, "param")
+    assert reference_names(got, "param") == names
+    for kind in ("param", "exp_avg", "exp_avg_sq"):
+        assert reference_names(got, kind) == names, kind  # every moment arrived
+        for n in names:
+            assert np.array_equal(got[f"{kind}/{n}"], ref[f"{kind}/{n}"]), (kind, n)
+    assert {float(got[f"step/{n}"]) for n in names} == {info["step"]} == {3.0}
+    hyper = info["hyper"]
+    for k in ("lr", "eps", "weight_decay"):
+        assert float(got[f"group/{k}"]) == hyper[k], k
+    assert tuple(got["group/betas"]) == tuple(hyper["betas"])
+    worst = worst_control = 0.0
+    for n in names:
+        want = ref[f"next/{n}"]
+        scale = np.abs(want).max()
+        worst = max(worst, np.abs(got[f"next/{n}"] - want).max() / scale)
+        worst_control = max(worst_control, np.abs(got[f"next_step1/{n}"] - want).max() / scale)
+    assert worst <= 1e-5, worst
+    assert worst_control > 1e-2, worst_control  # from step 1 instead: far off
+
+
+def test_the_files_are_torchs_layout(exported):
+    names = sorted(os.listdir(exported))
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+    md = read_metadata(exported)
+    embed = md.tensors["model.model.embed_tokens.weight"]
+    assert embed.shape == (250, 64) and len(embed.chunks) == 4  # 16 KiB blocks of 64 rows
+    assert md.tensors["optim.state.model.embed_tokens.weight.step"].shape == ()
+    assert md.planner_data["optim.param_groups.0.lr"] == ("optim", "param_groups", 0, "lr")
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_fsdp2_resumes_the_export(exported, run, tmp_path, world):
+    assert_resumed(resume(exported, world, run, tmp_path / "res.npz"), run)
+
+
+def test_fsdp2_resumes_a_direct_export(run, tmp_path):
+    """DCP (4 ranks) -> DCP without an import between: the same, resumed on 2 ranks."""
+    out = str(tmp_path / "dcp")
+    s = jobs.export_checkpoint(str(run / "fsdp2"), out, to="dcp", optimizer=True)
+    assert s.with_optimizer and s.files == ("__0_0.distcp", ".metadata")
+    assert_resumed(resume(out, 2, run, tmp_path / "res.npz"), run)
+
+
+def test_refused_without_optimizer_state(run, tmp_path):
+    out = tmp_path / "w"
+    jobs.export_checkpoint(str(run / "fsdp2"), str(out), to="dcp")  # weights only: fine
+    md = read_metadata(str(out))
+    assert not any(k.startswith("optim.") for k in md.tensors)
+    with pytest.raises(CheckpointError, match="no optimizer state"):
+        jobs.export_checkpoint(str(run / "fsdp2_hf"), str(tmp_path / "x"), to="dcp", optimizer=True)
+    assert not os.path.exists(tmp_path / "x")
+
+
+def test_unknown_hyperparameters_are_torchs_defaults_and_said(tmp_path):
+    """A source that recorded no param group gets torch's AdamW defaults, and the summary says so."""
+    from hybridckpt.writers.torch_dcp import adamw_group
+
+    group, notes = adamw_group({})
+    assert (
+        group["lr"] == 1e-3 and group["betas"] == (0.9, 0.999) and group["decoupled_weight_decay"]
+    )
+    assert notes and "defaults" in notes[0]
+    group, notes = adamw_group({"lr": 0.01, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1})
+    assert (group["lr"], group["betas"], group["initial_lr"]) == (
+        0.01,
+        (0.9, 0.95),
+        0.01,
+    ) and not notes
+
+
+def test_cli_refuses_layout_flags_of_other_targets(run, tmp_path, capsys):
+    assert main(["export", str(run / "fsdp2"), str(tmp_path / "a"), "--tp", "2", "--quiet"]) == 2
+    assert "--to megatron" in capsys.readouterr().err
+    assert (
+        main(["export", str(run / "fsdp2"), str(tmp_path / "b"), "--writers", "0", "--to", "dcp"])
+        == 2
+    )
+    assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")
+
+
+def test_fsdp2_resumes_a_tied_model(tmp_path):
+    """A tied model (the head is the embedding): its state dict lists `lm_head.weight` too, so the
+    export writes it (a template key the checkpoint lacked would fail `dcp.load`); the optimizer
+    state is the embedding's alone. A 2-rank run, exported directly, resumed on 1 rank."""
+    from transformers import LlamaConfig
+
+    cfg_dir = tmp_path / "cfg"
+    cfg = LlamaConfig(vocab_size=250, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=64, tie_word_embeddings=True)  # fmt: skip
+    cfg.save_pretrained(cfg_dir)
+    src = tmp_path / "run"
+    subprocess.run([sys.executable, os.path.join(FIXTURES, "dcp_writer.py"), str(src), str(cfg_dir)],
+                   check=True, capture_output=True, timeout=600)  # fmt: skip
+    out = str(tmp_path / "dcp")
+    s = jobs.export_checkpoint(str(src / "fsdp2"), out, to="dcp", optimizer=True)
+    assert any("tied head" in n for n in s.notes)
+    md = read_metadata(out)
+    head, embed = md.tensors["model.lm_head.weight"], md.tensors["model.model.embed_tokens.weight"]
+    assert head.shape == embed.shape == (250, 64)
+    assert not any("lm_head" in k for k in md.tensors if k.startswith("optim."))
+    got = resume(out, 1, src, tmp_path / "res.npz", config=str(src / "fsdp2" / "config.json"))
+    ref, _ = load_reference(src, "fsdp2")
+    names = reference_names(got, "param")
+    assert "lm_head.weight" not in names and len(names) == 20  # (named_parameters: the tie once)
+    for kind in ("param", "exp_avg", "exp_avg_sq"):
+        for n in names:
+            assert np.array_equal(got[f"{kind}/{n}"], ref[f"{kind}/{n}"]), (kind, n)
+    assert max(np.abs(got[f"next/{n}"] - ref[f"next/{n}"]).max() for n in names) == 0.0
