@@ -44,7 +44,7 @@ def test_a_non_editable_install_leaves_a_users_models_folder_alone(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert tops == {"hybridckpt"}, tops
-    for needed in ("hybridckpt/models/llama/hf.rules", "hybridckpt/models/family.py",
+    for needed in ("hybridckpt/models/llama/params.py", "hybridckpt/models/llama/dialects/megatron.rules", "hybridckpt/models/family.py",
                    "hybridckpt/samples/tiny-llama/config.json", "hybridckpt/__main__.py"):
         assert needed in names, needed
 

@@ -18,7 +18,7 @@ from typing import Any
 from hybridckpt.errors import CheckpointError
 
 SCALARS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "decoupled_weight_decay",
-           "amsgrad", "nesterov", "maximize")
+           "amsgrad", "nesterov", "maximize", "initial_lr")  # (initial_lr: an LR scheduler's peak, kept for exports)
 
 
 def _decays(groups: list[Mapping], where: str) -> tuple[float, list[bool]]:
