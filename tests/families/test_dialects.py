@@ -226,6 +226,7 @@ TOY_INIT = '''
 from dataclasses import dataclass
 
 from hybridckpt.models.family import Family
+from hybridckpt.models.llama.params import TABLE as LLAMA_TABLE
 
 ARCHITECTURE = "NopeForCausalLM"
 
@@ -268,57 +269,13 @@ def rule_variables(cfg):
                 num_layers=cfg.num_layers, intermediate_size=cfg.intermediate_size, tied=False)
 
 
-LAYER = {"attn_norm": ("scale", None, None), "mlp_norm": ("scale", None, None),
-         "q": ("kernel", "embed", "heads"), "k": ("kernel", "embed", "kv_heads"),
-         "v": ("kernel", "embed", "kv_heads"), "o": ("kernel", "heads", "embed"),
-         "gate": ("kernel", "embed", "mlp"), "up": ("kernel", "embed", "mlp"),
-         "down": ("kernel", "mlp", "embed")}
-
-
-def _dims(cfg):
-    return {None: None, "embed": cfg.hidden_size, "mlp": cfg.intermediate_size,
-            "heads": cfg.num_heads * cfg.head_dim, "kv_heads": cfg.num_kv_heads * cfg.head_dim}
-
-
-def shape_tree(cfg):
-    d, L = _dims(cfg), cfg.num_layers
-    layers = {m: {p: (L, d[a]) if a is None else (L, d[a], d[b])}
-              for m, (p, a, b) in LAYER.items()}
-    for m in ("attn_norm", "mlp_norm"):
-        layers[m] = {"scale": (L, cfg.hidden_size)}
-    return {"embed": {"embedding": (cfg.vocab_size, cfg.hidden_size)}, "layers": layers,
-            "final_norm": {"scale": (cfg.hidden_size,)},
-            "lm_head": {"kernel": (cfg.hidden_size, cfg.vocab_size)}}
-
-
-def axes_tree(cfg):
-    layers = {m: {p: ("layers", None) if a is None else ("layers", a, b)}
-              for m, (p, a, b) in LAYER.items()}
-    return {"embed": {"embedding": ("vocab", "embed")}, "layers": layers,
-            "final_norm": {"scale": (None,)}, "lm_head": {"kernel": ("embed", "vocab")}}
-
-
 FAMILY = Family(
     name="nope", config_cls=NopeConfig, hf_architectures=(ARCHITECTURE,),
     hf_model_types=("nope",), config_from_hf=from_hf, config_to_hf=to_hf,
-    shape_tree=shape_tree, axes_tree=axes_tree, rule_variables=rule_variables,
-    module="hybridckpt.models.nope.module:Nope", hf_rules=f"{__name__}:hf.rules",
+    table=LLAMA_TABLE, rule_variables=rule_variables,  # Llama's params, declared once there
+    module="hybridckpt.models.nope.module:Nope",
 )
 '''
-TOY_HF_RULES = """
-model.embed_tokens.weight                        -> embed.embedding
-model.layers.$L.input_layernorm.weight           -> layers.attn_norm.scale[$L]
-model.layers.$L.self_attn.q_proj.weight          -> layers.q.kernel[$L]        : transpose
-model.layers.$L.self_attn.k_proj.weight          -> layers.k.kernel[$L]        : transpose
-model.layers.$L.self_attn.v_proj.weight          -> layers.v.kernel[$L]        : transpose
-model.layers.$L.self_attn.o_proj.weight          -> layers.o.kernel[$L]        : transpose
-model.layers.$L.post_attention_layernorm.weight  -> layers.mlp_norm.scale[$L]
-model.layers.$L.mlp.gate_proj.weight             -> layers.gate.kernel[$L]     : transpose
-model.layers.$L.mlp.up_proj.weight               -> layers.up.kernel[$L]       : transpose
-model.layers.$L.mlp.down_proj.weight             -> layers.down.kernel[$L]     : transpose
-model.norm.weight                                -> final_norm.scale
-lm_head.weight                                   -> lm_head.kernel             : transpose
-"""
 TOY_MEGATRON = '''
 """Megatron-LM's NoPE: Llama's layout with `--position-embedding-type none`."""
 
@@ -344,10 +301,9 @@ output_layer.weight -> lm_head.weight : trim(0, {vocab_size}, {padded_vocab})
 
 
 def _write_toy(folder) -> None:
-    """The toy family's one folder: `__init__.py`, `hf.rules`, `dialects/megatron.{py,rules}`."""
+    """The toy family's one folder: `__init__.py` (its params: Llama's table), `dialects/megatron.{py,rules}`."""
     (folder / "dialects").mkdir(parents=True)
     (folder / "__init__.py").write_text(TOY_INIT)
-    (folder / "hf.rules").write_text(TOY_HF_RULES)
     (folder / "dialects" / "__init__.py").write_text('"""The NoPE family\'s dialects."""\n')
     (folder / "dialects" / "megatron.py").write_text(TOY_MEGATRON)
     (folder / "dialects" / "megatron.rules").write_text(TOY_MEGATRON_RULES)
