@@ -15,7 +15,7 @@ Rules from huggingface/transformers:src/transformers/models/gpt_oss/modeling_gpt
   (as Gemma 2's, `models.gemma2.module`); every layer has the same params.
 - MoE (`GptOssMLP`): router logits `h @ W.T + b`, the top-k logits (`jax.lax.top_k`, as
   torch.topk) softmaxed among themselves; each expert `gate_up = h @ W_gu + b_gu`, gate and up
-  its even and odd columns (`[..., 0]` / `[..., 1]` of the param's pair axis),
+  its even and odd columns,
   `glu = min(gate, limit) * sigmoid(alpha * min(gate, limit))`,
   `out = ((clip(up, -limit, limit) + 1) * glu) @ W_down + b_down`, weighted by the token's
   routing weight and summed. Dense dispatch (every expert on every token, zero weight off the
@@ -81,9 +81,10 @@ def route(h: jax.Array, p: dict, top_k: int) -> jax.Array:
 
 def clamped_swiglu(gate_up: jax.Array, alpha: float, limit: float) -> jax.Array:
     """`(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`, g = min(gate, limit);
-    gate_up `[..., M, 2]` (gate, up) -> `[..., M]` (`GptOssExperts._apply_gate`)."""
-    gate = jnp.minimum(gate_up[..., 0], limit)
-    up = jnp.clip(gate_up[..., 1], -limit, limit)
+    gate_up `[..., 2M]` (gate the even columns, up the odd) -> `[..., M]`
+    (`GptOssExperts._apply_gate`)."""
+    gate = jnp.minimum(gate_up[..., 0::2], limit)
+    up = jnp.clip(gate_up[..., 1::2], -limit, limit)
     return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
 
 
@@ -92,7 +93,7 @@ def experts(h: jax.Array, weights: jax.Array, p: dict, alpha: float, limit: floa
     -> `[tokens, E]` in h's dtype."""
     dt = h.dtype
     gate_up, down = p["gate_up"], p["down"]
-    gu = jnp.einsum("te,xemp->txmp", h, gate_up["kernel"].astype(dt)) + gate_up["bias"].astype(dt)
+    gu = jnp.einsum("te,xem->txm", h, gate_up["kernel"].astype(dt)) + gate_up["bias"].astype(dt)
     y = jnp.einsum("txm,xme->txe", clamped_swiglu(gu, alpha, limit), down["kernel"].astype(dt))
     y = y + down["bias"].astype(dt)
     return jnp.einsum("txe,tx->te", y, weights.astype(dt))

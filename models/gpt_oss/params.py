@@ -9,16 +9,18 @@ Per layer, under `layers` (stacked `[L]`): Llama's norms and q/k/v/o kernels, th
 Per MoE layer (every layer), under `moe` (stacked `[Lm]`, outside the layer scan, `models.moe`):
   router.kernel          [E, X]          <- mlp.router.weight [X, E] (transposed)
   router.bias            [X]             <- mlp.router.bias
-  experts.gate_up.kernel [X, E, MX, 2]   <- mlp.experts.gate_up_proj [X, E, 2 * MX]
-                                            (unflatten: column 2j is gate j, 2j + 1 up j)
-  experts.gate_up.bias   [X, MX, 2]      <- mlp.experts.gate_up_proj_bias [X, 2 * MX]
+  experts.gate_up.kernel [X, E, 2 * MX]  <- mlp.experts.gate_up_proj (already `[in, out]`;
+                                            column 2j is gate j, 2j + 1 up j)
+  experts.gate_up.bias   [X, 2 * MX]     <- mlp.experts.gate_up_proj_bias
   experts.down.kernel    [X, MX, E]      <- mlp.experts.down_proj (already `[in, out]`)
   experts.down.bias      [X, E]          <- mlp.experts.down_proj_bias
-The pair axis of gate_up stays whole (replicated) while `mlp` splits over tp, so a shard holds
-gate j and up j together with row j of down, as OpenAI's interleaving intends.
+Taken as they are (no layout op: an MXFP4 release's experts are read box by box through one
+transpose of the packed bytes, `lazy.quantized`). Interleaved, the `mlp` axis split over tp
+in equal chunks gives each shard gate j and up j together with row j of down (MX divisible by
+tp), as OpenAI's interleaving intends; the module splits even and odd columns.
 
 Dimensions: Llama's (`models.llama.params`) plus H heads, X experts, MX an expert's width
-(intermediate_size), Lm the MoE layers (all).
+(intermediate_size), MX2 = 2 * MX, Lm the MoE layers (all).
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ EXPERTS = f"{MLP}.experts"
 
 
 def dims(cfg: Any) -> dict[str, int]:
-    """Llama's dimensions plus H, X, MX and Lm."""
+    """Llama's dimensions plus H, X, MX, MX2 (= 2 * MX: gate and up) and Lm."""
     return llama.dims(cfg) | {
         "H": cfg.num_heads,
         "X": cfg.num_experts,
         "MX": cfg.intermediate_size,
+        "MX2": 2 * cfg.intermediate_size,
         "Lm": len(cfg.moe_layers),
     }
 
@@ -56,10 +59,8 @@ ROUTER = (
     Param("router.bias", ("X",), (None,), f"{MLP}.router.bias"),
 )
 EXPERT_ROWS = (
-    Param("experts.gate_up.kernel", ("X", "E", "MX", 2), ("experts", "embed", "mlp", None),
-          f"{EXPERTS}.gate_up_proj", "unflatten(2, -1, 2)"),
-    Param("experts.gate_up.bias", ("X", "MX", 2), ("experts", "mlp", None),
-          f"{EXPERTS}.gate_up_proj_bias", "unflatten(1, -1, 2)", init="zeros"),
+    Param("experts.gate_up.kernel", ("X", "E", "MX2"), ("experts", "embed", "mlp"), f"{EXPERTS}.gate_up_proj"),
+    Param("experts.gate_up.bias", ("X", "MX2"), ("experts", "mlp"), f"{EXPERTS}.gate_up_proj_bias", init="zeros"),
     Param("experts.down.kernel", ("X", "MX", "E"), ("experts", "mlp", "embed"), f"{EXPERTS}.down_proj"),
     Param("experts.down.bias", ("X", "E"), ("experts", None), f"{EXPERTS}.down_proj_bias", init="zeros"),
 )  # fmt: skip

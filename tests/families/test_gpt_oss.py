@@ -137,7 +137,11 @@ def _without(params: dict, group: str, path: tuple[str, ...], fn) -> dict:
 def _changes(name: str, cfg: GptOssConfig, params: dict) -> dict:
     """Each GPT-OSS part turned off: (config, params) per part."""
     zero = np.zeros_like
-    halves = lambda k: np.stack(np.split(k.reshape(*k.shape[:-2], -1), 2, axis=-1), axis=-1)  # noqa: E731
+    m = cfg.intermediate_size
+
+    def halves(k):  # the columns as `[gate | up]` halves, read as (gate, up) pairs
+        return np.stack([k[..., :m], k[..., m:]], axis=-1).reshape(k.shape)
+
     out = {
         "sinks": (cfg, _without(params, "layers", ("sinks",), lambda s: np.full_like(s, -1e30))),
         "sliding layers": (dataclasses.replace(cfg, layer_types=("full_attention",) * cfg.num_layers), params),
@@ -226,8 +230,9 @@ def test_import_restore_export_with_adamw_is_bitwise_and_loads_in_transformers(h
 def test_tree_and_axes_of_the_experts():
     cfg = models.config_from_hf(transformers.GptOssConfig(**SIZES).to_dict())
     shapes, axes = models.param_shape_tree(cfg), models.logical_axes(cfg)
-    assert shapes["moe"]["experts"]["gate_up"]["kernel"] == (4, 4, 32, 24, 2)
-    assert axes["moe"]["experts"]["gate_up"]["kernel"] == ("layers", "experts", "embed", "mlp", None)
+    assert shapes["moe"]["experts"]["gate_up"]["kernel"] == (4, 4, 32, 48)
+    assert axes["moe"]["experts"]["gate_up"]["kernel"] == ("layers", "experts", "embed", "mlp")
+    assert shapes["moe"]["experts"]["gate_up"]["bias"] == (4, 4, 48)
     assert shapes["moe"]["experts"]["down"]["kernel"] == (4, 4, 24, 32)
     assert shapes["layers"]["sinks"] == (4, 4) and axes["layers"]["sinks"] == ("layers", "heads")
     assert shapes["moe"]["router"]["bias"] == (4, 4)

@@ -168,7 +168,7 @@ GPT_OSS_LOGITS_ATOL = 1e-4
 
 
 def test_gpt_oss_release_imports_as_the_family_with_the_tools_logits(tmp_path):
-    """The release imports onto the gpt_oss family's tree (experts fused `[L, X, E, M, 2]`, split
+    """The release imports onto the gpt_oss family's tree (experts fused `[L, X, E, 2M]`, split
     over the mesh by meaning), and its logits, from the files and from the store, are the tool's."""
     import jax
 
@@ -183,7 +183,7 @@ def test_gpt_oss_release_imports_as_the_family_with_the_tools_logits(tmp_path):
     assert cfg.family == "gpt_oss" and cfg.num_experts_per_tok == 4  # not the converter's experts_per_token 2
     _, r = restore(store, b, optimizer=False)
     assert jax.tree.map(lambda x: tuple(x.shape), r.params) == models.param_shape_tree(cfg)
-    assert r.params["moe"]["experts"]["gate_up"]["kernel"].shape == (2, 4, 64, 32, 2)
+    assert r.params["moe"]["experts"]["gate_up"]["kernel"].shape == (2, 4, 64, 64)
     for src in (ckpt("gpt_oss_mxfp4"), store):
         got = jobs.logits(src, ref["tokens"], mesh=b)
         np.testing.assert_allclose(got, ref["logits"], rtol=0, atol=GPT_OSS_LOGITS_ATOL)
