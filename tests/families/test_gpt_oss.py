@@ -275,3 +275,23 @@ def test_bad_configs_are_one_line_errors(change, message):
          "num_hidden_layers": 3, "num_attention_heads": 4, **change}  # fmt: skip
     with pytest.raises(ConfigError, match=message):
         models.config_from_hf(d, source="x/config.json")
+
+
+def test_a_tp_shard_keeps_each_gate_up_pair_with_its_down_row(hf_dirs, tmp_path):
+    """On a mesh with tp, each device's columns of the interleaved gate_up are exactly the
+    (gate j, up j) pairs of the down rows j it holds: the expert MLP needs no exchange."""
+    from hybridckpt.store.restore import restore
+
+    mesh = next((m for m in meshes() if "tp=" in m), None) or "dp=1"
+    jobs.import_checkpoint(hf_dirs["gpt_oss"][0], str(tmp_path / "store"), mesh=mesh)
+    _, r = restore(str(tmp_path / "store"), mesh, optimizer=False)
+    experts = r.params["moe"]["experts"]
+    gate_up = experts["gate_up"]["kernel"].sharding.devices_indices_map((4, 4, 32, 48))
+    down = experts["down"]["kernel"].sharding.devices_indices_map((4, 4, 24, 32))
+    tp = dict(s.split("=") for s in mesh.split(",")).get("tp", "1")
+    widths = set()
+    for dev, idx in gate_up.items():
+        cols, rows = idx[3], down[dev][2]
+        widths.add((cols.stop or 48) - (cols.start or 0))
+        assert ((cols.start or 0), (cols.stop or 48)) == (2 * (rows.start or 0), 2 * (rows.stop or 24)), dev
+    assert widths == {48 // int(tp)}
