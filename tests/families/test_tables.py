@@ -24,6 +24,7 @@ from hybridckpt.models.family import _discover
 from hybridckpt.models.gemma2.config import Gemma2Config
 from hybridckpt.models.gemma3.config import Gemma3Config
 from hybridckpt.models.gpt2.config import GPT2Config
+from hybridckpt.models.gpt_oss.config import GptOssConfig
 from hybridckpt.models.llama.config import LlamaConfig
 from hybridckpt.models.mistral.config import MistralConfig
 from hybridckpt.models.mixtral.config import MixtralConfig
@@ -70,6 +71,10 @@ VARIANTS = {
     "deepseek_v3_all_moe_tied_mtp": DeepseekV3Config(**_DS, tie_word_embeddings=True, num_nextn_predict_layers=1),
     "deepseek_v3_lora_no_bias": DeepseekV3Config(**_DS, q_lora_rank=24, first_k_dense_replace=1),
     "deepseek_v3_all_dense": DeepseekV3Config(**_DS, first_k_dense_replace=3),
+    "gpt_oss": GptOssConfig(**_LLAMA, head_dim=12, num_experts=4, num_experts_per_tok=2, sliding_window=3),
+    "gpt_oss_no_bias_tied_full": GptOssConfig(**{**_LLAMA, "num_layers": 3}, num_experts=2, num_experts_per_tok=1,
+                                              attention_bias=False, tie_word_embeddings=True,
+                                              layer_types=("full_attention",) * 3),
 }  # fmt: skip
 
 
