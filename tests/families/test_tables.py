@@ -27,6 +27,7 @@ from hybridckpt.models.gpt2.config import GPT2Config
 from hybridckpt.models.llama.config import LlamaConfig
 from hybridckpt.models.mistral.config import MistralConfig
 from hybridckpt.models.mixtral.config import MixtralConfig
+from hybridckpt.models.olmo2.config import Olmo2Config
 from hybridckpt.models.qwen2.config import Qwen2Config
 from hybridckpt.models.qwen3.config import Qwen3Config
 from hybridckpt.models.qwen3_moe.config import Qwen3MoeConfig
@@ -70,6 +71,8 @@ VARIANTS = {
     "deepseek_v3_all_moe_tied_mtp": DeepseekV3Config(**_DS, tie_word_embeddings=True, num_nextn_predict_layers=1),
     "deepseek_v3_lora_no_bias": DeepseekV3Config(**_DS, q_lora_rank=24, first_k_dense_replace=1),
     "deepseek_v3_all_dense": DeepseekV3Config(**_DS, first_k_dense_replace=3),
+    "olmo2": Olmo2Config(**_LLAMA),
+    "olmo2_tied_head_dim": Olmo2Config(**_LLAMA, tie_word_embeddings=True, head_dim=12),
 }  # fmt: skip
 
 
