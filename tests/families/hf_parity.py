@@ -80,7 +80,8 @@ def assert_logits(folder: str, want: np.ndarray, mesh: str | None = None) -> Non
 
 def assert_far(got: np.ndarray, want: np.ndarray) -> None:
     """`got` differs from `want` far beyond the tolerance (a part that matters was turned off)."""
-    assert np.abs(got - want).max() > 100 * ATOL
+    diff = np.abs(got - want).max()
+    assert diff > 100 * ATOL, diff
 
 
 def roundtrip_bitwise(folder: str, tmp_path) -> str:

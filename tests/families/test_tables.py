@@ -24,6 +24,7 @@ from hybridckpt.models.family import _discover
 from hybridckpt.models.gemma2.config import Gemma2Config
 from hybridckpt.models.gemma3.config import Gemma3Config
 from hybridckpt.models.gpt2.config import GPT2Config
+from hybridckpt.models.granite.config import GraniteConfig
 from hybridckpt.models.llama.config import LlamaConfig
 from hybridckpt.models.mistral.config import MistralConfig
 from hybridckpt.models.mixtral.config import MixtralConfig
@@ -73,6 +74,8 @@ VARIANTS = {
     "deepseek_v3_all_dense": DeepseekV3Config(**_DS, first_k_dense_replace=3),
     "olmo2": Olmo2Config(**_LLAMA),
     "olmo2_tied_head_dim": Olmo2Config(**_LLAMA, tie_word_embeddings=True, head_dim=12),
+    "granite": GraniteConfig(**_LLAMA, embedding_multiplier=12.0, logits_scaling=8.0),
+    "granite_tied": GraniteConfig(**_LLAMA, tie_word_embeddings=True),
 }  # fmt: skip
 
 
