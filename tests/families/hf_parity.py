@@ -98,7 +98,8 @@ def roundtrip_bitwise(folder: str, tmp_path) -> str:
     return str(tmp_path / "exported")
 
 
-def load_fp32(folder) -> torch.nn.Module:
-    """transformers' own model of `folder`, computing in fp32 with eager attention."""
-    kw = {"dtype": torch.float32, "attn_implementation": "eager"}
+def load_fp32(folder, **overrides) -> torch.nn.Module:
+    """transformers' own model of `folder`, computing in fp32 with eager attention; `overrides`
+    replace config keys (what the export's config.json leaves to transformers' defaults)."""
+    kw = {"dtype": torch.float32, "attn_implementation": "eager", **overrides}
     return transformers.AutoModelForCausalLM.from_pretrained(folder, **kw).eval()

@@ -29,6 +29,7 @@ from hybridckpt.models.llama.config import LlamaConfig
 from hybridckpt.models.mistral.config import MistralConfig
 from hybridckpt.models.mixtral.config import MixtralConfig
 from hybridckpt.models.olmo2.config import Olmo2Config
+from hybridckpt.models.phi3.config import Phi3Config
 from hybridckpt.models.qwen2.config import Qwen2Config
 from hybridckpt.models.qwen3.config import Qwen3Config
 from hybridckpt.models.qwen3_moe.config import Qwen3MoeConfig
@@ -76,6 +77,10 @@ VARIANTS = {
     "olmo2_tied_head_dim": Olmo2Config(**_LLAMA, tie_word_embeddings=True, head_dim=12),
     "granite": GraniteConfig(**_LLAMA, embedding_multiplier=12.0, logits_scaling=8.0),
     "granite_tied": GraniteConfig(**_LLAMA, tie_word_embeddings=True),
+    "phi3": Phi3Config(**_LLAMA),
+    "phi3_tied_partial_longrope_window": Phi3Config(**_LLAMA, tie_word_embeddings=True, partial_rotary_factor=0.5,
+                                                    longrope={"short_factor": [1, 2], "long_factor": [3, 4]},
+                                                    sliding_window=3),
 }  # fmt: skip
 
 
