@@ -7,7 +7,9 @@ text family's reader) and the SigLIP vision tower's under `vision_config`, besid
 projector's and tokens' keys (`mm_tokens_per_image`, `boi_token_index`, ...).
 
 What is kept:
-- the text model: every Gemma3Config field (the forward is Gemma 3's);
+- the text model: every Gemma3Config field (the forward is Gemma 3's); sizes absent from
+  `text_config` are Gemma3TextConfig's defaults, as transformers reads them (the released 4B
+  config gives no vocab_size, heads or head_dim);
 - the vision tower's sizes, for its params' shapes (`vision_config`: hidden_size,
   intermediate_size, num_hidden_layers, num_channels, image_size, patch_size, vision_use_head,
   with transformers' SiglipVisionConfig defaults 768, 3072, 12, 3, 224, 16, true where absent;
@@ -43,6 +45,11 @@ MODEL_TYPE = "gemma3"
 # transformers' SiglipVisionConfig defaults (a vision_config dict is read by it)
 VISION_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
                    "num_channels": 3, "image_size": 224, "patch_size": 16, "vision_use_head": True}  # fmt: skip
+# transformers' Gemma3TextConfig defaults of the sizes (Gemma 3 4B-27B's config.json gives a sparse
+# text_config: the 4B one has no vocab_size, heads or head_dim, which transformers fills so)
+TEXT_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+                 "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+                 "head_dim": 256}  # fmt: skip
 # the spellings each part's prefix has in the files the tools write (first: transformers'
 # save_pretrained default)
 TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
@@ -135,10 +142,8 @@ def from_hf(d: Mapping[str, Any], source: str) -> Gemma3MMConfig:
     if not isinstance(tc, Mapping):
         raise ConfigError(f"{source}: {ARCHITECTURE} needs a text_config object, found {tc!r:.60}")
     # transformers' Gemma3Config ties the head through its own tie_word_embeddings (default true)
-    tc = {
-        **tc,
-        "tie_word_embeddings": d.get("tie_word_embeddings", tc.get("tie_word_embeddings", True)),
-    }
+    tc = {**TEXT_DEFAULTS, **tc}
+    tc["tie_word_embeddings"] = d.get("tie_word_embeddings", tc.get("tie_word_embeddings", True))
     cfg = text.from_hf(tc, f"{source}: text_config")
     rest = {k: v for k, v in d.items() if k not in ("text_config", "architectures", "model_type")}
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}

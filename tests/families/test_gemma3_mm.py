@@ -166,6 +166,25 @@ def test_config_read_and_written(hf_dirs):
         )
 
 
+def test_a_sparse_text_config_is_read_with_transformers_defaults():
+    """google/gemma-3-4b-it's config.json gives only some text sizes; transformers fills the rest
+    from Gemma3TextConfig's defaults, and so do we."""
+    sparse = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+              "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+              "sliding_window": 1024}  # fmt: skip
+    vision = {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304, "model_type": "siglip_vision_model",
+              "num_attention_heads": 16, "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}  # fmt: skip
+    d = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "mm_tokens_per_image": 256,
+         "text_config": sparse, "vision_config": vision}  # fmt: skip
+    cfg = models.config_from_hf(d)
+    theirs = transformers.Gemma3Config(
+        **{k: v for k, v in d.items() if k != "architectures"}
+    ).text_config
+    assert (cfg.vocab_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
+        theirs.vocab_size, theirs.num_attention_heads, theirs.num_key_value_heads, theirs.head_dim)  # fmt: skip
+    assert dict(cfg.rope_scaling)["factor"] == 8.0 and cfg.vision_positions == 64 * 64
+
+
 def test_the_prefixes_matter(hf_dirs):
     """Read with the other spelling's prefixes, the checkpoint's names map to nothing: one
     MappingError naming them (so `fit_to_hf_names` really chose the prefixes)."""
