@@ -115,6 +115,10 @@ class Gemma2(nn.Module):
     def attention_softcap(self) -> float | None:
         return self.cfg.attn_logit_softcapping
 
+    def final_softcap(self) -> float | None:
+        """The final logit soft-cap (None: none); the Gemma 3 wrapper applies none."""
+        return self.cfg.final_logit_softcapping
+
     def embedding_scale(self) -> float:
         """What the embeddings are multiplied by: sqrt(hidden_size)."""
         return self.cfg.hidden_size**0.5
@@ -137,7 +141,7 @@ class Gemma2(nn.Module):
         x, _ = layers(x, cos, sin, sliding)
         x = GemmaRMSNorm(cfg.rms_norm_eps, name="final_norm")(x)
         logits = output_logits(x, embed, cfg.tie_word_embeddings, dt)
-        cap = cfg.final_logit_softcapping
+        cap = self.final_softcap()
         if cap is not None:
             logits = jnp.tanh(logits / cap) * cap
         return logits.astype(jnp.float32)

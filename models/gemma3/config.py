@@ -15,7 +15,8 @@ this reuses):
 - `attn_logit_softcapping` is kept for the round trip but never applied: transformers'
   `Gemma3Attention` does not pass it to the attention (so Gemma 3 has no attention soft-cap).
 
-Only the text model: `Gemma3ForConditionalGeneration` (vision + `text_config`) is not read.
+Only the text model: `Gemma3ForConditionalGeneration` (vision + `text_config`) is the
+`gemma3_mm` family (`models.gemma3_mm`), whose text model is this one.
 """
 
 from __future__ import annotations

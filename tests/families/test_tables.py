@@ -23,11 +23,15 @@ from hybridckpt.models.errors import ConfigError
 from hybridckpt.models.family import _discover
 from hybridckpt.models.gemma2.config import Gemma2Config
 from hybridckpt.models.gemma3.config import Gemma3Config
+from hybridckpt.models.gemma3_mm.config import Gemma3MMConfig
 from hybridckpt.models.gpt2.config import GPT2Config
 from hybridckpt.models.gpt_oss.config import GptOssConfig
+from hybridckpt.models.granite.config import GraniteConfig
 from hybridckpt.models.llama.config import LlamaConfig
 from hybridckpt.models.mistral.config import MistralConfig
 from hybridckpt.models.mixtral.config import MixtralConfig
+from hybridckpt.models.olmo2.config import Olmo2Config
+from hybridckpt.models.phi3.config import Phi3Config
 from hybridckpt.models.qwen2.config import Qwen2Config
 from hybridckpt.models.qwen3.config import Qwen3Config
 from hybridckpt.models.qwen3_moe.config import Qwen3MoeConfig
@@ -75,6 +79,20 @@ VARIANTS = {
     "gpt_oss_no_bias_tied_full": GptOssConfig(**{**_LLAMA, "num_layers": 3}, num_experts=2, num_experts_per_tok=1,
                                               attention_bias=False, tie_word_embeddings=True,
                                               layer_types=("full_attention",) * 3),
+    "olmo2": Olmo2Config(**_LLAMA),
+    "olmo2_tied_head_dim": Olmo2Config(**_LLAMA, tie_word_embeddings=True, head_dim=12),
+    "granite": GraniteConfig(**_LLAMA, embedding_multiplier=12.0, logits_scaling=8.0),
+    "granite_tied": GraniteConfig(**_LLAMA, tie_word_embeddings=True),
+    "gemma3_mm": Gemma3MMConfig(**_GEMMA, vision_hidden_size=16, vision_intermediate_size=24, vision_num_layers=2,
+                                vision_image_size=8, vision_patch_size=4),
+    "gemma3_mm_untied_pool_head_module_names": Gemma3MMConfig(
+        **_GEMMA, tie_word_embeddings=False, vision_hidden_size=16, vision_intermediate_size=24, vision_num_layers=1,
+        vision_image_size=8, vision_patch_size=2, vision_use_head=True, text_prefix="model.language_model.",
+        vision_prefix="model.vision_tower.", projector_prefix="model.multi_modal_projector.", head_name="lm_head.weight"),
+    "phi3": Phi3Config(**_LLAMA),
+    "phi3_tied_partial_longrope_window": Phi3Config(**_LLAMA, tie_word_embeddings=True, partial_rotary_factor=0.5,
+                                                    longrope={"short_factor": [1, 2], "long_factor": [3, 4]},
+                                                    sliding_window=3),
 }  # fmt: skip
 
 

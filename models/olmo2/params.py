@@ -1,0 +1,50 @@
+"""The OLMo 2 family's params (`models.table`), HF Olmo2ForCausalLM names: Llama's rows
+(`models.llama.params`) without the pre-norms, plus
+- `layers.q_norm.scale [L, Q]` (axes layers, heads) and `layers.k_norm.scale [L, KV]` (layers,
+  kv_heads): the q/k RMSNorm weights over the whole projection;
+- `layers.post_attn_norm.scale [L, E]` (HF `post_attention_layernorm`) and
+  `layers.post_mlp_norm.scale [L, E]` (HF `post_feedforward_layernorm`): the post-norms.
+Norms init 1.
+"""
+
+from __future__ import annotations
+
+from hybridckpt.models.llama.params import (
+    ATTENTION,
+    ATTN,
+    EMBED,
+    FINAL_NORM,
+    INV_FREQ,
+    LAYER,
+    LM_HEAD,
+    MLP,
+    TIED_HEAD,
+    dims,
+)
+from hybridckpt.models.table import Param, ParamTable, stack
+
+Q_NORM = Param("q_norm.scale", ("Q",), ("heads",), f"{ATTN}.q_norm.weight", init="ones")
+K_NORM = Param("k_norm.scale", ("KV",), ("kv_heads",), f"{ATTN}.k_norm.weight", init="ones")
+POST_ATTN_NORM = Param(
+    "post_attn_norm.scale", ("E",), (None,), f"{LAYER}.post_attention_layernorm.weight", init="ones"
+)
+POST_MLP_NORM = Param(
+    "post_mlp_norm.scale",
+    ("E",),
+    (None,),
+    f"{LAYER}.post_feedforward_layernorm.weight",
+    init="ones",
+)
+
+TABLE = ParamTable(
+    __name__,
+    dims,
+    (
+        EMBED,
+        *stack("layers", (*ATTENTION, Q_NORM, K_NORM, POST_ATTN_NORM, *MLP, POST_MLP_NORM)),
+        FINAL_NORM,
+        LM_HEAD,
+        TIED_HEAD,
+        INV_FREQ,
+    ),
+)
