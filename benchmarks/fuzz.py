@@ -65,13 +65,13 @@ def _atheris_child(name: str, cases: int, report: str) -> None:
     import atheris
 
     with atheris.instrument_imports(include=["hybridckpt"]):
+        import hybridckpt.containers.dcp_metadata  # noqa: F401
+        import hybridckpt.containers.pickle.paddle_save  # noqa: F401
+        import hybridckpt.containers.pickle.torch_save  # noqa: F401
+        import hybridckpt.containers.safetensors_file  # noqa: F401
         import hybridckpt.formats.colossal  # noqa: F401
         import hybridckpt.formats.hf  # noqa: F401
         import hybridckpt.formats.paddle  # noqa: F401
-        import hybridckpt.io.dcp_metadata  # noqa: F401
-        import hybridckpt.io.pickle.paddle_save  # noqa: F401
-        import hybridckpt.io.pickle.torch_save  # noqa: F401
-        import hybridckpt.io.safetensors_file  # noqa: F401
     from attacks import fuzzers
 
     work = tempfile.mkdtemp(prefix="atheris-")

@@ -141,8 +141,7 @@ def child_save(src: str, dst: str, mesh: str) -> dict:
     _devices()
     import jax
 
-    import models
-    from hybridckpt import jobs, naming, place
+    from hybridckpt import jobs, models, naming, place
     from hybridckpt.mesh import mesh_from_shape, tree_shardings
     from hybridckpt.store import save_checkpoint
 

@@ -10,10 +10,10 @@ Each is imported (`jobs.import_checkpoint`, what `hybridckpt import` runs, param
 `dp=4,fsdp=2` on 8 CPU devices: experts split over dp (4 x 8), their embed axis over fsdp, so
 every expert is cut in two boxes written by two devices. Measured in the import's own process:
 
-- **read ratio**: every `ByteSource.read_into` / `copy_to` / `mapped` call (the one door
+- **read ratio**: every `ByteSource.read_into` / `copy_to` / `read_span` call (the one door
   through which hybridckpt reads checkpoint bytes, `hybridckpt/io/byte_source.py`) is recorded
-  with its file, offset and length (each run a `mapped` read copies out of the map; the pages
-  between its runs are never touched); the bytes of those reads that fall inside the expert tensors' data ranges
+  with its file, offset and length (a span read records its runs: its gaps are under a page
+  each, inside the pages its runs touch anyway, and counted apart as gap bytes); the bytes of those reads that fall inside the expert tensors' data ranges
   (`moe_sources.expert_ranges`) over the expert tensors' bytes. 1.00 with every expert byte
   covered = each expert byte read exactly once. (Counting per file, as `count_reads` does, could
   not tell one expert read twice from another never read.)
@@ -123,7 +123,7 @@ def measure(src: str, dst: str, mesh: str = MESH) -> dict:
     # path -> flat (offset, length) pairs, 16 bytes a read; `array.extend` of a tuple holds the
     # GIL throughout, so the reader threads' records never interleave
     reads: dict[str, array] = {}
-    inner_read, inner_copy, inner_mapped = ByteSource.read_into, ByteSource.copy_to, ByteSource.mapped
+    inner_read, inner_copy, inner_span = ByteSource.read_into, ByteSource.copy_to, ByteSource.read_span
 
     def read_into(self, offset, buffer):
         reads.setdefault(self.path, array("q")).extend((offset, len(buffer)))
@@ -133,12 +133,12 @@ def measure(src: str, dst: str, mesh: str = MESH) -> dict:
         reads.setdefault(self.path, array("q")).extend((offset, nbytes))
         return inner_copy(self, offset, nbytes, out_fd, out_offset)
 
-    def mapped(self, offset, nbytes, run_starts, run_bytes):
-        """The runs a mapped read copies out (the pages between them are never touched)."""
+    def read_span(self, offset, nbytes, run_starts, run_bytes):
+        """The runs of a span read (its gaps, under a page each, lie in the pages of its runs)."""
         pairs = np.empty((len(run_starts), 2), np.int64)
         pairs[:, 0], pairs[:, 1] = np.asarray(run_starts, np.int64) + offset, run_bytes
         reads.setdefault(self.path, array("q")).frombytes(pairs.tobytes())
-        return inner_mapped(self, offset, nbytes, run_starts, run_bytes)
+        return inner_span(self, offset, nbytes, run_starts, run_bytes)
 
     ranges = expert_ranges(src)
     path, config_file = src, None
@@ -146,7 +146,7 @@ def measure(src: str, dst: str, mesh: str = MESH) -> dict:
         path, config_file = os.path.join(src, "checkpoint"), os.path.join(src, "config.json")
     opts = stream.StreamOptions()
     rss_before = _status("VmRSS")
-    ByteSource.read_into, ByteSource.copy_to, ByteSource.mapped = read_into, copy_to, mapped
+    ByteSource.read_into, ByteSource.copy_to, ByteSource.read_span = read_into, copy_to, read_span
     try:
         t0 = time.perf_counter()
         s = jobs.import_checkpoint(
@@ -160,7 +160,7 @@ def measure(src: str, dst: str, mesh: str = MESH) -> dict:
         )
         dt = time.perf_counter() - t0
     finally:
-        ByteSource.read_into, ByteSource.copy_to, ByteSource.mapped = inner_read, inner_copy, inner_mapped
+        ByteSource.read_into, ByteSource.copy_to, ByteSource.read_span = inner_read, inner_copy, inner_span
     files = source_files(src)
     return {
         "seconds": dt,

@@ -23,7 +23,9 @@ import writes with O_DIRECT, past the page cache):
   what is left of the import's wall time is TensorStore's encode + write + fsync and Orbax's
   metadata, measured by the two codecs' difference and the write floor;
 - export of each imported checkpoint to one HF safetensors folder (transposing the kernels
-  back to `[out, in]`): wall seconds, peak RSS, and a read-only pass over the same tensors;
+  back to `[out, in]`): wall seconds, peak RSS, and a read-only pass over the same tensors; the
+  raw one also with its reads unchecked (`verify_reads=False`), next to the checked one: the
+  median of their ratios is what checking every chunk's CRC-32 costs (`crc_cost`);
 - a hand-written peer: `safetensors.numpy.load_file` + `jax.device_put` on the same mesh +
   Orbax's `StandardCheckpointer().save` (the hf source only: what a user scripts without us).
 
@@ -217,7 +219,7 @@ def child_read_only(src: str) -> dict:
     """Every tile an import onto MESH would write, read and cast (and checksummed), then dropped."""
     _devices()
     from hybridckpt import jobs, lazy, naming, plan
-    from hybridckpt.io import parallel
+    from hybridckpt.lazy import parallel
     from hybridckpt.mesh import mesh_from_shape
     from hybridckpt.naming import flatten
     from hybridckpt.store import stream
@@ -241,11 +243,11 @@ def child_read_only(src: str) -> dict:
     return {"seconds": time.perf_counter() - t0, "peak_rss": peak_rss()}
 
 
-def child_export(src: str, out: str) -> dict:
+def child_export(src: str, out: str, verify: str = "1") -> dict:
     from hybridckpt import jobs
 
     t0 = time.perf_counter()
-    jobs.export_checkpoint(src, out, overwrite=True)
+    jobs.export_checkpoint(src, out, overwrite=True, verify_reads=verify == "1")
     return {"seconds": time.perf_counter() - t0, "peak_rss": peak_rss()}
 
 
@@ -316,7 +318,7 @@ def run(kind: str, gib: float, base: str, *, repeat: int = 2, peer: bool = True)
     dst = {c: os.path.join(base, f"{kind}_orbax_{c}") for c in ("none", "zstd")}
     out = os.path.join(base, f"{kind}_hf_out")
     runs: dict[str, list] = {k: [] for k in ("read", "write", "import_none", "import_zstd", "read_only",
-                                           "export_none", "export_zstd", "export_read", "peer")}
+                                           "export_none", "export_zstd", "export_read", "export_unchecked", "peer")}
     try:
         subprocess.run(["sync"], check=True)
         cat_seconds(files)  # warm
@@ -333,6 +335,9 @@ def run(kind: str, gib: float, base: str, *, repeat: int = 2, peer: bool = True)
                 subprocess.run(["sync"], check=True)
                 cat_seconds(files_of(dst[c]))  # warm, as every source here (a raw import bypassed the page cache)
                 runs[f"export_{c}"].append(_child("export", dst[c], out))
+            shutil.rmtree(out, ignore_errors=True)  # the same export with its reads unchecked (no CRC)
+            subprocess.run(["sync"], check=True)
+            runs["export_unchecked"].append(_child("export", dst["none"], out, "0"))
             runs["export_read"].append(_child("export_read", dst["none"]))
             if peer and kind == "hf":
                 peer_dst = os.path.join(base, "peer")
@@ -341,6 +346,10 @@ def run(kind: str, gib: float, base: str, *, repeat: int = 2, peer: bool = True)
                 runs["peer"].append(_child("peer", src, peer_dst))
                 shutil.rmtree(peer_dst, ignore_errors=True)
         r |= {k: _best(v) for k, v in runs.items() if v}
+        # what checking every chunk's CRC-32 costs an export: the median over repeats of the
+        # checked export's time over the unchecked one's, run next to each other
+        pairs = sorted(a["seconds"] / b["seconds"] for a, b in zip(runs["export_none"], runs["export_unchecked"], strict=True))
+        r["crc_cost"] = pairs[len(pairs) // 2] - 1
         r["orbax_bytes"] = {c: disk_bytes(os.path.join(dst[c])) for c in dst}
         r["array_bytes"] = r["import_none"]["bytes"]
         r["export_bytes"] = disk_bytes(out)

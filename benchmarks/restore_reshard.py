@@ -135,7 +135,7 @@ def main() -> None:
 def restore_imported(ckpt: str, mesh_text: str) -> float:
     """Seconds to restore the params of an imported checkpoint (`hybridckpt import`) onto
     `mesh_text` of the 8 devices, every shard on its device (used by benchmarks/run_all.py)."""
-    import models
+    from hybridckpt import models
     from hybridckpt.store import load_params_metadata, read_trainer_state
 
     cfg = models.config_from_dict(read_trainer_state(ckpt)["model_config"])

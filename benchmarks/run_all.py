@@ -284,6 +284,10 @@ def _orbax(a, base, rows) -> None:
             f"{ex['seconds']:.1f} s (raw chunks: copied or pread)", f"{exz['seconds']:.1f} s from the zstd import",
             f"{ratio:.2f}x the write floor", "<= 2x", ratio <= 2, floors.cell(ex["seconds"], w),
             floors.cell(ex["seconds"], rd))
+        un = r["export_unchecked"]["seconds"]
+        row(rows, name + ": Orbax -> HF safetensors", "CRC-32 check of every chunk read",
+            f"{ex['seconds']:.2f} s checked", f"{un:.2f} s unchecked (--no-verify-reads)",
+            f"{r['crc_cost']:+.1%} (median of paired runs)", "< 5%", r["crc_cost"] < 0.05)
         mib = ex["peak_rss"] / 2**20
         row(rows, name + ": Orbax -> HF safetensors", "peak RSS", f"{mib:.0f} MiB",
             f"{exz['peak_rss'] / 2**20:.0f} MiB from the zstd import (JAX and Orbax loaded)",

@@ -9,10 +9,9 @@ import shutil
 
 import numpy as np
 
-import models
-from hybridckpt import naming
-from hybridckpt.io.hf_folder import write_hf
+from hybridckpt import models, naming
 from hybridckpt.lazy import ArrayTensor
+from hybridckpt.writers.hf_folder import write_hf
 
 OUT = os.path.join(os.path.dirname(__file__), "..", "hybridckpt", "samples", "tiny-llama")
 

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 import optax
 
-import models
+from hybridckpt import models
 from hybridckpt.mesh import batch_sharding, mesh_from_shape, tree_shardings
 from hybridckpt.plan import abstract_tree, optax_state_shardings
 from hybridckpt.store import CheckpointStore

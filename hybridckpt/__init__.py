@@ -11,7 +11,9 @@ The public API (each has a docstring; the README shows each in use):
     make_mesh(dp=, fsdp=, tp=, pp=)         a ("dp", "fsdp", "tp", "pp") mesh
     CheckpointStore(directory)              Orbax CheckpointManager for training loops
 
-JAX is imported on first use of a name that needs it, so torch-side conversions never load it.
+Every name is imported on first use (JAX only by the names that need it, so torch-side
+conversions never load it): `import hybridckpt` itself costs a few milliseconds, which is also what
+lets the command line install its Ctrl-C handler before anything else runs.
 """
 
 from __future__ import annotations
@@ -19,11 +21,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from hybridckpt.errors import HybridCkptError
-
 __version__ = "0.1.0"
 
 _WHERE = {
+    "HybridCkptError": "hybridckpt.errors",
     "open_checkpoint": "hybridckpt.jobs.open",
     "import_checkpoint": "hybridckpt.jobs.import_",
     "export_checkpoint": "hybridckpt.jobs.export",
@@ -37,7 +38,7 @@ _WHERE = {
     "MeshShape": "hybridckpt.mesh",
 }
 
-__all__ = ["HybridCkptError", "__version__", *sorted(_WHERE)]
+__all__ = ["__version__", *sorted(_WHERE)]
 
 
 def __getattr__(name: str) -> Any:

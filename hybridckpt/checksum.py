@@ -162,28 +162,84 @@ def grid_boxes(shape: tuple[int, ...], chunk: tuple[int, ...]) -> Iterator[Box]:
     return lazy.grid_boxes(lazy.full_box(shape), chunk)
 
 
-def chunk_part(shape: tuple[int, ...], chunk: tuple[int, ...], box: Box, data: np.ndarray) -> int:
-    """The part one grid box `box` (clipped) adds to the CHUNKS checksum: `data` its elements."""
+def grid_index(shape: tuple[int, ...], chunk: tuple[int, ...], box: Box) -> int:
+    """The C-order position on the grid of `chunk`-shaped boxes of the grid box starting at `box`."""
     grid = _grid(shape, chunk)
     index = 0
     for (a, _), c, g in zip(box, chunk, grid, strict=True):
         if a % c:
             raise ValueError(f"box {box} does not start on the grid of {chunk}")
         index = index * g + a // c
+    return index
+
+
+def crc32_of(data: np.ndarray) -> int:
+    """zlib's CRC-32 of an array's elements in C order (little-endian raw bits)."""
     raw = np.ascontiguousarray(data)
     if raw.dtype.itemsize not in (1, 2, 4, 8):
         raise ValueError(f"no checksum for dtype {raw.dtype}")
-    crc = _crc32(memoryview(raw.reshape(-1).view(np.uint8)))
+    return _crc32(memoryview(raw.reshape(-1).view(np.uint8)))
+
+
+def crc32_update(view: memoryview, crc: int) -> int:
+    """`crc` (of the bytes before) continued over `view`: a chunk's CRC-32 fed run by run."""
+    return _crc32(view, crc)
+
+
+def part_of(index: int, crc: int) -> int:
+    """The part a grid box at position `index` whose elements have CRC-32 `crc` adds to the
+    CHUNKS checksum."""
     return _mix64(((index << 32) | crc) & _MASK)
+
+
+def chunk_part(shape: tuple[int, ...], chunk: tuple[int, ...], box: Box, data: np.ndarray) -> int:
+    """The part one grid box `box` (clipped) adds to the CHUNKS checksum: `data` its elements."""
+    return part_of(grid_index(shape, chunk, box), crc32_of(data))
+
+
+def tile_crcs(shape: tuple[int, ...], chunk: tuple[int, ...], box: Box, data: np.ndarray) -> list[tuple[int, int]]:
+    """(grid position, CRC-32) of every grid box of the tile `box` (whole grid boxes, clipped at
+    the tensor's edge): `data` its elements. A grid box spanning the tile's trailing axes is a
+    contiguous slice of it (no copy); any other is copied out first."""
+    if data.size == 0:
+        return []
+    return [
+        (grid_index(shape, chunk, sub), crc32_of(data[lazy.box_slices(sub, box)]))
+        for sub in lazy.grid_boxes(box, chunk)
+    ]
 
 
 def tile_part(shape: tuple[int, ...], chunk: tuple[int, ...], box: Box, data: np.ndarray) -> int:
     """The CHUNKS part of `box`, a tile of whole grid boxes (clipped at the tensor's edge):
-    `data` its elements. A grid box spanning the tile's trailing axes is a contiguous slice of
-    it (the usual case: no copy); any other is copied out first."""
-    if data.size == 0:
-        return 0
-    return combine(chunk_part(shape, chunk, sub, data[lazy.box_slices(sub, box)]) for sub in lazy.grid_boxes(box, chunk))
+    `data` its elements (see `tile_crcs`)."""
+    return combine(part_of(i, crc) for i, crc in tile_crcs(shape, chunk, box, data))
+
+
+def grid_size(shape: tuple[int, ...], chunk: tuple[int, ...]) -> int:
+    """How many grid boxes the grid of `chunk` has over `shape`."""
+    return int(np.prod(_grid(shape, chunk), dtype=np.int64)) if shape else 1
+
+
+def encode_crcs(crcs: np.ndarray) -> str:
+    """A table of CRC-32s (uint32, grid C order) as recorded in `trainer_state["chunk_crc32"]`:
+    base64 of its little-endian bytes."""
+    import base64
+
+    return base64.b64encode(np.asarray(crcs, dtype="<u4").tobytes()).decode("ascii")
+
+
+def decode_crcs(text: str, count: int) -> np.ndarray | None:
+    """The table `encode_crcs` wrote, if it is one of `count` entries; else None."""
+    import base64
+    import binascii
+
+    try:
+        raw = base64.b64decode(text.encode("ascii"), validate=True)
+    except (binascii.Error, ValueError, AttributeError):
+        return None
+    if len(raw) != 4 * count:
+        return None
+    return np.frombuffer(raw, dtype="<u4").astype(np.uint32)
 
 
 def of_chunks(x: np.ndarray, chunk: tuple[int, ...]) -> int:

@@ -7,9 +7,7 @@ was found. The CLI turns these into a one-line message and exit code 2.
 
 from __future__ import annotations
 
-# The root and the model-config error live in `models` (which imports nothing from hybridckpt);
-# they are re-exported here so every error still comes from one family.
-from models.errors import ConfigError, HybridCkptError, UnknownModelError
+import reprlib
 
 __all__ = [
     "CheckpointError",
@@ -20,7 +18,29 @@ __all__ = [
     "MeshError",
     "UnknownModelError",
     "UnsafePickleError",
+    "short_repr",
 ]
+
+
+def short_repr(obj: object, n: int = 120) -> str:
+    """`repr(obj)` cut to about `n` characters per string or object, for error messages (a name
+    read from a hostile file can be megabytes long)."""
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = n
+    return r.repr(obj)
+
+
+class HybridCkptError(Exception):
+    """Base of every error hybridckpt raises on purpose."""
+
+
+class ConfigError(HybridCkptError):
+    """A model config is missing or describes an unknown architecture."""
+
+
+class UnknownModelError(ConfigError):
+    """A config names an architecture no family of `hybridckpt.models` implements: a format may
+    then go on model-agnostic (tensors under the source's own names) instead of failing."""
 
 
 class FormatError(HybridCkptError):

@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 
 from hybridckpt import lazy
-from hybridckpt.errors import MappingError
+from hybridckpt.errors import ConfigError, MappingError
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.rules import RuleSet, parse_rules
-from hybridckpt.source import SourceCheckpoint
+from hybridckpt.source_checkpoint import SourceCheckpoint
 
 
 def nest(flat: Mapping[str, Any]) -> dict:
@@ -121,7 +121,7 @@ def source_to_hf(
     """Tensors and slots of `src` under HF names, by the user's rules, then the source's, then the
     family's name fixes (`models.hf_name_fixes`). All apply with `apply_unstack`: a rule whose source is stacked (`experts.w[$E]`) takes a tensor
     with a leading experts axis apart into per-expert HF names (grouped expert weights)."""
-    import models
+    from hybridckpt import models
 
     named = source_named(src)
     if user_rules is not None:
@@ -140,9 +140,53 @@ def source_to_hf(
     return named
 
 
+def named_for_model(src: SourceCheckpoint, cfg: Any, *, rules: str | None = None, strict: bool = True
+                    ) -> tuple[Named, Any]:
+    """(tensors and slots of `src`, the config that fits them): under HF names when there is a
+    model config `cfg` (user `rules` first, then the source's, then the family's name fixes;
+    the config fitted to the parts the checkpoint holds, `models.fit_to_hf_names`), else under
+    the source's own names (user `rules` alone). A config whose model is not the checkpoint's
+    (fewer than half of its tensors found) is one ConfigError saying so, before any rule's."""
+    from hybridckpt import models
+    from hybridckpt.formats.rules_files import load_user_rules
+
+    named = source_named(src)
+    variables = dict(src.rule_vars) if cfg is None else models.rule_variables(cfg)
+    user = load_user_rules(str(rules), variables, named.params) if rules else None
+    if cfg is None:
+        return (map_named(named, user, strict=strict) if user is not None else named), None
+    try:
+        named = source_to_hf(src, cfg, user_rules=user, strict=strict)
+    except MappingError:
+        _check_fits(src, None, cfg)
+        raise
+    cfg = models.fit_to_hf_names(cfg, named.params)  # parts a checkpoint may leave out
+    _check_fits(src, named, cfg)
+    return named, cfg
+
+
+def _check_fits(src: SourceCheckpoint, named: Named | None, cfg: Any) -> None:
+    """A ConfigError when the config's model is not the checkpoint's (fewer than half of the
+    model's tensors found under its HF names): said plainly, before any rule's error."""
+    from hybridckpt import models
+
+    want = model_hf_shapes(cfg)
+    have = set(named.params) if named is not None else set()
+    if named is not None and 2 * len(have & set(want)) >= len(want):
+        return
+    fam = models.family_of(cfg)
+    arch = ", ".join(fam.hf_architectures)
+    theirs = sorted(src.tensors)[:3]
+    raise ConfigError(
+        f"{src.path}: the config describes a {fam.name} model ({arch}), but this {src.format} "
+        f"checkpoint's tensors are not that model's (the model expects names like "
+        f"{sorted(want)[:2]}, the checkpoint has {theirs}); pass the checkpoint's own config"
+    )
+
+
 def model_rules(cfg: Any) -> RuleSet:
     """The family's rules from HF names to the flat params tree of `cfg`."""
-    import models
+    from hybridckpt import models
 
     text, origin = models.hf_rules(cfg)
     return parse_rules(text, models.rule_variables(cfg), origin=origin)
@@ -164,7 +208,7 @@ def _check_against(flat: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]
 def hf_to_tree(hf: Named, cfg: Any, *, strict: bool = True) -> Named:
     """HF-named params and slots -> flat tree paths (`layers.q.kernel`) of `cfg`'s params,
     checked against the model's shapes (every slot must cover every param)."""
-    import models
+    from hybridckpt import models
 
     out = map_named(hf, model_rules(cfg), strict=strict)
     shapes = flatten(models.param_shape_tree(cfg))
@@ -185,7 +229,7 @@ def _placeholder(shape: tuple[int, ...]) -> LazyTensor:
 def model_hf_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
     """The HF names and shapes of every tensor `cfg`'s model has (derived from the inverse of
     the family's rules; nothing read or allocated)."""
-    import models
+    from hybridckpt import models
 
     flat = {k: _placeholder(tuple(s)) for k, s in flatten(models.param_shape_tree(cfg)).items()}
     return {k: tuple(t.shape) for k, t in model_rules(cfg).invert().apply_unstack(flat).tensors.items()}

@@ -12,20 +12,21 @@ from typing import Any
 import jax
 
 from hybridckpt import checksum, lazy
-from hybridckpt.io import parallel
-from hybridckpt.lazy import LazyTensor
+from hybridckpt.lazy import LazyTensor, parallel
 from hybridckpt.naming import flatten, nest
 from hybridckpt.plan import box_holders, box_owners
 
 
-def to_array(t: LazyTensor, sharding: jax.sharding.Sharding, dtype=None) -> tuple[jax.Array, int]:
+def to_array(t: LazyTensor, sharding: jax.sharding.Sharding, dtype=None, *, with_checksum: bool = True
+             ) -> tuple[jax.Array, int]:
     """A global jax.Array of `t` placed by `sharding`, and the checksum (`hybridckpt.checksum`)
     of the boxes this process owns (`plan.box_owners`).
 
     Each distinct box of this process's devices is read once, by the reader pool
-    (`hybridckpt.io.parallel`, at most `io_threads()` boxes held at a time), into its own buffer,
+    (`hybridckpt.lazy.parallel`, at most `io_threads()` boxes held at a time), into its own buffer,
     which goes straight to every device holding it (`jax.device_put` per shard): no host copy
     of the global array is ever made, and reads overlap host-to-device transfers.
+    `with_checksum=False` skips the checksum (0): a restore whose reads are checked already.
     """
     if dtype is not None:
         t = lazy.cast(t, dtype)
@@ -36,7 +37,7 @@ def to_array(t: LazyTensor, sharding: jax.sharding.Sharding, dtype=None) -> tupl
 
     def read(box):
         buf = parallel.read_box_parallel(t, box)
-        part = checksum.box_part(shape, box, buf) if owner[box].process_index == me else 0
+        part = checksum.box_part(shape, box, buf) if with_checksum and owner[box].process_index == me else 0
         return box, buf, part
 
     shards: list[jax.Array] = []

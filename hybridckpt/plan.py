@@ -156,7 +156,7 @@ def _model_shapes_and_axes(cfg: Any) -> tuple[Any, Any]:
     """(tree of fp32 `ShapeDtypeStruct`, tree of logical-axis tuples) of `cfg`'s params: from the
     family's JAX-free tables where it gives them (`models.param_axes_tree`: no Flax import and no
     trace of the model's init, about 0.17 s of a 1 GiB import), else traced from its Flax module."""
-    import models
+    from hybridckpt import models
 
     axes = models.param_axes_tree(cfg)
     if axes is None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.api import (
+from hybridckpt.models.api import (
     config_from_dict,
     config_from_hf,
     config_from_meta_params,
@@ -33,9 +33,9 @@ from models.api import (
     param_shape_tree,
     rule_variables,
 )
-from models.family import RULE_VARIABLES, Family, ModelConfig, families, family_of
-from models.gpt2.config import GPT2Config
-from models.llama.config import LlamaConfig, meta_ffn_hidden_dim
+from hybridckpt.models.family import RULE_VARIABLES, Family, ModelConfig, families, family_of
+from hybridckpt.models.gpt2.config import GPT2Config
+from hybridckpt.models.llama.config import LlamaConfig, meta_ffn_hidden_dim
 
 _JAX_API = ("forward", "init_params", "logical_axes", "loss", "module", "param_shapes")
 
@@ -65,7 +65,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in _JAX_API:
-        from models import jax_api
+        from hybridckpt.models import jax_api
 
         return getattr(jax_api, name)
     raise AttributeError(f"module 'models' has no attribute {name!r}")

@@ -14,8 +14,8 @@ import dataclasses
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from models.errors import ConfigError
-from models.family import (
+from hybridckpt.models.errors import ConfigError
+from hybridckpt.models.family import (
     RULE_VARIABLES,
     ModelConfig,
     families,

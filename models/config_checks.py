@@ -10,17 +10,22 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from models.errors import ConfigError
-from models.rope import read_hf_rope, rope_type
+from hybridckpt.models.errors import ConfigError
+from hybridckpt.models.rope import read_hf_rope, rope_type
+
+MAX_SIZE = 1 << 31  # the largest size field a config may hold (vocab, hidden, layers, heads...): a
+# config is untrusted data, and shapes, loops and rule variables are computed from these
 
 
 def check_positive(cfg: Any, names: tuple[str, ...]) -> None:
-    """Each field in `names` of the dataclass `cfg` is a positive int (bools are not ints)."""
+    """Each field in `names` of the dataclass `cfg` is a positive int (bools are not ints) of
+    at most MAX_SIZE."""
     for name in names:
         value = getattr(cfg, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_SIZE:
             raise ConfigError(
-                f"{type(cfg).__name__}.{name}: expected a positive int, found {value!r}"
+                f"{type(cfg).__name__}.{name}: expected a positive int of at most {MAX_SIZE}, "
+                f"found {value!r:.60}"
             )
 
 
@@ -28,9 +33,9 @@ def as_floats(cfg: Any, names: tuple[str, ...]) -> None:
     """Each field in `names` of the frozen dataclass `cfg` is a positive number, stored as float."""
     for name in names:
         value = getattr(cfg, name)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e300:
             raise ConfigError(
-                f"{type(cfg).__name__}.{name}: expected a positive number, found {value!r}"
+                f"{type(cfg).__name__}.{name}: expected a positive finite number, found {value!r:.60}"
             )
         object.__setattr__(cfg, name, float(value))
 

@@ -1,22 +1,8 @@
-"""The root of the project's exception family, defined here so that `models` imports nothing
-from `hybridckpt`.
-
-`hybridckpt.errors` re-exports both classes and derives the rest of the family (FormatError,
-MappingError, ...) from `HybridCkptError`, so `hybridckpt.errors.ConfigError is
-models.errors.ConfigError` and the CLI's one-line message and exit code 2 cover model errors too.
-"""
+"""The errors the model families raise: the project's own family (`hybridckpt.errors`), which is
+the one thing of `hybridckpt` the families import."""
 
 from __future__ import annotations
 
+from hybridckpt.errors import ConfigError, HybridCkptError, UnknownModelError
 
-class HybridCkptError(Exception):
-    """Base of every error hybridckpt raises on purpose."""
-
-
-class ConfigError(HybridCkptError):
-    """A model config is missing or describes an unknown architecture."""
-
-
-class UnknownModelError(ConfigError):
-    """A config names an architecture no family of `models` implements: a format may then go on
-    model-agnostic (tensors under the source's own names) instead of failing."""
+__all__ = ["ConfigError", "HybridCkptError", "UnknownModelError"]

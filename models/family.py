@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Protocol
 
-from models.errors import ConfigError, UnknownModelError
+from hybridckpt.models.errors import ConfigError, UnknownModelError
 
 
 class ModelConfig(Protocol):
@@ -103,7 +103,7 @@ class Family:
         """(text, origin) of the family's HF rules; origin reads like "models/llama/hf.rules"."""
         package, _, resource = self.hf_rules.partition(":")
         text = resources.files(package).joinpath(resource).read_text()
-        return text, f"{package.replace('.', '/')}/{resource}"
+        return text, f"{package.replace('.', '/').removeprefix('hybridckpt/')}/{resource}"
 
 
 # -------------------------------------------------------------------------------- registry

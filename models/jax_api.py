@@ -11,8 +11,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.common import axes_of, next_token_loss, unboxed
-from models.family import ModelConfig, family_of
+from hybridckpt.models.common import axes_of, next_token_loss, unboxed
+from hybridckpt.models.family import ModelConfig, family_of
 
 _INIT_TOKENS = (1, 1)  # shape of the dummy batch used to trace init
 

@@ -44,8 +44,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.common import normal, ones, zeros
-from models.moe_spec import ParamSpec, Spec, moe_spec, spec_shapes, swiglu_spec
+from hybridckpt.models.common import normal, ones, zeros
+from hybridckpt.models.moe_spec import ParamSpec, Spec, moe_spec, spec_shapes, swiglu_spec
 
 __all__ = [
     "ParamSpec",

@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from models.errors import ConfigError
+from hybridckpt.models.errors import ConfigError
 
 DEFAULT_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
 

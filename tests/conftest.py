@@ -17,7 +17,7 @@ on 4 and on 2 devices (`HYBRIDCKPT_TEST_DEVICES=4 python -m pytest -m multidevic
 test that only works on 8 devices fails there without its author marking anything. An unmarked
 test that builds such a mesh anyway fails (`MeshGuard`), so the scan cannot miss one silently.
 
-The tests are laid out like the code: `lazy/`, `rules/`, `io/` (`io/pickle/`), `optim/`,
+The tests are laid out like the code: `lazy/`, `rules/`, `io/` (`containers/pickle/`), `optim/`,
 `formats/` (one file per format, plus damaged files), `store/` (our Orbax checkpoints: manager,
 streaming save, restore, checksums, crash safety), `jobs/` (the CLI and the jobs end to end),
 `families/` (the model families of `models/`; a folder named `models` here would shadow that

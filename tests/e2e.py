@@ -12,10 +12,9 @@ import jax
 import numpy as np
 from meshes import device_count, fit_pair
 
-import models
-from hybridckpt import jobs, naming
-from hybridckpt.formats import open_source
+from hybridckpt import jobs, models, naming
 from hybridckpt.mesh import mesh_from_shape, tree_shardings
+from hybridckpt.readers import open_source
 from hybridckpt.store.restore import restore
 
 

@@ -38,7 +38,7 @@ def test_plan_of_an_moe_model_splits_experts_and_moments(monkeypatch):
     """`plan.for_model` (what import, restore and logits use): experts and their AdamW moments on
     dp by default, on fsdp under `HYBRIDCKPT_AXIS_RULES=experts=fsdp`."""
     from hybridckpt import optim, plan
-    from models.mixtral.config import MixtralConfig
+    from hybridckpt.models.mixtral.config import MixtralConfig
 
     cfg = MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2,
                         num_heads=4, num_kv_heads=2, num_experts=4)  # fmt: skip

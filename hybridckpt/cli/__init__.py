@@ -4,9 +4,11 @@ Errors of the project's family print one line and exit 2 (`--debug` shows the tr
 `verify` exits 1 when tensors differ. Long jobs show a progress bar on a terminal and end with a
 summary: arrays or tensors, bytes, rate, peak memory.
 
-Ctrl-C prints one line and exits 130; the jobs write atomically (a temporary sibling renamed
-into place), so an interrupted job leaves nothing, or the previous checkpoint, at its
-destination. Once a job has finished, a late Ctrl-C is ignored: the job reports its success.
+Ctrl-C at any moment prints one line and exits 130; the jobs write atomically (a temporary
+sibling renamed into place, `writers.destination`), and the handler removes what is being written, so
+an interrupted job leaves nothing, or the previous checkpoint, at its destination and nothing
+beside it. Once a job has put its output in place, a late Ctrl-C is ignored: the job reports its
+success.
 On a CPU host, meshes of up to 8 devices run anywhere: the CLI simulates 8 host devices.
 """
 
@@ -15,12 +17,33 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import traceback
-import warnings
-
-from hybridckpt.errors import HybridCkptError
 
 _INTERRUPTED = "hybridckpt: interrupted; nothing was written (a checkpoint already at the destination is kept)"
+
+
+def _running_as_the_command() -> bool:
+    """Whether this process is the `hybridckpt` command (its console script, or `python -m
+    hybridckpt` / `python -m hybridckpt.cli`), not a program that imports the library."""
+    argv = list(getattr(sys, "orig_argv", sys.argv))  # (runpy has not set `__main__` yet under -m)
+    script = os.path.basename(sys.argv[0]) if sys.argv else ""
+    if "-m" in argv[:-1] and argv[argv.index("-m") + 1].split(".")[0] == "hybridckpt":
+        return True
+    return script in ("hybridckpt", "hybridckpt.exe")
+
+
+def _interrupted_before_the_job(signum, frame) -> None:
+    """SIGINT while the command is still starting (nothing written yet): one line, exit 130."""
+    os.write(2, (_INTERRUPTED + "\n").encode())
+    os._exit(130)
+
+
+if _running_as_the_command():  # first of all: the rest of this module (and `run`) installs the full handler
+    try:
+        signal.signal(signal.SIGINT, _interrupted_before_the_job)
+    except ValueError:  # not the main thread: not the command starting
+        pass
+
+import traceback  # noqa: E402
 
 
 def _simulate_host_devices(count: int = 8) -> None:
@@ -31,73 +54,66 @@ def _simulate_host_devices(count: int = 8) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
-class _Interrupt:
-    """SIGINT while a job runs: remember it, silence stderr while the job unwinds (Orbax's and
-    TensorStore's worker threads report the interrupt as tracebacks of their own, e.g. 'Event
-    loop is closed'), and raise KeyboardInterrupt in the main thread. An error the interrupt
-    causes further down is then reported as the interrupt it is, on one line (`restore`)."""
+class _OnInterrupt:
+    """The CLI's SIGINT handler, installed before anything else runs: print one line, remove
+    what the job is writing (`io.interrupts.temporaries`: its temporary folder and lock), exit
+    130 at once, without unwinding through Orbax's and TensorStore's threads (whose own
+    reports of an unwinding job were tracebacks, and sometimes a crash at exit). While a
+    finished folder is swapped into place, and after, the signal is ignored: the job has done
+    its writing and reports its success. With --debug the stack where it arrived is printed."""
 
-    def __init__(self, quiet_unwind: bool = True) -> None:
-        self.seen = False
-        self.quiet_unwind = quiet_unwind
-        self._saved_fd: int | None = None
+    def __init__(self) -> None:
+        self.debug = False
 
     def __call__(self, signum, frame) -> None:
-        if not self.seen and self.quiet_unwind:
-            sys.stderr.flush()
-            self._saved_fd = os.dup(2)
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, 2)
-            os.close(devnull)
-        self.seen = True
-        raise KeyboardInterrupt
+        interrupts = sys.modules.get("hybridckpt.io.interrupts")  # (maybe still being imported)
+        ready = interrupts is not None and hasattr(interrupts, "remove_temporaries")
+        if ready and interrupts.committed():
+            return
+        if self.debug and frame is not None:
+            traceback.print_stack(frame)
+        try:
+            os.write(2, (_INTERRUPTED + "\n").encode())
+            if ready:
+                interrupts.remove_temporaries()
+        finally:
+            os._exit(130)
 
-    def restore(self) -> None:
-        """Give stderr back (before the one line is printed). What the abandoned job leaves to
-        be collected (Orbax coroutines never awaited, callbacks of closed loops) stays silent."""
-        if self.quiet_unwind:
-            warnings.simplefilter("ignore")
-            sys.unraisablehook = lambda unraisable: None
-        if self._saved_fd is not None:
-            sys.stderr.flush()
-            os.dup2(self._saved_fd, 2)
-            os.close(self._saved_fd)
-            self._saved_fd = None
+
+_ON_INTERRUPT = _OnInterrupt()
+
+
+if _running_as_the_command():  # the full handler, now that it is defined (see `run`)
+    try:
+        signal.signal(signal.SIGINT, _ON_INTERRUPT)
+    except ValueError:
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit code (0, 1 from verify, 2 on errors, 130 on Ctrl-C)."""
     from hybridckpt.cli.parser import build_parser
+    from hybridckpt.errors import HybridCkptError
 
-    args = build_parser().parse_args(argv)
-    _simulate_host_devices()
-    interrupt = _Interrupt(quiet_unwind=not args.debug)
-    previous = signal.getsignal(signal.SIGINT)
     in_main_thread = _is_main_thread()
+    previous = signal.getsignal(signal.SIGINT) if in_main_thread else None
     if in_main_thread:
-        signal.signal(signal.SIGINT, interrupt)
+        signal.signal(signal.SIGINT, _ON_INTERRUPT)
     try:
-        return args.fn(args)
-    except KeyboardInterrupt:
-        interrupt.restore()
-        print(_INTERRUPTED, file=sys.stderr)
-        return 130
-    except HybridCkptError as e:
-        if args.debug:
-            traceback.print_exc()
-        if interrupt.seen:
-            interrupt.restore()
-            print(_INTERRUPTED, file=sys.stderr)
-            return 130
-        msg = " ".join(str(e).split())
-        print(f"hybridckpt: error: {msg}", file=sys.stderr)
-        return 2
-    except BaseException:
-        if not interrupt.seen:
-            raise
-        interrupt.restore()
-        print(_INTERRUPTED, file=sys.stderr)
-        return 130
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as e:  # --help (0), or a usage error already printed as one line (2)
+            return e.code if isinstance(e.code, int) else 2
+        _ON_INTERRUPT.debug = bool(args.debug)
+        _simulate_host_devices()
+        try:
+            return args.fn(args)
+        except HybridCkptError as e:
+            if args.debug:
+                traceback.print_exc()
+            msg = " ".join(str(e).split())
+            print(f"hybridckpt: error: {msg}", file=sys.stderr)
+            return 2
     finally:
         if in_main_thread:
             signal.signal(signal.SIGINT, previous)
@@ -110,8 +126,11 @@ def _is_main_thread() -> bool:
 
 
 def run() -> None:
-    """The console entry point: `main()`, then exit without running interpreter-exit hooks after an
-    interrupt (Orbax's and JAX's background threads would print tracebacks while shutting down)."""
+    """The console entry point: the SIGINT handler first (an interrupt at any moment is one line
+    and exit 130), then `main()`."""
+    signal.signal(signal.SIGINT, _ON_INTERRUPT)
+    from hybridckpt.io import interrupts  # noqa: F401 - loaded before any signal needs it
+
     try:
         code = main()
     except BrokenPipeError:  # `hybridckpt inspect X | head`: the reader left; not an error
@@ -121,6 +140,4 @@ def run() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.stdout.flush()
     sys.stderr.flush()
-    if code == 130:
-        os._exit(130)
     sys.exit(code)

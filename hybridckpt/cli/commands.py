@@ -64,7 +64,7 @@ def cmd_import(a) -> int:
             a.src, a.dst, fmt=a.format, mesh=a.mesh, config=a.config, rules=a.rules,
             params_only=a.params_only, dtype=a.dtype, strict_sharding=a.strict_sharding,
             overwrite=a.overwrite, progress=prog, io_threads=a.io_threads, compression=a.compression,
-            direct_io=not a.buffered_writes,
+            direct_io=not a.buffered_writes, verify_reads=not a.no_verify_reads,
         )
     job_finished()
     print(f"imported {s.source_format} checkpoint into {s.destination} at step {s.step} on mesh {s.mesh}"
@@ -87,7 +87,7 @@ def cmd_export(a) -> int:
             rules=a.rules, dtype=a.dtype,
             max_shard_bytes=int(a.max_shard_gb * 1024**3) if a.max_shard_gb else None,
             overwrite=a.overwrite, progress=prog, io_threads=a.io_threads, to=a.to,
-            direct_io=not a.buffered_writes,
+            direct_io=not a.buffered_writes, verify_reads=not a.no_verify_reads,
         )
     job_finished()
     print(f"exported {s.source_format} checkpoint to {s.destination}: {', '.join(s.files)}")
@@ -98,7 +98,7 @@ def cmd_export(a) -> int:
 
 
 def cmd_verify(a) -> int:
-    from hybridckpt.jobs.verify import verify, verify_checksums
+    from hybridckpt.jobs.verify import compared, verify, verify_checksums
 
     t0 = time.perf_counter()
     with Progress("verify", a.quiet) as prog:
@@ -110,21 +110,24 @@ def cmd_verify(a) -> int:
             print(f"{len(rows) - len(bad)}/{len(rows)} arrays match their import checksums; "
                   f"{time.perf_counter() - t0:.2f} s")
             return 1 if bad else 0
-        rows, only_a, only_b = verify(a.a, a.b, atol=a.atol, config=a.config, progress=prog)
+        rows, only_a, only_b = verify(a.a, a.b, atol=a.atol, config=a.config, progress=prog,
+                                      params_only=a.params_only, verify_reads=not a.no_verify_reads)
     width = max((len(r.name) for r in rows), default=10)
     bad = 0
     for r in rows:
         mark = "ok " if r.ok else "BAD"
         bad += not r.ok
         if not a.quiet or not r.ok:
-            print(f"{mark} {r.name:<{width}} max|a-b| = {r.max_abs_diff:.3g}")
+            what = f"max|a-b| = {r.max_abs_diff:.3g}" if r.kind in ("param", "slot") else (r.reason or "equal")
+            print(f"{mark} {r.name:<{width}} {what}")
     for n in only_a:
         print(f"BAD {n}: only in {a.a}")
     for n in only_b:
         print(f"BAD {n}: only in {a.b}")
     bad += len(only_a) + len(only_b)
     total = len(rows) + len(only_a) + len(only_b)
-    print(f"{total - bad}/{total} tensors match (atol={a.atol}); "
+    print(f"compared {compared(rows)}")
+    print(f"{total - bad}/{total} items match (atol={a.atol}); "
           f"{time.perf_counter() - t0:.2f} s, peak memory {peak_rss_gib():.2f} GiB")
     return 1 if bad else 0
 
@@ -141,7 +144,7 @@ def cmd_logits(a) -> int:
     if not tokens:
         raise HybridCkptError(f"--tokens: expected at least one token id, found {a.tokens!r}")
     out = logits(a.src, tokens, mesh=a.mesh, config=a.config, fmt=a.format, step=a.step,
-                 compute_dtype=a.compute_dtype)
+                 compute_dtype=a.compute_dtype, verify_reads=not a.no_verify_reads)
     if a.out:
         np.save(a.out, out)
         print(f"logits {out.shape} float32 written to {a.out}")

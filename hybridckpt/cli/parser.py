@@ -4,24 +4,70 @@ from __future__ import annotations
 
 import argparse
 
+from hybridckpt import readers, writers
 from hybridckpt.cli import commands
 
-# every name of `formats.available()` (spelled out: importing the readers would slow every start;
-# tests/jobs/test_newcomer.py checks the two agree)
-FORMAT_CHOICES = [
-    "auto", "hf", "orbax", "megatron", "megatron-dist", "meta-llama", "dcp", "flex-checkpoint",
-    "deepspeed", "paddle", "paddle-unified", "colossal",
-]
+FORMAT_CHOICES = ["auto", *readers.NAMES]  # `hybridckpt.readers`: names only, no reader imported
 SRC_HELP = "checkpoint folder or file of any supported format, or a hybridckpt (Orbax) checkpoint"
+NO_VERIFY_HELP = ("read a hybridckpt (Orbax) source without checking each chunk against the CRC-32 recorded "
+                  "at import (default: every read is checked; a damaged chunk is an error naming it)")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the project's error form: one line on stderr, exit 2 (usage via --help)."""
+
+    def error(self, message: str):  # noqa: D102 - argparse's hook
+        import sys
+
+        sys.stderr.write(f"hybridckpt: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+        raise SystemExit(2)
+
+
+def _positive_number(text: str) -> float:
+    """A finite number > 0 (NaN, inf, 0 and negatives refused)."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, found {text!r:.40}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number above 0, found {text!r:.40}")
+    return value
+
+
+def _thread_count(text: str) -> int:
+    """A thread count between 1 and 256."""
+    if not text.strip().isdigit() or not 1 <= int(text) <= 256:
+        raise argparse.ArgumentTypeError(f"expected a whole number from 1 to 256, found {text!r:.40}")
+    return int(text)
+
+
+def _step(text: str) -> int:
+    if not text.strip().isdigit() or len(text.strip()) > 18:
+        raise argparse.ArgumentTypeError(f"expected a step number, found {text!r:.40}")
+    return int(text)
+
+
+def _atol(text: str) -> float:
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, found {text!r:.40}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number of at least 0, found {text!r:.40}")
+    return value
 
 
 def _common(sp, *, fmt=True, config=True, io=False, progress=True, step=True) -> None:
     if fmt:
         sp.add_argument("--format", default="auto", choices=FORMAT_CHOICES, help="source format (default: detect)")
     if step:
-        sp.add_argument("--step", type=int, help="step of a hybridckpt (Orbax) checkpoint (default: latest)")
+        sp.add_argument("--step", type=_step, help="step of a hybridckpt (Orbax) checkpoint (default: latest)")
     if io:
-        sp.add_argument("--io-threads", type=int, metavar="N",
+        sp.add_argument("--io-threads", type=_thread_count, metavar="N",
                         help="parallel byte-range readers (default: $HYBRIDCKPT_IO_THREADS, else 2 x cores, 4..16)")
     if config:
         sp.add_argument("--config", help="HF config.json or Meta params.json, for sources that carry no model config")
@@ -30,13 +76,13 @@ def _common(sp, *, fmt=True, config=True, io=False, progress=True, step=True) ->
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="hybridckpt",
         description="Move training checkpoints (weights and optimizer state) between parallel layouts "
         "and frameworks as sharded JAX arrays.",
     )
     p.add_argument("--debug", action="store_true", help="show the traceback of errors")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     s = sub.add_parser("inspect", help="format, topology, step, config and tensors of a checkpoint (reads metadata only)")
     s.add_argument("src", help=SRC_HELP)
@@ -71,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write raw chunk files through the page cache (default: O_DIRECT for chunks of whole "
                    "4 KiB blocks where the filesystem allows it: no copy into the page cache, which also "
                    "leaves what the machine has cached alone)")
+    s.add_argument("--no-verify-reads", action="store_true", help=NO_VERIFY_HELP)
     _common(s, io=True)
     s.set_defaults(fn=commands.cmd_import)
 
@@ -92,8 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write optimizer*.safetensors (<name>.<slot>, e.g. exp_avg / exp_avg_sq, and step)")
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast params on write")
     s.add_argument("--rules", help="a rules file applied before the format's own rules")
-    s.add_argument("--max-shard-gb", type=float, help="shard size above which files are split (default 5)")
-    s.add_argument("--to", default="hf", choices=["hf", "paddlenlp-unified", "paddleformers-unified"],
+    s.add_argument("--max-shard-gb", type=_positive_number, metavar="G",
+                   help="shard size in GiB above which files are split (default 5)")
+    s.add_argument("--no-verify-reads", action="store_true", help=NO_VERIFY_HELP)
+    s.add_argument("--to", default="hf", choices=list(writers.NAMES),
                    help="layout of OUT: hf (default); paddlenlp-unified (PaddleNLP's names, Linear weights [in, out]) or "
                    "paddleformers-unified (HF names and [out, in] weights, optimizer state [in, out]): Paddle unified "
                    "checkpoints with optimizer-*/master_weights-* (fp32 masters when --dtype is 16-bit)")
@@ -111,7 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("a", help="a checkpoint of any supported format (alone: a hybridckpt checkpoint to re-check)")
     s.add_argument("b", nargs="?", help="the second checkpoint (omit to check A's checksums)")
-    s.add_argument("--atol", type=float, default=0.0, help="allowed max abs difference (default 0: bitwise)")
+    s.add_argument("--atol", type=_atol, default=0.0, help="allowed max abs difference (default 0: bitwise)")
+    s.add_argument("--params-only", action="store_true",
+                   help="compare the params alone (default: also every optimizer slot, the step and trainer state)")
+    s.add_argument("--no-verify-reads", action="store_true", help=NO_VERIFY_HELP)
     _common(s, fmt=False)
     s.set_defaults(fn=commands.cmd_verify)
 
@@ -122,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mesh", default="dp=1", help="mesh to run on, e.g. tp=2,pp=2 (default: one device)")
     s.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="dtype of activations and matmuls (params stay fp32; logits are fp32)")
+    s.add_argument("--no-verify-reads", action="store_true", help=NO_VERIFY_HELP)
     _common(s, progress=False)
     s.set_defaults(fn=commands.cmd_logits)
 

@@ -1,18 +1,26 @@
 """ColossalAI distributed checkpoints: per-rank weight files plus offsets/lengths metadata.
 
-Format (hpcaitech/ColossalAI PR #6181: colossalai/checkpoint_io/distributed_checkpoint_utils.py
-`create_model_metadata`, `save_metadata`, `load_metadata`):
+Format (hpcaitech/ColossalAI PR #6181, never released: its head 7e880a13 is colossalai 0.4.7 with
+`colossalai/checkpoint_io/distributed_checkpoint_utils.py` `create_model_metadata`,
+`save_metadata`, `get_dist_meta_file_name`; `booster.save_model(..., gather_dtensor=False)`), as the
+files that code writes show (tests/real/generators/colossalai.py, HybridParallelPlugin tp 2):
 - One metadata file per model-parallel rank `dist_id = tp_size * pp_rank + tp_rank`:
-  `pytorch_model-meta-dist-{dist_id:05d}.index.json` (sharded save) or `.json` (unsharded):
-  `{"checkpoint_version": "1.0", "total_size": N, "metadata": {name: {"offsets": [..],
-  "lengths": [..], "global_shape": [..], "file": weight file, "rank": global rank}}}`.
-- Weight files (`file`, relative to the folder): torch.save `.bin` or `.safetensors` state dicts
-  of the rank's local params, under the model's own (HF) names.
+  `pytorch_model-meta-dist-{dist_id:05d}.index.json` when the weights are safetensors, `.json`
+  when they are `.bin` (the suffix follows `use_safetensors`, sharded or not):
+  `{"checkpoint_version": "1.0", "total_size": MB as a float (null unsharded), "metadata": {name:
+  {"offsets": [..], "lengths": [..], "global_shape": [..], "file": weight file, "rank": global
+  rank}}}`.
+- Weight files: sharded `pytorch_model-dist-{id:05d}-shard-{i:05d}.bin` /
+  `model-dist-{id:05d}-shard-{i:05d}.safetensors` (i from 0), recorded by bare name; unsharded
+  `pytorch_model-dist-{id:05d}.bin`, recorded as the path `save_model` was given joined with that
+  name (`weight_file_name` reads the name inside the folder). State dicts of the rank's local
+  params under the model's own (HF) names. No config.json is written: pass the model's config.
 - A piece is the box `[offsets, offsets + lengths)` of the global tensor. Offsets are non-zero
-  only on the TP dim (`partition_size * tp_rank`); on the last TP rank `lengths` is trimmed
-  for a padded dim (vocab padding), so the stored tensor may be larger than `lengths`: its
-  leading `lengths` block is the piece.
-- Only model params (no optimizer state).
+  only on the TP dim (`partition_size * tp_rank`). The code trims `lengths` on the last TP rank for
+  a padded dim, but its own `search_tp_partition_dim` asserts an even split, so a padded vocab
+  fails the save (AssertionError "isn't evenly distributed"): real pieces are whole local
+  tensors. A stored tensor larger than `lengths` is still read as its leading block.
+- Only model params (the PR leaves the optimizer's IO as released).
 
 Every global tensor is assembled lazily from its pieces (a grid of boxes joined by `Concat`,
 replicas taken once); gaps, overlaps and pieces past `global_shape` are FormatErrors naming the
@@ -29,12 +37,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridckpt import lazy
+from hybridckpt.containers.pickle import torch_save
+from hybridckpt.containers.safetensors_file import read_header
 from hybridckpt.errors import FormatError
 from hybridckpt.formats.config_file import config_beside, read_json
-from hybridckpt.io.pickle import torch_save
-from hybridckpt.io.safetensors_file import read_header
+from hybridckpt.io.paths import plain_name
 from hybridckpt.lazy import LazyTensor
-from hybridckpt.source import SourceCheckpoint
+from hybridckpt.source_checkpoint import SourceCheckpoint
 
 NAME = "colossal"
 META_RE = re.compile(r"^pytorch_model-meta-dist-(?P<id>\d+)(?:\.index)?\.json$")
@@ -119,6 +128,22 @@ def _tile(name: str, pieces: list[Piece], box: tuple[tuple[int, int], ...]) -> L
     raise FormatError(f"{name!r}: {len(pieces)} different pieces claim the same region ({files})")
 
 
+def weight_file_name(fname: str, folder: str, meta_path: str) -> str:
+    """The weight file's name inside `folder` for a metadata `file` entry.
+
+    Sharded saves record the shard's bare name. The unsharded save records the path its
+    `save_model` call was given joined with the file name (`ckpt/pytorch_model-dist-00000.bin`
+    for `save_model(model, "ckpt")`), which says where the saving process stood, not where the
+    folder is now: only its last component is used, and only a file of that name in `folder`
+    is read (nothing outside the folder, whatever the path says)."""
+    if not isinstance(fname, str):
+        raise FormatError(f"{meta_path}: weight file {fname!r} is not a file name")
+    name = plain_name(fname.replace("\\", "/").split("/")[-1], meta_path, "weight file")
+    if not os.path.isfile(os.path.join(folder, name)):
+        raise FormatError(f"{meta_path}: weight file {fname!r} is missing")
+    return name
+
+
 class _Files:
     """Weight files opened once each: name -> lazy tensor."""
 
@@ -127,10 +152,9 @@ class _Files:
         self.cache: dict[str, Mapping[str, LazyTensor]] = {}
 
     def get(self, fname: str, meta_path: str) -> Mapping[str, LazyTensor]:
+        fname = weight_file_name(fname, self.folder, meta_path)
         if fname not in self.cache:
             path = os.path.join(self.folder, fname)
-            if os.path.basename(fname) != fname or not os.path.isfile(path):
-                raise FormatError(f"{meta_path}: weight file {fname!r} is missing")
             if fname.endswith(".safetensors"):
                 tensors = read_header(path).tensors
             else:
@@ -184,7 +208,7 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
                     f"{what}: global_shape {list(shape)} disagrees with {list(shapes[name])} elsewhere"
                 )
             stored = files.get(item["file"], mpath).get(name)
-            wfile = os.path.join(path, item["file"])
+            wfile = os.path.join(path, weight_file_name(item["file"], path, mpath))
             if stored is None:
                 raise FormatError(f"{wfile}: {mpath} says it holds {name!r} but it does not")
             if stored.ndim != len(shape) or any(

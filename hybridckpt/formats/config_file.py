@@ -1,4 +1,6 @@
-"""JSON metadata files and the HF-style `config.json` that many checkpoints keep beside them."""
+"""JSON metadata files, small text files (trackers, tags), and the HF-style `config.json` that
+many checkpoints keep beside them. Every read is bounded (`MAX_METADATA_BYTES`): a metadata file
+is data from the checkpoint, and a multi-gigabyte "config" is refused, not loaded."""
 
 from __future__ import annotations
 
@@ -7,15 +9,44 @@ import os
 
 from hybridckpt.errors import ConfigError, FormatError, UnknownModelError
 
+MAX_METADATA_BYTES = 256 << 20  # bytes: the largest JSON index or metadata file read
+MAX_TEXT_BYTES = 4096  # bytes: the largest tracker / tag file (`latest`, `latest_checkpointed_iteration.txt`)
+
+
+def read_bytes(path: str, limit: int = MAX_METADATA_BYTES) -> bytes:
+    """The bytes of a metadata file, at most `limit`; FormatError naming the file when it is
+    missing, unreadable or larger."""
+    try:
+        with open(path, "rb") as f:  # by pieces: read(limit) would allocate `limit` bytes at once
+            parts, got = [], 0
+            while got <= limit:
+                piece = f.read(min(1 << 20, limit + 1 - got))
+                if not piece:
+                    break
+                parts.append(piece)
+                got += len(piece)
+            raw = b"".join(parts)
+    except FileNotFoundError:
+        raise FormatError(f"{path}: missing") from None
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read: {e.strerror or e}") from None
+    if len(raw) > limit:
+        raise FormatError(f"{path}: larger than {limit} bytes; not a metadata file this format writes")
+    return raw
+
+
+def read_small_text(path: str, limit: int = MAX_TEXT_BYTES) -> str:
+    """The stripped UTF-8 text of a tracker or tag file; FormatError when it is not that."""
+    raw = read_bytes(path, limit)
+    try:
+        return raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise FormatError(f"{path}: not UTF-8 text") from None
+
 
 def read_json(path: str) -> dict:
     """A JSON object from `path`; FormatError naming the file when it is missing or malformed."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise FormatError(f"{path}: missing") from None
-    return parse_json(raw, path)
+    return parse_json(read_bytes(path), path)
 
 
 def parse_json(text: str | bytes, where: str) -> dict:
@@ -23,8 +54,8 @@ def parse_json(text: str | bytes, where: str) -> dict:
     naming `where` (the file, and the key when the JSON is a value inside it) when malformed."""
     try:
         data = json.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise FormatError(f"{where}: not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # (JSONDecodeError, UnicodeDecodeError, an int of 4300+ digits)
+        raise FormatError(f"{where}: not valid JSON: {str(e)[:200]}") from None
     if not isinstance(data, dict):
         raise FormatError(f"{where}: expected a JSON object, found {type(data).__name__}")
     return data
@@ -40,7 +71,7 @@ def config_beside(*folders: str, config=None, required_for: str | None = None):
     """
     if config is not None:
         return config
-    from models import config_from_hf
+    from hybridckpt.models import config_from_hf
 
     for folder in folders:
         path = os.path.join(folder, "config.json")

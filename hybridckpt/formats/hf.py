@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import os
 
-import models
-from hybridckpt.errors import FormatError
+from hybridckpt import models
+from hybridckpt.containers.safetensors_file import read_header
+from hybridckpt.errors import FormatError, short_repr
 from hybridckpt.formats.config_file import config_beside, read_json
 from hybridckpt.formats.torch_optim import check_complete
-from hybridckpt.io.safetensors_file import read_header
+from hybridckpt.io.paths import check_relative
 from hybridckpt.lazy import LazyTensor
-from hybridckpt.source import OptimizerState, SourceCheckpoint
+from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
 NAME = "hf"
 WEIGHTS = "model.safetensors"
@@ -46,10 +47,7 @@ def read_index(path: str) -> dict[str, str] | None:
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise FormatError(f"{path}: expected a 'weight_map' object of name -> file")
     for name, fname in weight_map.items():  # shard files live in the checkpoint's folder
-        if not fname or os.path.isabs(fname) or ".." in fname.replace("\\", "/").split("/"):
-            raise FormatError(
-                f"{path}: tensor {name!r} is in {fname!r}, which is not a file inside the folder"
-            )
+        check_relative(fname, f"{path}: weight_map[{short_repr(name)}]", "file")
     return weight_map
 
 

@@ -54,13 +54,13 @@ import re
 
 import numpy as np
 
+from hybridckpt.containers.pickle import torch_save
+from hybridckpt.containers.safetensors_file import read_header
 from hybridckpt.errors import ConfigError, FormatError, UnknownModelError
 from hybridckpt.formats.config_file import read_json
 from hybridckpt.formats.rules_files import load_rules, rules_text
-from hybridckpt.io.pickle import torch_save
-from hybridckpt.io.safetensors_file import read_header
 from hybridckpt.lazy import LazyTensor
-from hybridckpt.source import SourceCheckpoint
+from hybridckpt.source_checkpoint import SourceCheckpoint
 
 NAME = "meta-llama"
 PARAMS = "params.json"
@@ -151,7 +151,7 @@ def _sliding_window(params: dict, source: str):
 def mistral_config(params: dict, source: str):
     """The MistralConfig of a Mistral params.json: the HF dict transformers' `convert_config`
     writes, read by `models.config_from_hf` (see the module docstring)."""
-    import models
+    from hybridckpt import models
 
     if params.get("vision_encoder"):
         raise UnknownModelError(
@@ -232,7 +232,7 @@ def _dedup_kv(name: str, shards: list[LazyTensor], rows: int, files: list[str]) 
 def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the format contract
     """Plan the import of a Meta Llama or Mistral folder (reads params.json and the pickles or
     the safetensors header only)."""
-    import models
+    from hybridckpt import models
 
     params_path = os.path.join(path, PARAMS)
     params = read_params(params_path)

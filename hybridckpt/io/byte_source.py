@@ -1,9 +1,9 @@
 """Byte-range reads from files, with a read counter.
 
 Every byte hybridckpt reads from a checkpoint goes through a `ByteSource`: `read_into`, one
-`pread` per contiguous run straight into a caller's preallocated buffer; `mapped`, a range mapped
-read-only for a box of many short runs, which its consumer copies (strided, transposed or cast)
-straight out of the page cache; or `copy_to`, which copies a byte range into another file inside
+`pread` per contiguous run straight into a caller's preallocated buffer; `read_span`, one pread of
+a range holding a box of many short runs close together, which its consumer copies (strided,
+transposed or cast) out of that buffer; or `copy_to`, which copies a byte range into another file inside
 the kernel (`copy_file_range`: no user-space buffer, for exports that only rearrange stored
 bytes). `count_reads()` records how many bytes each file gave, so tests can prove a device's read
 touched only the bytes of its box.
@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import mmap
 import os
 import threading
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from hybridckpt.errors import FormatError
 
@@ -128,35 +129,25 @@ class ByteSource:
             )
         return fd
 
-    @contextlib.contextmanager
-    def mapped(
-        self, offset: int, nbytes: int, run_starts: Sequence[int], run_bytes: int
-    ) -> Iterator[tuple[mmap.mmap, int] | None]:
-        """The bytes `[offset, offset + nbytes)` mapped read-only: yields `(map, at)`, the range
-        starting at byte `at` of `map`, or None where the file cannot be mapped (the caller
-        preads instead). A box of many short runs (a tp shard of a row-parallel weight: half
-        of every row) is then copied straight out of the page cache by its consumer (one
-        strided or transposing copy) instead of one pread a run; only the pages holding its
-        bytes are touched. `run_starts` (byte offsets from `offset`) and `run_bytes`: the runs
-        the caller copies out, counted as read (one call). The file is checked long enough first
-        (a truncated file is a FormatError, not a SIGBUS); it must not shrink while mapped.
-        Every view of the map must be dropped before the block ends (else the unmap waits for
-        the garbage collector)."""
-        fd = self._fd_holding(offset, nbytes)
-        base = offset - offset % mmap.ALLOCATIONGRANULARITY
-        try:
-            m = mmap.mmap(fd, offset + nbytes - base, prot=mmap.PROT_READ, offset=base)
-        except (OSError, ValueError):  # a filesystem without mmap (some FUSE mounts)
-            yield None
-            return
-        try:
-            yield m, offset - base
-            _count(self.path, len(run_starts) * run_bytes)
-        finally:
-            try:
-                m.close()
-            except BufferError:  # a view still held (an exception's traceback): unmapped by GC
-                pass
+    def read_span(self, offset: int, nbytes: int, run_starts: Sequence[int], run_bytes: int) -> np.ndarray:
+        """The bytes `[offset, offset + nbytes)` as a fresh uint8 array, read by pread (the caller
+        bounds `nbytes`), for a box of many short runs less than a page apart (a tp shard of a
+        row-parallel weight: half of every row): its consumer then makes one strided,
+        transposing or casting copy out of this buffer instead of one pread a run. The runs
+        (`run_starts`, byte offsets from `offset`, of `run_bytes` each) are what the counter adds
+        to the file's bytes; the gaps, which lie in the pages the runs touch anyway, go to
+        `(path, "gap")`. The file is never mapped: a file that another process truncates while it
+        is read is a FormatError ("truncated"), never a SIGBUS."""
+        buf = np.empty(nbytes, dtype=np.uint8)
+        if nbytes:
+            self._pread_into(offset, memoryview(buf))
+            useful = len(run_starts) * run_bytes
+            _count(self.path, useful)
+            if nbytes > useful and _counters:
+                with _lock:
+                    for c in _counters:
+                        c[(self.path, "gap")] += nbytes - useful
+        return buf
 
     def copy_to(self, offset: int, nbytes: int, out_fd: int, out_offset: int) -> None:
         """Copy bytes `[offset, offset + nbytes)` of the file to byte `out_offset` of the open file

@@ -47,6 +47,7 @@ class SequentialFile:
         self._bufs = [memoryview(aligned_empty((buffer_bytes,), np.uint8)) for _ in range(2)]
         self._cur, self._fill, self._base = 0, 0, 0  # buffer in use, bytes in it, its file offset
         self._pending: Future | None = None
+        self._rfd: int | None = None  # opened to feed run checks back (buffered copies)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="hybridckpt-write")
 
     @property
@@ -70,9 +71,11 @@ class SequentialFile:
             if self._fill == len(self._bufs[self._cur]):
                 self._flush()
 
-    def copy_run(self, source: ByteSource, offset: int, nbytes: int) -> None:
+    def copy_run(self, source: ByteSource, offset: int, nbytes: int, check=None) -> None:
         """Append bytes `[offset, offset + nbytes)` of `source` as they are: read straight into
-        the write buffer (direct), or copied file to file by the kernel (buffered)."""
+        the write buffer (direct), or copied file to file by the kernel (buffered). `check` (a
+        `FileRun.check`) is fed the bytes in order: from the write buffer, or, where the kernel
+        copied them, read back from the new file in blocks (its page cache)."""
         if self._dfd is None:  # the page cache path: no user-space copy at all
             self._drain()
             self._write_out(self._bufs[self._cur][: self._fill], self._base)  # what is buffered
@@ -80,10 +83,15 @@ class SequentialFile:
             source.copy_to(offset, nbytes, self._fd, at)
             start_writeback(self._fd, at, nbytes)
             self._base, self._fill = at + nbytes, 0
+            if check is not None:
+                self._feed_back(at, nbytes, check)
             return
         while nbytes:
             n = min(nbytes, len(self._bufs[self._cur]) - self._fill)
-            source.read_into(offset, self._bufs[self._cur][self._fill : self._fill + n])
+            piece = self._bufs[self._cur][self._fill : self._fill + n]
+            source.read_into(offset, piece)
+            if check is not None:
+                check.feed(piece)
             self._fill += n
             offset, nbytes = offset + n, nbytes - n
             if self._fill == len(self._bufs[self._cur]):
@@ -110,10 +118,10 @@ class SequentialFile:
                 self._pending = None
         finally:
             self._writer.shutdown(wait=True)
-            for fd in (self._fd, self._dfd):
+            for fd in (self._fd, self._dfd, self._rfd):
                 if fd is not None:
                     os.close(fd)
-            self._fd = self._dfd = None
+            self._fd = self._dfd = self._rfd = None
 
     def __enter__(self) -> SequentialFile:
         return self
@@ -125,6 +133,22 @@ class SequentialFile:
             self.abort()
 
     # -- internals --------------------------------------------------------------------------------
+
+    def _feed_back(self, at: int, nbytes: int, check) -> None:
+        """Feed `check` the bytes `[at, at + nbytes)` just copied into this file by the kernel."""
+        scratch = self._bufs[1 - self._cur]  # free: the other buffer is drained
+        while nbytes:
+            n = min(nbytes, len(scratch))
+            got = os.preadv(self._fd_read(), [scratch[:n]], at)
+            if got <= 0:
+                raise OSError(f"{self.path}: cannot read back bytes at {at}")
+            check.feed(scratch[:got])
+            at, nbytes = at + got, nbytes - got
+
+    def _fd_read(self) -> int:
+        if self._rfd is None:
+            self._rfd = os.open(self.path, os.O_RDONLY)
+        return self._rfd
 
     def _flush(self) -> None:
         """The current buffer is full: write it in the background, go on in the other."""

@@ -1,4 +1,5 @@
-"""The export job: any checkpoint (ours included) to one single-card safetensors folder, streamed.
+"""The export job: any checkpoint (ours included) to one folder of any layout a writer offers
+(`hybridckpt.writers`: an HF single-card safetensors folder by default), streamed.
 
 - With a model config: the model's tensors under HF names (`naming.model_hf`: every name and
   shape checked against the model, buffers and tied copies dropped), `config.json`, and with
@@ -8,8 +9,8 @@
   ZeRO pieces joined, with the slots when asked: the job of `dcp_to_torch_save` and
   `zero_to_fp32`, in bounded memory.
 
-Streams: each tensor is read (by `io_threads` readers, ahead of the writer within a window of the
-largest tensor up to `WRITE_BLOCK_BYTES`) and written before the next ones are read; a larger one
+Streams (the HF writer, `writers.hf_folder.write_export`): each tensor is read (by `io_threads`
+readers, ahead of the writer within a window of the largest tensor up to `WRITE_BLOCK_BYTES`) and written before the next ones are read; a larger one
 is read and written in blocks of rows of that size, so peak host memory is a couple of blocks
 (our raw Orbax store, read without JAX or Orbax, exports in under 256 MiB whatever its size:
 README "The Orbax write and read paths"); tensors whose bytes already lie in the source files in the order they must be written
@@ -27,9 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hybridckpt import lazy
 from hybridckpt.errors import CheckpointError
-from hybridckpt.lazy import LazyTensor
 
 Progress = Callable[[str, int], None]  # (tensor name, bytes) after each tensor
 
@@ -62,6 +61,7 @@ def export_checkpoint(
     io_threads: int | None = None,
     to: str = "hf",
     direct_io: bool = True,
+    verify_reads: bool = True,
 ) -> ExportSummary:
     """Any supported checkpoint (Orbax included) -> one safetensors folder at `out`.
 
@@ -69,73 +69,29 @@ def export_checkpoint(
     config: a config path or model config for sources that carry none (omit it to consolidate
       under the source's own names). step: which step of a hybridckpt (Orbax) source.
     to: "hf", or a Paddle unified layout ("paddlenlp-unified", "paddleformers-unified":
-      `formats/paddle/export.py`).
+      `writers/paddle_unified.py`).
     direct_io: the HF safetensors files written with O_DIRECT through two aligned buffers (default;
       False: through the page cache, runs copied file to file by the kernel): `io.sequential_file`.
+    verify_reads: a hybridckpt (Orbax) source's chunks checked against their import's CRC-32s.
     """
-    from hybridckpt import naming
-    from hybridckpt.io import parallel
-    from hybridckpt.io.hf_folder import DEFAULT_SHARD_BYTES, write_hf
-    from hybridckpt.io.safetensors_file import WRITE_BLOCK_BYTES
+    from hybridckpt import naming, writers
     from hybridckpt.jobs.import_ import np_dtype
     from hybridckpt.jobs.open import open_checkpoint
+    from hybridckpt.lazy import parallel
+    from hybridckpt.writers.destination import Destination
 
     t0 = time.perf_counter()
     if io_threads is not None:
         parallel.set_io_threads(io_threads)
-    opened = open_checkpoint(src, fmt, config=config, rules=rules, step=step)
-    cfg = opened.config
-    named = naming.model_hf(opened.named, cfg) if cfg is not None else opened.named
-    if to != "hf":  # Paddle's unified layouts (formats/paddle/export.py)
-        from hybridckpt.formats.paddle.export import write_export
-
-        if optimizer and not named.slots:
-            raise CheckpointError(f"{opened.path}: has no optimizer state to export (drop --optimizer)")
-        files = write_export(os.fspath(out), named.params, cfg, layout=to, slots=named.slots if optimizer else None,
-                             step=named.step, dtype=np_dtype(dtype) if dtype else None, overwrite=overwrite)
-        nbytes = sum(t.nbytes for t in named.params.values())
-        return ExportSummary(opened.format, os.path.abspath(out), tuple(files), len(named.params), nbytes,
-                             time.perf_counter() - t0, optimizer, opened.notes)
-    params = dict(named.params)
-    if dtype is not None:
-        params = {k: lazy.cast(v, np_dtype(dtype)) for k, v in params.items()}
-    slots: dict[str, dict[str, LazyTensor]] = {}
-    if optimizer:
-        if not named.slots:
-            raise CheckpointError(f"{opened.path}: has no optimizer state to export (drop --optimizer)")
-        slots = {s: dict(t) for s, t in named.slots.items()}
-    # read ahead in the order write_hf writes: model tensors by name, then optimizer tensors
-    # by name (`<name>.<slot>`); tensors the writer copies file to file are not read ahead
-    staged: dict[tuple[str, str], LazyTensor] = {("model", k): v for k, v in params.items()}
-    for slot, tensors in slots.items():
-        staged |= {("optimizer", f"{k}.{slot}"): v for k, v in tensors.items()}
-    all_t = list(staged.values())
-    # tensors the writer copies file to file, or reads and writes in row blocks (larger than
-    # `WRITE_BLOCK_BYTES`), are not read ahead: the read-ahead window is at most one block
-    staged = {k: v for k, v in staged.items() if v.nbytes <= WRITE_BLOCK_BYTES and lazy.copy_runs(v) is None}
-    order = sorted(k for k in staged if k[0] == "model") + sorted(k for k in staged if k[0] == "optimizer")
-    window = max((t.nbytes for t in staged.values()), default=0)
-    ahead = parallel.Prefetcher(staged, order, window).tensors()
-    params = {k: ahead.get(("model", k), v) for k, v in params.items()}
-    slots = {s: {k: ahead.get(("optimizer", f"{k}.{s}"), v) for k, v in t.items()} for s, t in slots.items()}
-    set_total = getattr(progress, "set_total", None)
-    if set_total is not None:
-        set_total(sum(t.nbytes for t in all_t))
-    hf_cfg = None
-    if cfg is not None:
-        import models
-
-        hf_cfg = models.config_to_hf(cfg)
-    trainer = {"step": named.step, "source_format": opened.format}
-    if slots:
-        trainer["optimizer_name"] = named.optimizer.name
-    files = write_hf(
-        os.fspath(out), params, hf_cfg, slots=slots or None, step=named.step,
-        with_step=bool(slots) and named.optimizer.has_step, trainer=trainer,
-        max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES, overwrite=overwrite, on_tensor=progress,
-        direct_io=direct_io,
-    )
-    return ExportSummary(
-        opened.format, os.path.abspath(out), tuple(files), len(all_t), sum(t.nbytes for t in all_t),
-        time.perf_counter() - t0, bool(slots), opened.notes,
-    )
+    opened = open_checkpoint(src, fmt, config=config, rules=rules, step=step, verify_reads=verify_reads)
+    Destination(out, overwrite=overwrite, sources=[opened.path]).preflight()  # before any read
+    named = naming.model_hf(opened.named, opened.config) if opened.config is not None else opened.named
+    if optimizer and not named.slots:
+        raise CheckpointError(f"{opened.path}: has no optimizer state to export (drop --optimizer)")
+    done = writers.write(writers.ExportRequest(
+        to, os.fspath(out), named, opened.config, optimizer=optimizer, dtype=np_dtype(dtype) if dtype else None,
+        max_shard_bytes=max_shard_bytes, overwrite=overwrite, progress=progress, direct_io=direct_io,
+        sources=(opened.path,), source_format=opened.format, trainer=dict(opened.trainer),
+    ))
+    return ExportSummary(opened.format, os.path.abspath(out), done.files, done.tensors, done.nbytes,
+                         time.perf_counter() - t0, optimizer, opened.notes)

@@ -25,9 +25,12 @@ import numpy as np
 from hybridckpt import lazy
 from hybridckpt.errors import ConfigError
 from hybridckpt.naming import flatten, nest
+from hybridckpt.store.keys import NAMES_KEY
 
 Progress = Callable[[str, int], None]  # (tensor name, bytes) after each tensor
-CHECKSUM_KEYS = ("checksums", "checksum_chunks", "checksum_algorithm")  # trainer_state keys of an import's
+CRC_TABLES = "chunk_crc32"  # trainer_state key: array name -> its chunks' CRC-32s (`checksum.encode_crcs`)
+ARRAY_SPECS = "array_specs"  # trainer_state key: array name -> {"shape", "dtype"} as written
+CHECKSUM_KEYS = ("checksums", "checksum_chunks", "checksum_algorithm", CRC_TABLES, ARRAY_SPECS)  # trainer_state keys of an import's
 # checksums: a source that is itself one of our imports does not pass its own along
 
 
@@ -77,6 +80,7 @@ def import_checkpoint(
     stream_options: Any = None,
     compression: str | None = None,
     direct_io: bool | None = None,
+    verify_reads: bool = True,
 ) -> ImportSummary:
     """Import any supported checkpoint into an Orbax checkpoint at `dst` on `mesh`, streaming.
 
@@ -91,24 +95,31 @@ def import_checkpoint(
       file-to-file export), "zstd" (Orbax's default, level 1) or "zstd:LEVEL"; see `store.stream`.
     direct_io: raw chunk files of whole 4 KiB blocks written with O_DIRECT, bypassing the page
       cache (default True; False: buffered writes); see `store.chunk_files`.
+    verify_reads: a hybridckpt (Orbax) source's chunks checked against their import's CRC-32s.
     """
     import jax
 
-    import models
-    from hybridckpt import naming, plan
-    from hybridckpt.io import parallel
+    from hybridckpt import models, naming, plan
     from hybridckpt.jobs.open import open_checkpoint
+    from hybridckpt.lazy import parallel
     from hybridckpt.mesh import MeshShape, mesh_from_shape
     from hybridckpt.store import stream
     from hybridckpt.store.codec import parse_compression
     from hybridckpt.store.save import save_checkpoint
+    from hybridckpt.writers.destination import Destination
 
     t0 = time.perf_counter()
     if io_threads is not None:
         parallel.set_io_threads(io_threads)
-    opened = open_checkpoint(src, fmt, config=config, rules=rules, step=step)
+    opened = open_checkpoint(src, fmt, config=config, rules=rules, step=step, verify_reads=verify_reads)
+    if jax.process_index() == 0:  # before any read: the same checks as the save's
+        Destination(dst, overwrite=overwrite, sources=[opened.path]).preflight()
     cfg = opened.config
-    named = naming.hf_to_tree(opened.named, cfg) if cfg is not None else opened.named
+    escaped: dict[str, str] = {}
+    if cfg is not None:
+        named = naming.hf_to_tree(opened.named, cfg)
+    else:  # the source's own names: data, stored under safe keys (`store.keys`)
+        named, escaped = _under_storage_keys(opened.named)
     jmesh = mesh if isinstance(mesh, jax.sharding.Mesh) else mesh_from_shape(
         MeshShape.parse(mesh) if isinstance(mesh, str) else mesh
     )
@@ -127,6 +138,7 @@ def import_checkpoint(
     if direct_io is not None:
         opts.direct_io = bool(direct_io)
     leaves: dict[str, stream.LazyLeaf] = {}
+    counted: dict[str, stream.LazyLeaf] = {}  # leaves checksummed beyond `leaves`: the step counter
 
     def lazy_tree(flat: dict, shardings: Any, cast: np.dtype | None, prefix: str) -> dict:
         flat_s, flat_c = flatten(shardings), flatten(p.chunk_axes)
@@ -148,6 +160,7 @@ def import_checkpoint(
         count = stream.LazyLeaf(
             lazy.ArrayTensor(np.asarray(named.step or 0, dtype=np.int32)), p.step_sharding, "count", options=opts
         )
+        counted["count"] = count  # (checksummed like the arrays, not counted among them)
         opt_state = optim.state(opt, p.opt_shapes, slots, count)
         opt_state = _zeros_for_the_rest(opt_state, p, opts)
     out_step = int(opened.step or 0)
@@ -156,24 +169,33 @@ def import_checkpoint(
         "model_config": models.config_to_dict(cfg) if cfg is not None else None,
         "optimizer": opt.name if opt is not None else None,
         "source": {"format": opened.format, "path": opened.path, "topology": dict(opened.topology)},
-        **{k: v for k, v in opened.trainer.items() if k not in ("step", "model_config", "mesh", "optimizer", *CHECKSUM_KEYS)},
+        **{k: v for k, v in opened.trainer.items() if k not in ("step", "model_config", "mesh", "optimizer", NAMES_KEY, *CHECKSUM_KEYS)},
     }
+    if escaped:
+        trainer[NAMES_KEY] = escaped
 
     def checksums() -> dict:
-        from hybridckpt.checksum import CHUNKS, to_hex
+        from hybridckpt.checksum import CHUNKS, encode_crcs, to_hex
 
-        sums = {name: to_hex(leaf.checksum) for name, leaf in leaves.items()}
+        recorded = leaves | counted
+        sums = {name: to_hex(leaf.checksum) for name, leaf in recorded.items()}
+        tables = {name: leaf.crc_table() for name, leaf in recorded.items()}
+        if jax.process_count() > 1:
+            sums, tables = _sum_across_processes(sums), _gather_crc_tables(tables)
         return {
             "checksum_algorithm": CHUNKS,
-            "checksum_chunks": {name: list(leaf.checksum_chunk or leaf.shape) for name, leaf in leaves.items()},
-            "checksums": _sum_across_processes(sums) if jax.process_count() > 1 else sums,
+            "checksum_chunks": {name: list(leaf.checksum_chunk or leaf.shape) for name, leaf in recorded.items()},
+            "checksums": sums,
+            CRC_TABLES: {name: encode_crcs(t) for name, t in tables.items()},
+            ARRAY_SPECS: {name: {"shape": list(leaf.shape), "dtype": leaf.dtype.name} for name, leaf in recorded.items()},
         }
 
     set_total = getattr(progress, "set_total", None)
     if set_total is not None:  # every leaf written, the step counter included
         written = jax.tree.leaves((params, opt_state), is_leaf=lambda x: isinstance(x, stream.LazyLeaf))
         set_total(sum(x.nbytes for x in written if isinstance(x, stream.LazyLeaf)))
-    save_checkpoint(dst, out_step, params, opt_state, trainer, overwrite=overwrite, trainer_state_after=checksums)
+    save_checkpoint(dst, out_step, params, opt_state, trainer, overwrite=overwrite, trainer_state_after=checksums,
+                    sources=[opened.path])
     nbytes = sum(x.nbytes for x in leaves.values())
     notes = opened.notes + opened.named.report + named.report[len(opened.named.report):] + p.notes
     if cfg is None:
@@ -186,6 +208,21 @@ def import_checkpoint(
         time.perf_counter() - t0, opt is not None, tuple(dict.fromkeys(notes)),
         sum(1 for k in leaves if k.startswith("params.")), len(opened.named.params),
     )
+
+
+def _under_storage_keys(named: Any) -> tuple[Any, dict[str, str]]:
+    """`named` with every param and slot tensor under its storage key (`store.keys`), and the
+    escaped keys' original names."""
+    from dataclasses import replace
+
+    from hybridckpt.store.keys import storage_keys
+
+    keys, escaped = storage_keys({*named.params, *(n for t in named.slots.values() for n in t)})
+    return replace(
+        named,
+        params={keys[n]: t for n, t in named.params.items()},
+        slots={s: {keys[n]: t for n, t in ts.items()} for s, ts in named.slots.items()},
+    ), escaped
 
 
 def _check_slots_match_params(named: Any, path: str) -> None:
@@ -218,6 +255,23 @@ def _zeros_for_the_rest(state: Any, p: Any, opts: Any) -> Any:
         return x
 
     return jax.tree.map(fill, state, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct | stream.LazyLeaf))
+
+
+def _gather_crc_tables(tables: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every process's CRC tables summed: each chunk is written (and its entry set) by exactly
+    one process, the others hold 0 there. As int32 halves (jax runs without x64)."""
+    from jax.experimental import multihost_utils
+
+    names = sorted(tables)
+    flat = np.concatenate([tables[n].astype(np.int64) for n in names]) if names else np.zeros(0, np.int64)
+    halves = np.stack([flat & 0xFFFF, flat >> 16]).astype(np.int32)
+    gathered = np.asarray(multihost_utils.process_allgather(halves)).astype(np.int64).sum(axis=0)
+    total = (gathered[0] + (gathered[1] << 16)).astype(np.uint32)
+    out, at = {}, 0
+    for n in names:
+        out[n] = total[at : at + len(tables[n])]
+        at += len(tables[n])
+    return out
 
 
 def _sum_across_processes(sums: dict[str, str]) -> dict[str, str]:

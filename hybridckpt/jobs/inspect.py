@@ -31,16 +31,16 @@ def _pieces(t: LazyTensor) -> int:
 def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, step: int | None = None) -> dict:
     """Format, topology, step, config and tensors (name, global shape, dtype, pieces) of a
     checkpoint, as a JSON-able dict."""
-    from hybridckpt import formats
+    from hybridckpt import readers
     from hybridckpt.jobs.open import _config_arg
-    from hybridckpt.store import source as store_source
+    from hybridckpt.store import as_source as store_source
 
     path = os.path.abspath(os.fspath(path))
-    fmt = formats.detect(path) if fmt == "auto" else fmt
+    fmt = readers.detect(path) if fmt == "auto" else fmt
     if fmt == store_source.NAME:
         return store_source.describe(path, step)
     cfg = _config_arg(config)
-    src = formats.open_source(path, fmt, config=cfg)
+    src = readers.open_source(path, fmt, config=cfg)
     cfg = cfg or src.config
     info: dict[str, Any] = {
         "format": src.format,
@@ -57,7 +57,7 @@ def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, s
         "notes": list(src.notes),
     }
     if cfg is not None:
-        import models
+        from hybridckpt import models
 
         info["config"] = models.config_to_dict(cfg)
     if src.optimizer:

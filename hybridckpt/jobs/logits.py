@@ -25,18 +25,19 @@ def logits(
     fmt: str = "auto",
     step: int | None = None,
     compute_dtype: str = "float32",
+    verify_reads: bool = True,
 ) -> np.ndarray:
-    """The model's logits `[batch, seq, vocab]` (fp32) for int `tokens` `[seq]` or `[batch, seq]`."""
+    """The model's logits `[batch, seq, vocab]` (fp32) for int `tokens` `[seq]` or `[batch, seq]`
+    (`verify_reads`: a hybridckpt source's chunks checked against their import's CRC-32s)."""
     import jax
     import jax.numpy as jnp
 
-    import models
-    from hybridckpt import naming, plan
+    from hybridckpt import models, naming, plan
     from hybridckpt.jobs.open import open_checkpoint, require_config
     from hybridckpt.mesh import MeshShape, mesh_from_shape
     from hybridckpt.place import assemble
 
-    opened = open_checkpoint(src, fmt, config=config, step=step)
+    opened = open_checkpoint(src, fmt, config=config, step=step, verify_reads=verify_reads)
     cfg = require_config(opened, "logits")
     toks = np.asarray(tokens, dtype=np.int32)
     if toks.ndim == 1:

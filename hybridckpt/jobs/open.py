@@ -1,7 +1,7 @@
 """Open any checkpoint, ours included: HF-named lazy tensors, optimizer slots, trainer metadata.
 
 `open_checkpoint` is the one way every job sees a checkpoint. It detects the format (or takes
-`fmt`), asks the format (or `store.source` for our own Orbax checkpoints) for a `SourceCheckpoint`
+`fmt`), asks the format (or `store.as_source` for our own Orbax checkpoints) for a `SourceCheckpoint`
 and renames it once, by rules only (`naming.source_to_hf`), to single-card HF names. A source with
 no model config and no `config=` is opened model-agnostic: its tensors keep the source's own
 names (tensor-parallel pieces already merged, pipeline stages already global), which is what
@@ -16,15 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridckpt import naming
-from hybridckpt.errors import CheckpointError, ConfigError, FormatError, MappingError
+from hybridckpt.errors import CheckpointError, ConfigError, FormatError
 from hybridckpt.formats.config_file import read_json
-from hybridckpt.formats.rules_files import load_user_rules
 from hybridckpt.naming import Named
 
 
 def load_config_file(path: str, vocab_size: int | None = None) -> Any:
     """A model config from an HF `config.json` or a Meta `params.json`."""
-    import models
+    from hybridckpt import models
 
     try:
         data = read_json(path)
@@ -76,68 +75,29 @@ def open_checkpoint(
     rules: str | os.PathLike | None = None,
     step: int | None = None,
     strict: bool = True,
+    verify_reads: bool = True,
 ) -> Opened:
     """Open `path` (any supported format, our Orbax checkpoints included) without reading it.
 
     config: an HF `config.json` / Meta `params.json` path or a model config, for sources that
       carry none (or to override theirs). rules: a user rules file applied before the format's.
     step: which step of our Orbax checkpoint (default: latest); other formats hold one step.
+    verify_reads: every read of our Orbax checkpoint is checked against the CRC-32s its import
+      recorded (`store.checked`); False reads it unchecked.
     """
-    from hybridckpt import formats
+    from hybridckpt import readers
 
     path = os.path.abspath(os.fspath(path))
     cfg = _config_arg(config)
-    fmt = formats.detect(path) if fmt == "auto" else fmt
+    fmt = readers.detect(path) if fmt == "auto" else fmt
     if step is not None and fmt != "orbax":
         raise CheckpointError(
             f"{path}: --step selects a step of a hybridckpt (Orbax) checkpoint; this {fmt} "
             f"checkpoint holds one step"
         )
-    src = formats.open_source(path, fmt, config=cfg, step=step)
-    cfg = cfg or src.config
-    notes = tuple(src.notes)
-    if cfg is None:
-        named = naming.source_named(src)
-        if rules:
-            user = load_user_rules(os.fspath(rules), dict(src.rule_vars), named.params)
-            named = naming.map_named(named, user, strict=strict)
-        notes = named.notes
-    else:
-        import models
-
-        user = (
-            load_user_rules(os.fspath(rules), models.rule_variables(cfg), naming.source_named(src).params)
-            if rules
-            else None
-        )
-        try:
-            named = naming.source_to_hf(src, cfg, user_rules=user, strict=strict)
-        except MappingError:
-            _check_fits(src, None, cfg, path)
-            raise
-        cfg = models.fit_to_hf_names(cfg, named.params)  # parts a checkpoint may leave out
-        _check_fits(src, named, cfg, path)
-        notes = named.notes
-    return Opened(src.format, path, cfg, named, dict(src.trainer), dict(src.topology), notes)
-
-
-def _check_fits(src: Any, named: Named | None, cfg: Any, path: str) -> None:
-    """A ConfigError when the config's model is not the checkpoint's (fewer than half of the
-    model's tensors found under its HF names): said plainly, before any rule's error."""
-    import models
-
-    want = naming.model_hf_shapes(cfg)
-    have = set(named.params) if named is not None else set()
-    if named is not None and 2 * len(have & set(want)) >= len(want):
-        return
-    fam = models.family_of(cfg)
-    arch = ", ".join(fam.hf_architectures)
-    theirs = sorted(src.tensors)[:3]
-    raise ConfigError(
-        f"{path}: the config describes a {fam.name} model ({arch}), but this {src.format} "
-        f"checkpoint's tensors are not that model's (the model expects names like "
-        f"{sorted(want)[:2]}, the checkpoint has {theirs}); pass the checkpoint's own config"
-    )
+    src = readers.open_source(path, fmt, config=cfg, step=step, verify_reads=verify_reads)
+    named, cfg = naming.named_for_model(src, cfg or src.config, rules=rules, strict=strict)
+    return Opened(src.format, path, cfg, named, dict(src.trainer), dict(src.topology), named.notes)
 
 
 def require_config(opened: Opened, what: str) -> Any:

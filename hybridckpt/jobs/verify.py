@@ -3,7 +3,9 @@ re-read from disk against the checksums recorded when it was imported.
 
 - `verify(a, b)`: both opened (`jobs.open`) and, with a model config, reduced to the model's
   tensors under HF names (`naming.model_hf`); without one, compared under the source's names.
-  Per tensor the max |a - b| in float64 (NaN equal to NaN); `atol=0` means bit for bit.
+  Params, every optimizer slot, the step and the trainer-state values both record; per tensor
+  the max |a - b| in float64 (NaN equal to NaN), read in blocks of rows (bounded memory);
+  `atol=0` means bit for bit.
 - `verify_checksums(path)`: every array of the params and optimizer items read from disk (lazily,
   a fresh TensorStore context, one tile at a time: bounded memory) and its checksum
   (`hybridckpt.checksum`) compared with `trainer_state["checksums"]`: by the definition
@@ -31,40 +33,70 @@ TILE_BYTES = 64 << 20  # verify_checksums reads at most this many bytes of an ar
 
 @dataclass(frozen=True)
 class TensorDiff:
+    """One compared item: a tensor (`kind` "param", or "slot" with the slot in its name,
+    `name [exp_avg]`), the optimizer step ("step") or a trainer-state value ("trainer")."""
+
     name: str
     shape: tuple[int, ...]
     max_abs_diff: float
     ok: bool
-    reason: str = ""  # why a checksum row is bad: "differs", "not recorded", "unreadable: ..."
+    reason: str = ""  # why a row is bad: "differs", "not recorded", "unreadable: ...", "a: 3, b: 4"
+    kind: str = "param"
+
+
+COMPARE_BLOCK_BYTES = 64 << 20  # a tensor is compared this many bytes of rows at a time
+TRAINER_KEYS = ("consumed_samples", "batch_index", "global_batch_size", "lr")  # compared where both record them
+
+
+def _blocks(t: LazyTensor):
+    """`t`'s C-order blocks of leading rows of at most COMPARE_BLOCK_BYTES (bounded memory)."""
+    if not t.shape:
+        yield ()
+        return
+    row = math.prod(t.shape[1:]) * np.dtype(t.dtype).itemsize
+    step = max(1, COMPARE_BLOCK_BYTES // max(row, 1))
+    rest = tuple((0, n) for n in t.shape[1:])
+    for a in range(0, max(t.shape[0], 1), step):
+        yield ((a, min(t.shape[0], a + step)), *rest)
+
+
+def _max_diff(ta: LazyTensor, tb: LazyTensor) -> float:
+    """max |a - b| in float64 over both tensors (NaN equal to NaN), block by block."""
+    diff = 0.0
+    for box in _blocks(ta):
+        xa = ta.read_box(box).astype(np.float64)
+        xb = tb.read_box(box).astype(np.float64)
+        d = np.where(np.isnan(xa) & np.isnan(xb), 0.0, np.abs(xa - xb))
+        if d.size:
+            diff = max(diff, float(d.max()))
+    return diff
 
 
 def compare_tensors(
-    a: Mapping[str, LazyTensor], b: Mapping[str, LazyTensor], atol: float = 0.0, on_tensor: Progress | None = None
+    a: Mapping[str, LazyTensor], b: Mapping[str, LazyTensor], atol: float = 0.0, on_tensor: Progress | None = None,
+    kind: str = "param",
 ) -> tuple[list[TensorDiff], list[str], list[str]]:
     """Per-tensor max |a - b| (in float64), plus names only in a and only in b."""
     rows = []
     for name in sorted(set(a) & set(b)):
         ta, tb = a[name], b[name]
         if ta.shape != tb.shape:
-            rows.append(TensorDiff(name, tuple(ta.shape), float("inf"), False))
+            rows.append(TensorDiff(name, tuple(ta.shape), float("inf"), False,
+                                   f"shapes differ: {list(ta.shape)} vs {list(tb.shape)}", kind))
             continue
-        xa = ta.materialize().astype(np.float64)
-        xb = tb.materialize().astype(np.float64)
-        both_nan = np.isnan(xa) & np.isnan(xb)
-        d = np.where(both_nan, 0.0, np.abs(xa - xb))
-        diff = float(d.max()) if d.size else 0.0
-        rows.append(TensorDiff(name, tuple(ta.shape), diff, diff <= atol))
+        diff = _max_diff(ta, tb)
+        rows.append(TensorDiff(name, tuple(ta.shape), diff, diff <= atol, "" if diff <= atol else "values differ", kind))
         if on_tensor:
             on_tensor(name, ta.nbytes)
     return rows, sorted(set(a) - set(b)), sorted(set(b) - set(a))
 
 
-def _model_tensors(opened: Any) -> dict[str, LazyTensor]:
+def _model_named(opened: Any) -> Any:
     from hybridckpt import naming
 
     if opened.config is None:
-        return dict(opened.named.params)
-    return dict(naming.model_hf(opened.named, opened.config).params)
+        return opened.named
+    return naming.model_hf(opened.named, opened.config)
 
 
 def verify(
@@ -74,14 +106,60 @@ def verify(
     atol: float = 0.0,
     config: Any = None,
     progress: Progress | None = None,
+    params_only: bool = False,
+    verify_reads: bool = True,
 ) -> tuple[list[TensorDiff], list[str], list[str]]:
-    """Compare two checkpoints of any formats tensor by tensor (under HF names when a model
-    config is known): (rows, names only in a, names only in b)."""
+    """Compare two checkpoints of any formats (under HF names when a model config is known):
+    every param, and unless `params_only` every optimizer slot's tensor (`name [slot]`), the
+    optimizer step and the trainer-state values both record (`TRAINER_KEYS`). Returns (rows,
+    names only in a, names only in b); a checkpoint without optimizer state beside one with it
+    is one entry, `[optimizer state: ...]`, in the other's list."""
     from hybridckpt.jobs.open import open_checkpoint
 
-    oa = open_checkpoint(a, config=config)
-    ob = open_checkpoint(b, config=config)
-    return compare_tensors(_model_tensors(oa), _model_tensors(ob), atol, progress)
+    oa = open_checkpoint(a, config=config, verify_reads=verify_reads)
+    ob = open_checkpoint(b, config=config, verify_reads=verify_reads)
+    na, nb = _model_named(oa), _model_named(ob)
+    rows, only_a, only_b = compare_tensors(na.params, nb.params, atol, progress)
+    if params_only:
+        return rows, only_a, only_b
+    if bool(na.slots) != bool(nb.slots):
+        held = na.slots or nb.slots
+        entry = (f"[optimizer state: {sum(len(t) for t in held.values())} tensors of slots "
+                 f"{', '.join(sorted(held))}; compare params alone with params_only / --params-only]")
+        (only_a if na.slots else only_b).append(entry)
+        return rows, only_a, only_b
+    for slot in sorted(set(na.slots) | set(nb.slots)):
+        sa = {f"{n} [{slot}]": t for n, t in na.slots.get(slot, {}).items()}
+        sb = {f"{n} [{slot}]": t for n, t in nb.slots.get(slot, {}).items()}
+        r, oa_, ob_ = compare_tensors(sa, sb, atol, progress, kind="slot")
+        rows, only_a, only_b = rows + r, only_a + oa_, only_b + ob_
+    if na.slots:
+        same = na.step == nb.step
+        rows.append(TensorDiff("step", (), 0.0 if same else float("inf"), same,
+                               "" if same else f"a: {na.step}, b: {nb.step}", "step"))
+    for key in TRAINER_KEYS:
+        va, vb = oa.trainer.get(key), ob.trainer.get(key)
+        if va is not None and vb is not None:
+            same = va == vb
+            rows.append(TensorDiff(f"trainer_state.{key}", (), 0.0 if same else float("inf"), same,
+                                   "" if same else f"a: {va!r:.40}, b: {vb!r:.40}", "trainer"))
+    return rows, only_a, only_b
+
+
+def compared(rows: list[TensorDiff]) -> str:
+    """What `verify` compared, in words: "12 params, 24 optimizer tensors (exp_avg, exp_avg_sq),
+    the step, trainer state consumed_samples"."""
+    params = sum(r.kind == "param" for r in rows)
+    slots = sorted({r.name.rsplit(" [", 1)[-1].rstrip("]") for r in rows if r.kind == "slot"})
+    out = [f"{params} params"]
+    if slots:
+        out.append(f"{sum(r.kind == 'slot' for r in rows)} optimizer tensors ({', '.join(slots)})")
+    if any(r.kind == "step" for r in rows):
+        out.append("the step")
+    keys = [r.name.split(".", 1)[1] for r in rows if r.kind == "trainer"]
+    if keys:
+        out.append(f"trainer state {', '.join(keys)}")
+    return ", ".join(out)
 
 
 def _tiles(shape: tuple[int, ...], itemsize: int) -> list[tuple[tuple[int, int], ...]]:
@@ -101,8 +179,8 @@ def verify_checksums(
     one recorded at import; max_abs_diff is 0 (match) or inf (differs, or not recorded)."""
     from hybridckpt import checksum, optim
     from hybridckpt.errors import HybridCkptError
+    from hybridckpt.store.as_source import resolve
     from hybridckpt.store.reader import UnreadableArray, item_arrays
-    from hybridckpt.store.source import resolve
 
     root, step, state = resolve(os.fspath(path), step)
     recorded = state.get("checksums")

@@ -36,6 +36,9 @@ Modules (each imports only those above it):
 - `constructors`   `as_lazy`, `cast`, `transpose`, `reshape`, `slice_axis`, `index0`, `concat`,
                    `split`: views with no-ops and chains folded.
 - `strided`        `stored_strided`: torch's `(shape, strides, storage_offset)` views of a storage.
+- `tiled`          `Tiled`: a global tensor of blocks at their offsets (DCP chunks, store chunks).
+- `parallel`       the pool of readers: boxes read in parallel within a byte budget (not
+                   re-exported: `from hybridckpt.lazy import parallel`).
 """
 
 from hybridckpt.lazy.base import Deferred, FileRun, LazyTensor, copy_into
@@ -51,6 +54,7 @@ from hybridckpt.lazy.box import (
     full_box,
     grid_boxes,
     normalize_box,
+    shape_problem,
 )
 from hybridckpt.lazy.constructors import (
     as_lazy,
@@ -65,6 +69,7 @@ from hybridckpt.lazy.constructors import (
 from hybridckpt.lazy.runs import copy_runs, join_runs, tiled_file_runs
 from hybridckpt.lazy.stored import ArrayTensor, StoredTensor
 from hybridckpt.lazy.strided import stored_strided
+from hybridckpt.lazy.tiled import Tiled, tiled
 from hybridckpt.lazy.views import Bitcast, Cast, Concat, Reshape, Slice, Stack, Take, Transpose
 
 __all__ = [
@@ -80,6 +85,7 @@ __all__ = [
     "full_box",
     "grid_boxes",
     "normalize_box",
+    "shape_problem",
     # the protocol and file runs
     "FileRun",
     "LazyTensor",
@@ -98,6 +104,7 @@ __all__ = [
     "Slice",
     "Stack",
     "Take",
+    "Tiled",
     "Transpose",
     # constructors
     "as_lazy",
@@ -108,5 +115,6 @@ __all__ = [
     "slice_axis",
     "split",
     "stored_strided",
+    "tiled",
     "transpose",
 ]

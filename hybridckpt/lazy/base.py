@@ -16,7 +16,7 @@ casting (the same rounding as `astype`), in staged square tiles when the copy tr
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -26,11 +26,15 @@ from hybridckpt.lazy.element_copy import copy_into
 
 
 class FileRun(NamedTuple):
-    """`nbytes` bytes at byte `offset` of `source`: a contiguous piece of a tensor's C-order bytes."""
+    """`nbytes` bytes at byte `offset` of `source`: a contiguous piece of a tensor's C-order bytes.
+    `check`, where the bytes are our store's (`store.checked.RunCheck`), must be fed the bytes
+    (`check.feed(view)`) by whoever copies them, in order: it compares their CRC-32 with the one
+    recorded at import once a chunk's last byte has passed."""
 
     source: ByteSource
     offset: int
     nbytes: int
+    check: Any = None
 
 
 class LazyTensor:

@@ -17,6 +17,30 @@ import numpy as np
 
 Box = tuple[tuple[int, int], ...]
 
+# Bounds on a shape read from a checkpoint file (`shape_problem`): far beyond any real tensor,
+# small enough that no loop over dims, divisor search or size product misbehaves.
+MAX_RANK = 16  # dims (numpy allows 64; no model tensor has more than 6)
+MAX_DIM = 1 << 40  # elements along one dim
+MAX_ELEMENTS = 1 << 44  # elements of one tensor (64 TiB of fp32)
+
+
+def shape_problem(shape: object) -> str | None:
+    """Why `shape` (read from an untrusted file) is not a shape to plan or read, or None: it
+    must be a sequence of at most MAX_RANK non-negative ints, each at most MAX_DIM, whose product
+    of the non-zero dims is at most MAX_ELEMENTS (a zero-size tensor may not hide a 2^64 dim)."""
+    if not isinstance(shape, tuple | list):
+        return f"shape {shape!r:.80} is not a list of ints"
+    if len(shape) > MAX_RANK:
+        return f"shape has {len(shape)} dims (at most {MAX_RANK})"
+    for n in shape:
+        if not isinstance(n, int | np.integer) or isinstance(n, bool) or n < 0:
+            return f"shape {list(shape)!r:.120} has a dim that is not a non-negative int"
+        if n > MAX_DIM:
+            return f"shape has a dim of {int(n)} (at most {MAX_DIM})"
+    if math.prod(int(n) for n in shape if n) > MAX_ELEMENTS:
+        return f"shape {[int(n) for n in shape]} holds more than {MAX_ELEMENTS} elements"
+    return None
+
 
 def full_box(shape: Sequence[int]) -> Box:
     return tuple((0, int(n)) for n in shape)

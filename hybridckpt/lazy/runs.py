@@ -25,8 +25,9 @@ def join_runs(groups: Iterable[list[FileRun] | None], limit: int) -> list[FileRu
             return None
         for r in runs:
             last = out[-1] if out else None
-            if last is not None and last.source == r.source and last.offset + last.nbytes == r.offset:
-                out[-1] = FileRun(r.source, last.offset, last.nbytes + r.nbytes)
+            if (last is not None and last.source == r.source and last.offset + last.nbytes == r.offset
+                    and last.check is r.check):
+                out[-1] = FileRun(r.source, last.offset, last.nbytes + r.nbytes, r.check)
             else:
                 out.append(r)
                 if len(out) > limit:

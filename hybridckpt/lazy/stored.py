@@ -2,8 +2,8 @@
 
 `StoredTensor` is C-contiguous little-endian elements of `dtype` at a byte offset of a
 `ByteSource`; a box that is one run is read with one pread straight into the caller's buffer when
-it is C-contiguous and of the stored dtype; any other box is copied out of the mapped file
-(`ByteSource.mapped`) by one strided, transposing or casting copy.
+it is C-contiguous and of the stored dtype; any other box is read by slabs (`ByteSource.read_span`
+where its runs lie close together) and copied by one strided, transposing or casting copy.
 """
 
 from __future__ import annotations
@@ -55,10 +55,12 @@ class StoredTensor(LazyTensor):
 
     def read_into(self, box: Box, out: np.ndarray) -> None:
         """One run into a C-contiguous `out` of the stored dtype: one pread, no copy. Anything
-        else (many runs, a transposed or cast `out`) is one copy out of the mapped bytes of
-        the box (`ByteSource.mapped`), in slabs of at most MAP_SPAN_BYTES; measured on the
-        `[1024, 2816]`-row tp shard of a row-parallel fp32 weight read into a transposed tile,
-        5x faster than a pread a row into a buffer then transposed (2.5x for bf16)."""
+        else (many runs, a transposed or cast `out`) is read in slabs of at most SPAN_BYTES:
+        runs less than a page apart (so the span touches no page the runs do not) as one pread
+        of their span, then one strided (transposing, casting) copy out of it; runs further
+        apart as a pread a run into a packed buffer, then one copy. A `[1024, 2816]`-row tp shard of a
+        row-parallel fp32 weight read into a transposed tile is thousands of runs: one pread and
+        one numpy copy instead of a pread per row."""
         if out.size == 0:
             return
         starts, run_len = box_runs(self.shape, box)
@@ -66,27 +68,26 @@ class StoredTensor(LazyTensor):
         if len(starts) == 1 and out.flags.c_contiguous and out.dtype == np.dtype(self.dtype):
             self.source.read_into(self.offset + int(starts[0]) * item, memoryview(out.reshape(-1).view(np.uint8)))
             return
-        for slab in _slabs(self.shape, box, MAP_SPAN_BYTES // item):
+        for slab in _slabs(self.shape, box, SPAN_BYTES // item):
             where = tuple(slice(a - a0, b - a0) for (a, b), (a0, _) in zip(slab, box, strict=True))
-            self._mapped_into(slab, out[where])
+            self._slab_into(slab, out[where])
 
-    def _mapped_into(self, box: Box, out: np.ndarray) -> None:
+    def _slab_into(self, box: Box, out: np.ndarray) -> None:
         starts, run_len = box_runs(self.shape, box)
         item = np.dtype(self.dtype).itemsize
         first, span = int(starts[0]), int(starts[-1]) + run_len - int(starts[0])
-        with self.source.mapped(self.offset + first * item, span * item, (starts - first) * item, run_len * item) as m:
-            if m is None:  # not mappable: a pread a run, then one copy
-                tmp = np.empty(box_shape(box), dtype=self.dtype)
-                flat = memoryview(tmp.reshape(-1).view(np.uint8))
-                for i, s in enumerate(starts.tolist()):
-                    at = i * run_len * item
-                    self.source.read_into(self.offset + s * item, flat[at : at + run_len * item])
-                copy_into(out, tmp)
-                return
-            buf, at = m
-            view = np.ndarray(box_shape(box), self.dtype, buffer=buf, offset=at, strides=_strides(self.shape, item))
+        gap = (span - len(starts) * run_len) // max(1, len(starts) - 1) * item
+        if len(starts) == 1 or gap < PAGE_BYTES:
+            buf = self.source.read_span(self.offset + first * item, span * item, (starts - first) * item, run_len * item)
+            view = np.ndarray(box_shape(box), self.dtype, buffer=buf, offset=0, strides=_strides(self.shape, item))
             copy_into(out, view)
-            del view
+            return
+        tmp = np.empty(box_shape(box), dtype=self.dtype)  # runs far apart: a pread a run, packed
+        flat = memoryview(tmp.reshape(-1).view(np.uint8))
+        for i, s in enumerate(starts.tolist()):
+            at = i * run_len * item
+            self.source.read_into(self.offset + s * item, flat[at : at + run_len * item])
+        copy_into(out, tmp)
 
     def file_runs(self, box: Box, limit: int) -> list[FileRun] | None:
         ranges = flat_ranges(self.shape, box, limit)
@@ -102,7 +103,8 @@ class StoredTensor(LazyTensor):
         return out
 
 
-MAP_SPAN_BYTES = 64 << 20  # most bytes of a file mapped at once by one read (file pages count in RSS)
+SPAN_BYTES = 8 << 20  # most bytes of a file one read of many runs preads at once (a slab's buffer)
+PAGE_BYTES = 4096  # runs less than a page apart are read as one span (it touches only their pages)
 
 
 def _strides(shape: tuple[int, ...], item: int) -> tuple[int, ...]:

@@ -29,7 +29,8 @@ import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from hybridckpt.errors import CheckpointError
+from hybridckpt.errors import CheckpointError, FormatError, short_repr
+from hybridckpt.io.paths import inside
 
 OCDBT_MANIFEST = "manifest.ocdbt"  # at the root of an item saved with OCDBT (Orbax's `format_utils`)
 
@@ -46,9 +47,13 @@ def parse_location(item_dir: str, ref: str) -> ChunkLocation:
     """`value:<base>:<file>:<offset>:<length>` (as `ocdbt.dump` writes it) -> ChunkLocation."""
     head, offset, length = ref.rsplit(":", 2)
     kind, base, rel = head.split(":", 2)
-    if kind != "value" or not offset.isdigit() or not length.isdigit() or ".." in f"{base}/{rel}".split("/"):
-        raise CheckpointError(f"{item_dir}: OCDBT index: cannot read the value reference {ref!r}")
-    return ChunkLocation(os.path.join(item_dir, base + rel), int(offset), int(length))
+    if kind != "value" or not offset.isdigit() or not length.isdigit() or len(offset) > 20 or len(length) > 20:
+        raise CheckpointError(f"{item_dir}: OCDBT index: cannot read the value reference {short_repr(ref)}")
+    try:
+        path = inside(item_dir, base + rel, f"{item_dir}: OCDBT index", "data file")
+    except FormatError as e:
+        raise CheckpointError(str(e)) from None
+    return ChunkLocation(path, int(offset), int(length))
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,7 @@ to file (`store.reader`, `store.chunk_index`).
 from __future__ import annotations
 
 import dataclasses
-
-from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+from typing import Any
 
 from hybridckpt.errors import ConfigError
 
@@ -41,12 +40,13 @@ def parse_compression(text: str) -> tuple[str, int | None]:
     raise ConfigError(f"--compression {text!r}: expected {COMPRESSION_CHOICES}")
 
 
-def apply_codec(spec: ts_utils.ArrayWriteSpec, compression: str) -> None:
-    """Set the zarr v2 compressor of an Orbax write spec (its JSON and its in-memory ArrayMetadata) to
-    `compression`; a zarr v3 spec keeps Orbax's codecs."""
+def apply_codec(spec: Any, compression: str) -> None:
+    """Set the zarr v2 compressor of an Orbax write spec (`ts_utils.ArrayWriteSpec`, from
+    `stream_orbax`: its JSON and its in-memory ArrayMetadata) to `compression`; a zarr v3 spec
+    keeps Orbax's codecs."""
     algo, level = parse_compression(compression)
     tspec = spec.json.get("base", spec.json) if spec.json.get("driver") == "cast" else spec.json
-    if tspec.get("driver") != ts_utils.ZARR_VER2:
+    if tspec.get("driver") != "zarr":  # (zarr v2: Orbax's `ZARR_VER2`)
         return
     tspec["metadata"]["compressor"] = None if algo == "none" else {"id": "zstd", "level": level}
     spec._metadata = dataclasses.replace(  # noqa: SLF001 - the metadata Orbax records for it

@@ -21,12 +21,14 @@ import orbax.checkpoint as ocp
 
 from hybridckpt.errors import CheckpointError
 from hybridckpt.mesh import MeshShape
+from hybridckpt.store.checked import CRC_TABLES, read_tree
 from hybridckpt.store.layout import (
     OPT_STATE,
     PARAMS,
     TRAINER_STATE,
     Restored,
     TopologyChange,
+    leaf_key,
     mesh_of_tree,
     rng_to_json,
 )
@@ -41,9 +43,38 @@ from hybridckpt.store.orbax_io import (
     standard_save,
 )
 
+# what an import records about the arrays it wrote: a later save writes other arrays, so a
+# trainer state carried over from a restore must not bring them along
+IMPORT_CHECKSUM_KEYS = ("checksums", "checksum_chunks", "checksum_algorithm", CRC_TABLES, "array_specs")
+
 
 def _metric(name: str, metrics: Mapping[str, float]) -> float:
     return float(metrics[name])
+
+
+def _unwrapped(where: str, what: str, fn):
+    """`fn()`, with Orbax's and TensorStore's own errors (a damaged metadata file) turned into one
+    CheckpointError naming `what` could not be read."""
+    try:
+        return fn()
+    except (ValueError, RuntimeError, OSError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{where}: cannot read {what}: {_first_line(e)}") from e
+
+
+def _first_line(e: BaseException) -> str:
+    """An Orbax / TensorStore error's first line, without the spec it appends."""
+    text = str(e).split(" [source locations=")[0].split(" [tensorstore_spec=")[0]
+    return f"{type(e).__name__}: {' '.join(text.split())[:300]}"
+
+
+def _check_keys(tree: Any, where: str) -> None:
+    """Every leaf's joined key is one safe folder name inside the item (`store.keys`)."""
+    from hybridckpt.store.keys import check_leaf_key
+    from hybridckpt.store.stream import LazyLeaf
+
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, LazyLeaf))
+    for path, _leaf in flat:
+        check_leaf_key(leaf_key(path), where)
 
 
 class CheckpointStore:
@@ -133,17 +164,19 @@ class CheckpointStore:
 
     def trainer_state(self, step: int | None = None) -> dict:
         self._manager.wait_until_finished()
-        return read_json(self._manager, resolve_step(self._manager, step))
+        step = resolve_step(self._manager, step)
+        return _unwrapped(f"{self.directory}/{step}", "its trainer state", lambda: read_json(self._manager, step))
 
     def params_metadata(self, step: int | None = None) -> Any:
         """Saved params as a tree of `jax.ShapeDtypeStruct` (no sharding); reads no arrays."""
         self._manager.wait_until_finished()
         step = resolve_step(self._manager, step)
-        return as_shape_dtype(item_metadata(self._manager, step, PARAMS))
+        where = f"{self.directory}/{step}"
+        return as_shape_dtype(_unwrapped(where, f"the metadata of {PARAMS}", lambda: item_metadata(self._manager, step, PARAMS)))
 
     # -- save
     def _trainer_json(self, step: int, params: Any, trainer_state: Mapping | None) -> dict:
-        state = dict(trainer_state or {})
+        state = {k: v for k, v in (trainer_state or {}).items() if k not in IMPORT_CHECKSUM_KEYS}
         if "step" in state and int(state["step"]) != step:
             raise CheckpointError(
                 f"{self.directory}: trainer_state['step']={state['step']} but saving step {step}"
@@ -199,6 +232,9 @@ class CheckpointStore:
         if not force and not self._manager.should_save(step):
             return False
         state = self._trainer_json(step, params, trainer_state)
+        _check_keys(params, f"{self.directory}/{step}/{PARAMS}")
+        if opt_state is not None and self.save_optimizer:
+            _check_keys(opt_state, f"{self.directory}/{step}/{OPT_STATE}")
         items: dict[str, Any] = {PARAMS: standard_save(params)}
         if opt_state is not None and self.save_optimizer:
             items[OPT_STATE] = standard_save(opt_state)
@@ -225,6 +261,7 @@ class CheckpointStore:
         global_batch_size: int | None = None,
         allow_batch_size_change: bool = False,
         strict: bool = True,
+        verify_reads: bool = True,
     ) -> Restored:
         """Restore `step` (default: latest) onto the shardings carried by the targets.
 
@@ -234,12 +271,15 @@ class CheckpointStore:
           unless `allow_batch_size_change`.
         strict: missing / unexpected keys are an error; with False the common keys are
           restored and the others reported in `Restored.missing_keys / unexpected_keys`.
+        verify_reads: a step whose import recorded CRC-32s per chunk is read through them
+          (`store.checked`: every chunk checked, each device reading the chunks of its shard);
+          False, or a step without them (a training loop's save), is read by Orbax.
         """
         manager = self._manager
         manager.wait_until_finished()  # a pending async save must be on disk before reading
         step = resolve_step(manager, step)
         where = f"{self.directory}/{step}"
-        state = read_json(manager, step)
+        state = _unwrapped(where, "its trainer state", lambda: read_json(manager, step))
 
         saved_gbs = state.get("global_batch_size")
         if (
@@ -269,7 +309,7 @@ class CheckpointStore:
             targets[OPT_STATE] = target_opt_state
         metas, missing, unexpected = {}, set(), set()
         for item, target in targets.items():
-            meta = item_metadata(manager, step, item)
+            meta = _unwrapped(where, f"the metadata of {item}", lambda item=item: item_metadata(manager, step, item))
             if meta is None:
                 raise CheckpointError(
                     f"{where}: has no {item} (saved without it); restore with target_{item}=None"
@@ -279,12 +319,17 @@ class CheckpointStore:
             missing |= {f"{item}.{k}" for k in miss}
             unexpected |= {f"{item}.{k}" for k in extra}
 
-        if missing or unexpected:
-            step_dir = self.directory / str(step)
-            out = {k: restore_partial(step_dir, k, metas[k], t) for k, t in targets.items()}
-        else:
-            args = {k: ocp.args.StandardRestore(t) for k, t in targets.items()}
-            out = manager.restore(step, args=ocp.args.Composite(**args))
+        step_dir = self.directory / str(step)
+        try:
+            if verify_reads and isinstance(state.get(CRC_TABLES), dict):
+                out = {k: read_tree(str(step_dir), k, t, state) for k, t in targets.items()}
+            elif missing or unexpected:
+                out = {k: restore_partial(step_dir, k, metas[k], t) for k, t in targets.items()}
+            else:
+                args = {k: ocp.args.StandardRestore(t) for k, t in targets.items()}
+                out = manager.restore(step, args=ocp.args.Composite(**args))
+        except (ValueError, RuntimeError, OSError, KeyError) as e:  # Orbax's and TensorStore's own
+            raise CheckpointError(f"{where}: cannot restore: {_first_line(e)}") from e
         return Restored(
             step=step,
             params=out[PARAMS],

@@ -4,12 +4,12 @@ Layout read (see `hybridckpt.store.layout`): `DIR/<step>/<item>/` is one Orbax p
 (`params`, `opt_state`) in OCDBT format or, for a raw import, a folder per array
 (`store.chunk_files`); its `_METADATA` names every leaf (the dotted key path,
 e.g. `layers.q.kernel`, `0.mu.layers.q.kernel`) and says whether arrays are zarr v2 or v3. Each
-array is a zarr array at that name inside the item's OCDBT database, opened with Orbax's own
-read spec (`tensorstore_utils.build_array_read_spec`, orbax-checkpoint 0.12.8), so a box read
+array is a zarr array at that name inside the item's OCDBT database, opened with the read spec
+Orbax builds, written on TensorStore's public API (`store.ts_spec`), so a box read
 fetches and decompresses only the chunks it overlaps (a stacked `[layers, ...]` leaf saved by
 `hybridckpt import` is chunked per layer: one layer read = one layer's chunks).
 
-This is how every job reads our store (`store.source`): `export` streams: one HF tensor in memory at a time,
+This is how every job reads our store (`store.as_source`): `export` streams: one HF tensor in memory at a time,
 instead of restoring the whole tree onto one device.
 
 Raw chunks: where an array is stored uncompressed (zarr v2 `compressor: null`, no filters, C order,
@@ -35,9 +35,9 @@ import numpy as np
 
 from hybridckpt.errors import CheckpointError
 from hybridckpt.formats.config_file import read_json
-from hybridckpt.formats.dcp.views import tiled
 from hybridckpt.io.byte_source import ByteSource
-from hybridckpt.lazy import ArrayTensor, Box, FileRun, LazyTensor, StoredTensor
+from hybridckpt.lazy import ArrayTensor, Box, FileRun, LazyTensor, StoredTensor, tiled
+from hybridckpt.store import ts_spec
 from hybridckpt.store.chunk_index import OCDBT_MANIFEST, ItemIndex, read_index
 
 
@@ -67,11 +67,9 @@ class _Item:
         return os.path.isfile(os.path.join(self.item_dir, OCDBT_MANIFEST))
 
     def context(self):
-        from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
-
         with self._lock:
             if not self._context:
-                self._context.append(ts_utils.get_ts_context(use_ocdbt=self.use_ocdbt))
+                self._context.append(ts_spec.context(use_ocdbt=self.use_ocdbt))
             return self._context[0]
 
 
@@ -91,20 +89,10 @@ class OrbaxArray(LazyTensor):
     def _open(self):
         if not self._store:
             import tensorstore as ts
-            from etils import epath
-            from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
-            from orbax.checkpoint._src.serialization import types as ts_types
 
             item = self.item or _Item(self.item_dir)
             context = item.context()
-            info = ts_types.ParamInfo(
-                name=self.name,
-                parent_dir=epath.Path(self.item_dir),
-                is_ocdbt_checkpoint=item.use_ocdbt,
-                use_zarr3=self.use_zarr3,
-                ts_context=context,
-            )
-            spec = ts_utils.build_array_read_spec(info, use_ocdbt=item.use_ocdbt).json
+            spec = ts_spec.read_spec(self.item_dir, self.name, use_ocdbt=item.use_ocdbt, use_zarr3=self.use_zarr3)
             try:
                 store = ts.open(ts.Spec(spec), open=True, context=context).result()
             except ValueError as e:

@@ -25,7 +25,7 @@ def plan_for(state: dict, saved_params: Any, mesh: jax.sharding.Mesh, *, config:
              optimizer: optim.Optimizer | None = None, indivisible: str = "replicate") -> plan.Plan:
     """The plan of a saved checkpoint on `mesh`: by its model config, or by the generic rule
     over the saved tree's names when it has none."""
-    from hybridckpt.store.source import model_config
+    from hybridckpt.store.as_source import model_config
 
     cfg = model_config(state, config)
     if cfg is not None:
@@ -49,7 +49,7 @@ def restore(
     the mesh cannot divide is an error (default: replicated on that axis). Other keyword arguments go
     to `CheckpointStore.restore` (global_batch_size, allow_batch_size_change, strict).
     """
-    from hybridckpt.store.source import model_config
+    from hybridckpt.store.as_source import model_config
 
     jmesh = mesh if isinstance(mesh, jax.sharding.Mesh) else mesh_from_shape(mesh)
     with CheckpointStore(os.path.abspath(directory)) as store:

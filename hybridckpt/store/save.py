@@ -1,9 +1,9 @@
 """One-shot atomic save of a one-step checkpoint root, also under `jax.distributed`.
 
 Everything is written into a temporary sibling `.<name>.tmp-<id>` and renamed into place once
-complete, so the destination never holds a half-written checkpoint; a failed write (disk full,
-read-only, permissions) is one CheckpointError naming the OS reason and leaves the previous
-contents.
+complete (`writers.destination`), so the destination never holds a half-written checkpoint; a failed
+write (disk full, read-only, permissions) is one CheckpointError naming the OS reason and leaves
+the previous contents.
 """
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import shutil
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ import orbax.checkpoint as ocp
 from hybridckpt.errors import CheckpointError
 from hybridckpt.store.layout import TRAINER_STATE
 from hybridckpt.store.manager import CheckpointStore
+from hybridckpt.writers.destination import Destination
 
 
 def save_checkpoint(
@@ -35,6 +35,7 @@ def save_checkpoint(
     *,
     overwrite: bool = False,
     trainer_state_after: Callable[[], Mapping[str, Any]] | None = None,
+    sources: Iterable[str | os.PathLike] = (),
 ) -> Path:
     """Write a one-step checkpoint root at `directory`, atomically.
 
@@ -45,52 +46,36 @@ def save_checkpoint(
     import records the checksums of the arrays it streamed.
 
     Everything is written into a temporary sibling `.<name>.tmp-<id>` and renamed into place
-    once complete, so `directory` never holds a half-written checkpoint. A non-empty
-    `directory` is refused unless `overwrite=True` (then it is replaced, also by rename).
+    once complete, so `directory` never holds a half-written checkpoint (`writers.destination`: the
+    lock against a second job, the checks against `sources`, what an interrupt leaves). A
+    non-empty `directory` is refused unless `overwrite=True` (then it is replaced, also by rename).
     Under `jax.distributed` every process calls this with the same arguments: they write one
     checkpoint into one temporary directory (its name agreed through a barrier) and process 0
     renames it. Returns the absolute path.
     """
     dst = Path(directory).absolute()
-    if dst.exists() and not dst.is_dir():
-        raise CheckpointError(f"{dst}: exists and is not a directory")
-    if dst.is_dir() and any(dst.iterdir()) and not overwrite:
-        raise CheckpointError(f"{dst}: exists and is not empty; pass --overwrite (overwrite=True) to replace it")
     multi = jax.process_count() > 1
     primary = jax.process_index() == 0
     token = _shared_token() if multi else uuid.uuid4().hex[:8]
-    tmp = dst.parent / f".{dst.name}.tmp-{token}"
-    old = dst.parent / f".{dst.name}.old-{token}"
-    if primary:
-        try:
-            dst.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise CheckpointError(f"{dst}: cannot create its folder: {e.strerror or e}") from e
-    _barrier(f"hybridckpt-save-start-{token}")
+    dest = Destination(dst, overwrite=overwrite, sources=sources, primary=primary, token=token)
     try:
-        with CheckpointStore(tmp, async_save=False) as store, _no_cyclic_gc():
-            store.save(step, params, opt_state, trainer_state, force=True)
-        if trainer_state_after is not None:
-            extra = dict(trainer_state_after())
-            if primary:
-                _add_to_trainer_state(tmp / str(step), extra)
-        _barrier(f"hybridckpt-save-done-{token}")
-        if primary:
-            if dst.is_dir() and any(dst.iterdir()):
-                os.rename(dst, old)
-            os.replace(tmp, dst)  # atomic; replaces an empty directory on POSIX
-        _barrier(f"hybridckpt-save-renamed-{token}")
+        with dest as tmp_name:
+            tmp = Path(tmp_name)
+            _barrier(f"hybridckpt-save-start-{token}")
+            with CheckpointStore(tmp, async_save=False) as store, _no_cyclic_gc():
+                store.save(step, params, opt_state, trainer_state, force=True)
+            if trainer_state_after is not None:
+                extra = dict(trainer_state_after())
+                if primary:
+                    _add_to_trainer_state(tmp / str(step), extra)
+            _barrier(f"hybridckpt-save-done-{token}")
+            dest.commit()
+            _barrier(f"hybridckpt-save-renamed-{token}")
     except BaseException as e:
-        if primary:
-            _remove_tree(tmp)
-            if old.exists() and not dst.exists():
-                os.rename(old, dst)
         reason = _io_reason(e)
         if reason is not None:
             raise CheckpointError(f"{dst}: cannot write the checkpoint: {reason}") from e
         raise
-    if primary:
-        shutil.rmtree(old, ignore_errors=True)
     return dst
 
 
@@ -107,20 +92,6 @@ def _no_cyclic_gc() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
-
-
-def _remove_tree(path: Path, tries: int = 50) -> None:
-    """Remove `path`, again while writes still in flight (TensorStore threads after a failed
-    save) put files back into it; gives up after about `tries` x 0.1 s."""
-    import time
-
-    for _ in range(tries):
-        shutil.rmtree(path, ignore_errors=True)
-        if not path.exists():
-            time.sleep(0.1)  # a late writer may recreate it: look once more
-            if not path.exists():
-                return
-        time.sleep(0.1)
 
 
 def _io_reason(e: BaseException) -> str | None:

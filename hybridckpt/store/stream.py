@@ -8,7 +8,7 @@ commit); only the data path differs (`store.stream_orbax`: the Orbax type handle
 - every distinct shard box is written once, by the process of the lowest-id device holding it,
   as tiles: boxes made of whole chunks of at most `tile_bytes` (`plan_tiles`; a stacked
   `[layers, ...]` leaf is chunked per layer, so its tiles are whole layers);
-- the reader pool (`hybridckpt.io.parallel`) fills a fresh buffer per tile (`read_tile`:
+- the reader pool (`hybridckpt.lazy.parallel`) fills a fresh buffer per tile (`read_tile`:
   `LazyTensor.read_into`: preads, casts, TP concatenation) and adds the tile's part of the leaf's
   checksum (`checksum.CHUNKS` on the chunk grid);
 - raw chunks (the default codec) go straight to their files from the reader thread
@@ -101,7 +101,8 @@ class LazyLeaf:
     chunk_axes: axes every chunk has extent 1 on (0 for a stacked `[layers, ...]` leaf).
     After the save, `checksum` is this process's part of the tensor's `checksum.CHUNKS` checksum
     on the grid of its stored chunks, `checksum_chunk` (the sum over the chunks this process
-    wrote).
+    wrote), and `crcs` the CRC-32 of each of those chunks by grid position (what every later
+    read of the store checks: `store.checked`).
     """
 
     tensor: LazyTensor
@@ -111,6 +112,7 @@ class LazyLeaf:
     options: StreamOptions | None = None
     checksum: int = 0
     checksum_chunk: tuple[int, ...] | None = None
+    crcs: dict[int, int] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -133,6 +135,22 @@ class LazyLeaf:
         with self._lock:
             self.checksum = checksum.combine((self.checksum, part))
 
+    def add_crcs(self, crcs: list[tuple[int, int]]) -> None:
+        """Record chunks written: (grid position, CRC-32) each, and their checksum part."""
+        part = checksum.combine(checksum.part_of(i, c) for i, c in crcs)
+        with self._lock:
+            self.crcs.update(crcs)
+            self.checksum = checksum.combine((self.checksum, part))
+
+    def crc_table(self) -> np.ndarray:
+        """This process's CRC-32 per grid position (uint32; 0 where another process wrote the
+        chunk): summed over processes, the table `trainer_state["chunk_crc32"]` records."""
+        chunk = self.checksum_chunk or self.shape
+        table = np.zeros(checksum.grid_size(self.shape, chunk), np.uint32)
+        for i, c in self.crcs.items():
+            table[i] = c
+        return table
+
 
 def opts_of(values) -> StreamOptions:
     """The options of the first leaf that has some (all leaves of one save share them), else
@@ -151,15 +169,6 @@ def save_args(tree: Any, chunk_bytes: int | None = None) -> Any:
         return ocp.SaveArgs(chunk_byte_size=size, shard_axes=tuple(x.chunk_axes))
 
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, LazyLeaf))
-
-
-def chunk_shape(leaf: LazyLeaf) -> tuple[int, ...]:
-    """The chunk shape Orbax's write spec picks for `leaf` (`subchunking.choose_chunk_shape`)."""
-    from orbax.checkpoint._src.arrays import subchunking
-
-    size = leaf.options.chunk_bytes if leaf.options else CHUNK_BYTES
-    shard = tuple(leaf.sharding.shard_shape(leaf.shape))
-    return tuple(subchunking.choose_chunk_shape(leaf.shape, shard, leaf.dtype, size, shard_axes=leaf.chunk_axes))
 
 
 def has_lazy(tree: Any) -> bool:
@@ -244,5 +253,5 @@ def read_tile(leaf: LazyLeaf, box: Box, chunk: tuple[int, ...]) -> np.ndarray:
     (runs in a reader thread)."""
     buf = aligned_empty(box_shape(box), leaf.dtype)  # (O_DIRECT writes it from here)
     leaf.tensor.read_into(box, buf)
-    leaf.add_part(checksum.tile_part(leaf.shape, chunk, box, buf))
+    leaf.add_crcs(checksum.tile_crcs(leaf.shape, chunk, box, buf))
     return buf

@@ -31,15 +31,15 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
-# Orbax internals the data path mirrors (pinned: orbax-checkpoint 0.12.8)
-from orbax.checkpoint._src.handlers import pytree_checkpoint_handler
-from orbax.checkpoint._src.multihost import multihost
-from orbax.checkpoint._src.serialization import jax_array_handlers, ocdbt_utils
+# The two Orbax internals still used (tests/store/test_orbax_private.py pins them; orbax-checkpoint 0.12):
+# _async_serialize_shardings: writes the item's `_sharding` record exactly as Orbax's own ArrayHandler does
+from orbax.checkpoint._src.serialization import jax_array_handlers
+
+# build_array_write_spec: the zarr spec and ArrayMetadata (chunk shape from SaveArgs) Orbax's save records
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
-from hybridckpt.io import parallel
 from hybridckpt.io.writeback import fsync_folder
-from hybridckpt.lazy import Box, box_shape
+from hybridckpt.lazy import Box, box_shape, parallel
 from hybridckpt.store import chunk_files, stream
 from hybridckpt.store.codec import apply_codec, parse_compression
 from hybridckpt.store.stream import LazyLeaf, StreamOptions, opts_of, owned_boxes, plan_tiles
@@ -76,7 +76,7 @@ class LazyArrayHandler(ocp.type_handlers.ArrayHandler):
             await self._array_metadata_store.write(
                 checkpoint_dir=infos[0].parent_dir,
                 array_metadatas=[s.metadata for s in specs],
-                process_index=multihost.process_index(),
+                process_index=jax.process_index(),
             )
         return []
 
@@ -87,7 +87,7 @@ class LazyArrayHandler(ocp.type_handlers.ArrayHandler):
             shardings=[v.sharding for v in values], infos=infos, primary_host=self._primary_host
         )
         use_ocdbt = bool(infos[0].is_ocdbt_checkpoint)
-        pidx = ocdbt_utils.get_process_index_for_subdir(use_ocdbt)
+        pidx = jax.process_index() if use_ocdbt else None  # OCDBT: one sub-database per process
         specs = [
             ts_utils.build_array_write_spec(
                 info, arg, global_shape=v.shape, local_shape=tuple(v.sharding.shard_shape(v.shape)),
@@ -97,7 +97,7 @@ class LazyArrayHandler(ocp.type_handlers.ArrayHandler):
         ]
         for spec in specs:
             apply_codec(spec, opts.compression)
-        primary = multihost.is_primary_host(self._primary_host)
+        primary = self._primary_host is None or self._primary_host == jax.process_index()
         stores, targets = [], []
         for spec, info in zip(specs, infos, strict=True):
             target = None if use_ocdbt else chunk_files.target_of(
@@ -282,7 +282,7 @@ class StreamingCheckpointHandler(ocp.StandardCheckpointHandler):
         self._supported_types = (*self._supported_types, LazyLeaf)
         registry = _registry()
         self._by_ocdbt = {
-            use: pytree_checkpoint_handler.PyTreeCheckpointHandler(
+            use: ocp.PyTreeCheckpointHandler(
                 save_concurrent_gb=96, restore_concurrent_gb=96, use_ocdbt=use, type_handler_registry=registry,
             )
             for use in (True, False)

@@ -4,8 +4,8 @@ params tree, dense / MoE / MTP layer groups by index lists)."""
 
 from __future__ import annotations
 
-from models.deepseek_v3 import config
-from models.family import Family
+from hybridckpt.models.deepseek_v3 import config
+from hybridckpt.models.family import Family
 
 FAMILY = Family(
     name="deepseek_v3",
@@ -16,7 +16,7 @@ FAMILY = Family(
     config_to_hf=config.to_hf,
     shape_tree=config.shape_tree,
     rule_variables=config.rule_variables,
-    module="models.deepseek_v3.module:DeepseekV3",
+    module="hybridckpt.models.deepseek_v3.module:DeepseekV3",
     hf_rules=f"{__name__}:hf.rules",
     hf_name_fixes=config.hf_name_fixes,
     fit_to_hf_names=config.fit_to_hf_names,

@@ -41,10 +41,17 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from models.config_checks import as_floats, check_positive, require
-from models.errors import ConfigError
-from models.mixtral.config import fused_expert_fixes
-from models.rope import Scaling, check_config_rope, hf_rope_keys, read_hf_rope, rope_type, thaw
+from hybridckpt.models.config_checks import as_floats, check_positive, require
+from hybridckpt.models.errors import ConfigError
+from hybridckpt.models.mixtral.config import fused_expert_fixes
+from hybridckpt.models.rope import (
+    Scaling,
+    check_config_rope,
+    hf_rope_keys,
+    read_hf_rope,
+    rope_type,
+    thaw,
+)
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 MODEL_TYPE = "deepseek_v3"

@@ -60,11 +60,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.common import causal_attention, dense, embedding, output_logits, stacked
-from models.deepseek_v3.config import DeepseekV3Config
-from models.deepseek_v3.routing import route
-from models.llama.module import RMSNorm, apply_rope
-from models.moe import (
+from hybridckpt.models.common import causal_attention, dense, embedding, output_logits, stacked
+from hybridckpt.models.deepseek_v3.config import DeepseekV3Config
+from hybridckpt.models.deepseek_v3.routing import route
+from hybridckpt.models.llama.module import RMSNorm, apply_rope
+from hybridckpt.models.moe import (
     ParamSpec,
     ParamTree,
     Spec,
@@ -75,7 +75,7 @@ from models.moe import (
     swiglu,
     swiglu_spec,
 )
-from models.rope import rope_tables
+from hybridckpt.models.rope import rope_tables
 
 LATENT_NORM_EPS = 1e-6  # DeepseekV3RMSNorm's default, used by q_a_layernorm / kv_a_layernorm
 

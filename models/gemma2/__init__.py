@@ -4,8 +4,8 @@
 
 from __future__ import annotations
 
-from models.family import Family
-from models.gemma2 import config
+from hybridckpt.models.family import Family
+from hybridckpt.models.gemma2 import config
 
 FAMILY = Family(
     name="gemma2",
@@ -16,6 +16,6 @@ FAMILY = Family(
     config_to_hf=config.to_hf,
     shape_tree=config.shape_tree,
     rule_variables=config.rule_variables,
-    module="models.gemma2.module:Gemma2",
+    module="hybridckpt.models.gemma2.module:Gemma2",
     hf_rules=f"{__name__}:hf.rules",
 )

@@ -29,10 +29,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from models.config_checks import as_floats, check_positive, require
-from models.errors import ConfigError
-from models.llama import config as llama_config
-from models.rope import Scaling, check_config_rope, hf_rope_keys, read_hf_rope
+from hybridckpt.models.config_checks import as_floats, check_positive, require
+from hybridckpt.models.errors import ConfigError
+from hybridckpt.models.llama import config as llama_config
+from hybridckpt.models.rope import Scaling, check_config_rope, hf_rope_keys, read_hf_rope
 
 ARCHITECTURE = "Gemma2ForCausalLM"
 SLIDING, FULL = "sliding_attention", "full_attention"

@@ -40,10 +40,17 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.common import causal_attention, dense, embedding, output_logits, stacked, zeros
-from models.gemma2.config import Gemma2Config
-from models.llama.module import apply_rope
-from models.rope import config_rope_tables
+from hybridckpt.models.common import (
+    causal_attention,
+    dense,
+    embedding,
+    output_logits,
+    stacked,
+    zeros,
+)
+from hybridckpt.models.gemma2.config import Gemma2Config
+from hybridckpt.models.llama.module import apply_rope
+from hybridckpt.models.rope import config_rope_tables
 
 
 class GemmaRMSNorm(nn.Module):

@@ -4,9 +4,9 @@
 
 from __future__ import annotations
 
-from models.family import Family
-from models.gemma2.config import rule_variables
-from models.gemma3 import config
+from hybridckpt.models.family import Family
+from hybridckpt.models.gemma2.config import rule_variables
+from hybridckpt.models.gemma3 import config
 
 FAMILY = Family(
     name="gemma3",
@@ -17,6 +17,6 @@ FAMILY = Family(
     config_to_hf=config.to_hf,
     shape_tree=config.shape_tree,
     rule_variables=rule_variables,
-    module="models.gemma3.module:Gemma3",
+    module="hybridckpt.models.gemma3.module:Gemma3",
     hf_rules=f"{__name__}:hf.rules",
 )

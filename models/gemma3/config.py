@@ -24,9 +24,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from models.config_checks import as_floats
-from models.errors import ConfigError
-from models.gemma2.config import (
+from hybridckpt.models.config_checks import as_floats
+from hybridckpt.models.errors import ConfigError
+from hybridckpt.models.gemma2.config import (
     FULL,
     SLIDING,
     check_gemma,
@@ -35,8 +35,8 @@ from models.gemma2.config import (
     hf_layer_types,
     hf_sizes,
 )
-from models.gemma2.config import shape_tree as gemma2_shape_tree
-from models.rope import Scaling, check_config_rope, read_hf_rope, rope_parameters, thaw
+from hybridckpt.models.gemma2.config import shape_tree as gemma2_shape_tree
+from hybridckpt.models.rope import Scaling, check_config_rope, read_hf_rope, rope_parameters, thaw
 
 ARCHITECTURE = "Gemma3ForCausalLM"
 MODEL_TYPE = "gemma3_text"

@@ -20,9 +20,9 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from models.gemma2.module import Gemma2
-from models.gemma3.config import Gemma3Config
-from models.rope import rope_tables
+from hybridckpt.models.gemma2.module import Gemma2
+from hybridckpt.models.gemma3.config import Gemma3Config
+from hybridckpt.models.rope import rope_tables
 
 
 class Gemma3(Gemma2):

@@ -3,8 +3,8 @@ fixes; no JAX), `module.py` (the Flax module), `hf.rules` (HF names -> params tr
 
 from __future__ import annotations
 
-from models.family import Family
-from models.gpt2 import config
+from hybridckpt.models.family import Family
+from hybridckpt.models.gpt2 import config
 
 FAMILY = Family(
     name="gpt2",
@@ -15,7 +15,7 @@ FAMILY = Family(
     config_to_hf=config.to_hf,
     shape_tree=config.shape_tree,
     rule_variables=config.rule_variables,
-    module="models.gpt2.module:GPT2",
+    module="hybridckpt.models.gpt2.module:GPT2",
     hf_rules=f"{__name__}:hf.rules",
     hf_name_fixes=config.hf_name_fixes,
 )

@@ -20,8 +20,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from models.config_checks import as_floats, check_positive, require
-from models.errors import ConfigError
+from hybridckpt.models.config_checks import as_floats, check_positive, require
+from hybridckpt.models.errors import ConfigError
 
 ARCHITECTURE = "GPT2LMHeadModel"
 

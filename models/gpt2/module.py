@@ -22,9 +22,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.common import causal_attention, dense, normal, ones, stacked, zeros
-from models.errors import ConfigError
-from models.gpt2.config import GPT2Config
+from hybridckpt.models.common import causal_attention, dense, normal, ones, stacked, zeros
+from hybridckpt.models.errors import ConfigError
+from hybridckpt.models.gpt2.config import GPT2Config
 
 
 def layer_norm(eps: float, dtype: Any, name: str) -> nn.Module:

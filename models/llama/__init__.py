@@ -3,8 +3,8 @@ shapes; no JAX), `module.py` (the Flax module), `hf.rules` (HF names -> params t
 
 from __future__ import annotations
 
-from models.family import Family
-from models.llama import config
+from hybridckpt.models.family import Family
+from hybridckpt.models.llama import config
 
 FAMILY = Family(
     name="llama",
@@ -16,7 +16,7 @@ FAMILY = Family(
     shape_tree=config.shape_tree,
     axes_tree=config.axes_tree,
     rule_variables=config.rule_variables,
-    module="models.llama.module:Llama",
+    module="hybridckpt.models.llama.module:Llama",
     hf_rules=f"{__name__}:hf.rules",
     config_from_meta=config.config_from_meta_params,
 )

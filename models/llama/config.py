@@ -27,9 +27,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from models.config_checks import as_floats, check_positive, require
-from models.errors import ConfigError
-from models.rope import Scaling, check_config_rope, hf_rope_keys, read_hf_rope
+from hybridckpt.models.config_checks import as_floats, check_positive, require
+from hybridckpt.models.errors import ConfigError
+from hybridckpt.models.rope import Scaling, check_config_rope, hf_rope_keys, read_hf_rope
 
 ARCHITECTURE = "LlamaForCausalLM"
 HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

@@ -28,10 +28,17 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.common import causal_attention, dense, embedding, ones, output_logits, stacked
-from models.llama.config import LlamaConfig
-from models.rope import config_rope_tables
-from models.rope import rope_tables as _scaled_rope_tables
+from hybridckpt.models.common import (
+    causal_attention,
+    dense,
+    embedding,
+    ones,
+    output_logits,
+    stacked,
+)
+from hybridckpt.models.llama.config import LlamaConfig
+from hybridckpt.models.rope import config_rope_tables
+from hybridckpt.models.rope import rope_tables as _scaled_rope_tables
 
 
 class RMSNorm(nn.Module):

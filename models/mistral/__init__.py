@@ -12,8 +12,8 @@ the family reuses them: `config.py` (MistralConfig, a LlamaConfig with `sliding_
 
 from __future__ import annotations
 
-from models.family import Family
-from models.mistral import config
+from hybridckpt.models.family import Family
+from hybridckpt.models.mistral import config
 
 FAMILY = Family(
     name="mistral",
@@ -25,6 +25,6 @@ FAMILY = Family(
     shape_tree=config.shape_tree,
     axes_tree=config.axes_tree,
     rule_variables=config.rule_variables,
-    module="models.mistral.module:Mistral",
+    module="hybridckpt.models.mistral.module:Mistral",
     hf_rules="models.llama:hf.rules",
 )

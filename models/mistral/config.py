@@ -19,9 +19,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from models.config_checks import require
-from models.errors import ConfigError
-from models.llama import config as llama
+from hybridckpt.models.config_checks import require
+from hybridckpt.models.errors import ConfigError
+from hybridckpt.models.llama import config as llama
 
 ARCHITECTURE = "MistralForCausalLM"
 HF_DEFAULTS = {"sliding_window": 4096, "max_position_embeddings": 4096 * 32}  # MistralConfig's

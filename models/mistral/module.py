@@ -8,7 +8,7 @@ Params: exactly Llama's tree (see `models.llama.module`).
 
 from __future__ import annotations
 
-from models.llama.module import Llama
+from hybridckpt.models.llama.module import Llama
 
 
 class Mistral(Llama):

@@ -5,8 +5,8 @@ params tree, experts stacked on `[layers, experts]`)."""
 
 from __future__ import annotations
 
-from models.family import Family
-from models.mixtral import config
+from hybridckpt.models.family import Family
+from hybridckpt.models.mixtral import config
 
 FAMILY = Family(
     name="mixtral",
@@ -17,7 +17,7 @@ FAMILY = Family(
     config_to_hf=config.to_hf,
     shape_tree=config.shape_tree,
     rule_variables=config.rule_variables,
-    module="models.mixtral.module:Mixtral",
+    module="hybridckpt.models.mixtral.module:Mixtral",
     hf_rules=f"{__name__}:hf.rules",
     hf_name_fixes=config.hf_name_fixes,
 )

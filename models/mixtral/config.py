@@ -34,11 +34,11 @@ import dataclasses
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from models import moe_spec as moe
-from models.config_checks import check_positive, require
-from models.errors import ConfigError
-from models.llama import config as llama
-from models.mistral import config as mistral
+from hybridckpt.models import moe_spec as moe
+from hybridckpt.models.config_checks import check_positive, require
+from hybridckpt.models.errors import ConfigError
+from hybridckpt.models.llama import config as llama
+from hybridckpt.models.mistral import config as mistral
 
 ARCHITECTURE = "MixtralForCausalLM"
 HF_DEFAULTS = {"sliding_window": None, "max_position_embeddings": 4096 * 32, "num_local_experts": 8,

@@ -26,10 +26,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models import moe
-from models.common import causal_attention, dense, embedding, output_logits, stacked
-from models.llama.module import Llama, RMSNorm, apply_rope
-from models.rope import config_rope_tables
+from hybridckpt.models import moe
+from hybridckpt.models.common import causal_attention, dense, embedding, output_logits, stacked
+from hybridckpt.models.llama.module import Llama, RMSNorm, apply_rope
+from hybridckpt.models.rope import config_rope_tables
 
 
 def attention(cfg: Any, dt: Any, x: jax.Array, cos: jax.Array, sin: jax.Array, window: Any) -> jax.Array:

@@ -4,8 +4,8 @@ params tree)."""
 
 from __future__ import annotations
 
-from models.family import Family
-from models.qwen2 import config
+from hybridckpt.models.family import Family
+from hybridckpt.models.qwen2 import config
 
 FAMILY = Family(
     name="qwen2",
@@ -17,6 +17,6 @@ FAMILY = Family(
     shape_tree=config.shape_tree,
     axes_tree=config.axes_tree,
     rule_variables=config.rule_variables,
-    module="models.qwen2.module:Qwen2",
+    module="hybridckpt.models.qwen2.module:Qwen2",
     hf_rules=f"{__name__}:hf.rules",
 )

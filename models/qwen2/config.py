@@ -29,9 +29,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from models.config_checks import require
-from models.errors import ConfigError
-from models.llama import config as llama
+from hybridckpt.models.config_checks import require
+from hybridckpt.models.errors import ConfigError
+from hybridckpt.models.llama import config as llama
 
 ARCHITECTURE = "Qwen2ForCausalLM"
 HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

@@ -26,8 +26,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.common import causal_attention, dense, stacked
-from models.llama.module import Llama, RMSNorm, apply_rope, swiglu_residual
+from hybridckpt.models.common import causal_attention, dense, stacked
+from hybridckpt.models.llama.module import Llama, RMSNorm, apply_rope, swiglu_residual
 
 
 class QwenBlock(nn.Module):

@@ -3,8 +3,8 @@ no JAX), `module.py` (the Flax module), `hf.rules` (HF names -> params tree)."""
 
 from __future__ import annotations
 
-from models.family import Family
-from models.qwen3 import config
+from hybridckpt.models.family import Family
+from hybridckpt.models.qwen3 import config
 
 FAMILY = Family(
     name="qwen3",
@@ -16,6 +16,6 @@ FAMILY = Family(
     shape_tree=config.shape_tree,
     axes_tree=config.axes_tree,
     rule_variables=config.rule_variables,
-    module="models.qwen3.module:Qwen3",
+    module="hybridckpt.models.qwen3.module:Qwen3",
     hf_rules=f"{__name__}:hf.rules",
 )

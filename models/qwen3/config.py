@@ -23,8 +23,13 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from models.llama import config as llama
-from models.qwen2.config import add_attention_axes, add_attention_params, llama_fields, llama_to_hf
+from hybridckpt.models.llama import config as llama
+from hybridckpt.models.qwen2.config import (
+    add_attention_axes,
+    add_attention_params,
+    llama_fields,
+    llama_to_hf,
+)
 
 ARCHITECTURE = "Qwen3ForCausalLM"
 HF_DEFAULT_HEAD_DIM = 128  # transformers' Qwen3Config.head_dim when config.json has none

@@ -15,7 +15,7 @@ Params (fp32, kernels `[in, out]`, L = num_layers, hd = head_dim): Llama's plus
 
 from __future__ import annotations
 
-from models.qwen2.module import Qwen2
+from hybridckpt.models.qwen2.module import Qwen2
 
 
 class Qwen3(Qwen2):

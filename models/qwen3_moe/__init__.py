@@ -6,8 +6,8 @@ stacked apart by index lists)."""
 
 from __future__ import annotations
 
-from models.family import Family
-from models.qwen3_moe import config
+from hybridckpt.models.family import Family
+from hybridckpt.models.qwen3_moe import config
 
 FAMILY = Family(
     name="qwen3_moe",
@@ -18,7 +18,7 @@ FAMILY = Family(
     config_to_hf=config.to_hf,
     shape_tree=config.shape_tree,
     rule_variables=config.rule_variables,
-    module="models.qwen3_moe.module:Qwen3Moe",
+    module="hybridckpt.models.qwen3_moe.module:Qwen3Moe",
     hf_rules=f"{__name__}:hf.rules",
     hf_name_fixes=config.hf_name_fixes,
 )

@@ -27,10 +27,10 @@ import dataclasses
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from models.config_checks import check_positive, require
-from models.errors import ConfigError
-from models.llama import config as llama
-from models.mixtral import config as mixtral
+from hybridckpt.models.config_checks import check_positive, require
+from hybridckpt.models.errors import ConfigError
+from hybridckpt.models.llama import config as llama
+from hybridckpt.models.mixtral import config as mixtral
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 # The Hub's config.json says `num_experts`; transformers 5 (Qwen3MoeConfig.attribute_map

@@ -10,7 +10,7 @@ Params: see `models.mixtral.module` (`layers.{q_norm,k_norm}.scale [L, head_dim]
 
 from __future__ import annotations
 
-from models.mixtral.module import Mixtral
+from hybridckpt.models.mixtral.module import Mixtral
 
 
 class Qwen3Moe(Mixtral):

@@ -274,12 +274,12 @@ CONTAINERS: dict[str, Container] = {
 
 def open_path(container: str, path: str):
     """Open what a container wrote the way a user would: folders and `.pdparams` through format
-    detection (`formats.open_source`), bare torch files with `torch_save.load`. Every tensor
+    detection (`readers.open_source`), bare torch files with `torch_save.load`. Every tensor
     is read, so lazily-checked storages are exercised too."""
-    from hybridckpt.formats import open_source
+    from hybridckpt.containers.pickle import torch_save
     from hybridckpt.io.byte_source import close_all
-    from hybridckpt.io.pickle import torch_save
     from hybridckpt.lazy import LazyTensor
+    from hybridckpt.readers import open_source
 
     try:
         if container in ("torch-zip", "torch-legacy"):
@@ -289,7 +289,7 @@ def open_path(container: str, path: str):
                     v.materialize()
             return obj
         if container == "dcp-metadata":  # the folder has no data files: read the metadata
-            from hybridckpt.io.dcp_metadata import read_metadata
+            from hybridckpt.containers.dcp_metadata import read_metadata
 
             return read_metadata(path)
         src = open_source(path)
@@ -303,10 +303,10 @@ def open_path(container: str, path: str):
 def load_file(container: str, file: str):
     """Unpickle the one file a container planted its payload in, with the reader that format
     uses for it (no format-level checks)."""
+    from hybridckpt.containers.dcp_metadata import DCP_POLICY
+    from hybridckpt.containers.pickle import paddle_save, torch_save
+    from hybridckpt.containers.pickle.machine import safe_load_file
     from hybridckpt.io.byte_source import close_all
-    from hybridckpt.io.dcp_metadata import DCP_POLICY
-    from hybridckpt.io.pickle import paddle_save, torch_save
-    from hybridckpt.io.pickle.machine import safe_load_file
 
     try:
         if container.startswith("paddle"):

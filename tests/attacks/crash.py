@@ -29,7 +29,7 @@ HIDDEN, LAYERS, VOCAB, FFN, HEADS = 64, 6, 512, 128, 4
 def write_hf_source(folder: str, seed: int = 0) -> str:
     """An HF Llama checkpoint (config, weights, Adam moments) of a few MB: large enough that
     writing it takes many steps."""
-    from hybridckpt.io.safetensors_file import write
+    from hybridckpt.containers.safetensors_file import write
 
     rng = np.random.default_rng(seed)
     os.makedirs(folder)
@@ -182,7 +182,7 @@ def export_outcome(src: str, dst: str) -> str:
     """'absent', 'complete' (every tensor equals the source's, bit for bit), or 'bad: <why>'."""
     if not os.path.exists(dst):
         return "absent"
-    code, text = _quiet_main(["verify", src, dst, "--quiet"])
+    code, text = _quiet_main(["verify", src, dst, "--quiet", "--params-only"])  # (the export has no optimizer)
     return "complete" if code == 0 else f"bad: verify exit {code}: {text[-300:]}"
 
 

@@ -287,7 +287,7 @@ DS_O1 = f"{DS}/zero_pp_rank_1_mp_rank_00_optim_states.pt"
 DS_O2 = f"{DS}/zero_pp_rank_2_mp_rank_00_optim_states.pt"
 DS_M = f"{DS}/mp_rank_00_model_states.pt"
 EMBED = "model.model.embed_tokens.weight"
-COL1 = "pytorch_model-meta-dist-00001.index.json"
+COL1 = "pytorch_model-meta-dist-00001.json"  # .bin weights: `.json` metadata, as ColossalAI writes it
 GATE = "model.layers.0.mlp.gate_proj.weight"
 
 
@@ -636,8 +636,8 @@ def prepare(case: Damage, sources: dict[str, str], workdir: str) -> str:
 
 def read_everything(path: str, fmt: str) -> None:
     """Open `path` as `fmt` and read every tensor, moment and master weight."""
-    from hybridckpt.formats import open_source
     from hybridckpt.io.byte_source import close_all
+    from hybridckpt.readers import open_source
 
     try:
         src = open_source(path, fmt)

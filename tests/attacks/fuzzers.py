@@ -212,8 +212,8 @@ def _pickle_strategy(state):
 
 
 def _pickle_run(state, data: bytes) -> None:
-    from hybridckpt.io.pickle.machine import safe_loads
-    from hybridckpt.io.pickle.torch_policy import TORCH_POLICY
+    from hybridckpt.containers.pickle.machine import safe_loads
+    from hybridckpt.containers.pickle.torch_policy import TORCH_POLICY
 
     safe_loads(data, TORCH_POLICY, what="fuzz.pkl")
 
@@ -236,14 +236,14 @@ def _torch_setup(folder: str, legacy: bool) -> dict:
 
 
 def _torch_run(state, data: bytes) -> None:
-    from hybridckpt.io.pickle import torch_save
+    from hybridckpt.containers.pickle import torch_save
 
     _write(state["path"], data)
     _read_all(torch_save.load(state["path"]))
 
 
 def _safetensors_setup(folder: str) -> dict:
-    from hybridckpt.io.safetensors_file import write
+    from hybridckpt.containers.safetensors_file import write
 
     path = os.path.join(folder, "model.safetensors")
     write(path, {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(4, np.int64),
@@ -262,7 +262,7 @@ def _safetensors_strategy(state):
 
 
 def _safetensors_run(state, data: bytes) -> None:
-    from hybridckpt.io.safetensors_file import read_header
+    from hybridckpt.containers.safetensors_file import read_header
 
     _write(state["path"], data)
     _read_all(dict(read_header(state["path"]).tensors))
@@ -329,7 +329,7 @@ def _dcp_strategy(state):
 
 
 def _dcp_run(state, data: bytes) -> None:
-    from hybridckpt.io.dcp_metadata import read_metadata
+    from hybridckpt.containers.dcp_metadata import read_metadata
 
     _write(state["path"], data)
     read_metadata(state["folder"])
@@ -354,7 +354,7 @@ def _paddle_pickle_strategy(state):
 
 
 def _paddle_pickle_run(state, data: bytes) -> None:
-    from hybridckpt.io.pickle import paddle_save
+    from hybridckpt.containers.pickle import paddle_save
 
     _write(state["path"], data)
     d = paddle_save.read(state["path"])
@@ -388,7 +388,7 @@ def _colossal_setup(folder: str) -> dict:
     from fixtures import paddle_writer as pw
 
     out = os.path.join(folder, "colossal")
-    ref = pw.reference_llama(4, vocab=11, hidden=8, mlp=8, layers=1, heads=2, kv_heads=2)
+    ref = pw.reference_llama(4, vocab=12, hidden=8, mlp=8, layers=1, heads=2, kv_heads=2)
     cw.write_colossal(out, ref.params, layers=1, tp=2, safetensors=True, params_per_shard=20)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(ref.config, f)
@@ -404,7 +404,7 @@ def _colossal_run(state, data: bytes) -> None:
 
 
 def _hf_index_setup(folder: str) -> dict:
-    from hybridckpt.io.hf_folder import write_sharded
+    from hybridckpt.writers.hf_folder import write_sharded
 
     out = os.path.join(folder, "hf")
     os.makedirs(out)

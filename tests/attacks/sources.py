@@ -41,8 +41,8 @@ def _hf(root: str) -> None:
 
 
 def _hf_sharded(root: str) -> None:
-    from hybridckpt.formats import open_source
-    from hybridckpt.io.hf_folder import write_sharded
+    from hybridckpt.readers import open_source
+    from hybridckpt.writers.hf_folder import write_sharded
 
     src = open_source(os.path.join(root, "hf"))
     out = os.path.join(root, "hf_sharded")
@@ -239,7 +239,7 @@ def _colossal(root: str) -> None:
     from fixtures import colossal_writer as cw
     from fixtures import paddle_writer as pw
 
-    ref = pw.reference_llama(5, vocab=31, hidden=16, mlp=24, layers=1, heads=2, kv_heads=2)
+    ref = pw.reference_llama(5, vocab=32, hidden=16, mlp=24, layers=1, heads=2, kv_heads=2)
     out = os.path.join(root, "colossal")
     cw.write_colossal(out, ref.params, layers=1, tp=2)
     with open(os.path.join(out, "config.json"), "w") as f:

@@ -38,11 +38,10 @@ from e2e import roundtrip
 from meshes import abstract_mesh, cases, fit, fit_pair
 from safetensors.torch import load_file, save_file
 
-import models
-from hybridckpt import jobs, naming, plan
-from hybridckpt.formats import open_source
-from models.deepseek_v3.config import DeepseekV3Config
-from models.rope import rope_frequencies
+from hybridckpt import jobs, models, naming, plan
+from hybridckpt.models.deepseek_v3.config import DeepseekV3Config
+from hybridckpt.models.rope import rope_frequencies
+from hybridckpt.readers import open_source
 
 TOKENS = np.array([[1, 5, 9, 3, 7, 2, 8, 4, 10, 20], [0, 11, 42, 17, 6, 5, 60, 3, 33, 2]], np.int32)
 ATOL = 1e-4

@@ -28,15 +28,14 @@ import transformers
 from e2e import roundtrip
 from meshes import cases, fit
 
-import models
-from hybridckpt import jobs
-from hybridckpt.formats import open_source
-from models.common import zeros
-from models.errors import ConfigError
-from models.gemma2 import module as gemma2_module
-from models.gemma2.config import FULL, SLIDING, Gemma2Config
-from models.gemma3.config import Gemma3Config
-from models.rope import rope_type
+from hybridckpt import jobs, models
+from hybridckpt.models.common import zeros
+from hybridckpt.models.errors import ConfigError
+from hybridckpt.models.gemma2 import module as gemma2_module
+from hybridckpt.models.gemma2.config import FULL, SLIDING, Gemma2Config
+from hybridckpt.models.gemma3.config import Gemma3Config
+from hybridckpt.models.rope import rope_type
+from hybridckpt.readers import open_source
 
 ATOL = 1e-4
 MOVED = 100 * ATOL  # a dropped part must move some logit by more (observed 0.4 to 6)

@@ -28,11 +28,10 @@ from meshes import cases, fit
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-import models
-from hybridckpt import jobs, naming
-from models.errors import ConfigError
-from models.llama.config import META_LLAMA3_SCALING
-from models.rope import read_hf_rope, rope_frequencies
+from hybridckpt import jobs, models, naming
+from hybridckpt.models.errors import ConfigError
+from hybridckpt.models.llama.config import META_LLAMA3_SCALING
+from hybridckpt.models.rope import read_hf_rope, rope_frequencies
 
 TOKENS = np.random.default_rng(0).integers(0, 96, (2, 16), dtype=np.int32)
 ATOL = 1e-4

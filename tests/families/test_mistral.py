@@ -23,11 +23,10 @@ import transformers
 from e2e import roundtrip
 from meshes import cases
 
-import models
-from hybridckpt import jobs, naming
-from hybridckpt.formats import open_source
-from models.errors import ConfigError
-from models.mistral.config import MistralConfig
+from hybridckpt import jobs, models, naming
+from hybridckpt.models.errors import ConfigError
+from hybridckpt.models.mistral.config import MistralConfig
+from hybridckpt.readers import open_source
 
 TOKENS = np.random.default_rng(1).integers(0, 96, (2, 16), dtype=np.int32)
 ATOL = 1e-4

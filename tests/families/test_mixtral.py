@@ -21,12 +21,11 @@ from e2e import roundtrip
 from fixtures.hf_moe import randomize, write_adamw_moments
 from meshes import cases, fit, fit_pair, size, spec
 
-import models
-from hybridckpt import jobs, naming
-from hybridckpt.formats import open_source
+from hybridckpt import jobs, models, naming
 from hybridckpt.io.byte_source import count_reads
+from hybridckpt.models.mixtral.config import MixtralConfig
+from hybridckpt.readers import open_source
 from hybridckpt.store.restore import restore
-from models.mixtral.config import MixtralConfig
 
 TOKENS = np.random.default_rng(1).integers(0, 96, (2, 12), dtype=np.int32)
 ATOL = 1e-4

@@ -25,11 +25,11 @@ import transformers
 from meshes import device_count, fit_mesh, spec
 
 import hybridckpt.errors
-import models
+from hybridckpt import models
 from hybridckpt.mesh import batch_sharding, tree_shardings
+from hybridckpt.models import GPT2Config, LlamaConfig
+from hybridckpt.models.errors import ConfigError
 from hybridckpt.plan import optax_state_shardings
-from models import GPT2Config, LlamaConfig
-from models.errors import ConfigError
 
 BF16_TOL = 0.05  # max |bf16 - fp32| / max |fp32 logit|
 
@@ -172,9 +172,9 @@ def test_jax_free_axes_equal_the_flax_modules_and_plan_the_same(cfg, monkeypatch
     what Flax's init annotates, for Llama, Mistral and Qwen 2 / 3 (biases, q/k norms); the plan built from the
     tables equals the plan built by tracing, and a wrong axis would be seen."""
     from hybridckpt import plan
-    from models.mistral.config import MistralConfig
-    from models.qwen2.config import Qwen2Config
-    from models.qwen3.config import Qwen3Config
+    from hybridckpt.models.mistral.config import MistralConfig
+    from hybridckpt.models.qwen2.config import Qwen2Config
+    from hybridckpt.models.qwen3.config import Qwen3Config
 
     fields = dataclasses.asdict(cfg)
     for c in (cfg, MistralConfig(**fields, sliding_window=4), Qwen2Config(**fields),
@@ -682,11 +682,13 @@ def test_models_imports_nothing_from_hybridckpt_nor_jax():
     out = _python(
         """
         import sys
-        import models
+        from hybridckpt import models
         cfg = models.config_from_hf({"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 2})
         models.param_shape_tree(cfg), models.rule_variables(cfg), models.hf_rules(cfg)
         models.config_from_dict(models.config_to_dict(cfg))
-        bad = [m for m in sys.modules if m.split(".")[0] in ("hybridckpt", "jax", "flax")]
+        ours = ("hybridckpt", "hybridckpt.errors", "hybridckpt.models")
+        bad = [m for m in sys.modules if m.split(".")[0] in ("jax", "flax")
+               or (m.startswith("hybridckpt") and not m.startswith(ours[2]) and m not in ours)]
         assert not bad, bad
         print("ok")
         """
@@ -704,7 +706,7 @@ def test_a_family_in_a_new_folder_is_found(tmp_path):
             """
             from dataclasses import dataclass
 
-            from models.family import Family
+            from hybridckpt.models.family import Family
 
 
             @dataclass(frozen=True)
@@ -737,7 +739,7 @@ def test_a_family_in_a_new_folder_is_found(tmp_path):
                 config_to_hf=lambda cfg: {"architectures": ["ToyForCausalLM"]},
                 shape_tree=lambda cfg: {"w": {"kernel": (cfg.width, cfg.vocab_size)}},
                 rule_variables=rule_variables,
-                module="models.toy.module:Toy",
+                module="hybridckpt.models.toy.module:Toy",
                 hf_rules=f"{__name__}:hf.rules",
             )
             """
@@ -745,7 +747,7 @@ def test_a_family_in_a_new_folder_is_found(tmp_path):
     )
     out = _python(
         f"""
-        import models
+        from hybridckpt import models
         models.__path__.append({str(tmp_path)!r})
         assert set(models.families()) >= {{"toy", "llama", "gpt2"}}
         cfg = models.config_from_hf({{"architectures": ["ToyForCausalLM"], "vocab_size": 5,

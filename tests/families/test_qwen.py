@@ -21,12 +21,11 @@ import transformers
 from e2e import roundtrip
 from meshes import cases, fit
 
-import models
-from hybridckpt import jobs, naming
-from hybridckpt.formats import open_source
-from models.errors import ConfigError
-from models.qwen2.config import Qwen2Config
-from models.qwen3.config import Qwen3Config
+from hybridckpt import jobs, models, naming
+from hybridckpt.models.errors import ConfigError
+from hybridckpt.models.qwen2.config import Qwen2Config
+from hybridckpt.models.qwen3.config import Qwen3Config
+from hybridckpt.readers import open_source
 
 TOKENS = np.array([[1, 5, 9, 3, 7, 2, 8, 4], [0, 11, 42, 17, 6, 5, 90, 3]], dtype=np.int32)
 ATOL = 1e-4

@@ -23,12 +23,11 @@ from e2e import roundtrip
 from fixtures.hf_moe import hf_state, randomize, write_adamw_moments
 from meshes import cases, fit, fit_pair, size, spec
 
-import models
-from hybridckpt import jobs, naming
-from hybridckpt.formats import open_source
+from hybridckpt import jobs, models, naming
+from hybridckpt.models.errors import ConfigError
+from hybridckpt.models.qwen3_moe.config import Qwen3MoeConfig
+from hybridckpt.readers import open_source
 from hybridckpt.store.restore import restore
-from models.errors import ConfigError
-from models.qwen3_moe.config import Qwen3MoeConfig
 
 TOKENS = np.random.default_rng(2).integers(0, 96, (2, 12), dtype=np.int32)
 ATOL = 1e-4

@@ -1,8 +1,9 @@
 """ColossalAI distributed checkpoints: pieces at offsets assembled into global tensors.
 
 Fixtures come from tests/fixtures/colossal_writer.py (torch.save / safetensors shards and the
-per-rank metadata of PR hpcaitech/ColossalAI#6181, vocab padded so the last TP rank's shard is
-longer than its trimmed `lengths`). Every tensor is compared bit for bit with the reference.
+per-rank metadata of PR hpcaitech/ColossalAI#6181, laid out as the files ColossalAI itself
+writes: tests/real/test_real_colossalai.py reads those). Every tensor is compared bit for bit
+with the reference.
 """
 
 import json
@@ -15,7 +16,7 @@ import torch
 from fixtures import colossal_writer as cw
 from fixtures import paddle_writer as pw
 
-from hybridckpt import formats, naming
+from hybridckpt import naming, readers
 from hybridckpt.errors import FormatError
 from hybridckpt.formats import colossal
 from hybridckpt.io.byte_source import count_reads
@@ -25,7 +26,7 @@ LAYERS = 2
 
 @pytest.fixture(scope="module")
 def ref():
-    return pw.reference_llama(5, vocab=61)  # 61 rows: padded to 64 under TP, last rank trimmed
+    return pw.reference_llama(5, vocab=64)  # split evenly: the tool refuses a padded vocab
 
 
 def _write(path, ref, **kw):
@@ -57,13 +58,13 @@ def _meta(path, dist_id=0):
 )
 def test_import_bitwise(tmp_path, ref, kw):
     path = _write(tmp_path, ref, **kw)
-    assert formats.detect(path) == "colossal"
+    assert readers.detect(path) == "colossal"
     tp = kw.get("tp", 2)
-    if tp > 1:  # the fixture really trims the last rank: stored rows > lengths
+    if tp > 1:  # the last rank's piece of the vocab starts at its partition
         meta = json.loads(_meta(tmp_path, tp - 1).read_text())["metadata"][
             "model.embed_tokens.weight"
         ]
-        assert meta["lengths"][0] < 64 // tp and meta["offsets"][0] == (64 // tp) * (tp - 1)
+        assert meta["lengths"][0] == 64 // tp and meta["offsets"][0] == (64 // tp) * (tp - 1)
     src = colossal.open(path)
     bf16 = kw.get("dtype") == torch.bfloat16
     want = {k: v.astype(ml_dtypes.bfloat16) if bf16 else v for k, v in ref.params.items()}
@@ -72,14 +73,14 @@ def test_import_bitwise(tmp_path, ref, kw):
         got = src.tensors[k].materialize()
         assert got.dtype == v.dtype and got.shape == v.shape
         assert np.array_equal(got.view(np.uint8), v.view(np.uint8)), k
-    assert src.hf_rules == "" and src.config.vocab_size == 61
+    assert src.hf_rules == "" and src.config.vocab_size == 64
     named = naming.hf_to_tree(naming.source_to_hf(src, src.config), src.config)
-    assert named.params["embed.embedding"].shape == (61, 32)
+    assert named.params["embed.embedding"].shape == (64, 32)
 
 
 def test_reads_only_the_box(tmp_path, ref):
     path = _write(tmp_path, ref, tp=2, safetensors=True)
-    t = colossal.open(path).tensors["model.embed_tokens.weight"]  # rows 32..60 live on rank 1
+    t = colossal.open(path).tensors["model.embed_tokens.weight"]  # rows 32..63 live on rank 1
     with count_reads() as c:
         got = t.read((slice(40, 42), slice(None)))
     assert np.array_equal(got, ref.params["model.embed_tokens.weight"][40:42])
@@ -96,8 +97,8 @@ def _edit(meta_path, name, fn):
 
 def test_missing_weight_file(tmp_path, ref):
     path = _write(tmp_path, ref, tp=2)
-    os.remove(tmp_path / "pytorch_model-dist-00001-shard-00002.bin")
-    with pytest.raises(FormatError, match=r"pytorch_model-dist-00001-shard-00002\.bin"):
+    os.remove(tmp_path / "pytorch_model-dist-00001-shard-00001.bin")
+    with pytest.raises(FormatError, match=r"pytorch_model-dist-00001-shard-00001\.bin"):
         colossal.open(path)
 
 
@@ -144,6 +145,6 @@ def test_import_restore_export_bitwise(tmp_path, ref):
     from e2e import assert_same, roundtrip
 
     path = _write(tmp_path / "colossal", ref, tp=2, pp=2)
-    # vocab 61 does not divide by tp: shard over fsdp and pp
+    # mesh A shards over fsdp and pp, mesh B over dp and fsdp
     params, _, _, _ = roundtrip(path, str(tmp_path), mesh_a="fsdp=2,pp=2", mesh_b="dp=2,fsdp=4", optimizer=False)
     assert_same(params, ref.params)

@@ -59,7 +59,7 @@ def test_handwritten_dcp_is_what_torch_reads(sources):
     import torch.distributed.checkpoint as dcp
     from attacks.sources import _llama_ref
 
-    from hybridckpt.formats import open_source
+    from hybridckpt.readers import open_source
 
     ref = _llama_ref(11)
     sd = {f"model.{k}": torch.empty(v.shape) for k, v in ref.params.items()}
@@ -84,7 +84,7 @@ def test_handwritten_zero2_matches_its_reference(sources, tmp_path):
     import numpy as np
     from attacks.sources import write_zero2
 
-    from hybridckpt.formats import open_source
+    from hybridckpt.readers import open_source
 
     ref = write_zero2(str(tmp_path / "again"))  # the same seed: the reference values
     src = open_source(sources["deepspeed"], "deepspeed")
@@ -128,7 +128,7 @@ def _safetensors(path, header: bytes, data: bytes = b"\0" * 8):
     ],
 )
 def test_safetensors_header_regressions(tmp_path, header, match):
-    from hybridckpt.io.safetensors_file import read_header
+    from hybridckpt.containers.safetensors_file import read_header
 
     # before: OverflowError / RecursionError escaped, floats were truncated, duplicates and
     # non-string metadata were accepted
@@ -141,7 +141,7 @@ def test_hf_index_cannot_point_outside_the_folder(sources, tmp_path):
     case = next(c for c in CASES if c.name == "index names a file outside the folder")
     path = damage.prepare(case, sources, str(tmp_path))
     assert os.path.isfile(os.path.join(path, "..", "outside.safetensors"))  # it would be read
-    with pytest.raises(FormatError, match=r"index\.json.*'\.\./outside\.safetensors'.*not a file inside"):
+    with pytest.raises(FormatError, match=r"index\.json.*'\.\./outside\.safetensors'.*only a path inside the checkpoint folder"):
         damage.read_everything(path, "hf")
 
 
@@ -151,7 +151,7 @@ def test_namespace_pickled_before_loading_is_not_an_attack(tmp_path):
     modify class argparse.Namespace' (and the cache deleted). A fresh interpreter, no pytest."""
     code = (
         "import argparse, pickle\n"
-        "from hybridckpt.io.pickle.machine import safe_loads\n"
+        "from hybridckpt.containers.pickle.machine import safe_loads\n"
         "data = pickle.dumps(argparse.Namespace(lr=0.1), protocol=2)\n"
         "assert '__slotnames__' in vars(argparse.Namespace)\n"
         "print(safe_loads(data, what='args.pkl'))\n"
@@ -200,7 +200,7 @@ def test_colossal_offsets_and_lengths(sources, tmp_path, item, match):
     doc = json.loads(meta.read_text())
     doc["metadata"][damage.GATE].update(item)
     meta.write_text(json.dumps(doc))
-    with pytest.raises(FormatError, match=rf"index\.json: 'model\.layers\.0\.mlp\.gate_proj\.weight': {match}"):
+    with pytest.raises(FormatError, match=rf"meta-dist-00001\.json: 'model\.layers\.0\.mlp\.gate_proj\.weight': {match}"):
         damage.read_everything(str(path), "colossal")
 
 
@@ -248,7 +248,7 @@ def test_corrupt_zip_offsets_and_versions(tmp_path):
     22.9") escaped from torch_save.load."""
     import torch
 
-    from hybridckpt.io.pickle import torch_save
+    from hybridckpt.containers.pickle import torch_save
 
     good = tmp_path / "good.pt"
     torch.save({"w": torch.ones(3)}, good)

@@ -25,10 +25,11 @@ from fixtures.torch_common import load_reference, reference_names
 from meshes import cases, fit
 
 from hybridckpt import naming
+from hybridckpt.containers.dcp_metadata import read_metadata
 from hybridckpt.errors import FormatError
-from hybridckpt.formats import dcp, detect, open_source
+from hybridckpt.formats import dcp
 from hybridckpt.io.byte_source import close_all, count_reads
-from hybridckpt.io.dcp_metadata import read_metadata
+from hybridckpt.readers import detect, open_source
 
 WRITER = os.path.join(FIXTURES, "dcp_writer.py")
 EMBED = "model.model.embed_tokens.weight"

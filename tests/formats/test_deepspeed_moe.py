@@ -24,12 +24,12 @@ from fixtures.torch_common import load_reference, reference_names
 from meshes import fit_pair
 
 from hybridckpt import jobs, lazy
+from hybridckpt.containers.pickle import torch_save
 from hybridckpt.errors import FormatError
 from hybridckpt.formats import deepspeed as ds
-from hybridckpt.formats import detect
 from hybridckpt.formats.deepspeed import experts
 from hybridckpt.formats.deepspeed.ranks import read_rank
-from hybridckpt.io.pickle import torch_save
+from hybridckpt.readers import detect
 from hybridckpt.rules import parse_rules
 
 WRITER = os.path.join(FIXTURES, "ds_moe_writer.py")

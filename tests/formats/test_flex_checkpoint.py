@@ -24,13 +24,12 @@ from fixtures import flex_writer as fw
 from fixtures import paddle_writer as pw
 from meshes import cases, fit
 
-import models
-from hybridckpt import formats, naming
+from hybridckpt import models, naming, readers
+from hybridckpt.containers.pickle.machine import safe_load_file
 from hybridckpt.errors import FormatError, UnsafePickleError
 from hybridckpt.formats import flex_checkpoint
 from hybridckpt.formats.flex_checkpoint.metadata import FLEX_POLICY, read_metadata
 from hybridckpt.io.byte_source import close_all, count_reads
-from hybridckpt.io.pickle.machine import safe_load_file
 from hybridckpt.rules import parse_rules
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -90,7 +89,7 @@ def test_variants_bitwise(tmp_path, ref, name):
     """Params (bf16 as trained), fp32 masters and both moments under HF names, bit for bit; the
     step from the beta pows; the model dtype kept beside the fp32 optimizer state."""
     ckpt, want = write(tmp_path, ref, name)
-    assert formats.detect(ckpt) == "flex-checkpoint"
+    assert readers.detect(ckpt) == "flex-checkpoint"
     src = flex_checkpoint.open(ckpt)
     params, mu, nu, master = to_hf(src)
     assert_bitwise(params, want["params"], "params")
@@ -308,7 +307,7 @@ def test_damage_is_one_line_naming_the_file(tmp_path, ref, how):
     ckpt, _ = write(tmp_path, ref, "tp2_stage1v2_bf16")
     match = _damage(ckpt, how)
     with pytest.raises(FormatError, match=match) as e:
-        src = formats.open_source(ckpt, "flex-checkpoint")
+        src = readers.open_source(ckpt, "flex-checkpoint")
         for t in (
             *src.tensors.values(),
             *(v for s in src.optimizer.slots.values() for v in s.values()),

@@ -18,12 +18,12 @@ from fixtures.megatron_dist_writer import trained_llama, write_torch_dist
 from fixtures.megatron_writer import make_llama, padded_vocab_size
 from meshes import fit
 
-import models
+from hybridckpt import models
+from hybridckpt.containers.dcp_metadata import read_metadata
 from hybridckpt.errors import ConfigError, FormatError
-from hybridckpt.formats import detect, open_source
 from hybridckpt.formats.megatron_dist import buckets
 from hybridckpt.io.byte_source import count_reads
-from hybridckpt.io.dcp_metadata import read_metadata
+from hybridckpt.readers import detect, open_source
 from hybridckpt.rules import parse_rules
 
 LLAMA = dict(hidden=64, layers=4, heads=8, kv_heads=4, ffn=96, vocab=100)  # GQA, tp up to 4

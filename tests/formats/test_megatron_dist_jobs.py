@@ -22,9 +22,8 @@ from fixtures.megatron_dist_writer import write_torch_dist
 from fixtures.megatron_writer import make_llama, make_qwen
 from meshes import cases, fit
 
-import models
-from hybridckpt import jobs
-from hybridckpt.formats import open_source
+from hybridckpt import jobs, models
+from hybridckpt.readers import open_source
 
 SIZES = dict(hidden=64, layers=4, heads=8, kv_heads=4, ffn=96, vocab=100)
 

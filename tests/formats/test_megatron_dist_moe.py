@@ -22,9 +22,8 @@ from fixtures.megatron_dist_moe_writer import write_torch_dist_moe
 from fixtures.megatron_moe_writer import make_moe
 from meshes import fit
 
-import models
-from hybridckpt import jobs
-from hybridckpt.formats import open_source
+from hybridckpt import jobs, models
+from hybridckpt.readers import open_source
 
 
 @pytest.mark.parametrize(
@@ -110,3 +109,79 @@ def test_misassigned_ep_offsets_move_the_logits(tmp_path):
         want = model(torch.from_numpy(tokens).long()).logits.numpy()
     got = jobs.logits(str(tmp_path), tokens, mesh=fit("dp=2,tp=2,pp=2", keep="dp"))
     assert np.abs(got - want).max() > 1000 * 1e-4
+
+
+def test_local_spec_pre_mlp_norm_lies_before_the_router():
+    """The local spec's pre-MLP norm is a module of its own, `pre_mlp_layernorm`, registered
+    before the MoE layer (router, experts), which torch_dist saves under TE's fused key
+    `mlp.linear_fc1.layer_norm_weight` (gpt_layer_specs.py sharded_state_dict_keys_map): in the
+    dense optimizer's buckets (reverse `named_parameters()` order) it lies before the router, as
+    megatron-core 0.19.2 wrote tests/real/cases/megatron_core_moe_sequential_dp_reshardable.
+    Ordered as TE's `linear_fc1` norm, after the router, the two swap their moments and masters."""
+    from hybridckpt.formats.megatron.layout import Topology
+    from hybridckpt.formats.megatron_dist import buckets
+
+    layer = [
+        "self_attention.linear_qkv.layer_norm_weight",
+        "self_attention.linear_qkv.weight",
+        "self_attention.linear_proj.weight",
+        "mlp.router.weight",
+        "mlp.linear_fc1.layer_norm_weight",
+        "mlp.experts.0.linear_fc1.weight",
+    ]
+    model = {f"decoder.layers.0.{s}": None for s in layer}
+    topo = Topology(tp=1, pp=1, vpp=1, ep=1, dp=1)
+    got = buckets.chunk_params(model, topo, 0, 0, tied=False, local_spec=True, where="x")
+    assert [n[len("decoder.layers.0.") :] for n in got] == [
+        "self_attention.linear_qkv.layer_norm_weight",  # input_layernorm
+        "self_attention.linear_proj.weight",
+        "self_attention.linear_qkv.weight",
+        "mlp.linear_fc1.layer_norm_weight",  # pre_mlp_layernorm
+        "mlp.router.weight",
+    ]
+    # TE: the norm is linear_fc1's own (a dense layer), after the router if there were one
+    te = buckets.layer_order(local_spec=False)
+    assert te.index("mlp.linear_fc1.layer_norm_weight") > te.index("mlp.router.weight")
+    assert te.index("pre_mlp_layernorm.weight") < te.index("mlp.router.weight")
+
+
+def test_ep1_experts_lie_in_the_dense_buffer_after_the_router():
+    """With expert_model_parallel_size 1 (experts split like the dense layers) megatron-core
+    builds one optimizer, unchained, and the routed experts are ordinary params of the dense
+    buffers, at their `named_parameters()` place: the MoE layer registers router, experts, shared
+    experts (moe_layer.py). SequentialMLP: per expert fc1, fc2; TEGroupedMLP: all fc1, all fc2.
+    megatron-core 0.19.2 lays it out so (tests/real/cases/megatron_core_moe_ep1_dp_reshardable)."""
+    from hybridckpt.errors import FormatError
+    from hybridckpt.formats.megatron_dist.expert_buckets import ExpertLayout, with_inline_experts
+    from hybridckpt.lazy import ArrayTensor
+
+    pre = "decoder.layers.3.mlp."
+    model = {
+        f"{pre}experts.{e}.{fc}.weight": ArrayTensor(np.zeros(s, np.float32))
+        for e in range(2)
+        for fc, s in (("linear_fc1", (8, 4)), ("linear_fc2", (4, 4)))
+    }
+    dense = [f"{pre}router.weight", f"{pre}shared_experts.linear_fc1.weight"]
+    names, shapes = with_inline_experts(
+        model, [3], dense, [(2, 4), (8, 4)], ExpertLayout("sequential", 1, 2, 4), 2, "x"
+    )
+    assert names == [
+        f"{pre}router.weight",
+        f"{pre}experts.local_experts.0.linear_fc1.weight",
+        f"{pre}experts.local_experts.0.linear_fc2.weight",
+        f"{pre}experts.local_experts.1.linear_fc1.weight",
+        f"{pre}experts.local_experts.1.linear_fc2.weight",
+        f"{pre}shared_experts.linear_fc1.weight",
+    ]
+    assert shapes[1:3] == [(4, 4), (4, 2)]  # tp 2: fc1 rows, fc2 columns halved
+    names, _ = with_inline_experts(
+        model, [3], dense, [(2, 4), (8, 4)], ExpertLayout("te_grouped", 1, 2, 4), 1, "x"
+    )
+    assert names[1:5] == [
+        f"{pre}experts.linear_fc1.weight0",
+        f"{pre}experts.linear_fc1.weight1",
+        f"{pre}experts.linear_fc2.weight0",
+        f"{pre}experts.linear_fc2.weight1",
+    ]
+    with pytest.raises(FormatError, match=r"x: layer 3 holds routed experts but no .*router"):
+        with_inline_experts(model, [3], [], [], ExpertLayout("sequential", 1, 2, 4), 1, "x")

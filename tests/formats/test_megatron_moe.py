@@ -24,12 +24,11 @@ from e2e import assert_same, roundtrip
 from fixtures.megatron_moe_writer import make_moe, write_megatron_moe
 from meshes import cases, fit
 
-import models
-from hybridckpt import jobs
+from hybridckpt import jobs, models
 from hybridckpt.errors import FormatError, MappingError
-from hybridckpt.formats import open_source
 from hybridckpt.formats.megatron.reader import read_global
 from hybridckpt.formats.rules_files import load_rules
+from hybridckpt.readers import open_source
 
 EMBEDDING = "embedding.word_embeddings.weight"
 

@@ -27,11 +27,10 @@ from fixtures.megatron_dist_moe_writer import write_torch_dist_moe
 from fixtures.megatron_moe_writer import make_moe, write_megatron_moe
 from meshes import fit
 
-import models
-from hybridckpt import jobs
+from hybridckpt import jobs, models
 from hybridckpt.errors import FormatError
-from hybridckpt.formats import open_source
 from hybridckpt.naming import source_to_hf
+from hybridckpt.readers import open_source
 
 L = 4  # decoder layers (1 dense, 3 MoE): MTP module 0 is HF layer 4
 

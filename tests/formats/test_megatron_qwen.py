@@ -17,10 +17,9 @@ from e2e import assert_same, roundtrip
 from fixtures.megatron_writer import make_qwen, write_megatron
 from meshes import cases, fit
 
-import models
-from hybridckpt import jobs
+from hybridckpt import jobs, models
 from hybridckpt.errors import FormatError
-from hybridckpt.formats import open_source
+from hybridckpt.readers import open_source
 
 SIZES = dict(hidden=64, layers=4, heads=8, kv_heads=4, ffn=96, vocab=100)  # GQA, tp up to 4
 QWEN3_HEAD_DIM = 12  # heads * head_dim = 96 != hidden 64, as Qwen3's explicit head_dim allows

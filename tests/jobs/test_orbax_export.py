@@ -9,9 +9,10 @@ from meshes import fit
 from safetensors.numpy import load_file
 
 from hybridckpt import jobs
+from hybridckpt.containers import safetensors_file
 from hybridckpt.demo import sample_path
-from hybridckpt.io import parallel, safetensors_file
 from hybridckpt.io.sequential_file import SequentialFile
+from hybridckpt.lazy import parallel
 
 BIG = {f"model.layers.{i}.mlp.up_proj.weight": (256, 128) for i in range(3)}  # 128 KiB fp32 each
 
@@ -37,9 +38,9 @@ def _copied(monkeypatch) -> list[int]:
     calls: list[int] = []
     inner = SequentialFile.copy_run
 
-    def spy(self, source, offset, nbytes):
+    def spy(self, source, offset, nbytes, check=None):
         calls.append(nbytes)
-        return inner(self, source, offset, nbytes)
+        return inner(self, source, offset, nbytes, check)
 
     monkeypatch.setattr(SequentialFile, "copy_run", spy)
     return calls

@@ -13,11 +13,10 @@ import pytest
 from fixtures import paddle_writer as pw
 from safetensors.numpy import save_file
 
-import models
-from hybridckpt import jobs, lazy
+from hybridckpt import jobs, lazy, models
 from hybridckpt.errors import MappingError
+from hybridckpt.models import config_from_hf
 from hybridckpt.rules import load_rules
-from models import config_from_hf
 
 RULES = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "llama_variant.rules")
 

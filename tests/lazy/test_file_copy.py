@@ -10,9 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hybridckpt import lazy
+from hybridckpt.containers import safetensors_file as sf
 from hybridckpt.errors import FormatError
 from hybridckpt.io import byte_source, writeback
-from hybridckpt.io import safetensors_file as sf
 from hybridckpt.io.byte_source import ByteSource, count_reads
 
 UNLIMITED = 10**9

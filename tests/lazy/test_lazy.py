@@ -136,10 +136,10 @@ def test_bitcast_views_bytes_without_changing_them():
         lazy.Bitcast(lazy.ArrayTensor(vals), np.dtype(np.float32))
 
 
-def test_a_box_of_many_runs_is_one_mapped_copy_of_its_bytes(tmp_path):
-    """A tp shard of a row-parallel weight (half of every row) is thousands of runs: it is copied
-    out of the mapped file in one call (transposed or cast on the way), counted as the box's
-    bytes; a box that is one run is one pread. Equal to numpy either way."""
+def test_a_box_of_many_runs_is_one_read_and_one_copy(tmp_path):
+    """A tp shard of a row-parallel weight (half of every row) is thousands of runs: its span is
+    read with one pread and copied out in one call (transposed or cast on the way), counted as
+    the box's bytes (the gaps apart); a box that is one run is one pread. Equal to numpy."""
     p = str(tmp_path / "w.bin")
     w = np.arange(256 * 1024, dtype=np.float32).reshape(256, 1024)  # rows of 4 KiB
     w.tofile(p)
@@ -147,61 +147,80 @@ def test_a_box_of_many_runs_is_one_mapped_copy_of_its_bytes(tmp_path):
     with count_reads() as c:
         got = t.read_box(((0, 256), (0, 512)))  # 2 KiB runs, 2 KiB gaps
     np.testing.assert_array_equal(got, w[:, :512])
-    assert c[p] == got.nbytes and c[(p, "calls")] == 1
+    assert c[p] == got.nbytes and c[(p, "calls")] == 1 and c[(p, "gap")] == 255 * 2048
     with count_reads() as c:
-        got = t.read_box(((0, 256), (0, 8)))  # 32-byte runs a row apart
+        got = t.read_box(((0, 256), (0, 8)))  # 32-byte runs a row apart: within a page
     np.testing.assert_array_equal(got, w[:, :8])
     assert c[p] == got.nbytes and c[(p, "calls")] == 1
-    out = np.empty((512, 200), np.float64)  # transposed and cast straight out of the map
+    out = np.empty((512, 200), np.float64)  # transposed and cast straight out of the span
     t.read_into(((50, 250), (100, 612)), out.T)
     np.testing.assert_array_equal(out.T, w[50:250, 100:612].astype(np.float64))
     with count_reads() as c:
         got = t.read_box(((3, 9), (0, 1024)))  # whole rows: one run, one pread
     np.testing.assert_array_equal(got, w[3:9])
-    assert c[p] == got.nbytes and c[(p, "calls")] == 1
+    assert c[p] == got.nbytes and c[(p, "calls")] == 1 and c[(p, "gap")] == 0
 
 
-def test_a_mapped_read_goes_in_slabs_and_falls_back_to_preads(tmp_path, monkeypatch):
-    """A box whose span is over MAP_SPAN_BYTES is mapped slab by slab (so the mapped pages a read
-    holds stay bounded); a file that cannot be mapped is read a pread a run. Same values."""
-    import mmap
-
+def test_runs_far_apart_are_a_pread_each_and_spans_go_in_slabs(tmp_path, monkeypatch):
+    """Runs a page or more apart are read one pread each (no gap bytes); a
+    box whose span is over SPAN_BYTES is read slab by slab (so a read's buffer stays bounded).
+    Same values either way."""
     from hybridckpt.lazy import stored
 
     p = str(tmp_path / "w.bin")
-    w = np.arange(6 * 40 * 30, dtype=np.int16).reshape(6, 40, 30)
+    w = np.arange(64 * 4096, dtype=np.float32).reshape(64, 4096)  # rows of 16 KiB
     w.tofile(p)
-    t = lazy.StoredTensor(ByteSource(p), 0, w.shape, np.dtype(np.int16))
+    t = lazy.StoredTensor(ByteSource(p), 0, w.shape, np.dtype(np.float32))
+    with count_reads() as c:
+        got = t.read_box(((0, 64), (0, 16)))  # 64-byte runs 16 KiB apart
+    np.testing.assert_array_equal(got, w[:, :16])
+    assert c[p] == got.nbytes and c[(p, "calls")] == 64 and c[(p, "gap")] == 0
+    v = np.arange(6 * 40 * 30, dtype=np.int16).reshape(6, 40, 30)
+    q = str(tmp_path / "v.bin")
+    v.tofile(q)
+    t = lazy.StoredTensor(ByteSource(q), 0, v.shape, np.dtype(np.int16))
     box = ((1, 6), (3, 37), (2, 29))
     spans = []
-    real = ByteSource.mapped
+    real = ByteSource.read_span
 
     def spy(self, offset, nbytes, run_starts, run_bytes):
         spans.append(nbytes)
         return real(self, offset, nbytes, run_starts, run_bytes)
 
-    monkeypatch.setattr(ByteSource, "mapped", spy)
-    for limit in (10**9, 40 * 30 * 2, 30 * 2 * 5, 2):  # one map; a slab a layer; rows; elements
-        monkeypatch.setattr(stored, "MAP_SPAN_BYTES", limit)
+    monkeypatch.setattr(ByteSource, "read_span", spy)
+    for limit in (10**9, 40 * 30 * 2, 30 * 2 * 5, 2):  # one span; a slab a layer; rows; elements
+        monkeypatch.setattr(stored, "SPAN_BYTES", limit)
         spans.clear()
         got = np.empty((27, 34, 5), np.int16)
         t.read_into(box, got.transpose(2, 1, 0))
-        np.testing.assert_array_equal(got.transpose(2, 1, 0), w[1:6, 3:37, 2:29])
+        np.testing.assert_array_equal(got.transpose(2, 1, 0), v[1:6, 3:37, 2:29])
         assert max(spans) <= max(limit, 2), (limit, max(spans))
-    assert len(spans) == 5 * 34 * 27  # the smallest limit: one element a map
-
-    def refuse(*a, **k):
-        raise OSError(19, "No such device")
-
-    monkeypatch.setattr(stored, "MAP_SPAN_BYTES", 10**9)
-    monkeypatch.setattr(mmap, "mmap", refuse)
-    with count_reads() as c:
-        got = t.read_box(box)
-    np.testing.assert_array_equal(got, w[1:6, 3:37, 2:29])
-    assert c[p] == got.nbytes and c[(p, "calls")] == 5 * 34  # a pread a run
+    assert len(spans) == 5 * 34 * 27  # the smallest limit: one element a read
 
 
-def test_a_truncated_file_under_a_mapped_read_is_one_error(tmp_path):
+def test_a_file_truncated_while_it_is_read_is_one_error(tmp_path, monkeypatch):
+    """Another process cutting the file between the size check and the read: the read sees the
+    end (a FormatError saying "truncated"), never a SIGBUS (nothing is mapped)."""
+    import os
+
+    from hybridckpt.lazy import stored
+
+    p = str(tmp_path / "w.bin")
+    np.zeros((64, 256), np.float32).tofile(p)
+    t = lazy.StoredTensor(ByteSource(p), 0, (64, 256), np.dtype(np.float32))
+    real = ByteSource.read_span
+
+    def cut_first(self, offset, nbytes, run_starts, run_bytes):
+        os.truncate(p, 1000)
+        return real(self, offset, nbytes, run_starts, run_bytes)
+
+    monkeypatch.setattr(ByteSource, "read_span", cut_first)
+    monkeypatch.setattr(stored, "SPAN_BYTES", 1 << 30)
+    with pytest.raises(FormatError, match="truncated"):
+        t.read_box(((0, 64), (0, 128)))
+
+
+def test_a_truncated_file_under_a_many_run_read_is_one_error(tmp_path):
     p = str(tmp_path / "w.bin")
     np.zeros((64, 256), np.float32).tofile(p)
     __import__("os").truncate(p, 64 * 256 * 4 - 800)  # the last run cut short

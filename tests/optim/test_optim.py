@@ -120,7 +120,7 @@ def test_sgd_momentum_imports_restores_steps_and_exports(sgd_dcp, capsys):
     import optax
 
     from hybridckpt import jobs
-    from hybridckpt.io.safetensors_file import read_header
+    from hybridckpt.containers.safetensors_file import read_header
     from hybridckpt.store.restore import restore
 
     src, ref, root = sgd_dcp

@@ -18,6 +18,7 @@ from oracles import checksum_reference
 from hybridckpt import checksum, jobs
 from hybridckpt.cli import main
 from hybridckpt.demo import sample_path
+from hybridckpt.errors import CheckpointError
 from hybridckpt.store import CheckpointStore, read_trainer_state
 from hybridckpt.store.restore import restore
 
@@ -116,10 +117,20 @@ def test_verify_recorded_checksums_then_detect_a_changed_tensor(imported, capsys
     bad = imported + "-bad"
     with CheckpointStore(bad) as store:
         store.save(state["step"], params, opt_state, {k: v for k, v in state.items() if k not in ("step", "mesh")})
+    # a save of new arrays records no checksums of the old ones: put them back, as damage would
+    from pathlib import Path
+
+    from hybridckpt.store.save import _add_to_trainer_state
+
+    assert "checksums" not in read_trainer_state(bad)
+    kept = {k: state[k] for k in ("checksums", "checksum_chunks", "checksum_algorithm", "chunk_crc32")}
+    _add_to_trainer_state(Path(bad) / str(state["step"]), kept)
     capsys.readouterr()
     assert main(["verify", bad]) == 1
     out = capsys.readouterr().out
-    assert "BAD params.layers.down.kernel" in out and "35/36 arrays match" in out
+    assert "BAD params.layers.down.kernel" in out and "36/37 arrays match" in out  # (the step counter too)
+    with pytest.raises(CheckpointError, match=r"layers.down.kernel: chunk .* has CRC-32"):
+        restore(bad, "dp=1")  # every read checked, not only verify's
 
 
 def _chunk_locations(item_dir: str, array: str) -> list[list[tuple[str, int, int]]]:

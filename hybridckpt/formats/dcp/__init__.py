@@ -2,7 +2,7 @@
 
 Layout (pytorch/pytorch: torch/distributed/checkpoint/{metadata,filesystem,hf_storage}.py):
 - `.metadata` (or rank-local `__{rank}.metadata` from `use_collectives=False`): see
-  `hybridckpt.io.dcp_metadata`. Data in `__{rank}_{n}.distcp`: every tensor chunk is a complete
+  `hybridckpt.containers.dcp_metadata`. Data in `__{rank}_{n}.distcp`: every tensor chunk is a complete
   `torch.save` zip archive of the local block (shape = chunk sizes) at bytes
   `[offset, offset + length)`; byte items (param-group values, ...) are `torch.save`d objects.
   Chunks carry GLOBAL offsets; with dp x tp they are not in rank order (a q_proj over 4 ranks
@@ -42,10 +42,11 @@ groups), `torchtitan` (step folders, names, fused q/k/v, trainer state), `reader
 
 from __future__ import annotations
 
+from hybridckpt.formats.dcp.chunk import TorchSaveChunk
 from hybridckpt.formats.dcp.reader import NAME, detect, open  # noqa: A004 - the format contract
 from hybridckpt.formats.dcp.storage import read_hf_shards
 from hybridckpt.formats.dcp.structure import Structure, find_structure
-from hybridckpt.formats.dcp.views import Tiled, TorchSaveChunk, tiled
+from hybridckpt.lazy import Tiled, tiled
 
 __all__ = [
     "NAME",

@@ -15,6 +15,7 @@ import os
 import re
 from dataclasses import replace
 
+from hybridckpt.containers.dcp_metadata import metadata_files, read_metadata
 from hybridckpt.errors import FormatError
 from hybridckpt.formats import torch_optim
 from hybridckpt.formats.config_file import config_beside
@@ -29,9 +30,8 @@ from hybridckpt.formats.dcp.storage import (
 from hybridckpt.formats.dcp.storage import detect as storage_detect
 from hybridckpt.formats.dcp.structure import find_structure, param_groups
 from hybridckpt.formats.torch_optim import STEP, check_complete
-from hybridckpt.io.dcp_metadata import metadata_files, read_metadata
 from hybridckpt.lazy import LazyTensor
-from hybridckpt.source import OptimizerState, SourceCheckpoint
+from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
 NAME = "dcp"
 
@@ -205,7 +205,7 @@ def _split_fused(tensors: dict, slots: dict, cfg) -> tuple[dict, dict, list[str]
             "torchtitan's fused q/k/v (`qkv_linear.wqkv`) stays fused: splitting it into wq/wk/wv "
             "like the model tensors needs the head counts (pass --config)"
         ]
-    import models
+    from hybridckpt import models
 
     v = models.rule_variables(cfg)
     heads, kv = v["num_heads"], v["num_kv_heads"]

@@ -1,7 +1,7 @@
 """Where a DCP folder's bytes are: its files, chunks, safetensors blobs and shards.
 
 Three layouts (pytorch/pytorch: torch/distributed/checkpoint/{metadata,filesystem,hf_storage}.py):
-- `.metadata` (or rank-local `__{rank}.metadata`, `io.dcp_metadata`) + `__{rank}_{n}.distcp`
+- `.metadata` (or rank-local `__{rank}.metadata`, `containers.dcp_metadata`) + `__{rank}_{n}.distcp`
   files of `torch.save` chunks at the byte ranges the metadata gives (`views.TorchSaveChunk`);
   byte items (param-group values, ...) are `torch.save`d objects.
 - `FileSystemWriter(serialization_format=SAFETENSORS)`: each `.distcp` file is one safetensors
@@ -25,19 +25,19 @@ from types import MappingProxyType
 
 import numpy as np
 
-from hybridckpt.errors import FormatError
-from hybridckpt.formats.config_file import parse_json
-from hybridckpt.formats.dcp.views import TorchSaveChunk, tiled
-from hybridckpt.io.dcp_metadata import (
+from hybridckpt.containers.dcp_metadata import (
     Chunk,
     DcpMetadata,
     TensorEntry,
     check_tiling,
     metadata_files,
 )
-from hybridckpt.io.pickle import torch_save
-from hybridckpt.io.safetensors_file import read_header
-from hybridckpt.lazy import LazyTensor
+from hybridckpt.containers.pickle import torch_save
+from hybridckpt.containers.safetensors_file import read_header
+from hybridckpt.errors import FormatError
+from hybridckpt.formats.config_file import parse_json
+from hybridckpt.formats.dcp.chunk import TorchSaveChunk
+from hybridckpt.lazy import LazyTensor, tiled
 
 _HF_SHARD = re.compile(r"^shard-\d+-model-\d+-of-\d+\.safetensors$")
 _SHARDING_KEY = "DCP_SHARDING_INFO"  # torch/distributed/checkpoint/_hf_utils.py

@@ -18,8 +18,8 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from hybridckpt.containers.dcp_metadata import DcpMetadata
 from hybridckpt.formats.dcp.storage import entry_tensor, load_item
-from hybridckpt.io.dcp_metadata import DcpMetadata
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
 """torchtitan inside a DCP folder: its step folders, names, fused q/k/v optimizer state, trainer state.
 
-Layout (torchtitan 0.3.0, the same code as pytorch/torchtitan at main; older releases noted):
+Layout (torchtitan 0.3.0, the same code as pytorch/torchtitan at main; older releases noted).
+Pinned by checkpoints torchtitan 0.3.0 wrote itself (tests/real/cases/torchtitan_{llama3,qwen3,
+qwen3_moe}, tests/real/test_real_torchtitan.py: FSDP2 on 2 ranks, EP 2 x FSDP 2 on 4):
 - `CheckpointManager.save(step)` writes `<folder>/step-{step}/`, a DCP folder
   (pytorch/torchtitan:torchtitan/components/checkpointer/dcp.py `_create_checkpoint_id`). Its
   state dict is `_flattened_model_states_sd()`: the model's own fqns at the TOP level (no
@@ -9,13 +11,15 @@ Layout (torchtitan 0.3.0, the same code as pytorch/torchtitan at main; older rel
   `Trainer.state_dict`) and `dataloader`. Given the parent folder, the latest `step-N` is read.
 - The optimizer state is flat and keyed by PARAMETER fqn (components/optimizer/utils.py
   `get_flat_optim_state_dict`): `optimizer.state.<fqn>.{exp_avg,exp_avg_sq,step}` and
-  `optimizer.param_groups.<fqn>.<key>` (`structure` reads both).
+  `optimizer.param_groups.<fqn>.<key>` (`structure` reads both). The group's `lr` is the one
+  LambdaLR set for the NEXT step (`initial_lr` beside it), which is what a resumed step uses.
 - Llama 3 and Qwen3 keep q/k/v as ONE parameter, `layers.N.attention.qkv_linear.wqkv.weight`
   (`fuse_qkv=True` in every config of models/llama3/__init__.py and models/qwen3/__init__.py),
   `[(heads + 2 * kv_heads) * head_dim, dim]` with rows per kv group `[heads/kv_heads q heads | k
   | v]` (models/common/attention.py `FusedQKVLinear`: the forward views the output
   `[n_kv, heads/kv_heads + 2, head_dim]`). Its state-dict hook `_split_qkv_on_save` saves the
-  MODEL tensor split, `qkv_linear.wq/wk/wv.weight`, while the moments stay under the fused name.
+  MODEL tensor split, `qkv_linear.wq/wk/wv.weight` (gathered first: one whole chunk each on
+  disk), while the moments stay under the fused name, FSDP-sharded.
   `split_fused_qkv` splits those (and a fused model tensor, as main saved it before the hook, in
   2026-04..06) into the same wq/wk/wv names by `rules/torchtitan_fused_qkv.rules`; then one set
   of rules takes params and moments alike to HF names. Splitting needs the head counts: without
@@ -33,14 +37,21 @@ Layout (torchtitan 0.3.0, the same code as pytorch/torchtitan at main; older rel
   `feed_forward.`: the experts of a layer are ONE parameter per projection with the expert on the
   leading axis (`moe.routed_experts.inner_experts.w1_EFD`/`w3_EFD` `[experts, hidden, dim]`,
   `w2_EDF` `[experts, dim, hidden]`; `moe.experts.w1|w3|w2` up to v0.2.x), sharded over experts
-  (EP) and FSDP in the DCP files (the reader joins the chunks at their global offsets). Their
+  (EP) and FSDP in the DCP files (the reader joins the chunks at their global offsets): while
+  efsdp * ep <= experts both shard the EXPERT axis (`_StridedShard(0)` over efsdp, `Shard(0)`
+  over ep: whole experts per chunk, rank r of 2 x 2 holding expert (r % 2) * 2 + r // 2), the
+  hidden axis (`Shard(1)` over efsdp) only when efsdp * ep > experts (distributed/fsdp.py). Their
   moments are keyed by the same grouped parameter. `split_experts` takes params and moments
   alike apart into one lazy view per expert (`rules/torchtitan_moe_experts.rules`), every grouped
   tensor checked to hold the config's number of experts; `rules/torchtitan_moe.rules` then gives
   HF's per-expert names (`mlp.experts.E.gate_proj.weight`, router `mlp.gate.weight`), as the
   adapters' `to_hf` do. The load-balancing buffer `moe.expert_bias_E` (selection only) has no HF
   Qwen3-MoE counterpart and torchtitan's `to_hf` drops it: so do the rules, with a note when it
-  is not zero (the HF model then routes without it, as torchtitan's own export does).
+  is not zero (the HF model then routes without it, as torchtitan's own export does; after 3
+  steps of the real case, |bias| ~3e-3 already changes some tokens' experts, logits by ~0.2).
+  It is saved whole (a buffer, not FSDP-sharded), without optimizer state. torchtitan computes
+  the experts in bfloat16 (`GroupedExperts.forward` casts), so its own logits differ from an
+  fp32 forward by bf16 rounding.
 - DeepSeek V3 (`attention.wkv_a` tells it apart; models/deepseek_v3/state_dict_adapter.py):
   MLA names (`rules/torchtitan_deepseek_v3_moe.rules`), dense first layers, shared experts, and
   `moe.expert_bias_E` kept as HF's `mlp.gate.e_score_correction_bias` (a buffer: zero moments).
@@ -58,10 +69,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hybridckpt import lazy
+from hybridckpt.containers.dcp_metadata import DcpMetadata, metadata_files
 from hybridckpt.errors import FormatError
 from hybridckpt.formats.dcp.storage import load_item
 from hybridckpt.formats.rules_files import load_rules, rules_text
-from hybridckpt.io.dcp_metadata import DcpMetadata, metadata_files
 from hybridckpt.lazy import LazyTensor
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -233,7 +244,7 @@ def num_experts(cfg) -> int | None:
     """The number of routed experts a model config declares, or None (no config, or not MoE)."""
     if cfg is None:
         return None
-    import models
+    from hybridckpt import models
 
     for key in ("num_experts", "n_routed_experts", "num_local_experts"):
         v = models.rule_variables(cfg).get(key, getattr(cfg, key, None))

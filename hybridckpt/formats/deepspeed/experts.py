@@ -42,10 +42,10 @@ from dataclasses import replace
 import numpy as np
 
 from hybridckpt import lazy
+from hybridckpt.containers.pickle import torch_save
 from hybridckpt.errors import FormatError
 from hybridckpt.formats.deepspeed.partitions import zero12
 from hybridckpt.formats.deepspeed.ranks import Rank
-from hybridckpt.io.pickle import torch_save
 from hybridckpt.lazy import LazyTensor
 
 EXPERT_FILE_RE = re.compile(r"^(?:layer_(\d+)_)?expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")

@@ -9,13 +9,14 @@ Layout (deepspeedai/DeepSpeed: deepspeed/runtime/engine.py `save_checkpoint`, `_
 
 from __future__ import annotations
 
-import builtins
 import os
 import re
 from collections.abc import Mapping
 
 from hybridckpt import lazy
 from hybridckpt.errors import FormatError
+from hybridckpt.formats.config_file import MAX_TEXT_BYTES, read_small_text
+from hybridckpt.io.paths import inside
 from hybridckpt.lazy import LazyTensor
 
 OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -40,10 +41,9 @@ def tag_dir(path: str) -> str:
         return path
     latest = os.path.join(path, "latest")
     if os.path.isfile(latest):
-        with builtins.open(latest, encoding="utf-8") as f:
-            tag = f.read().strip()
-        folder = os.path.join(path, tag)
-        if not tag or not _is_tag_dir(folder):
+        tag = read_small_text(latest)
+        folder = inside(path, tag, latest, "tag")
+        if not _is_tag_dir(folder):
             raise FormatError(
                 f"{latest}: names tag {tag!r}, but {folder} holds no DeepSpeed rank files"
             )
@@ -63,14 +63,9 @@ def detect(path: str) -> bool:
         return False
     if _is_tag_dir(path):
         return True
+    # a `latest` tag file: DeepSpeed's (opening it then says what is wrong with the tag it names)
     latest = os.path.join(path, "latest")
-    if os.path.isfile(latest) and os.path.getsize(latest) < 4096:
-        try:
-            tag_dir(path)
-            return True
-        except (FormatError, UnicodeDecodeError):
-            return False
-    return False
+    return os.path.isfile(latest) and os.path.getsize(latest) <= MAX_TEXT_BYTES
 
 
 # -- small readers -----------------------------------------------------------------------------

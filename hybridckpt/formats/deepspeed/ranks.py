@@ -17,11 +17,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from hybridckpt.containers.pickle import torch_save
+from hybridckpt.containers.pickle.allow import Stub
 from hybridckpt.errors import FormatError
 from hybridckpt.formats import torch_optim
 from hybridckpt.formats.deepspeed.files import flat, get_key
-from hybridckpt.io.pickle import torch_save
-from hybridckpt.io.pickle.allow import Stub
 from hybridckpt.lazy import LazyTensor
 
 OSD = "optimizer_state_dict"

@@ -19,6 +19,7 @@ import os
 import re
 from collections.abc import Mapping
 
+from hybridckpt.containers.pickle import torch_save
 from hybridckpt.errors import FormatError
 from hybridckpt.formats import torch_optim
 from hybridckpt.formats.config_file import config_beside
@@ -34,9 +35,8 @@ from hybridckpt.formats.deepspeed.files import (
 from hybridckpt.formats.deepspeed.partitions import frozen_params, zero3, zero12
 from hybridckpt.formats.deepspeed.ranks import check_ranks, read_rank
 from hybridckpt.formats.rules_files import rules_text
-from hybridckpt.io.pickle import torch_save
 from hybridckpt.lazy import LazyTensor
-from hybridckpt.source import OptimizerState, SourceCheckpoint
+from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
 NAME = "deepspeed"
 MOE_RULES = "deepspeed_moe.rules"

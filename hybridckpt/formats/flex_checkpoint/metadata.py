@@ -34,10 +34,10 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+from hybridckpt.containers.pickle.allow import Policy, Stub, short_repr
+from hybridckpt.containers.pickle.base_policy import BASE_ALLOWED
+from hybridckpt.containers.pickle.machine import safe_load_file
 from hybridckpt.errors import FormatError
-from hybridckpt.io.pickle.allow import Policy, Stub, short_repr
-from hybridckpt.io.pickle.base_policy import BASE_ALLOWED
-from hybridckpt.io.pickle.machine import safe_load_file
 
 DISTCP_RE = re.compile(r"^(?P<rank>\d+)_(?P<id>\d+)\.distcp$")
 METADATA_RE = re.compile(r"^(?P<id>\d+)\.metadata$")

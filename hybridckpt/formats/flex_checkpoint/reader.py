@@ -21,7 +21,7 @@ trainer/utils/flex_async_save.py `FlexAsyncSaver._plan`) holds three sibling Fle
   `config.json` (the output folder above has it, else `--config`).
 Model params missing from `model_state/` (PaddleNLP's zero-cost checkpoint drops those that have
 masters) are rebuilt from the masters cast to the model dtype (config `dtype`, else the other
-params').
+params'). A tied model's state is saved under `lm_head.weight` (`retie`).
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ from importlib import resources
 import numpy as np
 
 from hybridckpt import lazy
+from hybridckpt.containers.pickle.allow import Stub
+from hybridckpt.containers.pickle.machine import safe_load_file
 from hybridckpt.errors import FormatError, HybridCkptError
 from hybridckpt.formats.config_file import config_beside, read_json
 from hybridckpt.formats.flex_checkpoint.metadata import (
@@ -51,14 +53,13 @@ from hybridckpt.formats.paddle.optimizer import (
     optimizer_step,
     scalar,
 )
-from hybridckpt.io.pickle.allow import Stub
-from hybridckpt.io.pickle.machine import safe_load_file
 from hybridckpt.lazy import LazyTensor
-from hybridckpt.source import OptimizerState, SourceCheckpoint
+from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
 NAME = "flex-checkpoint"
 MODEL, OPTIMIZER, MASTER = "model_state", "optimizer_state", "master_weight"
 HF_RULES = "flex_llama.rules"
+EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 _STATE_RE = re.compile(r"^(?P<name>.+)\.(?P<acc>[a-z0-9_]+?)_(?P<n>\d+)$")
 
 
@@ -189,6 +190,39 @@ def _config_dtype(folders: list[str]) -> np.dtype | None:
     return None
 
 
+def retie(
+    tensors: dict[str, LazyTensor],
+    slots: dict[str, dict[str, LazyTensor]],
+    master: dict[str, LazyTensor],
+    notes: list[str],
+) -> None:
+    """A tied model as PaddleFormers saves it, put right in place: `model.sharded_state_dict()`
+    lists the shared `[vocab, hidden]` parameter under both `EMBEDDING` and `HEAD`, and the
+    optimizer (`optimizer.sharded_state_dict`, keyed by the last structured name of each param)
+    keeps its moments and master under `HEAD` only. The state moves to `EMBEDDING`; the head's
+    copy of the weight goes (a model that ties its head reads the embedding). Tied is told by the
+    files: the head has optimizer state and the embedding, of the same shape, has none (an untied
+    embedding is trained and has its own)."""
+    if EMBEDDING not in tensors or HEAD not in tensors:
+        return
+    states = [*slots.values(), master]
+    if not any(HEAD in d and EMBEDDING not in d for d in states):
+        return
+    if tuple(tensors[HEAD].shape) != tuple(tensors[EMBEDDING].shape):
+        raise FormatError(
+            f"{HEAD!r} has shape {tuple(tensors[HEAD].shape)} and state of its own while "
+            f"{EMBEDDING!r} ({tuple(tensors[EMBEDDING].shape)}) has none: not a tied head"
+        )
+    for d in states:
+        if HEAD in d:
+            d[EMBEDDING] = d.pop(HEAD)
+    del tensors[HEAD]
+    notes.append(
+        f"tied head: the optimizer state saved under {HEAD!r} is the embedding's; the head's copy "
+        "of the weight dropped"
+    )
+
+
 def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the format contract
     """A FlexCheckpoint step folder (or one bare FlexCheckpoint folder) as lazy global tensors."""
     folder = os.path.abspath(path)
@@ -233,6 +267,7 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
             if not key.endswith(".w_0"):
                 raise FormatError(f"{md.path}: {key!r} is not a master weight (<name>.w_0)")
             master[key[: -len(".w_0")]] = t
+    retie(tensors, slots, master, notes)
     missing = sorted(set(master) - set(tensors))
     if missing:
         dt = _config_dtype(folders) or _model_dtype(cfg, tensors)
@@ -257,6 +292,8 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
             )
     optimizer = OptimizerState(slots, step, master, hyper) if slots or master else None
     trainer = {} if bare else trainer_state(folder, notes)
+    if hyper.get("betas"):  # kept by an import: an export to Paddle's layouts writes their pows
+        trainer["adam_betas"] = [float(b) for b in hyper["betas"]]
     global_step = trainer.get("global_step")
     writers = {
         DISTCP_RE.match(os.path.basename(f)).group("rank")

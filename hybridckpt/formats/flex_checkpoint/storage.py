@@ -3,7 +3,7 @@
 Data files (PaddlePaddle/Paddle: python/paddle/distributed/flex_checkpoint/dcp/save_state_dict.py
 `save_state_dict`: `paddle.save(local_state_dict, "{rank}_{id}.distcp", safetensors=...)`):
 - by default a `paddle.save` pickle of `{key: ndarray}` plus a `StructuredToParameterName@@`
-  name table (`hybridckpt.io.pickle.paddle_save`: arrays at byte offsets, read lazily);
+  name table (`hybridckpt.containers.pickle.paddle_save`: arrays at byte offsets, read lazily);
   bfloat16 is stored as uint16 bits and viewed as bfloat16 from the metadata's dtype;
 - with `safetensors=True` a safetensors file keyed the same way.
 A file is parsed the first time one of its blocks is read (opening a checkpoint reads only its
@@ -16,7 +16,7 @@ Assembly (load_state_dict.py `restore_unflattened_state_dict`, utils.py `minimal
   shard of a parameter, or the whole parameter): the pieces of one block, in `start` order, must
   cover `[0, prod(shape))` exactly; they are joined and reshaped lazily (a box reads only the
   ranges it needs from each piece);
-- the blocks must tile the global shape exactly (`io.dcp_metadata.check_tiling`).
+- the blocks must tile the global shape exactly (`containers.dcp_metadata.check_tiling`).
 """
 
 from __future__ import annotations
@@ -29,13 +29,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hybridckpt import lazy
+from hybridckpt.containers.dcp_metadata import Chunk, check_tiling
+from hybridckpt.containers.pickle import paddle_save
+from hybridckpt.containers.safetensors_file import read_header
 from hybridckpt.errors import FormatError
-from hybridckpt.formats.dcp.views import tiled
 from hybridckpt.formats.flex_checkpoint.metadata import Block, FlexMetadata
-from hybridckpt.io.dcp_metadata import Chunk, check_tiling
-from hybridckpt.io.pickle import paddle_save
-from hybridckpt.io.safetensors_file import read_header
-from hybridckpt.lazy import Deferred, LazyTensor
+from hybridckpt.lazy import Deferred, LazyTensor, tiled
 
 
 class DistcpFile:

@@ -435,7 +435,7 @@ def hf_config(args, config, file: str) -> dict[str, Any]:
 def model_config(args, config, file: str):
     """The model config (`models.config_from_hf` of `hf_config`); a given `config` must agree
     with it field by field."""
-    import models
+    from hybridckpt import models
 
     cfg = models.config_from_hf(hf_config(args, config, file), source=file)
     if config is not None:

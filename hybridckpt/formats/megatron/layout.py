@@ -13,15 +13,15 @@ Layout (NVIDIA/Megatron-LM:megatron/training/checkpointing.py `get_checkpoint_na
 
 from __future__ import annotations
 
-import builtins
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hybridckpt.errors import FormatError
-from hybridckpt.io.pickle import torch_save
+from hybridckpt.containers.pickle import torch_save
+from hybridckpt.errors import FormatError, short_repr
+from hybridckpt.formats.config_file import read_small_text
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
@@ -55,17 +55,13 @@ def tracked_folder(save: str) -> str:
     (`latest_checkpointed_iteration.txt`) names; FormatError when it is malformed or missing.
     Megatron-LM writes the same tracker for legacy and torch_dist saves."""
     tracker = os.path.join(save, TRACKER)
-    with builtins.open(tracker, encoding="utf-8") as f:
-        text = f.read().strip()
+    text = read_small_text(tracker)
     if text == "release":
         name = "release"
+    elif text.isascii() and text.isdigit() and len(text) <= 12:
+        name = f"iter_{int(text):07d}"
     else:
-        try:
-            name = f"iter_{int(text):07d}"
-        except ValueError:
-            raise FormatError(
-                f"{tracker}: expected an iteration number or 'release', found {text!r}"
-            ) from None
+        raise FormatError(f"{tracker}: expected an iteration number or 'release', found {short_repr(text)}")
     folder = os.path.join(save, name)
     if not os.path.isdir(folder):
         raise FormatError(f"{tracker} names {text!r} but the folder {folder} is missing")

@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-import models
+from hybridckpt import models
+from hybridckpt.containers.pickle import torch_save
 from hybridckpt.errors import FormatError
 from hybridckpt.formats.megatron import mtp
 from hybridckpt.formats.megatron import optimizer as optim
@@ -41,9 +42,8 @@ from hybridckpt.formats.megatron.model import (
     merge_tp,
 )
 from hybridckpt.formats.rules_files import rules_text
-from hybridckpt.io.pickle import torch_save
 from hybridckpt.lazy import LazyTensor
-from hybridckpt.source import OptimizerState, SourceCheckpoint
+from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
 NAME = "megatron"
 

@@ -9,7 +9,7 @@ megatron/core/dist_checkpointing/serialization.py). Read here without torch or m
   `metadata.json` = `{"sharded_backend": "torch_dist", ...}`, written last: without it the save
   is unfinished (a one-line error). Detected BEFORE plain DCP, which would claim the folder.
 - Container: a DCP checkpoint whose keys are GLOBAL ShardedTensor keys, every chunk a `torch.save`
-  archive at its global offsets (`hybridckpt.io.dcp_metadata`, `formats.dcp`); megatron-core
+  archive at its global offsets (`hybridckpt.containers.dcp_metadata`, `formats.dcp`); megatron-core
   0.15's `MCoreMetadata` pickle is accepted. ShardedObjects are byte items
   `<key>/shard_<offsets>_<shape>` holding `torch.save([data])`.
 - Common state (`common`): `common.pt` (older) or the `common_state` object (core 0.19): `args`,

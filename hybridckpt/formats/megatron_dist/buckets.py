@@ -25,7 +25,12 @@ What it does not store is which parameter lies where; it is rebuilt here:
   pre_mlp_layernorm, mlp; attention.py `linear_proj` before `linear_qkv`, then `q_layernorm`,
   `k_layernorm`; TE's LayerNormLinear registers `layer_norm_weight`/`_bias` before `weight`/
   `bias` (NVIDIA/TransformerEngine:transformer_engine/pytorch/module/layernorm_linear.py). With
-  the local spec (`args.transformer_impl == "local"`) the norms are separate modules, first.
+  the local spec (`args.transformer_impl == "local"`) the norms are modules of their own,
+  `input_layernorm` and `pre_mlp_layernorm`, registered before the attention and before the MLP
+  (the MoE layer's router included), which its `sharded_state_dict_keys_map` saves under TE's
+  fused names `self_attention.linear_qkv.layer_norm_*` and `mlp.linear_fc1.layer_norm_*`
+  (models/gpt/gpt_layer_specs.py `get_gpt_layer_local_submodules`; megatron-core 0.19.2 lays a
+  MoE layer out so, tests/real/cases/megatron_core_moe_*).
 - Layers of chunk v on pipeline rank p: `v * L / vpp + p * L / (pp * vpp)` onwards
   (transformer_block.py `get_transformer_layer_offset`, even split).
 Each rank's views are joined across tensor-parallel ranks by `rules/megatron_tp.rules`, as the
@@ -37,13 +42,17 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from hybridckpt import lazy
 from hybridckpt.errors import FormatError
 from hybridckpt.formats.megatron.experts import is_buffer
 from hybridckpt.formats.megatron.layout import Topology
 from hybridckpt.formats.megatron.model import merge_tp
+from hybridckpt.formats.megatron_dist.expert_buckets import (
+    ExpertLayout,
+    expert_params,
+    with_inline_experts,
+)
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.rules import RuleSet
 
@@ -104,16 +113,27 @@ _MLP = (
 )
 
 
+_MLP_NORM = ("linear_fc1.layer_norm_weight", "linear_fc1.layer_norm_bias")
+
+
 def layer_order(local_spec: bool) -> tuple[str, ...]:
-    """Parameter suffixes of a TransformerLayer in `named_parameters()` order (see module doc)."""
+    """Parameter suffixes of a TransformerLayer in `named_parameters()` order, under the keys
+    torch_dist saves them with (see module doc): with the local spec the pre-MLP norm's key
+    `mlp.linear_fc1.layer_norm_*` stands where its module `pre_mlp_layernorm` is, before the
+    MLP's (and a MoE layer's router's) own parameters; with TE it is `linear_fc1`'s own, inside
+    the MLP."""
     attn = _ATTN_LOCAL if local_spec else _ATTN_TE
+    pre_mlp = ("pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias")
+    mlp = _MLP
+    if local_spec:
+        pre_mlp += tuple(f"mlp.{s}" for s in _MLP_NORM)
+        mlp = tuple(s for s in _MLP if s not in _MLP_NORM)
     return (
         "input_layernorm.weight",
         "input_layernorm.bias",
         *(f"self_attention.{s}" for s in attn + _MLA + _QK_NORMS),
-        "pre_mlp_layernorm.weight",
-        "pre_mlp_layernorm.bias",
-        *(f"mlp.{s}" for s in _MLP),
+        *pre_mlp,
+        *(f"mlp.{s}" for s in mlp),
     )
 
 
@@ -233,21 +253,6 @@ def local_shape(name: str, shape: tuple[int, ...], tp_rules: RuleSet, tp: int) -
     return tuple(out)
 
 
-@dataclass(frozen=True)
-class ExpertLayout:
-    """How a MoE model's routed experts lie in the experts' optimizer buffers: the module
-    (`"sequential"`: SequentialMLP, per local expert fc1 then fc2; `"te_grouped"`: TE
-    GroupedLinear, all fc1 `weight{j}` then all fc2; `"grouped"`: GroupedMLP's `weight1` then
-    `weight2`, megatron/training/arguments.py `--moe-grouped-gemm`,
-    `--moe-use-legacy-grouped-gemm`), the expert-parallel size and experts per ep rank, and the
-    hidden size (GroupedMLP's views)."""
-
-    module: str
-    ep: int
-    local: int
-    hidden: int
-
-
 def _found(tensors: Mapping[str, LazyTensor]) -> dict[tuple, dict[int, dict]]:
     """(chain, g, gbuf, dtype) -> bucket index -> kind -> (key, 1-D tensor)."""
     found: dict[tuple, dict[int, dict]] = {}
@@ -294,38 +299,6 @@ def _buffer_views(
     return out
 
 
-def _expert_params(
-    model: Mapping[str, LazyTensor], layers: list[int], e: int, x: ExpertLayout, tp: int
-) -> list[tuple[str, tuple[int, ...]]]:
-    """(local name, local shape) of ep rank e's expert params of `layers`, `named_parameters()`
-    order: the names a legacy rank file has (`formats.megatron.experts.globalize` reads them)."""
-    out = []
-    for g in layers:
-        pre = f"decoder.layers.{g}.mlp.experts."
-        first = pre + f"{e * x.local}."
-        fc1 = model.get(first + "linear_fc1.weight")
-        fc2 = model.get(first + "linear_fc2.weight")
-        if fc1 is None or fc2 is None:
-            continue  # a dense layer
-        s1 = (fc1.shape[0] // tp, fc1.shape[1])  # column parallel: [2 * ffn / tp, hidden]
-        s2 = (fc2.shape[0], fc2.shape[1] // tp)  # row parallel: [hidden, ffn / tp]
-        if x.module == "sequential":
-            for j in range(x.local):
-                out += [
-                    (f"{pre}local_experts.{j}.linear_fc1.weight", s1),
-                    (f"{pre}local_experts.{j}.linear_fc2.weight", s2),
-                ]
-        elif x.module == "te_grouped":
-            out += [(f"{pre}linear_fc1.weight{j}", s1) for j in range(x.local)]
-            out += [(f"{pre}linear_fc2.weight{j}", s2) for j in range(x.local)]
-        else:  # GroupedMLP: weight1 [hidden, n * 2ffn/tp], weight2 [n * ffn/tp, hidden]
-            out += [
-                (f"{pre}weight1", (x.hidden, x.local * s1[0])),
-                (f"{pre}weight2", (x.local * s2[1], x.hidden)),
-            ]
-    return out
-
-
 def bucket_state(
     tensors: Mapping[str, LazyTensor],
     model: Mapping[str, LazyTensor],
@@ -348,23 +321,28 @@ def bucket_state(
     (parallel_state.py `_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP`, the optimizer's
     `data_parallel_group_idx=expt_model_parallel_rank`), its buffers the ep rank's local experts
     (distributed_data_parallel.py `expert_parallel_buffers`), read under their legacy local names
-    and renamed to global experts (`formats.megatron.experts.globalize`)."""
+    and renamed to global experts (`formats.megatron.experts.globalize`). With ep = 1 the bucket
+    keys carry no chain: the experts lie in the dense buffers (`expert_buckets`)."""
     from hybridckpt.formats.megatron.experts import globalize, is_expert
 
     found = _found(tensors)
     chains = sorted({c for c, *_ in found})
+    inline = None  # the experts' layout where they lie in the dense buffers
     if experts is None:
         if len(chains) > 1:
             raise FormatError(
                 f"{where}: several chained distributed optimizers {chains} but the model has no experts"
             )
         dense = chains[0] if chains else ""
+    elif experts.ep == 1 and chains == [""]:  # one optimizer, the experts in its buffers
+        dense, inline, experts = "", experts, None
     else:
         dense, expert = "chained_0.", "chained_1."
         if chains != [dense, expert]:
+            unchained = " (or, with expert_model_parallel_size 1, unchained)" * (experts.ep == 1)
             raise FormatError(
                 f"{where}: a mixture-of-experts model's distributed optimizer is chained "
-                f"[{dense!r}, {expert!r}], found bucket keys of {chains}"
+                f"[{dense!r}, {expert!r}]{unchained}, found bucket keys of {chains}"
             )
     per_kind: dict[str, dict[tuple[int, int], dict[str, LazyTensor]]] = {}
     labels: dict[tuple[int, int], str] = {}
@@ -384,7 +362,19 @@ def bucket_state(
                 )
                 names = [n for n in names if not is_expert(n)]
                 shapes = [local_shape(n, _global_shape(model, n), tp_rules, topo.tp) for n in names]
-                add(p, r, _buffer_views(found, dense, g, v, names, shapes, where))
+                if inline is not None:
+                    layers = _chunk_layers(model, topo, p, v, where)
+                    names, shapes = with_inline_experts(
+                        model, layers, names, shapes, inline, topo.tp, where
+                    )
+                views = _buffer_views(found, dense, g, v, names, shapes, where)
+                if inline is not None:
+                    label = labels[(p, r)]
+                    views = {
+                        kind: globalize(named, 0, inline.local, inline.hidden, label)
+                        for kind, named in views.items()
+                    }
+                add(p, r, views)
     if experts is not None:
         for p in range(topo.pp):
             for r in range(topo.tp):
@@ -392,7 +382,7 @@ def bucket_state(
                     g = r + topo.tp * (e + experts.ep * p)
                     for v in range(topo.vpp):
                         layers = _chunk_layers(model, topo, p, v, where)
-                        local = _expert_params(model, layers, e, experts, topo.tp)
+                        local = expert_params(model, layers, e, experts, topo.tp)
                         names, shapes = [n for n, _ in local], [s for _, s in local]
                         views = _buffer_views(found, expert, g, v, names, shapes, where)
                         label = f"{where}: {expert}dp_group_idx_{g}"

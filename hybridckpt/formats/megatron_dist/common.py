@@ -24,11 +24,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from hybridckpt.containers.dcp_metadata import DcpMetadata
+from hybridckpt.containers.pickle import torch_save
 from hybridckpt.errors import FormatError
 from hybridckpt.formats.dcp.storage import load_item
 from hybridckpt.formats.megatron_dist.layout import COMMON_FILE
-from hybridckpt.io.dcp_metadata import DcpMetadata
-from hybridckpt.io.pickle import torch_save
 
 COMMON_OBJECT = "common_state/shard_0_1"
 

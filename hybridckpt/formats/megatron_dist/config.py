@@ -27,6 +27,9 @@ import os
 from collections.abc import Mapping
 
 from hybridckpt.errors import ConfigError, FormatError
+from hybridckpt.formats.config_file import read_bytes
+
+MAX_YAML_BYTES = 16 << 20  # bytes: the largest run_config.yaml / model.yaml read (a config, not data)
 
 _SAME = (
     "num_layers",
@@ -91,10 +94,10 @@ def read_yaml(path: str, section: str | None) -> Mapping:
         raise ConfigError(
             f"{path}: reading it needs PyYAML (pip install pyyaml), or pass --config"
         ) from None
+    raw = read_bytes(path, MAX_YAML_BYTES)
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        data = yaml.safe_load(raw.decode("utf-8"))
+    except (ValueError, RecursionError, yaml.YAMLError) as e:
         raise FormatError(f"{path}: not readable YAML: {str(e).splitlines()[0]}") from None
     if section is not None:
         data = data.get(section) if isinstance(data, Mapping) else None

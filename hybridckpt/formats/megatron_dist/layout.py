@@ -26,9 +26,9 @@ import os
 import re
 from dataclasses import dataclass
 
+from hybridckpt.containers.dcp_metadata import METADATA, metadata_files
 from hybridckpt.errors import FormatError
 from hybridckpt.formats.megatron.layout import tracked_folder
-from hybridckpt.io.dcp_metadata import METADATA, metadata_files
 
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM, Bridge
 CONFIG_FILE = "metadata.json"  # dist_checkpointing/core.py CONFIG_FNAME

@@ -27,8 +27,7 @@ from collections.abc import Mapping
 
 from hybridckpt import lazy
 from hybridckpt.errors import FormatError
-from hybridckpt.formats.dcp.views import tiled
-from hybridckpt.lazy import LazyTensor
+from hybridckpt.lazy import LazyTensor, tiled
 
 MASTER_KINDS = ("param", "fp32_param")
 _STATE = re.compile(r"^(?P<chain>chained_\d+\.)?optimizer\.state\.(?P<kind>\w+?)\.(?P<key>.+)$")

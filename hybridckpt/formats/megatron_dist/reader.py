@@ -1,7 +1,7 @@
 """`open`: a Megatron-Core torch_dist checkpoint as lazy global tensors, slots and metadata.
 
 Finds the checkpoint folder (`layout`), refuses an unfinished save, reads the DCP metadata with
-the plain DCP reader (`hybridckpt.io.dcp_metadata`, `formats.dcp.storage`: every chunk a
+the plain DCP reader (`hybridckpt.containers.dcp_metadata`, `formats.dcp.storage`: every chunk a
 `torch.save` archive at its global offsets, tiling checked), the common state (`common`), the
 model tensors under per-layer global Megatron names (`model`), and the optimizer state
 (`optimizer` for model-space formats, `buckets` for `dp_reshardable`). The model config, the
@@ -17,7 +17,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import models
+from hybridckpt import models
+from hybridckpt.containers.dcp_metadata import read_metadata
 from hybridckpt.errors import ConfigError, FormatError
 from hybridckpt.formats.dcp.storage import check_files, entry_tensor
 from hybridckpt.formats.megatron import mtp
@@ -31,8 +32,7 @@ from hybridckpt.formats.megatron_dist import config as mconfig
 from hybridckpt.formats.megatron_dist.layout import Location, check_backend, locate
 from hybridckpt.formats.rules_files import load_rules, rules_text
 from hybridckpt.formats.torch_optim import check_complete
-from hybridckpt.io.dcp_metadata import read_metadata
-from hybridckpt.source import OptimizerState, SourceCheckpoint
+from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
 NAME = "megatron-dist"
 EMBEDDING = "embedding.word_embeddings.weight"

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+from hybridckpt.containers.pickle import paddle_save
 from hybridckpt.errors import FormatError
 from hybridckpt.formats.config_file import read_json
-from hybridckpt.io.pickle import paddle_save
 from hybridckpt.lazy import LazyTensor
 
 MODEL_META = "model_meta.json"

@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hybridckpt import lazy
+from hybridckpt.containers.pickle import paddle_save
 from hybridckpt.errors import FormatError
 from hybridckpt.formats.paddle.files import META_DTYPES, MODEL_META, Grid, as_model_dtype
 from hybridckpt.formats.paddle.optimizer import ACCUMULATOR_RE, BETA_POWS, SLOT_OF_ACCUMULATOR
 from hybridckpt.formats.paddle.rules import single_card_name
-from hybridckpt.io.pickle import paddle_save
 from hybridckpt.lazy import LazyTensor
 
 

@@ -23,6 +23,7 @@ import os
 import numpy as np
 
 from hybridckpt import lazy
+from hybridckpt.containers.pickle import paddle_save
 from hybridckpt.errors import FormatError, MappingError
 from hybridckpt.formats.config_file import read_json
 from hybridckpt.formats.paddle.files import MODEL_RE, OPT_RE, as_model_dtype, config_dtype, scan
@@ -42,9 +43,8 @@ from hybridckpt.formats.paddle.optimizer import (
 )
 from hybridckpt.formats.paddle.rules import family, hf_rule_vars, load_config, tp_rules
 from hybridckpt.formats.rules_files import rules_text
-from hybridckpt.io.pickle import paddle_save
 from hybridckpt.lazy import LazyTensor
-from hybridckpt.source import OptimizerState, SourceCheckpoint
+from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
 NAME = "paddle"
 

@@ -21,8 +21,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from hybridckpt.containers.pickle import paddle_save
 from hybridckpt.errors import HybridCkptError
-from hybridckpt.io.pickle import paddle_save
 from hybridckpt.lazy import LazyTensor
 
 DEFAULT_BETAS = (0.9, 0.999)  # paddle.optimizer.AdamW / PaddleNLP TrainingArguments defaults

@@ -9,17 +9,22 @@ Both write the same files (`unified.py`: `model-*.safetensors` + `model.safetens
 real saves of paddleformers 1.2.0, /work/shared/formats/paddle.md):
 - names are HF's (`model.layers.0.self_attn.q_proj.weight`, `lm_head.weight`);
 - the MODEL state dict goes through `ConversionMixin.convert_transpose_selected_weights(state_dict,
-  model.transpose_weight_keys)` before `safe_save_file`: every Linear weight is written as HF
-  `[out, in]`; embeddings, norms and biases as they are;
+  model.transpose_weight_keys)` before `safe_save_file`: the Linear weights the model lists
+  there (Llama, Qwen2/3, Mistral: q/k/v/o_proj, gate/up/down_proj), Paddle `[in, out]`, are
+  written as HF `[out, in]`; embeddings, norms, biases and the output head as they are: the head
+  is `paddleformers.nn.lm_head.LMHead`, whose weight is `[vocab, hidden]` in Paddle already
+  (HF's layout; its TP split is axis 0), not an `nn.Linear`;
 - the OPTIMIZER state (`optimizer.state_dict()`, renamed `<param.name>_<acc>_0` ->
   `<name>/<acc>_0`) and the master weights (its `master_weights`, plus the fp32 params of a
-  16-bit run) are NOT transposed: moments and masters of a Linear weight stay Paddle's
-  `[in, out]`, the transpose of the saved weight.
+  16-bit run) are NOT transposed: moments and masters of a transposed Linear weight stay
+  Paddle's `[in, out]`, the transpose of the saved weight; the head's are `[vocab, hidden]`.
 
 So what a 2-D tensor's optimizer state looks like is decided by the weight it belongs to: a
-Linear weight (every 2-D param but an embedding, `EMBEDDING_SUFFIXES`) has its moments and
-master transposed (`in_paddle_layout`). `state_to_hf` turns such state to HF `[out, in]` on
-import and `state_to_paddle` back on export, each checking the shape against the weight's.
+transposed Linear weight (every 2-D param but an embedding and the head, `SAME_LAYOUT_SUFFIXES`)
+has its moments and master transposed (`in_paddle_layout`). `state_to_hf` turns such state to HF
+`[out, in]` on import and `state_to_paddle` back on export, each checking the shape against the
+weight's. (Checked against the files PaddleFormers 1.2's Trainer writes: tests/real/cases/
+paddleformers_*.)
 
 Two things both trainers do (unified_checkpoint/utils.py, load_save_single_card.py):
 - the optimizer keys are renamed through `{param.name: structured name}` built over the model's
@@ -49,14 +54,15 @@ from hybridckpt.lazy import LazyTensor
 PADDLENLP = "paddlenlp"
 PADDLEFORMERS = "paddleformers"
 FLAVOURS = (PADDLENLP, PADDLEFORMERS)
-# 2-D params that are not Linear weights: stored alike by the model and the optimizer
-EMBEDDING_SUFFIXES = ("embed_tokens.weight",)
+# 2-D params not in a model's `transpose_weight_keys`: stored alike by the model and the
+# optimizer. The embedding is `[vocab, hidden]`; so is the head (an LMHead, not an nn.Linear).
+SAME_LAYOUT_SUFFIXES = ("embed_tokens.weight", "lm_head.weight")
 
 
 def in_paddle_layout(name: str, weight_shape: tuple[int, ...]) -> bool:
     """Whether PaddleFormers keeps the optimizer state of param `name` (`weight_shape`, as saved
     in the model files) in Paddle's `[in, out]`, the transpose of the saved weight."""
-    return len(weight_shape) == 2 and not name.endswith(EMBEDDING_SUFFIXES)
+    return len(weight_shape) == 2 and not name.endswith(SAME_LAYOUT_SUFFIXES)
 
 
 def state_to_hf(

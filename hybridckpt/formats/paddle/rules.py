@@ -94,7 +94,7 @@ def load_config(folder: str, config=None):
 def rule_variables(cfg, tp: int = 1, *, fuse_qkv: bool = False, fuse_ffn: bool = False) -> dict:
     """Variables of the Paddle rules of `cfg`'s family: the family's own, its structured-name
     `prefix`, the fused layers, and what TP `tp` splits."""
-    import models
+    from hybridckpt import models
 
     fam = family(cfg)
     v = models.rule_variables(cfg)

@@ -23,42 +23,38 @@ transposed to the weights' layout, so any family (Gemma 2/3 included) and any ar
 `write_unified` writes either flavour from HF-named tensors (`flavour=`): PaddleNLP's names come
 from `RuleSet.invert()` of the family's rules (fused qkv / gate_up written unfused unless asked,
 as PaddleNLP's default model); PaddleFormers' are the HF names, with the optimizer state
-transposed back to `[in, out]`.
+transposed back to `[in, out]`, model files as PaddleFormers 1.2 writes them (bf16 as `BF16`,
+metadata `{"format": "pt"}`; a tied model's files list the shared weight under `lm_head.weight`
+too, and its optimizer state and master are under `lm_head.weight`: checked against the
+Trainer's own files, tests/real/cases/paddleformers_*).
 """
 
 from __future__ import annotations
 
-import builtins
-import json
 import os
 from collections.abc import Mapping
 
-import numpy as np
-
-from hybridckpt import lazy
-from hybridckpt.errors import ConfigError, FormatError, MappingError
+from hybridckpt.errors import FormatError
 from hybridckpt.formats import hf
 from hybridckpt.formats.paddle import paddleformers
-from hybridckpt.formats.paddle.files import BF16, as_model_dtype
+from hybridckpt.formats.paddle.files import as_model_dtype
 from hybridckpt.formats.paddle.optimizer import (
     BETA_POWS,
-    DEFAULT_BETAS,
     SLOT_OF_ACCUMULATOR,
     adam_step,
-    beta_pow,
     scalar,
 )
-from hybridckpt.formats.paddle.rules import family, hf_rule_vars, hf_rules, load_config
+from hybridckpt.formats.paddle.rules import family, hf_rule_vars, load_config
 from hybridckpt.formats.rules_files import rules_text
-from hybridckpt.io import safetensors_file
 from hybridckpt.lazy import LazyTensor
-from hybridckpt.source import OptimizerState, SourceCheckpoint
+from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
 NAME = "paddle-unified"
 MODEL_INDEX = "model.safetensors.index.json"
 OPT_INDEX = "optimizer.safetensors.index.json"
 MASTER_INDEX = "master_weights.safetensors.index.json"
 ACCUMULATOR_SUFFIX = "_0"  # `<name>/<accumulator>_0`
+TIED_EMBEDDING, TIED_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 MAX_SHARD_BYTES = 2 * 1024**3
 
 
@@ -82,6 +78,32 @@ def detect(path: str) -> bool:
 
 
 read_indexed = hf.read_indexed  # lazy tensors of every file an index names
+
+
+def adam_betas(optimizer: OptimizerState | None) -> dict:
+    """`{"adam_betas": [b1, b2]}` for the trainer state (kept by an import, so that an export
+    to Paddle's layouts writes the beta pows of the run's betas), or {}."""
+    betas = optimizer.hyper.get("betas") if optimizer is not None else None
+    return {"adam_betas": [float(b) for b in betas]} if betas else {}
+
+
+def _whole_tensors(where: str, weights: Mapping[str, LazyTensor], state: Mapping[str, LazyTensor]) -> None:
+    """Refuse 1-D optimizer state (or masters) of a param with more axes: what PaddleFormers
+    writes under sharding stage1 v2 (`split_param`) when `unified_checkpoint_config` lacks
+    "gather_split_param": each rank's `optimizer.state_dict()`, padded 1-D slices of the sharding
+    buffers under the param names, a param split over two ranks in two files of which the index
+    names one (checked on PaddleFormers 1.2's own save, tests/real/cases/
+    paddleformers_untied_bf16_sharding2/ckpt/unified_split). The pieces' offsets are not in the
+    files, so they cannot be put back together."""
+    for name, t in state.items():
+        w = weights.get(name)
+        if w is not None and len(t.shape) == 1 and len(w.shape) > 1:
+            raise FormatError(
+                f"{where}: {name!r} is a 1-D piece of {t.shape[0]} elements for a param of shape "
+                f"{tuple(w.shape)}: sharding stage1 v2 (split_param) state saved without "
+                f"unified_checkpoint_config 'gather_split_param' (each rank's padded slice, not whole "
+                f"tensors); save again with 'gather_split_param'"
+            )
 
 
 def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the format contract
@@ -129,6 +151,9 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
             raise FormatError(
                 f"{os.path.join(path, MASTER_INDEX)}: master weights for unknown params {unknown[:10]}"
             )
+        for where, named in ((OPT_INDEX, t) for t in slots.values()):
+            _whole_tensors(os.path.join(path, where), tensors, named)
+        _whole_tensors(os.path.join(path, MASTER_INDEX), tensors, master)
         step, hyper = adam_step(path, beta_pows, notes)
         optimizer = OptimizerState(slots, step, master, hyper)
     kind = paddleformers.flavour(
@@ -158,165 +183,6 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         rule_vars=rule_vars,
         config=cfg,
         step=optimizer.step if optimizer else None,
-        trainer={"flavour": kind},
+        trainer={"flavour": kind, **adam_betas(optimizer)},
         notes=tuple(notes),
     )
-
-
-# -- export ----------------------------------------------------------------------------------
-
-
-def _storable(t: LazyTensor) -> LazyTensor:
-    return lazy.Bitcast(t, np.dtype(np.uint16)) if np.dtype(t.dtype) == BF16 else t
-
-
-def _write_group(
-    out_dir: str,
-    prefix: str,
-    index_name: str,
-    tensors: Mapping[str, LazyTensor],
-    max_shard_bytes: int,
-    extra: Mapping | None = None,
-) -> list[str]:
-    shards = safetensors_file.plan_shards(
-        ((k, tensors[k].nbytes) for k in tensors), max_shard_bytes
-    )
-    weight_map, files = {}, []
-    for i, names in enumerate(shards, 1):
-        fname = f"{prefix}-{i:05d}-of-{len(shards):05d}.safetensors"
-        safetensors_file.write(
-            os.path.join(out_dir, fname), {k: tensors[k] for k in names}, {"format": "np"}
-        )
-        files.append(fname)
-        weight_map.update({k: fname for k in names})
-    index = {
-        "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
-        "weight_map": weight_map,
-    }
-    index.update(extra or {})
-    with builtins.open(os.path.join(out_dir, index_name), "w", encoding="utf-8") as f:
-        json.dump(index, f, indent=2)
-    return files + [index_name]
-
-
-def write_unified(
-    out_dir: str,
-    hf_tensors: Mapping[str, LazyTensor],
-    *,
-    config,
-    slots: Mapping[str, Mapping[str, LazyTensor]] | None = None,
-    master: Mapping[str, LazyTensor] | None = None,
-    step: int | None = None,
-    betas: tuple[float, float] = DEFAULT_BETAS,
-    dtype=None,
-    fuse_attention_qkv: bool = False,
-    fuse_attention_ffn: bool = False,
-    max_shard_bytes: int = MAX_SHARD_BYTES,
-    flavour: str = paddleformers.PADDLENLP,
-) -> list[str]:
-    """Write a unified checkpoint of an HF-named model into `out_dir`: PaddleNLP's (`flavour`
-    "paddlenlp", the default; its family must have an entry in `rules.FAMILIES`) or
-    PaddleFormers' ("paddleformers"; any family, HF names).
-
-    hf_tensors: HF names -> tensors (`[out, in]`; LazyTensors or arrays), in the dtype to save
-    (`dtype` casts them; bf16 is written as U16 like PaddleNLP). slots: optimizer slot name
-    (torch's: "exp_avg", "exp_avg_sq", "momentum_buffer") -> HF name -> fp32 tensor (HF layout),
-    each written as the Paddle accumulator of `optimizer.SLOT_OF_ACCUMULATOR`; master: fp32, HF
-    names (optional: Paddle keeps them for 16-bit params); `step`: optimizer steps taken (the
-    beta pows that go with Adam's moments = beta ** (step + 1), `optimizer.beta_pow`); needed
-    with Adam moments. `fuse_attention_qkv` / `fuse_attention_ffn` write PaddleNLP's fused qkv /
-    gate_up layers. Returns the file names written. PaddleNLP's names come from
-    `RuleSet.invert()` of rules/paddle_decoder.rules (the mapping is written once, for import);
-    PaddleFormers' optimizer state of Linear weights is transposed to `[in, out]`
-    (`paddleformers.state_to_paddle`).
-    """
-    if flavour not in paddleformers.FLAVOURS:
-        raise ConfigError(
-            f"write_unified: flavour {flavour!r}; expected one of {paddleformers.FLAVOURS}"
-        )
-
-    def lazies(d):
-        return {k: lazy.as_lazy(v) for k, v in d.items()}
-
-    hf_params = lazies(hf_tensors)
-    if flavour == paddleformers.PADDLENLP:
-        inverse = hf_rules(
-            config, fuse_qkv=fuse_attention_qkv, fuse_ffn=fuse_attention_ffn
-        ).invert()
-        params = inverse.apply(hf_params).tensors
-
-        def stored(state, what):
-            got = inverse.apply(lazies(state), strict=False).tensors
-            missing = sorted(set(params) - set(got))
-            if missing:
-                raise MappingError(f"write_unified: no {what} for {missing[:10]}")
-            return got
-
-    else:
-        params = hf_params
-
-        def stored(state, what):
-            return paddleformers.state_to_paddle(hf_params, lazies(state), what)
-
-    if dtype is not None:
-        params = {k: lazy.cast(t, dtype) for k, t in params.items()}
-    os.makedirs(out_dir, exist_ok=True)
-    written = _write_group(
-        out_dir, "model", MODEL_INDEX, {k: _storable(t) for k, t in params.items()}, max_shard_bytes
-    )
-    if slots:
-        accumulator = {slot: acc for acc, slot in SLOT_OF_ACCUMULATOR.items()}
-        unknown = sorted(set(slots) - set(accumulator))
-        if unknown:
-            raise MappingError(
-                f"write_unified: Paddle has no accumulator for slots {unknown}; known: "
-                f"{sorted(accumulator)}"
-            )
-        pows = {acc: beta for acc, (slot, beta) in BETA_POWS.items() if slot in slots}
-        if pows and step is None:
-            raise ConfigError(
-                f"write_unified: the optimizer step is needed to write {', '.join(sorted(pows))}"
-            )
-        pow_values = {acc: beta_pow(betas[beta], step) for acc, beta in pows.items()}
-        opt: dict[str, LazyTensor] = {}
-        per_slot = {slot: stored(tensors, slot) for slot, tensors in slots.items()}
-        for k in params:
-            for slot, tensors in per_slot.items():
-                opt[f"{k}/{accumulator[slot]}{ACCUMULATOR_SUFFIX}"] = lazy.cast(
-                    tensors[k], np.float32
-                )
-            for acc, value in pow_values.items():
-                opt[f"{k}/{acc}{ACCUMULATOR_SUFFIX}"] = lazy.ArrayTensor(value)
-        written += _write_group(
-            out_dir,
-            "optimizer",
-            OPT_INDEX,
-            opt,
-            max_shard_bytes,
-            {"master_weights": master is not None},
-        )
-    if master is not None:
-        mw = stored(master, "master weights")
-        written += _write_group(
-            out_dir,
-            "master_weights",
-            MASTER_INDEX,
-            {k: lazy.cast(mw[k], np.float32) for k in params},
-            max_shard_bytes,
-        )
-    from models import config_to_hf
-
-    model_dtype = {
-        np.dtype(np.float32): "float32",
-        np.dtype(np.float16): "float16",
-        BF16: "bfloat16",
-    }
-    cfg_json = dict(config_to_hf(config))
-    first = next(iter(params.values()))
-    cfg_json["dtype"] = model_dtype.get(np.dtype(first.dtype), str(first.dtype))
-    if flavour == paddleformers.PADDLENLP:
-        cfg_json["fuse_attention_qkv"] = fuse_attention_qkv
-        cfg_json["fuse_attention_ffn"] = fuse_attention_ffn
-    with builtins.open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(cfg_json, f, indent=2)
-    return written + ["config.json"]

@@ -24,11 +24,11 @@ import numpy as np
 import pytest
 import torch
 
+from hybridckpt.containers.pickle.allow import Policy, Stub, is_stub, stub_class
+from hybridckpt.containers.pickle.base_policy import BASE_POLICY
+from hybridckpt.containers.pickle.machine import safe_load_file, safe_loads
+from hybridckpt.containers.pickle.torch_policy import TORCH_DTYPES, TORCH_POLICY, TorchDtype
 from hybridckpt.errors import FormatError, HybridCkptError, UnsafePickleError
-from hybridckpt.io.pickle.allow import Policy, Stub, is_stub, stub_class
-from hybridckpt.io.pickle.base_policy import BASE_POLICY
-from hybridckpt.io.pickle.machine import safe_load_file, safe_loads
-from hybridckpt.io.pickle.torch_policy import TORCH_DTYPES, TORCH_POLICY, TorchDtype
 
 # -- helpers ---------------------------------------------------------------------------------
 

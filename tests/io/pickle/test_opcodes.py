@@ -8,9 +8,9 @@ import struct
 import numpy as np
 import pytest
 
+from hybridckpt.containers.pickle.machine import safe_loads
+from hybridckpt.containers.pickle.opcodes import FRAME_SIZE, Truncated, check_pickle, scan_pickle
 from hybridckpt.errors import FormatError
-from hybridckpt.io.pickle.machine import safe_loads
-from hybridckpt.io.pickle.opcodes import FRAME_SIZE, Truncated, check_pickle, scan_pickle
 
 # -- denial of service -----------------------------------------------------------------------
 

@@ -11,10 +11,10 @@ import zipfile
 import pytest
 import torch
 
+from hybridckpt.containers.pickle import torch_save
+from hybridckpt.containers.pickle.machine import safe_loads
+from hybridckpt.containers.pickle.opcodes import scan_pickle
 from hybridckpt.errors import FormatError, UnsafePickleError
-from hybridckpt.io.pickle import torch_save
-from hybridckpt.io.pickle.machine import safe_loads
-from hybridckpt.io.pickle.opcodes import scan_pickle
 
 
 def _torch_zip(tmp_path, rewrite) -> str:

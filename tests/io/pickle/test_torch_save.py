@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
+from hybridckpt.containers.pickle import torch_save
+from hybridckpt.containers.pickle.allow import Policy, is_stub
+from hybridckpt.containers.pickle.torch_policy import TORCH_DTYPES, TorchDtype
 from hybridckpt.errors import FormatError, HybridCkptError, UnsafePickleError
 from hybridckpt.io.byte_source import close_all, count_reads
-from hybridckpt.io.pickle import torch_save
-from hybridckpt.io.pickle.allow import Policy, is_stub
-from hybridckpt.io.pickle.torch_policy import TORCH_DTYPES, TorchDtype
 from hybridckpt.lazy import LazyTensor
 
 # -- helpers ---------------------------------------------------------------------------------

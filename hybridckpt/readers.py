@@ -1,0 +1,86 @@
+"""Every checkpoint reader, ours included, in detection order: the one registry of formats.
+
+A format module (`hybridckpt/formats/<format>` or our own store's `hybridckpt/store/as_source.py`)
+defines `NAME`, `detect(path) -> bool` (cheap: file names and a few bytes) and
+`open(path, *, config=None) -> SourceCheckpoint` (pure planning from metadata; no tensor bytes
+read). `READERS` lists (name, module) most specific first; `NAMES` is what `--format` accepts
+(the CLI reads it without importing any reader). This module sits above both `formats` and
+`store` (it imports them by the module names below, which tests/test_layers.py checks too).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+from hybridckpt.errors import FormatError, short_repr
+from hybridckpt.lazy import shape_problem
+from hybridckpt.source_checkpoint import SourceCheckpoint
+
+# (format name, module) in detection order, most specific first
+READERS: tuple[tuple[str, str], ...] = (
+    ("orbax", "hybridckpt.store.as_source"),
+    ("megatron", "hybridckpt.formats.megatron"),
+    ("meta-llama", "hybridckpt.formats.meta_llama"),
+    ("megatron-dist", "hybridckpt.formats.megatron_dist"),  # before dcp: a torch_dist folder is a DCP folder too
+    ("flex-checkpoint", "hybridckpt.formats.flex_checkpoint"),  # Paddle's {id}.metadata + {rank}_{id}.distcp
+    ("dcp", "hybridckpt.formats.dcp"),
+    ("deepspeed", "hybridckpt.formats.deepspeed"),
+    ("paddle", "hybridckpt.formats.paddle"),
+    ("paddle-unified", "hybridckpt.formats.paddle.unified"),
+    ("colossal", "hybridckpt.formats.colossal"),
+    ("hf", "hybridckpt.formats.hf"),
+)
+NAMES: tuple[str, ...] = tuple(name for name, _ in READERS)
+
+
+def _module(path: str):
+    return importlib.import_module(path)
+
+
+def available() -> list[str]:
+    """Names of the formats this installation can read."""
+    return list(NAMES)
+
+
+def detect(path: str) -> str:
+    """The name of the format of `path`, or a FormatError listing what was looked for."""
+    if not os.path.exists(path):
+        raise FormatError(f"{path}: no such file or directory")
+    for name, module in READERS:
+        if _module(module).detect(path):
+            return name
+    raise FormatError(f"{path}: not a checkpoint of any known format (known: {', '.join(NAMES)})")
+
+
+def open_source(path: str, fmt: str = "auto", *, config=None, step: int | None = None,
+                verify_reads: bool = True) -> SourceCheckpoint:
+    """Open `path` as format `fmt` ("auto" detects it); `config` is a model config for sources
+    that carry none; `step` picks a step of a source that holds several (ours), whose reads are
+    checked against the CRC-32s of its import unless `verify_reads=False`."""
+    if fmt == "auto":
+        fmt = detect(path)
+    modules = dict(READERS)
+    if fmt not in modules:
+        raise FormatError(f"unknown format {fmt!r} (known: {', '.join(NAMES)})")
+    mod = _module(modules[fmt])
+    if fmt == "orbax":
+        src = mod.open(path, config=config, step=step, verify_reads=verify_reads)
+    else:
+        src = mod.open(path, config=config, step=step) if step is not None else mod.open(path, config=config)
+    check_shapes(src)
+    return src
+
+
+def check_shapes(src: SourceCheckpoint) -> None:
+    """Every tensor of `src` (params, optimizer slots, masters) has a shape within the bounds of
+    `lazy.shape_problem`: a FormatError naming the tensor otherwise, before anything plans on it."""
+    groups = [("tensor", src.tensors)]
+    if src.optimizer is not None:
+        groups += [(f"{slot} of", t) for slot, t in src.optimizer.slots.items()]
+        groups.append(("master weight", src.optimizer.master))
+    for what, tensors in groups:
+        for name, t in tensors.items():
+            problem = shape_problem(tuple(t.shape))
+            if problem is not None:
+                raise FormatError(f"{src.path}: {what} {short_repr(name)}: {problem}")

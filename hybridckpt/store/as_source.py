@@ -1,0 +1,176 @@
+"""Our own checkpoint as a source: what every job sees of `DIR/<step>/{params,opt_state,...}`.
+
+`open` gives a `SourceCheckpoint` like any format's, read lazily (`store.reader`: a box read
+fetches only the chunks it overlaps; nothing is restored whole):
+- with a model config (`trainer_state["model_config"]`, or `config=`): the params under single-card
+  HF names (the inverse of the family's rules) and each optimizer slot under the same names;
+- without one (a model-agnostic import): the params under the names they were imported with.
+The optimizer is the one named in `trainer_state["optimizer"]` (AdamW when absent); its slots are
+read from the `opt_state` item at the optimizer's declared paths (`0.mu.*`, `0.nu.*`, `0.count`).
+`detect` looks at names only and imports no JAX.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+NAME = "orbax"
+
+
+def root_and_step(path: str) -> tuple[str, int | None]:
+    """`DIR` or `DIR/<step>` -> (DIR, step or None)."""
+    norm = os.path.normpath(path)
+    base = os.path.basename(norm)
+    if base.isdigit() and os.path.isdir(os.path.join(norm, "params")):
+        return os.path.dirname(norm), int(base)
+    return norm, None
+
+
+def detect(path: str) -> bool:
+    if not os.path.isdir(path):
+        return False
+    _, step = root_and_step(path)
+    if step is not None:
+        return True
+    return any(d.isdigit() and os.path.isdir(os.path.join(path, d, "params")) for d in os.listdir(path))
+
+
+def resolve(path: str, step: int | None = None) -> tuple[str, int, dict]:
+    """(root, step, trainer_state) of `path` (`DIR` or `DIR/<step>`; step default: latest).
+
+    Read from the files when they are laid out as Orbax writes them locally (a finalised step is
+    a folder named by its number: Orbax renames its temporary folder into place; the trainer
+    state is the JSON file `<step>/trainer_state/metadata` of Orbax's JsonCheckpointHandler), so
+    no JAX or Orbax is imported; through Orbax's manager otherwise."""
+    from hybridckpt.errors import CheckpointError
+
+    root, dir_step = root_and_step(os.path.abspath(path))
+    step = dir_step if step is None else step
+    if step is None:
+        steps = _steps_on_disk(root)
+        step = steps[-1] if steps else None
+    state = None if step is None else _trainer_state_file(root, int(step))
+    if state is not None:
+        return root, int(step), state
+    from hybridckpt.store.orbax_io import latest_step, read_trainer_state
+
+    step = latest_step(root) if step is None else step
+    if step is None:
+        raise CheckpointError(f"{root}: no checkpoint steps")
+    return root, int(step), read_trainer_state(root, step)
+
+
+def _steps_on_disk(root: str) -> list[int]:
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(d) for d in os.listdir(root) if d.isdigit() and os.path.isdir(os.path.join(root, d, "params")))
+
+
+def _trainer_state_file(root: str, step: int) -> dict | None:
+    """The trainer state JSON object of `step` read from its file, or None when it is not there
+    as expected (Orbax's reader then decides)."""
+    import builtins
+    import json
+
+    path = os.path.join(root, str(step), "trainer_state", "metadata")
+    try:
+        with builtins.open(path, "rb") as f:  # (this module's `open` is the format API)
+            state = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def model_config(state: dict, config: Any = None) -> Any:
+    """The model config of a checkpoint: `config` when given, else the saved one (None for a
+    model-agnostic import)."""
+    from hybridckpt import models
+
+    if config is not None:
+        return config
+    saved = state.get("model_config")
+    return None if saved is None else models.config_from_dict(saved)
+
+
+def open(path: str, *, config: Any = None, step: int | None = None, verify_reads: bool = True):  # noqa: A001
+    """Our checkpoint at `path` as a lazy `SourceCheckpoint` (see the module docstring). Every
+    array is read through the CRC-32s its import recorded (`store.checked`) unless
+    `verify_reads=False`."""
+    from hybridckpt import naming, optim
+    from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
+    from hybridckpt.store.checked import checked_arrays
+    from hybridckpt.store.keys import NAMES_KEY, original_names
+    from hybridckpt.store.reader import item_arrays
+
+    root, step, state = resolve(path, step)
+    cfg = model_config(state, config)
+    step_dir = os.path.join(root, str(step))
+
+    def arrays(item: str, prefix: str = "") -> dict:
+        folder = os.path.join(step_dir, item)
+        found = item_arrays(folder)
+        return checked_arrays(found, state, prefix, folder) if verify_reads else found
+
+    params = arrays("params", "params.")
+
+    def named(flat: dict) -> dict:
+        return naming.tree_to_hf(flat, cfg) if cfg is not None else original_names(flat, state.get(NAMES_KEY))
+
+    optimizer = None
+    opt_step = state.get("step", step)
+    if os.path.isdir(os.path.join(step_dir, "opt_state")):
+        opt = optim.get(state.get("optimizer", optim.DEFAULT))
+        leaves = item_arrays(os.path.join(step_dir, "opt_state"))
+        slots = {}
+        for slot in opt.slots:
+            prefix = opt.orbax_prefix(slot.name)
+            mine = {k[len(prefix):]: v for k, v in leaves.items() if k.startswith(prefix)}
+            if verify_reads:
+                mine = checked_arrays(mine, state, f"{slot.state_name}.", os.path.join(step_dir, "opt_state"))
+            slots[slot.name] = named(mine)
+        if opt.orbax_step in leaves:
+            count = {"count": leaves[opt.orbax_step]}
+            if verify_reads and "count" in (state.get("chunk_crc32") or {}):
+                count = checked_arrays(count, state, "", os.path.join(step_dir, "opt_state"))
+            opt_step = int(count["count"].materialize())
+        optimizer = OptimizerState(slots, opt_step)
+    return SourceCheckpoint(
+        format=NAME,
+        path=path,
+        tensors=named(params),
+        optimizer=optimizer,
+        config=cfg,
+        step=opt_step,
+        topology=dict(state.get("mesh", {})),
+        trainer=state,
+    )
+
+
+def describe(path: str, step: int | None = None) -> dict:
+    """What `inspect` shows of our checkpoint: steps, config, mesh, and the arrays as stored
+    (Flax tree names, one piece each); reads metadata only."""
+    from hybridckpt.store.keys import NAMES_KEY, original_names
+    from hybridckpt.store.orbax_io import list_steps
+    from hybridckpt.store.reader import item_arrays
+
+    root, step, state = resolve(path, step)
+    step_dir = os.path.join(root, str(step))
+    arrays = original_names(item_arrays(os.path.join(step_dir, "params")), state.get(NAMES_KEY))
+    has_opt = os.path.isdir(os.path.join(step_dir, "opt_state"))
+    return {
+        "format": NAME,
+        "path": path,
+        "steps": list_steps(root),
+        "step": step,
+        "topology": state.get("mesh", {}),
+        "config": state.get("model_config"),
+        "needs_config": False,
+        "tensors": [
+            {"name": k, "shape": list(v.shape), "dtype": str(v.dtype), "pieces": 1} for k, v in arrays.items()
+        ],
+        "optimizer": {"saved": has_opt, "name": state.get("optimizer") or ("adamw" if has_opt else None)},
+        "notes": [] if state.get("model_config") else ["imported without a model config: tensors keep the source's names"],
+        "trainer_state": {k: v for k, v in state.items()
+                          if k not in ("checksums", "checksum_chunks", "chunk_crc32", "array_specs", NAMES_KEY)},
+    }

@@ -1,0 +1,338 @@
+"""Every read of our store checked against the CRC-32s recorded at import.
+
+An import records, per array, the CRC-32 of each chunk of its stored grid (`checksum.tile_crcs`,
+`trainer_state["chunk_crc32"]`: name -> base64 of uint32s in grid C order, the grid in
+`"checksum_chunks"`). `CheckedArray` wraps the lazy reader of an array (`store.reader`) so that
+no byte of it reaches a caller unchecked:
+
+- `read_into(box, out)`: each grid chunk the box covers whole is read into `out` (or a scratch
+  buffer when `out` is strided or cast) and its CRC compared; a chunk the box cuts is read whole
+  once, checked, and remembered as checked (later pieces of it are read as they are). So a box
+  reads at most the chunks it touches, as TensorStore itself does.
+- `file_runs(box, limit)`: an export that copies stored bytes file to file gets runs that carry
+  a `RunCheck` per chunk; the copier feeds it the bytes as they pass (into its write buffer, or
+  read back where the kernel copied them) and the CRC is compared when a chunk's last byte has
+  passed. Only boxes of whole chunks are offered as runs.
+
+A mismatch is one `CheckpointError` naming the item, the array, the chunk's grid position and box,
+and the chunk file where there is one: a flipped byte, a truncated, missing or swapped chunk file
+all end there. zlib-ng computes the CRC at tens of GB/s a core, and it runs over bytes already in
+memory; `benchmarks/orbax_speed.py` measures the cost (README). `checked=False` (CLI
+`--no-verify-reads`) reads unchecked.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections.abc import Mapping
+
+import numpy as np
+
+from hybridckpt import checksum
+from hybridckpt.errors import CheckpointError
+from hybridckpt.lazy import Box, FileRun, LazyTensor, box_shape, copy_into
+
+CRC_TABLES = "chunk_crc32"  # trainer_state keys (written by `jobs.import_`)
+ARRAY_SPECS = "array_specs"
+
+
+class RunCheck:
+    """The CRC-32 of one chunk, fed run by run in C order (`feed`); compared once all of the
+    chunk's `nbytes` have passed."""
+
+    def __init__(self, array: CheckedArray, index: int, nbytes: int):
+        self.array, self.index, self.nbytes = array, index, nbytes
+        self.crc, self.fed = 0, 0
+        self._lock = threading.Lock()
+
+    def feed(self, view) -> None:
+        view = memoryview(view).cast("B")
+        with self._lock:
+            self.crc = checksum.crc32_update(view, self.crc)
+            self.fed += len(view)
+            if self.fed == self.nbytes:
+                self.array.compare(self.index, self.crc)
+
+
+class _HeldChunks:
+    """Chunks of one array read whole (and checked) for one piece, kept until their other pieces
+    are read, within a budget shared by every array (HELD_BYTES; past it a later piece is read
+    from the file again; what an array holds is given back when it is dropped): a restore onto a
+    mesh that cuts every chunk in two then reads each chunk once, not one and a half times."""
+
+    budget_lock = threading.Lock()
+    budget_used = [0]
+
+    def __init__(self):
+        self._held: dict[int, list] = {}  # position -> [data, elements left]
+        self._bytes = [0]  # held by this array (given back by the finalizer)
+        self._lock = threading.Lock()
+        weakref.finalize(self, _HeldChunks._give_back, self._bytes)
+
+    @staticmethod
+    def _give_back(cell: list) -> None:
+        with _HeldChunks.budget_lock:
+            _HeldChunks.budget_used[0] -= cell[0]
+            cell[0] = 0
+
+    def keep(self, pos: int, data: np.ndarray, left: int) -> None:
+        if left <= 0:
+            return
+        with self._lock, _HeldChunks.budget_lock:
+            if pos in self._held or _HeldChunks.budget_used[0] + data.nbytes > HELD_BYTES:
+                return
+            _HeldChunks.budget_used[0] += data.nbytes
+            self._held[pos] = [data, left]
+            self._bytes[0] += data.nbytes
+
+    def take(self, pos: int, elements: int) -> np.ndarray | None:
+        with self._lock:
+            entry = self._held.get(pos)
+            if entry is None:
+                return None
+            entry[1] -= elements
+            if entry[1] <= 0:
+                del self._held[pos]
+                self._bytes[0] -= entry[0].nbytes
+                with _HeldChunks.budget_lock:
+                    _HeldChunks.budget_used[0] -= entry[0].nbytes
+            return entry[0]
+
+
+HELD_BYTES = 256 << 20  # chunk bytes all `_HeldChunks` keep at most
+
+
+class CheckedArray(LazyTensor):
+    """`inner` (an array of our store) read only through chunks checked against `crcs` (uint32
+    per position of the grid of `chunk`); `name` and `where` (the item folder) name it in errors."""
+
+    def __init__(self, inner: LazyTensor, chunk: tuple[int, ...], crcs: np.ndarray, name: str, where: str):
+        self.inner, self.chunk, self.crcs = inner, tuple(chunk), crcs
+        self.name, self.where = name, where
+        self.shape, self.dtype = tuple(inner.shape), np.dtype(inner.dtype)
+        self._grid = tuple(-(-n // c) if n else 0 for n, c in zip(self.shape, self.chunk, strict=True))
+        self._checked: set[int] = set()
+        self._held = _HeldChunks()
+
+    # -- the grid --------------------------------------------------------------------------------
+    def _chunks(self, box: Box):
+        """(position, clipped chunk box) of every grid chunk `box` overlaps, C order."""
+        ranges = [range(a // c, -(-b // c)) for (a, b), c in zip(box, self.chunk, strict=True)]
+        for idx in itertools.product(*ranges):
+            pos = 0
+            for i, g in zip(idx, self._grid, strict=True):
+                pos = pos * g + i
+            cbox = tuple((i * c, min(n, (i + 1) * c)) for i, c, n in zip(idx, self.chunk, self.shape, strict=True))
+            yield pos, cbox
+
+    def compare(self, pos: int, crc: int) -> None:
+        """Raise unless chunk `pos` has the CRC-32 recorded at import."""
+        want = int(self.crcs[pos])
+        if crc != want:
+            raise CheckpointError(
+                f"{self.where}: array {self.name}: chunk {self._position(pos)} ({self._describe(pos)}"
+                f"{self._file(pos)}) has CRC-32 {crc:08x}, {want:08x} was recorded at import: the stored "
+                f"bytes changed (damaged, truncated, replaced or missing chunk)"
+            )
+        self._checked.add(pos)
+
+    def _position(self, pos: int) -> str:
+        idx = []
+        for g in reversed(self._grid):
+            idx.append(pos % g if g else 0)
+            pos = pos // g if g else 0
+        return ".".join(str(i) for i in reversed(idx)) or "0"
+
+    def _file(self, pos: int) -> str:
+        """", file <path>" of the chunk in a raw item (a folder per array, a file per chunk)."""
+        import os
+
+        item_dir, array = getattr(self.inner, "item_dir", None), getattr(self.inner, "name", None)
+        if not item_dir or not array:
+            return ""
+        path = os.path.join(item_dir, array, self._position(pos))
+        return f", file {path}" if os.path.isfile(path) else ""
+
+    def _describe(self, pos: int) -> str:
+        idx = [int(i) for i in self._position(pos).split(".")] if self.shape else []
+        box = [(i * c, min(n, (i + 1) * c)) for i, c, n in zip(idx, self.chunk, self.shape, strict=True)]
+        return "elements " + " x ".join(f"[{a}:{b}]" for a, b in box) if box else "the scalar"
+
+    # -- reads -----------------------------------------------------------------------------------
+    def read_into(self, box: Box, out: np.ndarray) -> None:
+        if out.size == 0:
+            return
+        for pos, cbox in self._chunks(box):
+            sub = tuple((max(a, ca), min(b, cb)) for (a, b), (ca, cb) in zip(box, cbox, strict=True))
+            dst = out[tuple(slice(s - a, e - a) for (s, e), (a, _) in zip(sub, box, strict=True)) or ...]
+            if sub == cbox:  # the whole chunk: read once, checked on the way
+                if dst.flags.c_contiguous and dst.dtype == self.dtype:
+                    self.inner.read_into(cbox, dst)
+                    self.compare(pos, checksum.crc32_of(dst))
+                else:
+                    tmp = self.inner.read_box(cbox)
+                    self.compare(pos, checksum.crc32_of(tmp))
+                    copy_into(dst, tmp)
+            else:
+                piece = tuple(slice(s - a, e - a) for (s, e), (a, _) in zip(sub, cbox, strict=True)) or ...
+                held = self._held.take(pos, int(np.prod(box_shape(sub))))
+                if held is not None:  # read whole for an earlier piece: the rest comes from memory
+                    copy_into(dst, held[piece])
+                elif pos in self._checked:
+                    self.inner.read_into(sub, dst)
+                else:  # a piece of a chunk not checked yet: the chunk whole, once, its rest kept
+                    tmp = self.inner.read_box(cbox)
+                    self.compare(pos, checksum.crc32_of(tmp))
+                    copy_into(dst, tmp[piece])
+                    self._held.keep(pos, tmp, tmp.size - int(np.prod(box_shape(sub))))
+
+    def file_runs(self, box: Box, limit: int) -> list[FileRun] | None:
+        """The inner runs of a box of whole chunks, each carrying its chunk's `RunCheck`; None
+        for a box that cuts a chunk (it is then read and checked by `read_into`)."""
+        chunks = list(self._chunks(box))
+        covered = sum(int(np.prod(box_shape(c))) for _, c in chunks)
+        if covered != int(np.prod(box_shape(box))):
+            return None
+        inner = self.inner.file_runs(box, limit)
+        if inner is None:
+            return None
+        # the runs of `box` in C order; each chunk's bytes form runs in its own C order, which
+        # `_assign` walks by following the box's C order chunk boundary by chunk boundary
+        return _assign(self, box, chunks, inner)
+
+
+def _assign(array: CheckedArray, box: Box, chunks, runs: list[FileRun]) -> list[FileRun] | None:
+    """Cut `runs` (the box's C-order bytes) at chunk boundaries and give each piece its chunk's
+    RunCheck; None if that would pass `len(runs)` by more than the chunk count allows."""
+    item = array.dtype.itemsize
+    checks = {pos: RunCheck(array, pos, int(np.prod(box_shape(c))) * item) for pos, c in chunks}
+    # the box's C-order element stream, as segments (elements) each inside one chunk
+    segments = _segments(box, array.chunk, array.shape, array._grid)
+    out: list[FileRun] = []
+    run_iter = iter(runs)
+    run = next(run_iter, None)
+    at = 0  # bytes of `run` consumed
+    for pos, n_elem in segments:
+        want = n_elem * item
+        while want:
+            if run is None:
+                return None
+            take = min(want, run.nbytes - at)
+            out.append(FileRun(run.source, run.offset + at, take, checks[pos]))
+            at += take
+            want -= take
+            if at == run.nbytes:
+                run, at = next(run_iter, None), 0
+    return out
+
+
+def _segments(box: Box, chunk, shape, grid) -> list[tuple[int, int]]:
+    """(chunk position, elements) of the consecutive pieces of `box`'s C-order stream that lie in
+    one chunk each: along the first axis whose trailing sub-box lies in one chunk the box is cut
+    at chunk boundaries (each piece one segment); before it, one index at a time."""
+    out: list[tuple[int, int]] = []
+
+    def pos_of(index) -> int:
+        pos = 0
+        for i, c, g in zip(index, chunk, grid, strict=True):
+            pos = pos * g + i // c
+        return pos
+
+    def walk(prefix: tuple[int, ...], d: int) -> None:
+        rest = box[d + 1 :]
+        inner = int(np.prod([b - a for a, b in rest])) if rest else 1
+        if all(a // c == (b - 1) // c for (a, b), c in zip(rest, chunk[d + 1 :], strict=True)):
+            a, b = box[d]
+            cuts = [a, *range((a // chunk[d] + 1) * chunk[d], b, chunk[d]), b]
+            for s, e in zip(cuts, cuts[1:], strict=False):
+                pos = pos_of((*prefix, s, *(x for x, _ in rest)))
+                if out and out[-1][0] == pos:
+                    out[-1] = (pos, out[-1][1] + (e - s) * inner)
+                else:
+                    out.append((pos, (e - s) * inner))
+            return
+        for i in range(*box[d]):
+            walk((*prefix, i), d + 1)
+
+    if not box:
+        return [(0, 1)]
+    walk((), 0)
+    return out
+
+
+def checked_arrays(arrays: Mapping[str, LazyTensor], state: Mapping, prefix: str, where: str) -> dict[str, LazyTensor]:
+    """`arrays` (leaf key -> lazy array of one item) wrapped in `CheckedArray` where
+    `trainer_state` records their CRC tables under `prefix + key`; an import that recorded
+    tables for an item but not for one of its arrays is an error, not an unchecked read."""
+    tables, grids = state.get(CRC_TABLES), state.get("checksum_chunks") or {}
+    specs = state.get(ARRAY_SPECS) or {}
+    if not isinstance(tables, Mapping):
+        return dict(arrays)
+    out = {}
+    for key, t in arrays.items():
+        name = prefix + key
+        if name not in tables:
+            raise CheckpointError(f"{where}: array {key} has no CRC-32s recorded beside the others (trainer_state)")
+        spec = specs.get(name)
+        if isinstance(spec, Mapping) and (list(t.shape) != list(spec.get("shape", [])) or np.dtype(t.dtype).name != spec.get("dtype")):
+            raise CheckpointError(
+                f"{where}: array {key} is stored as {np.dtype(t.dtype).name} {list(t.shape)} but its import wrote "
+                f"{spec.get('dtype')} {spec.get('shape')}: its metadata (.zarray) was changed"
+            )
+        grid = tuple(int(c) for c in grids.get(name, t.shape))
+        size = checksum.grid_size(tuple(t.shape), grid) if len(grid) == len(t.shape) else -1
+        crcs = None if size < 0 else checksum.decode_crcs(tables[name], size)
+        if crcs is None:
+            raise CheckpointError(f"{where}: array {key}: its recorded CRC-32 table does not fit its chunk grid {list(grid)}")
+        out[key] = CheckedArray(t, grid, crcs, key, where)
+    return out
+
+
+def recorded_name(item: str, key: str, state: Mapping) -> str:
+    """The name an import recorded an array's CRCs under: `params.<key>` for params; for the
+    optimizer item `<slot state>.<path>` (`0.mu.x` -> `mu.x`) and `count`."""
+    if item == "params":
+        return f"params.{key}"
+    from hybridckpt import optim
+
+    opt = optim.get(state.get("optimizer") or optim.DEFAULT)
+    for slot in opt.slots:
+        prefix = opt.orbax_prefix(slot.name)
+        if key.startswith(prefix):
+            return f"{slot.state_name}.{key[len(prefix):]}"
+    return "count" if key == opt.orbax_step else key
+
+
+def read_tree(step_dir: str, item: str, target, state: Mapping):
+    """The item `item` of a step restored onto `target`'s shardings (a tree of
+    `jax.ShapeDtypeStruct`), every chunk checked (`CheckedArray`); leaves the item lacks stay
+    abstract (as Orbax's partial restore leaves them). Each device reads only the chunks its
+    shard touches (`place.to_array`)."""
+    import os
+
+    import jax
+
+    from hybridckpt.place import to_array
+    from hybridckpt.store.layout import has_shape, leaf_key
+    from hybridckpt.store.reader import item_arrays
+
+    folder = os.path.join(step_dir, item)
+    found = item_arrays(folder)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=has_shape)
+    names = {leaf_key(path): recorded_name(item, leaf_key(path), state) for path, _ in flat}
+    wanted = {names[k]: found[k] for k in names if k in found}
+    checked = checked_arrays(wanted, state, "", folder)
+    leaves = []
+    for path, leaf in flat:
+        key = leaf_key(path)
+        if key not in found:
+            leaves.append(leaf)
+            continue
+        t = checked[names[key]]
+        t.name = key
+        arr, _ = to_array(t, leaf.sharding, np.dtype(leaf.dtype) if np.dtype(leaf.dtype) != t.dtype else None,
+                          with_checksum=False)
+        leaves.append(arr)
+    return jax.tree_util.tree_unflatten(treedef, leaves)

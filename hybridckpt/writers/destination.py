@@ -1,0 +1,262 @@
+"""Where a job writes: one folder, complete or not at all, never over its source, one job at a time.
+
+Every writer (our Orbax store, HF folders, Paddle unified folders) goes through `Destination`:
+
+1. **Checked against the sources.** A destination that is a source, lies inside one or holds
+   one is refused (compared after resolving symlinks), so `export SRC SRC --overwrite` cannot
+   replace what it reads. What is at the destination: nothing or an empty folder is fine; a
+   non-empty folder, a file or a symlink is refused unless `overwrite` (then the folder is
+   replaced, or the file or the link itself, never a link's target).
+2. **Locked.** `.<name>.lock` beside the destination holds an exclusive `flock` for the whole
+   job and says who holds it (pid, host, command, start time): a second job writing the same
+   destination is refused at once, naming the first. The lock goes with the job (the kernel
+   drops it even when a job is killed; a file left by a killed job is reused and removed).
+3. **Written aside, swapped in.** The writer fills `.<name>.tmp-<token>` (the folder gets the
+   mode a plain `mkdir` gives under the user's umask); `commit()` renames it into place
+   (with `RENAME_NOREPLACE` when nothing was there, so a folder someone created meanwhile is
+   not replaced; a folder being replaced is moved aside to `.<name>.old-<token>` first and
+   removed after), fsyncs the parent, and holds interrupts meanwhile (`io.interrupts`). A
+   failure or interrupt before removes the temporary and puts back what was there: nothing is
+   left beside the destination. What a job killed outright (SIGKILL, power loss) leaves is
+   cleaned up by the next job that takes the lock: its temporary removed, a checkpoint it had
+   moved aside put back.
+
+Under `jax.distributed` the primary process checks, locks and commits; the others write into the
+same temporary folder (its token agreed by the caller).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+import uuid
+from collections.abc import Iterable
+
+from hybridckpt.errors import CheckpointError
+from hybridckpt.io import interrupts
+from hybridckpt.io.writeback import fsync_folder
+
+RENAME_NOREPLACE = 1  # linux/fs.h
+
+
+class Destination:
+    """A folder a job writes (see the module doc). Use as `with Destination(dst, ...) as tmp:`,
+    write into `tmp`, then `commit()` inside the block; leaving the block without a commit (an
+    error) removes the temporary and keeps what was at `dst`."""
+
+    def __init__(self, dst: str | os.PathLike, *, overwrite: bool = False, sources: Iterable = (),
+                 primary: bool = True, token: str | None = None):
+        self.dst = os.path.abspath(os.fspath(dst))
+        self.overwrite = overwrite
+        self.sources = [os.path.abspath(os.fspath(s)) for s in sources if s]
+        self.primary = primary
+        self.token = token or uuid.uuid4().hex[:8]
+        parent, name = os.path.split(self.dst)
+        self.tmp = os.path.join(parent, f".{name}.tmp-{self.token}")
+        self.old = os.path.join(parent, f".{name}.old-{self.token}")
+        self.lock_path = os.path.join(parent, f".{name}.lock")
+        self._lock_fd: int | None = None
+        self.committed = False
+
+    # -- opening ---------------------------------------------------------------------------------
+    def preflight(self) -> Destination:
+        """The checks of step 1 alone (the sources, what is at the destination), so a job can
+        refuse before it reads anything; `__enter__` makes them again."""
+        if self.primary:
+            check_not_over_sources(self.dst, self.sources)
+            self._check_existing()
+        return self
+
+    def __enter__(self) -> str:
+        if not self.primary:
+            return self.tmp
+        self.preflight()
+        parent = os.path.dirname(self.dst)
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"{self.dst}: cannot create its folder: {e.strerror or e}") from e
+        self._lock()
+        try:
+            interrupts.add_temporary(self.tmp)
+            os.mkdir(self.tmp, 0o777)  # the umask applies, as for a plain mkdir
+        except OSError as e:
+            self._release()
+            raise CheckpointError(f"{parent}: cannot write: {e.strerror or e}") from e
+        except BaseException:
+            self._release()
+            raise
+        return self.tmp
+
+    def _check_existing(self) -> None:
+        d = self.dst
+        if os.path.islink(d):
+            if not self.overwrite:
+                raise CheckpointError(
+                    f"{d}: is a symlink (to {os.readlink(d)}); pass --overwrite (overwrite=True) to replace the "
+                    f"link itself, or give the link's target as the destination"
+                )
+        elif os.path.isdir(d):
+            if os.listdir(d) and not self.overwrite:
+                raise CheckpointError(f"{d}: exists and is not empty; pass --overwrite (overwrite=True) to replace it")
+        elif os.path.lexists(d) and not self.overwrite:
+            raise CheckpointError(f"{d}: exists and is not a folder; pass --overwrite (overwrite=True) to replace it")
+
+    def _lock(self) -> None:
+        """Take `.<name>.lock` (see the module doc), or a CheckpointError naming the holder."""
+        for _ in range(20):
+            try:
+                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                raise CheckpointError(f"{self.lock_path}: cannot create the lock: {e.strerror or e}") from e
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                holder = _read_holder(fd)
+                os.close(fd)
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise CheckpointError(f"{self.lock_path}: cannot lock: {e.strerror or e}") from e
+                raise CheckpointError(
+                    f"{self.dst}: another job is writing it ({holder}); wait for it to finish or choose "
+                    f"another destination"
+                ) from None
+            try:  # the file we locked must still be the one at the path (a finishing job unlinks it)
+                same = os.fstat(fd).st_ino == os.stat(self.lock_path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:
+                os.close(fd)
+                continue
+            self._lock_fd = fd
+            interrupts.add_temporary(self.lock_path, "file")
+            info = {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv)[:300],
+                    "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(info).encode(), 0)
+            self._recover_stale()
+            return
+        raise CheckpointError(f"{self.lock_path}: the lock keeps changing hands; try again")
+
+    def _recover_stale(self) -> None:
+        """What a killed job left beside the destination (under the lock no job is writing it):
+        its temporary folders go; a previous checkpoint it had moved aside during its swap comes
+        back if the destination is missing, else goes."""
+        parent, name = os.path.split(self.dst)
+        for entry in os.listdir(parent):
+            if entry.startswith(f".{name}.tmp-"):
+                interrupts.remove(os.path.join(parent, entry))
+        for entry in sorted(os.listdir(parent)):
+            if entry.startswith(f".{name}.old-"):
+                old = os.path.join(parent, entry)
+                if not os.path.lexists(self.dst):
+                    os.rename(old, self.dst)
+                else:
+                    interrupts.remove(old)
+
+    # -- closing ---------------------------------------------------------------------------------
+    def commit(self) -> None:
+        """Swap the finished temporary folder into place (see the module doc)."""
+        if not self.primary:
+            return
+        with interrupts.committing():
+            fsync_folder(self.tmp)
+            moved_aside = False
+            try:
+                if os.path.islink(self.dst) or (os.path.lexists(self.dst) and not os.path.isdir(self.dst)):
+                    os.unlink(self.dst)  # a file or a link (never its target); checked by __enter__
+                elif os.path.isdir(self.dst) and os.listdir(self.dst):
+                    os.rename(self.dst, self.old)
+                    moved_aside = True
+                _rename_noreplace(self.tmp, self.dst)
+            except OSError as e:
+                if moved_aside and not os.path.lexists(self.dst):
+                    os.rename(self.old, self.dst)
+                raise CheckpointError(f"{self.dst}: cannot put the new checkpoint in place: {e.strerror or e}") from e
+            interrupts.discard_temporary(self.tmp)
+            fsync_folder(os.path.dirname(self.dst))
+            if moved_aside:
+                interrupts.remove(self.old)
+            self.committed = True
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self.primary:
+            return
+        try:
+            if not self.committed:
+                interrupts.remove_settled(self.tmp)
+                interrupts.discard_temporary(self.tmp)
+                if os.path.lexists(self.old) and not os.path.lexists(self.dst):
+                    os.rename(self.old, self.dst)
+        finally:
+            self._release()
+        if isinstance(exc, OSError):
+            raise CheckpointError(f"{self.dst}: write failed: {exc.strerror or exc}") from exc
+
+    def _release(self) -> None:
+        if self._lock_fd is not None:
+            try:
+                os.unlink(self.lock_path)
+            except OSError:
+                pass
+            interrupts.discard_temporary(self.lock_path)
+            os.close(self._lock_fd)  # (closing drops the flock)
+            self._lock_fd = None
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"pid {info['pid']} on {info['host']}, since {info['since']}: {info['command']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process"
+
+
+def _real(path: str) -> str:
+    """`path` with every symlink resolved, also where its last parts do not exist yet."""
+    return os.path.realpath(path)
+
+
+def check_not_over_sources(dst: str, sources: Iterable[str]) -> None:
+    """A CheckpointError when `dst` is a source, lies inside one, or holds one (after symlinks)."""
+    d = _real(dst)
+    for src in sources:
+        s = _real(src)
+        if os.path.isfile(s):  # a single-file source (a .safetensors, a .pdparams): its folder is fine
+            inside_src, holds_src = d == s, s.startswith(d.rstrip(os.sep) + os.sep)
+        else:
+            inside_src = d == s or d.startswith(s.rstrip(os.sep) + os.sep)
+            holds_src = s.startswith(d.rstrip(os.sep) + os.sep)
+        if inside_src or holds_src:
+            what = "is the source" if d == s else "is inside the source" if inside_src else "holds the source"
+            raise CheckpointError(f"{dst}: the destination {what} {src}; write it somewhere else")
+
+
+_libc = None
+
+
+def _rename_noreplace(src: str, dst: str) -> None:
+    """rename(2) that fails with EEXIST instead of replacing `dst` (Linux renameat2); a plain
+    rename where the call is missing (which replaces only an empty folder)."""
+    global _libc
+    if sys.platform.startswith("linux"):
+        if _libc is None:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fn = getattr(_libc, "renameat2", None)
+        if fn is not None:
+            at_fdcwd = -100
+            if fn(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), RENAME_NOREPLACE) == 0:
+                return
+            err = ctypes.get_errno()
+            if err not in (errno.ENOSYS, errno.EINVAL):
+                if err == errno.EEXIST and os.path.isdir(dst) and not os.listdir(dst):
+                    os.rename(src, dst)  # an empty folder at the destination is replaced
+                    return
+                raise OSError(err, os.strerror(err), dst)
+    os.rename(src, dst)

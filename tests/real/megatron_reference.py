@@ -1,0 +1,74 @@
+"""The megatron_core cases' references (megatron-core parameter names) under HF names.
+
+Written against Megatron's own layouts, not with the library's rules: a tp = pp = 1 megatron-core
+GPTModel's parameters (what the reference run loaded) are
+- `self_attention.linear_qkv.weight` `[groups * (heads/groups + 2) * head_dim, hidden]`: per query
+  group its q heads, then one k head, then one v head (megatron/core/transformer/attention.py
+  `SelfAttention.get_query_key_value_tensors`);
+- `mlp.linear_fc1.weight` `[2 * ffn, hidden]`: gate rows, then up rows (transformer/mlp.py:
+  `torch.chunk(x, 2, -1)`, `act(x[0]) * x[1]`); `linear_fc2` is down;
+- MoE: `mlp.router.weight` `[E, hidden]`, experts `mlp.experts.local_experts.{e}.linear_fc1/fc2`,
+  `e` the global expert (the reference run renames an ep rank's local experts)
+  (SequentialMLP), each an MLP as above;
+- embedding and output layer with the padded vocabulary (rows past `vocab` dropped here).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def to_hf(ref: dict[str, np.ndarray], prefix: str, *, vocab: int, heads: int, groups: int) -> dict[str, np.ndarray]:
+    """`ref`'s `prefix/<megatron name>` arrays under HF Llama / Mixtral names."""
+    out: dict[str, np.ndarray] = {}
+    for key, a in ref.items():
+        if not key.startswith(prefix + "/"):
+            continue
+        name = key[len(prefix) + 1 :]
+        if name == "embedding.word_embeddings.weight":
+            out["model.embed_tokens.weight"] = a[:vocab]
+        elif name == "output_layer.weight":
+            out["lm_head.weight"] = a[:vocab]
+        elif name == "decoder.final_layernorm.weight":
+            out["model.norm.weight"] = a
+        else:
+            m = _LAYER.match(name)
+            assert m, name
+            out.update(_layer(f"model.layers.{m[1]}.", m[2], a, heads, groups))
+    return out
+
+
+def _layer(at: str, rest: str, a: np.ndarray, heads: int, groups: int) -> dict[str, np.ndarray]:
+    if rest == "input_layernorm.weight":
+        return {at + "input_layernorm.weight": a}
+    if rest == "pre_mlp_layernorm.weight":
+        return {at + "post_attention_layernorm.weight": a}
+    if rest == "self_attention.linear_proj.weight":
+        return {at + "self_attn.o_proj.weight": a}
+    if rest == "self_attention.linear_qkv.weight":
+        per = heads // groups
+        g = a.reshape(groups, per + 2, -1, a.shape[-1])
+        hd = g.shape[2]
+        return {
+            at + "self_attn.q_proj.weight": np.ascontiguousarray(g[:, :per].reshape(heads * hd, -1)),
+            at + "self_attn.k_proj.weight": np.ascontiguousarray(g[:, per].reshape(groups * hd, -1)),
+            at + "self_attn.v_proj.weight": np.ascontiguousarray(g[:, per + 1].reshape(groups * hd, -1)),
+        }
+    if rest == "mlp.linear_fc1.weight":
+        f = a.shape[0] // 2
+        return {at + "mlp.gate_proj.weight": a[:f], at + "mlp.up_proj.weight": a[f:]}
+    if rest == "mlp.linear_fc2.weight":
+        return {at + "mlp.down_proj.weight": a}
+    if rest == "mlp.router.weight":
+        return {at + "block_sparse_moe.gate.weight": a}
+    m = re.match(r"^mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$", rest)
+    assert m, rest
+    e = f"{at}block_sparse_moe.experts.{m[1]}."
+    if m[2] == "2":
+        return {e + "w2.weight": a}
+    f = a.shape[0] // 2
+    return {e + "w1.weight": a[:f], e + "w3.weight": a[f:]}

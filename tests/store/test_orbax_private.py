@@ -1,0 +1,64 @@
+"""What our store still takes from Orbax's private `_src` modules, pinned: a newer Orbax that
+changes any of it fails here, loudly, naming the symbol, instead of writing a checkpoint that
+Orbax itself would read differently. Everything else (reading arrays, contexts, process
+indices, the pytree handler) is on TensorStore's and Orbax's public API; the read spec that
+replaced Orbax's own (`store.ts_spec`) is compared with it here."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+STORE = Path(__file__).resolve().parents[2] / "hybridckpt"
+
+# symbol -> the parameters our call passes (a renamed or removed one breaks the save)
+PRIVATE = {
+    ("orbax.checkpoint._src.serialization.jax_array_handlers", "_async_serialize_shardings"):
+        ("shardings", "infos", "primary_host"),
+    ("orbax.checkpoint._src.serialization.tensorstore_utils", "build_array_write_spec"):
+        ("info", "arg", "global_shape", "local_shape", "dtype", "use_ocdbt", "process_index", "metadata_key"),
+}
+
+
+@pytest.mark.parametrize("module, name", list(PRIVATE))
+def test_each_private_symbol_is_there_with_the_parameters_we_pass(module, name):
+    fn = getattr(importlib.import_module(module), name, None)
+    assert fn is not None, f"Orbax no longer has {module}.{name}: hybridckpt/store/stream_orbax.py needs a new way"
+    params = inspect.signature(fn).parameters
+    missing = [p for p in PRIVATE[(module, name)] if p not in params]
+    assert not missing, f"{module}.{name} no longer takes {missing}"
+
+
+def test_no_other_private_import_and_each_says_why():
+    """Every `orbax.checkpoint._src` import in the library is one of the pinned ones, with a
+    comment line above it saying why."""
+    found = []
+    for path in STORE.rglob("*.py"):
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            m = re.match(r"\s*from (orbax\.checkpoint\._src\.[\w.]+) import (\w+)", line)
+            if m:
+                found.append((path.name, m.group(1), m.group(2)))
+                assert lines[i - 1].lstrip().startswith("#"), f"{path}:{i + 1}: a private import without a reason"
+    assert {f"{mod}.{name}" for _, mod, name in found} == {
+        "orbax.checkpoint._src.serialization.jax_array_handlers", "orbax.checkpoint._src.serialization.tensorstore_utils",
+    }, found
+
+
+@pytest.mark.parametrize("use_ocdbt", [False, True])
+def test_our_read_spec_is_orbaxs(tmp_path, use_ocdbt):
+    from etils import epath
+    from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+    from orbax.checkpoint._src.serialization import types as ts_types
+
+    from hybridckpt.store import ts_spec
+
+    info = ts_types.ParamInfo(name="layers.q.kernel", parent_dir=epath.Path(tmp_path), is_ocdbt_checkpoint=use_ocdbt,
+                              use_zarr3=False)
+    theirs = ts_utils.build_array_read_spec(info, use_ocdbt=use_ocdbt).json
+    ours = ts_spec.read_spec(str(tmp_path), "layers.q.kernel", use_ocdbt=use_ocdbt)
+    assert ours == theirs
