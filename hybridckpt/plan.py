@@ -1,6 +1,7 @@
 """The sharding plan: where every param and optimizer leaf lives on a mesh. Computed here only.
 
-Input: a model config (its param shapes and logical axes come from `models`) or, for a model the
+Input: a model config (its param shapes and logical axes come from the family's param table in
+`models`, nothing traced) or, for a model the
 project does not know, a plain named tree of shapes; a `jax.sharding.Mesh` over
 ("dp", "fsdp", "tp", "pp"); and optionally an optimizer (`hybridckpt.optim`). Output: a `Plan`
 holding, for params and optimizer state alike, the `NamedSharding` of every leaf and the abstract
@@ -153,20 +154,16 @@ def _stacked_axes(axes: Any) -> Any:
 
 
 def _model_shapes_and_axes(cfg: Any) -> tuple[Any, Any]:
-    """(tree of fp32 `ShapeDtypeStruct`, tree of logical-axis tuples) of `cfg`'s params: from the
-    family's JAX-free tables where it gives them (`models.param_axes_tree`: no Flax import and no
-    trace of the model's init, about 0.17 s of a 1 GiB import), else traced from its Flax module."""
+    """(tree of fp32 `ShapeDtypeStruct`, tree of logical-axis tuples) of `cfg`'s params, from the
+    family's param table (`models.param_shape_tree`, `models.param_axes_tree`): no Flax module is
+    imported or traced."""
     from hybridckpt import models
-
-    axes = models.param_axes_tree(cfg)
-    if axes is None:
-        return models.param_shapes(cfg), models.logical_axes(cfg)
 
     def is_leaf(x):
         return isinstance(x, tuple)
 
     shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, np.float32), models.param_shape_tree(cfg), is_leaf=is_leaf)
-    return shapes, jax.tree.map(lambda a: a, axes, is_leaf=is_leaf)  # (keys sorted, as Flax's)
+    return shapes, jax.tree.map(lambda a: a, models.param_axes_tree(cfg), is_leaf=is_leaf)  # (keys sorted)
 
 
 def for_model(

@@ -1,13 +1,16 @@
 """Model families as plug-ins: each is a folder `models/<family>/` found through a registry.
 
 A family folder holds `__init__.py` (`FAMILY = Family(...)`, see `models.family`), `config.py`
-(the frozen config dataclass, its HF (and Meta) forms, rule variables and param shapes; no JAX),
-`module.py` (the Flax module) and `hf.rules` (HF names -> params tree). Nothing outside
-`models/` names a family; `models` imports nothing from `hybridckpt` (its errors are
-`models.errors`, which `hybridckpt.errors` re-exports).
+(the frozen config dataclass, its HF (and Meta) forms and rule variables; no JAX), `params.py`
+(its param table, `models.table`: each param's path, shape, logical axes, HF name and layout op,
+from which the shape and axes trees and the HF rules are generated; no JAX), `module.py` (the
+Flax module, which creates its params from the table) and `dialects/` (how other frameworks
+name and describe it: `models.dialect`). Nothing outside `models/` names a family; `models`
+imports nothing from `hybridckpt` (its errors are `models.errors`, which `hybridckpt.errors`
+re-exports).
 
 Params are plain nested dicts of fp32 arrays, layers stacked on a leading `layers` axis (see
-each family's `module.py` for its tree). `forward` holds no mesh code: jit it with sharded
+each family's `params.py` for its tree). `forward` holds no mesh code: jit it with sharded
 params and XLA propagates the shardings.
 
 Configs, `param_shape_tree`, `param_axes_tree`, rules and the registry need no JAX; the JAX
@@ -33,7 +36,15 @@ from hybridckpt.models.api import (
     param_shape_tree,
     rule_variables,
 )
-from hybridckpt.models.family import RULE_VARIABLES, Family, ModelConfig, families, family_of
+from hybridckpt.models.dialect import Dialect, dialects
+from hybridckpt.models.family import (
+    RULE_VARIABLES,
+    Family,
+    ModelConfig,
+    families,
+    family_named,
+    family_of,
+)
 from hybridckpt.models.gpt2.config import GPT2Config
 from hybridckpt.models.llama.config import LlamaConfig, meta_ffn_hidden_dim
 
@@ -41,6 +52,7 @@ _JAX_API = ("forward", "init_params", "logical_axes", "loss", "module", "param_s
 
 __all__ = [
     "RULE_VARIABLES",
+    "Dialect",
     "Family",
     "GPT2Config",
     "LlamaConfig",
@@ -50,7 +62,9 @@ __all__ = [
     "config_from_meta_params",
     "config_to_dict",
     "config_to_hf",
+    "dialects",
     "families",
+    "family_named",
     "family_of",
     "fit_to_hf_names",
     "hf_name_fixes",

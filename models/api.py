@@ -83,18 +83,17 @@ def config_from_dict(d: Mapping[str, Any]) -> ModelConfig:
 def param_shape_tree(cfg: ModelConfig) -> dict:
     """Nested dicts (the params' structure) of shape tuples; every param is fp32.
 
-    The tree the family's Flax module builds (kernels `[in, out]`, per-layer params stacked on a
-    leading `[L]` axis), computed without JAX: nothing is traced or allocated.
+    The tree of the family's param table (`models.table`), which the Flax module's init builds
+    (kernels `[in, out]`, per-layer params stacked on a leading `[L]` axis): nothing is traced
+    or allocated.
     """
     return family_of(cfg).shape_tree(cfg)
 
 
-def param_axes_tree(cfg: ModelConfig) -> dict | None:
+def param_axes_tree(cfg: ModelConfig) -> dict:
     """Nested dicts (the `param_shape_tree` structure) of logical-axis tuples, one name or None
-    per dim, computed without JAX where the family gives them (`Family.axes_tree`), else None
-    (then `logical_axes`, which traces the Flax module)."""
-    fam = family_of(cfg)
-    return None if fam.axes_tree is None else fam.axes_tree(cfg)
+    per dim, from the family's param table (what the Flax module annotates; no JAX)."""
+    return family_of(cfg).axes_tree(cfg)
 
 
 def rule_variables(cfg: ModelConfig) -> dict[str, Any]:
@@ -110,9 +109,10 @@ def rule_variables(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def hf_rules(cfg: ModelConfig) -> tuple[str, str]:
-    """(text, origin) of the rules from HF names to the params tree of `cfg`'s family; origin
-    names the file in error messages ("models/llama/hf.rules")."""
-    return family_of(cfg).read_hf_rules()
+    """(text, origin) of the rules from HF names to the params tree of `cfg`'s family, generated
+    from its param table; origin names the table in error messages ("models/llama/params.py
+    table": line N of the text is row N)."""
+    return family_of(cfg).hf_rules()
 
 
 def fit_to_hf_names(cfg: ModelConfig, names: Collection[str]) -> ModelConfig:

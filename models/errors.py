@@ -3,6 +3,6 @@ the one thing of `hybridckpt` the families import."""
 
 from __future__ import annotations
 
-from hybridckpt.errors import ConfigError, HybridCkptError, UnknownModelError
+from hybridckpt.errors import ConfigError, FormatError, HybridCkptError, UnknownModelError
 
-__all__ = ["ConfigError", "HybridCkptError", "UnknownModelError"]
+__all__ = ["ConfigError", "FormatError", "HybridCkptError", "UnknownModelError"]

@@ -8,21 +8,23 @@ What a family gives (JAX-free unless said):
 - `config_cls`: its frozen config dataclass; `family_of(cfg)` goes by the config's type.
 - `hf_architectures` / `hf_model_types`: the HF `config.json` `architectures` entries and
   `model_type` values it reads; `config_from_hf(d, source)` / `config_to_hf(cfg)` convert.
-- `shape_tree(cfg)`: nested dicts of fp32 param shape tuples, exactly the tree the Flax module's
-  init builds (kernels `[in, out]`, per-layer params stacked on a leading `[L]` axis).
-- `axes_tree(cfg)` (optional): nested dicts of the logical-axis tuples the Flax module annotates
-  each param with, the same tree as `shape_tree`; a family that gives it is planned without
-  importing Flax or tracing its init (about 0.17 s of an import); one that does not is traced.
+- `table`: its `models.table.ParamTable`, the one declaration of its params (path, shape,
+  logical axes, HF name and layout op, condition): the shape tree, the logical axes, the HF rules
+  and the params its Flax module creates all come from it (`specs`, `shape_tree`, `axes_tree`,
+  `hf_rules`), without JAX.
 - `rule_variables(cfg)`: the variables its rules may use; at least `RULE_VARIABLES`.
 - `module`: "pkg.mod:Class", the Flax module `Class(cfg, compute_dtype)`, imported on first use
-  (`flax_module()`), so configs and shapes never import JAX.
-- `hf_rules`: "pkg:resource", the rules file from HF names to the params tree (package data
-  inside the family folder; the inverse, for export, is derived from it).
+  (`flax_module()`), so configs and shapes never import JAX; it creates its params from the
+  table (`models.common.table_param`).
 - `config_from_meta(d, vocab_size, source)`: only for families Meta's `params.json` describes.
 - `hf_name_fixes(names)`: a rules text renaming alternate HF spellings of the tensor `names`
   to the canonical ones the family's rules expect ("" when there are none).
 - `fit_to_hf_names(cfg, names)`: the config of the checkpoint whose HF tensor names are `names`
   (default: `cfg`); DeepSeek V3 counts the MTP modules a checkpoint carries.
+
+A family's dialects (how Megatron, torchtitan, PaddleNLP, Meta... name and describe it) are files
+in its folder, `models/<family>/dialects/`, found by `Family.dialect(name)` (`models.dialect`);
+no field declares them.
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ import importlib
 import pkgutil
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any, Protocol
 
 from hybridckpt.models.errors import ConfigError, UnknownModelError
+from hybridckpt.models.table import ParamTable, Spec, axes_tree, shape_tree
 
 
 class ModelConfig(Protocol):
@@ -85,12 +87,10 @@ class Family:
     hf_model_types: tuple[str, ...]
     config_from_hf: Callable[[Mapping[str, Any], str], Any]
     config_to_hf: Callable[[Any], dict[str, Any]]
-    shape_tree: Callable[[Any], dict]
+    table: ParamTable
     rule_variables: Callable[[Any], dict[str, Any]]
     module: str
-    hf_rules: str
     config_from_meta: Callable[[Mapping[str, Any], int | None, str], Any] | None = None
-    axes_tree: Callable[[Any], dict] | None = None
     hf_name_fixes: Callable[[Collection[str]], str] = no_name_fixes
     fit_to_hf_names: Callable[[Any, Collection[str]], Any] = same_config
 
@@ -99,11 +99,32 @@ class Family:
         path, _, attr = self.module.partition(":")
         return getattr(importlib.import_module(path), attr)
 
-    def read_hf_rules(self) -> tuple[str, str]:
-        """(text, origin) of the family's HF rules; origin reads like "models/llama/hf.rules"."""
-        package, _, resource = self.hf_rules.partition(":")
-        text = resources.files(package).joinpath(resource).read_text()
-        return text, f"{package.replace('.', '/').removeprefix('hybridckpt/')}/{resource}"
+    def specs(self, cfg: Any) -> dict[str, Spec]:
+        """The params of `cfg`: flat path -> shape, logical axes, init (`ParamTable.specs`)."""
+        return self.table.specs(cfg, self.rule_variables(cfg))
+
+    def shape_tree(self, cfg: Any) -> dict:
+        """Nested dicts of fp32 param shape tuples: kernels `[in, out]`, per-layer params
+        stacked on a leading `[L]` axis (the tree the Flax module's init builds)."""
+        return shape_tree(self.specs(cfg))
+
+    def axes_tree(self, cfg: Any) -> dict:
+        """Nested dicts (the `shape_tree` structure) of logical-axis tuples."""
+        return axes_tree(self.specs(cfg))
+
+    def hf_rules(self) -> tuple[str, str]:
+        """(text, origin) of the rules from HF names to the params tree, generated from the
+        table; origin reads like "models/llama/params.py table" (line N is row N)."""
+        return self.table.rules_text(), self.table.rules_origin
+
+    def dialect(self, name: str):
+        """The family's dialect `name` (`models.dialect.Dialect`: its rules and matcher, from
+        `models/<family>/dialects/<name>.{rules,py}`), or None when the family has none."""
+        from hybridckpt.models import dialect
+
+        _discover()
+        package = _PACKAGES.get(self.name)
+        return None if package is None else dialect.find(self.name, package, name)
 
 
 # -------------------------------------------------------------------------------- registry
@@ -125,6 +146,10 @@ def _check_unique(found: dict[str, Family], fam: Family, where: str) -> None:
                 )
 
 
+# family name -> the package (folder) that defines it, where its dialects are looked up
+_PACKAGES: dict[str, str] = {}
+
+
 @functools.cache
 def _discover() -> dict[str, Family]:
     package = importlib.import_module(__package__)
@@ -139,6 +164,7 @@ def _discover() -> dict[str, Family]:
             raise ConfigError(f"{info.name}.FAMILY: expected a Family, found {type(fam).__name__}")
         _check_unique(found, fam, f"{info.name}.FAMILY")
         found[fam.name] = fam
+        _PACKAGES[fam.name] = info.name
     return dict(sorted(found.items()))
 
 

@@ -16,7 +16,9 @@ MoE / dense-MLP layers, X = experts, E = embed (hidden), M = an expert's MLP wid
   mlp.down.kernel                   [Ld, M, E]      axes (layers, mlp, embed)   only when Ld > 0)
 
 Position i of a group's leading axis is the i-th layer of that kind in layer order (the HF rules
-stack them with index lists, `[$L in {moe_layers}]`). The `experts` axis maps to the `dp` mesh
+stack them with index lists, `[$L in {moe_layers}]`). The rows are a family's table's
+(`models.mlp_table` builds them); the groups are created whole, outside the layer scan, by
+`models.common.TableGroup`. The `experts` axis maps to the `dp` mesh
 axis by default (`hybridckpt.mesh`), so experts and their moments are split, never replicated.
 
 Forward (`nn.scan` over all L layers, `stacked(..., n_per_layer=2)`): a family's block gets the
@@ -44,44 +46,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from hybridckpt.models.common import normal, ones, zeros
-from hybridckpt.models.moe_spec import ParamSpec, Spec, moe_spec, spec_shapes, swiglu_spec
-
 __all__ = [
-    "ParamSpec",
-    "ParamTree",
-    "Spec",
     "experts_swiglu",
     "group_mlp",
     "layer_groups",
     "layer_of",
-    "moe_spec",
     "softmax_topk",
     "sparse_moe",
-    "spec_shapes",
     "swiglu",
-    "swiglu_spec",
 ]
-
-_INITS = {"normal": normal, "ones": ones, "zeros": zeros}
-
-
-class ParamTree(nn.Module):
-    """Creates the fp32 params a nested `spec` describes (boxed with their logical axes) and
-    returns them as nested dicts of arrays; a group's params live outside the layer scan."""
-
-    spec: Spec
-
-    @nn.compact
-    def __call__(self) -> dict:
-        out = {}
-        for name, child in self.spec:
-            if isinstance(child, ParamSpec):
-                init = _INITS[child.init](child.axes)
-                out[name] = self.param(name, init, child.shape, jnp.float32)
-            else:
-                out[name] = ParamTree(child, name=name)()
-        return out
 
 
 def layer_groups(moe_layers: tuple[int, ...], num_layers: int) -> tuple[jax.Array, jax.Array]:

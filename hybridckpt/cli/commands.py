@@ -24,11 +24,16 @@ def cmd_inspect(a) -> int:
     if info.get("steps") and len(info["steps"]) > 1:
         print(f"steps:     {', '.join(map(str, info['steps']))}")
     print(f"topology:  {compact_json(info['topology']) if info.get('topology') else '-'}")
-    if info.get("needs_config"):
+    if info.get("architecture"):
+        print(f"config:    config.json names {info['architecture']}, which no model family implements: its "
+              "tensors are read under their own names (inspect, import, export); logits needs a supported model")
+    elif info.get("needs_config"):
         print("config:    none in the checkpoint: model-level jobs (logits, import as a model) need "
               "--config (HF config.json or Meta params.json); export and import work on the tensors as they are")
     elif info.get("config"):
         print(f"config:    {compact_json(info['config'])}")
+    if info.get("quantization"):
+        print(f"quantized: {compact_json(info['quantization'])}")
     if info.get("optimizer"):
         print(f"optimizer: {compact_json(info['optimizer'])}")
     for note in info.get("notes", []):

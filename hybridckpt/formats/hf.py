@@ -8,6 +8,12 @@ Layout (huggingface/transformers:src/transformers/modeling_utils.py, `save_pretr
   `optimizer.safetensors.index.json`) holding `<hf name>.<slot>` per parameter (AdamW:
   `exp_avg`, `exp_avg_sq`; any optimizer's slot names, `hybridckpt.optim`) and a 0-d `step`,
   plus `hybridckpt.json` with trainer metadata.
+- Legacy torch shards (`pytorch_model.bin`, `pytorch_model-0000i-of-0000N.bin` with or without
+  `pytorch_model.bin.index.json`) when there is no safetensors file: `formats.hf_bin`.
+- Quantized releases (`quantization_config` FP8 blocks or MXFP4) are dequantized on import:
+  `formats.hf_quant` (the config read on is the source's without `quantization_config`).
+- An architecture no family implements is read under its own names; its `config.json` is kept
+  (trainer `"hf_config"`) so that an export writes it back (`writers.hf_folder`).
 Tensor names are HF names already, so `hf_rules` is empty (GPT-2 files without the
 `transformer.` prefix get a one-line rename).
 """
@@ -18,8 +24,9 @@ import os
 
 from hybridckpt import models
 from hybridckpt.containers.safetensors_file import read_header
-from hybridckpt.errors import FormatError, short_repr
-from hybridckpt.formats.config_file import config_beside, read_json
+from hybridckpt.errors import ConfigError, FormatError, UnknownModelError, short_repr
+from hybridckpt.formats import hf_bin, hf_quant
+from hybridckpt.formats.config_file import read_json
 from hybridckpt.formats.torch_optim import check_complete
 from hybridckpt.io.paths import check_relative
 from hybridckpt.lazy import LazyTensor
@@ -36,7 +43,8 @@ TRAINER = "hybridckpt.json"
 def detect(path: str) -> bool:
     if os.path.isfile(path):
         return path.endswith(".safetensors")
-    return os.path.isfile(os.path.join(path, WEIGHTS)) or os.path.isfile(os.path.join(path, INDEX))
+    return (os.path.isfile(os.path.join(path, WEIGHTS)) or os.path.isfile(os.path.join(path, INDEX))
+            or hf_bin.present(path))
 
 
 def read_index(path: str) -> dict[str, str] | None:
@@ -84,20 +92,73 @@ def read_tensors(folder: str, single: str, index: str) -> dict[str, LazyTensor]:
     return {}
 
 
+def _model_files(path: str, folder: str) -> tuple[dict[str, LazyTensor], str]:
+    """(the model's tensors, which files held them) of a file, or a folder's safetensors (else
+    its torch shards)."""
+    if os.path.isfile(path):
+        return dict(read_header(path).tensors), os.path.basename(path)
+    tensors = read_tensors(folder, WEIGHTS, INDEX)
+    if tensors:
+        return tensors, INDEX if os.path.isfile(os.path.join(folder, INDEX)) else WEIGHTS
+    if hf_bin.present(folder):
+        return hf_bin.read(folder, read_index(os.path.join(folder, hf_bin.INDEX)))
+    raise FormatError(f"{path}: no {WEIGHTS}, {INDEX} or {hf_bin.SINGLE}")
+
+
+def _config(folder: str, config) -> tuple[object, dict | None]:
+    """(the model config or None, the source's `config.json` object or None). A quantized
+    config is read without its `quantization_config`; an architecture no family implements
+    gives None (read model-agnostic)."""
+    from hybridckpt.models import config_from_hf
+
+    path = os.path.join(folder, "config.json")
+    raw = read_json(path) if os.path.isfile(path) else None
+    if config is not None:
+        return config, raw
+    if raw is None:
+        raise ConfigError(f"{path}: missing; an HF checkpoint needs its config.json (or pass --config)")
+    try:
+        return config_from_hf(hf_quant.without_quantization(raw), source=path), raw
+    except UnknownModelError:
+        return None, raw
+
+
+def architecture(hf_config) -> str:
+    """The architecture a `config.json` object names (`architectures[0]`, else its model_type)."""
+    archs = (hf_config or {}).get("architectures")
+    if isinstance(archs, list) and archs and isinstance(archs[0], str):
+        return archs[0]
+    mt = (hf_config or {}).get("model_type")
+    return mt if isinstance(mt, str) else "an unnamed architecture"
+
+
 def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the format contract
     folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
-    if os.path.isfile(path):
-        tensors = dict(read_header(path).tensors)
-    else:
-        tensors = read_tensors(folder, WEIGHTS, INDEX)
+    tensors, files = _model_files(path, folder)
     if not tensors:
         raise FormatError(f"{path}: no {WEIGHTS} or {INDEX}")
-    cfg = config_beside(folder, config=config, required_for="an HF checkpoint")
+    cfg, raw = _config(folder, config)
+    notes: list[str] = []
+    trainer: dict = {}
+    torch_shards = files not in (WEIGHTS, INDEX) and not os.path.isfile(path)
+    ties = hf_bin.tied_copies(tensors) if torch_shards else {}
+    if torch_shards:
+        notes.append(f"legacy torch weights: {files}")
+    notes += [f"{k} is a view of {v}'s storage (a tied copy, read once)" for k, v in ties.items()]
+    q = hf_quant.quantization(raw, os.path.join(folder, "config.json"))
+    if q is not None:
+        tensors, count, qnotes = hf_quant.dequantize(tensors, q, path)
+        notes += [f"{q.method} weights of {count} tensors dequantized (stored as {hf_quant.DEFAULT_DTYPE} "
+                  f"unless --dtype float32)", *qnotes]
     optim = None
     moments = read_tensors(folder, OPTIMIZER, OPTIMIZER_INDEX)
-    trainer: dict = {}
     if os.path.isfile(os.path.join(folder, TRAINER)):
         trainer = read_json(os.path.join(folder, TRAINER))
+    if q is not None:
+        trainer["quantization"] = q.describe(count)
+    if cfg is None and raw is not None:
+        trainer["hf_config"] = hf_quant.without_quantization(raw)
+        notes.append(f"{architecture(raw)}: no model family implements it; read under its own names")
     if moments:
         step = None
         if "step" in moments:
@@ -124,4 +185,5 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         config=cfg,
         step=optim.step if optim else trainer.get("step"),
         trainer=trainer,
+        notes=tuple(notes),
     )

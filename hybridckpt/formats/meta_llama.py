@@ -12,39 +12,26 @@ Layout (meta-llama/llama and meta-llama/llama3 `llama/model.py`, `llama/generati
   `layers.{i}.attention.{wq,wk,wv,wo}.weight`, `layers.{i}.feed_forward.{w1,w2,w3}.weight`,
   `layers.{i}.{attention_norm,ffn_norm}.weight`, `norm.weight`, `output.weight`, and in some
   releases `rope.freqs` (a buffer, skipped).
-- Shards merge by the `tp` rules of `rules/meta_llama.rules`. `tok_embeddings` is split on dim 1
+- Shards merge by the `tp` rules of `rules/meta_tp.rules`. `tok_embeddings` is split on dim 1
   in Llama 1/2 (ParallelEmbedding) and on dim 0 in Llama 3 (VocabParallelEmbedding): decided by
   comparing rank 0's shard shape with `dim`. When n_kv_heads < mp (Llama 3.1 405B), each kv
   head is replicated on mp / n_kv_heads consecutive ranks: one rank of each group is read.
-- q/k rows are interleaved RoPE pairs per head; `hf_rules` permute them to HF's half-split.
+- q/k rows are interleaved RoPE pairs per head; the family's `hf_rules` permute them to HF's
+  half-split.
 
-Mistral (mistralai/mistral-inference:src/mistral_inference/transformer.py `Transformer.from_folder`:
-`params.json` plus `consolidated.safetensors`, or a single `consolidated.00.pth`, never both;
-transformer_layers.py: the same module names as Meta's, q/k rotated as interleaved pairs by
-rope.py `apply_rotary_emb`, so the same rules and RoPE permutation):
-- `params.json` is `TransformerArgs` (mistral_inference/args.py): `dim`, `n_layers`, `head_dim`,
-  `hidden_dim` (the SwiGLU width), `n_heads`, `n_kv_heads`, `norm_eps`, `vocab_size`, optional
-  `rope_theta`, `sliding_window` (`_sliding_window` in some releases), `moe`, `lora`,
-  `vision_encoder`. `hidden_dim` and `head_dim` (absent from Meta's `ModelArgs`) tell a Mistral
-  params.json apart, whichever file holds the weights.
-- It becomes an HF MistralConfig dict as transformers' own converter writes it
-  (huggingface/transformers:src/transformers/models/mistral/convert_mistral_weights_to_hf.py
-  `convert_config`: `sliding_window` may be a string; `max_seq_len` or 32768 for
-  max_position_embeddings), read by `models.config_from_hf`. A missing `rope_theta` is 1e6
-  without a sliding window and 1e4 with one (mistral-inference@b818190 transformer.py, the rule
-  Mistral 7B v0.1's windowed params.json was released under; HF's conversion of it says 10000).
-- `moe` (Mixtral: mistral_inference/moe.py `MoeArgs` `num_experts`, `num_experts_per_tok`):
-  every layer's `feed_forward` is a `MoeLayer` (transformer_layers.py `TransformerBlock`): a
-  router `layers.{i}.feed_forward.gate.weight` [experts, dim] and experts
-  `layers.{i}.feed_forward.experts.{e}.{w1,w2,w3}.weight` (`FeedForward`, `hidden_dim` wide),
-  renamed to HF's `block_sparse_moe.*` as transformers' converter does
-  (convert_mistral_weights_to_hf.py `STATE_DICT_MAPPING`, "MOE model: routed experts"). Its
-  routing (top-k of the logits, then a softmax over those k) equals HF Mixtral's softmax, top-k,
-  renormalise. The config is an HF MixtralConfig dict. mistral-inference splits no expert across
-  ranks (it has pipeline ranks only), so Mixtral comes as one file; experts in several
-  `consolidated.NN.pth` are refused by the missing `tp` rule.
-- Refused: `vision_encoder` (Pixtral), `moe` keys other than the two above, per-layer
-  `sliding_window` lists that differ between layers: no family implements them.
+Mistral's native layout (mistralai/mistral-inference:src/mistral_inference/transformer.py
+`Transformer.from_folder`): `params.json` plus `consolidated.safetensors`, or a single
+`consolidated.00.pth`, never both; transformer_layers.py: the same module names as Meta's, q/k
+rotated as interleaved pairs by rope.py `apply_rotary_emb`. mistral-inference splits no tensor
+across ranks; Mixtral's experts in several `consolidated.NN.pth` are refused by the missing `tp`
+rule.
+
+Which family a `params.json` describes, its model config, and the names -> HF names are the
+families' (`models/<family>/dialects/meta.py` and `meta.rules`, through the registry): each
+matcher's `PARAMS` are keys the params.json must give (a value other than null, false, 0 or
+empty), the family giving the most of them wins (Llama: none; Mistral: `hidden_dim`,
+`head_dim`; Mixtral: those and `moe`), and its `config(params, vocab_size, source)` builds the
+config. The model-parallel merges (`rules/meta_tp.rules`, fairscale's layout) are this format's.
 """
 
 from __future__ import annotations
@@ -54,19 +41,22 @@ import re
 
 import numpy as np
 
+from hybridckpt import models
 from hybridckpt.containers.pickle import torch_save
 from hybridckpt.containers.safetensors_file import read_header
-from hybridckpt.errors import ConfigError, FormatError, UnknownModelError
+from hybridckpt.errors import ConfigError, FormatError
 from hybridckpt.formats.config_file import read_json
-from hybridckpt.formats.rules_files import load_rules, rules_text
+from hybridckpt.formats.rules_files import load_rules
 from hybridckpt.lazy import LazyTensor
+from hybridckpt.models.dialect import most_specific
 from hybridckpt.source_checkpoint import SourceCheckpoint
 
 NAME = "meta-llama"
 PARAMS = "params.json"
 _SHARD = re.compile(r"^consolidated\.(\d{2})\.pth$")
 SAFETENSORS = "consolidated.safetensors"  # Mistral's native layout
-_RULES = "meta_llama.rules"
+_TP_RULES = "meta_tp.rules"
+DIALECT = "meta"  # models/<family>/dialects/meta.{py,rules}
 _SKIPPED = ("rope.freqs",)
 _KV = re.compile(r"^layers\.\d+\.attention\.w[kv]\.weight$")
 
@@ -126,79 +116,21 @@ def _load_states(folder: str) -> tuple[list[str], list[dict[str, LazyTensor]]]:
     return files, states
 
 
-def is_mistral_params(params: dict) -> bool:
-    """A Mistral `TransformerArgs` params.json (it requires `hidden_dim` and `head_dim`)."""
-    return "hidden_dim" in params and "head_dim" in params
-
-
-def _sliding_window(params: dict, source: str):
-    w = params.get("sliding_window", params.get("_sliding_window"))
-    if isinstance(w, list):  # per-layer windows (mistral-inference args.py allows a list)
-        if not w or len(set(w)) != 1:
-            raise UnknownModelError(
-                f"{source}: sliding_window {w} differs between layers; no family implements "
-                f"per-layer windows"
-            )
-        w = w[0]
-    if isinstance(w, str):  # "This may sometimes be a string in `params.json`" (convert_config)
-        try:
-            w = int(w)
-        except ValueError:
-            raise ConfigError(f"{source}: sliding_window {w!r} is not an integer") from None
-    return w
-
-
-def mistral_config(params: dict, source: str):
-    """The MistralConfig of a Mistral params.json: the HF dict transformers' `convert_config`
-    writes, read by `models.config_from_hf` (see the module docstring)."""
-    from hybridckpt import models
-
-    if params.get("vision_encoder"):
-        raise UnknownModelError(
-            f"{source}: 'vision_encoder': a vision encoder (Pixtral) is not implemented by any family"
-        )
-    moe = _moe_keys(params.get("moe"), source)
-    missing = [k for k in ("dim", "n_layers", "n_heads", "norm_eps", "vocab_size") if k not in params]
-    if missing:
-        raise ConfigError(f"{source}: a Mistral params.json needs {missing}")
-    window = _sliding_window(params, source)
-    theta = params.get("rope_theta")
-    if theta is None:
-        theta = 1e6 if window is None else 1e4
-    hf = {
-        "architectures": ["MistralForCausalLM"],
-        "model_type": "mistral",
-        "hidden_size": params["dim"],
-        "num_hidden_layers": params["n_layers"],
-        "intermediate_size": params["hidden_dim"],
-        "num_attention_heads": params["n_heads"],
-        "num_key_value_heads": params.get("n_kv_heads") or params["n_heads"],
-        "head_dim": params["head_dim"],
-        "rms_norm_eps": params["norm_eps"],
-        "vocab_size": params["vocab_size"],
-        "rope_theta": theta,
-        "sliding_window": window,
-        "max_position_embeddings": params.get("max_seq_len", 32768),
-        "tie_word_embeddings": False,
+def dialect(params: dict, source: str) -> models.Dialect:
+    """The meta dialect of the family `params` describe (module docstring); a FormatError when
+    no family's, or several alike, fit."""
+    known = models.dialects(DIALECT)
+    fits = {
+        f: len(marks) if all(params.get(k) for k in marks) else None
+        for f, d in known.items()
+        for marks in [tuple(d.get("PARAMS", ()))]
     }
-    if moe:
-        hf |= {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **moe}
-    return models.config_from_hf(hf, source=source)
-
-
-_MOE_ARGS = ("num_experts", "num_experts_per_tok")  # mistral_inference/moe.py MoeArgs
-
-
-def _moe_keys(moe, source: str) -> dict:
-    """The HF MixtralConfig keys of params.json's `moe` ({} without one)."""
-    if not moe:
-        return {}
-    if not isinstance(moe, dict) or set(moe) != set(_MOE_ARGS):
-        found = sorted(moe) if isinstance(moe, dict) else moe
-        raise UnknownModelError(
-            f"{source}: 'moe' {found!r}: only Mixtral's MoeArgs {list(_MOE_ARGS)} are implemented"
-        )
-    return {"num_local_experts": moe["num_experts"], "num_experts_per_tok": moe["num_experts_per_tok"]}
+    best = most_specific(fits)
+    if len(best) != 1:
+        keys = sorted(params)[:12]
+        what = f"the families {best} alike" if best else f"no family; read: {sorted(known)}"
+        raise FormatError(f"{source}: params.json keys {keys} fit {what}")
+    return known[best[0]]
 
 
 def _vocab_parallel(emb: LazyTensor, dim: int, mp: int, file: str) -> bool:
@@ -232,8 +164,6 @@ def _dedup_kv(name: str, shards: list[LazyTensor], rows: int, files: list[str]) 
 def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the format contract
     """Plan the import of a Meta Llama or Mistral folder (reads params.json and the pickles or
     the safetensors header only)."""
-    from hybridckpt import models
-
     params_path = os.path.join(path, PARAMS)
     params = read_params(params_path)
     files, states = _load_states(path)
@@ -261,21 +191,16 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         raise ConfigError(
             f"{path}: the given config has vocab_size {given} but tok_embeddings holds {vocab} rows"
         )
-    if is_mistral_params(params):
-        cfg = mistral_config(params, params_path)
-    else:
-        cfg = models.config_from_meta_params(
-            params, vocab if file_vocab in (None, -1) else None, source=params_path
-        )
+    fam = dialect(params, params_path)
+    cfg = fam.get("config")(params, vocab if file_vocab in (None, -1) else None, params_path)
 
     model_vars = models.rule_variables(cfg)
     variables = {
         "vocab_parallel": vocab_parallel,
         "num_heads": model_vars["num_heads"],
         "num_kv_heads": model_vars["num_kv_heads"],
-        "moe": bool(params.get("moe")),
     }
-    rules = load_rules(_RULES, variables)
+    rules = load_rules(_TP_RULES, variables)
     kv_rows = model_vars["num_kv_heads"] * model_vars["head_dim"]
     tensors: dict[str, LazyTensor] = {}
     notes = []
@@ -306,7 +231,7 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         path=path,
         tensors=tensors,
         optimizer=None,
-        hf_rules=rules_text(_RULES),
+        hf_rules=fam.rules_text(),
         rule_vars=variables,
         config=cfg,
         step=None,

@@ -75,7 +75,7 @@ def export_checkpoint(
     verify_reads: a hybridckpt (Orbax) source's chunks checked against their import's CRC-32s.
     """
     from hybridckpt import naming, writers
-    from hybridckpt.jobs.import_ import np_dtype
+    from hybridckpt.jobs.import_ import np_dtype, quantized_default_dtype
     from hybridckpt.jobs.open import open_checkpoint
     from hybridckpt.lazy import parallel
     from hybridckpt.writers.destination import Destination
@@ -85,6 +85,7 @@ def export_checkpoint(
         parallel.set_io_threads(io_threads)
     opened = open_checkpoint(src, fmt, config=config, rules=rules, step=step, verify_reads=verify_reads)
     Destination(out, overwrite=overwrite, sources=[opened.path]).preflight()  # before any read
+    dtype = dtype or quantized_default_dtype(opened)
     named = naming.model_hf(opened.named, opened.config) if opened.config is not None else opened.named
     if optimizer and not named.slots:
         raise CheckpointError(f"{opened.path}: has no optimizer state to export (drop --optimizer)")

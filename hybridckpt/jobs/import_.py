@@ -49,6 +49,16 @@ class ImportSummary:
     source_tensors: int = 0  # the source's param tensors they came from (layers stacked)
 
 
+def quantized_default_dtype(opened: Any) -> str | None:
+    """The `--dtype` a quantized source (FP8 blocks, MXFP4: `formats.hf_quant`) is stored in when
+    none is given (bfloat16; float32 on request holds the dequantized values exactly), else None."""
+    if opened.format == "orbax" or "quantization" not in opened.trainer:
+        return None
+    from hybridckpt.formats.hf_quant import DEFAULT_DTYPE
+
+    return DEFAULT_DTYPE
+
+
 def np_dtype(name: str) -> np.dtype:
     """The numpy dtype of a `--dtype` name (float32, bfloat16, float16)."""
     import ml_dtypes
@@ -112,6 +122,7 @@ def import_checkpoint(
     if io_threads is not None:
         parallel.set_io_threads(io_threads)
     opened = open_checkpoint(src, fmt, config=config, rules=rules, step=step, verify_reads=verify_reads)
+    dtype = dtype or quantized_default_dtype(opened)
     if jax.process_index() == 0:  # before any read: the same checks as the save's
         Destination(dst, overwrite=overwrite, sources=[opened.path]).preflight()
     cfg = opened.config
@@ -199,9 +210,13 @@ def import_checkpoint(
     nbytes = sum(x.nbytes for x in leaves.values())
     notes = opened.notes + opened.named.report + named.report[len(opened.named.report):] + p.notes
     if cfg is None:
+        from hybridckpt.jobs.open import unknown_architecture
+
+        arch = unknown_architecture(opened)
+        what = f"{arch}, which no model family implements" if arch else "no model config"
         notes += (
-            "no model config: tensors imported under the source's own names, each sharded by the "
-            "generic rule (fsdp on its largest divisible dim, then tp); pass --config to import the model",
+            f"{what}: tensors imported under the source's own names, each sharded by the "
+            "generic rule (fsdp on its largest divisible dim, then tp)" + ("" if arch else "; pass --config to import the model"),
         )
     return ImportSummary(
         opened.format, os.fspath(dst), out_step, str(MeshShape.of(jmesh)), len(leaves), nbytes,

@@ -56,6 +56,14 @@ def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, s
         "optimizer": None,
         "notes": list(src.notes),
     }
+    if "quantization" in src.trainer:
+        info["quantization"] = dict(src.trainer["quantization"])
+    raw = src.trainer.get("hf_config") if cfg is None else None
+    if raw is not None:
+        from hybridckpt.formats.hf import architecture
+
+        info["architecture"] = architecture(raw)
+        info["needs_config"] = False  # config.json is there: its architecture is what is missing
     if cfg is not None:
         from hybridckpt import models
 

@@ -100,8 +100,29 @@ def open_checkpoint(
     return Opened(src.format, path, cfg, named, dict(src.trainer), dict(src.topology), named.notes)
 
 
+def unknown_architecture(opened: Opened) -> str | None:
+    """The architecture of a source whose `config.json` names one no family implements (kept as
+    trainer `"hf_config"` by the HF reader), else None."""
+    raw = opened.trainer.get("hf_config") if opened.config is None else None
+    if not isinstance(raw, Mapping):
+        return None
+    archs = raw.get("architectures")
+    if isinstance(archs, list) and archs and isinstance(archs[0], str):
+        return archs[0]
+    return raw.get("model_type") if isinstance(raw.get("model_type"), str) else "an unnamed architecture"
+
+
 def require_config(opened: Opened, what: str) -> Any:
     """The model config of `opened`, or a ConfigError saying `what` needs one."""
+    arch = unknown_architecture(opened)
+    if arch is not None:
+        from hybridckpt.models.family import supported_hf
+
+        raise ConfigError(
+            f"{opened.path}: {arch} is not supported by any model family (supported: {supported_hf()}); "
+            f"its tensors are read under their own names (inspect, import, export), but {what} needs "
+            f"a supported model"
+        )
     if opened.config is None:
         raise ConfigError(
             f"{opened.path}: this {opened.format} checkpoint carries no model config; {what} needs "

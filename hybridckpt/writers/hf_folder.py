@@ -103,6 +103,14 @@ def write_hf(
     return files
 
 
+def source_config_json(trainer: Mapping | None) -> dict | None:
+    """The source's own `config.json` object, for an export without a model config: the HF reader
+    keeps it (trainer `"hf_config"`, `quantization_config` removed) for an architecture no family
+    implements, and an import carries it in its trainer state; None when there is none."""
+    raw = (trainer or {}).get("hf_config")
+    return dict(raw) if isinstance(raw, Mapping) else None
+
+
 def write_export(request) -> Any:
     """`writers.write`'s HF layout: the request's params (cast to its dtype) as `model*.safetensors`
     with the model's `config.json`, its slots and step as `optimizer*.safetensors` when asked.
@@ -134,7 +142,7 @@ def write_export(request) -> Any:
     set_total = getattr(request.progress, "set_total", None)
     if set_total is not None:
         set_total(sum(t.nbytes for t in every))
-    hf_cfg = None
+    hf_cfg = source_config_json(request.trainer)
     if cfg is not None:
         from hybridckpt import models
 

@@ -5,7 +5,7 @@ model's tensors under HF names (`[out, in]`, as our checkpoints hold them: fp32,
 weights of a 16-bit run), the optimizer slots under the same names, the step. `write_export`
 writes them with `write_unified` in the chosen flavour (`LAYOUTS`):
 - `paddlenlp-unified`: PaddleNLP's structured names and `[in, out]` Linear weights (the family
-  must be one `rules.FAMILIES` knows), optimizer state in the weights' layout;
+  must have a paddlenlp dialect), optimizer state in the weights' layout;
 - `paddleformers-unified`: PaddleFormers 1.x's HF names and `[out, in]` weights, the optimizer
   state and master weights of Linear weights in Paddle's `[in, out]` (`paddleformers.py`).
 Params cast to a 16-bit `dtype` with the optimizer keep their fp32 values as `master_weights-*`
@@ -146,7 +146,7 @@ def write_unified(
     flavour: str = paddleformers.PADDLENLP,
 ) -> list[str]:
     """Write a unified checkpoint of an HF-named model into `out_dir`: PaddleNLP's (`flavour`
-    "paddlenlp", the default; its family must have an entry in `rules.FAMILIES`) or
+    "paddlenlp", the default; its family must have a paddlenlp dialect) or
     PaddleFormers' ("paddleformers"; any family, HF names).
 
     hf_tensors: HF names -> tensors (`[out, in]`; LazyTensors or arrays), in the dtype to save

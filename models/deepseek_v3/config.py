@@ -1,4 +1,4 @@
-"""DeepSeek V3 family config and its HF form, rule variables and param shapes (no JAX).
+"""DeepSeek V3 family config and its HF form and rule variables (no JAX).
 
 Read from huggingface/transformers:src/transformers/models/deepseek_v3/configuration_deepseek_v3.py
 (5.23) and the modeling file beside it; the released checkpoints' `config.json`
@@ -29,8 +29,8 @@ bit for bit. `mtp_layers` is how many the checkpoint carries: `from_hf` takes
 `num_nextn_predict_layers`, and `fit_to_hf_names` lowers it to the modules whose keys are present
 (a transformers save has none); `num_nextn_predict_layers` itself is written back unchanged.
 
-`shape_tree` is the tree `models.deepseek_v3.module.DeepseekV3` builds (fp32, kernels `[in, out]`,
-each group stacked on a leading layer axis; see that module's docstring for the names).
+Params: `models.deepseek_v3.params` (fp32, kernels `[in, out]`, each group stacked on a leading
+layer axis).
 """
 
 from __future__ import annotations
@@ -349,7 +349,7 @@ def fit_to_hf_names(cfg: DeepseekV3Config, names: Collection[str]) -> DeepseekV3
     return cfg if count == cfg.mtp_layers else replace(cfg, mtp_layers=count)
 
 
-# ---------------------------------------------------------------------- rules and shapes
+# ------------------------------------------------------------------------------------ rules
 
 
 def _indices(start: int, stop: int) -> str:
@@ -380,79 +380,3 @@ def rule_variables(cfg: DeepseekV3Config) -> dict[str, Any]:
         "q_a_bias": cfg.q_lora_rank is not None and cfg.attention_bias,
         "attention_bias": cfg.attention_bias,
     }
-
-
-def attention_shapes(cfg: DeepseekV3Config, n: int) -> dict:
-    """The MLA params of `n` stacked layers (see `models.deepseek_v3.module`)."""
-    E, H = cfg.hidden_size, cfg.num_heads
-    tree: dict = {}
-    if cfg.q_lora_rank is None:
-        tree["q"] = {"kernel": (n, E, H * cfg.qk_head_dim)}
-    else:
-        tree["q_a"] = {"kernel": (n, E, cfg.q_lora_rank)}
-        tree["q_a_norm"] = {"scale": (n, cfg.q_lora_rank)}
-        tree["q_b"] = {"kernel": (n, cfg.q_lora_rank, H * cfg.qk_head_dim)}
-    tree["kv_a"] = {"kernel": (n, E, cfg.kv_lora_rank + cfg.qk_rope_head_dim)}
-    tree["kv_a_norm"] = {"scale": (n, cfg.kv_lora_rank)}
-    tree["kv_b"] = {"kernel": (n, cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim))}
-    tree["o"] = {"kernel": (n, H * cfg.v_head_dim, E)}
-    if cfg.attention_bias:
-        if cfg.q_lora_rank is not None:
-            tree["q_a"]["bias"] = (n, cfg.q_lora_rank)
-        tree["kv_a"]["bias"] = (n, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-        tree["o"]["bias"] = (n, E)
-    return tree
-
-
-def _swiglu(n: int, embed: int, width: int, lead: tuple[int, ...] = ()) -> dict:
-    return {
-        "gate": {"kernel": (n, *lead, embed, width)},
-        "up": {"kernel": (n, *lead, embed, width)},
-        "down": {"kernel": (n, *lead, width, embed)},
-    }
-
-
-def layer_shapes(cfg: DeepseekV3Config, n: int) -> dict:
-    """The norms and MLA params of `n` stacked decoder layers (`layers`)."""
-    E = cfg.hidden_size
-    return {
-        "attn_norm": {"scale": (n, E)},
-        **attention_shapes(cfg, n),
-        "mlp_norm": {"scale": (n, E)},
-    }
-
-
-def moe_shapes(cfg: DeepseekV3Config, n: int) -> dict:
-    """The MoE MLP params of `n` stacked MoE layers (`moe`, `models.moe`'s names)."""
-    E, X, M = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
-    return {
-        "router": {"kernel": (n, E, X), "bias": (n, X)},
-        "experts": _swiglu(n, E, M, (X,)),
-        "shared": _swiglu(n, E, M * cfg.n_shared_experts),
-    }
-
-
-def shape_tree(cfg: DeepseekV3Config) -> dict:
-    """Nested dicts (the params' structure) of shape tuples; every param is fp32."""
-    E, V = cfg.hidden_size, cfg.vocab_size
-    tree: dict = {"embed": {"embedding": (V, E)}, "layers": layer_shapes(cfg, cfg.num_layers)}
-    if cfg.num_moe_layers:
-        tree["moe"] = moe_shapes(cfg, cfg.num_moe_layers)
-    if cfg.num_dense_layers:
-        tree["mlp"] = _swiglu(cfg.num_dense_layers, E, cfg.intermediate_size)
-    tree["final_norm"] = {"scale": (E,)}
-    if not cfg.tie_word_embeddings:
-        tree["lm_head"] = {"kernel": (E, V)}
-    if cfg.mtp_layers:
-        n = cfg.mtp_layers
-        tree["mtp"] = {
-            "embed": {"embedding": (n, V, E)},
-            "enorm": {"scale": (n, E)},
-            "hnorm": {"scale": (n, E)},
-            "eh_proj": {"kernel": (n, 2 * E, E)},
-            "layers": layer_shapes(cfg, n),
-            "moe": moe_shapes(cfg, n),
-            "head_norm": {"scale": (n, E)},
-            "head": {"kernel": (n, E, V)},
-        }
-    return tree

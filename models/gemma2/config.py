@@ -1,4 +1,4 @@
-"""Gemma 2 family config and its HF form, rule variables and param shapes (no JAX); also the
+"""Gemma 2 family config and its HF form and rule variables (no JAX); also the
 pieces of a Gemma config that Gemma 3 (`models.gemma3.config`) reads the same way.
 
 HF `config.json` (`from_hf` / `to_hf`): architectures `Gemma2ForCausalLM` (or, when
@@ -18,9 +18,8 @@ huggingface/transformers:src/transformers/models/gemma2/configuration_gemma2.py 
   written back unchanged by `models.rope` (`read_hf_rope`, `hf_rope_keys`), as for Llama; any
   rope type `models.rope` implements (Gemma 2 releases use plain RoPE, theta 10000).
 
-`shape_tree` is the tree `models.gemma2.module.Gemma2` builds (see the `Params` list there: fp32,
-kernels `[in, out]`, every layer, local or global, stacked on one leading `[L]` axis; norm
-weights stored zero-centred, as HF stores them).
+Params: `models.gemma2.params` (fp32, kernels `[in, out]`, every layer, local or global, stacked
+on one leading `[L]` axis; norm weights stored zero-centred, as HF stores them).
 """
 
 from __future__ import annotations
@@ -220,19 +219,9 @@ def to_hf(cfg: Gemma2Config) -> dict[str, Any]:
     }
 
 
-# ---------------------------------------------------------------------- rules and shapes
+# ------------------------------------------------------------------------------------ rules
 
 
 def rule_variables(cfg: Any) -> dict[str, Any]:
     """Variables a rules text may use (`models.family.RULE_VARIABLES`): Llama's, same fields."""
     return llama_config.rule_variables(cfg)
-
-
-def shape_tree(cfg: Any) -> dict:
-    """Llama's param tree with four norms per layer instead of two; every param is fp32."""
-    tree = llama_config.shape_tree(cfg)
-    layers = tree["layers"]
-    L, E = cfg.num_layers, cfg.hidden_size
-    del layers["attn_norm"], layers["mlp_norm"]
-    layers |= {name: {"scale": (L, E)} for name in ("attn_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm")}
-    return tree

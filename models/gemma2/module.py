@@ -23,13 +23,8 @@ kind a layer is is data, not structure: `cfg.sliding_layers` enters the scan as 
 attention window (sliding_window, or the whole sequence) and the RoPE table (row 1 for local
 layers, row 0 for global ones; the two rows are equal in Gemma 2, they differ in Gemma 3).
 
-Params (fp32, kernels `[in, out]`, L = num_layers, norm scales zero-centred):
-  embed.embedding [vocab, embed];
-  layers.{attn_norm,attn_out_norm,mlp_norm,mlp_out_norm}.scale [L, embed];
-  layers.q.kernel [L, embed, heads*hd]; layers.{k,v}.kernel [L, embed, kv_heads*hd];
-  layers.o.kernel [L, heads*hd, embed]; layers.{gate,up}.kernel [L, embed, mlp];
-  layers.down.kernel [L, mlp, embed]; final_norm.scale [embed]; lm_head.kernel [embed, vocab]
-  (untied only). Gemma 3 adds layers.{q_norm,k_norm}.scale [L, hd].
+Params: the family's table (`models.gemma2.params`; fp32, kernels `[in, out]`, norm scales
+zero-centred); Gemma 3's (`models.gemma3.params`) adds layers.{q_norm,k_norm}.scale [L, hd].
 """
 
 from __future__ import annotations
@@ -41,12 +36,12 @@ import jax
 import jax.numpy as jnp
 
 from hybridckpt.models.common import (
+    Dense,
+    Embed,
     causal_attention,
-    dense,
-    embedding,
     output_logits,
     stacked,
-    zeros,
+    table_param,
 )
 from hybridckpt.models.gemma2.config import Gemma2Config
 from hybridckpt.models.llama.module import apply_rope
@@ -60,7 +55,7 @@ class GemmaRMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        w = self.param("scale", zeros((None,)), (x.shape[-1],), jnp.float32)
+        w = table_param(self, "scale")
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (y * (1.0 + w)).astype(x.dtype)
@@ -82,9 +77,9 @@ class GemmaBlock(nn.Module):
         hd, eps = cfg.head_dim, cfg.rms_norm_eps
 
         h = GemmaRMSNorm(eps, name="attn_norm")(x)
-        q = dense(cfg.num_heads * hd, ("embed", "heads"), "q", dt)(h)
-        k = dense(cfg.num_kv_heads * hd, ("embed", "kv_heads"), "k", dt)(h)
-        v = dense(cfg.num_kv_heads * hd, ("embed", "kv_heads"), "v", dt)(h)
+        q = Dense(dt, name="q")(h)
+        k = Dense(dt, name="k")(h)
+        v = Dense(dt, name="v")(h)
         q = q.reshape(b, s, cfg.num_heads, hd)
         k = k.reshape(b, s, cfg.num_kv_heads, hd)
         v = v.reshape(b, s, cfg.num_kv_heads, hd)
@@ -98,15 +93,13 @@ class GemmaBlock(nn.Module):
         window = jnp.where(sliding, cfg.sliding_window or s, s)  # a global layer sees all of seq
         scale = cfg.query_pre_attn_scalar**-0.5
         attn = causal_attention(q, k, v, scale, softcap=self.attn_softcap, window=window)
-        attn = dense(cfg.hidden_size, ("heads", "embed"), "o", dt)(attn.reshape(b, s, -1))
+        attn = Dense(dt, name="o")(attn.reshape(b, s, -1))
         x = x + GemmaRMSNorm(eps, name="attn_out_norm")(attn)
 
         h = GemmaRMSNorm(eps, name="mlp_norm")(x)
-        gate = dense(cfg.intermediate_size, ("embed", "mlp"), "gate", dt)(h)
-        up = dense(cfg.intermediate_size, ("embed", "mlp"), "up", dt)(h)
-        h = dense(cfg.hidden_size, ("mlp", "embed"), "down", dt)(
-            nn.gelu(gate, approximate=True) * up
-        )
+        gate = Dense(dt, name="gate")(h)
+        up = Dense(dt, name="up")(h)
+        h = Dense(dt, name="down")(nn.gelu(gate, approximate=True) * up)
         x = x + GemmaRMSNorm(eps, name="mlp_out_norm")(h)
         return x, None
 
@@ -134,7 +127,7 @@ class Gemma2(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg, dt = self.cfg, self.dtype
-        embed = embedding(cfg.vocab_size, cfg.hidden_size, "embed", dt)
+        embed = Embed(dt, name="embed")
         x = embed(tokens) * jnp.float32(self.embedding_scale()).astype(dt)
         cos, sin = self.rope(tokens.shape[1])
         sliding = jnp.asarray(cfg.sliding_layers, dtype=bool)
@@ -143,7 +136,7 @@ class Gemma2(nn.Module):
         )
         x, _ = layers(x, cos, sin, sliding)
         x = GemmaRMSNorm(cfg.rms_norm_eps, name="final_norm")(x)
-        logits = output_logits(x, embed, cfg.vocab_size, cfg.tie_word_embeddings, dt)
+        logits = output_logits(x, embed, cfg.tie_word_embeddings, dt)
         cap = cfg.final_logit_softcapping
         if cap is not None:
             logits = jnp.tanh(logits / cap) * cap

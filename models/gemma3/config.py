@@ -1,4 +1,4 @@
-"""Gemma 3 text family config and its HF form, rule variables and param shapes (no JAX).
+"""Gemma 3 text family config and its HF form (no JAX; rule variables are Gemma 2's).
 
 HF `config.json` (`from_hf` / `to_hf`): architectures `Gemma3ForCausalLM` (or, when
 `architectures` is absent, `model_type` "gemma3_text"), read as
@@ -35,7 +35,6 @@ from hybridckpt.models.gemma2.config import (
     hf_layer_types,
     hf_sizes,
 )
-from hybridckpt.models.gemma2.config import shape_tree as gemma2_shape_tree
 from hybridckpt.models.rope import Scaling, check_config_rope, read_hf_rope, rope_parameters, thaw
 
 ARCHITECTURE = "Gemma3ForCausalLM"
@@ -189,14 +188,3 @@ def to_hf(cfg: Gemma3Config) -> dict[str, Any]:
     if pattern is not None:
         out["sliding_window_pattern"] = pattern
     return out
-
-
-# ---------------------------------------------------------------------- rules and shapes
-
-
-def shape_tree(cfg: Gemma3Config) -> dict:
-    """Gemma 2's tree plus the per-head q/k norm scales `[L, head_dim]`; every param is fp32."""
-    tree = gemma2_shape_tree(cfg)
-    tree["layers"]["q_norm"] = {"scale": (cfg.num_layers, cfg.head_dim)}
-    tree["layers"]["k_norm"] = {"scale": (cfg.num_layers, cfg.head_dim)}
-    return tree

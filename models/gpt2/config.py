@@ -1,12 +1,11 @@
-"""GPT-2 family config and its HF form, rule variables, param shapes and HF name fixes (no JAX).
+"""GPT-2 family config and its HF form, rule variables and HF name fixes (no JAX).
 
 HF `config.json` (`from_hf` / `to_hf`): architectures `GPT2LMHeadModel` (or, when
 `architectures` is absent, `model_type` "gpt2"); only the plain GPT-2 variant is read
 (gelu_new, scaled attention weights, head tied to `wte`, no cross-attention).
 
-`shape_tree` is the tree `models.gpt2.module.GPT2` builds (see the `Params` list there: fp32,
-kernels `[in, out]`, per-layer params stacked on a leading `[L]` axis); `tests/families/test_models.py`
-checks it against `jax.eval_shape` of the module's init.
+Params: `models.gpt2.params` (fp32, kernels `[in, out]`, per-layer params stacked on a leading
+`[L]` axis).
 
 HF names: `GPT2LMHeadModel.save_pretrained` writes `transformer.`-prefixed names, a bare
 `GPT2Model` writes them without the prefix (huggingface/transformers:
@@ -125,7 +124,7 @@ def hf_name_fixes(names: Collection[str]) -> str:
     return "lm_head.weight -> lm_head.weight\n* -> transformer.*\n"
 
 
-# ---------------------------------------------------------------------- rules and shapes
+# ------------------------------------------------------------------------------------ rules
 
 
 def rule_variables(cfg: GPT2Config) -> dict[str, Any]:
@@ -139,26 +138,4 @@ def rule_variables(cfg: GPT2Config) -> dict[str, Any]:
         "num_layers": cfg.n_layer,
         "intermediate_size": cfg.n_inner,
         "tied": True,
-    }
-
-
-def shape_tree(cfg: GPT2Config) -> dict:
-    """Nested dicts (the params' structure) of shape tuples; every param is fp32."""
-    L, E, inner = cfg.n_layer, cfg.n_embd, cfg.n_inner
-
-    def norm(*lead: int) -> dict:
-        return {"scale": (*lead, E), "bias": (*lead, E)}
-
-    return {
-        "wte": {"embedding": (cfg.vocab_size, E)},
-        "wpe": {"embedding": (cfg.n_positions, E)},
-        "layers": {
-            "ln_1": norm(L),
-            "ln_2": norm(L),
-            "qkv": {"kernel": (L, E, 3, E), "bias": (L, 3, E)},
-            "attn_out": {"kernel": (L, E, E), "bias": (L, E)},
-            "fc": {"kernel": (L, E, inner), "bias": (L, inner)},
-            "proj": {"kernel": (L, inner, E), "bias": (L, E)},
-        },
-        "ln_f": norm(),
     }

@@ -1,4 +1,4 @@
-"""Llama family config and its HF / Meta forms, rule variables and param shapes (no JAX).
+"""Llama family config and its HF / Meta forms and rule variables (no JAX).
 
 Two external forms are read:
 - HF `config.json` (`from_hf` / `to_hf`): architectures `LlamaForCausalLM` (or, when
@@ -16,9 +16,7 @@ Two external forms are read:
   (scale_factor 8, low_freq_factor 1, high_freq_factor 4, old_context_len 8192), written as the
   `rope_scaling` dict of HF's Llama 3.1 conversions.
 
-`shape_tree` is the tree `models.llama.module.Llama` builds (see the `Params` list there: fp32,
-kernels `[in, out]`, per-layer params stacked on a leading `[L]` axis); exports and name checks
-use it, and `tests/families/test_models.py` checks it against `jax.eval_shape` of the module's init.
+The params (shapes, logical axes, HF names) are declared once, in `models.llama.params`.
 """
 
 from __future__ import annotations
@@ -217,7 +215,7 @@ def config_from_meta_params(
     )
 
 
-# ---------------------------------------------------------------------- rules and shapes
+# ------------------------------------------------------------------------------------ rules
 
 
 def rule_variables(cfg: LlamaConfig) -> dict[str, Any]:
@@ -232,55 +230,3 @@ def rule_variables(cfg: LlamaConfig) -> dict[str, Any]:
         "intermediate_size": cfg.intermediate_size,
         "tied": cfg.tie_word_embeddings,
     }
-
-
-# logical axes of each layer's params as `module.py` annotates them (`models.common.dense`, the
-# RMSNorm scale), before the stack's leading "layers" axis (`models.common.stacked`)
-_LAYER_AXES = {
-    "attn_norm": {"scale": (None,)},
-    "mlp_norm": {"scale": (None,)},
-    "q": {"kernel": ("embed", "heads")},
-    "k": {"kernel": ("embed", "kv_heads")},
-    "v": {"kernel": ("embed", "kv_heads")},
-    "o": {"kernel": ("heads", "embed")},
-    "gate": {"kernel": ("embed", "mlp")},
-    "up": {"kernel": ("embed", "mlp")},
-    "down": {"kernel": ("mlp", "embed")},
-}
-
-
-def axes_tree(cfg: LlamaConfig) -> dict:
-    """The logical axes of every param, the `shape_tree` structure (no JAX): what the Flax
-    module's init annotates (`tests/families/test_models.py` checks both agree)."""
-    tree = {
-        "embed": {"embedding": ("vocab", "embed")},
-        "layers": {m: {p: ("layers", *ax) for p, ax in ps.items()} for m, ps in _LAYER_AXES.items()},
-        "final_norm": {"scale": (None,)},
-    }
-    if not cfg.tie_word_embeddings:
-        tree["lm_head"] = {"kernel": ("embed", "vocab")}
-    return tree
-
-
-def shape_tree(cfg: LlamaConfig) -> dict:
-    """Nested dicts (the params' structure) of shape tuples; every param is fp32."""
-    L, E, M, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    tree = {
-        "embed": {"embedding": (V, E)},
-        "layers": {
-            "attn_norm": {"scale": (L, E)},
-            "mlp_norm": {"scale": (L, E)},
-            "q": {"kernel": (L, E, q)},
-            "k": {"kernel": (L, E, kv)},
-            "v": {"kernel": (L, E, kv)},
-            "o": {"kernel": (L, q, E)},
-            "gate": {"kernel": (L, E, M)},
-            "up": {"kernel": (L, E, M)},
-            "down": {"kernel": (L, M, E)},
-        },
-        "final_norm": {"scale": (E,)},
-    }
-    if not cfg.tie_word_embeddings:
-        tree["lm_head"] = {"kernel": (E, V)}
-    return tree

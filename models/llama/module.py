@@ -12,12 +12,8 @@ Rules from huggingface/transformers:src/transformers/models/llama/modeling_llama
 - Attention mask: causal; `Llama.sliding_window()` (None here) is the hook a family built on
   this module overrides to mask keys `window` or more positions back (Mistral).
 
-Params (fp32, kernels `[in, out]`, L = num_layers):
-  embed.embedding [vocab, embed]; layers.{attn_norm,mlp_norm}.scale [L, embed];
-  layers.q.kernel [L, embed, heads*hd]; layers.{k,v}.kernel [L, embed, kv_heads*hd];
-  layers.o.kernel [L, heads*hd, embed]; layers.{gate,up}.kernel [L, embed, mlp];
-  layers.down.kernel [L, mlp, embed]; final_norm.scale [embed]; lm_head.kernel [embed, vocab]
-  (untied only).
+Params: the family's table (`models.llama.params`; fp32, kernels `[in, out]`, per-layer params
+stacked on a leading `[L]` axis), created by name from it (`models.common.table_param`).
 """
 
 from __future__ import annotations
@@ -29,12 +25,12 @@ import jax
 import jax.numpy as jnp
 
 from hybridckpt.models.common import (
+    Dense,
+    Embed,
     causal_attention,
-    dense,
-    embedding,
-    ones,
     output_logits,
     stacked,
+    table_param,
 )
 from hybridckpt.models.llama.config import LlamaConfig
 from hybridckpt.models.rope import config_rope_tables
@@ -47,7 +43,7 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param("scale", ones((None,)), (x.shape[-1],), jnp.float32)
+        scale = table_param(self, "scale")
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return y.astype(self.dtype) * scale.astype(self.dtype)
@@ -77,9 +73,9 @@ def swiglu_residual(cfg: Any, dt: Any, x: jax.Array) -> jax.Array:
     """`x + down(silu(gate(n)) * up(n))` with `n = mlp_norm(x)`: the second half of every
     Llama-like block (called inside a compact module: the params are its own)."""
     h = RMSNorm(cfg.rms_norm_eps, dt, name="mlp_norm")(x)
-    gate = dense(cfg.intermediate_size, ("embed", "mlp"), "gate", dt)(h)
-    up = dense(cfg.intermediate_size, ("embed", "mlp"), "up", dt)(h)
-    return x + dense(cfg.hidden_size, ("mlp", "embed"), "down", dt)(nn.silu(gate) * up)
+    gate = Dense(dt, name="gate")(h)
+    up = Dense(dt, name="up")(h)
+    return x + Dense(dt, name="down")(nn.silu(gate) * up)
 
 
 class LlamaBlock(nn.Module):
@@ -96,9 +92,9 @@ class LlamaBlock(nn.Module):
         hd = cfg.head_dim
 
         h = RMSNorm(cfg.rms_norm_eps, dt, name="attn_norm")(x)
-        q = dense(cfg.num_heads * hd, ("embed", "heads"), "q", dt)(h)
-        k = dense(cfg.num_kv_heads * hd, ("embed", "kv_heads"), "k", dt)(h)
-        v = dense(cfg.num_kv_heads * hd, ("embed", "kv_heads"), "v", dt)(h)
+        q = Dense(dt, name="q")(h)
+        k = Dense(dt, name="k")(h)
+        v = Dense(dt, name="v")(h)
         q = apply_rope(q.reshape(b, s, cfg.num_heads, hd), cos, sin)
         k = apply_rope(k.reshape(b, s, cfg.num_kv_heads, hd), cos, sin)
         v = v.reshape(b, s, cfg.num_kv_heads, hd)
@@ -106,7 +102,7 @@ class LlamaBlock(nn.Module):
         k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
         attn = causal_attention(q, k, v, hd**-0.5, window=self.sliding_window)
         attn = attn.reshape(b, s, cfg.num_heads * hd)
-        x = x + dense(cfg.hidden_size, ("heads", "embed"), "o", dt)(attn)
+        x = x + Dense(dt, name="o")(attn)
 
         return swiglu_residual(cfg, dt, x), None
 
@@ -131,10 +127,10 @@ class Llama(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg, dt = self.cfg, self.dtype
-        embed = embedding(cfg.vocab_size, cfg.hidden_size, "embed", dt)
+        embed = Embed(dt, name="embed")
         x = embed(tokens)
         cos, sin = config_rope_tables(cfg, tokens.shape[1])
         x, _ = self.block()(x, cos, sin)
         x = RMSNorm(cfg.rms_norm_eps, dt, name="final_norm")(x)
-        logits = output_logits(x, embed, cfg.vocab_size, cfg.tie_word_embeddings, dt)
+        logits = output_logits(x, embed, cfg.tie_word_embeddings, dt)
         return logits.astype(jnp.float32)

@@ -7,12 +7,13 @@ from v0.2 on): every layer's query i attends keys j with i - window < j <= i
 (`create_sliding_window_causal_mask`), which changes attention only when seq > window. The
 tensors, their HF names and the forward pass are otherwise Llama's, RoPE scaling included, so
 the family reuses them: `config.py` (MistralConfig, a LlamaConfig with `sliding_window`),
-`module.py` (Llama's module with its window hook set), and Llama's `hf.rules` by resource name.
+`module.py` (Llama's module with its window hook set), and Llama's param table.
 """
 
 from __future__ import annotations
 
 from hybridckpt.models.family import Family
+from hybridckpt.models.llama import params as llama_params
 from hybridckpt.models.mistral import config
 
 FAMILY = Family(
@@ -22,9 +23,7 @@ FAMILY = Family(
     hf_model_types=("mistral",),
     config_from_hf=config.from_hf,
     config_to_hf=config.to_hf,
-    shape_tree=config.shape_tree,
-    axes_tree=config.axes_tree,
+    table=llama_params.TABLE,
     rule_variables=config.rule_variables,
     module="hybridckpt.models.mistral.module:Mistral",
-    hf_rules="models.llama:hf.rules",
 )

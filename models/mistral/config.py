@@ -1,4 +1,4 @@
-"""Mistral family config and its HF form, rule variables and param shapes (no JAX).
+"""Mistral family config and its HF form and rule variables (no JAX).
 
 HF `config.json` (`from_hf` / `to_hf`): architectures `MistralForCausalLM` (or, when
 `architectures` is absent, `model_type` "mistral"). Every key Mistral shares with Llama (sizes,
@@ -10,7 +10,7 @@ is absent transformers' `MistralConfig` default applies (4096), as it does for
 `max_position_embeddings` (131072). `MistralConfig` has no `attention_bias` / `mlp_bias`, so
 `to_hf` leaves those Llama keys out.
 
-Param shapes and rule variables are Llama's (same tensors).
+Rule variables and params are Llama's (same tensors: `models.llama.params`).
 """
 
 from __future__ import annotations
@@ -70,13 +70,3 @@ def to_hf(cfg: MistralConfig) -> dict[str, Any]:
 def rule_variables(cfg: MistralConfig) -> dict[str, Any]:
     """Variables a rules text may use (`models.family.RULE_VARIABLES`, as Llama's)."""
     return llama.rule_variables(cfg)
-
-
-def shape_tree(cfg: MistralConfig) -> dict:
-    """Llama's tree of fp32 param shapes (Mistral has the same tensors)."""
-    return llama.shape_tree(cfg)
-
-
-def axes_tree(cfg: MistralConfig) -> dict:
-    """Llama's logical axes (the same module, with a window hook)."""
-    return llama.axes_tree(cfg)

@@ -1,4 +1,4 @@
-"""Mixtral family config and its HF form, rule variables and param shapes (no JAX).
+"""Mixtral family config and its HF form and rule variables (no JAX).
 
 MixtralForCausalLM is Mistral (Llama's attention, RoPE, norms; a sliding window when set) whose
 every MLP is a sparse mixture of `num_local_experts` SwiGLU experts of width
@@ -20,12 +20,12 @@ file saved with `save_original_format=False` holds transformers' fused in-memory
 instead, renamed on read by `hf_name_fixes` (lazily split per expert).
 
 `MixtralConfig` also serves Qwen3-MoE (`models.qwen3_moe.config`) through the properties the
-shared module reads: `moe_layers` (which layers are MoE), `dense_intermediate_size`,
-`normalize_topk`, `qk_norm`, `weights_in_hidden_dtype`.
+shared module and the table's dimensions read: `moe_layers` / `dense_layers` (which layers are
+MoE, which dense), `expert_intermediate_size`, `normalize_topk`, `qk_norm`,
+`weights_in_hidden_dtype`.
 
-`shape_tree` (see `models.mixtral.module`): Llama's tree without the dense MLP kernels, plus
-`moe.router.kernel` `[L, embed, experts]` and `moe.experts.{gate,up,down}.kernel`
-`[L, experts, ...]` (`models.moe`).
+Params: `models.mixtral.params` (Llama's attention and norms, `moe.router.kernel`
+`[L, embed, experts]` and `moe.experts.{gate,up,down}.kernel` `[L, experts, ...]`, `models.moe`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import dataclasses
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from hybridckpt.models import moe_spec as moe
 from hybridckpt.models.config_checks import check_positive, require
 from hybridckpt.models.errors import ConfigError
 from hybridckpt.models.llama import config as llama
@@ -82,10 +81,7 @@ class MixtralConfig(mistral.MistralConfig):
 
     @property
     def expert_intermediate_size(self) -> int:
-        return self.intermediate_size
-
-    @property
-    def dense_intermediate_size(self) -> int:
+        """Each expert's SwiGLU width (Mixtral: intermediate_size; dense layers use that too)."""
         return self.intermediate_size
 
     @property
@@ -166,28 +162,3 @@ def rule_variables(cfg: MixtralConfig) -> dict[str, Any]:
         "dense_layers": layer_list(cfg.dense_layers),
         "has_dense_layers": bool(cfg.dense_layers),
     }
-
-
-def moe_shape_tree(cfg: MixtralConfig) -> dict:
-    """Llama's tree without the dense MLP kernels under `layers`, plus the `moe` group and,
-    when some layers are dense, the `mlp` group (`models.moe`); q/k norms with `cfg.qk_norm`."""
-    tree = llama.shape_tree(cfg)
-    for name in ("gate", "up", "down"):
-        del tree["layers"][name]
-    E = cfg.hidden_size
-    tree["moe"] = moe.spec_shapes(
-        moe.moe_spec(len(cfg.moe_layers), E, cfg.num_experts, cfg.expert_intermediate_size)
-    )
-    if cfg.dense_layers:
-        tree["mlp"] = moe.spec_shapes(
-            moe.swiglu_spec(len(cfg.dense_layers), E, cfg.dense_intermediate_size)
-        )
-    if cfg.qk_norm:
-        tree["layers"]["q_norm"] = {"scale": (cfg.num_layers, cfg.head_dim)}
-        tree["layers"]["k_norm"] = {"scale": (cfg.num_layers, cfg.head_dim)}
-    return tree
-
-
-def shape_tree(cfg: MixtralConfig) -> dict:
-    """Nested dicts (the params' structure) of shape tuples; every param is fp32."""
-    return moe_shape_tree(cfg)

@@ -10,12 +10,10 @@ RoPE (`cfg.qk_norm`), renormalises only with `norm_topk_prob` (`cfg.normalize_to
 routing weights to the hidden dtype (`cfg.weights_in_hidden_dtype`) and has dense SwiGLU
 layers where `mlp_only_layers` / `decoder_sparse_step` say (`cfg.dense_layers`).
 
-Params (fp32, kernels `[in, out]`, L = num_layers, hd = head_dim): Llama's attention and norms
-under `layers` (`attn_norm`, `mlp_norm` `[L, embed]`; `q`, `k`, `v`, `o` kernels; with qk_norm
-`{q,k}_norm.scale [L, hd]`), embed, final_norm, lm_head (untied), and the MoE groups of
-`models.moe` outside the layer scan: `moe.router.kernel [Lm, embed, experts]`,
-`moe.experts.{gate,up}.kernel [Lm, experts, embed, mlp]`, `moe.experts.down.kernel
-[Lm, experts, mlp, embed]`, and with dense layers `mlp.{gate,up,down}.kernel [Ld, ...]`.
+Params: the family's table (`models.mixtral.params`, `models.qwen3_moe.params`): Llama's
+attention and norms under `layers` (with qk_norm `{q,k}_norm.scale [L, hd]`), embed,
+final_norm, lm_head (untied), and the MoE groups of `models.moe` outside the layer scan
+(`moe.router`, `moe.experts.*`; with dense layers `mlp.*`), created whole by `TableGroup`.
 """
 
 from __future__ import annotations
@@ -27,7 +25,14 @@ import jax
 import jax.numpy as jnp
 
 from hybridckpt.models import moe
-from hybridckpt.models.common import causal_attention, dense, embedding, output_logits, stacked
+from hybridckpt.models.common import (
+    Dense,
+    Embed,
+    TableGroup,
+    causal_attention,
+    output_logits,
+    stacked,
+)
 from hybridckpt.models.llama.module import Llama, RMSNorm, apply_rope
 from hybridckpt.models.rope import config_rope_tables
 
@@ -38,9 +43,9 @@ def attention(cfg: Any, dt: Any, x: jax.Array, cos: jax.Array, sin: jax.Array, w
     b, s, _ = x.shape
     hd = cfg.head_dim
     h = RMSNorm(cfg.rms_norm_eps, dt, name="attn_norm")(x)
-    q = dense(cfg.num_heads * hd, ("embed", "heads"), "q", dt)(h).reshape(b, s, cfg.num_heads, hd)
-    k = dense(cfg.num_kv_heads * hd, ("embed", "kv_heads"), "k", dt)(h).reshape(b, s, cfg.num_kv_heads, hd)
-    v = dense(cfg.num_kv_heads * hd, ("embed", "kv_heads"), "v", dt)(h).reshape(b, s, cfg.num_kv_heads, hd)
+    q = Dense(dt, name="q")(h).reshape(b, s, cfg.num_heads, hd)
+    k = Dense(dt, name="k")(h).reshape(b, s, cfg.num_kv_heads, hd)
+    v = Dense(dt, name="v")(h).reshape(b, s, cfg.num_kv_heads, hd)
     if cfg.qk_norm:
         q = RMSNorm(cfg.rms_norm_eps, dt, name="q_norm")(q)
         k = RMSNorm(cfg.rms_norm_eps, dt, name="k_norm")(k)
@@ -48,7 +53,7 @@ def attention(cfg: Any, dt: Any, x: jax.Array, cos: jax.Array, sin: jax.Array, w
     rep = cfg.num_heads // cfg.num_kv_heads
     k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
     attn = causal_attention(q, k, v, hd**-0.5, window=window).reshape(b, s, cfg.num_heads * hd)
-    return x + dense(cfg.hidden_size, ("heads", "embed"), "o", dt)(attn)
+    return x + Dense(dt, name="o")(attn)
 
 
 class MoeBlock(nn.Module):
@@ -91,19 +96,13 @@ class Mixtral(Llama):
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg, dt = self.cfg, self.dtype
-        E = cfg.hidden_size
-        embed = embedding(cfg.vocab_size, E, "embed", dt)
+        embed = Embed(dt, name="embed")
         x = embed(tokens)
         cos, sin = config_rope_tables(cfg, tokens.shape[1])
-        moe_params = moe.ParamTree(
-            moe.moe_spec(len(cfg.moe_layers), E, cfg.num_experts, cfg.expert_intermediate_size), name="moe"
-        )()
-        dense_params = None
-        if cfg.dense_layers:
-            spec = moe.swiglu_spec(len(cfg.dense_layers), E, cfg.dense_intermediate_size)
-            dense_params = moe.ParamTree(spec, name="mlp")()
+        moe_params = TableGroup(name="moe")()
+        dense_params = TableGroup(name="mlp")() if cfg.dense_layers else None
         is_moe, pos = moe.layer_groups(cfg.moe_layers, cfg.num_layers)
         x, _ = self.block()(x, cos, sin, moe_params, dense_params, is_moe, pos)
         x = RMSNorm(cfg.rms_norm_eps, dt, name="final_norm")(x)
-        logits = output_logits(x, embed, cfg.vocab_size, cfg.tie_word_embeddings, dt)
+        logits = output_logits(x, embed, cfg.tie_word_embeddings, dt)
         return logits.astype(jnp.float32)

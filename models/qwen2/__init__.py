@@ -1,11 +1,10 @@
-"""The Qwen2 / Qwen2.5 family: `config.py` (Qwen2Config, HF form, rule variables, param shapes;
-no JAX), `module.py` (the Flax module, whose block Qwen3 shares), `hf.rules` (HF names ->
-params tree)."""
+"""The Qwen2 / Qwen2.5 family: `config.py` (Qwen2Config, HF form, rule variables; no
+JAX), `params.py` (the param table), `module.py` (the Flax module, whose block Qwen3 shares)."""
 
 from __future__ import annotations
 
 from hybridckpt.models.family import Family
-from hybridckpt.models.qwen2 import config
+from hybridckpt.models.qwen2 import config, params
 
 FAMILY = Family(
     name="qwen2",
@@ -14,9 +13,7 @@ FAMILY = Family(
     hf_model_types=("qwen2",),
     config_from_hf=config.from_hf,
     config_to_hf=config.to_hf,
-    shape_tree=config.shape_tree,
-    axes_tree=config.axes_tree,
+    table=params.TABLE,
     rule_variables=config.rule_variables,
     module="hybridckpt.models.qwen2.module:Qwen2",
-    hf_rules=f"{__name__}:hf.rules",
 )

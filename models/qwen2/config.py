@@ -1,4 +1,4 @@
-"""Qwen2 / Qwen2.5 family config and its HF form, rule variables and param shapes (no JAX).
+"""Qwen2 / Qwen2.5 family config and its HF form and rule variables (no JAX).
 
 Qwen2ForCausalLM is Llama with biases on the q, k and v projections (o_proj has none), read from
 huggingface/transformers:src/transformers/models/qwen2/modeling_qwen2.py (`Qwen2Attention`) and
@@ -15,12 +15,9 @@ is a ConfigError; released Qwen2/2.5 models leave it off (their `sliding_window`
 unused, and not kept).
 
 `Qwen2Config` is a `LlamaConfig` (same fields and checks) whose attention options say what the
-shared block (`models.qwen2.module.QwenBlock`) builds: `qkv_bias` True, `o_bias` False,
-`qk_norm` False. `models.qwen3.config` reuses `llama_fields`, `llama_to_hf` and
-`add_attention_params` from here.
-
-`shape_tree` is Llama's tree plus, per `[L]`-stacked layer, `layers.{q,k,v}.bias`
-`[L, heads*hd]` / `[L, kv_heads*hd]` (see `models.qwen2.module`).
+family has: `qkv_bias` True, `o_bias` False, `qk_norm` False (the shared block
+`models.qwen2.module.QwenBlock` applies q/k norms by `qk_norm`; the biases are the table's,
+`models.qwen2.params`). `models.qwen3.config` reuses `llama_fields` and `llama_to_hf` from here.
 """
 
 from __future__ import annotations
@@ -120,51 +117,9 @@ def to_hf(cfg: Qwen2Config) -> dict[str, Any]:
     return d
 
 
-# ---------------------------------------------------------------------- rules and shapes
+# ------------------------------------------------------------------------------------ rules
 
 
 def rule_variables(cfg: Qwen2Config) -> dict[str, Any]:
     """Variables a rules text may use (`models.family.RULE_VARIABLES`, as Llama's)."""
     return llama.rule_variables(cfg)
-
-
-def add_attention_params(tree: dict, cfg: Any) -> dict:
-    """Llama's shape `tree` with the biases and q/k norms `cfg`'s attention options ask for."""
-    L, hd = cfg.num_layers, cfg.head_dim
-    layers = tree["layers"]
-    if cfg.qkv_bias:
-        layers["q"]["bias"] = (L, cfg.num_heads * hd)
-        layers["k"]["bias"] = (L, cfg.num_kv_heads * hd)
-        layers["v"]["bias"] = (L, cfg.num_kv_heads * hd)
-    if cfg.o_bias:
-        layers["o"]["bias"] = (L, cfg.hidden_size)
-    if cfg.qk_norm:
-        layers["q_norm"] = {"scale": (L, hd)}
-        layers["k_norm"] = {"scale": (L, hd)}
-    return tree
-
-
-def add_attention_axes(tree: dict, cfg: Any) -> dict:
-    """Llama's axes `tree` with those of the biases and q/k norms of `add_attention_params`, as
-    `module.py`'s `QwenBlock` annotates them."""
-    layers = tree["layers"]
-    if cfg.qkv_bias:
-        layers["q"]["bias"] = ("layers", "heads")
-        layers["k"]["bias"] = ("layers", "kv_heads")
-        layers["v"]["bias"] = ("layers", "kv_heads")
-    if cfg.o_bias:
-        layers["o"]["bias"] = ("layers", None)
-    if cfg.qk_norm:
-        layers["q_norm"] = {"scale": ("layers", None)}
-        layers["k_norm"] = {"scale": ("layers", None)}
-    return tree
-
-
-def shape_tree(cfg: Qwen2Config) -> dict:
-    """Nested dicts (the params' structure) of shape tuples; every param is fp32."""
-    return add_attention_params(llama.shape_tree(cfg), cfg)
-
-
-def axes_tree(cfg: Qwen2Config) -> dict:
-    """The logical axes of every param (no JAX), the `shape_tree` structure."""
-    return add_attention_axes(llama.axes_tree(cfg), cfg)

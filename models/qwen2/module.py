@@ -5,17 +5,11 @@ Rules from huggingface/transformers:src/transformers/models/qwen2/modeling_qwen2
 (`models.llama.module`: RMSNorm with fp32 statistics, half-split RoPE of the config's rope type
 (`models.rope`), GQA, SwiGLU, pre-norm residual blocks, untied `lm_head` or tied
 `embed.embedding.T`; the pieces are imported, not copied) with `Qwen2Attention`'s biases on
-q_proj, k_proj and v_proj (o_proj has none), added before RoPE. The attention options come
-from the config (`qkv_bias`, `o_bias`, `qk_norm`), so the same `QwenBlock` builds Qwen3
-(per-head q/k RMSNorm before RoPE,
-huggingface/transformers:src/transformers/models/qwen3/modeling_qwen3.py `Qwen3Attention`).
-
-Params (fp32, kernels `[in, out]`, L = num_layers, hd = head_dim): Llama's (see
-`models.llama.module`) plus
-  layers.q.bias [L, heads*hd] (axes layers, heads); layers.{k,v}.bias [L, kv_heads*hd]
-  (layers, kv_heads)                                          when cfg.qkv_bias (Qwen2: always);
-  layers.o.bias [L, embed] (layers, None: replicated, like the norm scales)  when cfg.o_bias;
-  layers.{q_norm,k_norm}.scale [L, hd] (layers, None)         when cfg.qk_norm (Qwen3).
+q_proj, k_proj and v_proj (o_proj has none), added before RoPE. The same `QwenBlock` builds
+Qwen3 (per-head q/k RMSNorm before RoPE when `cfg.qk_norm`,
+huggingface/transformers:src/transformers/models/qwen3/modeling_qwen3.py `Qwen3Attention`); a
+projection has a bias when the family's table has one (`models.qwen2.params`: q, k, v;
+`models.qwen3.params`: q, k, v and o with `attention_bias`).
 """
 
 from __future__ import annotations
@@ -26,13 +20,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from hybridckpt.models.common import causal_attention, dense, stacked
+from hybridckpt.models.common import Dense, causal_attention, stacked
 from hybridckpt.models.llama.module import Llama, RMSNorm, apply_rope, swiglu_residual
 
 
 class QwenBlock(nn.Module):
     """One pre-norm decoder layer; `cfg` is a Qwen2Config or Qwen3Config (or any LlamaConfig
-    with the attention options `qkv_bias`, `o_bias`, `qk_norm`)."""
+    with `qk_norm`; the biases are its table's)."""
 
     cfg: Any
     dtype: Any
@@ -43,14 +37,13 @@ class QwenBlock(nn.Module):
         b, s, _ = x.shape
         hd = cfg.head_dim
 
-        def heads(h: jax.Array, n: int, axis: str, name: str) -> jax.Array:
-            bias = (axis,) if cfg.qkv_bias else None
-            return dense(n * hd, ("embed", axis), name, dt, bias_axes=bias)(h).reshape(b, s, n, hd)
+        def heads(h: jax.Array, n: int, name: str) -> jax.Array:
+            return Dense(dt, name=name)(h).reshape(b, s, n, hd)
 
         h = RMSNorm(cfg.rms_norm_eps, dt, name="attn_norm")(x)
-        q = heads(h, cfg.num_heads, "heads", "q")
-        k = heads(h, cfg.num_kv_heads, "kv_heads", "k")
-        v = heads(h, cfg.num_kv_heads, "kv_heads", "v")
+        q = heads(h, cfg.num_heads, "q")
+        k = heads(h, cfg.num_kv_heads, "k")
+        v = heads(h, cfg.num_kv_heads, "v")
         if cfg.qk_norm:  # over head_dim, per head, before RoPE
             q = RMSNorm(cfg.rms_norm_eps, dt, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, dt, name="k_norm")(k)
@@ -58,8 +51,7 @@ class QwenBlock(nn.Module):
         rep = cfg.num_heads // cfg.num_kv_heads
         k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
         attn = causal_attention(q, k, v, hd**-0.5).reshape(b, s, cfg.num_heads * hd)
-        o_bias = (None,) if cfg.o_bias else None
-        x = x + dense(cfg.hidden_size, ("heads", "embed"), "o", dt, bias_axes=o_bias)(attn)
+        x = x + Dense(dt, name="o")(attn)
 
         return swiglu_residual(cfg, dt, x), None
 

@@ -1,4 +1,4 @@
-"""Qwen3 (dense) family config and its HF form, rule variables and param shapes (no JAX).
+"""Qwen3 (dense) family config and its HF form and rule variables (no JAX).
 
 Qwen3ForCausalLM is Llama with q and k RMS-normalised per head (`q_norm`, `k_norm`, weights of
 size head_dim, applied after the projection and before RoPE) and an explicit `head_dim` that may
@@ -13,8 +13,8 @@ Llama's reader through `models.qwen2.config.llama_fields` (RoPE parsed as for Ll
 window refused as for Qwen2); `head_dim` absent means transformers' default 128, not
 hidden_size / num_heads.
 
-`shape_tree` is Llama's tree plus `layers.{q,k}_norm.scale` `[L, head_dim]` and, with
-`attention_bias`, `layers.{q,k,v,o}.bias` (see `models.qwen3.module`).
+Params: `models.qwen3.params` (Llama's plus `layers.{q,k}_norm.scale` `[L, head_dim]` and, with
+`attention_bias`, `layers.{q,k,v,o}.bias`).
 """
 
 from __future__ import annotations
@@ -24,12 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridckpt.models.llama import config as llama
-from hybridckpt.models.qwen2.config import (
-    add_attention_axes,
-    add_attention_params,
-    llama_fields,
-    llama_to_hf,
-)
+from hybridckpt.models.qwen2.config import llama_fields, llama_to_hf
 
 ARCHITECTURE = "Qwen3ForCausalLM"
 HF_DEFAULT_HEAD_DIM = 128  # transformers' Qwen3Config.head_dim when config.json has none
@@ -79,15 +74,5 @@ def to_hf(cfg: Qwen3Config) -> dict[str, Any]:
 
 
 def rule_variables(cfg: Qwen3Config) -> dict[str, Any]:
-    """Llama's rule variables plus `attention_bias` (the hf.rules read it)."""
+    """Llama's rule variables plus `attention_bias` (the param table's biases depend on it)."""
     return llama.rule_variables(cfg) | {"attention_bias": cfg.attention_bias}
-
-
-def shape_tree(cfg: Qwen3Config) -> dict:
-    """Nested dicts (the params' structure) of shape tuples; every param is fp32."""
-    return add_attention_params(llama.shape_tree(cfg), cfg)
-
-
-def axes_tree(cfg: Qwen3Config) -> dict:
-    """The logical axes of every param (no JAX), the `shape_tree` structure."""
-    return add_attention_axes(llama.axes_tree(cfg), cfg)

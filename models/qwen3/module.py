@@ -7,10 +7,8 @@ head of q and k, after the projection and before RoPE (`Qwen3Attention.forward`)
 q, k, v and o only with `attention_bias`; head_dim explicit (q is `[embed, heads*head_dim]`,
 which need not equal embed).
 
-Params (fp32, kernels `[in, out]`, L = num_layers, hd = head_dim): Llama's plus
-  layers.{q_norm,k_norm}.scale [L, hd] (axes layers, None: replicated);
-  with attention_bias: layers.q.bias [L, heads*hd], layers.{k,v}.bias [L, kv_heads*hd],
-  layers.o.bias [L, embed].
+Params: the family's table (`models.qwen3.params`): Llama's plus layers.{q_norm,k_norm}.scale
+`[L, head_dim]` and, with attention_bias, biases on q, k, v and o.
 """
 
 from __future__ import annotations

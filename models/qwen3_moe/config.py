@@ -1,4 +1,4 @@
-"""Qwen3-MoE family config and its HF form, rule variables and param shapes (no JAX).
+"""Qwen3-MoE family config and its HF form and rule variables (no JAX).
 
 Qwen3MoeForCausalLM (huggingface/transformers:src/transformers/models/qwen3_moe/
 modeling_qwen3_moe.py, configuration_qwen3_moe.py) is Qwen3's attention (per-head q/k RMSNorm
@@ -17,8 +17,8 @@ decoder_sparse_step 1, norm_topk_prob false, mlp_only_layers [], sliding_window 
 `attention_bias: true` (no released model) and `num_experts: 0` (a dense model: use Qwen3) are
 refused. Router training options (`output_router_logits`, `router_aux_loss_coef`) are not kept.
 
-`shape_tree`: Mixtral's (`models.mixtral.config.moe_shape_tree`) with q/k norms: `moe.*` over
-the MoE layers, `mlp.*` over the dense ones (`models.moe`).
+Params: `models.qwen3_moe.params` (q/k norms; `moe.*` over the MoE layers, `mlp.*` over the
+dense ones, `models.moe`).
 """
 
 from __future__ import annotations
@@ -151,8 +151,3 @@ def hf_name_fixes(names: Collection[str]) -> str:
 def rule_variables(cfg: Qwen3MoeConfig) -> dict[str, Any]:
     """Mixtral's rule variables (`moe_layers`, `dense_layers`, `has_dense_layers`, ...)."""
     return mixtral.rule_variables(cfg)
-
-
-def shape_tree(cfg: Qwen3MoeConfig) -> dict:
-    """Nested dicts (the params' structure) of shape tuples; every param is fp32."""
-    return mixtral.moe_shape_tree(cfg)

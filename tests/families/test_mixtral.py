@@ -173,8 +173,7 @@ def test_configs_read_and_written():
     bare = {"architectures": ["MixtralForCausalLM"], **{k: v for k, v in SIZES.items()}}
     cfg = models.config_from_hf(bare)
     assert cfg.rope_theta == 1e6 and cfg.sliding_window is None  # MixtralConfig's defaults
-    shapes = jax.tree.map(lambda s: tuple(s.shape), models.param_shapes(cfg))
-    assert shapes == models.param_shape_tree(cfg)
+    assert models.param_shape_tree(cfg)["moe"]["experts"]["down"]["kernel"] == (2, 4, 48, 32)
     assert models.logical_axes(cfg)["moe"]["experts"]["down"]["kernel"] == ("layers", "experts", "mlp", "embed")
 
 

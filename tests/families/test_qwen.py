@@ -162,23 +162,35 @@ def _drop(params: dict, leaves: list[tuple[str, str]]) -> dict:
     return {**params, "layers": layers}
 
 
+def _zero(params: dict, leaves: list[tuple[str, str]]) -> dict:
+    layers = {k: dict(v) for k, v in params["layers"].items()}
+    for module, leaf in leaves:
+        layers[module][leaf] = np.zeros_like(layers[module][leaf])
+    return {**params, "layers": layers}
+
+
 @pytest.mark.parametrize(
     "name, option, leaves",
     [
-        ("qwen2", "qkv_bias", [("q", "bias"), ("k", "bias"), ("v", "bias")]),
+        ("qwen2", None, [("q", "bias"), ("k", "bias"), ("v", "bias")]),
         ("qwen3", "qk_norm", [("q_norm", "scale"), ("k_norm", "scale")]),
-        ("qwen3_bias_tied", "o_bias", [("o", "bias")]),
+        ("qwen3_bias_tied", None, [("o", "bias")]),
     ],
 )
 def test_the_family_specific_part_matters(hf_dirs, monkeypatch, name, option, leaves):
-    """With the biases or the q/k norms, our forward equals transformers'; without them (the
-    option off, the params gone) it is far off: the part is really read and used."""
+    """With the biases or the q/k norms, our forward equals transformers'; without them it is
+    far off: the part is really read and used. The q/k norms go with their option (off, the
+    params gone); a bias, which the module adds wherever the family's table has one, is zeroed
+    (what a projection without it computes)."""
     folder, m = hf_dirs[name]
     want = _torch_logits(m)
     cfg, params = _params(folder)
     np.testing.assert_allclose(_forward(cfg, params), want, atol=ATOL, rtol=0)
-    monkeypatch.setattr(type(cfg), option, False)
-    without = _forward(cfg, _drop(params, leaves))
+    if option is None:
+        without = _forward(cfg, _zero(params, leaves))
+    else:
+        monkeypatch.setattr(type(cfg), option, False)
+        without = _forward(cfg, _drop(params, leaves))
     assert np.abs(without - want).max() > 1000 * ATOL
 
 
@@ -308,11 +320,10 @@ def _expected_axes(cfg) -> dict:
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen2_tied", "qwen3", "qwen3_bias_tied"])
-def test_param_tree_logical_axes_and_jax_free_shapes(name):
+def test_param_tree_and_logical_axes(name):
     cfg = models.config_from_hf(_hf_config(name))
     assert models.logical_axes(cfg) == _expected_axes(cfg)
-    shapes = jax.tree.map(lambda s: tuple(s.shape), models.param_shapes(cfg))
-    assert models.param_shape_tree(cfg) == shapes
+    shapes = models.param_shape_tree(cfg)
     L, hd = cfg.num_layers, cfg.head_dim
     assert shapes["layers"]["q"]["kernel"] == (L, cfg.hidden_size, cfg.num_heads * hd)
     if cfg.qkv_bias:
@@ -327,7 +338,7 @@ def test_registry_and_rules():
     for name in ("qwen2", "qwen3"):
         cfg = models.config_from_hf(_hf_config(name))
         assert models.family_of(cfg).name == name
-        assert models.hf_rules(cfg)[1] == f"models/{name}/hf.rules"
+        assert models.hf_rules(cfg)[1] == f"models/{name}/params.py table"
     # the names transformers writes are exactly the ones the rules produce on export
     cfg = models.config_from_hf(_hf_config("qwen3_bias_tied"))
     names = set(naming.model_hf_shapes(cfg))

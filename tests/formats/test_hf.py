@@ -165,9 +165,9 @@ def test_bad_inputs_exit_2_with_one_line_and_write_nothing(hf_dirs, tmp_path, ca
     json.dump(cfg, open(os.path.join(unknown, "config.json"), "w"))
     # an architecture no family implements is read model-agnostic, not refused
     code, out, err = _cli(capsys, "import", unknown, str(tmp_path / "generic"), "--quiet")
-    assert code == 0 and "no model config: tensors imported under the source's own names" in out, err
+    assert code == 0 and "FalconForCausalLM, which no model family implements: tensors imported under the source's own names" in out, err
     code, out, err = _cli(capsys, "logits", unknown, "--tokens", "1")
-    assert code == 2 and "carries no model config" in err
+    assert code == 2 and "FalconForCausalLM is not supported by any model family" in err
     wrong = _copy(folder, tmp_path / "wrong_shape")
     cfg = json.load(open(os.path.join(wrong, "config.json")))
     cfg["intermediate_size"] = 48

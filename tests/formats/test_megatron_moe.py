@@ -27,8 +27,8 @@ from meshes import cases, fit
 from hybridckpt import jobs, models
 from hybridckpt.errors import FormatError, MappingError
 from hybridckpt.formats.megatron.reader import read_global
-from hybridckpt.formats.rules_files import load_rules
 from hybridckpt.readers import open_source
+from hybridckpt.rules import parse_rules
 
 EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -39,7 +39,8 @@ def _hf_rules(ref, tensors):
         vocab_size=c["vocab_size"], padded_vocab=tensors[EMBEDDING].shape[0],
         num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"], tied=False,
     )  # fmt: skip
-    return load_rules(f"megatron_{ref.family}.rules", variables)
+    text, origin = models.family_named(ref.family).dialect("megatron").rules()
+    return parse_rules(text, variables, origin=origin)
 
 
 def _hf_named(path, ref):

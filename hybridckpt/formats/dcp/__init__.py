@@ -26,13 +26,14 @@ are `<opt>param_groups.N.{lr, betas, eps, weight_decay, params}`, or per fqn
 `flatten_optimizer_state_dict`, as torchtitan saves it).
 
 Names after the model prefix are the model's own: HF names for HF models (`hf_rules` empty), or
-torchtitan's Llama 3 / Qwen3 names (`tok_embeddings`, `layers.N.attention.qkv_linear.wq`, ...)
-mapped by `rules/torchtitan_{llama,qwen3}.rules`. torchtitan 0.3 (`torchtitan`): a
-CheckpointManager folder of `step-N/` DCP folders, the model at the top level beside
-`optimizer`, `lr_scheduler`, `train_state`, `dataloader`; q/k/v saved split while their moments
-are keyed by the fused `qkv_linear.wqkv` parameter (split here like the weights); Qwen3-MoE and
-DeepSeek V3 grouped experts (`[experts, ...]`, EP-sharded) taken apart per expert, params and
-moments alike, into HF's per-expert names (`rules/torchtitan_moe*.rules`).
+torchtitan's names (`tok_embeddings`, `layers.N.attention.qkv_linear.wq`, ...) mapped by the
+family's torchtitan dialect (`models/<family>/dialects/torchtitan.rules`). torchtitan 0.3
+(`torchtitan`): a CheckpointManager folder of `step-N/` DCP folders, the model at the top level
+beside `optimizer`, `lr_scheduler`, `train_state`, `dataloader`; q/k/v saved split while their
+moments are keyed by the fused `qkv_linear.wqkv` parameter (split here like the weights);
+Qwen3-MoE and DeepSeek V3 grouped experts (`[experts, ...]`, EP-sharded) taken apart per expert,
+params and moments alike (`rules/torchtitan_moe_experts.rules`), into HF's per-expert names by
+the family's rules.
 
 Modules: `views` (a torch.save chunk, a tiled global tensor), `storage` (files, chunks,
 safetensors blobs and shards, detection), `structure` (model and optimizer prefixes, param

@@ -3,9 +3,9 @@
 The `.metadata` layouts give the model tensors (after the model prefix), the optimizer's slots
 and step and its param groups (`structure`); the safetensors-shards layout gives tensors only.
 Names after the model prefix are the model's own: HF names for HF models (`hf_rules` empty), or
-torchtitan's Llama 3 / Qwen3 names (`tok_embeddings`, `layers.N.attention.qkv_linear.wq`, ...)
-mapped by `rules/torchtitan_{llama,qwen3}.rules`, the moments of its fused q/k/v parameter split
-like the weights first (`torchtitan`). A torchtitan CheckpointManager folder (`step-N/`
+torchtitan's names (`tok_embeddings`, `layers.N.attention.qkv_linear.wq`, ...) mapped by the
+family's torchtitan dialect (`models/<family>/dialects/torchtitan.rules`), the moments of its
+fused q/k/v parameter split like the weights first (`torchtitan`). A torchtitan CheckpointManager folder (`step-N/`
 subfolders) reads its latest step; a `step-N` folder's config.json may sit in its parent.
 """
 

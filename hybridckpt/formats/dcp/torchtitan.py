@@ -31,8 +31,9 @@ qwen3_moe}, tests/real/test_real_torchtitan.py: FSDP2 on 2 ranks, EP 2 x FSDP 2 
   optimizer once, as `tok_embeddings.weight`; the rules drop the head copy when the config ties.
 - RoPE, as each model's own `StateDictAdapter.to_hf` converts it: Llama 3 rotates Meta's
   interleaved pairs (`ComplexRoPE`), so wq/wk rows are permuted like Meta's
-  (`rules/torchtitan_llama.rules`); Qwen3 rotates half-split (`CosSinRoPE._rotate_half`, as HF)
-  and its adapter permutes nothing (`rules/torchtitan_qwen3.rules`; q_norm/k_norm tell it apart).
+  (models/llama/dialects/torchtitan.rules); Qwen3 rotates half-split (`CosSinRoPE._rotate_half`,
+  as HF) and its adapter permutes nothing (models/qwen3/dialects/torchtitan.rules; its k_norm
+  tells it apart).
 - MoE layers (Qwen3-MoE; every layer of torchtitan's Qwen3 MoE configs) hold `moe.` instead of
   `feed_forward.`: the experts of a layer are ONE parameter per projection with the expert on the
   leading axis (`moe.routed_experts.inner_experts.w1_EFD`/`w3_EFD` `[experts, hidden, dim]`,
@@ -43,7 +44,7 @@ qwen3_moe}, tests/real/test_real_torchtitan.py: FSDP2 on 2 ranks, EP 2 x FSDP 2 
   hidden axis (`Shard(1)` over efsdp) only when efsdp * ep > experts (distributed/fsdp.py). Their
   moments are keyed by the same grouped parameter. `split_experts` takes params and moments
   alike apart into one lazy view per expert (`rules/torchtitan_moe_experts.rules`), every grouped
-  tensor checked to hold the config's number of experts; `rules/torchtitan_moe.rules` then gives
+  tensor checked to hold the config's number of experts; the family's rules then give
   HF's per-expert names (`mlp.experts.E.gate_proj.weight`, router `mlp.gate.weight`), as the
   adapters' `to_hf` do. The load-balancing buffer `moe.expert_bias_E` (selection only) has no HF
   Qwen3-MoE counterpart and torchtitan's `to_hf` drops it: so do the rules, with a note when it
@@ -53,10 +54,16 @@ qwen3_moe}, tests/real/test_real_torchtitan.py: FSDP2 on 2 ranks, EP 2 x FSDP 2 
   the experts in bfloat16 (`GroupedExperts.forward` casts), so its own logits differ from an
   fp32 forward by bf16 rounding.
 - DeepSeek V3 (`attention.wkv_a` tells it apart; models/deepseek_v3/state_dict_adapter.py):
-  MLA names (`rules/torchtitan_deepseek_v3_moe.rules`), dense first layers, shared experts, and
+  MLA names (models/deepseek_v3/dialects/torchtitan.rules), dense first layers, shared experts, and
   `moe.expert_bias_E` kept as HF's `mlp.gate.e_score_correction_bias` (a buffer: zero moments).
   Its MTP layers (`mtp_layers.i.*`) become HF's `model.layers.{n + i}.*` after the n main layers
   (`mtp_tensors`), with the main embedding and head as their `embed_tokens` / `shared_head.head`.
+Which family the names are is the families' to say: each has a torchtitan dialect
+(`models/<family>/dialects/torchtitan.py`: `MARKERS`, substrings some tensor name holds, the most
+of them winning; `NOTE`; optional `KEEPS_EXPERT_BIAS`, `FLAGS` rule variables and `RULES`; and
+`torchtitan.rules`, its names -> HF names), found through the registry (`dialect`). The fused
+q/k/v split, the grouped experts' split, the MTP renumbering and the trainer state are
+torchtitan's own, the same for every family, and stay here.
 """
 
 from __future__ import annotations
@@ -68,12 +75,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hybridckpt import lazy
+from hybridckpt import lazy, models
 from hybridckpt.containers.dcp_metadata import DcpMetadata, metadata_files
 from hybridckpt.errors import FormatError
 from hybridckpt.formats.dcp.storage import load_item
-from hybridckpt.formats.rules_files import load_rules, rules_text
+from hybridckpt.formats.rules_files import load_rules
 from hybridckpt.lazy import LazyTensor
+from hybridckpt.models.dialect import most_specific
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 # CheckpointManager's states other than the model and the optimizer (top-level keys)
@@ -81,7 +89,7 @@ TRAINER_STATES = ("lr_scheduler", "train_state", "dataloader")
 FUSED = ".attention.qkv_linear.wqkv."
 _FUSED_RULES = "torchtitan_fused_qkv.rules"
 _EXPERTS_RULES = "torchtitan_moe_experts.rules"
-_MOE_RULES = "torchtitan_moe.rules"
+DIALECT = "torchtitan"  # models/<family>/dialects/torchtitan.{py,rules}
 # a grouped experts parameter: 0.3 / main, and releases up to v0.2.x
 _GROUPED = re.compile(
     r"^layers\.\d+\.moe\.(routed_experts\.inner_experts\.w[123]_E(FD|DF)|experts\.w[123])$"
@@ -114,64 +122,83 @@ def latest_step_folder(path: str) -> str | None:
 
 @dataclass(frozen=True)
 class Dialect:
-    """Which torchtitan names a checkpoint holds: `rules` (file under formats/rules/) and the
-    `rule_vars` that fill it (`qkv`: "qkv_linear." in 0.3, "" before; `head`: the head's name;
-    `freqs_cis`: whether an older release kept its RoPE buffer)."""
+    """Which torchtitan names a checkpoint holds: the family whose torchtitan dialect they are
+    (`models/<family>/dialects/torchtitan.{py,rules}`) and the `rule_vars` that fill its rules
+    (`qkv`: "qkv_linear." in 0.3, "" before; `head`: the head's name; `freqs_cis`: whether an
+    older release kept its RoPE buffer; the MoE layers' facts; the family's `FLAGS`)."""
 
     family: str
-    rules: str
     rule_vars: Mapping[str, object] = field(default_factory=dict)
-    moe: bool = False  # MoE layers: `rules/torchtitan_moe.rules` follows `rules`
+    moe: bool = False  # some layer is an MoE layer (`moe.`)
+
+    @property
+    def spec(self) -> models.Dialect:
+        return models.family_named(self.family).dialect(DIALECT)
 
     def rules_text(self) -> str:
-        """The rules text that takes these names to HF's (the family's, then the MoE layers')."""
-        text = rules_text(self.rules)
-        return text + "\n" + rules_text(_MOE_RULES) if self.moe else text
+        """The rules text that takes these names to HF's (the family's dialect)."""
+        return self.spec.rules_text()
+
+    def keeps_expert_bias(self) -> bool:
+        """The family's HF form keeps torchtitan's load-balancing expert bias (as a param)."""
+        return bool(self.spec.get("KEEPS_EXPERT_BIAS", False))
 
     def note(self) -> str:
-        permuted = "wq/wk RoPE rows permuted" if self.family == "llama" else "no RoPE permutation"
-        moe = f", MoE layers: rules/{_MOE_RULES}" if self.moe else ""
-        return f"torchtitan {self.family} names: rules/{self.rules} ({permuted}){moe}"
+        origin = self.spec.rules()[1]
+        return f"torchtitan {self.family} names: {origin} ({self.spec.get('NOTE', '')})"
+
+
+def _is_torchtitan(names: list[str]) -> bool:
+    """Names of torchtitan's own modules, which every model of it has."""
+    return any(n.startswith("tok_embeddings.") for n in names) or any(
+        ".attention.wq." in n or ".attention.qkv_linear." in n for n in names
+    )
 
 
 def dialect(names) -> Dialect | None:
-    """The torchtitan dialect of model tensor `names` (after the model prefix), or None."""
+    """The torchtitan dialect of model tensor `names` (after the model prefix), or None when
+    they are not torchtitan's. The family is the one whose `MARKERS` (substrings some name
+    holds) the names show, the most of them winning (Qwen3-MoE's q/k norms and `moe.` over
+    Qwen3's q/k norms over Llama's none); a FormatError when no family, or several alike, fit."""
     names = list(names)
-    titan = any(n.startswith("tok_embeddings.") for n in names) or any(
-        ".attention.wq." in n or ".attention.qkv_linear." in n or ".attention.wkv_a." in n
-        for n in names
-    )
-    if not titan:
+    known = models.dialects(DIALECT)
+    marks = {f: tuple(d.get("MARKERS", ())) for f, d in known.items()}
+    fits = {
+        f: len(m) if all(any(k in n for n in names) for k in m) else None for f, m in marks.items()
+    }
+    if not _is_torchtitan(names) and not any(fits[f] for f in fits):
         return None
+    best = most_specific(fits)
+    if len(best) != 1:
+        raise FormatError(
+            f"torchtitan names ({sorted(names)[:3]}, ...) fit "
+            + (
+                f"the families {best} alike"
+                if best
+                else f"no family; families read: {sorted(known)}"
+            )
+        )
+    family = best[0]
     qkv = "qkv_linear." if any(".attention.qkv_linear." in n for n in names) else ""
     if "lm_head.weight" in names or "output.weight" in names:
         head = "lm_head" if "lm_head.weight" in names else "output"
     else:  # no head saved: the release's own name (the rules then match nothing there)
         head = "lm_head" if qkv else "output"
-    deepseek = any(".attention.wkv_a." in n for n in names)  # MLA
-    qwen3 = any(".attention.q_norm." in n for n in names)  # (DeepSeek's q_norm is its q_a norm)
-    if deepseek:
-        family, rules = "deepseek_v3", "torchtitan_deepseek_v3_moe.rules"
-    elif qwen3:
-        family, rules = "qwen3", "torchtitan_qwen3.rules"
-    else:
-        family, rules = "llama", "torchtitan_llama.rules"
     bias = any(_EXPERT_BIAS.match(n) for n in names)
+    keeps = bool(known[family].get("KEEPS_EXPERT_BIAS", False))
     rule_vars = {
         "qkv": qkv,
         "head": head,
         "freqs_cis": "freqs_cis" in names,
         "dense_ffn": any(".feed_forward." in n for n in names),
         "shared_experts": any(".moe.shared_experts." in n for n in names),
-        # DeepSeek V3's e_score_correction_bias; HF's Qwen3-MoE has none (dropped, noted)
-        "expert_bias_to_hf": bias and deepseek,
-        "expert_bias_dropped": bias and not deepseek,
+        # kept as a param (DeepSeek V3's e_score_correction_bias), else dropped (noted)
+        "expert_bias_to_hf": bias and keeps,
+        "expert_bias_dropped": bias and not keeps,
     }
-    if deepseek:
-        rule_vars["q_lora"] = any(".attention.wq_a." in n for n in names)
-        rule_vars["mtp"] = any(n.startswith("mtp_layers.") for n in names)
-    moe = any(".moe." in n for n in names)
-    return Dialect(family, rules, rule_vars, moe=moe)
+    for var, mark in dict(known[family].get("FLAGS", {})).items():
+        rule_vars[var] = any(mark in n for n in names)
+    return Dialect(family, rule_vars, moe=any(".moe." in n for n in names))
 
 
 def split_fused_qkv(
@@ -244,8 +271,6 @@ def num_experts(cfg) -> int | None:
     """The number of routed experts a model config declares, or None (no config, or not MoE)."""
     if cfg is None:
         return None
-    from hybridckpt import models
-
     for key in ("num_experts", "n_routed_experts", "num_local_experts"):
         v = models.rule_variables(cfg).get(key, getattr(cfg, key, None))
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
@@ -264,7 +289,7 @@ def moe_tensors(
     bias = sorted(n for n in tensors if _EXPERT_BIAS.match(n))
     if not grouped and not bias:
         return tensors, slots, notes
-    kept = bool(dialect(tensors).rule_vars["expert_bias_to_hf"])
+    kept = dialect(tensors).keeps_expert_bias()
     counts = expert_counts(tensors, num_experts(cfg), what)
     count = tensors[grouped[0]].shape[0] if grouped else 0
     tensors = split_experts(tensors, counts, what)

@@ -14,7 +14,8 @@ Modules:
 - `storage`   the `.distcp` files; global tensors assembled lazily from plain and flattened
               blocks (a box reads only the byte ranges it needs).
 - `reader`    `detect`, `open`: the three folders -> params, Adam moments, masters, the step
-              from the beta pows, trainer state; HF names via `rules/flex_llama.rules`.
+              from the beta pows, trainer state; HF names via the family's flex_checkpoint
+              dialect (`reader.hf_rules`).
 - `aoa_syntax` AOA config files and statements (tokens, names, attributes, macro tags).
 - `aoa`       Paddle's AOA key-mapping statements translated into hybridckpt's rules language
               (`--rules FILE.aoa`: one rule set per statement, applied in order), and their

@@ -4,7 +4,8 @@ default `save_checkpoint_format="flex_checkpoint"`), or one bare `dist.save_stat
 A Trainer step folder (PaddlePaddle/PaddleFormers: paddleformers/trainer/trainer.py and
 trainer/utils/flex_async_save.py `FlexAsyncSaver._plan`) holds three sibling FlexCheckpoints:
 - `model_state/`: `model.sharded_state_dict()` under HF names; Linear weights in Paddle's
-  `[in, out]` layout (mapped to HF by `rules/flex_llama.rules`), embeddings `[vocab, hidden]`;
+  `[in, out]` layout (mapped to HF by the family's flex_checkpoint dialect, `hf_rules`),
+  embeddings `[vocab, hidden]`;
   dtype as trained (bf16 params stay bf16: each tensor's dtype is its own metadata's, never the
   optimizer's, which Paddle #76538 had to fix for loads of both at once);
 - `optimizer_state/`: `optimizer.sharded_state_dict(...)` minus the `.w_0` keys:
@@ -29,11 +30,10 @@ from __future__ import annotations
 import json
 import os
 import re
-from importlib import resources
 
 import numpy as np
 
-from hybridckpt import lazy
+from hybridckpt import lazy, models
 from hybridckpt.containers.pickle.allow import Stub
 from hybridckpt.containers.pickle.machine import safe_load_file
 from hybridckpt.errors import FormatError, HybridCkptError
@@ -58,9 +58,31 @@ from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
 NAME = "flex-checkpoint"
 MODEL, OPTIMIZER, MASTER = "model_state", "optimizer_state", "master_weight"
-HF_RULES = "flex_llama.rules"
+DIALECT = "flex_checkpoint"  # models/<family>/dialects/flex_checkpoint.{py,rules}
+CATCH_ALL = "* -> *"  # every tensor no family rule names is stored as HF stores it
 EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 _STATE_RE = re.compile(r"^(?P<name>.+)\.(?P<acc>[a-z0-9_]+?)_(?P<n>\d+)$")
+
+
+def hf_rules(cfg, notes: list[str]) -> str:
+    """The rules from the model_state's names and layouts to HF's: the flex_checkpoint dialect of
+    `cfg`'s family (the nn.Linear weights it transposes), then `CATCH_ALL`. Without a config, or
+    for a family without that dialect, every family's dialect at once (the Linear weights any of
+    them names; they agree where they share names), noted."""
+    fam = models.family_of(cfg) if cfg is not None else None
+    own = fam.dialect(DIALECT) if fam is not None else None
+    if own is not None:
+        return f"{own.rules_text()}\n{CATCH_ALL}\n"
+    texts = {}
+    for d in models.dialects(DIALECT).values():
+        text, origin = d.rules()
+        texts.setdefault(origin, text)
+    why = "no model config" if fam is None else f"{fam.name} has no flex_checkpoint dialect"
+    notes.append(
+        f"{why}: the nn.Linear weights every family's flex_checkpoint dialect names are "
+        f"transposed ({' + '.join(texts)})"
+    )
+    return "\n".join([*texts.values(), CATCH_ALL, ""])
 
 
 def is_flex_folder(path: str) -> bool:
@@ -308,10 +330,7 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         path=path,
         tensors=tensors,
         optimizer=optimizer,
-        # the rules file as `rules_files.rules_text` reads it (that module loads `aoa`, which is ours)
-        hf_rules=resources.files("hybridckpt.formats")
-        .joinpath("rules", HF_RULES)
-        .read_text("utf-8"),
+        hf_rules=hf_rules(cfg, notes),
         config=cfg,
         step=global_step if isinstance(global_step, int) else step,
         topology={"writers": len(writers)},

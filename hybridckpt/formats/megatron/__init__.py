@@ -23,13 +23,13 @@ Layout (NVIDIA/Megatron-LM:megatron/training/checkpointing.py `get_checkpoint_na
   the embedding on a sample of rows and dropped.
 
 The tensors returned are mcore-named, global (layers numbered 0..L-1, TP merged, padded vocab);
-`hf_rules` (the rules file `config.FAMILY_RULES` names for the model's family, e.g.
-`rules/megatron_llama.rules`) maps them to HF names. Optimizer state: distributed optimizer
+`hf_rules` (the rules of the model family's megatron dialect, e.g.
+`models/llama/dialects/megatron.rules`) maps them to HF names. Optimizer state: distributed optimizer
 buffers or the torch optimizer state, merged the same way, as slots under torch's names.
 
 Modules: `layout` (files, tracker, rank folders, parallel degrees), `model` (model chunks,
-layer numbering, TP merge, the tied head's copy), `config` (args -> HF config, rules per
-family), `optimizer` (one rank's optimizer state decoded), `reader` (`open`).
+layer numbering, TP merge, the tied head's copy), `config` (args -> HF config and the
+family's dialect), `optimizer` (one rank's optimizer state decoded), `reader` (`open`).
 """
 
 from __future__ import annotations

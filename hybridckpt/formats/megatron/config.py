@@ -8,23 +8,35 @@ megatron/training/arguments.py): `normalization` ("LayerNorm" / "RMSNorm"), `swi
 (older `layernorm_epsilon`), `rotary_base`, `untie_embeddings_and_output_weights`,
 `max_position_embeddings` (else `seq_length`), and the vocabulary: `padded_vocab_size` rows are
 stored, `vocab_size` of them real (absent in many runs: then the given `--config` says it).
-Llama's layout splits three ways by its attention: q/k/v biases alone (`--add-qkv-bias`, with
-`add_bias_linear` false: Qwen2), per-head q/k norms (`--qk-layernorm`: Qwen3), or neither
-(Llama). Megatron's linear_qkv has a bias when `add_bias_linear or add_qkv_bias`
-(megatron/core/transformer/attention.py `SelfAttention.__init__`).
+Megatron's linear_qkv has a bias when `add_bias_linear or add_qkv_bias`
+(megatron/core/transformer/attention.py `SelfAttention.__init__`). Mixture-of-experts runs
+(`--num-experts`) add the router's facts and the dense layers (`moe_config`).
 
-Mixture-of-experts runs (`--num-experts`, `--moe-router-topk`, `--moe-ffn-hidden-size`,
-`--moe-router-pre-softmax`) are Mixtral (Llama's attention) or Qwen3-MoE (`--qk-layernorm`);
-with multi-latent attention (`--multi-latent-attention`), a sigmoid router with an expert bias
-and shared experts they are DeepSeek V3 (`moe_config`: the router's facts, dense layers from
-`--moe-layer-freq`: Qwen3-MoE's `mlp_only_layers`, DeepSeek's `first_k_dense_replace`).
-
-`ARCHITECTURES` says which HF architecture a set of those choices is and which `config.json` key
-each size goes to; the HF dict is read by `models.config_from_hf`, so the model config is the
-family's own. `FAMILY_RULES`, keyed by the family that config belongs to, names the rules file
-from Megatron's (mcore, global, TP-merged) names to HF names and the remarks `inspect` shows;
-the rule variables are the family's (`models.rule_variables`) plus Megatron's own
-(`padded_vocab`, `swiglu`, `tied`, `te_norms`). A family without an entry is a FormatError.
+Which family those choices describe is the family's to say, not this module's: a family Megatron
+trains has a megatron dialect (`models/<family>/dialects/megatron.py`, its matcher, and
+`megatron.rules`, Megatron's mcore, global, TP-merged names -> its HF names), found through the
+registry (`models.dialects("megatron")`). Here the args become facts and values (Megatron's own
+semantics); each family's matcher says which facts are its own and where each value goes:
+- `DESCRIPTION`: how messages name it ("Llama");
+- `MATCH`: fact -> the value the args must show. Facts (`facts`): normalization, swiglu,
+  position_embedding, qkv_bias, linear_bias, qk_layernorm, moe (`--num-experts`), mla
+  (`--multi-latent-attention`) and, with experts, the router's (`moe_config.routing_facts`:
+  pre_softmax, dense_layers, sigmoid, expert_bias, shared_experts, grouped, scaled); any other
+  key is an args attribute, compared as saved. `moe` and `mla` are False unless the matcher says
+  otherwise. A fact the args do not record (an older Megatron) passes; when several families
+  fit, the one that wants every unrecorded fact False (the feature absent) is taken, and a tie
+  beyond that is refused;
+- `HF_KEYS`: a value (`_values`: vocab_size, hidden_size, ffn_hidden_size, num_layers,
+  num_heads, num_query_groups, head_dim, norm_eps, rope_theta, tied, max_positions,
+  num_experts, moe_topk, moe_ffn_hidden_size, norm_topk_prob, dense_layers) -> its config.json
+  key; the config.json `architectures` is the family's first HF architecture;
+- `NOTES` (optional): `(when, text)` remarks for `inspect`, made when every fact in `when` has
+  the given value (facts: the rule variables plus `openai_gelu`);
+- `hf_extra(arg, values, file)` (optional): more config.json keys the args give (DeepSeek V3's
+  MLA and router); `arg(name, default=None)` reads the args.
+The HF dict is read by `models.config_from_hf`, so the model config is the family's own; the
+rule variables are the family's (`models.rule_variables`) plus Megatron's own (`padded_vocab`,
+`swiglu`, `tied`, `te_norms`). A family without a megatron dialect is a FormatError.
 Refused outright: interleaved (Meta-style) RoPE, partial RoPE, `apply_layernorm_1p` norms.
 
 RoPE scaling (`_rope_scaling`, HF's `rope_scaling` dict), as Megatron's `RotaryEmbedding` computes
@@ -34,279 +46,150 @@ it (megatron/core/models/common/embeddings/rotary_pos_embedding.py):
   `original_max_position_embeddings` 8192): HF's `{"rope_type": "llama3", "factor": F, ...}`;
 - `--rotary-seq-len-interpolation-factor F`: positions divided by F before the frequencies, HF's
   `{"rope_type": "linear", "factor": F}`;
-both at once is refused (HF has no dict for it).
+both at once is refused (HF has no dict for it). Multi-latent attention rotates its own way
+(`--rope-type yarn`): its family's `hf_extra` says it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from hybridckpt import models
 from hybridckpt.errors import ConfigError, FormatError
 from hybridckpt.formats.megatron.layout import arg
-from hybridckpt.formats.megatron.moe_config import deepseek_v3_hf, dense_layers, routing_facts
+from hybridckpt.formats.megatron.moe_config import dense_layers, routing_facts
+from hybridckpt.models.dialect import most_specific
+
+DIALECT = "megatron"  # models/<family>/dialects/megatron.{py,rules}
+# the facts every matcher has, whether it names them or not
+FACT_DEFAULTS = {"moe": False, "mla": False}
+_BASE = ("normalization", "swiglu", "position_embedding")
+_ATTENTION = ("qkv_bias", "linear_bias", "qk_layernorm")
 
 
 @dataclass(frozen=True)
 class Architecture:
-    """An HF architecture Megatron args can describe.
+    """A family's megatron dialect, as this module reads it (see the module docstring).
 
-    hf_architecture: the `architectures` entry of its config.json
-    description:     how error messages name it ("Llama", "GPT-2")
-    normalization, swiglu, position_embedding: the args that select it
-    hf_keys:         our name of a value read from args (`_values`) -> its config.json key
-    attention:       facts about the attention (`_attention_facts`) the args must agree with;
-                     a fact the args do not record (an older Megatron) is not checked
-    moe:             routed experts (`--num-experts`)
-    routing:         facts about the router and the MoE layers (`moe_config.routing_facts`)
-                     the args must agree with
-    mla:             multi-latent attention (`--multi-latent-attention`)
-    hf_extra:        more config.json keys, from args (DeepSeek V3's MLA and router)
+    family:          the family's name
+    hf_architecture: the `architectures` entry of the config.json the args give
+    description:     how messages name it ("Llama", "GPT-2")
+    match:           fact -> value the args must show (`FACT_DEFAULTS` filled in)
+    hf_keys:         a value read from args (`_values`) -> its config.json key
+    hf_extra:        more config.json keys, from args (`hf_extra(arg, values, file)`)
+    notes:           `(when, text)` remarks for `inspect`
+    dialect:         the registry's record (its rules: `dialect.rules()`)
     """
 
+    family: str
     hf_architecture: str
     description: str
-    normalization: str
-    swiglu: bool
-    position_embedding: str
+    match: Mapping[str, Any]
     hf_keys: Mapping[str, str]
-    attention: Mapping[str, bool] = field(default_factory=dict)
-    moe: bool = False
-    routing: Mapping[str, bool] = field(default_factory=dict)
-    mla: bool = False
-    hf_extra: Callable[[Any, str], dict] | None = None
+    hf_extra: Callable[..., dict] | None
+    notes: tuple[tuple[Mapping[str, Any], str], ...]
+    dialect: models.Dialect
+
+    @property
+    def swiglu(self) -> bool:
+        return bool(self.match.get("swiglu"))
+
+    @property
+    def position_embedding(self) -> str:
+        return self.match.get("position_embedding")
 
     def summary(self) -> str:
         act = "SwiGLU" if self.swiglu else "GELU"
-        extra = "".join(f", {k}={v}" for k, v in self.attention.items() if v)
-        extra += ", experts" if self.moe else ""
-        extra += ", multi-latent attention" if self.mla else ""
-        extra += "".join(f", {k}={v}" for k, v in self.routing.items())
-        return f"{self.description} ({self.normalization}, {act}, {self.position_embedding}{extra})"
-
-    def matches(
-        self,
-        swiglu: bool,
-        norm: str,
-        pos: str,
-        attention: Mapping[str, bool | None],
-        moe: bool = False,
-        routing: Mapping[str, bool | None] | None = None,
-        mla: bool = False,
-    ) -> bool:
-        """The args' choices are this architecture's (unrecorded attention facts pass)."""
-        if (self.swiglu, self.normalization, self.position_embedding) != (swiglu, norm, pos):
-            return False
-        if (self.moe, self.mla) != (moe, mla):
-            return False
-        if not all((routing or {}).get(k) in (None, want) for k, want in self.routing.items()):
-            return False
-        return all(attention.get(k) in (None, want) for k, want in self.attention.items())
-
-
-# Llama's config.json keys, shared by the families built on its layout (Qwen2, Qwen3)
-LLAMA_HF_KEYS = {
-    "vocab_size": "vocab_size",
-    "hidden_size": "hidden_size",
-    "ffn_hidden_size": "intermediate_size",
-    "num_layers": "num_hidden_layers",
-    "num_heads": "num_attention_heads",
-    "num_query_groups": "num_key_value_heads",
-    "head_dim": "head_dim",
-    "norm_eps": "rms_norm_eps",
-    "rope_theta": "rope_theta",
-    "tied": "tie_word_embeddings",
-    "max_positions": "max_position_embeddings",
-}
-
-# Mixture-of-experts (`--num-experts`): the experts' size is `moe_ffn_hidden_size`; Mixtral has
-# no dense MLP, so its `intermediate_size` is the experts'. Megatron's default router (top-k of
-# the logits, then a softmax over the k: moe/moe_utils.py `topk_routing_with_score_function`,
-# `use_pre_softmax=False`) equals HF's softmax over all experts, top-k, renormalised (Mixtral;
-# Qwen3-MoE `norm_topk_prob=True`); `--moe-router-pre-softmax` (softmax, top-k, no
-# renormalisation) is Qwen3-MoE's `norm_topk_prob=False` (Megatron-Bridge qwen3_moe_bridge.py:
-# `moe_router_pre_softmax = not norm_topk_prob`).
-# Mixtral and Qwen3-MoE: a softmax router over routed experts only
-SOFTMAX_ROUTER = {
-    "sigmoid": False,
-    "expert_bias": False,
-    "shared_experts": False,
-    "grouped": False,
-    "scaled": False,
-}
-MIXTRAL_HF_KEYS = {
-    **{k: v for k, v in LLAMA_HF_KEYS.items() if k != "ffn_hidden_size"},
-    "moe_ffn_hidden_size": "intermediate_size",
-    "num_experts": "num_local_experts",
-    "moe_topk": "num_experts_per_tok",
-}
-QWEN3_MOE_HF_KEYS = {
-    **LLAMA_HF_KEYS,
-    "moe_ffn_hidden_size": "moe_intermediate_size",
-    "num_experts": "num_experts",
-    "moe_topk": "num_experts_per_tok",
-    "norm_topk_prob": "norm_topk_prob",
-    "mlp_only_layers": "mlp_only_layers",
-}
-
-ARCHITECTURES = (
-    Architecture(
-        "LlamaForCausalLM",
-        "Llama",
-        normalization="RMSNorm",
-        swiglu=True,
-        position_embedding="rope",
-        hf_keys=LLAMA_HF_KEYS,
-        attention={"qkv_bias": False, "qk_layernorm": False},
-    ),
-    Architecture(
-        "Qwen2ForCausalLM",
-        "Qwen2",
-        normalization="RMSNorm",
-        swiglu=True,
-        position_embedding="rope",
-        hf_keys=LLAMA_HF_KEYS,
-        attention={"qkv_bias": True, "linear_bias": False, "qk_layernorm": False},
-    ),
-    Architecture(
-        "Qwen3ForCausalLM",
-        "Qwen3",
-        normalization="RMSNorm",
-        swiglu=True,
-        position_embedding="rope",
-        hf_keys=LLAMA_HF_KEYS,
-        attention={"qkv_bias": False, "qk_layernorm": True},
-    ),
-    Architecture(
-        "MixtralForCausalLM",
-        "Mixtral",
-        normalization="RMSNorm",
-        swiglu=True,
-        position_embedding="rope",
-        hf_keys=MIXTRAL_HF_KEYS,
-        attention={"qkv_bias": False, "qk_layernorm": False},
-        moe=True,
-        routing={"pre_softmax": False, "dense_layers": False, **SOFTMAX_ROUTER},
-    ),
-    Architecture(
-        "Qwen3MoeForCausalLM",
-        "Qwen3-MoE",
-        normalization="RMSNorm",
-        swiglu=True,
-        position_embedding="rope",
-        hf_keys=QWEN3_MOE_HF_KEYS,
-        attention={"qkv_bias": False, "qk_layernorm": True},
-        moe=True,
-        routing=SOFTMAX_ROUTER,
-    ),
-    Architecture(
-        "DeepseekV3ForCausalLM",
-        "DeepSeek V3",
-        normalization="RMSNorm",
-        swiglu=True,
-        position_embedding="rope",
-        hf_keys={k: v for k, v in LLAMA_HF_KEYS.items() if k not in ("head_dim",)},
-        attention={"qkv_bias": False},
-        moe=True,
-        routing={"sigmoid": True, "expert_bias": True, "shared_experts": True},
-        mla=True,
-        hf_extra=deepseek_v3_hf,
-    ),
-    Architecture(
-        "GPT2LMHeadModel",
-        "GPT-2",
-        normalization="LayerNorm",
-        swiglu=False,
-        position_embedding="learned_absolute",
-        hf_keys={
-            "vocab_size": "vocab_size",
-            "hidden_size": "n_embd",
-            "ffn_hidden_size": "n_inner",
-            "num_layers": "n_layer",
-            "num_heads": "n_head",
-            "norm_eps": "layer_norm_epsilon",
-            "max_positions": "n_positions",
-        },
-    ),
-)
-
-
-@dataclass(frozen=True)
-class Note:
-    """A remark for `inspect`, made when every fact in `when` has the given value (facts: the
-    rule variables plus `openai_gelu`)."""
-
-    when: Mapping[str, Any]
-    text: str
-
-
-@dataclass(frozen=True)
-class FamilyRules:
-    """How a family's Megatron names map to HF: `hf_rules` (a file in formats/rules/) and the
-    remarks that go with them."""
-
-    hf_rules: str
-    notes: tuple[Note, ...] = field(default=())
-
-
-FAMILY_RULES: Mapping[str, FamilyRules] = {
-    "llama": FamilyRules("megatron_llama.rules"),
-    "mixtral": FamilyRules("megatron_mixtral.rules"),
-    "qwen3_moe": FamilyRules("megatron_qwen3_moe.rules"),
-    "deepseek_v3": FamilyRules("megatron_deepseek_v3.rules"),
-    "qwen2": FamilyRules("megatron_qwen2.rules"),
-    "qwen3": FamilyRules("megatron_qwen3.rules"),
-    "gpt2": FamilyRules(
-        "megatron_gpt2.rules",
-        notes=(
-            Note(
-                {"openai_gelu": False},
-                "Megatron's GELU is erf-based (F.gelu); GPT2LMHeadModel uses gelu_new (tanh "
-                "approximation)",
-            ),
-            Note(
-                {"tied": False},
-                "untied output layer: GPT2LMHeadModel ties lm_head to wte and ignores "
-                "lm_head.weight",
-            ),
-        ),
-    ),
-}
-
-
-def family_rules(cfg, file: str) -> FamilyRules:
-    """The entry of `FAMILY_RULES` for `cfg`'s family; a FormatError when Megatron has none."""
-    entry = FAMILY_RULES.get(cfg.family)
-    if entry is None:
-        raise FormatError(
-            f"{file}: the model is a {cfg.family} ({type(cfg).__name__}); Megatron checkpoints "
-            f"are read for the families {sorted(FAMILY_RULES)}"
+        m = self.match
+        extra = ", experts" if m.get("moe") else ""
+        extra += ", multi-latent attention" if m.get("mla") else ""
+        extra += "".join(
+            f", {k}={v}" for k, v in m.items() if k not in (*_BASE, *FACT_DEFAULTS) and v
         )
-    return entry
+        return f"{self.description} ({m.get('normalization')}, {act}, {m.get('position_embedding')}{extra})"
+
+    def score(self, facts: Mapping[str, Any]) -> int | None:
+        """None when the args' facts contradict this family's; else minus the number of facts
+        the args do not record that this family wants other than False (module docstring)."""
+        if any(facts.get(k) not in (None, want) for k, want in self.match.items()):
+            return None
+        return -sum(facts.get(k) is None and want is not False for k, want in self.match.items())
 
 
-def notes_for(entry: FamilyRules, facts: Mapping[str, Any]) -> list[str]:
-    """The entry's remarks whose conditions `facts` meet."""
-    return [n.text for n in entry.notes if all(facts.get(k) == v for k, v in n.when.items())]
+def _architecture(family: str, d: models.Dialect) -> Architecture:
+    fam = models.family_named(family)
+    match = {**FACT_DEFAULTS, **dict(d.get("MATCH") or {})}
+    missing = [k for k in _BASE if k not in match]
+    if missing or not isinstance(d.get("HF_KEYS"), Mapping):
+        raise ConfigError(
+            f"{d.package}.{d.name}: a megatron matcher needs MATCH with {list(_BASE)} (missing "
+            f"{missing}) and HF_KEYS"
+        )
+    return Architecture(
+        family=family,
+        hf_architecture=fam.hf_architectures[0],
+        description=d.get("DESCRIPTION", family),
+        match=match,
+        hf_keys=dict(d.get("HF_KEYS")),
+        hf_extra=d.get("hf_extra"),
+        notes=tuple(d.get("NOTES", ())),
+        dialect=d,
+    )
+
+
+def architectures() -> tuple[Architecture, ...]:
+    """Every family's megatron dialect (families in the registry's order)."""
+    return tuple(_architecture(f, d) for f, d in models.dialects(DIALECT).items())
+
+
+def family_architecture(cfg, file: str) -> Architecture:
+    """The megatron dialect of `cfg`'s family; a FormatError when it has none."""
+    fam = models.family_of(cfg)
+    d = fam.dialect(DIALECT)
+    if d is None:
+        raise FormatError(
+            f"{file}: the model is a {fam.name} ({type(cfg).__name__}); Megatron checkpoints "
+            f"are read for the families {sorted(models.dialects(DIALECT))}"
+        )
+    return _architecture(fam.name, d)
+
+
+def notes_for(a: Architecture, facts: Mapping[str, Any]) -> list[str]:
+    """The family's remarks whose conditions `facts` meet."""
+    return [text for when, text in a.notes if all(facts.get(k) == v for k, v in when.items())]
 
 
 # -- architecture from args -------------------------------------------------------------------------
 
 
-def architecture(args, file: str) -> Architecture:
-    """The entry of `ARCHITECTURES` the args describe (FormatError naming them when none)."""
-    norm = arg(args, "normalization", "LayerNorm")
+def facts(args, file: str) -> dict[str, Any]:
+    """What the args say about the architecture (module docstring); None where unrecorded."""
     pos = arg(args, "position_embedding_type")
     if pos is None:
         pos = "rope" if arg(args, "use_rotary_position_embeddings") else "learned_absolute"
-    swiglu = bool(arg(args, "swiglu", False))
+    moe = bool(arg(args, "num_experts"))
+    return {
+        "normalization": arg(args, "normalization", "LayerNorm"),
+        "swiglu": bool(arg(args, "swiglu", False)),
+        "position_embedding": pos,
+        **_attention_facts(args),
+        "moe": moe,
+        "mla": bool(arg(args, "multi_latent_attention", False)),
+        **(routing_facts(args, file) if moe else {}),
+    }
+
+
+def architecture(args, file: str) -> Architecture:
+    """The family the args describe (FormatError naming them when none, or several alike)."""
     if arg(args, "rotary_interleaved"):
         raise FormatError(
             f"{file}: args.rotary_interleaved=True (Meta-style RoPE pairs) is not supported"
         )
-    if pos == "rope" and (arg(args, "rotary_percent", 1.0) or 1.0) != 1.0:
+    f = facts(args, file)
+    if f["position_embedding"] == "rope" and (arg(args, "rotary_percent", 1.0) or 1.0) != 1.0:
         raise FormatError(
             f"{file}: args.rotary_percent={arg(args, 'rotary_percent')} (partial RoPE) is not supported"
         )
@@ -314,21 +197,26 @@ def architecture(args, file: str) -> Architecture:
         raise FormatError(
             f"{file}: args.apply_layernorm_1p=True (norm weights stored minus 1) is not supported"
         )
-    attention = _attention_facts(args)
-    moe = bool(arg(args, "num_experts"))
-    routing = routing_facts(args, file) if moe else {}
-    mla = bool(arg(args, "multi_latent_attention", False))
-    for a in ARCHITECTURES:
-        if a.matches(swiglu, norm, pos, attention, moe, routing, mla):
-            return a
-    recorded = "".join(f", {k}={v}" for k, v in attention.items() if v is not None)
-    recorded += f", num_experts={arg(args, 'num_experts')}" if moe else ""
-    recorded += ", multi_latent_attention=True" if mla else ""
+    known = architectures()
+    scores = {}
+    for a in known:
+        extra = {k: arg(args, k) for k in a.match if k not in f}  # other args, as saved
+        scores[a.family] = a.score({**f, **extra})
+    best = most_specific(scores)
+    if len(best) == 1:
+        return next(a for a in known if a.family == best[0])
+    routing = {k: v for k, v in f.items() if k not in (*_BASE, *_ATTENTION, "moe", "mla")}
+    recorded = "".join(f", {k}={f[k]}" for k in _ATTENTION if f[k] is not None)
+    recorded += f", num_experts={arg(args, 'num_experts')}" if f["moe"] else ""
+    recorded += ", multi_latent_attention=True" if f["mla"] else ""
     recorded += "".join(f", {k}={v}" for k, v in routing.items())
-    raise FormatError(
-        f"{file}: args describe normalization={norm}, swiglu={swiglu}, position_embedding_type={pos}"
-        f"{recorded}: neither {' nor '.join(a.summary() for a in ARCHITECTURES)}"
+    described = (
+        f"{file}: args describe normalization={f['normalization']}, swiglu={f['swiglu']}, "
+        f"position_embedding_type={f['position_embedding']}{recorded}"
     )
+    if best:
+        raise FormatError(f"{described}: the families {best} fit alike")
+    raise FormatError(f"{described}: neither {' nor '.join(a.summary() for a in known)}")
 
 
 def _attention_facts(args) -> dict[str, bool | None]:
@@ -389,7 +277,7 @@ def _values(args, vocab: int) -> dict[str, Any]:
         "moe_topk": arg(args, "moe_router_topk", 2) or 2,
         "moe_ffn_hidden_size": arg(args, "moe_ffn_hidden_size") or arg(args, "ffn_hidden_size"),
         "norm_topk_prob": not arg(args, "moe_router_pre_softmax", False),
-        "mlp_only_layers": dense_layers(args, "args") if arg(args, "num_experts") else [],
+        "dense_layers": dense_layers(args, "args") if arg(args, "num_experts") else [],
     }
 
 
@@ -422,11 +310,18 @@ def hf_config(args, config, file: str) -> dict[str, Any]:
     """The HF `config.json` dict `args` describe (true vocab from args or the given `config`)."""
     a = architecture(args, file)
     values = _values(args, _true_vocab(args, config, file))
+    unknown = sorted(set(a.hf_keys) - set(values))
+    if unknown:
+        raise ConfigError(
+            f"{a.dialect.package}.{a.dialect.name}: HF_KEYS names values {unknown}; the args "
+            f"give {sorted(values)}"
+        )
     out = {"architectures": [a.hf_architecture], **{k: values[v] for v, k in a.hf_keys.items()}}
     if a.hf_extra is not None:
-        out.update(a.hf_extra(args, file))
-    # MLA's RoPE (yarn) is its architecture's `hf_extra`
-    scaling = _rope_scaling(args, file) if a.position_embedding == "rope" and not a.mla else None
+        out.update(a.hf_extra(lambda name, default=None: arg(args, name, default), values, file))
+    # multi-latent attention rotates its own way (yarn): its family's `hf_extra` says how
+    mla = bool(arg(args, "multi_latent_attention", False))
+    scaling = _rope_scaling(args, file) if a.position_embedding == "rope" and not mla else None
     if scaling is not None:
         out["rope_scaling"] = scaling
     return out
@@ -435,8 +330,6 @@ def hf_config(args, config, file: str) -> dict[str, Any]:
 def model_config(args, config, file: str):
     """The model config (`models.config_from_hf` of `hf_config`); a given `config` must agree
     with it field by field."""
-    from hybridckpt import models
-
     cfg = models.config_from_hf(hf_config(args, config, file), source=file)
     if config is not None:
         _check_config(cfg, config, file)

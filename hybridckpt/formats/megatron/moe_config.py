@@ -1,6 +1,5 @@
-"""What a Megatron-LM mixture-of-experts run's `args` say about its router, its layers and, for
-DeepSeek V3, its multi-latent attention: the facts `config.architecture` matches and the HF
-`config.json` values they give.
+"""What a Megatron-LM mixture-of-experts run's `args` say about its router and its layers: the
+facts the families' megatron matchers compare (`config.architecture`) and the dense layers.
 
 Router (NVIDIA/Megatron-LM: megatron/core/transformer/moe/moe_utils.py
 `topk_routing_with_score_function`, megatron/training/arguments.py `_add_moe_args`):
@@ -18,25 +17,14 @@ Router (NVIDIA/Megatron-LM: megatron/core/transformer/moe/moe_utils.py
   `n_shared_experts = S / moe_intermediate_size`);
 - `--moe-layer-freq` (`dense_layers`): dense layers among the MoE ones (Qwen3-MoE
   `mlp_only_layers`, DeepSeek V3 `first_k_dense_replace`).
-Multi-latent attention (`--multi-latent-attention`, megatron/core/transformer/
-multi_latent_attention.py, transformer_config.py `MLATransformerConfig`): `--q-lora-rank`
-(None: a plain `linear_q_proj`), `--kv-lora-rank`, `--qk-head-dim` (HF `qk_nope_head_dim`),
-`--qk-pos-emb-head-dim` (`qk_rope_head_dim`), `--v-head-dim`; the RoPE half of q and k is
-de-interleaved before rotation (rope_utils.py `_apply_rotary_pos_emb_bshd`,
-`multi_latent_attention=True`) as HF's `rope_interleave=True` does; `--rope-type yarn` (MLA's
-default) with `--rotary-scaling-factor`, `--mscale`, `--mscale-all-dim` and the config's
-`original_max_position_embeddings` 4096, `beta_fast` 32, `beta_slow` 1 is HF's DeepSeek yarn.
+Multi-latent attention (`--multi-latent-attention`) and what the router's facts become in an HF
+config.json are the family's (e.g. models/deepseek_v3/dialects/megatron.py `hf_extra`).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from hybridckpt.errors import FormatError
 from hybridckpt.formats.megatron.layout import arg
-
-# MLATransformerConfig's yarn defaults the args do not carry (transformer_config.py)
-MLA_YARN_DEFAULTS = {"original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1}
 
 
 def dense_layers(args, file: str) -> list[int]:
@@ -76,62 +64,3 @@ def routing_facts(args, file: str) -> dict[str, bool]:
         "grouped": groups > 1,
         "scaled": factor not in (None, 1, 1.0),
     }
-
-
-def deepseek_v3_hf(args, file: str) -> dict[str, Any]:
-    """The DeepSeek V3 `config.json` keys beyond Llama's that MLA / MoE args give."""
-    dense = dense_layers(args, file)
-    if dense != list(range(len(dense))):
-        raise FormatError(
-            f"{file}: dense layers {dense}: DeepSeek V3 has dense layers only first "
-            f"(first_k_dense_replace)"
-        )
-    moe_ffn = arg(args, "moe_ffn_hidden_size") or arg(args, "ffn_hidden_size")
-    shared = arg(args, "moe_shared_expert_intermediate_size")
-    if shared % moe_ffn:
-        raise FormatError(
-            f"{file}: args.moe_shared_expert_intermediate_size={shared} is no multiple of "
-            f"moe_ffn_hidden_size={moe_ffn} (HF n_shared_experts)"
-        )
-    topk = arg(args, "moe_router_topk", 2)
-    groups = arg(args, "moe_router_num_groups") or 1
-    group_topk = arg(args, "moe_router_group_topk") or 1
-    if groups > 1 and topk // group_topk != 2:
-        raise FormatError(
-            f"{file}: group-limited routing ranks groups by their top topk // group_topk = "
-            f"{topk // group_topk} scores; HF DeepSeek V3 sums the top 2"
-        )
-    out = {
-        "n_routed_experts": arg(args, "num_experts"),
-        "num_experts_per_tok": topk,
-        "moe_intermediate_size": moe_ffn,
-        "n_shared_experts": shared // moe_ffn,
-        "first_k_dense_replace": len(dense),
-        "n_group": groups,
-        "topk_group": group_topk,
-        "routed_scaling_factor": float(arg(args, "moe_router_topk_scaling_factor") or 1.0),
-        "norm_topk_prob": topk > 1,
-        "q_lora_rank": arg(args, "q_lora_rank"),
-        "kv_lora_rank": arg(args, "kv_lora_rank"),
-        "qk_nope_head_dim": arg(args, "qk_head_dim"),
-        "qk_rope_head_dim": arg(args, "qk_pos_emb_head_dim"),
-        "v_head_dim": arg(args, "v_head_dim"),
-        "num_nextn_predict_layers": arg(args, "mtp_num_layers") or 0,  # formats/megatron/mtp.py
-        "rope_interleave": True,
-    }
-    if arg(args, "mtp_use_repeated_layer") and (arg(args, "mtp_num_layers") or 0) > 1:
-        raise FormatError(
-            f"{file}: args.mtp_use_repeated_layer with mtp_num_layers={arg(args, 'mtp_num_layers')}"
-            f": one stored MTP layer applied at every depth, which HF DeepSeek V3 has no name for"
-        )  # multi_token_prediction.py `_build_layers`
-    rope = arg(args, "rope_type") or "yarn"  # arguments.py: "MLA takes yarn by default"
-    factor = float(arg(args, "rotary_scaling_factor", 1.0) or 1.0)
-    if rope == "yarn" and factor != 1.0:
-        out["rope_scaling"] = {
-            "rope_type": "yarn",
-            "factor": factor,
-            "mscale": float(arg(args, "mscale", 1.0)),
-            "mscale_all_dim": float(arg(args, "mscale_all_dim", 0.0)),
-            **{k: arg(args, k, v) for k, v in MLA_YARN_DEFAULTS.items()},
-        }
-    return out

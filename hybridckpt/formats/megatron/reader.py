@@ -1,7 +1,7 @@
 """`open`: a Megatron-LM torch-format checkpoint as lazy global tensors, slots and metadata.
 
 Reads the rank files (`layout`), their model chunks (`model`), the model config the args describe
-and the rules to HF names for its family (`config`), and the optimizer state of every rank
+and the rules to HF names of its family's megatron dialect (`config`), and the optimizer state of every rank
 (`optimizer`: distributed optimizer buffers or the torch optimizer state), merged across tensor
 and pipeline ranks the same way as the weights, as slots under torch's names. The tensors
 returned are mcore-named, global (layers numbered 0..L-1, TP merged, padded vocab); `hf_rules`
@@ -23,7 +23,7 @@ from hybridckpt.containers.pickle import torch_save
 from hybridckpt.errors import FormatError
 from hybridckpt.formats.megatron import mtp
 from hybridckpt.formats.megatron import optimizer as optim
-from hybridckpt.formats.megatron.config import family_rules, model_config, notes_for
+from hybridckpt.formats.megatron.config import family_architecture, model_config, notes_for
 from hybridckpt.formats.megatron.experts import (
     check_complete,
     globalize,
@@ -41,7 +41,6 @@ from hybridckpt.formats.megatron.model import (
     global_name,
     merge_tp,
 )
-from hybridckpt.formats.rules_files import rules_text
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
@@ -54,7 +53,7 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
     rd, tensors, optimizer = read_global(path, config)
     t, args = rd.topo, rd.args
     cfg = model_config(args, config, rd.first_file)
-    rules = family_rules(cfg, rd.first_file)
+    arch = family_architecture(cfg, rd.first_file)
     padded = arg(args, "padded_vocab_size") or tensors[EMBEDDING].shape[0]
     rule_vars = {
         **models.rule_variables(cfg),
@@ -64,14 +63,14 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         "te_norms": any(n.endswith(".linear_qkv.layer_norm_weight") for n in tensors),
     }
     facts = {**rule_vars, "openai_gelu": bool(arg(args, "openai_gelu", False))}
-    rd.notes.extend(notes_for(rules, facts))
+    rd.notes.extend(notes_for(arch, facts))
     step = rd.iteration if isinstance(rd.iteration, int) else None
     return SourceCheckpoint(
         format=NAME,
         path=path,
         tensors=tensors,
         optimizer=optimizer,
-        hf_rules=rules_text(rules.hf_rules),
+        hf_rules=arch.dialect.rules_text(),
         rule_vars=rule_vars,
         config=cfg,
         step=step,

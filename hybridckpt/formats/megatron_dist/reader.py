@@ -6,7 +6,7 @@ the plain DCP reader (`hybridckpt.containers.dcp_metadata`, `formats.dcp.storage
 model tensors under per-layer global Megatron names (`model`), and the optimizer state
 (`optimizer` for model-space formats, `buckets` for `dp_reshardable`). The model config, the
 rules to HF names and the rule variables are the legacy Megatron reader's
-(`formats.megatron.config`: args -> HF config, `FAMILY_RULES`), as the names after `model` are
+(`formats.megatron.config`: args -> HF config, the family's megatron dialect), as the names after `model` are
 the ones that reader produces; without `args` they come from Bridge's / NeMo's YAML (`config`)
 or from the given `--config` alone.
 """
@@ -22,7 +22,7 @@ from hybridckpt.containers.dcp_metadata import read_metadata
 from hybridckpt.errors import ConfigError, FormatError
 from hybridckpt.formats.dcp.storage import check_files, entry_tensor
 from hybridckpt.formats.megatron import mtp
-from hybridckpt.formats.megatron.config import ARCHITECTURES, family_rules, model_config, notes_for
+from hybridckpt.formats.megatron.config import family_architecture, model_config, notes_for
 from hybridckpt.formats.megatron.experts import zero_buffer_state
 from hybridckpt.formats.megatron.layout import Topology, arg, topology
 from hybridckpt.formats.megatron.model import tp_variables
@@ -30,7 +30,7 @@ from hybridckpt.formats.megatron.reader import trainer_metadata
 from hybridckpt.formats.megatron_dist import buckets, common, model, optimizer
 from hybridckpt.formats.megatron_dist import config as mconfig
 from hybridckpt.formats.megatron_dist.layout import Location, check_backend, locate
-from hybridckpt.formats.rules_files import load_rules, rules_text
+from hybridckpt.formats.rules_files import load_rules
 from hybridckpt.formats.torch_optim import check_complete
 from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
@@ -98,7 +98,7 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         "te_norms": any(n.endswith(".linear_qkv.layer_norm_weight") for n in tensors),
     }
     notes.extend(
-        notes_for(m.rules, {**rule_vars, "openai_gelu": bool(arg(m.args, "openai_gelu", False))})
+        notes_for(m.arch, {**rule_vars, "openai_gelu": bool(arg(m.args, "openai_gelu", False))})
     )
     iteration = com.state.get("iteration", com.state.get("global_step", loc.iteration))
     skipped = len(md.bytes_items) - (common.COMMON_OBJECT in md.bytes_items)
@@ -112,7 +112,7 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         path=path,
         tensors=tensors,
         optimizer=opt,
-        hf_rules=rules_text(m.rules.hf_rules),
+        hf_rules=m.arch.dialect.rules_text(),
         rule_vars=rule_vars,
         config=m.cfg,
         step=iteration if isinstance(iteration, int) else None,
@@ -125,13 +125,13 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
 @dataclass(frozen=True)
 class _Model:
     """What the checkpoint says its model is: `args` (Megatron-LM's, or rebuilt from Bridge's /
-    NeMo's YAML; None when only `--config` tells), where they were read, the model config, the
-    family's rules, and the two layout facts the rules need."""
+    NeMo's YAML; None when only `--config` tells), where they were read, the model config, its
+    family's megatron dialect (`config.Architecture`), and the two layout facts the rules need."""
 
     args: Any
     where: str
     cfg: Any
-    rules: Any
+    arch: Any
     swiglu: bool
     tied: bool
     from_args: bool
@@ -152,16 +152,15 @@ def _model(loc: Location, com: common.Common, config, padded: int, notes: list[s
             )
     told = "the given config" if args is None else os.path.basename(where.split(" ")[0])
     notes.append(f"model config from {told}")
-    if args is None:  # only the given config: the layout facts follow from its architecture
+    if args is None:  # only the given config: the layout facts follow from its family's dialect
         cfg = config
-        arch = models.config_to_hf(cfg)["architectures"][0]
-        swiglu = any(a.swiglu for a in ARCHITECTURES if a.hf_architecture == arch)
+        swiglu = family_architecture(cfg, where).swiglu
         tied = bool(models.rule_variables(cfg)["tied"])
     else:
         cfg = model_config(args, config, where)
         swiglu = bool(arg(args, "swiglu", False))
         tied = not arg(args, "untie_embeddings_and_output_weights", False)
-    return _Model(args, where, cfg, family_rules(cfg, where), swiglu, tied, from_args)
+    return _Model(args, where, cfg, family_architecture(cfg, where), swiglu, tied, from_args)
 
 
 def _expert_layout(args, topo: Topology, where: str) -> buckets.ExpertLayout | None:

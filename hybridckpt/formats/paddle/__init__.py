@@ -30,14 +30,14 @@ trainer/utils/ckpt_converter.py; details and checks in /work/shared/formats/padd
   and master weights are fp32.
 
 Returned names are Paddle structured names (`llama.layers.0.self_attn.q_proj.weight`, weights
-`[in, out]`); `hf_rules` (the rules file `rules.FAMILIES` names for the model's family, e.g.
-rules/paddle_decoder.rules) maps them to HF names. The optimizer step comes from
+`[in, out]`); `hf_rules` (the rules of the model family's paddlenlp dialect, e.g.
+models/llama/dialects/paddlenlp.rules) maps them to HF names. The optimizer step comes from
 `beta1_pow_acc = beta1 ** (step + 1)` (betas from `training_args.bin` when readable, else
 Paddle's defaults 0.9 / 0.999); the training step from `trainer_state.json`.
 
 Modules: `files` (the grid of files, model_meta.json, dtypes), `groups` (one (tp, pp) group,
 sharding pieces), `optimizer` (accumulators as slots, the step from the beta pows), `rules`
-(families, structured and pipeline names, rule variables), `hybrid` (`open` of this format,
+(the families' paddlenlp dialects, structured and pipeline names, rule variables), `hybrid` (`open` of this format,
 "paddle"), `unified` (the "paddle-unified" format: reader and writer, PaddleNLP's and
 PaddleFormers' flavours), `paddleformers` (what PaddleFormers 1.x's unified checkpoints do
 differently: HF names, Linear optimizer state `[in, out]`), `export` (`export --to
@@ -57,8 +57,8 @@ from hybridckpt.formats.paddle.optimizer import (
     step_from_beta_pow,
 )
 from hybridckpt.formats.paddle.rules import (
-    FAMILIES,
     PaddleFamily,
+    families,
     hf_rules,
     load_config,
     rule_variables,
@@ -69,7 +69,6 @@ __all__ = [
     "BETA_POWS",
     "BF16",
     "DEFAULT_BETAS",
-    "FAMILIES",
     "NAME",
     "SLOT_OF_ACCUMULATOR",
     "PaddleFamily",
@@ -77,6 +76,7 @@ __all__ = [
     "beta_pow",
     "config_dtype",
     "detect",
+    "families",
     "hf_rules",
     "load_config",
     "open",

@@ -42,7 +42,6 @@ from hybridckpt.formats.paddle.optimizer import (
     scalar,
 )
 from hybridckpt.formats.paddle.rules import family, hf_rule_vars, load_config, tp_rules
-from hybridckpt.formats.rules_files import rules_text
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
@@ -78,7 +77,7 @@ def _open_file(path: str, config) -> SourceCheckpoint:
         format=NAME,
         path=path,
         tensors=tensors,
-        hf_rules=rules_text(family(cfg, path).hf_rules),
+        hf_rules=family(cfg, path).hf_rules,
         rule_vars=hf_rule_vars(cfg, tensors),
         config=cfg,
     )
@@ -209,7 +208,7 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         path=path,
         tensors=tensors,
         optimizer=optimizer,
-        hf_rules=rules_text(fam.hf_rules),
+        hf_rules=fam.hf_rules,
         rule_vars=hf_rule_vars(cfg, tensors),
         config=cfg,
         step=global_step if global_step is not None else (optimizer.step if optimizer else None),

@@ -48,7 +48,7 @@ from collections.abc import Mapping
 
 from hybridckpt import lazy
 from hybridckpt.errors import FormatError, MappingError
-from hybridckpt.formats.paddle.rules import FAMILIES
+from hybridckpt.formats.paddle.rules import families
 from hybridckpt.lazy import LazyTensor
 
 PADDLENLP = "paddlenlp"
@@ -110,7 +110,7 @@ def state_to_paddle(
 
 
 def _nlp_prefixes() -> tuple[str, ...]:
-    return tuple(f"{f.prefix}." for f in FAMILIES.values() if f.prefix != "model")
+    return tuple(f"{f.prefix}." for f in families().values() if f.prefix != "model")
 
 
 def has_paddlenlp_names(names) -> bool:

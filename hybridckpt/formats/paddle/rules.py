@@ -2,19 +2,15 @@
 
 PaddleNLP saves a model under structured names `<prefix>.layers.0.self_attn.q_proj.weight`
 (`prefix` is the model class's `base_model_prefix`; Linear weights `[in, out]`). What a family
-needs here is data, in `FAMILIES` keyed by the family's name (`cfg.family`): its prefix, the
-rules file from structured names to HF names, and the rules file of its tensor-parallel merges
-(PaddlePaddle/PaddleNLP: paddlenlp/transformers/<family>/modeling.py `_get_name_mappings`,
-`_get_tensor_parallel_mappings`). The Llama-like families share one pair of rules files
-(rules/paddle_decoder.rules, rules/paddle_decoder_tp.rules) written on `{prefix}`:
-- llama   (`LlamaPretrainedModel.base_model_prefix = "llama"`; fused qkv / gate_up optional),
-- mistral ("mistral"; never tied: `MistralLMHead` is always its own `[hidden, vocab]`),
-- qwen2   ("qwen2"; q/k/v biases, split with their weights under TP),
-- qwen3   ("model": structured names are HF's, only the layouts differ; per-head q/k norms
-  replicated on every rank; fused qkv with its bias and fused gate_up optional).
-PaddleNLP has no Gemma 2 / Gemma 3 (only Gemma 1, which hybridckpt does not implement), so
-those have no entry; PaddleFormers' unified checkpoints, under HF names, carry any family
-(`formats/paddle/paddleformers.py`). A family without an entry is a FormatError naming those
+needs here is the family's paddlenlp dialect (`models/<family>/dialects/paddlenlp.py`, found
+through the registry): its `PREFIX`, the rules from structured names to HF names
+(`paddlenlp.rules`, or the file its `RULES` names) and the rules of its tensor-parallel merges
+(`paddlenlp_tp.rules` / `TP_RULES`; PaddlePaddle/PaddleNLP: paddlenlp/transformers/<family>/
+modeling.py `_get_name_mappings`, `_get_tensor_parallel_mappings`). The Llama-like families
+(Llama, Mistral, Qwen2, Qwen3) share Llama's pair of files, written on `{prefix}`. PaddleNLP has
+no Gemma 2 / Gemma 3 (only Gemma 1, which hybridckpt does not implement), so those have no
+dialect; PaddleFormers' unified checkpoints, under HF names, carry any family
+(`formats/paddle/paddleformers.py`). A family without one is a FormatError naming those
 PaddleNLP checkpoints are read for.
 
 Rule variables: the family's own (`models.rule_variables`: heads, kv heads, tying, ...) plus
@@ -29,37 +25,40 @@ them as PaddleNLP's `_set_pipeline_name_mapping` does.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from hybridckpt import models
 from hybridckpt.errors import FormatError
 from hybridckpt.formats.config_file import config_beside
-from hybridckpt.formats.rules_files import load_rules
-from hybridckpt.rules import RuleSet
+from hybridckpt.rules import RuleSet, parse_rules
+
+DIALECT = "paddlenlp"  # models/<family>/dialects/paddlenlp.{py,rules}
 
 
 @dataclass(frozen=True)
 class PaddleFamily:
-    """A model family as PaddleNLP saves it.
+    """A model family as PaddleNLP saves it (its paddlenlp dialect).
 
-    prefix:   the structured-name prefix of the base model (`base_model_prefix`)
-    hf_rules: rules file (formats/rules/) from structured names to HF names
-    tp_rules: rules file with the `tp` merges of its tensor-parallel shards
+    prefix:  the structured-name prefix of the base model (`base_model_prefix`)
+    dialect: the registry's record: `dialect.rules()` from structured names to HF names,
+             `dialect.rules("tp")` the merges of its tensor-parallel shards
     """
 
     prefix: str
-    hf_rules: str
-    tp_rules: str
+    dialect: models.Dialect
+
+    @property
+    def hf_rules(self) -> str:
+        """The rules text from structured names to HF names."""
+        return self.dialect.rules_text()
 
 
-DECODER_RULES, DECODER_TP_RULES = "paddle_decoder.rules", "paddle_decoder_tp.rules"
-FAMILIES: Mapping[str, PaddleFamily] = {
-    "llama": PaddleFamily("llama", DECODER_RULES, DECODER_TP_RULES),
-    "mistral": PaddleFamily("mistral", DECODER_RULES, DECODER_TP_RULES),
-    "qwen2": PaddleFamily("qwen2", DECODER_RULES, DECODER_TP_RULES),
-    "qwen3": PaddleFamily("model", DECODER_RULES, DECODER_TP_RULES),
-}
+def families() -> dict[str, PaddleFamily]:
+    """Every family PaddleNLP checkpoints are read for, by name."""
+    return {name: PaddleFamily(d.get("PREFIX"), d) for name, d in models.dialects(DIALECT).items()}
+
 
 # the variables of a source's `rule_vars` (the rest come from the model config)
 HF_RULE_VARS = (
@@ -68,8 +67,9 @@ HF_RULE_VARS = (
 
 
 def family(cfg, where: str = "") -> PaddleFamily:
-    """The entry of `FAMILIES` for `cfg`'s family; a FormatError (naming `where`) when none."""
-    entry = FAMILIES.get(getattr(cfg, "family", None))
+    """The paddlenlp dialect of `cfg`'s family; a FormatError (naming `where`) when none."""
+    known = families()
+    entry = known.get(getattr(cfg, "family", None))
     if entry is None:
         at = f"{where}: " if where else ""
         if cfg is None:
@@ -77,10 +77,10 @@ def family(cfg, where: str = "") -> PaddleFamily:
                 f"{at}the config.json names an architecture hybridckpt does not know; a PaddleNLP "
                 f"hybrid-parallel checkpoint's tp/pp layout (which dims each rank splits, which "
                 f"layers each stage holds) comes from the model family, so it cannot be read "
-                f"model-agnostic: families read: {sorted(FAMILIES)}"
+                f"model-agnostic: families read: {sorted(known)}"
             )
         raise FormatError(
-            f"{at}PaddleNLP checkpoints are read for the families {sorted(FAMILIES)}; the config "
+            f"{at}PaddleNLP checkpoints are read for the families {sorted(known)}; the config "
             f"is {type(cfg).__name__} ({getattr(cfg, 'family', '?')})"
         )
     return entry
@@ -94,8 +94,6 @@ def load_config(folder: str, config=None):
 def rule_variables(cfg, tp: int = 1, *, fuse_qkv: bool = False, fuse_ffn: bool = False) -> dict:
     """Variables of the Paddle rules of `cfg`'s family: the family's own, its structured-name
     `prefix`, the fused layers, and what TP `tp` splits."""
-    from hybridckpt import models
-
     fam = family(cfg)
     v = models.rule_variables(cfg)
     return {
@@ -125,14 +123,16 @@ def hf_rule_vars(cfg, tensors: Iterable[str]) -> dict[str, Any]:
 
 
 def hf_rules(cfg, *, fuse_qkv: bool = False, fuse_ffn: bool = False) -> RuleSet:
-    """Structured names -> HF names (the family's `hf_rules` file)."""
+    """Structured names -> HF names (the family's paddlenlp rules)."""
     variables = rule_variables(cfg, fuse_qkv=fuse_qkv, fuse_ffn=fuse_ffn)
-    return load_rules(family(cfg).hf_rules, variables)
+    text, origin = family(cfg).dialect.rules()
+    return parse_rules(text, variables, origin=origin)
 
 
 def tp_rules(cfg, tp: int) -> RuleSet:
     """The family's tensor-parallel merges for `tp` ranks."""
-    return load_rules(family(cfg).tp_rules, rule_variables(cfg, tp))
+    text, origin = family(cfg).dialect.rules("tp")
+    return parse_rules(text, rule_variables(cfg, tp), origin=origin)
 
 
 # -- pipeline descriptor names ------------------------------------------------------------------

@@ -17,7 +17,7 @@ unified_checkpoint.md; `load_save_single_card.py` is the single-card writer):
 PaddleFormers writes the same files under HF names with Linear weights `[out, in]` while its
 moments and master weights stay `[in, out]` (`paddleformers.py`); `open` tells the flavours
 apart (`paddleformers.flavour`). PaddleNLP: it returns Paddle names and `hf_rules` (the family's
-rules file, `rules.FAMILIES`). PaddleFormers: HF names and no rules, moments and masters
+paddlenlp dialect, `rules.family`). PaddleFormers: HF names and no rules, moments and masters
 transposed to the weights' layout, so any family (Gemma 2/3 included) and any architecture
 (model-agnostic) reads. Either way the step is the one the per-parameter beta pows agree on.
 `write_unified` writes either flavour from HF-named tensors (`flavour=`): PaddleNLP's names come
@@ -45,7 +45,6 @@ from hybridckpt.formats.paddle.optimizer import (
     scalar,
 )
 from hybridckpt.formats.paddle.rules import family, hf_rule_vars, load_config
-from hybridckpt.formats.rules_files import rules_text
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
@@ -173,7 +172,7 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
             optimizer = OptimizerState(slots, optimizer.step, master, optimizer.hyper)
         rules, rule_vars = "", {}
     else:
-        rules, rule_vars = rules_text(family(cfg, path).hf_rules), hf_rule_vars(cfg, tensors)
+        rules, rule_vars = family(cfg, path).hf_rules, hf_rule_vars(cfg, tensors)
     return SourceCheckpoint(
         format=NAME,
         path=path,

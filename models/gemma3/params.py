@@ -1,0 +1,21 @@
+"""The Gemma 3 text family's params (`models.table`): Gemma 2's rows (`models.gemma2.params`)
+plus the per-head q/k norm weights `layers.{q,k}_norm.scale [L, D]` (zero-centred, axes
+layers, None), HF Gemma3ForCausalLM names.
+"""
+
+from __future__ import annotations
+
+from hybridckpt.models.gemma2.params import ATTENTION, FINAL_NORM, NORMS, norm
+from hybridckpt.models.llama.params import ATTN, EMBED, LM_HEAD, MLP, TIED_HEAD, dims
+from hybridckpt.models.table import ParamTable, stack
+
+QK_NORMS = (
+    norm("q_norm", f"{ATTN}.q_norm.weight", "D"),
+    norm("k_norm", f"{ATTN}.k_norm.weight", "D"),
+)
+
+TABLE = ParamTable(
+    __name__,
+    dims,
+    (EMBED, *stack("layers", (*NORMS, *ATTENTION, *QK_NORMS, *MLP)), FINAL_NORM, LM_HEAD, TIED_HEAD),
+)

@@ -1,0 +1,67 @@
+"""The Llama family's params, declared once (`models.table`): HF LlamaForCausalLM names -> the
+params tree (fp32, kernels `[in, out]`, per-layer params stacked on a leading `[L]` axis).
+
+HF/torch Linear weights are `[out, in]`: transpose. Dimensions: V vocab, E hidden, M the SwiGLU
+width, L layers, Q = heads * head_dim, KV = kv_heads * head_dim, D head_dim. The rows are
+shared by the families built on Llama (Mistral uses this table; Qwen 2/3, Mixtral, Qwen3-MoE
+compose theirs from these rows).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybridckpt.models.mlp_table import swiglu
+from hybridckpt.models.table import Drop, Param, ParamTable, stack
+
+LAYER = "model.layers.$L"
+ATTN = f"{LAYER}.self_attn"
+
+
+def dims(cfg: Any) -> dict[str, int]:
+    """The size of each dimension symbol of the rows below."""
+    return {
+        "V": cfg.vocab_size,
+        "E": cfg.hidden_size,
+        "M": cfg.intermediate_size,
+        "L": cfg.num_layers,
+        "Q": cfg.num_heads * cfg.head_dim,
+        "KV": cfg.num_kv_heads * cfg.head_dim,
+        "D": cfg.head_dim,
+    }
+
+
+EMBED = Param("embed.embedding", ("V", "E"), ("vocab", "embed"), "model.embed_tokens.weight")
+# one layer's rows (under `layers`, each stacked on [L] by `stack`)
+ATTN_NORM = Param("attn_norm.scale", ("E",), (None,), f"{LAYER}.input_layernorm.weight", init="ones")
+Q_PROJ = Param("q.kernel", ("E", "Q"), ("embed", "heads"), f"{ATTN}.q_proj.weight", "transpose")
+K_PROJ = Param("k.kernel", ("E", "KV"), ("embed", "kv_heads"), f"{ATTN}.k_proj.weight", "transpose")
+V_PROJ = Param("v.kernel", ("E", "KV"), ("embed", "kv_heads"), f"{ATTN}.v_proj.weight", "transpose")
+O_PROJ = Param("o.kernel", ("Q", "E"), ("heads", "embed"), f"{ATTN}.o_proj.weight", "transpose")
+ATTENTION = (Q_PROJ, K_PROJ, V_PROJ, O_PROJ)
+MLP_NORM = Param(
+    "mlp_norm.scale", ("E",), (None,), f"{LAYER}.post_attention_layernorm.weight", init="ones"
+)
+MLP = swiglu(f"{LAYER}.mlp", "M")  # gate, up, down
+# after the layers
+FINAL_NORM = Param("final_norm.scale", ("E",), (None,), "model.norm.weight", init="ones")
+LM_HEAD = Param("lm_head.kernel", ("E", "V"), ("embed", "vocab"), "lm_head.weight", "transpose",
+                when="not tied")  # fmt: skip
+# a tied model's copy of the embedding (DeepSpeed's shared_params, zero_to_fp32, a DCP state
+# dict) is the embedding itself: dropped, as transformers ties it on load
+TIED_HEAD = Drop("lm_head.weight", when="tied")
+# a buffer some writers keep; not a parameter
+INV_FREQ = Drop(f"{ATTN}.rotary_emb.inv_freq")
+
+TABLE = ParamTable(
+    __name__,
+    dims,
+    (
+        EMBED,
+        *stack("layers", (ATTN_NORM, *ATTENTION, MLP_NORM, *MLP)),
+        FINAL_NORM,
+        LM_HEAD,
+        TIED_HEAD,
+        INV_FREQ,
+    ),
+)

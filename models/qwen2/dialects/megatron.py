@@ -1,0 +1,28 @@
+"""Megatron-LM's Qwen2: Llama's layout with the q/k/v biases alone (`--add-qkv-bias` with
+`--disable-bias-linear`: `add_bias_linear` false), the config.json keys Llama's.
+
+What the facts mean: formats/megatron/config.py; the names map by `megatron.rules`.
+"""
+
+DESCRIPTION = "Qwen2"
+MATCH = {
+    "normalization": "RMSNorm",
+    "swiglu": True,
+    "position_embedding": "rope",
+    "qkv_bias": True,
+    "linear_bias": False,
+    "qk_layernorm": False,
+}
+HF_KEYS = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "ffn_hidden_size": "intermediate_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_query_groups": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "norm_eps": "rms_norm_eps",
+    "rope_theta": "rope_theta",
+    "tied": "tie_word_embeddings",
+    "max_positions": "max_position_embeddings",
+}

@@ -1,0 +1,44 @@
+"""The Qwen2 / Qwen2.5 family's params (`models.table`): Llama's rows (`models.llama.params`)
+plus the biases of q_proj, k_proj and v_proj (o_proj has none), HF Qwen2ForCausalLM names.
+
+Biases: `layers.q.bias [L, Q]` (axes layers, heads), `layers.{k,v}.bias [L, KV]` (layers,
+kv_heads), init 0.
+"""
+
+from __future__ import annotations
+
+from hybridckpt.models.llama.params import (
+    ATTN,
+    ATTN_NORM,
+    EMBED,
+    FINAL_NORM,
+    INV_FREQ,
+    K_PROJ,
+    LM_HEAD,
+    MLP,
+    MLP_NORM,
+    O_PROJ,
+    Q_PROJ,
+    TIED_HEAD,
+    V_PROJ,
+    dims,
+)
+from hybridckpt.models.table import Param, ParamTable, stack
+
+Q_BIAS = Param("q.bias", ("Q",), ("heads",), f"{ATTN}.q_proj.bias", init="zeros")
+K_BIAS = Param("k.bias", ("KV",), ("kv_heads",), f"{ATTN}.k_proj.bias", init="zeros")
+V_BIAS = Param("v.bias", ("KV",), ("kv_heads",), f"{ATTN}.v_proj.bias", init="zeros")
+O_BIAS = Param("o.bias", ("E",), (None,), f"{ATTN}.o_proj.bias", init="zeros")  # Qwen3's
+
+TABLE = ParamTable(
+    __name__,
+    dims,
+    (
+        EMBED,
+        *stack("layers", (ATTN_NORM, Q_PROJ, Q_BIAS, K_PROJ, K_BIAS, V_PROJ, V_BIAS, O_PROJ, MLP_NORM, *MLP)),
+        FINAL_NORM,
+        LM_HEAD,
+        TIED_HEAD,
+        INV_FREQ,
+    ),
+)

@@ -1,0 +1,40 @@
+"""The Qwen3 (dense) family's params (`models.table`): Llama's rows (`models.llama.params`)
+plus the per-head q/k RMSNorm scales `layers.{q,k}_norm.scale [L, D]` (axes layers, None;
+init 1) and, with `attention_bias`, Qwen2's biases on q, k, v and o (`models.qwen2.params`),
+HF Qwen3ForCausalLM names.
+"""
+
+from __future__ import annotations
+
+from hybridckpt.models.llama.params import (
+    ATTENTION,
+    ATTN,
+    ATTN_NORM,
+    EMBED,
+    FINAL_NORM,
+    INV_FREQ,
+    LM_HEAD,
+    MLP,
+    MLP_NORM,
+    TIED_HEAD,
+    dims,
+)
+from hybridckpt.models.qwen2.params import K_BIAS, O_BIAS, Q_BIAS, V_BIAS
+from hybridckpt.models.table import Param, ParamTable, stack, when
+
+Q_NORM = Param("q_norm.scale", ("D",), (None,), f"{ATTN}.q_norm.weight", init="ones")
+K_NORM = Param("k_norm.scale", ("D",), (None,), f"{ATTN}.k_norm.weight", init="ones")
+BIASES = when("attention_bias", (Q_BIAS, K_BIAS, V_BIAS, O_BIAS))
+
+TABLE = ParamTable(
+    __name__,
+    dims,
+    (
+        EMBED,
+        *stack("layers", (ATTN_NORM, *ATTENTION, Q_NORM, K_NORM, *BIASES, MLP_NORM, *MLP)),
+        FINAL_NORM,
+        LM_HEAD,
+        TIED_HEAD,
+        INV_FREQ,
+    ),
+)
