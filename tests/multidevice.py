@@ -7,7 +7,8 @@ not fit or an expectation written for 8 devices fails.
 A test is multi-device when its function (decorators included), a fixture it uses, or a name it
 refers to mentions, directly or through other such names:
 - a mesh as text with an axis > 1 ("tp=2", "fsdp=2,tp=2,pp=2"), except as the argument of
-  `abstract_mesh` (a mesh without devices: rule tests, the same on any device count);
+  `abstract_mesh` (a mesh without devices: rule tests, the same on any device count) or of
+  `meshes.spec` (a PartitionSpec named on a mesh given as text);
 - a call of `make_mesh`, `mesh_from_shape`, `fit`, `fit_pair`, `fit_mesh`, `cases`,
   `device_count` or `devices` (jax's).
 Names are followed within the test file, into the names it imports from the helper files of
@@ -30,7 +31,7 @@ MESH_CALLS = frozenset(
     {"make_mesh", "mesh_from_shape", "fit", "fit_pair", "fit_mesh", "cases", "device_count", "devices"}
 )
 MESH_MODULES = frozenset({"meshes", "jax", "mesh"})
-NO_DEVICES = frozenset({"abstract_mesh"})  # its mesh literal is shapes only
+NO_DEVICES = frozenset({"abstract_mesh", "spec"})  # their mesh literal is shapes only
 
 
 def _name_of_call(node: ast.Call) -> str | None:
