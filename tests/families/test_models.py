@@ -22,6 +22,7 @@ import optax
 import pytest
 import torch
 import transformers
+from jax.sharding import NamedSharding
 from meshes import device_count, fit_mesh, spec
 
 import hybridckpt.errors
@@ -379,7 +380,8 @@ def test_adamw_step_on_pp_mesh_matches_unsharded():
     new_params, new_state, new_loss = step(
         sharded, state, jax.device_put(tokens, batch_sharding(mesh))
     )
-    assert new_params["layers"]["gate"]["kernel"].sharding.spec == spec(mesh, "pp", "fsdp", "tp")
+    gate = new_params["layers"]["gate"]["kernel"]  # on 1 device jit names its sharding P(): the same
+    assert gate.sharding.is_equivalent_to(NamedSharding(mesh, spec(mesh, "pp", "fsdp", "tp")), gate.ndim)
 
     np.testing.assert_allclose(float(new_loss), float(ref_loss), rtol=1e-6)
     for got, want in zip(jax.tree.leaves(new_params), jax.tree.leaves(ref_params), strict=True):
