@@ -12,10 +12,12 @@ count that is asked for is checked once jax is up.
 Meshes: tests build them with `tests/meshes.py` (`fit("tp=4,pp=2")`: that mesh where it fits,
 else the biggest of its form that does). Every test that builds a mesh of several devices gets
 the `multidevice` marker here (`tests/multidevice.py` finds them in the source: mesh literals,
-the mesh helpers, and what refers to them), and the README's test command runs those tests again
-on 4 and on 2 devices (`HYBRIDCKPT_TEST_DEVICES=4 python -m pytest -m multidevice tests`): a new
-test that only works on 8 devices fails there without its author marking anything. An unmarked
-test that builds such a mesh anyway fails (`MeshGuard`), so the scan cannot miss one silently.
+the mesh helpers, and what refers to them); `HYBRIDCKPT_TEST_DEVICES=4 python -m pytest -m
+multidevice tests` runs them again on 4 devices (docs/testing.md: the full check at 4, 2 and 1),
+where a new test that only works on 8 devices fails without its author marking anything. The
+README's test command reruns a representative part of them (`multidevice_rerun`:
+`multidevice.RERUN`) on 4 and 2 devices. An unmarked test that builds such a mesh anyway fails
+(`MeshGuard`), so the scan cannot miss one silently.
 
 The tests are laid out like the code: `lazy/`, `rules/`, `io/` (`containers/pickle/`), `optim/`,
 `formats/` (one file per format, plus damaged files), `store/` (our Orbax checkpoints: manager,
@@ -70,7 +72,11 @@ jax.config.update("jax_default_matmul_precision", "highest")
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "multidevice: builds meshes of several devices (given by conftest.py from the "
-        "file's source); the README's test command runs these files at 8, 4 and 2 devices",
+        "file's source); docs/testing.md reruns them at 4, 2 and 1 devices",
+    )
+    config.addinivalue_line(
+        "markers", "multidevice_rerun: the multidevice tests of the files in multidevice.RERUN, "
+        "which the README's test command reruns at 4 and 2 devices",
     )
 
 
@@ -89,12 +95,14 @@ def pytest_collection_modifyitems(config, items):
         function = item.cls.__name__ if item.cls is not None else item.originalname
         if multidevice.is_multidevice(str(item.path), function, tuple(item.fixturenames), tests):
             item.add_marker(pytest.mark.multidevice)
+            if multidevice.is_rerun(str(item.path), tests):
+                item.add_marker(pytest.mark.multidevice_rerun)
 
 
 class MeshGuard:
     """While an unmarked test runs (set-up included), a mesh of several devices built through
     `hybridckpt.mesh.make_mesh` (what mesh_from_shape, the jobs and the CLI use) fails it: the
-    source scan (multidevice.py) missed it, so the 4- and 2-device runs would skip it."""
+    source scan (multidevice.py) missed it, so the runs on fewer devices would leave it out."""
 
     def __init__(self, item):
         self.item = item
@@ -111,7 +119,7 @@ class MeshGuard:
                 raise AssertionError(
                     f"{item.nodeid} builds a mesh of {mesh.devices.size} devices but "
                     "tests/multidevice.py does not see it: mark the test @pytest.mark.multidevice "
-                    "so that the README's test command also runs it on 4 and 2 devices"
+                    "so that the runs on fewer devices (docs/testing.md) include it"
                 )
             return mesh
 

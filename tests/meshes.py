@@ -21,8 +21,8 @@ the layout unchanged).
 
 The device count is `jax.device_count()`: 8 simulated CPU devices unless
 `$HYBRIDCKPT_TEST_DEVICES` says otherwise; on GPUs, the GPUs present (tests/conftest.py).
-Test files that use meshes are run at 8, 4 and 2 devices by the README's test command (the
-`multidevice` marker, given by tests/conftest.py).
+Tests that use meshes get the `multidevice` marker (tests/conftest.py), to rerun them on 4, 2
+and 1 devices (docs/testing.md); the README's test command reruns a part of them on 4 and 2.
 """
 
 from __future__ import annotations

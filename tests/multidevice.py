@@ -1,8 +1,9 @@
 """Which tests build meshes of several devices: a scan of the test files' source (no imports).
 
-The README's test command runs the whole suite on 8 devices, then only these tests (pytest's
-`multidevice` marker, given by tests/conftest.py) on 4 and on 2 devices, where a mesh that does
-not fit or an expectation written for 8 devices fails.
+These tests (pytest's `multidevice` marker, given by tests/conftest.py) are the ones to rerun
+on 4, 2 and 1 devices, where a mesh that does not fit or an expectation written for 8 devices
+fails (docs/testing.md). The README's test command runs the whole suite on 8 devices, then a
+representative part of them (`RERUN`, the `multidevice_rerun` marker) on 4 and on 2.
 
 A test is multi-device when its function (decorators included), a fixture it uses, or a name it
 refers to mentions, directly or through other such names:
@@ -31,6 +32,25 @@ MESH_CALLS = frozenset(
     {"make_mesh", "mesh_from_shape", "fit", "fit_pair", "fit_mesh", "cases", "device_count", "devices"}
 )
 MESH_MODULES = frozenset({"meshes", "jax", "mesh"})
+
+# The files whose multidevice tests the README's command reruns on 4 and 2 devices (marker
+# `multidevice_rerun`): each mechanism by which a test adapts, in files whose meshes change shape
+# between 8, 4 and 2 devices, about a sixth of the multidevice tests' time (docs/testing.md).
+RERUN = (
+    "test_meshes.py",  # fit / fit_pair / the guard themselves
+    "test_mesh.py",  # make_mesh on the devices present, a mesh too big refused
+    "families/test_models.py",  # sharded forward and AdamW step on fit_mesh, spec() per mesh
+    "store/test_restore.py",  # restore onto parametrized cases(), sizes per count
+    "store/test_streaming.py",  # fit_pair reshards of the store, streamed reads per box
+    "formats/test_megatron.py",  # e2e.roundtrip (fit_pair) over cases() of mesh pairs
+    "formats/test_flex_checkpoint.py",  # the same for Paddle's FlexCheckpoint
+    "formats/test_mixtral_native.py",  # MoE: keep="dp", the expert axis kept first
+    "formats/test_hf.py",  # the CLI's --strict-sharding refusals, branching on the count
+    "jobs/test_model_agnostic.py",  # its own meshes per count, restores bitwise onto each
+    "jobs/test_multiprocess.py",  # 2 processes with half the devices each
+    "real/test_real_hf_legacy.py",  # the real-tool cases' mesh_pair (roundtrip_real)
+    "test_hostile.py",  # the CLI on a fitted --mesh; the damaged store on the pair fit_pair gives
+)
 NO_DEVICES = frozenset({"abstract_mesh", "spec"})  # their mesh literal is shapes only
 
 
@@ -154,3 +174,9 @@ def is_multidevice(path: str, function: str, fixtures: tuple[str, ...], tests: s
     for conftest in _conftests(path, tests):
         fixture_names |= mesh_names(conftest, tests)
     return any(f in fixture_names for f in fixtures)
+
+
+def is_rerun(path: str, tests: str) -> bool:
+    """Whether the test file at `path` is one of `RERUN` (paths relative to tests/)."""
+    rel = os.path.relpath(os.path.abspath(path), os.path.abspath(tests)).replace(os.sep, "/")
+    return rel in RERUN

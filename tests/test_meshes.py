@@ -191,3 +191,18 @@ def test_the_guard_fails_an_unmarked_test_that_builds_a_multidevice_mesh(monkeyp
     assert mesh_module.make_mesh is before
     if device_count() > 1:
         assert mesh_from_shape("tp=2").devices.size == 2  # outside the guard: allowed
+
+
+def test_the_rerun_files_exist_and_build_meshes():
+    """Each file the README's command reruns on 4 and 2 devices (`multidevice.RERUN`) is there
+    and has multi-device tests (a renamed or emptied file would leave the rerun checking less)."""
+    import os
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    assert len(multidevice.RERUN) == len(set(multidevice.RERUN)) >= 10
+    for rel in multidevice.RERUN:
+        path = os.path.join(tests, rel)
+        assert os.path.isfile(path), rel
+        assert any(n.startswith("test_") for n in multidevice.mesh_names(path, tests)), rel
+        assert multidevice.is_rerun(path, tests)
+    assert not multidevice.is_rerun(os.path.join(tests, "formats", "test_dcp.py"), tests)
