@@ -1,4 +1,23 @@
-"""Test session set-up: 8 simulated host devices before jax initialises (the same tests run on GPUs).
+"""Test session set-up: the devices (8 simulated CPU devices unless told otherwise) before jax
+initialises; the same tests run on 1, 2, 4 or 8 devices, CPU or GPU.
+
+Devices: `$HYBRIDCKPT_TEST_PLATFORM` (default `cpu`; `cuda` for GPUs) becomes `JAX_PLATFORMS`.
+On CPU, `$HYBRIDCKPT_TEST_DEVICES` simulated devices (default 8; an
+`--xla_force_host_platform_device_count` already in `$XLA_FLAGS` is kept unless the variable is
+set). On GPUs, the GPUs present, or the first `$HYBRIDCKPT_TEST_DEVICES` of them
+(`CUDA_VISIBLE_DEVICES`, unless that is set already), with memory allocated on demand: several
+processes share the GPUs (pytest-xdist workers, the CLI and multi-process tests' children). A
+count that is asked for is checked once jax is up.
+
+Meshes: tests build them with `tests/meshes.py` (`fit("tp=4,pp=2")`: that mesh where it fits,
+else the biggest of its form that does). Every test that builds a mesh of several devices gets
+the `multidevice` marker here (`tests/multidevice.py` finds them in the source: mesh literals,
+the mesh helpers, and what refers to them); `HYBRIDCKPT_TEST_DEVICES=4 python -m pytest -m
+multidevice tests` runs them again on 4 devices (docs/testing.md: the full check at 4, 2 and 1),
+where a new test that only works on 8 devices fails without its author marking anything. The
+README's test command reruns a representative part of them (`multidevice_rerun`:
+`multidevice.RERUN`) on 4 and 2 devices. An unmarked test that builds such a mesh anyway fails
+(`MeshGuard`), so the scan cannot miss one silently.
 
 The tests are laid out like the code: `lazy/`, `rules/`, `io/` (`containers/pickle/`), `optim/`,
 `formats/` (one file per format, plus damaged files), `store/` (our Orbax checkpoints: manager,
@@ -14,18 +33,117 @@ import the helpers as `from fixtures import ...`, `from attacks import ...`, `fr
 """
 
 import os
+import re
 
-os.environ.setdefault("JAX_PLATFORMS", os.environ.get("HYBRIDCKPT_TEST_PLATFORM", "cpu"))
+DEVICES_ENV, PLATFORM_ENV = "HYBRIDCKPT_TEST_DEVICES", "HYBRIDCKPT_TEST_PLATFORM"
+_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
+
+
+def _devices_asked() -> int | None:
+    text = os.environ.get(DEVICES_ENV, "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise RuntimeError(f"${DEVICES_ENV}={text!r}: expected a positive device count")
+    return int(text)
+
+
+ASKED = _devices_asked()
+os.environ.setdefault("JAX_PLATFORMS", os.environ.get(PLATFORM_ENV, "cpu"))
 if os.environ["JAX_PLATFORMS"] == "cpu":
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+    _flags = os.environ.get("XLA_FLAGS", "")
+    _given = _COUNT_FLAG.search(_flags)
+    if ASKED is not None or _given is None:
+        _flags = _COUNT_FLAG.sub("", _flags).strip()
+        os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count={ASKED or 8}".strip()
+else:
+    if ASKED is not None:
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(ASKED))))
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
+import multidevice  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "multidevice: builds meshes of several devices (given by conftest.py from the "
+        "file's source); docs/testing.md reruns them at 4, 2 and 1 devices",
+    )
+    config.addinivalue_line(
+        "markers", "multidevice_rerun: the multidevice tests of the files in multidevice.RERUN, "
+        "which the README's test command reruns at 4 and 2 devices",
+    )
+
+
+def pytest_report_header(config):
+    count = os.environ.get(DEVICES_ENV) or ("8 simulated" if os.environ["JAX_PLATFORMS"] == "cpu" else "all present")
+    return f"hybridckpt: JAX_PLATFORMS={os.environ['JAX_PLATFORMS']}, devices: {count}"
+
+
+def pytest_collection_modifyitems(config, items):
+    # a device count that was asked for is the one jax sees (else the run would prove nothing);
+    # checked here, where tests are collected (pytest-xdist's workers), not in its controller
+    if ASKED is not None and jax.device_count() != ASKED:
+        raise pytest.UsageError(f"${DEVICES_ENV}={ASKED} but jax sees {jax.device_count()} devices: {jax.devices()}")
+    tests = os.path.dirname(__file__)
+    for item in items:
+        function = item.cls.__name__ if item.cls is not None else item.originalname
+        if multidevice.is_multidevice(str(item.path), function, tuple(item.fixturenames), tests):
+            item.add_marker(pytest.mark.multidevice)
+            if multidevice.is_rerun(str(item.path), tests):
+                item.add_marker(pytest.mark.multidevice_rerun)
+
+
+class MeshGuard:
+    """While an unmarked test runs (set-up included), a mesh of several devices built through
+    `hybridckpt.mesh.make_mesh` (what mesh_from_shape, the jobs and the CLI use) fails it: the
+    source scan (multidevice.py) missed it, so the runs on fewer devices would leave it out."""
+
+    def __init__(self, item):
+        self.item = item
+
+    def __enter__(self):
+        import hybridckpt.mesh as mesh_module
+
+        self.module, self.original = mesh_module, mesh_module.make_mesh
+        original, item = self.original, self.item
+
+        def guarded(*args, **kwargs):
+            mesh = original(*args, **kwargs)
+            if mesh.devices.size > 1:
+                raise AssertionError(
+                    f"{item.nodeid} builds a mesh of {mesh.devices.size} devices but "
+                    "tests/multidevice.py does not see it: mark the test @pytest.mark.multidevice "
+                    "so that the runs on fewer devices (docs/testing.md) include it"
+                )
+            return mesh
+
+        mesh_module.make_mesh = guarded
+        return self
+
+    def __exit__(self, *exc):
+        self.module.make_mesh = self.original
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("multidevice"):
+        return (yield)
+    with MeshGuard(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    if item.get_closest_marker("multidevice"):
+        return (yield)
+    with MeshGuard(item):
+        return (yield)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import os
 
 import jax
 import numpy as np
+from meshes import device_count, fit_pair
 
 from hybridckpt import jobs, models, naming
 from hybridckpt.mesh import mesh_from_shape, tree_shardings
@@ -17,8 +18,14 @@ from hybridckpt.readers import open_source
 from hybridckpt.store.restore import restore
 
 
-def roundtrip(src: str, workdir, *, mesh_a: str, mesh_b: str, config: str | None = None, optimizer: bool = True):
-    """(params, exp_avg, exp_avg_sq, step) of the export, as numpy dicts under HF names."""
+def roundtrip(src: str, workdir, *, mesh_a: str, mesh_b: str, config: str | None = None, optimizer: bool = True,
+              keep: str | tuple[str, ...] = ()):
+    """(params, exp_avg, exp_avg_sq, step) of the export, as numpy dicts under HF names.
+
+    `mesh_a`, `mesh_b`: the meshes meant on 8 devices, fitted to the devices present
+    (`meshes.fit_pair`, keeping the axes `keep` first: a reshard stays one down to 2 devices; on
+    1 both are dp=1)."""
+    mesh_a, mesh_b = fit_pair(mesh_a, mesh_b, keep=keep)
     ckpt, out = os.path.join(workdir, "orbax"), os.path.join(workdir, "exported")
     s = jobs.import_checkpoint(src, ckpt, mesh=mesh_a, config=config)
     assert s.with_optimizer == optimizer
@@ -29,7 +36,8 @@ def roundtrip(src: str, workdir, *, mesh_a: str, mesh_b: str, config: str | None
     shapes = models.param_shapes(cfg)
     p_shard = tree_shardings(shapes, models.logical_axes(cfg), mesh)
     a_shard = tree_shardings(shapes, models.logical_axes(cfg), mesh_from_shape(mesh_a))
-    assert jax.tree.leaves(p_shard) != jax.tree.leaves(a_shard)  # a real reshard
+    if device_count() > 1:
+        assert jax.tree.leaves(p_shard) != jax.tree.leaves(a_shard)  # a real reshard
     leaf = r.params["layers"][next(iter(r.params["layers"]))]
     leaf = leaf["kernel"] if isinstance(leaf, dict) and "kernel" in leaf else jax.tree.leaves(leaf)[0]
     assert leaf.sharding.mesh.shape == mesh.shape

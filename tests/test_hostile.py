@@ -28,6 +28,7 @@ from attacks.hostile import (
     tree_digest,
     unknown_arch_folder,
 )
+from meshes import fit, fit_pair
 
 import hybridckpt
 from hybridckpt.cli import main
@@ -68,7 +69,7 @@ def test_a_hostile_tensor_name_is_stored_as_data_and_comes_back_exactly(tmp_path
     name = HOSTILE_NAMES[case].format(outside=w.outside)
     tensors = {name: np.arange(1024, dtype=np.float32) * 0.5, "ok.weight": np.ones((4, 4), np.float32)}
     unknown_arch_folder(w.src, tensors)
-    code, _, err = cli(capsys, "import", w.src, w.dst, "--mesh", "fsdp=2")
+    code, _, err = cli(capsys, "import", w.src, w.dst, "--mesh", fit("fsdp=2"))
     assert code == 0, err
     assert w.outside_written() == [] and w.leftovers() == []
     assert not os.path.exists(os.path.join(w.outside, "PWNED"))
@@ -241,10 +242,15 @@ def test_an_option_out_of_bounds_is_one_line(tmp_path, capsys, args):
 # -- our store: every read checked ------------------------------------------------------------------
 
 
+# the store's meshes on 8 devices: saved on fsdp=2,tp=2,pp=2, restored onto dp=2,tp=4 (fitted to
+# the devices present: another mesh down to 2 devices, the same dp=1 on one)
+SAVED, OTHER = fit_pair("fsdp=2,tp=2,pp=2", "dp=2,tp=4")
+
+
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     root = tmp_path_factory.mktemp("store")
-    hybridckpt.import_checkpoint(sample_path(), str(root / "ck"), mesh="fsdp=2,tp=2,pp=2")
+    hybridckpt.import_checkpoint(sample_path(), str(root / "ck"), mesh=SAVED)
     return str(root / "ck")
 
 
@@ -287,9 +293,9 @@ def test_a_damaged_store_is_one_error_on_every_read(imported, tmp_path, capsys, 
     code, _, err = cli(capsys, "logits", bad, "--tokens", "1,2,3")
     one_line(code, err)
     with pytest.raises(HybridCkptError):
-        hybridckpt.restore(bad, "dp=2,tp=4")
+        hybridckpt.restore(bad, OTHER)
     with pytest.raises(HybridCkptError):
-        hybridckpt.restore(bad, "fsdp=2,tp=2,pp=2")  # the mesh it was saved on too
+        hybridckpt.restore(bad, SAVED)  # the mesh it was saved on too
     close_all()
 
 
@@ -299,8 +305,8 @@ def test_the_checked_reads_name_the_chunk_and_can_be_turned_off(imported, tmp_pa
     one_line(code, err, "layers.q.kernel: chunk 0.0.0", "file ", "CRC-32")
     code, _, err = cli(capsys, "export", bad, tmp_path / "out", "--no-verify-reads")
     assert code == 0, err  # the opt-out reads the damaged bytes as they are
-    _, r = hybridckpt.restore(imported, "dp=2,tp=4")
-    _, r2 = hybridckpt.restore(bad, "dp=2,tp=4", verify_reads=False)
+    _, r = hybridckpt.restore(imported, OTHER)
+    _, r2 = hybridckpt.restore(bad, OTHER, verify_reads=False)
     a, b = np.asarray(r.params["layers"]["q"]["kernel"]), np.asarray(r2.params["layers"]["q"]["kernel"])
     assert not np.array_equal(a.view(np.uint32), b.view(np.uint32))  # the damage the check catches is real
 

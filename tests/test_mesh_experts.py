@@ -1,11 +1,13 @@
 """The `experts` logical axis: split over `dp` by default (never replicated on a mesh with dp > 1),
-and overridable through `$HYBRIDCKPT_AXIS_RULES` / `axis_rules`."""
+and overridable through `$HYBRIDCKPT_AXIS_RULES` / `axis_rules`. The rules alone: meshes without
+devices (`abstract_mesh`), the same specs on any device count."""
 
 import pytest
 from jax.sharding import PartitionSpec as P
+from meshes import abstract_mesh
 
 from hybridckpt.errors import MeshError
-from hybridckpt.mesh import axis_rules, mesh_from_shape, partition_spec
+from hybridckpt.mesh import axis_rules, partition_spec
 
 EXPERTS = ("layers", "experts", "embed", "mlp")
 
@@ -16,13 +18,13 @@ def spec(mesh, rules=None):
 
 def test_experts_split_over_dp_by_default(monkeypatch):
     monkeypatch.delenv("HYBRIDCKPT_AXIS_RULES", raising=False)
-    assert spec(mesh_from_shape("dp=2,fsdp=2,tp=2")) == P(None, "dp", "fsdp", "tp")
-    assert spec(mesh_from_shape("dp=4,pp=2")) == P("pp", "dp", None, None)
-    assert spec(mesh_from_shape("dp=1")) == P(None, None, None, None)
+    assert spec(abstract_mesh("dp=2,fsdp=2,tp=2")) == P(None, "dp", "fsdp", "tp")
+    assert spec(abstract_mesh("dp=4,pp=2")) == P("pp", "dp", None, None)
+    assert spec(abstract_mesh("dp=1")) == P(None, None, None, None)
 
 
 def test_axis_rules_override_by_env_and_argument(monkeypatch):
-    mesh = mesh_from_shape("dp=2,fsdp=2,tp=2")
+    mesh = abstract_mesh("dp=2,fsdp=2,tp=2")
     monkeypatch.setenv("HYBRIDCKPT_AXIS_RULES", "experts=fsdp")
     # experts take fsdp, so embed (also fsdp) stays whole on it
     assert spec(mesh) == P(None, "fsdp", None, "tp")
@@ -40,7 +42,7 @@ def test_plan_of_an_moe_model_splits_experts_and_moments(monkeypatch):
 
     cfg = MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2,
                         num_heads=4, num_kv_heads=2, num_experts=4)  # fmt: skip
-    mesh = mesh_from_shape("dp=2,fsdp=2,tp=2")
+    mesh = abstract_mesh("dp=2,fsdp=2,tp=2")
     monkeypatch.delenv("HYBRIDCKPT_AXIS_RULES", raising=False)
     p = plan.for_model(cfg, mesh, optimizer=optim.get("adamw"))
     want = P(None, "dp", "fsdp", "tp")

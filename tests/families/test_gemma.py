@@ -26,6 +26,7 @@ import pytest
 import torch
 import transformers
 from e2e import roundtrip
+from meshes import cases, fit
 
 from hybridckpt import jobs, models
 from hybridckpt.models.common import zeros
@@ -40,7 +41,7 @@ ATOL = 1e-4
 MOVED = 100 * ATOL  # a dropped part must move some logit by more (observed 0.4 to 6)
 BF16_FACTOR = 2.0
 TOKENS = np.random.default_rng(0).integers(0, 96, (2, 12), dtype=np.int32)  # seq 12 > window 4
-MESHES = ["dp=1", "fsdp=2,tp=2,pp=2", "tp=4,pp=2"]
+MESHES = cases(["dp=1", "fsdp=2,tp=2,pp=2", "tp=4,pp=2"])
 
 SIZES = dict(
     vocab_size=96,
@@ -125,7 +126,7 @@ def test_logits_equal_transformers(hf, name, mesh):
 def test_untied_and_bf16_logits(hf):
     folder, _, want = hf["gemma2_untied"]
     assert "lm_head.weight" in open_source(folder).tensors
-    np.testing.assert_allclose(jobs.logits(folder, TOKENS, mesh="tp=4"), want, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(jobs.logits(folder, TOKENS, mesh=fit("tp=4")), want, atol=ATOL, rtol=0)
     for name in ("gemma2", "gemma3"):
         folder, model, want = hf[name]
         got = jobs.logits(folder, TOKENS, compute_dtype="bfloat16")

@@ -24,6 +24,7 @@ import pytest
 import torch
 import transformers
 from e2e import roundtrip
+from meshes import cases, fit
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -188,8 +189,8 @@ def test_dynamic_only_scales_beyond_max_positions():
 # constants, so the mesh and the rope type do not interact: this keeps the file fast)
 @pytest.mark.parametrize(
     "name, mesh",
-    [("default", MESHES[0]), ("linear", MESHES[1]), ("dynamic", MESHES[2]), ("llama3", MESHES[0]),
-     ("llama3", MESHES[2]), ("yarn", MESHES[1]), ("yarn", MESHES[2])],
+    cases([("default", MESHES[0]), ("linear", MESHES[1]), ("dynamic", MESHES[2]), ("llama3", MESHES[0]),
+           ("llama3", MESHES[2]), ("yarn", MESHES[1]), ("yarn", MESHES[2])]),
 )  # fmt: skip
 def test_logits_equal_transformers(hf_dirs, name, mesh):
     folder, m = hf_dirs[name]
@@ -353,5 +354,5 @@ def test_meta_use_scaled_rope_is_hf_llama3(tmp_path):
     assert not np.array_equal(got_freq, plain_freq)
     m = transformers.LlamaForCausalLM(hf_cfg).eval()
     m.load_state_dict({k: torch.from_numpy(v) for k, v in ref.weights.items()})
-    got = jobs.logits(str(tmp_path), TOKENS, mesh="fsdp=2,tp=2,pp=2")
+    got = jobs.logits(str(tmp_path), TOKENS, mesh=fit("fsdp=2,tp=2,pp=2"))
     np.testing.assert_allclose(got, _torch_logits(m), atol=ATOL, rtol=0)

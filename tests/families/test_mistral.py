@@ -21,6 +21,7 @@ import pytest
 import torch
 import transformers
 from e2e import roundtrip
+from meshes import cases
 
 from hybridckpt import jobs, models, naming
 from hybridckpt.models.errors import ConfigError
@@ -80,7 +81,7 @@ def hf_dirs(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "name, mesh",
-    [("mistral", m) for m in MESHES] + [("mistral_nemo_linear", MESHES[2]), ("mistral_no_window", MESHES[1])],
+    cases([("mistral", m) for m in MESHES] + [("mistral_nemo_linear", MESHES[2]), ("mistral_no_window", MESHES[1])]),
 )
 def test_logits_equal_transformers(hf_dirs, name, mesh):
     folder, m = hf_dirs[name]
@@ -111,7 +112,7 @@ def test_the_sliding_window_matters(hf_dirs, name):
 
 @pytest.mark.parametrize(
     "name, mesh_a, mesh_b",
-    [("mistral", "fsdp=2,tp=2,pp=2", "tp=4,pp=2"), ("mistral_nemo_linear", "dp=1", "fsdp=2,tp=2,pp=2")],
+    cases([("mistral", "fsdp=2,tp=2,pp=2", "tp=4,pp=2"), ("mistral_nemo_linear", "dp=1", "fsdp=2,tp=2,pp=2")]),
 )
 def test_import_restore_export_is_bitwise_and_loads_in_transformers(hf_dirs, tmp_path, name, mesh_a, mesh_b):
     folder, m = hf_dirs[name]

@@ -19,7 +19,7 @@ import torch
 import transformers
 from e2e import roundtrip
 from fixtures.hf_moe import randomize, write_adamw_moments
-from jax.sharding import PartitionSpec as P
+from meshes import cases, fit, fit_pair, size, spec
 
 from hybridckpt import jobs, models, naming
 from hybridckpt.io.byte_source import count_reads
@@ -93,7 +93,7 @@ def test_top_k_choices_differ_across_tokens(hf_dirs, name):
         assert len(chosen) >= 3, chosen  # not one choice for every token
 
 
-@pytest.mark.parametrize("name, mesh", [("mixtral", m) for m in MESHES] + [("mixtral_window", MESHES[0])])
+@pytest.mark.parametrize("name, mesh", cases([("mixtral", m) for m in MESHES] + [("mixtral_window", MESHES[0])], keep="dp"))
 def test_logits_equal_transformers(hf_dirs, name, mesh):
     folder, m = hf_dirs[name]
     np.testing.assert_allclose(jobs.logits(folder, TOKENS, mesh=mesh), _torch_logits(m), atol=ATOL, rtol=0)
@@ -123,7 +123,7 @@ def test_import_reads_each_expert_once(hf_dirs, tmp_path):
     src = open_source(folder)
     data = sum(t.nbytes for t in src.tensors.values())
     with count_reads() as c:
-        jobs.import_checkpoint(folder, str(tmp_path / "ckpt"), mesh="dp=2,fsdp=2,tp=2")
+        jobs.import_checkpoint(folder, str(tmp_path / "ckpt"), mesh=fit("dp=2,fsdp=2,tp=2", keep="dp"))
     header = os.path.getsize(path) - data
     assert c[path] == header + data  # the header once, every tensor's bytes exactly once
 
@@ -137,7 +137,8 @@ def test_import_restore_export_with_adamw_is_bitwise_and_loads_in_transformers(h
     trained = _build("mixtral", 0)
     trained.load_state_dict(m.state_dict())
     write_adamw_moments("mixtral", trained, TOKENS, str(work))
-    params, mu, nu, step = roundtrip(str(work), tmp_path, mesh_a="dp=2,fsdp=2,tp=2", mesh_b="dp=4,pp=2")
+    mesh_b, mesh_a = fit_pair("dp=4,pp=2", "dp=2,fsdp=2,tp=2", keep="dp")  # mesh B keeps dp first
+    params, mu, nu, step = roundtrip(str(work), tmp_path, mesh_a=mesh_a, mesh_b=mesh_b)
     src = open_source(str(work))
     for k, want in src.tensors.items():
         assert np.array_equal(params[k].view(np.uint8), want.materialize().view(np.uint8)), k
@@ -145,10 +146,11 @@ def test_import_restore_export_with_adamw_is_bitwise_and_loads_in_transformers(h
         for k, want in src.optimizer.slots[slot].items():
             assert np.array_equal(got[k].view(np.uint8), want.materialize().view(np.uint8)), (slot, k)
     assert step == 1
-    # experts and their moments split over dp on mesh B, never replicated
-    _, r = restore(str(tmp_path / "orbax"), "dp=4,pp=2")
+    # experts and their moments split over dp on mesh B, never replicated (on 1 device: whole)
+    _, r = restore(str(tmp_path / "orbax"), mesh_b)
     for tree in (r.params, r.opt_state[0].mu, r.opt_state[0].nu):
-        assert tree["moe"]["experts"]["gate"]["kernel"].sharding.spec == P("pp", "dp", None, None)
+        assert tree["moe"]["experts"]["gate"]["kernel"].sharding.spec == spec(mesh_b, "pp", "dp", None, None)
+    assert size(mesh_b) == 1 or "dp" in mesh_b
     back = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "exported", dtype=torch.float32, attn_implementation="eager"
     ).eval()
@@ -191,4 +193,4 @@ def test_transformers_fused_layout_reads_as_the_per_expert_one(hf_dirs, tmp_path
     assert sorted(got) == sorted(hub)
     for k, want in hub.items():
         assert np.array_equal(got[k], want), k
-    np.testing.assert_allclose(jobs.logits(str(tmp_path), TOKENS, mesh="dp=2,fsdp=2,tp=2"), _torch_logits(m), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(jobs.logits(str(tmp_path), TOKENS, mesh=fit("dp=2,fsdp=2,tp=2", keep="dp")), _torch_logits(m), atol=ATOL, rtol=0)

@@ -19,6 +19,7 @@ import pytest
 import torch
 import transformers
 from e2e import roundtrip
+from meshes import cases, fit
 
 from hybridckpt import jobs, models, naming
 from hybridckpt.models.errors import ConfigError
@@ -118,8 +119,8 @@ def _forward(cfg, params: dict) -> np.ndarray:
 
 @pytest.mark.parametrize(
     "name, mesh",
-    [(name, mesh) for name in ("qwen2", "qwen3") for mesh in MESHES]
-    + [("qwen2_tied", "tp=4,pp=2"), ("qwen3_bias_tied", "fsdp=2,tp=2,pp=2")],
+    cases([(name, mesh) for name in ("qwen2", "qwen3") for mesh in MESHES]
+          + [("qwen2_tied", "tp=4,pp=2"), ("qwen3_bias_tied", "fsdp=2,tp=2,pp=2")]),
 )
 def test_logits_equal_transformers(hf_dirs, name, mesh):
     folder, m = hf_dirs[name]
@@ -133,7 +134,7 @@ def test_bf16_checkpoint_logits_in_fp32(hf_dirs):
     checkpoint loaded in fp32) within 1e-4."""
     folder, m = hf_dirs["qwen3_bf16"]
     np.testing.assert_allclose(
-        jobs.logits(folder, TOKENS, mesh="fsdp=2,tp=2,pp=2"), _torch_logits(m), atol=ATOL, rtol=0
+        jobs.logits(folder, TOKENS, mesh=fit("fsdp=2,tp=2,pp=2")), _torch_logits(m), atol=ATOL, rtol=0
     )
 
 
@@ -144,7 +145,7 @@ def test_rope_scaling_is_read_and_matters(hf_dirs, name):
     folder, m = hf_dirs[name]
     want = _torch_logits(m)
     np.testing.assert_allclose(
-        jobs.logits(folder, TOKENS, mesh="tp=4,pp=2"), want, atol=ATOL, rtol=0
+        jobs.logits(folder, TOKENS, mesh=fit("tp=4,pp=2")), want, atol=ATOL, rtol=0
     )
     cfg, params = _params(folder)
     assert cfg.rope_scaling is not None
@@ -198,7 +199,7 @@ def test_the_family_specific_part_matters(hf_dirs, monkeypatch, name, option, le
 
 @pytest.mark.parametrize(
     "name, mesh_a, mesh_b",
-    [
+    cases([
         ("qwen2", "fsdp=2,tp=2,pp=2", "tp=4,pp=2"),
         ("qwen2_tied", "dp=1", "fsdp=2,tp=2,pp=2"),
         ("qwen3", "dp=1", "tp=4,pp=2"),
@@ -206,7 +207,7 @@ def test_the_family_specific_part_matters(hf_dirs, monkeypatch, name, option, le
         ("qwen3_bf16", "fsdp=2,tp=2,pp=2", "tp=4,pp=2"),
         ("qwen2_yarn", "tp=4,pp=2", "dp=1"),
         ("qwen3_linear", "dp=1", "fsdp=2,tp=2,pp=2"),
-    ],
+    ]),
 )
 def test_import_restore_export_is_bitwise_and_loads_in_transformers(
     hf_dirs, tmp_path, name, mesh_a, mesh_b

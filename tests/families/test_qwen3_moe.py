@@ -21,7 +21,7 @@ import torch
 import transformers
 from e2e import roundtrip
 from fixtures.hf_moe import hf_state, randomize, write_adamw_moments
-from jax.sharding import PartitionSpec as P
+from meshes import cases, fit, fit_pair, size, spec
 
 from hybridckpt import jobs, models, naming
 from hybridckpt.models.errors import ConfigError
@@ -103,7 +103,7 @@ def test_top_k_choices_differ_across_tokens(hf_dirs, name):
         assert len(chosen) >= 3, chosen  # not one choice for every token
 
 
-@pytest.mark.parametrize("name, mesh", [("qwen3_moe", m) for m in MESHES] + [("qwen3_moe_mixed", m) for m in MESHES[:2]])
+@pytest.mark.parametrize("name, mesh", cases([("qwen3_moe", m) for m in MESHES] + [("qwen3_moe_mixed", m) for m in MESHES[:2]], keep="dp"))
 def test_logits_equal_transformers(hf_dirs, name, mesh):
     folder, m = hf_dirs[name]
     np.testing.assert_allclose(jobs.logits(folder, TOKENS, mesh=mesh), _torch_logits(m), atol=ATOL, rtol=0)
@@ -141,7 +141,8 @@ def test_import_restore_export_with_adamw_is_bitwise_and_loads_in_transformers(h
     trained = transformers.Qwen3MoeForCausalLM(_hf_config("qwen3_moe_mixed"))
     trained.load_state_dict(m.state_dict())
     write_adamw_moments("qwen3_moe", trained, TOKENS, str(work))
-    params, mu, nu, step = roundtrip(str(work), tmp_path, mesh_a="dp=4,pp=2", mesh_b="dp=2,fsdp=2,tp=2")
+    mesh_b, mesh_a = fit_pair("dp=2,fsdp=2,tp=2", "dp=4,pp=2", keep="dp")  # mesh B keeps dp first
+    params, mu, nu, step = roundtrip(str(work), tmp_path, mesh_a=mesh_a, mesh_b=mesh_b)
     src = open_source(str(work))
     for k, want in src.tensors.items():
         assert np.array_equal(params[k].view(np.uint8), want.materialize().view(np.uint8)), k
@@ -150,10 +151,11 @@ def test_import_restore_export_with_adamw_is_bitwise_and_loads_in_transformers(h
         for k, want in src.optimizer.slots[slot].items():
             assert np.array_equal(got[k].view(np.uint8), want.materialize().view(np.uint8)), (slot, k)
     assert step == 1
-    _, r = restore(str(tmp_path / "orbax"), "dp=2,fsdp=2,tp=2")
+    _, r = restore(str(tmp_path / "orbax"), mesh_b)
     for tree in (r.params, r.opt_state[0].mu, r.opt_state[0].nu):
-        assert tree["moe"]["experts"]["down"]["kernel"].sharding.spec == P(None, "dp", "tp", "fsdp")
-        assert tree["mlp"]["gate"]["kernel"].sharding.spec == P(None, "fsdp", "tp")
+        assert tree["moe"]["experts"]["down"]["kernel"].sharding.spec == spec(mesh_b, None, "dp", "tp", "fsdp")
+        assert tree["mlp"]["gate"]["kernel"].sharding.spec == spec(mesh_b, None, "fsdp", "tp")
+    assert size(mesh_b) == 1 or "dp" in mesh_b
     back = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "exported", dtype=torch.float32, attn_implementation="eager"
     ).eval()
@@ -194,4 +196,4 @@ def test_transformers_fused_layout_reads_as_the_per_expert_one(hf_dirs, tmp_path
     assert sorted(got) == sorted(hub)
     for k, want in hub.items():
         assert np.array_equal(got[k], want), k
-    np.testing.assert_allclose(jobs.logits(str(tmp_path), TOKENS, mesh="dp=4,pp=2"), _torch_logits(m), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(jobs.logits(str(tmp_path), TOKENS, mesh=fit("dp=4,pp=2", keep="dp")), _torch_logits(m), atol=ATOL, rtol=0)

@@ -22,6 +22,7 @@ from fixtures.ckpt_checks import (
     run_writer,
 )
 from fixtures.torch_common import load_reference, reference_names
+from meshes import cases, fit
 
 from hybridckpt import naming
 from hybridckpt.containers.dcp_metadata import read_metadata
@@ -317,7 +318,7 @@ def test_not_dcp(tmp_path):
 # -- the whole path ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("variant,mesh_a,mesh_b", [("fsdp2", "fsdp=2,pp=2", "dp=2,fsdp=4"), ("tp", "tp=2,pp=2", "fsdp=8")])
+@pytest.mark.parametrize("variant,mesh_a,mesh_b", cases([("fsdp2", "fsdp=2,pp=2", "dp=2,fsdp=4"), ("tp", "tp=2,pp=2", "fsdp=8")]))
 def test_import_restore_export_and_logits(root, tmp_path, variant, mesh_a, mesh_b):
     """DCP -> Orbax on mesh A -> restore on mesh B -> export: bitwise the torch references; the
     imported model's logits equal transformers' forward on torch's own gathered weights."""
@@ -358,7 +359,7 @@ def test_checkpoint_without_config_imports_generically_or_with_config(root, tmp_
     shutil.move(str(bare / "config.json"), cfg_file)
     assert main(["inspect", str(bare), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["needs_config"] is True
-    assert main(["import", str(bare), str(tmp_path / "x"), "--mesh", "fsdp=2,tp=2", "--quiet"]) == 0
+    assert main(["import", str(bare), str(tmp_path / "x"), "--mesh", fit("fsdp=2,tp=2"), "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "no model config: tensors imported under the source's own names" in out
     assert main(["inspect", str(tmp_path / "x")]) == 0

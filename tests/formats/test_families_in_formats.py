@@ -23,6 +23,7 @@ from e2e import assert_same, roundtrip
 from fixtures import FIXTURES
 from fixtures import colossal_writer as cw
 from fixtures.torch_common import load_reference, perturbed_model, reference_names
+from meshes import fit
 
 from hybridckpt import jobs
 from hybridckpt.readers import detect, open_source
@@ -75,7 +76,7 @@ def _transformers_logits(config, weights: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def _check_logits(path: str, config, weights) -> None:
-    got = jobs.logits(path, TOKENS, mesh="fsdp=2,tp=2,pp=2")
+    got = jobs.logits(path, TOKENS, mesh=fit("fsdp=2,tp=2,pp=2"))
     np.testing.assert_allclose(got, _transformers_logits(config, weights), atol=1e-4, rtol=0)
 
 
@@ -128,7 +129,7 @@ def test_gemma2_in_deepspeed_zero3(tmp_path):
     ref, _ = load_reference(out, "z3_hf")
     weights = {k: ref[f"param/{k}"] for k in reference_names(ref, "param")}
     assert "lm_head.weight" not in weights  # tied: one tensor
-    got = jobs.logits(path, ref["tokens/tokens"], mesh="fsdp=2,tp=2,pp=2")
+    got = jobs.logits(path, ref["tokens/tokens"], mesh=fit("fsdp=2,tp=2,pp=2"))
     np.testing.assert_allclose(got, ref["logits/tokens"], atol=1e-4, rtol=0)
     _check_logits(path, _gemma2(), weights)
     _trained_roundtrip(path, tmp_path, ref, mesh_b="tp=4,pp=2")

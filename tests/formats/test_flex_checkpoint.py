@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from fixtures import flex_writer as fw
 from fixtures import paddle_writer as pw
+from meshes import cases, fit
 
 from hybridckpt import models, naming, readers
 from hybridckpt.containers.pickle.machine import safe_load_file
@@ -214,10 +215,10 @@ def test_step_is_not_guessed_from_wrong_betas(tmp_path, ref):
 
 @pytest.mark.parametrize(
     "name,mesh_a,mesh_b",
-    [
+    cases([
         ("tp2_stage1v2_bf16", "fsdp=2,tp=2,pp=2", "dp=2,tp=4"),
         ("stage3_bf16", "tp=4,pp=2", "fsdp=8"),
-    ],
+    ]),
 )
 def test_import_restore_export_bitwise(tmp_path, ref, name, mesh_a, mesh_b):
     """FlexCheckpoint -> Orbax on mesh A -> restore on mesh B -> export: the fp32 masters (what
@@ -240,7 +241,7 @@ def test_logits_equal_transformers(tmp_path, ref):
     from hybridckpt import jobs
 
     ckpt, _ = write(tmp_path, ref, "tp2_fp32")
-    jobs.import_checkpoint(ckpt, str(tmp_path / "orbax"), mesh="fsdp=2,tp=2,pp=2")
+    jobs.import_checkpoint(ckpt, str(tmp_path / "orbax"), mesh=fit("fsdp=2,tp=2,pp=2"))
     cfg = transformers.LlamaConfig(**{k: v for k, v in ref.config.items() if k != "architectures"})
     cfg._attn_implementation = "eager"
     model = transformers.LlamaForCausalLM(cfg).eval()
@@ -248,7 +249,7 @@ def test_logits_equal_transformers(tmp_path, ref):
     tokens = np.array([[3, 17, 49, 0, 42, 7, 10, 5]], dtype=np.int32)
     with torch.no_grad():
         want = model(torch.from_numpy(tokens).long()).logits.numpy()
-    got = jobs.logits(str(tmp_path / "orbax"), tokens, mesh="dp=2,tp=4")
+    got = jobs.logits(str(tmp_path / "orbax"), tokens, mesh=fit("dp=2,tp=4"))
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
     wrong = naming.source_named(flex_checkpoint.open(ckpt)).params  # [in, out], not transposed
     assert (

@@ -4,15 +4,17 @@ import json
 import os
 
 import jax
+import meshes
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
 import transformers
+from meshes import device_count, fit, fit_mesh, size
 
 from hybridckpt import jobs, models, naming, optim, plan
 from hybridckpt.containers.safetensors_file import read_header
-from hybridckpt.mesh import make_mesh, tree_shardings
+from hybridckpt.mesh import tree_shardings
 from hybridckpt.plan import abstract_tree
 from hybridckpt.readers import open_source
 from hybridckpt.store import CheckpointStore
@@ -65,7 +67,7 @@ def _torch_logits(m):
 
 
 @pytest.mark.parametrize("name", ["llama", "llama_tied", "llama_sharded", "gpt2", "llama_bf16"])
-@pytest.mark.parametrize("mesh", ["dp=1", "fsdp=2,tp=2,pp=2", "dp=2,tp=4"])
+@pytest.mark.parametrize("mesh", meshes.cases(["dp=1", "fsdp=2,tp=2,pp=2", "dp=2,tp=4"]))
 def test_logits_equal_transformers(hf_dirs, name, mesh):
     folder, m = hf_dirs[name]
     if name == "llama_sharded":
@@ -78,11 +80,11 @@ def test_logits_equal_transformers(hf_dirs, name, mesh):
 def test_hf_import_restore_export_is_bitwise(hf_dirs, tmp_path):
     folder, _ = hf_dirs["llama_sharded"]
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
-    s = jobs.import_checkpoint(folder, ckpt, mesh="fsdp=2,tp=2,pp=2")
+    s = jobs.import_checkpoint(folder, ckpt, mesh=fit("fsdp=2,tp=2,pp=2"))
     assert s.tensors == 9 + 3  # 9 stacked layer leaves + embed, final norm, lm_head
     # restore onto a different mesh, check the sharding really differs, export, compare
     cfg = jobs.open_checkpoint(folder).config
-    mesh = make_mesh(dp=2, tp=4)
+    mesh = fit_mesh("dp=2,tp=4")
     shapes = models.param_shapes(cfg)
     shard = tree_shardings(shapes, models.logical_axes(cfg), mesh)
     with CheckpointStore(ckpt) as store:
@@ -105,7 +107,7 @@ def test_bf16_weights_stay_bf16_and_export_bitwise(hf_dirs, tmp_path):
     src = open_source(folder)
     assert all(t.dtype == np.dtype(ml_dtypes.bfloat16) for t in src.tensors.values())
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
-    jobs.import_checkpoint(folder, ckpt, mesh="tp=2,pp=2,fsdp=2")
+    jobs.import_checkpoint(folder, ckpt, mesh=fit("tp=2,pp=2,fsdp=2"))
     jobs.export_checkpoint(ckpt, out)
     b = read_header(os.path.join(out, "model.safetensors")).tensors
     for k, t in src.tensors.items():
@@ -118,10 +120,10 @@ def test_optimizer_roundtrip_through_unified_layout(tmp_path):
     from hybridckpt.demo import sample_path
 
     ckpt = str(tmp_path / "ckpt")
-    jobs.import_checkpoint(sample_path(), ckpt, mesh="fsdp=2,tp=2,pp=2")
+    jobs.import_checkpoint(sample_path(), ckpt, mesh=fit("fsdp=2,tp=2,pp=2"))
     src = jobs.open_checkpoint(sample_path())
     cfg = src.config
-    mesh = make_mesh(pp=2, tp=4)
+    mesh = fit_mesh("tp=4,pp=2")
     p = plan.for_model(cfg, mesh, optimizer=optim.get("adamw"))
     with CheckpointStore(ckpt) as store:
         r = store.restore(target_params=p.param_targets(), target_opt_state=p.opt_targets())
@@ -182,7 +184,20 @@ def test_bad_inputs_exit_2_with_one_line_and_write_nothing(hf_dirs, tmp_path, ca
     _copy_cfg = json.load(open(os.path.join(folder, "config.json")))
     json.dump(_copy_cfg, open(extra / "config.json", "w"))
     cases.append((str(extra), [], "'model.layers.0.mlp.extra_proj.weight'"))
-    cases.append((folder, ["--mesh", "pp=8", "--strict-sharding"], "dim 0 (layers) has size 2, which mesh axes ('pp',) of total size 8 cannot divide"))
+    if device_count() >= 4:  # pp=8 (pp=4 on 4 devices) cannot divide the 2 layers
+        pp = fit("pp=8")
+        cases.append((folder, ["--mesh", pp, "--strict-sharding"], f"dim 0 (layers) has size 2, which mesh axes ('pp',) of total size {size(pp)} cannot divide"))
+    elif device_count() == 2:  # every dim of this model is even: a copy with 95 vocab rows
+        odd = _copy(folder, tmp_path / "odd_vocab")
+        tensors = {k: v.materialize() for k, v in open_source(odd).tensors.items()}
+        for k in ("model.embed_tokens.weight", "lm_head.weight"):
+            tensors[k] = np.ascontiguousarray(tensors[k][:95])
+        write(os.path.join(odd, "model.safetensors"), tensors)
+        cfg = json.load(open(os.path.join(odd, "config.json")))
+        cfg["vocab_size"] = 95
+        json.dump(cfg, open(os.path.join(odd, "config.json"), "w"))
+        cases.append((odd, ["--mesh", "tp=2", "--strict-sharding"], "has size 95, which mesh axes ('tp',) of total size 2 cannot divide"))
+    # (on one device every mesh axis has size 1, which divides everything: no such case)
     for src, extra_args, message in cases:
         dst = tmp_path / ("dst_" + os.path.basename(src) + str(len(extra_args)))
         code, out, err = _cli(capsys, "import", src, str(dst), *extra_args, "--quiet")
@@ -205,7 +220,7 @@ def test_cli_inspect_import_export_verify(hf_dirs, tmp_path, capsys):
     info = json.loads(out)
     assert code == 0 and info["format"] == "hf" and info["config"]["family"] == "gpt2"
     ckpt, out_dir = str(tmp_path / "ckpt"), str(tmp_path / "out")
-    assert _cli(capsys, "import", folder, ckpt, "--mesh", "fsdp=2,pp=2", "--io-threads", "2", "--quiet")[0] == 0
+    assert _cli(capsys, "import", folder, ckpt, "--mesh", fit("fsdp=2,pp=2"), "--io-threads", "2", "--quiet")[0] == 0
     code, out, _ = _cli(capsys, "inspect", ckpt)
     assert code == 0 and "layers.qkv.kernel" in out
     assert _cli(capsys, "export", ckpt, out_dir, "--quiet")[0] == 0

@@ -18,6 +18,7 @@ from fixtures.megatron_writer import (
     padded_vocab_size,
     write_megatron,
 )
+from meshes import cases, fit
 
 from hybridckpt import models
 from hybridckpt.errors import ConfigError, FormatError, MappingError
@@ -402,11 +403,11 @@ def test_torch_dist_folder_is_not_claimed(tmp_path):
 
 @pytest.mark.parametrize(
     "family,opts,mesh_a,mesh_b",
-    [
+    cases([
         ("llama", dict(tp=2, pp=2, vpp=2, dist_optim=True, dtype=torch.bfloat16), "fsdp=2,tp=2,pp=2", "dp=2,tp=4"),
         ("llama", dict(tp=4, pp=1, keys="legacy"), "tp=4,pp=2", "fsdp=8"),
         ("gpt2", dict(tp=2, pp=2, dist_optim=True), "pp=2,tp=4", "dp=1"),
-    ],
+    ]),
 )
 def test_import_restore_export_bitwise(tmp_path, family, opts, mesh_a, mesh_b):
     from e2e import assert_same, roundtrip
@@ -440,5 +441,5 @@ def test_logits_equal_transformers_on_the_reference(tmp_path, family):
     tokens = np.random.default_rng(2).integers(0, 100, (2, 9)).astype(np.int32)
     with torch.no_grad():
         want = model(torch.from_numpy(tokens).long()).logits.numpy()
-    got = jobs.logits(str(tmp_path), tokens, mesh="fsdp=2,pp=2")
+    got = jobs.logits(str(tmp_path), tokens, mesh=fit("fsdp=2,pp=2"))
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)

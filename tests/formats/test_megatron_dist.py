@@ -16,6 +16,7 @@ import pytest
 import torch
 from fixtures.megatron_dist_writer import trained_llama, write_torch_dist
 from fixtures.megatron_writer import make_llama, padded_vocab_size
+from meshes import fit
 
 from hybridckpt import models
 from hybridckpt.containers.dcp_metadata import read_metadata
@@ -239,7 +240,7 @@ def test_logits_and_next_step_equal_torch(tmp_path):
     tokens = np.random.default_rng(2).integers(0, 100, (2, 9)).astype(np.int32)
     with torch.no_grad():
         want = model(torch.from_numpy(tokens).long()).logits.numpy()
-    got = jobs.logits(str(tmp_path), tokens, mesh="fsdp=2,pp=2")
+    got = jobs.logits(str(tmp_path), tokens, mesh=fit("fsdp=2,pp=2"))
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
     src = open_source(str(tmp_path))

@@ -20,6 +20,7 @@ from e2e import assert_same, roundtrip
 from fixtures.ckpt_checks import export_in_fresh_process
 from fixtures.megatron_dist_writer import write_torch_dist
 from fixtures.megatron_writer import make_llama, make_qwen
+from meshes import cases, fit
 
 from hybridckpt import jobs, models
 from hybridckpt.readers import open_source
@@ -29,7 +30,7 @@ SIZES = dict(hidden=64, layers=4, heads=8, kv_heads=4, ffn=96, vocab=100)
 
 @pytest.mark.parametrize(
     "family, opts, mesh_a, mesh_b",
-    [
+    cases([
         ("qwen2", dict(tp=2, pp=2, optim="dp_reshardable"), "fsdp=2,tp=2,pp=2", "tp=4,pp=2"),
         (
             "qwen3",
@@ -37,7 +38,7 @@ SIZES = dict(hidden=64, layers=4, heads=8, kv_heads=4, ffn=96, vocab=100)
             "tp=4,pp=2",
             "dp=2,tp=4",
         ),
-    ],
+    ]),
 )
 def test_roundtrip_and_logits(tmp_path, family, opts, mesh_a, mesh_b):
     tied = opts.pop("tied", False)
@@ -64,7 +65,7 @@ def test_roundtrip_and_logits(tmp_path, family, opts, mesh_a, mesh_b):
     tokens = np.random.default_rng(2).integers(0, 100, (2, 9)).astype(np.int32)
     with torch.no_grad():
         want = model(torch.from_numpy(tokens).long()).logits.numpy()
-    got = jobs.logits(src, tokens, mesh="fsdp=2,pp=2")
+    got = jobs.logits(src, tokens, mesh=fit("fsdp=2,pp=2"))
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 from e2e import assert_same, roundtrip
 from fixtures.megatron_moe_writer import make_moe, write_megatron_moe
+from meshes import cases, fit
 
 from hybridckpt import jobs, models
 from hybridckpt.errors import FormatError, MappingError
@@ -116,15 +117,15 @@ def test_logits_equal_transformers_and_need_the_ep_offsets(tmp_path, family):
     assert open_source(root).config == models.config_from_hf(ref.config)
     tokens = np.random.default_rng(2).integers(0, 100, (2, 9)).astype(np.int32)
     want = _logits(model, tokens)
-    got = jobs.logits(root, tokens, mesh="dp=2,tp=2,pp=2")
+    got = jobs.logits(root, tokens, mesh=fit("dp=2,tp=2,pp=2", keep="dp"))
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
-    wrong = jobs.logits(swapped, tokens, mesh="dp=2,tp=2,pp=2")
+    wrong = jobs.logits(swapped, tokens, mesh=fit("dp=2,tp=2,pp=2", keep="dp"))
     assert np.abs(wrong - want).max() > 1000 * 1e-4
 
 
 @pytest.mark.parametrize(
     "family, experts, opts, mesh_a, mesh_b",
-    [
+    cases([
         (
             "mixtral",
             "sequential",
@@ -133,7 +134,7 @@ def test_logits_equal_transformers_and_need_the_ep_offsets(tmp_path, family):
             "fsdp=2,tp=2",
         ),
         ("qwen3_moe", "grouped", dict(tp=2, pp=1, ep=2), "dp=2,fsdp=2,tp=2", "dp=4,pp=2"),
-    ],
+    ], keep="dp"),
 )
 def test_import_restore_export_gives_the_reference(tmp_path, family, experts, opts, mesh_a, mesh_b):
     # Qwen3-MoE with dense layers 0 and 2 (`--moe-layer-freq [0,1,0,1]`, HF `mlp_only_layers`)
@@ -141,7 +142,7 @@ def test_import_restore_export_gives_the_reference(tmp_path, family, experts, op
     ref, _ = make_moe(family, seed=7, **kw)
     src = str(tmp_path / "megatron")
     write_megatron_moe(src, ref, experts=experts, **opts)
-    params, mu, nu, step = roundtrip(src, str(tmp_path), mesh_a=mesh_a, mesh_b=mesh_b)
+    params, mu, nu, step = roundtrip(src, str(tmp_path), mesh_a=mesh_a, mesh_b=mesh_b, keep="dp")
     assert_same(params, ref.weights)
     assert_same(mu, ref.exp_avg, "exp_avg")
     assert_same(nu, ref.exp_avg_sq, "exp_avg_sq")
@@ -275,7 +276,7 @@ def test_deepseek_v3_mla_shared_experts_and_expert_bias(tmp_path):
     assert any("expert_bias" in n and "zero moments" in n for n in src.notes)
     tokens = np.random.default_rng(2).integers(0, 100, (2, 9)).astype(np.int32)
     want = _logits(model, tokens)
-    got = jobs.logits(root, tokens, mesh="dp=2,tp=2,pp=2")
+    got = jobs.logits(root, tokens, mesh=fit("dp=2,tp=2,pp=2", keep="dp"))
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
     with torch.no_grad():
         for name, b in model.named_buffers():
@@ -283,7 +284,7 @@ def test_deepseek_v3_mla_shared_experts_and_expert_bias(tmp_path):
                 b.zero_()
     assert np.abs(_logits(model, tokens) - got).max() > 1000 * 1e-4
 
-    params, mu, nu, step = roundtrip(root, str(tmp_path), mesh_a="dp=2,tp=2", mesh_b="fsdp=2,tp=2")
+    params, mu, nu, step = roundtrip(root, str(tmp_path), mesh_a="dp=2,tp=2", mesh_b="fsdp=2,tp=2", keep="dp")
     assert_same(params, ref.weights)
     assert_same(mu, _zero_buffers(ref.exp_avg), "exp_avg")
     assert_same(nu, _zero_buffers(ref.exp_avg_sq), "exp_avg_sq")
@@ -299,7 +300,7 @@ def test_deepseek_v3_mla_shared_experts_and_expert_bias(tmp_path):
         del st["optimizer"]
         torch.save(st, f)
     with pytest.raises(MappingError, match=r"missing \['moe\.shared\.down\.kernel'"):
-        jobs.logits(lost, tokens, mesh="dp=2")
+        jobs.logits(lost, tokens, mesh=fit("dp=2", keep="dp"))
 
 
 def test_deepseek_v3_yarn(tmp_path):
@@ -317,7 +318,7 @@ def test_deepseek_v3_yarn(tmp_path):
     assert dict(src.config.rope_scaling)["rope_type"] == "yarn"
     tokens = np.random.default_rng(2).integers(0, 100, (2, 20)).astype(np.int32)
     want = _logits(model, tokens)
-    got = jobs.logits(str(tmp_path), tokens, mesh="dp=2,tp=2")
+    got = jobs.logits(str(tmp_path), tokens, mesh=fit("dp=2,tp=2", keep="dp"))
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
     _, plain = make_moe("deepseek_v3", seed=9, layers=3)
     assert np.abs(_logits(plain, tokens) - want).max() > 1000 * 1e-4

@@ -25,6 +25,7 @@ import torch
 from e2e import assert_same, roundtrip
 from fixtures.megatron_dist_moe_writer import write_torch_dist_moe
 from fixtures.megatron_moe_writer import make_moe, write_megatron_moe
+from meshes import fit
 
 from hybridckpt import jobs, models
 from hybridckpt.errors import FormatError
@@ -83,7 +84,7 @@ def test_mtp_import_restore_export_and_logits(tmp_path, mtp_ref):
     tokens = np.random.default_rng(2).integers(0, 100, (2, 9)).astype(np.int32)
     with torch.no_grad():
         want = model(torch.from_numpy(tokens).long()).logits.numpy()
-    got = jobs.logits(root, tokens, mesh="dp=2,tp=2,pp=2")
+    got = jobs.logits(root, tokens, mesh=fit("dp=2,tp=2,pp=2"))
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
     params, mu, nu, step = roundtrip(root, str(tmp_path), mesh_a="dp=2,tp=2", mesh_b="fsdp=2,tp=2")
@@ -131,7 +132,7 @@ def test_torch_dist_mtp_layers_with_their_moments(tmp_path, mtp_ref, singleton):
     tokens = np.random.default_rng(4).integers(0, 100, (2, 7)).astype(np.int32)
     with torch.no_grad():
         want = model(torch.from_numpy(tokens).long()).logits.numpy()
-    np.testing.assert_allclose(jobs.logits(root, tokens, mesh="dp=2,tp=2"), want, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(jobs.logits(root, tokens, mesh=fit("dp=2,tp=2")), want, atol=1e-4, rtol=0)
 
 
 def test_torch_dist_mtp_with_dp_reshardable_state_reads_the_weights_only(tmp_path, mtp_ref):

@@ -15,6 +15,7 @@ import torch
 import transformers
 from e2e import assert_same, roundtrip
 from fixtures.megatron_writer import make_qwen, write_megatron
+from meshes import cases, fit
 
 from hybridckpt import jobs, models
 from hybridckpt.errors import FormatError
@@ -31,12 +32,12 @@ def _ref(family: str, seed: int, tied: bool = False):
 
 @pytest.mark.parametrize(
     "family, opts, mesh_a, mesh_b",
-    [
+    cases([
         ("qwen2", dict(tp=2, pp=2, dist_optim=True), "fsdp=2,tp=2,pp=2", "tp=4,pp=2"),
         ("qwen2", dict(tp=4, pp=1, keys="legacy"), "dp=1", "fsdp=2,tp=2,pp=2"),
         ("qwen3", dict(tp=4, pp=2, vpp=2, dtype=torch.bfloat16), "tp=4,pp=2", "dp=1"),
         ("qwen3", dict(tp=2, pp=1, dist_optim=True), "fsdp=2,tp=2,pp=2", "dp=2,tp=4"),
-    ],
+    ]),
 )
 def test_import_restore_export_gives_the_reference(tmp_path, family, opts, mesh_a, mesh_b):
     ref = _ref(family, seed=7)
@@ -71,7 +72,7 @@ def test_logits_equal_transformers_on_the_reference(tmp_path, family, tied):
     tokens = np.random.default_rng(2).integers(0, 100, (2, 9)).astype(np.int32)
     with torch.no_grad():
         want = model(torch.from_numpy(tokens).long()).logits.numpy()
-    got = jobs.logits(str(tmp_path), tokens, mesh="fsdp=2,tp=2,pp=2")
+    got = jobs.logits(str(tmp_path), tokens, mesh=fit("fsdp=2,tp=2,pp=2"))
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
     plain = {k: v for k, v in ref.weights.items() if not k.endswith(("_proj.bias", "_norm.weight"))}
     assert len(plain) < len(ref.weights)

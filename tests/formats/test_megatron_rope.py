@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 from fixtures.megatron_writer import make_llama, write_megatron
+from meshes import fit
 
 from hybridckpt import jobs, models
 from hybridckpt.errors import FormatError
@@ -59,7 +60,7 @@ def test_rope_scaling_args_give_transformers_logits(tmp_path, scaling):
     src = open_source(str(tmp_path))
     assert src.config == models.config_from_hf(ref.config)
     want = _transformers_logits(ref.config, ref.weights)
-    got = jobs.logits(str(tmp_path), TOKENS, mesh="fsdp=2,tp=2,pp=2")
+    got = jobs.logits(str(tmp_path), TOKENS, mesh=fit("fsdp=2,tp=2,pp=2"))
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
     plain = _transformers_logits(_ref(None).config, ref.weights)
     assert np.abs(plain - want).max() > 100 * 1e-4  # the scaling matters here

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from fixtures.meta_writer import meta_llama_reference, to_meta_rows, write_meta
+from meshes import fit
 
 from hybridckpt import models
 from hybridckpt.errors import ConfigError, FormatError
@@ -196,5 +197,5 @@ def test_logits_equal_transformers_after_hfs_own_permute(tmp_path):
     tokens = np.random.default_rng(1).integers(0, ref.config["vocab_size"], (2, 10)).astype(np.int32)
     with torch.no_grad():
         want = model(torch.from_numpy(tokens).long()).logits.numpy()
-    got = jobs.logits(str(tmp_path), tokens, mesh="fsdp=2,tp=2")
+    got = jobs.logits(str(tmp_path), tokens, mesh=fit("fsdp=2,tp=2"))
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)

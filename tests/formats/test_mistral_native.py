@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from meshes import cases
 from safetensors.torch import save_file
 
 from hybridckpt import jobs, naming
@@ -118,7 +119,7 @@ def _torch_logits(m) -> np.ndarray:
         return m(torch.from_numpy(TOKENS).long()).logits.numpy()
 
 
-@pytest.mark.parametrize("name, mesh", [("windowed_nemo", "fsdp=2,tp=2,pp=2"), ("no_window", "tp=4,pp=2")])
+@pytest.mark.parametrize("name, mesh", cases([("windowed_nemo", "fsdp=2,tp=2,pp=2"), ("no_window", "tp=4,pp=2")]))
 def test_logits_equal_transformers(written, name, mesh):
     folder, m = written[name]
     assert detect(folder) == "meta-llama"

@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from fixtures import paddle_writer as pw
+from meshes import cases
 
 from hybridckpt import lazy, models, naming, readers
 from hybridckpt.containers.pickle import paddle_save
@@ -539,7 +540,7 @@ def test_unsafe_and_broken_pickles(tmp_path):
 
 @pytest.mark.parametrize(
     "name,mesh_a,mesh_b",
-    [("tp2_pp2_stage1v2_bf16_no_model_state", "fsdp=2,tp=2,pp=2", "dp=2,tp=4"), ("tp2_fused_qkv_ffn_bf16", "tp=4,pp=2", "fsdp=8")],
+    cases([("tp2_pp2_stage1v2_bf16_no_model_state", "fsdp=2,tp=2,pp=2", "dp=2,tp=4"), ("tp2_fused_qkv_ffn_bf16", "tp=4,pp=2", "fsdp=8")]),
 )
 def test_import_restore_export_bitwise(tmp_path, refs, name, mesh_a, mesh_b):
     """Hybrid-parallel Paddle -> Orbax on mesh A -> restore on mesh B -> export: the reference (the

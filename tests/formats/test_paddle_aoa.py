@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from fixtures import flex_writer as fw
 from fixtures import paddle_writer as pw
+from meshes import fit
 
 from hybridckpt import jobs, lazy
 from hybridckpt.errors import HybridCkptError, MappingError
@@ -158,7 +159,7 @@ def test_fused_checkpoint_needs_the_aoa_config(fused):
     from hybridckpt.cli import main
 
     out = os.path.join(os.path.dirname(rules), "cli-import")
-    assert main(["import", ckpt, out, "--rules", rules, "--mesh", "tp=2", "--quiet"]) == 0
+    assert main(["import", ckpt, out, "--rules", rules, "--mesh", fit("tp=2"), "--quiet"]) == 0
     opened = jobs.open_checkpoint(ckpt, rules=rules)
     for kind, d in (
         ("params", opened.named.params),
@@ -179,7 +180,7 @@ def test_import_export_and_the_reverse_round_trip_bitwise(fused, tmp_path):
     from hybridckpt.formats import flex_checkpoint
 
     ref, ckpt, want, rules = fused
-    jobs.import_checkpoint(ckpt, str(tmp_path / "orbax"), mesh="fsdp=2,tp=2,pp=2", rules=rules)
+    jobs.import_checkpoint(ckpt, str(tmp_path / "orbax"), mesh=fit("fsdp=2,tp=2,pp=2"), rules=rules)
     jobs.export_checkpoint(str(tmp_path / "orbax"), str(tmp_path / "out"), optimizer=True)
     model = read_header(str(tmp_path / "out" / "model.safetensors")).tensors
     opt = read_header(str(tmp_path / "out" / "optimizer.safetensors")).tensors

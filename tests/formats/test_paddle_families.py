@@ -21,6 +21,7 @@ from e2e import assert_same, roundtrip
 from fixtures import paddle_families as pf
 from fixtures import paddle_writer as pw
 from fixtures.torch_common import perturbed_model
+from meshes import cases, fit
 
 from hybridckpt import jobs, readers
 from hybridckpt.formats import paddle
@@ -123,7 +124,7 @@ def test_logits_equal_transformers(tmp_path, refs, family):
     ref = refs[family]
     pw.write_hybrid(str(tmp_path), ref, pw.Options(tp=2))
     want = _transformers_logits(make())
-    for mesh in ("fsdp=2,tp=2,pp=2", "tp=4"):
+    for mesh in (fit("fsdp=2,tp=2,pp=2"), fit("tp=4")):
         got = jobs.logits(str(tmp_path), TOKENS, mesh=mesh)
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=mesh)
     # what the family adds matters: without its biases / q/k norms the logits are far off
@@ -139,11 +140,11 @@ def test_logits_equal_transformers(tmp_path, refs, family):
 
 @pytest.mark.parametrize(
     "case,mesh_a,mesh_b",
-    [
+    cases([
         ("qwen2_tp2_pp2_stage1_bf16", "fsdp=2,tp=2,pp=2", "dp=2,tp=4"),
         ("qwen3_fused_tp2_pp2_v2_bf16", "tp=4,pp=2", "fsdp=8"),
         ("mistral_tp2_pp2_stage2_bf16", "fsdp=2,tp=2,pp=2", "tp=2,pp=2"),
-    ],
+    ]),
 )
 def test_import_restore_export_bitwise(tmp_path, refs, case, mesh_a, mesh_b):
     """PaddleNLP folder -> Orbax on mesh A -> restore on mesh B -> export: the fp32 masters (what a

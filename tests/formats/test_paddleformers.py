@@ -21,6 +21,7 @@ from e2e import assert_same, roundtrip
 from fixtures import paddle_families as pf
 from fixtures import paddle_writer as pw
 from fixtures.torch_common import perturbed_model
+from meshes import cases, fit
 
 from hybridckpt import jobs, readers
 from hybridckpt.cli import main
@@ -94,7 +95,7 @@ def test_logits_equal_transformers(tmp_path, refs, family):
     """bf16 params with fp32 masters: the masters are imported, so the logits are the fp32
     model's."""
     pf.write_paddleformers_unified(str(tmp_path), refs[family], bf16=True, shards=2)
-    got = jobs.logits(str(tmp_path), TOKENS, mesh="fsdp=2,tp=2,pp=2")
+    got = jobs.logits(str(tmp_path), TOKENS, mesh=fit("fsdp=2,tp=2,pp=2"))
     config = CONFIGS[family]()
     config._attn_implementation = "eager"
     with torch.no_grad():
@@ -104,10 +105,10 @@ def test_logits_equal_transformers(tmp_path, refs, family):
 
 @pytest.mark.parametrize(
     "case,mesh_a,mesh_b",
-    [
+    cases([
         ("qwen3_bf16_2_ranks", "fsdp=2,tp=2,pp=2", "dp=2,tp=4"),
         ("llama_fp32_single_card", "tp=4,pp=2", "fsdp=8"),
-    ],
+    ]),
 )
 def test_import_restore_export_bitwise(tmp_path, refs, case, mesh_a, mesh_b):
     """PaddleFormers folder -> Orbax on mesh A -> restore on mesh B -> export: the masters (the
@@ -138,7 +139,7 @@ def test_cli_export_to_paddlenlp_unified(tmp_path, refs):
     ref = pw.Reference(**{**refs["llama"].__dict__, "prefix": "llama"})
     src, ckpt, out = (str(tmp_path / n) for n in ("src", "orbax", "out"))
     pf.write_paddleformers_unified(src, ref, bf16=True, shards=2)
-    assert main(["import", src, ckpt, "--mesh", "tp=2", "--quiet"]) == 0
+    assert main(["import", src, ckpt, "--mesh", fit("tp=2"), "--quiet"]) == 0
     args = ["export", ckpt, out, "--optimizer", "--dtype", "bfloat16", "--to", "paddlenlp-unified"]
     assert main([*args, "--quiet"]) == 0
     want = str(tmp_path / "paddlenlp")

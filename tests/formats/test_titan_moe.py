@@ -27,6 +27,7 @@ from e2e import assert_same, roundtrip
 from fixtures import FIXTURES
 from fixtures.ckpt_checks import optax_next, run_writer
 from fixtures.torch_common import load_reference, reference_names
+from meshes import fit, fit_pair
 from safetensors.numpy import load_file
 
 from hybridckpt import jobs, lazy, naming
@@ -203,7 +204,7 @@ def test_import_restore_export_bitwise_and_logits_with_experts_over_dp(root, tmp
     bitwise torch's params and moments under HF's per-expert names; the imported model's logits
     equal transformers' (fp32, 1e-4)."""
     ref, _ = load_reference(root, NAME)
-    mesh_a, mesh_b = "dp=2,tp=2,pp=2", "dp=4,fsdp=2"
+    mesh_b, mesh_a = fit_pair("dp=4,fsdp=2", "dp=2,tp=2,pp=2", keep="dp")  # mesh B keeps dp first
     params, mu, nu, step = roundtrip(
         os.path.join(root, "checkpoint"),
         str(tmp_path),
@@ -255,9 +256,9 @@ def test_wrong_expert_offsets_give_other_experts_and_the_comparison_sees_it(root
         assert np.array_equal(got, ref[f"param/{GATE.format(0, (e + 2) % EXPERTS)}"])
         assert not np.array_equal(got, ref[f"param/{GATE.format(0, e)}"])
     # imported anyway (the blocks tile the tensor), the model's logits move far off transformers'
-    jobs.import_checkpoint(path, str(tmp_path / "orbax"), mesh="dp=2,fsdp=2", config=_config(root))
+    jobs.import_checkpoint(path, str(tmp_path / "orbax"), mesh=fit("dp=2,fsdp=2", keep="dp"), config=_config(root))
     tokens, want = _torch_logits(root)
-    got = jobs.logits(str(tmp_path / "orbax"), tokens, mesh="dp=2,fsdp=2")
+    got = jobs.logits(str(tmp_path / "orbax"), tokens, mesh=fit("dp=2,fsdp=2", keep="dp"))
     assert np.abs(got - want).max() > 1000 * 1e-4
 
 
@@ -340,7 +341,7 @@ def test_deepseek_v3_params_and_moments_exact_under_hf_names(ds_root):
 
 def test_deepseek_v3_import_restore_export_bitwise_and_logits(ds_root, tmp_path):
     ref, _ = load_reference(ds_root, "deepseek_v3")
-    mesh_a, mesh_b = "dp=2,tp=4", "dp=2,fsdp=2,tp=2"
+    mesh_a, mesh_b = fit_pair("dp=2,tp=4", "dp=2,fsdp=2,tp=2", keep="dp")
     params, mu, nu, step = roundtrip(
         os.path.join(ds_root, "checkpoint"),
         str(tmp_path),
@@ -385,7 +386,7 @@ def test_each_experts_bytes_are_read_once(root, tmp_path):
         jobs.import_checkpoint(
             os.path.join(root, "checkpoint"),
             str(tmp_path / "o"),
-            mesh="dp=4,fsdp=2",
+            mesh=fit("dp=4,fsdp=2", keep="dp"),
             config=_config(root),
         )
     read = sum(v for k, v in c.items() if isinstance(k, str) and k.endswith(".distcp"))

@@ -20,6 +20,7 @@ from e2e import assert_same, roundtrip
 from fixtures.ckpt_checks import optax_next
 from fixtures.titan_writer import STEPS, write_titan
 from fixtures.torch_common import load_reference, reference_names
+from meshes import cases
 
 from hybridckpt import jobs, lazy, models, naming
 from hybridckpt.containers.dcp_metadata import read_metadata
@@ -132,7 +133,7 @@ def test_fused_rows_are_per_kv_group_not_q_then_k_then_v(written):
 
 
 @pytest.mark.parametrize(
-    "name, mesh_a, mesh_b", [("llama3", "fsdp=2,tp=2,pp=2", "tp=4,pp=2"), ("qwen3", "tp=2,pp=2", "fsdp=2,tp=2,pp=2")]
+    "name, mesh_a, mesh_b", cases([("llama3", "fsdp=2,tp=2,pp=2", "tp=4,pp=2"), ("qwen3", "tp=2,pp=2", "fsdp=2,tp=2,pp=2")])
 )
 def test_import_restore_export_and_logits(written, tmp_path, name, mesh_a, mesh_b):
     """torchtitan -> Orbax on mesh A -> restore on mesh B -> export: bitwise torch's params and

@@ -1,15 +1,19 @@
 """One process of a 2-process `jax.distributed` import (run by tests/jobs/test_multiprocess.py).
 
-usage: multiprocess_worker.py PROCESS_ID PORT SRC DST MESH OUT_JSON
+usage: multiprocess_worker.py PROCESS_ID PORT SRC DST MESH OUT_JSON PLATFORM LOCAL_DEVICES
+
+PLATFORM `cpu`: LOCAL_DEVICES simulated CPU devices; otherwise (`cuda`) the GPUs the parent gave
+this process in CUDA_VISIBLE_DEVICES.
 """
 
 import json
 import os
 import sys
 
-pid, port, src, dst, mesh, out = sys.argv[1:7]
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-os.environ["JAX_PLATFORMS"] = "cpu"
+pid, port, src, dst, mesh, out, platform, local = sys.argv[1:9]
+os.environ["JAX_PLATFORMS"] = platform
+if platform == "cpu":
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={int(local)}"
 
 import jax  # noqa: E402
 
@@ -26,6 +30,7 @@ with open(out, "w") as f:
         {
             "process_index": jax.process_index(),
             "local_devices": len(jax.local_devices()),
+            "platform": jax.local_devices()[0].platform,
             "bytes_read": {k: v for k, v in counter.items() if isinstance(k, str)},
             "step": summary.step,
         },

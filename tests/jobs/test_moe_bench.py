@@ -13,9 +13,11 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 
 import moe_import  # noqa: E402
+from meshes import fit
 
 from hybridckpt.lazy import stored  # noqa: E402
 from hybridckpt.lazy.box import full_box  # noqa: E402
+from hybridckpt.mesh import MeshShape  # noqa: E402
 
 # 2 layers x 8 experts, embed 64, mlp 128: 1.6 MB of experts over several files
 TINY = {
@@ -42,7 +44,7 @@ def source(request, tmp_path_factory):
 
 def test_each_expert_byte_read_once(source, tmp_path):
     layout, root = source
-    r = moe_import.measure(root, str(tmp_path / "out"), "dp=4,fsdp=2")
+    r = moe_import.measure(root, str(tmp_path / "out"), fit("dp=4,fsdp=2", keep="fsdp"))
     assert r["expert_bytes"] == 2 * 8 * 3 * 64 * 128 * 4
     assert r["ratio"] == 1.0 and r["covered"] == 1.0
     if layout != "titan":  # headers included, nothing twice (DCP: torch.save's zip headers skipped)
@@ -50,20 +52,15 @@ def test_each_expert_byte_read_once(source, tmp_path):
     assert 0 < r["largest_tile_bytes"] <= r["peak_inflight_bytes"]
 
 
-# ratio measured when every stored tensor is read whole for each box, on each mesh: per-expert
-# keys are read once per device half (fsdp=2 cuts every expert's embed axis), never more on dp=8
-# (one box per expert: the bug is invisible there); a grouped tensor [8 experts, ...] is read
-# whole for every expert view: transformers' gate_up_proj (8 experts x gate/up x halves = 32
-# reads) and down_proj (16) give (2 x 32 + 16) / 3, torchtitan's w1/w3/w2 (one per projection)
-# 8 x 2 halves = 16
-WHOLE_PER_BOX = {
-    ("per_expert", "dp=4,fsdp=2"): 2.0,
-    ("per_expert", "dp=8"): 1.0,
-    ("fused", "dp=4,fsdp=2"): 80 / 3,
-    ("fused", "dp=8"): 40 / 3,
-    ("titan", "dp=4,fsdp=2"): 16.0,
-    ("titan", "dp=8"): 8.0,
-}
+def whole_per_box(layout: str, mesh: str) -> float:
+    """The ratio measured when every stored tensor is read whole for each box, on `mesh`: per-expert
+    keys are read once per device part of fsdp=F (which cuts every expert's embed axis), never more
+    on dp alone (one box per expert: the bug is invisible there); a grouped tensor [8 experts, ...]
+    is read whole for every expert view: transformers' gate_up_proj (8 experts x gate/up x F parts
+    = 16F reads) and down_proj (8F) give (2 x 16F + 8F) / 3, torchtitan's w1/w3/w2 (one per
+    projection) 8 x F. On fsdp=2: 2, 80/3, 16; on dp=8: 1, 40/3, 8."""
+    f = MeshShape.parse(mesh).fsdp
+    return {"per_expert": f, "fused": 40 * f / 3, "titan": 8 * f}[layout]
 
 
 def test_a_double_read_is_detected(source, tmp_path, monkeypatch):
@@ -79,10 +76,10 @@ def test_a_double_read_is_detected(source, tmp_path, monkeypatch):
     plain = stored.StoredTensor.read_into
     monkeypatch.setattr(stored.StoredTensor, "read_into", whole_then_cut)
     layout, root = source
-    for mesh in ("dp=4,fsdp=2", "dp=8"):
+    for mesh in dict.fromkeys((fit("dp=4,fsdp=2", keep="fsdp"), fit("dp=8"))):  # on 1 device, one
         r = moe_import.measure(root, str(tmp_path / mesh), mesh)
         assert r["covered"] == 1.0
-        assert r["ratio"] == pytest.approx(WHOLE_PER_BOX[layout, mesh], abs=1e-12)
+        assert r["ratio"] == pytest.approx(whole_per_box(layout, mesh), abs=1e-12)
 
 
 def test_read_ratio_counts_overlaps_and_holes():

@@ -1,5 +1,10 @@
-"""Multi-host import: 2 local processes x 4 CPU devices under jax.distributed (gloo), each reading
-only the byte ranges of its own devices, writing one Orbax checkpoint that restores elsewhere."""
+"""Multi-host import: 2 local processes under jax.distributed, each reading only the byte ranges of
+its own devices, writing one Orbax checkpoint that restores elsewhere.
+
+Each process gets half of this session's devices (`_split`): on 8 simulated CPU devices 2 x 4 CPU
+devices (gloo), on 4 GPUs 2 x 2 GPUs (CUDA_VISIBLE_DEVICES); with one device in this session each
+process gets one simulated CPU device (two hosts of one device each: one GPU cannot be given to
+two processes)."""
 
 import json
 import os
@@ -10,11 +15,12 @@ import jax
 import numpy as np
 import pytest
 from fixtures.torch_common import free_port
+from meshes import fit, fit_mesh
 
 from hybridckpt import jobs, models, naming
 from hybridckpt.cli import main
 from hybridckpt.lazy import ArrayTensor
-from hybridckpt.mesh import make_mesh, tree_shardings
+from hybridckpt.mesh import tree_shardings
 from hybridckpt.plan import abstract_tree
 from hybridckpt.store import CheckpointStore
 from hybridckpt.writers.hf_folder import write_hf
@@ -36,23 +42,39 @@ def source(tmp_path_factory):
     return d, hf
 
 
+def _split() -> tuple[str, int, list[str] | None]:
+    """(JAX_PLATFORMS, devices per process, the GPU ids to split or None) for 2 processes: half of
+    this session's devices each, on their platform; one CPU device each where there is one device."""
+    n = jax.device_count()
+    if jax.devices()[0].platform == "cpu" or n == 1:
+        return "cpu", max(1, n // 2), None
+    given = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = given.split(",") if given else [str(i) for i in range(n)]
+    return os.environ["JAX_PLATFORMS"], n // 2, visible[:n]
+
+
 def test_two_process_import_reads_own_shards_and_restores_on_one_process(source, tmp_path, capsys):
     src, hf = source
     dst = str(tmp_path / "ckpt")
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    platforms, local, visible = _split()
+    platform = "cpu" if platforms == "cpu" else jax.devices()[0].platform
+    mesh = fit("fsdp=2,tp=2,pp=2", 2 * local)
     procs, outs = [], []
     for pid in range(2):
         out = str(tmp_path / f"p{pid}.json")
         outs.append(out)
+        env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+        if visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[pid * local:(pid + 1) * local])
         procs.append(subprocess.Popen(
-            [sys.executable, WORKER, str(pid), str(port), src, dst, "fsdp=2,tp=2,pp=2", out],
+            [sys.executable, WORKER, str(pid), str(port), src, dst, mesh, out, platforms, str(local)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         ))
     logs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(x[-3000:] for x in logs)
     reports = [json.load(open(o)) for o in outs]
-    assert [r["local_devices"] for r in reports] == [4, 4]
+    assert [(r["local_devices"], r["platform"]) for r in reports] == [(local, platform)] * 2
     total = sum(t.nbytes for t in hf.values())
     for r in reports:
         read = sum(r["bytes_read"].values())
@@ -61,7 +83,7 @@ def test_two_process_import_reads_own_shards_and_restores_on_one_process(source,
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".ckpt")]
     cfg = jobs.open_checkpoint(src).config
     shapes = models.param_shapes(cfg)
-    mesh = make_mesh(tp=4, pp=2)
+    mesh = fit_mesh("tp=4,pp=2")
     with CheckpointStore(dst) as store:
         r = store.restore(target_params=abstract_tree(shapes, tree_shardings(shapes, models.logical_axes(cfg), mesh)))
     back = naming.tree_to_hf(jax.tree.map(np.asarray, r.params), cfg)

@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 import pytest
+from meshes import fit
 
 from hybridckpt import lazy, models, naming
 from hybridckpt.demo import sample_path
@@ -43,7 +44,7 @@ def test_relative_paths_work_in_every_command_and_outputs_get_the_umask_modes(tm
     shutil.copytree(sample_path(), tmp_path / "src")
     old = os.umask(0o022)
     try:
-        for args in (["import", "src", "ck", "--mesh", "fsdp=2,tp=2,pp=2", "--quiet"],
+        for args in (["import", "src", "ck", "--mesh", fit("fsdp=2,tp=2,pp=2"), "--quiet"],
                      ["export", "ck", "out", "--optimizer", "--quiet"],
                      ["verify", "src", "out", "--quiet"],
                      ["verify", "ck"],
@@ -66,15 +67,22 @@ def test_gpt2_with_vocab_50257_imports_onto_an_ordinary_mesh(tmp_path):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(vocab_size=50257, n_positions=32, n_embd=16, n_layer=2, n_head=2)
     transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2", safe_serialization=True)
-    r = run("import", str(tmp_path / "gpt2"), str(tmp_path / "ck"), "--mesh", "fsdp=2,tp=2,pp=2", "--quiet")
+    mesh = fit("fsdp=2,tp=2,pp=2", keep="tp")  # tp=2 down to 2 devices; dp=1 on one
+    r = run("import", str(tmp_path / "gpt2"), str(tmp_path / "ck"), "--mesh", mesh, "--quiet")
     assert r.returncode == 0, r.stderr
     notes = [line for line in r.stdout.splitlines() if "replicated where the mesh cannot divide" in line]
-    assert len(notes) == 1 and "wte.embedding dim 0 (vocab 50257 over tp=2)" in notes[0], r.stdout
+    if mesh == "dp=1":  # one device: every axis of size 1 divides the vocab; nothing replicated
+        assert notes == [], r.stdout
+    else:
+        assert len(notes) == 1 and "wte.embedding dim 0 (vocab 50257 over tp=2)" in notes[0], r.stdout
     assert run("export", str(tmp_path / "ck"), str(tmp_path / "out"), "--quiet").returncode == 0
     v = run("verify", str(tmp_path / "gpt2"), str(tmp_path / "out"), "--quiet")
     assert v.returncode == 0, v.stdout
-    strict = run("import", str(tmp_path / "gpt2"), str(tmp_path / "ck2"), "--mesh", "fsdp=2,tp=2,pp=2",
+    strict = run("import", str(tmp_path / "gpt2"), str(tmp_path / "ck2"), "--mesh", mesh,
                  "--strict-sharding", "--quiet")
+    if mesh == "dp=1":
+        assert strict.returncode == 0, strict.stderr
+        return
     assert strict.returncode == 2 and "wte.embedding: dim 0 (vocab) has size 50257" in strict.stderr
     assert strict.stderr.count("\n") == 1 and not (tmp_path / "ck2").exists()
 
@@ -109,7 +117,7 @@ def test_ctrl_c_prints_one_line_exits_130_and_leaves_nothing_or_the_previous(tmp
     outcomes = set()
     for i, when in enumerate((0.0, 0.3, 0.8)):
         dst = tmp_path / f"dst{i}"
-        code, out, err = _interrupt(["import", str(src), str(dst), "--mesh", "fsdp=2,tp=2", "--quiet",
+        code, out, err = _interrupt(["import", str(src), str(dst), "--mesh", fit("fsdp=2,tp=2"), "--quiet",
                                      "--io-threads", "2"], when, tmp_path, f"dst{i}")
         assert "Traceback" not in err and "Exception ignored" not in err, err
         if code == 130:

@@ -5,6 +5,7 @@ written in blocks of rows; every path writes the same bytes."""
 import os
 
 import pytest
+from meshes import fit
 from safetensors.numpy import load_file
 
 from hybridckpt import jobs
@@ -49,7 +50,7 @@ def _copied(monkeypatch) -> list[int]:
 def test_raw_chunks_are_copied_file_to_file_and_compressed_ones_streamed(plain_source, tmp_path, monkeypatch, codec):
     src, tensors = plain_source
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
-    jobs.import_checkpoint(src, ckpt, mesh="fsdp=2", compression=codec)
+    jobs.import_checkpoint(src, ckpt, mesh=fit("fsdp=2"), compression=codec)
     calls = _copied(monkeypatch)
     jobs.export_checkpoint(ckpt, out)
     got = load_file(os.path.join(out, "model.safetensors"))
@@ -67,7 +68,7 @@ def test_large_tensors_are_read_and_written_in_blocks_of_rows(tmp_path, monkeypa
     """With the block size cut to 2 KiB, every HF tensor of the sample (kernels transposed back
     to `[out, in]`) is read in boxes of at most one block and the files are the same bytes."""
     ckpt = str(tmp_path / "ckpt")
-    jobs.import_checkpoint(sample_path(), ckpt, mesh="fsdp=2,tp=2,pp=2")
+    jobs.import_checkpoint(sample_path(), ckpt, mesh=fit("fsdp=2,tp=2,pp=2"))
     whole = str(tmp_path / "whole")
     jobs.export_checkpoint(ckpt, whole, optimizer=True)
     boxes: list[int] = []

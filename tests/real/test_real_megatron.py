@@ -38,13 +38,15 @@ DIMS = {"vocab": 60, "heads": 4, "groups": 2}
 
 def meshes(case: str = DENSE) -> tuple[str, str]:
     """Two different meshes over the devices present (the tiny model: kv heads 2, so tp <= 2;
-    the ep 1 case's 2 experts, which `dp` shards, dp <= 2)."""
+    the ep 1 case's 2 experts, which `dp` shards, dp <= 2); on one device both are dp=1."""
     n = jax.device_count()
     if n >= 8:
         return "fsdp=2,tp=2,pp=2", "dp=2,fsdp=2,tp=2" if case == MOE_EP1 else "dp=4,tp=2"
     if n >= 4:
         return "tp=2,pp=2", "fsdp=2,tp=2"
-    return "tp=2", "fsdp=2"
+    if n >= 2:
+        return "tp=2", "fsdp=2"
+    return "dp=1", "dp=1"  # one device: the same path, the layout unchanged
 
 
 def expected(case: str, kind: str) -> dict[str, np.ndarray]:

@@ -43,13 +43,16 @@ def _config(case: str) -> str:
 
 
 def _meshes() -> tuple[str, str]:
-    """Two different meshes over the devices present (a real reshard between them)."""
+    """Two different meshes over the devices present (a real reshard between them); on one
+    device both are dp=1."""
     n = jax.device_count()
     if n >= 8:
         return "fsdp=2,tp=2,pp=2", "dp=2,fsdp=4"
     if n >= 4:
         return "fsdp=2,tp=2", "dp=2,fsdp=2"
-    return "fsdp=2", "tp=2"
+    if n >= 2:
+        return "fsdp=2", "tp=2"
+    return "dp=1", "dp=1"  # one device: the same path, the layout unchanged
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,8 @@ what an import records), recorded at import, re-checked by `verify CKPT`."""
 
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import ml_dtypes
@@ -10,13 +12,13 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from meshes import device_count, fit, fit_mesh
 from oracles import checksum_reference
 
 from hybridckpt import checksum, jobs
 from hybridckpt.cli import main
 from hybridckpt.demo import sample_path
 from hybridckpt.errors import CheckpointError
-from hybridckpt.mesh import make_mesh
 from hybridckpt.store import CheckpointStore, read_trainer_state
 from hybridckpt.store.restore import restore
 
@@ -24,7 +26,7 @@ from hybridckpt.store.restore import restore
 def test_checksum_is_sharding_independent_and_sensitive():
     x = np.random.default_rng(0).standard_normal((8, 6, 4)).astype(np.float32)
     want = checksum.of_array(x)
-    mesh = make_mesh(fsdp=2, tp=2, pp=2)
+    mesh = fit_mesh("fsdp=2,tp=2,pp=2")
     for spec in (P("pp", "fsdp", "tp"), P(None, "tp"), P()):
         assert checksum.of_array(jax.device_put(x, NamedSharding(mesh, spec))) == want
     flipped = x.copy()
@@ -99,7 +101,7 @@ def test_chunks_checksum_refuses_a_grid_that_does_not_fit():
 @pytest.fixture()
 def imported(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    jobs.import_checkpoint(sample_path(), ckpt, mesh="fsdp=2,tp=2,pp=2")
+    jobs.import_checkpoint(sample_path(), ckpt, mesh=fit("fsdp=2,tp=2,pp=2"))
     return ckpt
 
 
@@ -162,11 +164,19 @@ def _chunk_locations(item_dir: str, array: str) -> list[list[tuple[str, int, int
 
 @pytest.fixture()
 def imported_zstd(tmp_path):
-    """Imported with Orbax's zstd: a small chunk's compressed bytes (barely compressible) stay
-    verbatim inside the zstd-compressed B-tree node that inlines them, so `_chunk_locations` finds
-    them (a raw import, the default codec, keeps every chunk in a file of its own)."""
+    """Imported with Orbax's zstd on fsdp=2,tp=2,pp=2: a small chunk's compressed bytes (barely
+    compressible) stay verbatim inside the zstd-compressed B-tree node that inlines them, so
+    `_chunk_locations` finds them (a raw import, the default codec, keeps every chunk in a file of
+    its own). That holds for the nodes of this layout (on one device, with 1 chunk per norm and
+    bigger nodes, zstd Huffman-codes the literals and no chunk is found verbatim), so with fewer
+    than 8 devices the CLI writes it in a child process on 8 simulated CPU devices."""
     ckpt = str(tmp_path / "ckpt")
-    jobs.import_checkpoint(sample_path(), ckpt, mesh="fsdp=2,tp=2,pp=2", compression="zstd")
+    if device_count() >= 8:
+        jobs.import_checkpoint(sample_path(), ckpt, mesh="fsdp=2,tp=2,pp=2", compression="zstd")
+        return ckpt
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    subprocess.run([sys.executable, "-m", "hybridckpt.cli", "import", sample_path(), ckpt, "--mesh",
+                    "fsdp=2,tp=2,pp=2", "--compression", "zstd", "--quiet"], env=env, check=True)
     return ckpt
 
 
@@ -220,7 +230,7 @@ def test_verify_reads_an_older_elements_checksum_import(tmp_path, capsys):
     """An import from before CHUNKS recorded ELEMENTS sums and no algorithm: still verified by
     them, and a changed value still caught."""
     imported = str(tmp_path / "ckpt")
-    jobs.import_checkpoint(sample_path(), imported, mesh="fsdp=2,tp=2,pp=2", params_only=True)
+    jobs.import_checkpoint(sample_path(), imported, mesh=fit("fsdp=2,tp=2,pp=2"), params_only=True)
     _, r = restore(imported, "dp=1")
     state = dict(r.trainer_state)
     flat = {f"params.{k}": v for k, v in _flat(r.params).items()}

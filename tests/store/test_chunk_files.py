@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 from fixtures.direct_probe import direct_supported
+from meshes import fit
 
 from hybridckpt.io import direct_io
 from hybridckpt.io.writeback import fsync_folder
@@ -139,7 +140,7 @@ def test_an_import_writes_the_same_chunk_files_direct_or_buffered(tmp_path, caps
     outs = {}
     for flag in ("", "--buffered-writes"):
         outs[flag] = str(tmp_path / (flag or "direct"))
-        assert main(["import", sample_path(), outs[flag], "--mesh", "fsdp=2,tp=2,pp=2", "--quiet", *filter(None, [flag])]) == 0
+        assert main(["import", sample_path(), outs[flag], "--mesh", fit("fsdp=2,tp=2,pp=2"), "--quiet", *filter(None, [flag])]) == 0
     for item in ("params", "opt_state"):
         a, b = (os.path.join(outs[f], "12", item) for f in ("", "--buffered-writes"))
         arrays = sorted(n for n in os.listdir(a) if os.path.isfile(os.path.join(a, n, ".zarray")))

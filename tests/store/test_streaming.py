@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from meshes import fit, fit_mesh, fit_pair
 from oracles import checksum_reference
 
 from hybridckpt import checksum, jobs, lazy, models, naming, place
@@ -24,7 +25,7 @@ from hybridckpt.demo import sample_path
 from hybridckpt.errors import ConfigError
 from hybridckpt.io.byte_source import ByteSource
 from hybridckpt.lazy import parallel
-from hybridckpt.mesh import make_mesh, tree_shardings
+from hybridckpt.mesh import mesh_from_shape, tree_shardings
 from hybridckpt.plan import abstract_tree
 from hybridckpt.store import CheckpointStore, save_checkpoint, stream
 from hybridckpt.writers.hf_folder import write_hf
@@ -169,7 +170,8 @@ def _reference_save(path, arrays, save_args, **options):
 
 
 def test_streamed_save_matches_orbax_files_and_restores_on_other_meshes_bitwise(tmp_path):
-    mesh = make_mesh(fsdp=2, tp=2, pp=2)
+    mesh_a = fit("fsdp=2,tp=2,pp=2")
+    mesh = mesh_from_shape(mesh_a)
     vals, shard = _tree(mesh)
     opts = stream.StreamOptions(tile_bytes=4096, inflight_bytes=16384, chunk_bytes=2048)
     leaves = {
@@ -200,17 +202,21 @@ def test_streamed_save_matches_orbax_files_and_restores_on_other_meshes_bitwise(
         assert sorted(os.listdir(ours / k)) == names and len(names) > (1 if k == "count" else 2), k
         for n in names:
             assert (ours / k / n).read_bytes() == (ref / k / n).read_bytes(), (k, n)
-    # restored onto other meshes through CheckpointStore: bit for bit
-    for other in (make_mesh(tp=4, pp=2), make_mesh(dp=8)):
+    # restored onto other meshes through CheckpointStore (on 8 devices tp=4,pp=2 and dp=8; on
+    # fewer, the meshes of those forms that differ from mesh A; on one, mesh A itself): bit for bit
+    others = [m for m in dict.fromkeys(fit_pair(mesh_a, m)[1] for m in ("tp=4,pp=2", "dp=8")) if m != mesh_a]
+    for text in others or [mesh_a]:
+        other = mesh_from_shape(text)
         specs = {"stacked": P("tp", None, "pp"), "repl": P("pp"), "half": P(None, "tp"), "count": P()}
-        if other.shape["dp"] == 8:
+        if other.shape["dp"] > 1:  # the dp mesh: everything replicated
             specs = {k: P() for k in specs}
         target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(other, specs[k]))
                   for k, v in vals.items()}
         with CheckpointStore(tmp_path / "lazy") as store:
             got = store.restore(3, target_params=target).params
         for k, v in vals.items():
-            assert got[k].sharding == target[k].sharding and got[k].sharding != shard[k] or k == "count"
+            assert got[k].sharding == target[k].sharding
+            assert got[k].sharding != shard[k] or k == "count" or text == mesh_a, k
             assert np.array_equal(np.asarray(got[k]), v), k
 
 
@@ -231,7 +237,7 @@ def test_import_holds_a_bounded_number_of_tile_bytes_whatever_the_layer_count(tm
         src = tmp_path / f"hf{layers}"
         total = _write_hf_llama(src, layers)
         opts = stream.StreamOptions(tile_bytes=8192, inflight_bytes=32768, chunk_bytes=4096)
-        jobs.import_checkpoint(str(src), str(tmp_path / f"ck{layers}"), mesh="fsdp=2,tp=2,pp=2",
+        jobs.import_checkpoint(str(src), str(tmp_path / f"ck{layers}"), mesh=fit("fsdp=2,tp=2,pp=2"),
                                    stream_options=opts)
         assert opts.stats.bytes_written == total  # every byte written once (no replication here)
         peaks.append((opts.stats.peak_inflight_bytes, opts.stats.largest_tile_bytes))
@@ -241,12 +247,10 @@ def test_import_holds_a_bounded_number_of_tile_bytes_whatever_the_layer_count(tm
 
 _RSS_CHILD = textwrap.dedent("""
     import os, sys, json
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    from hybridckpt import jobs
+    from hybridckpt import jobs  # on this session's devices (XLA_FLAGS, JAX_PLATFORMS inherited)
     from hybridckpt.store import stream
     opts = stream.StreamOptions(tile_bytes=1 << 20, inflight_bytes=4 << 20)
-    s = jobs.import_checkpoint(sys.argv[1], sys.argv[2], mesh="fsdp=2,tp=2,pp=2",
+    s = jobs.import_checkpoint(sys.argv[1], sys.argv[2], mesh=sys.argv[3],
                                    params_only=True, stream_options=opts, io_threads=2)
     # VmHWM: this process's own peak (ru_maxrss would include the forking parent's RSS)
     hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0].split()[1]
@@ -261,7 +265,8 @@ def test_import_peak_rss_does_not_grow_with_the_checkpoint(tmp_path):
     for layers in (2, 10):
         src = tmp_path / f"hf{layers}"
         _write_hf_llama(src, layers, hidden=512)
-        res = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(src), str(tmp_path / f"ck{layers}")],
+        res = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(src), str(tmp_path / f"ck{layers}"),
+                              fit("fsdp=2,tp=2,pp=2")],
                              capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-3000:]
         out[layers] = json.loads(res.stdout.strip().splitlines()[-1])
@@ -276,7 +281,7 @@ def test_import_peak_rss_does_not_grow_with_the_checkpoint(tmp_path):
 
 def test_export_of_an_orbax_checkpoint_streams_without_restoring_it(tmp_path, monkeypatch):
     ckpt = str(tmp_path / "ckpt")
-    jobs.import_checkpoint(sample_path(), ckpt, mesh="fsdp=2,tp=2,pp=2")
+    jobs.import_checkpoint(sample_path(), ckpt, mesh=fit("fsdp=2,tp=2,pp=2"))
     from hybridckpt.store.manager import CheckpointStore
 
     def no_restore(*a, **k):
@@ -298,7 +303,7 @@ def test_export_of_an_orbax_checkpoint_streams_without_restoring_it(tmp_path, mo
 def test_orbax_array_reads_one_layer_box(tmp_path):
     from hybridckpt.store.reader import item_arrays
 
-    mesh = make_mesh(fsdp=2, tp=2, pp=2)
+    mesh = fit_mesh("fsdp=2,tp=2,pp=2")
     vals, shard = _tree(mesh)
     save_checkpoint(tmp_path / "c", 1, {k: jax.device_put(v, shard[k]) for k, v in vals.items()})
     arrays = item_arrays(str(tmp_path / "c" / "1" / "params"))
@@ -350,7 +355,7 @@ def test_io_threads_knob(monkeypatch):
 
 def test_to_array_places_each_shard_and_sums_its_checksum():
     x = RNG.standard_normal((16, 12)).astype(np.float32)
-    mesh = make_mesh(fsdp=2, tp=2, pp=2)
+    mesh = fit_mesh("fsdp=2,tp=2,pp=2")
     for spec in (P("fsdp", "tp"), P(None, "tp"), P()):
         arr, crc = place.to_array(lazy.ArrayTensor(x), NamedSharding(mesh, spec))
         assert arr.sharding == NamedSharding(mesh, spec) and np.array_equal(np.asarray(arr), x)
@@ -359,10 +364,10 @@ def test_to_array_places_each_shard_and_sums_its_checksum():
 
 def test_streamed_import_restores_onto_another_mesh(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    jobs.import_checkpoint(sample_path(), ckpt, mesh="fsdp=2,tp=2,pp=2")
+    jobs.import_checkpoint(sample_path(), ckpt, mesh=fit("fsdp=2,tp=2,pp=2"))
     cfg = jobs.open_checkpoint(sample_path()).config
     shapes = models.param_shapes(cfg)
-    mesh = make_mesh(tp=4, pp=2)
+    mesh = fit_mesh(fit_pair("fsdp=2,tp=2,pp=2", "tp=4,pp=2")[1])
     with CheckpointStore(ckpt) as store:
         r = store.restore(target_params=abstract_tree(shapes, tree_shardings(shapes, models.logical_axes(cfg), mesh)))
     back = naming.tree_to_hf(jax.tree.map(np.asarray, r.params), cfg)
