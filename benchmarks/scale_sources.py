@@ -199,7 +199,6 @@ def _archive_overhead(dtype, ndim: int) -> int:
 
 def _item_length(item) -> int:
     import torch
-
     from torch.distributed.checkpoint.planner import WriteItemType
 
     if item.type == WriteItemType.BYTE_IO:
@@ -252,10 +251,9 @@ def write(root: str, params, layouts, world: int, *, moments: bool = True, confi
     import torch  # noqa: F401
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from torch.distributed.checkpoint.filesystem import _StoragePrefix
+    from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     t0 = time.perf_counter()
     os.makedirs(root, exist_ok=True)
