@@ -32,7 +32,7 @@ import struct
 
 from hybridckpt.containers.dcp_records import _MISSING, _VALUE, Fallback, Records, _Row, deframe
 from hybridckpt.containers.dcp_stubs import DCP_POLICY, chunk_row, extract, kind, storage_entry
-from hybridckpt.containers.dcp_tables import RawTables
+from hybridckpt.containers.dcp_tables import RawTables, numbers_budget
 from hybridckpt.containers.pickle.allow import Contextual, Frozen, Stub, stub_class
 from hybridckpt.errors import HybridCkptError
 
@@ -317,10 +317,11 @@ def read(data: bytearray, path: str) -> tuple[RawTables, tuple]:
     """`RawTables` of one `.metadata` file's bytes (changed in place) and `extract`'s other
     results (byte item fqns, planner_data, version, written_to); Fallback when the file is not
     the shape this reader knows."""
+    budget = numbers_budget(len(data))
     frames = deframe(data)
     buf = bytes(data)  # matches and their groups as bytes (hashable)
     data.clear()
-    raw = RawTables()
+    raw = RawTables(budget=budget)
     m = _Machine(buf, frames, path, raw)
     try:
         md = m.run()

@@ -38,7 +38,14 @@ import numpy as np
 
 from hybridckpt.containers import dcp_fast
 from hybridckpt.containers.dcp_stubs import DCP_POLICY, extract
-from hybridckpt.containers.dcp_tables import ChunkTable, RawTables, assemble, check_boxes, tiling
+from hybridckpt.containers.dcp_tables import (
+    ChunkTable,
+    RawTables,
+    assemble,
+    check_boxes,
+    numbers_budget,
+    tiling,
+)
 from hybridckpt.containers.pickle.machine import safe_load_file
 from hybridckpt.errors import FormatError
 from hybridckpt.io.byte_source import ByteSource
@@ -203,7 +210,7 @@ def _parse_one(path: str, folder: str, tile: bool) -> _One:
         reader = "fast"
     except dcp_fast.Fallback:
         del data
-        raw = RawTables()
+        raw = RawTables(budget=numbers_budget(src.size()))
         rest = extract(safe_load_file(path, DCP_POLICY), raw, path)
         reader = "general"
     else:

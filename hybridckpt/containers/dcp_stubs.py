@@ -109,6 +109,11 @@ def chunk_row(raw: RawTables, c: Any, what: str) -> None:
         raise FormatError(f"{what}: chunk at offsets {offs} has {len(sizes)} sizes")
     if any(x >= 1 << 62 for x in offs + sizes):
         raise FormatError(f"{what}: chunk at offsets {offs} sizes {sizes} is out of range")
+    if len(raw.c_coords) + len(raw.c_nd) + 1 + 2 * len(offs) > raw.budget:
+        raise FormatError(
+            f"{what}: more chunk numbers than a file of its size holds ({raw.budget}): chunk objects "
+            f"fetched again and again from the memo; refused"
+        )
     raw.add_chunk(offs, sizes)
 
 

@@ -81,6 +81,7 @@ class RawTables:
     s_path: array = field(default_factory=lambda: array("i"))
     s_off: array = field(default_factory=lambda: array("q"))
     s_len: array = field(default_factory=lambda: array("q"))
+    budget: int = 1 << 62  # chunk numbers (dims and coordinates) the file may make: `numbers_budget`
 
     def string_id(self, s: str) -> int:
         i = self.string_ids.get(s)
@@ -104,6 +105,14 @@ class RawTables:
         self.s_path.append(self.string_id(path))
         self.s_off.append(off)
         self.s_len.append(length)
+
+
+def numbers_budget(file_bytes: int) -> int:
+    """Chunk numbers (a row's dims count plus its offsets and sizes) a `.metadata` of
+    `file_bytes` bytes may make: 8 a byte, plus 1 Mi. A chunk pickled in full costs at least 2
+    bytes a number; a memo fetch of one chunk object (2 bytes) would make 1 + 2 x 64 numbers, so
+    a list of fetches of one 64-dim chunk is refused here, before its rows take memory."""
+    return (1 << 20) + 8 * file_bytes
 
 
 def _padded(nd: np.ndarray, coords: np.ndarray, per_row: int, width: int) -> tuple[np.ndarray, ...]:
@@ -143,6 +152,11 @@ def assemble(raw: RawTables, folder: str, where: str, *, tile: bool = True) -> A
     if len(nd) and (nd.min() < 0 or nd.max() > MAX_DIMS):
         raise FormatError(f"{where}: a chunk has {int(nd.max())} dims (at most {MAX_DIMS})")
     width = max([int(nd.max()) if len(nd) else 0] + [len(t[2]) for t in raw.tensors] + [1])
+    if len(nd) * width > max(1 << 22, 4 * (len(raw.c_coords) + len(nd))):
+        raise FormatError(
+            f"{where}: {len(nd)} chunks padded to {width} dims would take {len(nd) * width * 16} bytes "
+            f"for {len(raw.c_coords)} numbers: refused (a few chunks of many dims among many of few)"
+        )
     coords = np.frombuffer(raw.c_coords, dtype=np.int64)
     offsets, sizes = _padded(nd, coords, 2, width)
     # per-row tensor index and shape

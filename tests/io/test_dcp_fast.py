@@ -309,3 +309,23 @@ def test_wrong_numbers_and_types_refused_by_both(edit, written, tmp_path, monkey
     a = _outcome(folder, monkeypatch, general=False)
     b = _outcome(folder, monkeypatch, general=True)
     assert a == b and a[0] == "error"
+
+
+def test_one_chunk_fetched_again_and_again_is_refused_before_its_rows(written, tmp_path, monkeypatch):
+    """A chunk list of 300k fetches of one 64-dim chunk object (5 bytes each in the pickle, 129
+    numbers each in the table: 300 MiB from 1.5 MB) is refused by both readers by the numbers
+    budget of the file's size, before the rows are made."""
+    import torch
+
+    def bomb(md):
+        e = md.state_dict_metadata["model.w"]
+        c = type(e.chunks[0])(offsets=torch.Size((0,) * 64), sizes=torch.Size((0,) * 64))
+        e.chunks = [c] * 300_000
+
+    folder = _edited(written, tmp_path, bomb)
+    for general in (False, True):
+        with monkeypatch.context() as mp:
+            if general:
+                mp.setattr(dcp_fast, "read", lambda data, path: (_ for _ in ()).throw(dcp_fast.Fallback()))
+            with pytest.raises(HybridCkptError, match="more chunk numbers than a file of its size"):
+                read_metadata(folder)
