@@ -17,34 +17,53 @@ Format (pytorch/pytorch: torch/distributed/checkpoint/metadata.py, filesystem.py
 
 Rules checked: every tensor's chunks lie inside its global shape and tile it exactly (an overlap
 or a gap is a FormatError naming the fqn, the chunk offsets and the file); every chunk has a
-storage entry with a relative path inside the folder; no stream transforms. The pickle is read
-by the restricted unpickler: the DCP classes become inert stubs and are copied into the frozen
-dataclasses below.
+storage entry with a relative path inside the folder; no stream transforms.
+
+Reading (millions of chunks on runs of hundreds of ranks): the pickle is read by the specialised
+reader of this one shape (`containers.dcp_fast`), or, for anything it does not know, by the
+restricted unpickler (DCP classes as inert stubs, `containers.dcp_stubs`); both fill the same
+columns, checked and joined once (`containers.dcp_tables`): a `ChunkTable` of numpy arrays, one
+row per chunk. A `TensorEntry` is a range of its rows; `entry.chunks` builds `Chunk` objects only
+when asked (one tensor at a time).
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
 
 import numpy as np
 
-from hybridckpt.containers.pickle.allow import Policy, Stub
+from hybridckpt.containers import dcp_fast
+from hybridckpt.containers.dcp_stubs import DCP_POLICY, extract
+from hybridckpt.containers.dcp_tables import (
+    ChunkTable,
+    RawTables,
+    assemble,
+    check_boxes,
+    numbers_budget,
+    tiling,
+)
 from hybridckpt.containers.pickle.machine import safe_load_file
-from hybridckpt.containers.pickle.torch_policy import TORCH_POLICY, TorchDtype
 from hybridckpt.errors import FormatError
-from hybridckpt.io.paths import inside
+from hybridckpt.io.byte_source import ByteSource
 
 METADATA = ".metadata"
 
-# DCP classes across torch versions (older torch kept some under torch.distributed._shard)
-DCP_POLICY = TORCH_POLICY.merged(
-    Policy(stub_prefixes=("torch.distributed.checkpoint.", "torch.distributed._shard."))
-)
+__all__ = [
+    "DCP_POLICY",
+    "METADATA",
+    "BytesEntry",
+    "Chunk",
+    "ChunkTable",
+    "DcpMetadata",
+    "TensorEntry",
+    "check_tiling",
+    "metadata_files",
+    "read_metadata",
+]
 
 
 @dataclass(frozen=True)
@@ -59,14 +78,38 @@ class Chunk:
     length: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TensorEntry:
-    """A global tensor: `fqn`, numpy `dtype`, global `shape`, the `chunks` that tile it."""
+    """A global tensor: `fqn`, numpy `dtype`, global `shape`, and its chunks: rows
+    `[first, first + count)` of `table` (which tile it)."""
 
     fqn: str
     dtype: np.dtype
     shape: tuple[int, ...]
-    chunks: tuple[Chunk, ...]
+    table: ChunkTable
+    first: int
+    count: int
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.first, self.first + self.count)
+
+    @property
+    def chunks(self) -> tuple[Chunk, ...]:
+        """The chunks as objects (built on each call: for one tensor at a time)."""
+        t, nd = self.table, len(self.shape)
+        r = self.rows
+        return tuple(
+            Chunk(tuple(o[:nd]), tuple(z[:nd]), t.files[f], s, n)
+            for o, z, f, s, n in zip(
+                t.offsets[r].tolist(), t.sizes[r].tolist(), t.file[r].tolist(),
+                t.start[r].tolist(), t.length[r].tolist(), strict=True,
+            )
+        )
+
+    def files(self) -> set[str]:
+        """The data files its chunks are in."""
+        return {self.table.files[i] for i in np.unique(self.table.file[self.rows]).tolist()}
 
 
 @dataclass(frozen=True)
@@ -83,9 +126,11 @@ class BytesEntry:
 class DcpMetadata:
     """A DCP checkpoint's metadata: tensors and byte items by flattened fqn.
 
-    `folder` is where the data files are; `files` the metadata files read; `planner_data` fqn ->
-    original key path (tuple of str/int) when the planner recorded it; `written_to` the path the
-    checkpoint was saved at (informational)."""
+    `folder` is where the data files are; `files` the metadata files read; `table` every chunk
+    of every tensor (`containers.dcp_tables.ChunkTable`); `planner_data` fqn -> original key path
+    (tuple of str/int) when the planner recorded it; `written_to` the path the checkpoint was
+    saved at (informational); `readers` which reader read each metadata file ("fast": the
+    specialised one, "general": the restricted unpickler)."""
 
     folder: str
     files: tuple[str, ...]
@@ -94,62 +139,15 @@ class DcpMetadata:
     planner_data: Mapping[str, tuple] = field(default_factory=dict)
     version: str | None = None
     written_to: str | None = None
-
-
-# -- helpers ----------------------------------------------------------------------------------
-
-
-def _attr(obj: Any, name: str, what: str):
-    if isinstance(obj, Stub) and name in vars(obj):
-        return vars(obj)[name]
-    if isinstance(obj, Mapping) and name in obj:
-        return obj[name]
-    raise FormatError(f"{what}: expected a field '{name}' in {type(obj).__name__}")
-
-
-def _kind(obj: Any) -> str:
-    return type(obj).stub_name if isinstance(obj, Stub) else type(obj).__name__
-
-
-def _ints(x: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(x, (tuple, list)) or not all(isinstance(i, int) and i >= 0 for i in x):
-        raise FormatError(f"{what}: expected a tuple of non-negative ints, found {x!r}")
-    return tuple(int(i) for i in x)
-
-
-def _dtype(props: Any, what: str) -> np.dtype:
-    state = vars(props).get("stub_state") if isinstance(props, Stub) else None
-    if isinstance(state, tuple) and state:  # TensorProperties.__getstate__ tuple
-        dt = state[0]
-    elif isinstance(props, Stub) and "dtype" in vars(props):
-        dt = vars(props)["dtype"]
-    else:
-        raise FormatError(f"{what}: tensor properties carry no dtype ({props!r})")
-    if not isinstance(dt, TorchDtype):
-        raise FormatError(f"{what}: dtype {dt!r} is not a torch dtype")
-    if dt.numpy is None:
-        raise FormatError(f"{what}: torch.{dt.name} has no numpy dtype to read into")
-    return np.dtype(dt.numpy)
-
-
-def _rel_path(folder: str, rel: Any, what: str) -> str:
-    return inside(folder, rel, what, "storage path")
-
-
-def _planner(data: Any) -> dict[str, tuple]:
-    out: dict[str, tuple] = {}
-    if isinstance(data, Mapping):
-        for k, v in data.items():
-            if isinstance(k, str) and isinstance(v, (tuple, list)):
-                out[k] = tuple(v)
-    return out
+    table: ChunkTable | None = None
+    readers: tuple[str, ...] = ()
 
 
 # -- tiling check -------------------------------------------------------------------------------
 
 
 def check_tiling(fqn: str, shape: tuple[int, ...], chunks: Iterable[Chunk], where: str) -> None:
-    """Chunks must lie inside `shape`, not overlap, and cover every element.
+    """Chunks must have the tensor's dims, lie inside `shape`, not overlap, and cover every element.
 
     Raises FormatError naming `fqn`, the offending chunk offsets and `where` (the file)."""
     chunks = list(chunks)
@@ -159,35 +157,13 @@ def check_tiling(fqn: str, shape: tuple[int, ...], chunks: Iterable[Chunk], wher
             raise FormatError(
                 f"{where}: '{fqn}' chunk at offsets {c.offsets} has {len(c.sizes)} dims, the tensor {nd}"
             )
-        if any(o + s > n for o, s, n in zip(c.offsets, c.sizes, shape, strict=True)):
-            raise FormatError(
-                f"{where}: '{fqn}' chunk at offsets {c.offsets} sizes {c.sizes} reaches past "
-                f"the global shape {shape}"
-            )
-    live = [c for c in chunks if math.prod(c.sizes) > 0]
-    if len(live) > 1:
-        lo = np.array([c.offsets for c in live], dtype=np.int64).reshape(len(live), nd)
-        hi = lo + np.array([c.sizes for c in live], dtype=np.int64).reshape(len(live), nd)
-        block = 1024  # pairwise test in blocks: O(n^2) booleans, bounded memory
-        for s in range(0, len(live), block):
-            a_lo, a_hi = lo[s : s + block, None, :], hi[s : s + block, None, :]
-            hit = np.all((a_lo < hi[None]) & (lo[None] < a_hi), axis=-1)
-            idx = np.arange(s, min(s + block, len(live)))
-            hit[np.arange(len(idx)), idx] = False
-            if hit.any():
-                i, j = np.argwhere(hit)[0]
-                a, b = live[s + i], live[j]
-                raise FormatError(
-                    f"{where}: '{fqn}' chunks overlap: offsets {a.offsets} sizes {a.sizes} "
-                    f"and offsets {b.offsets} sizes {b.sizes}"
-                )
-    covered = sum(math.prod(c.sizes) for c in live)
-    total = math.prod(shape)
-    if covered != total:
-        raise FormatError(
-            f"{where}: '{fqn}' chunks at offsets {[c.offsets for c in chunks]} cover {covered} "
-            f"of {total} elements of shape {shape}: a gap"
-        )
+    w = max(nd, 1)
+    offs = np.zeros((len(chunks), w), dtype=np.int64)
+    sizes = np.ones((len(chunks), w), dtype=np.int64)
+    if nd and chunks:
+        offs[:, :nd] = [c.offsets for c in chunks]
+        sizes[:, :nd] = [c.sizes for c in chunks]
+    check_boxes(fqn, tuple(shape), offs, sizes, where)
 
 
 # -- reading ------------------------------------------------------------------------------------
@@ -211,66 +187,43 @@ def metadata_files(folder: str) -> list[str]:
     return [p for _, p in sorted(ranks)]
 
 
-def _parse_one(path: str, folder: str):
-    md = safe_load_file(path, DCP_POLICY)
-    # megatron-core 0.15 pickles its subclass `MCoreMetadata` (NVIDIA/Megatron-LM@core_v0.15.0:
-    # megatron/core/dist_checkpointing/strategies/torch.py: Metadata plus `mcore_data`)
-    if _kind(md) not in ("Metadata", "MCoreMetadata"):
-        raise FormatError(f"{path}: expected a DCP Metadata pickle, found {_kind(md)}")
-    sdm = _attr(md, "state_dict_metadata", path)
-    storage = _attr(md, "storage_data", path) if "storage_data" in vars(md) else None
-    if not isinstance(sdm, Mapping):
-        raise FormatError(f"{path}: state_dict_metadata is {type(sdm).__name__}, not a dict")
-    if not isinstance(storage, Mapping):
-        raise FormatError(f"{path}: storage_data is {type(storage).__name__}, not a dict of chunks")
-    # (fqn, offsets or None) -> (path, offset, length)
-    where: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]] = {}
-    for idx, info in storage.items():
-        fqn = _attr(idx, "fqn", path)
-        off = vars(idx).get("offset") if isinstance(idx, Stub) else None
-        key_off = None if off is None else _ints(off, f"{path}: '{fqn}' offset")
-        tds = vars(info).get("transform_descriptors") if isinstance(info, Stub) else None
-        if tds:
-            raise FormatError(
-                f"{path}: '{fqn}' is stored with transforms {list(tds)!r}, which are not supported"
-            )
-        rel = _attr(info, "relative_path", path)
-        offset, length = _attr(info, "offset", path), _attr(info, "length", path)
-        if not (
-            isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= 0
-        ):
-            raise FormatError(f"{path}: '{fqn}' storage offset/length {offset!r}/{length!r}")
-        where[(fqn, key_off)] = (_rel_path(folder, rel, f"{path}: '{fqn}'"), offset, length)
-    tensors: dict[str, tuple[np.dtype, tuple[int, ...], list[Chunk]]] = {}
-    items: dict[str, BytesEntry] = {}
-    for fqn, entry in sdm.items():
-        if not isinstance(fqn, str):
-            raise FormatError(f"{path}: state_dict_metadata key {fqn!r} is not a string")
-        kind = _kind(entry)
-        what = f"{path}: '{fqn}'"
-        if kind == "BytesStorageMetadata":
-            loc = where.get((fqn, None))
-            if loc is None:
-                raise FormatError(f"{what}: byte item has no storage entry")
-            items[fqn] = BytesEntry(fqn, *loc)
-        elif kind == "TensorStorageMetadata":
-            dtype = _dtype(_attr(entry, "properties", what), what)
-            shape = _ints(_attr(entry, "size", what), f"{what} size")
-            chunks = []
-            for c in _attr(entry, "chunks", what):
-                offs = _ints(_attr(c, "offsets", what), f"{what} chunk offsets")
-                sizes = _ints(_attr(c, "sizes", what), f"{what} chunk sizes")
-                loc = where.get((fqn, offs))
-                if loc is None:
-                    raise FormatError(f"{what}: chunk at offsets {offs} has no storage entry")
-                chunks.append(Chunk(offs, sizes, *loc))
-            tensors[fqn] = (dtype, shape, chunks)
-        else:
-            raise FormatError(f"{what}: unknown storage metadata {kind}")
-    version = vars(md).get("version")
-    sm = vars(md).get("storage_meta")
-    written = vars(sm).get("checkpoint_id") if isinstance(sm, Stub) else None
-    return tensors, items, _planner(vars(md).get("planner_data")), version, written
+@dataclass(frozen=True)
+class _One:
+    """One metadata file read: its chunks' table, tensors `(fqn, dtype, shape, first, count)`,
+    byte items, planner data, version, written-to path, and which reader read it."""
+
+    table: ChunkTable
+    tensors: list
+    items: dict
+    planner: dict
+    version: object
+    written: object
+    reader: str
+
+
+def _parse_one(path: str, folder: str, tile: bool) -> _One:
+    src = ByteSource(path)
+    data = bytearray(src.size())
+    src.read_into(0, memoryview(data))
+    try:
+        raw, rest = dcp_fast.read(data, path)
+        reader = "fast"
+    except dcp_fast.Fallback:
+        del data
+        raw = RawTables(budget=numbers_budget(src.size()))
+        rest = extract(safe_load_file(path, DCP_POLICY), raw, path)
+        reader = "general"
+    else:
+        del data
+    byte_fqns, planner, version, written = rest
+    got = assemble(raw, folder, path, tile=tile)
+    items = {}
+    for fqn in byte_fqns:
+        loc = got.items.get(fqn)
+        if loc is None:
+            raise FormatError(f"{path}: '{fqn}': byte item has no storage entry")
+        items[fqn] = BytesEntry(fqn, *loc)
+    return _One(got.table, got.tensors, items, planner, version, written, reader)
 
 
 def read_metadata(folder: str) -> DcpMetadata:
@@ -281,35 +234,20 @@ def read_metadata(folder: str) -> DcpMetadata:
         raise FormatError(
             f"{folder}: no {METADATA} or __<rank>{METADATA} file: not a DCP checkpoint"
         )
-    tensors: dict[str, tuple[np.dtype, tuple[int, ...], list[Chunk]]] = {}
-    origin: dict[str, str] = {}
-    items: dict[str, BytesEntry] = {}
+    parts = [_parse_one(f, folder, len(files) == 1) for f in files]
+    version = next((p.version for p in parts if p.version), None)
+    written = next((p.written for p in parts if p.written), None)
     planner: dict[str, tuple] = {}
-    version = written = None
-    for f in files:
-        t, b, p, v, w = _parse_one(f, folder)
-        version, written = version or v, written or w
-        planner.update(p)
-        for k, e in b.items():
+    items: dict[str, BytesEntry] = {}
+    for p in parts:
+        planner.update(p.planner)
+        for k, e in p.items.items():
             items.setdefault(k, e)
-        for fqn, (dtype, shape, chunks) in t.items():
-            if fqn not in tensors:
-                tensors[fqn] = (dtype, shape, list(chunks))
-                origin[fqn] = f
-                continue
-            dt0, sh0, have = tensors[fqn]
-            if (dt0, sh0) != (dtype, shape):
-                raise FormatError(
-                    f"{f}: '{fqn}' is {dtype} {shape} here but {dt0} {sh0} in {origin[fqn]}"
-                )
-            seen = {(c.offsets, c.sizes) for c in have}
-            # rank-local files: replicated tensors are written by every rank; keep one copy
-            have.extend(c for c in chunks if (c.offsets, c.sizes) not in seen)
-    where = files[0] if len(files) == 1 else f"{folder} (rank-local metadata)"
-    out: dict[str, TensorEntry] = {}
-    for fqn, (dtype, shape, chunks) in tensors.items():
-        check_tiling(fqn, shape, chunks, origin.get(fqn, where) if len(files) == 1 else where)
-        out[fqn] = TensorEntry(fqn, dtype, shape, tuple(chunks))
+    table, tensors = (parts[0].table, parts[0].tensors) if len(parts) == 1 else _merge(parts, files, folder)
+    out = {
+        fqn: TensorEntry(fqn, dt, tuple(shape), table, first, count)
+        for fqn, dt, shape, first, count in tensors
+    }
     return DcpMetadata(
         folder,
         tuple(files),
@@ -318,4 +256,63 @@ def read_metadata(folder: str) -> DcpMetadata:
         MappingProxyType(planner),
         None if version is None else str(version),
         None if written is None else str(written),
+        table,
+        tuple(p.reader for p in parts),
     )
+
+
+def _merge(parts: list[_One], files: list[str], folder: str) -> tuple[ChunkTable, list]:
+    """Rank-local metadata files merged: a tensor's chunks from every file (replicated tensors
+    are written by every rank: one copy of each `(offsets, sizes)` kept), dtype and shape
+    agreeing; then the tiling checked again."""
+    paths: dict[str, int] = {}
+    order: list[str] = []
+    seen: dict[str, tuple] = {}  # fqn -> (dtype, shape, origin file)
+    rows: dict[str, list] = {}  # fqn -> [(part, row)]
+    for p, f in zip(parts, files, strict=True):
+        for fqn, dt, shape, first, count in p.tensors:
+            if fqn not in seen:
+                seen[fqn] = (dt, shape, f)
+                order.append(fqn)
+                rows[fqn] = []
+            elif (seen[fqn][0], seen[fqn][1]) != (dt, shape):
+                raise FormatError(
+                    f"{f}: '{fqn}' is {dt} {shape} here but {seen[fqn][0]} {seen[fqn][1]} in {seen[fqn][2]}"
+                )
+            rows[fqn] += [(p, r) for r in range(first, first + count)]
+        for name in p.table.files:
+            paths.setdefault(name, len(paths))
+    cols: dict[str, list] = {k: [] for k in ("offsets", "sizes", "file", "start", "length")}
+    width = max([p.table.offsets.shape[1] for p in parts] + [1])
+    tensors = []
+    n = 0
+    for fqn in order:
+        dt, shape, _ = seen[fqn]
+        kept = set()
+        first = n
+        for p, r in rows[fqn]:
+            t = p.table
+            key = (tuple(t.offsets[r, : len(shape)].tolist()), tuple(t.sizes[r, : len(shape)].tolist()))
+            if key in kept:
+                continue
+            kept.add(key)
+            o = np.zeros(width, np.int64)
+            z = np.ones(width, np.int64)
+            o[: t.offsets.shape[1]], z[: t.sizes.shape[1]] = t.offsets[r], t.sizes[r]
+            cols["offsets"].append(o)
+            cols["sizes"].append(z)
+            cols["file"].append(paths[t.files[t.file[r]]])
+            cols["start"].append(t.start[r])
+            cols["length"].append(t.length[r])
+            n += 1
+        tensors.append((fqn, dt, shape, first, n - first))
+    table = ChunkTable(
+        np.array(cols["offsets"], np.int64).reshape(n, width),
+        np.array(cols["sizes"], np.int64).reshape(n, width),
+        np.array(cols["file"], np.int32),
+        np.array(cols["start"], np.int64),
+        np.array(cols["length"], np.int64),
+        tuple(paths),
+    )
+    tiling(table, tensors, f"{folder} (rank-local metadata)")
+    return table, tensors

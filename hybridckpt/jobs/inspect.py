@@ -46,6 +46,8 @@ def _pieces(t: LazyTensor) -> int:
 
     if isinstance(t, lazy.StoredTensor):
         return 1
+    if hasattr(t, "stored_pieces"):  # a DCP tensor over its chunk table
+        return t.stored_pieces()
     kids = [getattr(t, a) for a in ("src", "stored", "flat") if isinstance(getattr(t, a, None), LazyTensor)]
     kids += list(getattr(t, "parts", ()) or ())
     kids += [block for _, block in getattr(t, "pieces", ()) or ()]  # tiled `(offsets, block)`s (DCP)

@@ -168,9 +168,8 @@ def _open_metadata(path: str, folder: str, config) -> SourceCheckpoint:
         notes.append(f"rank-local metadata: {len(md.files)} __<rank>.metadata files merged")
     writers = {
         m.group(1)
-        for e in md.tensors.values()
-        for c in e.chunks
-        if (m := re.match(r"__(\d+)_\d+\.distcp$", os.path.basename(c.path)))
+        for i in md.table.used_files()
+        if (m := re.match(r"__(\d+)_\d+\.distcp$", os.path.basename(md.table.files[i])))
     }
     return SourceCheckpoint(
         format=NAME,

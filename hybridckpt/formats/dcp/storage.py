@@ -37,6 +37,7 @@ from hybridckpt.containers.safetensors_file import read_header
 from hybridckpt.errors import FormatError
 from hybridckpt.formats.config_file import parse_json
 from hybridckpt.formats.dcp.chunk import TorchSaveChunk
+from hybridckpt.formats.dcp.chunked import Chunked
 from hybridckpt.lazy import LazyTensor, tiled
 
 _HF_SHARD = re.compile(r"^shard-\d+-model-\d+-of-\d+\.safetensors$")
@@ -69,21 +70,52 @@ def detect(path: str) -> bool:
 
 
 def check_files(md: DcpMetadata) -> None:
-    sizes: dict[str, int] = {}
-    used = [(e.fqn, c.path, c.offset, c.length) for e in md.tensors.values() for c in e.chunks]
-    used += [(b.fqn, b.path, b.offset, b.length) for b in md.bytes_items.values()]
-    for fqn, path, offset, length in used:
-        if path not in sizes:
-            if not os.path.isfile(path):
-                raise FormatError(
-                    f"{path}: missing; {md.files[0]} stores '{fqn}' (and maybe more) in it"
-                )
-            sizes[path] = os.path.getsize(path)
-        if offset + length > sizes[path]:
+    """Every data file the metadata names exists and holds every byte range it gives (one size
+    per file; the chunks' ranges checked as columns)."""
+    t = md.table
+    ends = np.zeros(len(t.files), dtype=np.int64)
+    if t.rows:
+        np.maximum.at(ends, t.file, t.start + t.length)
+    used = {t.files[i]: int(ends[i]) for i in t.used_files()}
+    for b in md.bytes_items.values():
+        used[b.path] = max(used.get(b.path, 0), b.offset + b.length)
+    for path, end in used.items():
+        if not os.path.isfile(path):
+            raise FormatError(f"{path}: missing; {md.files[0]} stores '{_stored_in(md, path)}' (and maybe more) in it")
+        size = os.path.getsize(path)
+        if end > size:
+            fqn, a, b = _past(md, path, size)
             raise FormatError(
-                f"{path}: '{fqn}' is stored at bytes [{offset}, {offset + length}) but the file "
-                f"has {sizes[path]} bytes (truncated?)"
+                f"{path}: '{fqn}' is stored at bytes [{a}, {b}) but the file has {size} bytes (truncated?)"
             )
+
+
+def _stored_in(md: DcpMetadata, path: str) -> str:
+    """A tensor or byte item stored in `path`."""
+    for b in md.bytes_items.values():
+        if b.path == path:
+            return b.fqn
+    fid = md.table.files.index(path)
+    row = int(np.argmax(md.table.file == fid))
+    return _owner(md, row)
+
+
+def _owner(md: DcpMetadata, row: int) -> str:
+    for e in md.tensors.values():
+        if e.first <= row < e.first + e.count:
+            return e.fqn
+    return "?"
+
+
+def _past(md: DcpMetadata, path: str, size: int) -> tuple[str, int, int]:
+    """The first item stored in `path` past its `size` bytes: (fqn, start, end)."""
+    for b in md.bytes_items.values():
+        if b.path == path and b.offset + b.length > size:
+            return b.fqn, b.offset, b.offset + b.length
+    t = md.table
+    fid = t.files.index(path)
+    row = int(np.flatnonzero((t.file == fid) & (t.start + t.length > size))[0])
+    return _owner(md, row), int(t.start[row]), int(t.start[row] + t.length[row])
 
 
 def safetensors_blobs(md: DcpMetadata) -> dict[str, dict]:
@@ -92,7 +124,7 @@ def safetensors_blobs(md: DcpMetadata) -> dict[str, dict]:
     lengths do not locate the bytes (torch 2.13's own FileSystemReader cannot read them); the
     safetensors header does."""
     out: dict[str, dict] = {}
-    for path in {c.path for e in md.tensors.values() for c in e.chunks}:
+    for path in (md.table.files[i] for i in md.table.used_files()):
         with builtins.open(path, "rb") as f:
             head = f.read(9)
         if len(head) < 9 or head[8:9] != b"{":
@@ -140,12 +172,17 @@ def _chunk(e: TensorEntry, c: Chunk, blobs: Mapping[str, dict]) -> LazyTensor:
 
 
 def entry_tensor(e: TensorEntry, blobs: Mapping[str, dict] = MappingProxyType({})) -> LazyTensor:
-    pieces = [
-        (c.offsets, _chunk(e, c, blobs))
-        for c in e.chunks
-        if math.prod(c.sizes) > 0 or len(e.chunks) == 1
-    ]
-    return tiled(e.shape, e.dtype, pieces)
+    """The global tensor of a metadata entry: its chunks over the table (`Chunked`), the chunk
+    itself when one chunk is the whole tensor; a chunk table of safetensors blobs, as blobs."""
+    if blobs and any(p in blobs for p in e.files()):
+        chunks = e.chunks
+        pieces = [(c.offsets, _chunk(e, c, blobs)) for c in chunks if math.prod(c.sizes) > 0 or len(chunks) == 1]
+        return tiled(e.shape, e.dtype, pieces)
+    if e.count == 1:
+        (c,) = e.chunks
+        if c.sizes == e.shape:
+            return TorchSaveChunk(c.path, c.offset, c.length, c.sizes, e.dtype, e.fqn)
+    return Chunked(e)
 
 
 def read_hf_shards(folder: str, shards: list[str]) -> dict[str, LazyTensor]:

@@ -106,7 +106,7 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         notes.append(
             f"skipped {skipped} non-tensor objects (TE extra state, rng state, optimizer metadata)"
         )
-    files = len({c.path for e in md.tensors.values() for c in e.chunks})
+    files = len(md.table.used_files())
     return SourceCheckpoint(
         format=NAME,
         path=path,
