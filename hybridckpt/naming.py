@@ -94,10 +94,13 @@ class Named:
 
 
 def map_named(named: Named, rules: RuleSet, *, strict: bool, unstack: bool = False) -> Named:
-    """Apply `rules` to params (strictly: every name must be consumed) and to every slot."""
-    apply = rules.apply_unstack if unstack else rules.apply
-    res = apply(named.params, strict=strict)
-    slots = {s: apply(t, strict=False).tensors for s, t in named.slots.items()}
+    """Apply `rules` to params (strictly: every name must be consumed) and to every slot (with
+    `RuleSet.for_slot`: a param's value op rescales its moments)."""
+    res = (rules.apply_unstack if unstack else rules.apply)(named.params, strict=strict)
+    slots = {}
+    for s, t in named.slots.items():  # a value op on a param rescales its moments (`Op.for_slot`)
+        slot_rules = rules.for_slot(s)
+        slots[s] = (slot_rules.apply_unstack if unstack else slot_rules.apply)(t, strict=False).tensors
     return replace(named, params=res.tensors, slots=slots, report=named.report + tuple(res.report()))
 
 
