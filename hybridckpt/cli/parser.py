@@ -145,7 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--to", default="hf", choices=list(writers.NAMES),
                    help="layout of OUT: hf (default); paddlenlp-unified (PaddleNLP's names, Linear weights [in, out]) or "
                    "paddleformers-unified (HF names and [out, in] weights, optimizer state [in, out]): Paddle unified "
-                   "checkpoints with optimizer-*/master_weights-* (fp32 masters when --dtype is 16-bit)")
+                   "checkpoints with optimizer-*/master_weights-* (fp32 masters when --dtype is 16-bit); maxtext "
+                   "(MaxText's train state OUT/<step>/items: load_parameters_path / load_full_state_path; docs/maxtext.md)")
+    s.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
+                   help="--to maxtext: layers stacked on MaxText's scan axis (scan_layers=true, default) or one "
+                   "decoder.layers_<i> per layer (--no-scan-layers)")
     s.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     s.add_argument("--buffered-writes", action="store_true",
                    help="write the safetensors files through the page cache, stored runs copied file to file by "

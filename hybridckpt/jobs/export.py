@@ -62,6 +62,7 @@ def export_checkpoint(
     to: str = "hf",
     direct_io: bool = True,
     verify_reads: bool = True,
+    scan_layers: bool = True,
 ) -> ExportSummary:
     """Any supported checkpoint (Orbax included) -> one safetensors folder at `out`.
 
@@ -73,6 +74,7 @@ def export_checkpoint(
     direct_io: the HF safetensors files written with O_DIRECT through two aligned buffers (default;
       False: through the page cache, runs copied file to file by the kernel): `io.sequential_file`.
     verify_reads: a hybridckpt (Orbax) source's chunks checked against their import's CRC-32s.
+    scan_layers: `to="maxtext"`: layers stacked on MaxText's scan axis (default) or one per layer.
     """
     from hybridckpt import naming, writers
     from hybridckpt.jobs.import_ import np_dtype, quantized_default_dtype
@@ -93,6 +95,7 @@ def export_checkpoint(
         to, os.fspath(out), named, opened.config, optimizer=optimizer, dtype=np_dtype(dtype) if dtype else None,
         max_shard_bytes=max_shard_bytes, overwrite=overwrite, progress=progress, direct_io=direct_io,
         sources=(opened.path,), source_format=opened.format, trainer=dict(opened.trainer),
+        extra={"scan_layers": scan_layers},
     ))
     return ExportSummary(opened.format, os.path.abspath(out), done.files, done.tensors, done.nbytes,
                          time.perf_counter() - t0, optimizer, opened.notes)

@@ -22,6 +22,7 @@ WRITERS: tuple[tuple[str, str], ...] = (
     ("hf", "hybridckpt.writers.hf_folder:write_export"),
     ("paddlenlp-unified", "hybridckpt.writers.paddle_unified:write_export"),
     ("paddleformers-unified", "hybridckpt.writers.paddle_unified:write_export"),
+    ("maxtext", "hybridckpt.writers.maxtext:write_export"),
 )
 NAMES: tuple[str, ...] = tuple(name for name, _ in WRITERS)
 
