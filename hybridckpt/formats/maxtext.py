@@ -28,6 +28,7 @@ inverts them (writers/maxtext.py).
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import re
@@ -161,7 +162,7 @@ def _item_dir(path: str, step: int | None) -> tuple[str, int | None]:
 
 def _leaf_names(item_dir: str) -> list[str] | None:
     try:
-        with open(os.path.join(item_dir, "_METADATA"), encoding="utf-8") as f:
+        with builtins.open(os.path.join(item_dir, "_METADATA"), encoding="utf-8") as f:
             meta = json.load(f)
     except (OSError, ValueError):
         return None

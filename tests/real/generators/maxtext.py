@@ -205,7 +205,6 @@ def main(argv: list[str] | None = None) -> int:
 
     ref = load_file(str(SOURCE / "reference.safetensors"))
     cfg = json.load(open(SOURCE / "config.json"))
-    hf = {k[6:]: v for k, v in ref.items() if k.startswith("param/")}
     work = tempfile.mkdtemp(prefix="mx-gen-")
     ours, ours_unscanned = os.path.join(work, "ours"), os.path.join(work, "ours_unscanned")
     host = [a.host_python, "-m", "hybridckpt.cli", "export", str(SOURCE / "ckpt"), "--to", "maxtext",
@@ -240,20 +239,20 @@ def main(argv: list[str] | None = None) -> int:
     # MaxText's optimizer, one step from the restored opt_state with torchtitan's next-step gradients
     lr = 1e-2 * (1 - (STEP - 2) / 98)  # torchtitan's lr for step 4 (warmup 2, linear decay over 98)
     tx = optimizers.get_optimizer(config, lambda count: lr)
-    p = nested(params)
-    grads = nested(to_maxtext_layout({k[5:]: v for k, v in ref.items() if k.startswith("grad/")}, cfg,
-                                     np.sqrt(cfg["head_dim"])))
+    p = {"params": nested(params)}  # the Linen `params` collection, as MaxText's opt_state mirrors it
+    grads = {"params": nested(to_maxtext_layout({k[5:]: v for k, v in ref.items() if k.startswith("grad/")}, cfg,
+                                     np.sqrt(cfg["head_dim"])))}
     init = tx.init(p)
     opt = restored["opt_state"]
 
     def as_optax(count):
-        adam = init[0]._replace(count=jax.numpy.asarray(count, jax.numpy.int32), mu=nested(flat_params(opt[0]["mu"]["params"])),
-                                nu=nested(flat_params(opt[0]["nu"]["params"])))
+        adam = init[0]._replace(count=jax.numpy.asarray(count, jax.numpy.int32), mu=nested(flat_params(opt[0]["mu"])),
+                                nu=nested(flat_params(opt[0]["nu"])))
         return (adam, *init[1:])
 
     def step(count):
         updates, _ = tx.update(grads, as_optax(count), p)
-        return flat_params(optax.apply_updates(p, updates))
+        return flat_params(optax.apply_updates(p, updates)["params"])
 
     new, control = step(STEP), step(0)
     ref_next = to_maxtext_layout({k[5:]: v for k, v in ref.items() if k.startswith("next/")}, cfg,
@@ -272,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     # MaxText writes the stepped train state (its checkpoint layout) with its own Checkpointer: ckpt/
     _, new_opt = tx.update(grads, as_optax(STEP), p)
     count = jax.numpy.asarray(STEP + 1, jax.numpy.int32)
-    saved = {"params": {"params": nested(new)}, "step": count,
+    saved = {"params": {"params": nested(new)}, "step": count,  # as to_checkpoint_dict lays it out
              "opt_state": [{"count": new_opt[0].count, "mu": new_opt[0].mu, "nu": new_opt[0].nu}, None, {"count": count}]}
     case = tools.fresh_case(a.out, CASE)
     mngr = checkpointing.create_orbax_checkpoint_manager(os.path.join(case, "ckpt"), True, False, 1,
