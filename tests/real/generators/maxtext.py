@@ -97,7 +97,6 @@ def base_yml() -> str:
 
 def run_converter(ref: dict, cfg: dict, work: str, model_name: str, cfg_cls: str) -> dict[str, np.ndarray]:
     """MaxText's to_maxtext on the reference params; its checkpoint read back with Orbax."""
-    import orbax.checkpoint as ocp
     import transformers
     from maxtext.checkpoint_conversion import to_maxtext
     from safetensors.numpy import save_file
