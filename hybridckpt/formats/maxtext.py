@@ -1,5 +1,6 @@
 """MaxText checkpoints (AI-Hypercomputer/maxtext 0.2.5): the on-disk layout, its mapping to HF
-names, and the reader (`hybridckpt inspect/import/export` of a MaxText run).
+names, and its detection (the reader, which reads the arrays with our Orbax reader, is
+`store/maxtext.py`; the writer `writers/maxtext.py`).
 
 Layout (docs/maxtext.md, with citations): a checkpoint root holds one folder per step,
 `<root>/<step>/`, with `_CHECKPOINT_METADATA` and one Orbax pytree item `items/` (zarr arrays and
@@ -36,7 +37,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridckpt import lazy
-from hybridckpt.errors import CheckpointError, ConfigError, FormatError
+from hybridckpt.errors import ConfigError, FormatError
 from hybridckpt.lazy import LazyTensor
 
 NAME = "maxtext"
@@ -141,7 +142,7 @@ def _steps(root: str) -> list[int]:
     return sorted(int(d) for d in os.listdir(root) if d.isdigit() and os.path.isdir(os.path.join(root, d, ITEM)))
 
 
-def _item_dir(path: str, step: int | None) -> tuple[str, int | None]:
+def item_dir(path: str, step: int | None) -> tuple[str, int | None]:
     """(the `items` folder, the step its folder names) of `path`: a root, a step folder or the
     item folder itself."""
     norm = os.path.abspath(path)
@@ -182,50 +183,8 @@ def detect(path: str) -> bool:
     if not os.path.isdir(path):
         return False
     try:
-        item_dir, _ = _item_dir(path, None)
+        found, _ = item_dir(path, None)
     except FormatError:
         return False
-    names = _leaf_names(item_dir)
+    names = _leaf_names(found)
     return bool(names) and any(n.startswith(PARAMS) for n in names)
-
-
-def open(path: str, *, config: Any = None, step: int | None = None):  # noqa: A001
-    """A MaxText checkpoint as a lazy `SourceCheckpoint`: params (and Adam's mu/nu, the step)
-    under MaxText's names with the layer axis first; the family's rules take them to HF names
-    (the query kernel scaled back, RoPE rows as HF's). MaxText saves no model config: `config`
-    (`--config`, an HF config.json) is required."""
-    from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
-    from hybridckpt.store.reader import item_arrays
-
-    if config is None:
-        raise ConfigError(f"{path}: a MaxText checkpoint records no model config; pass --config (an HF config.json)")
-    item_dir, dir_step = _item_dir(path, step)
-    leaves = item_arrays(item_dir)
-    where = item_dir
-
-    def under(prefix: str) -> dict[str, LazyTensor]:
-        return from_disk({k[len(prefix):]: v for k, v in leaves.items() if k.startswith(prefix)}, where)
-
-    params = under(PARAMS)
-    if not params:
-        raise FormatError(f"{item_dir}: no arrays under {PARAMS!r}")
-    run_step = int(leaves[STEP].materialize()) if STEP in leaves else dir_step
-    optimizer = None
-    slots = {slot: under(prefix) for slot, prefix in SLOTS.items()}
-    if any(slots.values()):
-        missing = [s for s, t in slots.items() if set(t) != set(params)]
-        if missing:
-            raise CheckpointError(f"{item_dir}: Adam's {missing} do not cover the params")
-        count = int(leaves[ADAM_COUNT].materialize()) if ADAM_COUNT in leaves else run_step
-        optimizer = OptimizerState(slots, count)
-    return SourceCheckpoint(
-        format=NAME,
-        path=path,
-        tensors=params,
-        optimizer=optimizer,
-        hf_rules=dialect(config).rules()[0],
-        rule_vars=rule_vars(config),
-        config=config,
-        step=optimizer.step if optimizer is not None else run_step,
-        notes=tuple(notes(config)),
-    )

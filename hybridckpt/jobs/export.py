@@ -45,6 +45,15 @@ class ExportSummary:
     notes: tuple[str, ...] = ()
 
 
+def _writer_extra(to: str, scan_layers: bool) -> dict:
+    """Writer options; `maxtext` gets the store's streaming Orbax save (the store is above the writers)."""
+    if to != "maxtext":
+        return {}
+    from hybridckpt.store.maxtext import save_state
+
+    return {"scan_layers": scan_layers, "save_state": save_state}
+
+
 def export_checkpoint(
     src: str | os.PathLike,
     out: str | os.PathLike,
@@ -95,7 +104,7 @@ def export_checkpoint(
         to, os.fspath(out), named, opened.config, optimizer=optimizer, dtype=np_dtype(dtype) if dtype else None,
         max_shard_bytes=max_shard_bytes, overwrite=overwrite, progress=progress, direct_io=direct_io,
         sources=(opened.path,), source_format=opened.format, trainer=dict(opened.trainer),
-        extra={"scan_layers": scan_layers},
+        extra=_writer_extra(to, scan_layers),
     ))
     return ExportSummary(opened.format, os.path.abspath(out), done.files, done.tensors, done.nbytes,
                          time.perf_counter() - t0, optimizer, opened.notes)

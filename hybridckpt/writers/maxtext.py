@@ -4,7 +4,8 @@
 What is written (`formats/maxtext.py` has the layout, docs/maxtext.md the facts and how to point
 MaxText at it): `OUT/<step>/items/`, an Orbax pytree checkpoint of MaxText's train state, with
 `OUT/<step>/_CHECKPOINT_METADATA` naming Orbax's v1 PyTreeHandler for `items` as MaxText's own
-Checkpointer does (maxtext 0.2.5 common/checkpointing.py `save_checkpoint`), so MaxText 0.2.5
+Checkpointer does (maxtext 0.2.5 common/checkpointing.py `save_checkpoint`; the save itself is
+`store.maxtext.save_state`, handed in as `request.extra["save_state"]`), so MaxText 0.2.5
 restores it with `load_parameters_path=OUT/<step>/items` (weights) or
 `load_full_state_path=OUT/<step>/items` (with `--optimizer`: weights, Adam's moments, step).
 
@@ -17,8 +18,10 @@ restores it with `load_parameters_path=OUT/<step>/items` (weights) or
   like their params (the query's rescaled: mu * sqrt(head_dim), nu * head_dim, `Op.for_slot`),
   both counts and `step` the source's step.
 
-Every array is streamed from the lazy source tensors (`store.stream`: chunk by chunk, raw
-chunks, one chunk per layer of a stacked array), through `writers.destination.Destination`.
+Every array is streamed from the lazy source tensors (`store.stream`: tile by tile, raw chunks,
+one chunk per layer of a stacked array), through `writers.destination.Destination`; an
+`OUT/maxtext_overrides.json` says the MaxText config overrides of the model and what MaxText cannot
+express of it.
 """
 
 from __future__ import annotations
@@ -34,8 +37,6 @@ from hybridckpt.errors import ConfigError, MappingError
 from hybridckpt.formats import maxtext
 from hybridckpt.naming import nest
 from hybridckpt.writers.destination import Destination
-
-V1_PYTREE_HANDLER = "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler"
 
 
 def maxtext_tensors(named, cfg, *, optimizer: bool, scan_layers: bool = True, dtype=None) -> dict[str, Any]:
@@ -84,66 +85,26 @@ def _tree(flat: dict[str, Any], optimizer: bool) -> dict[str, Any]:
     return tree
 
 
-def _leaves(tree: Any, mesh) -> Any:
-    """Lazy tensors -> `stream.LazyLeaf`s (replicated on `mesh`, chunked one layer at a time for
-    a scanned array); ints -> int32 jax scalars."""
-    import jax
-    import jax.numpy as jnp
-
-    from hybridckpt.store.stream import LazyLeaf, StreamOptions
-
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    opts = StreamOptions()
-
-    def one(path, x):
-        if isinstance(x, int):
-            return jax.device_put(jnp.asarray(x, jnp.int32), sharding)
-        name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-        axes = (maxtext.SCAN_AXIS,) if f".{maxtext.LAYERS}" in f".{name}" and x.ndim > maxtext.SCAN_AXIS else ()
-        return LazyLeaf(x, sharding, name=name, chunk_axes=axes, options=opts)
-
-    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=lambda x: isinstance(x, (int, lazy.LazyTensor)))
-
-
-def save_state(out_dir: str, step: int, tree: Any, *, scan_layers: bool) -> None:
-    """Write `tree` (LazyLeafs and jax scalars) as `out_dir/<step>/items` with the step's
-    `_CHECKPOINT_METADATA` as MaxText's Checkpointer writes it."""
-    import orbax.checkpoint as ocp
-
-    from hybridckpt.store.orbax_io import standard_save
-    from hybridckpt.store.stream_orbax import StreamingCheckpointHandler
-
-    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    registry.add(maxtext.ITEM, ocp.args.StandardSave, StreamingCheckpointHandler())
-    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True)
-    with ocp.CheckpointManager(out_dir, options=options, handler_registry=registry) as manager:
-        manager.save(step, args=ocp.args.Composite(**{maxtext.ITEM: standard_save(tree)}), force=True)
-        manager.wait_until_finished()
-    meta_path = Path(out_dir) / str(step) / "_CHECKPOINT_METADATA"
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    meta["item_handlers"] = {maxtext.ITEM: V1_PYTREE_HANDLER}
-    meta["custom_metadata"] = {"scan_layers": bool(scan_layers)}
-    meta_path.write_text(json.dumps(meta))
-
-
 def write_export(request) -> Any:
-    """`writers.write`'s `maxtext` layout (see the module doc). `request.extra`: `scan_layers`
-    (default True), `mesh` (a jax Mesh the arrays are placed on; default all devices, replicated)."""
-    import jax
-
+    """`writers.write`'s `maxtext` layout (see the module doc). `request.extra`: `save_state`
+    (required: `store.maxtext.save_state`, the streaming Orbax save, handed in by the job since
+    the store sits above the writers), `scan_layers` (default True), `mesh` (a jax Mesh the arrays
+    are placed on; default every device, replicated)."""
     from hybridckpt.writers import Written
 
     cfg, named = request.config, request.named
     if cfg is None:
         raise ConfigError("export --to maxtext: needs a model config (the source has none; pass --config)")
     scan_layers = bool(request.extra.get("scan_layers", True))
+    save_state = request.extra.get("save_state")
+    if save_state is None:
+        raise ConfigError("export --to maxtext: request.extra needs save_state (hybridckpt.store.maxtext.save_state)")
     flat = maxtext_tensors(named, cfg, optimizer=request.optimizer, scan_layers=scan_layers, dtype=request.dtype)
-    mesh = request.extra.get("mesh") or jax.sharding.Mesh(np.array(jax.devices()), ("fsdp",))
     step = int(flat[maxtext.STEP])
-    tree = _leaves(_tree(flat, request.optimizer), mesh)
+    tree = _tree(flat, request.optimizer)
     dest = Destination(request.out, overwrite=request.overwrite, sources=request.sources)
     with dest as tmp:
-        save_state(tmp, step, tree, scan_layers=scan_layers)
+        save_state(tmp, step, tree, scan_layers=scan_layers, mesh=request.extra.get("mesh"))
         (Path(tmp) / "maxtext_overrides.json").write_text(
             json.dumps({"overrides": maxtext.overrides(cfg), "notes": maxtext.notes(cfg)}, indent=1, default=str)
         )
