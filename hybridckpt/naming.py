@@ -95,11 +95,14 @@ class Named:
 
 
 def map_named(named: Named, rules: RuleSet, *, strict: bool, unstack: bool = False, user: bool = False) -> Named:
-    """Apply `rules` to params (strictly: every name must be consumed) and to every slot. `user`:
-    the rules are the user's (`--rules`), whose rules that matched nothing are reported."""
-    apply = rules.apply_unstack if unstack else rules.apply
-    res = apply(named.params, strict=strict)
-    slots = {s: apply(t, strict=False).tensors for s, t in named.slots.items()}
+    """Apply `rules` to params (strictly: every name must be consumed) and to every slot (with
+    `RuleSet.for_slot`: a param's value op rescales its moments). `user`: the rules are the
+    user's (`--rules`), whose rules that matched nothing are reported."""
+    res = (rules.apply_unstack if unstack else rules.apply)(named.params, strict=strict)
+    slots = {}
+    for s, t in named.slots.items():  # a value op on a param rescales its moments (`Op.for_slot`)
+        slot_rules = rules.for_slot(s)
+        slots[s] = (slot_rules.apply_unstack if unstack else slot_rules.apply)(t, strict=False).tensors
     return replace(named, params=res.tensors, slots=slots, report=named.report + tuple(res.report(unused=user)))
 
 

@@ -20,6 +20,7 @@ from hybridckpt.source_checkpoint import SourceCheckpoint
 # (format name, module) in detection order, most specific first
 READERS: tuple[tuple[str, str], ...] = (
     ("orbax", "hybridckpt.store.as_source"),
+    ("maxtext", "hybridckpt.store.maxtext"),  # <step>/items of MaxText's train state
     ("megatron", "hybridckpt.formats.megatron"),
     ("meta-llama", "hybridckpt.formats.meta_llama"),
     ("megatron-dist", "hybridckpt.formats.megatron_dist"),  # before dcp: a torch_dist folder is a DCP folder too

@@ -152,13 +152,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "Distributed Checkpoint FSDP2 resumes on any number of ranks (get_state_dict + dcp.load + "
                    "set_state_dict); torchtitan: a CheckpointManager folder (step-N/) torchtitan 0.3 resumes; "
                    "megatron: a Megatron-Core torch_dist checkpoint (iter_N/) Megatron-LM loads at any tp/pp "
-                   "(docs/torch-export.md)")
+                   "(docs/torch-export.md); maxtext: MaxText's train state OUT/<step>/items (load_parameters_path / "
+                   "load_full_state_path; docs/maxtext.md)")
     s.add_argument("--writers", type=int, default=1, metavar="N",
                    help="--to dcp/torchtitan: how many __R_0.distcp files (as N ranks write them; default 1)")
     s.add_argument("--tp", type=int, default=1, metavar="N",
                    help="--to megatron: the tensor-parallel size the chunks and files follow (default 1; Megatron "
                    "reshards on load)")
     s.add_argument("--pp", type=int, default=1, metavar="M", help="--to megatron: the pipeline-parallel size (default 1)")
+    s.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
+                   help="--to maxtext: layers stacked on MaxText's scan axis (scan_layers=true, default) or one "
+                   "decoder.layers_<i> per layer (--no-scan-layers)")
     s.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     s.add_argument("--buffered-writes", action="store_true",
                    help="write the safetensors files through the page cache, stored runs copied file to file by "

@@ -58,6 +58,15 @@ def exported_hyper(opened: Any, names: set[str]) -> dict:
     return hyper
 
 
+def _writer_extra(to: str, scan_layers: bool) -> dict:
+    """Writer options; `maxtext` gets the store's streaming Orbax save (the store is above the writers)."""
+    if to != "maxtext":
+        return {}
+    from hybridckpt.store.maxtext import save_state
+
+    return {"scan_layers": scan_layers, "save_state": save_state}
+
+
 def export_checkpoint(
     src: str | os.PathLike,
     out: str | os.PathLike,
@@ -76,6 +85,7 @@ def export_checkpoint(
     direct_io: bool = True,
     verify_reads: bool = True,
     layout: Mapping[str, int] | None = None,
+    scan_layers: bool = True,
 ) -> ExportSummary:
     """Any supported checkpoint (Orbax included) -> one safetensors folder at `out`.
 
@@ -91,6 +101,7 @@ def export_checkpoint(
     direct_io: the HF safetensors files written with O_DIRECT through two aligned buffers (default;
       False: through the page cache, runs copied file to file by the kernel): `io.sequential_file`.
     verify_reads: a hybridckpt (Orbax) source's chunks checked against their import's CRC-32s.
+    scan_layers: `to="maxtext"`: layers stacked on MaxText's scan axis (default) or one per layer.
     """
     from hybridckpt import naming, writers
     from hybridckpt.jobs.import_ import np_dtype, quantized_default_dtype
@@ -111,7 +122,7 @@ def export_checkpoint(
         to, os.fspath(out), named, opened.config, optimizer=optimizer, dtype=np_dtype(dtype) if dtype else None,
         max_shard_bytes=max_shard_bytes, overwrite=overwrite, progress=progress, direct_io=direct_io,
         sources=(opened.path,), source_format=opened.format, trainer=dict(opened.trainer), files=dict(opened.files),
-        hyper=exported_hyper(opened, set(named.params)) if opened.hyper else {}, extra=dict(layout or {}),
+        hyper=exported_hyper(opened, set(named.params)) if opened.hyper else {}, extra={**dict(layout or {}), **_writer_extra(to, scan_layers)},
     ))
     return ExportSummary(opened.format, os.path.abspath(out), done.files, done.tensors, done.nbytes,
                          time.perf_counter() - t0, optimizer, tuple(opened.notes) + done.notes)

@@ -25,6 +25,7 @@ Views:
 - `Take`           indices along an axis (RoPE row permutation).
 - `Cast`           another dtype.
 - `Bitcast`        the same bytes viewed as another dtype of the same itemsize.
+- `Scaled`         times a float32 factor, computed in float32 (a reparameterization).
 
 Modules (each imports only those above it):
 - `box`            `Box` and pure box arithmetic (shapes, C-order runs and ranges, block overlaps).
@@ -33,6 +34,7 @@ Modules (each imports only those above it):
 - `runs`           file runs of tilings and joins; `copy_runs`.
 - `stored`         the leaves: `ArrayTensor`, `StoredTensor`.
 - `views`          `Slice`, `Concat`, `Stack`, `Transpose`, `Reshape`, `Take`, `Bitcast`, `Cast`.
+- `scaled`         `Scaled`: times a float32 factor (MaxText's pre-scaled query kernel).
 - `constructors`   `as_lazy`, `cast`, `transpose`, `reshape`, `slice_axis`, `index0`, `concat`,
                    `split`: views with no-ops and chains folded.
 - `strided`        `stored_strided`: torch's `(shape, strides, storage_offset)` views of a storage.
@@ -67,6 +69,7 @@ from hybridckpt.lazy.constructors import (
     transpose,
 )
 from hybridckpt.lazy.runs import copy_runs, join_runs, tiled_file_runs
+from hybridckpt.lazy.scaled import Scaled
 from hybridckpt.lazy.stored import ArrayTensor, StoredTensor
 from hybridckpt.lazy.strided import stored_strided
 from hybridckpt.lazy.tiled import Tiled, tiled
@@ -101,6 +104,7 @@ __all__ = [
     "Cast",
     "Concat",
     "Reshape",
+    "Scaled",
     "Slice",
     "Stack",
     "Take",

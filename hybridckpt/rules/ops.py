@@ -42,6 +42,19 @@ class Op:
             shapes = [x.shape for x in xs]
             raise MappingError(f"{where}: {self} does not apply to shapes {shapes}: {e}") from None
 
+    def for_slot(self, slot: str) -> Op:
+        """The op an optimizer slot of the param takes (`SLOT_VALUE_OPS`): a layout op itself; a
+        value op (a param stored as q' = c q) the moment's own rescaling."""
+        if self.name not in SCALE_OPS:
+            return self
+        power = MOMENT_POWER.get(slot)
+        if power is None:
+            raise MappingError(f"op {self} rescales the param: no rule for optimizer slot {slot!r}")
+        name = SLOT_VALUE_OPS.get((self.name, power))
+        if name is None:
+            raise MappingError(f"op {self}: no rescaling of the moment {slot!r} (power {power})")
+        return Op(name, self.args)
+
     def inverse(self) -> Op:
         inv = _INVERSE.get(self.name)
         if inv is None:
@@ -192,6 +205,22 @@ def _op_cast(xs, dtype, from_dtype=None):
     return [lazy.cast(x, _dtype(dtype))]
 
 
+def _scale_factor(kind: str, n: int) -> np.float32:
+    """The float32 factor of a value op on `n` (a head_dim): sqrt(n), 1/sqrt(n), n or 1/n, each
+    computed in float64 and rounded once to float32, as MaxText's hooks do."""
+    if n <= 0:
+        raise MappingError(f"{kind}({n}): needs a positive number")
+    return np.float32({"sqrt": math.sqrt(n), "rsqrt": 1 / math.sqrt(n), "mul": n, "div": 1 / n}[kind])
+
+
+def _op_scale(kind: str):
+    def op(xs, n):
+        x = _one(xs, f"scale_{kind}")
+        return [lazy.Scaled(x, _scale_factor(kind, int(n)))]
+
+    return op
+
+
 def _op_identity(xs, *args):
     return list(xs)
 
@@ -221,6 +250,10 @@ OPS: dict[str, Callable] = {
     "pad": _op_pad,
     "cast": _op_cast,
     "identity": _op_identity,
+    "scale_sqrt": _op_scale("sqrt"),
+    "scale_rsqrt": _op_scale("rsqrt"),
+    "scale_mul": _op_scale("mul"),
+    "scale_div": _op_scale("div"),
 }
 
 
@@ -251,4 +284,22 @@ _INVERSE: dict[str, Callable[[Op], Op]] = {
     "pad": lambda op: Op("trim", (op.args[0], op.args[1])),
     "cast": lambda op: Op("cast", (op.args[1], op.args[0])) if len(op.args) > 1 else Op("identity"),
     "identity": lambda op: op,
+    "scale_sqrt": lambda op: Op("scale_rsqrt", op.args),
+    "scale_rsqrt": lambda op: Op("scale_sqrt", op.args),
+    "scale_mul": lambda op: Op("scale_div", op.args),
+    "scale_div": lambda op: Op("scale_mul", op.args),
+}
+
+
+# Value ops and the optimizer state. A param stored as q' = c q has the gradient g / c, so a first
+# moment (exp_avg, momentum_buffer) is mu / c and a second moment (exp_avg_sq) nu / c^2: Adam's
+# moments that mean the same thing as the source's (Adam itself is not invariant to the rescaling:
+# the next step of q' is not c times the next step of q). (op, moment power) -> the slot's op.
+SCALE_OPS = ("scale_sqrt", "scale_rsqrt", "scale_mul", "scale_div")
+MOMENT_POWER = {"exp_avg": 1, "momentum_buffer": 1, "exp_avg_sq": 2}
+SLOT_VALUE_OPS = {
+    ("scale_rsqrt", 1): "scale_sqrt",  # q' = q / sqrt(n): mu' = mu * sqrt(n)
+    ("scale_rsqrt", 2): "scale_mul",  # nu' = nu * n
+    ("scale_sqrt", 1): "scale_rsqrt",  # q' = q * sqrt(n): mu' = mu / sqrt(n)
+    ("scale_sqrt", 2): "scale_div",  # nu' = nu / n
 }

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hybridckpt.errors import MappingError
 from hybridckpt.lazy import LazyTensor
@@ -132,6 +132,12 @@ class RuleSet:
             ops = tuple(op.inverse() for op in reversed(r.ops))
             inv.append(Rule(r.targets, r.sources, ops, r.line, f"inverse of: {r.text}", r.origin))
         return RuleSet(tuple(inv), (), f"inverse of {self.origin}")
+
+    def for_slot(self, slot: str) -> RuleSet:
+        """The rules an optimizer slot of the params takes: every op's `Op.for_slot` (layout ops
+        as they are, a value op on a param its rescaling of the moment)."""
+        rules = tuple(replace(r, ops=tuple(op.for_slot(slot) for op in r.ops)) for r in self.rules)
+        return RuleSet(rules, self.tp_rules, f"{self.origin} ({slot})")
 
     def apply(self, tensors: Mapping[str, LazyTensor], *, strict: bool = True) -> MappingResult:
         """Map `tensors` by the rules. Each source key is taken by the first rule that matches it.

@@ -25,6 +25,7 @@ WRITERS: tuple[tuple[str, str], ...] = (
     ("dcp", "hybridckpt.writers.torch_dcp:write_request"),
     ("torchtitan", "hybridckpt.writers.torchtitan:write_request"),
     ("megatron", "hybridckpt.writers.megatron_dist:write_request"),
+    ("maxtext", "hybridckpt.writers.maxtext:write_export"),
 )
 NAMES: tuple[str, ...] = tuple(name for name, _ in WRITERS)
 

@@ -26,6 +26,7 @@ DIALECTS = {
     "paddlenlp": ("", "tp"),
     "meta": ("",),
     "flex_checkpoint": ("",),
+    "maxtext": ("",),
 }
 
 

@@ -6,7 +6,7 @@ import os
 
 from cases import CASES, all_cases, manifest
 
-BUDGET_BYTES = 16 << 20  # the whole committed corpus (tests/real/README.md)
+BUDGET_BYTES = 18 << 20  # the whole committed corpus (tests/real/README.md): 16 MiB until the MaxText cases
 
 
 def _size(path: str) -> int:

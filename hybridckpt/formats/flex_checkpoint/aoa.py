@@ -112,6 +112,10 @@ class RuleChain:
             names = tuple(out)
         return names
 
+    def for_slot(self, slot: str) -> RuleChain:
+        """`RuleSet.for_slot` of every stage (AOA statements change no values: the same chain)."""
+        return RuleChain(tuple(rs.for_slot(slot) for rs in self.stages), self.origin)
+
     def invert(self) -> RuleChain:
         return RuleChain(
             tuple(rs.invert() for rs in reversed(self.stages)), f"reverse of {self.origin}"

@@ -1,0 +1,190 @@
+"""MaxText checkpoints (AI-Hypercomputer/maxtext 0.2.5): the on-disk layout, its mapping to HF
+names, and its detection (the reader, which reads the arrays with our Orbax reader, is
+`store/maxtext.py`; the writer `writers/maxtext.py`).
+
+Layout (docs/maxtext.md, with citations): a checkpoint root holds one folder per step,
+`<root>/<step>/`, with `_CHECKPOINT_METADATA` and one Orbax pytree item `items/` (zarr arrays and
+`_METADATA`). The item is MaxText's Linen train state (`train_state_nnx.to_checkpoint_dict` for an
+NNX run, the same layout):
+
+    params.params.<MaxText param path>       the weights (`params` collection)
+    opt_state.0.count                        optax ScaleByAdamState: steps taken (int32, [])
+    opt_state.0.mu.params.<path>             Adam's first moment, like its param
+    opt_state.0.nu.params.<path>             Adam's second moment
+    opt_state.1                              None (add_decayed_weights: no state)
+    opt_state.2.count                        ScaleByScheduleState: the schedule's step
+    step                                     the train step (int32, [])
+
+Scanned layers (`scan_layers: true`, the default) are one array per parameter under
+`decoder.layers.`, the layer axis at `param_scan_axis` (1): `decoder.layers.self_attention.
+query.kernel` is `[embed, layers, heads, head_dim]`, a norm scale `[embed, layers]`. Unscanned
+ones are `decoder.layers_<i>.<path>`. Internally (and in the family's `maxtext.rules`) a
+stacked parameter has its layer axis first (`STACK`), as our rules stack; `to_disk` and
+`from_disk` move it.
+
+The names and value ops per family are the family's `maxtext` dialect (`models/<family>/
+dialects/maxtext.{rules,py}`): MaxText names -> HF names; `rules(cfg)` parses them, the writer
+inverts them (writers/maxtext.py).
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from hybridckpt import lazy
+from hybridckpt.errors import ConfigError, FormatError
+from hybridckpt.lazy import LazyTensor
+
+NAME = "maxtext"
+ITEM = "items"  # the checkpointable MaxText's Checkpointer saves the train state as
+PARAMS = "params.params."
+MU = "opt_state.0.mu.params."
+NU = "opt_state.0.nu.params."
+ADAM_COUNT = "opt_state.0.count"
+SCHEDULE_COUNT = "opt_state.2.count"
+STEP = "step"
+SLOTS = {"exp_avg": MU, "exp_avg_sq": NU}  # our slot name -> its prefix in the item
+LAYERS = "decoder.layers."  # the scanned block: every name under it is stacked
+SCAN_AXIS = 1  # MaxText's param_scan_axis default (configs/base.yml)
+_UNSCANNED = re.compile(r"^decoder\.layers_(\d+)\.(.+)$")
+
+
+# -- the mapping ------------------------------------------------------------------------------------
+
+
+def dialect(cfg: Any):
+    """The family's `maxtext` dialect, or a ConfigError naming the families that have one."""
+    from hybridckpt import models
+
+    fam = models.family_of(cfg)
+    found = fam.dialect(NAME)
+    if found is None:
+        have = sorted(models.dialects(NAME))
+        raise ConfigError(f"MaxText: no mapping for family {fam.name!r} (families with one: {', '.join(have)})")
+    return found
+
+
+def rule_vars(cfg: Any) -> dict[str, Any]:
+    """The dialect's own rule variables (`variables(cfg)` of its `maxtext.py`)."""
+    fn = dialect(cfg).get("variables")
+    return dict(fn(cfg)) if fn is not None else {}
+
+
+def rules(cfg: Any):
+    """The family's MaxText -> HF rules for `cfg` (a `RuleSet`; `.invert()` is the export's)."""
+    from hybridckpt import models
+    from hybridckpt.rules import parse_rules
+
+    text, origin = dialect(cfg).rules()
+    return parse_rules(text, {**models.rule_variables(cfg), **rule_vars(cfg)}, origin=origin)
+
+
+def overrides(cfg: Any) -> dict[str, Any]:
+    """The MaxText config overrides that build `cfg`'s model (model_name and the sizes)."""
+    d = dialect(cfg)
+    return {"model_name": d.get("MODEL_NAME"), "override_model_config": True, **d.get("overrides")(cfg)}
+
+
+def notes(cfg: Any) -> list[str]:
+    fn = dialect(cfg).get("notes")
+    return list(fn(cfg)) if fn is not None else []
+
+
+# -- the layer axis ---------------------------------------------------------------------------------
+
+
+def to_disk(tensors: Mapping[str, LazyTensor], scan_layers: bool = True) -> dict[str, LazyTensor]:
+    """Names with the layer axis first (`decoder.layers.X`, `[layers, ...]`) -> MaxText's: the
+    axis moved to `SCAN_AXIS` (scanned) or one `decoder.layers_<i>.X` per layer."""
+    out: dict[str, LazyTensor] = {}
+    for name, t in tensors.items():
+        if not name.startswith(LAYERS):
+            out[name] = t
+        elif scan_layers:
+            perm = list(range(1, t.ndim))
+            perm.insert(SCAN_AXIS, 0)
+            out[name] = lazy.transpose(t, perm)
+        else:
+            rest = name[len(LAYERS):]
+            for i in range(t.shape[0]):
+                out[f"decoder.layers_{i}.{rest}"] = lazy.index0(t, i)
+    return out
+
+
+def from_disk(tensors: Mapping[str, LazyTensor], where: str) -> dict[str, LazyTensor]:
+    """MaxText's names -> the rules' source names: a scanned array with its layer axis moved
+    first (named as stored), an unscanned layer's array as the expanded name `decoder.layers.X[i]`
+    (what `RuleSet.apply_unstack` gives a stacked source)."""
+    out: dict[str, LazyTensor] = {}
+    for name, t in tensors.items():
+        m = _UNSCANNED.match(name)
+        if m:
+            out[f"{LAYERS}{m.group(2)}[{int(m.group(1))}]"] = t
+        elif name.startswith(LAYERS):
+            if t.ndim <= SCAN_AXIS:
+                raise FormatError(f"{where}: {name}: a scanned array has a layer axis {SCAN_AXIS}, found shape {t.shape}")
+            perm = [SCAN_AXIS] + [a for a in range(t.ndim) if a != SCAN_AXIS]
+            out[name] = lazy.transpose(t, perm)
+        else:
+            out[name] = t
+    return out
+
+
+# -- the reader ------------------------------------------------------------------------------------
+
+
+def _steps(root: str) -> list[int]:
+    return sorted(int(d) for d in os.listdir(root) if d.isdigit() and os.path.isdir(os.path.join(root, d, ITEM)))
+
+
+def item_dir(path: str, step: int | None) -> tuple[str, int | None]:
+    """(the `items` folder, the step its folder names) of `path`: a root, a step folder or the
+    item folder itself."""
+    norm = os.path.abspath(path)
+    if os.path.basename(norm) == ITEM and os.path.isfile(os.path.join(norm, "_METADATA")):
+        base = os.path.basename(os.path.dirname(norm))
+        return norm, int(base) if base.isdigit() else None
+    if os.path.isfile(os.path.join(norm, ITEM, "_METADATA")):
+        base = os.path.basename(norm)
+        return os.path.join(norm, ITEM), int(base) if base.isdigit() else None
+    steps = _steps(norm) if os.path.isdir(norm) else []
+    if not steps:
+        raise FormatError(f"{path}: no MaxText checkpoint (expected <step>/{ITEM}/_METADATA)")
+    pick = steps[-1] if step is None else step
+    if pick not in steps:
+        raise FormatError(f"{path}: no step {pick} (steps: {steps})")
+    return os.path.join(norm, str(pick), ITEM), pick
+
+
+def _leaf_names(item_dir: str) -> list[str] | None:
+    try:
+        with builtins.open(os.path.join(item_dir, "_METADATA"), encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return None
+    tree = meta.get("tree_metadata") if isinstance(meta, dict) else None
+    if not isinstance(tree, dict):
+        return None
+    names = []
+    for entry in tree.values():
+        keys = entry.get("key_metadata") if isinstance(entry, dict) else None
+        if isinstance(keys, list):
+            names.append(".".join(str(k.get("key")) for k in keys if isinstance(k, dict)))
+    return names
+
+
+def detect(path: str) -> bool:
+    """A MaxText checkpoint: an Orbax item `items` whose leaves are `params.params.*`."""
+    if not os.path.isdir(path):
+        return False
+    try:
+        found, _ = item_dir(path, None)
+    except FormatError:
+        return False
+    names = _leaf_names(found)
+    return bool(names) and any(n.startswith(PARAMS) for n in names)

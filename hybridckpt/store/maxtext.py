@@ -1,0 +1,114 @@
+"""MaxText checkpoints through our Orbax machinery: the reader of a MaxText run
+(`hybridckpt inspect/import/export` of `<root>/<step>/items`) and the streaming save of
+`export --to maxtext`.
+
+The layout and the mapping are `formats/maxtext.py` (and the family's `maxtext` dialect); what
+this module adds is the Orbax side, which lives with our store: the arrays are read lazily by
+`store.reader.item_arrays` (a box read reads only its chunks; zarr v2/v3, OCDBT or not, as MaxText
+writes them), and written by the store's streaming handler (`store.stream`, `store.stream_orbax`:
+tile by tile from the lazy source tensors). `writers/maxtext.py` maps and lays out the train state;
+the job hands it `save_state` (the writers sit below the store).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from hybridckpt.errors import CheckpointError, ConfigError, FormatError
+from hybridckpt.formats import maxtext
+from hybridckpt.formats.maxtext import NAME, detect  # noqa: F401  (the reader registry's entry points)
+from hybridckpt.lazy import LazyTensor
+
+V1_PYTREE_HANDLER = "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler"
+
+
+def open(path: str, *, config: Any = None, step: int | None = None):  # noqa: A001
+    """A MaxText checkpoint as a lazy `SourceCheckpoint`: params (and Adam's mu/nu, the step)
+    under MaxText's names with the layer axis first; the family's rules take them to HF names
+    (the query kernel scaled back, RoPE rows as HF's; the moments with `Op.for_slot`). MaxText
+    saves no model config: `config` (`--config`, an HF config.json) is required."""
+    from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
+    from hybridckpt.store.reader import item_arrays
+
+    if config is None:
+        raise ConfigError(f"{path}: a MaxText checkpoint records no model config; pass --config (an HF config.json)")
+    item_dir, dir_step = maxtext.item_dir(path, step)
+    leaves = item_arrays(item_dir)
+
+    def under(prefix: str) -> dict[str, LazyTensor]:
+        return maxtext.from_disk({k[len(prefix):]: v for k, v in leaves.items() if k.startswith(prefix)}, item_dir)
+
+    params = under(maxtext.PARAMS)
+    if not params:
+        raise FormatError(f"{item_dir}: no arrays under {maxtext.PARAMS!r}")
+    run_step = int(leaves[maxtext.STEP].materialize()) if maxtext.STEP in leaves else dir_step
+    optimizer = None
+    slots = {slot: under(prefix) for slot, prefix in maxtext.SLOTS.items()}
+    if any(slots.values()):
+        missing = [s for s, t in slots.items() if set(t) != set(params)]
+        if missing:
+            raise CheckpointError(f"{item_dir}: Adam's {missing} do not cover the params")
+        count = int(leaves[maxtext.ADAM_COUNT].materialize()) if maxtext.ADAM_COUNT in leaves else run_step
+        optimizer = OptimizerState(slots, count)
+    return SourceCheckpoint(
+        format=NAME,
+        path=path,
+        tensors=params,
+        optimizer=optimizer,
+        hf_rules=maxtext.dialect(config).rules()[0],
+        rule_vars=maxtext.rule_vars(config),
+        config=config,
+        step=optimizer.step if optimizer is not None else run_step,
+        notes=tuple(maxtext.notes(config)),
+    )
+
+
+def _leaves(tree: Any, mesh) -> Any:
+    """Lazy tensors -> `stream.LazyLeaf`s (replicated on `mesh`, a scanned array chunked one
+    layer at a time); ints -> int32 scalars on the mesh."""
+    import jax
+    import jax.numpy as jnp
+
+    from hybridckpt.store.stream import LazyLeaf, StreamOptions
+
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    opts = StreamOptions()
+
+    def one(path, x):
+        if isinstance(x, int):
+            return jax.device_put(jnp.asarray(x, jnp.int32), sharding)
+        name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        stacked = f".{maxtext.LAYERS}" in f".{name}" and x.ndim > maxtext.SCAN_AXIS
+        return LazyLeaf(x, sharding, name=name, chunk_axes=(maxtext.SCAN_AXIS,) if stacked else (), options=opts)
+
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=lambda x: isinstance(x, (int, LazyTensor)))
+
+
+def save_state(out_dir: str, step: int, tree: Any, *, scan_layers: bool, mesh=None) -> None:
+    """Write the train state `tree` (nested dicts and lists of LazyTensors, ints, None) as
+    `out_dir/<step>/items`, streamed, with the step's `_CHECKPOINT_METADATA` naming Orbax's v1
+    PyTreeHandler for `items` and `scan_layers` as MaxText's Checkpointer writes them (maxtext
+    0.2.5 common/checkpointing.py `save_checkpoint`). `mesh`: where the arrays are placed
+    (default: every device, replicated: each chunk written once)."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from hybridckpt.store.orbax_io import standard_save
+    from hybridckpt.store.stream_orbax import StreamingCheckpointHandler
+
+    mesh = mesh or jax.sharding.Mesh(np.array(jax.devices()), ("fsdp",))
+    leaves = _leaves(tree, mesh)
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    registry.add(maxtext.ITEM, ocp.args.StandardSave, StreamingCheckpointHandler())
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True)
+    with ocp.CheckpointManager(out_dir, options=options, handler_registry=registry) as manager:
+        manager.save(step, args=ocp.args.Composite(**{maxtext.ITEM: standard_save(leaves)}), force=True)
+        manager.wait_until_finished()
+    meta_path = Path(out_dir) / str(step) / "_CHECKPOINT_METADATA"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    meta["item_handlers"] = {maxtext.ITEM: V1_PYTREE_HANDLER}
+    meta["custom_metadata"] = {"scan_layers": bool(scan_layers)}
+    meta_path.write_text(json.dumps(meta))
