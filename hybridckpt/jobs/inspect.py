@@ -27,6 +27,8 @@ SCHEMA = {
     "topology": "parallel degrees read from the files, e.g. {\"tp\": 2, \"pp\": 2}; ours: the mesh it was saved on",
     "config": "the model config: {\"family\", ...fields} (RoPE scaling as an object), or null",
     "needs_config": "true when model-level jobs (logits, import as a model) need --config",
+    "architecture": "the architecture config.json names when no family implements it, else null",
+    "quantization": "a quantized release's {\"quant_method\" (fp8, mxfp4), ...} (dequantized on import), else null",
     "optimizer": "null, or {\"name\" (adamw, sgd, or null: undeclared), \"step\", \"slots\" (the "
                  "framework's slot names), \"params_with_state\" (tensors with state; ours: stored arrays), "
                  "\"master_weights\" (fp32 masters kept apart), \"hyper\" (lr, betas, eps, weight_decay, "
@@ -122,5 +124,6 @@ def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, s
 
 
 def _in_order(info: dict) -> dict:
-    """`info` under exactly the keys of `SCHEMA`, in its order, with the schema's version."""
-    return {k: SCHEMA_VERSION if k == "schema" else info[k] for k in SCHEMA}
+    """`info` under exactly the keys of `SCHEMA`, in its order (null where a format has nothing to
+    say), with the schema's version."""
+    return {k: SCHEMA_VERSION if k == "schema" else info.get(k) for k in SCHEMA}

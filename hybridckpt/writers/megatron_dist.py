@@ -52,7 +52,6 @@ from hybridckpt.writers.destination import Destination
 
 VOCAB_MULTIPLE = 128  # Megatron's --make-vocab-size-divisible-by default
 MAX_VOCAB_MULTIPLE = 1 << 16  # a source's larger value is not taken (it would pad that many zero rows)
-EXPORT_FAMILIES = ("llama", "qwen2", "qwen3")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LINEAR = re.compile(r"^(decoder\.layers\.(?:.+\.)?linear_\w+)\.weight$")
 
@@ -222,10 +221,9 @@ def write_export(
             "export --to megatron: needs a model config (the source has none; pass --config)"
         )
     family = models.family_of(cfg).name
-    if family not in EXPORT_FAMILIES:
-        raise ConfigError(
-            f"export --to megatron: writes {list(EXPORT_FAMILIES)} models; this one is {family}"
-        )
+    exported = sorted(f for f, d in models.dialects("megatron").items() if d.get("EXPORTED", False))
+    if family not in exported:  # (a family's megatron dialect says EXPORTED)
+        raise ConfigError(f"export --to megatron: writes {exported} models; this one is {family}")
     if slots and optimizer_name not in (None, "adamw"):
         raise CheckpointError(f"export --to megatron --optimizer writes AdamW's state; this checkpoint's optimizer "
                               f"is {optimizer_name}")  # fmt: skip

@@ -26,3 +26,7 @@ HF_KEYS = {
     "tied": "tie_word_embeddings",
     "max_positions": "max_position_embeddings",
 }
+
+# `export --to megatron` writes this family (writers/megatron_dist.py: dense, checked by
+# megatron-core's own load_checkpoint)
+EXPORTED = True
