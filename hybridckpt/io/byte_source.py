@@ -84,7 +84,9 @@ def real_reads() -> contextlib.AbstractContextManager[None]:
     return planning(False)
 
 
-def _dry() -> bool:
+def planned() -> bool:
+    """Whether this thread's reads are planned, not done (`planning`): their bytes are not the
+    file's, so a check of them (a chunk's CRC-32) has nothing to compare."""
     return getattr(_thread, "dry", False)
 
 
@@ -125,7 +127,7 @@ class ByteSource:
 
     def _pread_into(self, offset: int, buffer: memoryview) -> None:
         want = len(buffer)
-        if _dry():  # planned: counted by the caller, not read
+        if planned():  # planned: counted by the caller, not read
             return
         if offset < 0:  # a corrupt offset field: pread would fail with EINVAL
             raise FormatError(f"{self.path}: read at byte {offset}, before the start of the file")
