@@ -9,8 +9,9 @@ by the process of its lowest-id holding device), and each tile is passed through
 `read_into` with the file reads dry (`io.byte_source.planning`): the reader decides its preads,
 spans and gaps exactly as in the import, and `count_reads` counts them, but the bytes are never
 read. Metadata a lazy tensor parses on first use (a DCP chunk's `torch.save` header) is read
-for real and counted, as the import counts it. Its cost is one pass of element copies over the
-planned bytes in a reused buffer: seconds per GiB, no checkpoint-sized memory.
+for real and counted, as the import counts it. The element copies are left out too
+(`lazy.copy_into` under `planning`), so its cost is the reader's bookkeeping per tile, a few
+reused tile buffers and those headers: no checkpoint-sized memory or time.
 
 Bytes read are the bytes the reader asks for (a span's gaps, which lie in pages the runs touch
 anyway, are counted apart as `gap_bytes`); bytes written are the tiles' bytes (raw chunks; a
