@@ -188,10 +188,11 @@ def chunk_shape(leaf: LazyLeaf) -> tuple[int, ...]:
     """The chunk shape Orbax gives `leaf` in a raw (uncompressed, no OCDBT) save: its
     `choose_chunk_shape` over the shard shape with the leaf's `save_args` (OCDBT may lower the
     chunk bytes to its data file size, 2 GiB by default: the same chunks at `CHUNK_BYTES`)."""
-    from orbax.checkpoint._src.arrays import subchunking
+    # build_array_write_spec's own chunk rule (pinned by tests/store/test_orbax_private.py)
+    from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
     arg = save_args(leaf)
-    return tuple(subchunking.choose_chunk_shape(
+    return tuple(ts_utils.subchunking.choose_chunk_shape(
         leaf.shape, tuple(leaf.sharding.shard_shape(leaf.shape)), leaf.dtype, arg.chunk_byte_size,
         shard_axes=tuple(arg.shard_axes),
     ))
