@@ -13,6 +13,10 @@ from hybridckpt.errors import ConfigError, HybridCkptError
 def cmd_inspect(a) -> int:
     from hybridckpt.jobs.inspect import inspect
 
+    if a.plan or a.mesh:
+        if not (a.plan and a.mesh):
+            raise ConfigError("inspect --plan needs --mesh (the target mesh), and --mesh is only for --plan")
+        return _print_plan(a, params_only=False, dtype=None, rules=None, strict_sharding=False)
     info = inspect(a.src, a.format, config=a.config, step=a.step)
     if a.json:
         print(json.dumps(info, indent=2, default=str))
@@ -66,6 +70,11 @@ def _nbytes(t: dict) -> int:
 def cmd_import(a) -> int:
     from hybridckpt.jobs.import_ import import_checkpoint
 
+    if a.json and not a.plan:
+        raise ConfigError("import --json prints a plan: it needs --plan")
+    if a.plan:
+        return _print_plan(a, params_only=a.params_only, dtype=a.dtype, rules=a.rules,
+                           strict_sharding=a.strict_sharding)
     with Progress("import", a.quiet) as prog:
         s = import_checkpoint(
             a.src, a.dst, fmt=a.format, mesh=a.mesh, config=a.config, rules=a.rules,
@@ -82,6 +91,30 @@ def cmd_import(a) -> int:
           f"{' (layers stacked)' if s.param_arrays < s.source_tensors else ''}"
           f", {s.tensors - s.param_arrays} optimizer arrays")
     print(summary("arrays", s.tensors, s.bytes, s.seconds))
+    return 0
+
+
+def _print_plan(a, **options) -> int:
+    """`import --plan` / `inspect --plan`: the import's plan (`jobs.plan_report`), as text or JSON."""
+    from hybridckpt.jobs.plan_report import plan_import
+
+    plan = plan_import(a.src, fmt=a.format, mesh=a.mesh, config=a.config, step=a.step, **options)
+    if a.json:
+        print(json.dumps(plan.to_json(), indent=2))
+        return 0
+    print(f"plan of an import of {plan.source_format} {plan.source} onto mesh {plan.mesh}: {plan.tensors} arrays, "
+          f"{size(plan.tensor_bytes)} (nothing written; planned in {plan.seconds:.1f} s)")
+
+    def line(who: str, x) -> str:
+        gaps = f" (+{size(x.gap_bytes)} between close runs)" if x.gap_bytes else ""
+        return (f"{who}: bytes read {size(x.bytes_read)}{gaps} in {x.reads} reads from {len(x.files)} files, "
+                f"bytes written {size(x.bytes_written)} in {x.tiles} tiles")
+
+    for p in plan.processes:
+        print(line(f"process {p.process}", p))
+        for d in plan.devices:
+            if d.process == p.process:
+                print("  " + line(f"device {d.device}", d))
     return 0
 
 

@@ -11,6 +11,8 @@ FORMAT_CHOICES = ["auto", *readers.NAMES]  # `hybridckpt.readers`: names only, n
 SRC_HELP = "checkpoint folder or file of any supported format, or a hybridckpt (Orbax) checkpoint"
 NO_VERIFY_HELP = ("read a hybridckpt (Orbax) source without checking each chunk against the CRC-32 recorded "
                   "at import (default: every read is checked; a damaged chunk is an error naming it)")
+PLAN_HELP = ("print the import's plan and write nothing: per process and per device, the bytes to read, "
+             "the reads, the files touched and the bytes to write, from metadata alone")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -90,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("inspect", help="format, topology, step, config and tensors of a checkpoint (reads metadata only)")
     s.add_argument("src", help=SRC_HELP)
     s.add_argument("--json", action="store_true", help="print JSON")
+    s.add_argument("--plan", action="store_true", help=PLAN_HELP + " (with --mesh)")
+    s.add_argument("--mesh", help="with --plan: the target mesh, e.g. fsdp=2,tp=2")
     _common(s, progress=False)
     s.set_defaults(fn=commands.cmd_inspect)
 
@@ -121,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "4 KiB blocks where the filesystem allows it: no copy into the page cache, which also "
                    "leaves what the machine has cached alone)")
     s.add_argument("--no-verify-reads", action="store_true", help=NO_VERIFY_HELP)
+    s.add_argument("--plan", action="store_true", help=PLAN_HELP + "; DST is not touched")
+    s.add_argument("--json", action="store_true", help="with --plan: print the plan as JSON")
     _common(s, io=True)
     s.set_defaults(fn=commands.cmd_import)
 

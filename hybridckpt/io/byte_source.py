@@ -7,6 +7,11 @@ transposed or cast) out of that buffer; or `copy_to`, which copies a byte range 
 the kernel (`copy_file_range`: no user-space buffer, for exports that only rearrange stored
 bytes). `count_reads()` records how many bytes each file gave, so tests can prove a device's read
 touched only the bytes of its box.
+
+`planning()` makes this thread's data reads dry: each read is counted exactly as it would be
+(bytes, calls, gaps) but no byte is read (the buffer is left as it was), so running the import's
+own read path under it is its read plan (`jobs.plan_report`); `real_reads()` lifts it for the
+metadata a lazy tensor parses on first use (a DCP chunk's `torch.save` header), read for real.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from hybridckpt.errors import FormatError
 _lock = threading.Lock()
 _fds: dict[str, int] = {}
 _counters: list[Counter] = []
+_thread = threading.local()  # .dry: this thread's reads are planned, not done (`planning`)
 
 
 def _fd(path: str) -> int:
@@ -59,6 +65,29 @@ def count_reads() -> Iterator[Counter]:
     finally:
         with _lock:
             _counters.remove(counter)
+
+
+@contextlib.contextmanager
+def planning(dry: bool = True) -> Iterator[None]:
+    """Inside the block, this thread's reads are counted but not done (`dry`), or done again
+    (`dry=False`, `real_reads`); the previous mode comes back after it."""
+    before = getattr(_thread, "dry", False)
+    _thread.dry = dry
+    try:
+        yield
+    finally:
+        _thread.dry = before
+
+
+def real_reads() -> contextlib.AbstractContextManager[None]:
+    """Reads done for real inside the block, even under `planning` (metadata parsed on first use)."""
+    return planning(False)
+
+
+def planned() -> bool:
+    """Whether this thread's reads are planned, not done (`planning`): their bytes are not the
+    file's, so a check of them (a chunk's CRC-32) has nothing to compare."""
+    return getattr(_thread, "dry", False)
 
 
 COPY_BUFFER_BYTES = 8 << 20  # bytes per pread/pwrite step where the kernel cannot copy
@@ -98,6 +127,8 @@ class ByteSource:
 
     def _pread_into(self, offset: int, buffer: memoryview) -> None:
         want = len(buffer)
+        if planned():  # planned: counted by the caller, not read
+            return
         if offset < 0:  # a corrupt offset field: pread would fail with EINVAL
             raise FormatError(f"{self.path}: read at byte {offset}, before the start of the file")
         fd = _fd(self.path)

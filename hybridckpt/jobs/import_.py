@@ -72,60 +72,47 @@ def np_dtype(name: str) -> np.dtype:
     raise ConfigError(f"unknown --dtype {name!r}: expected float32, bfloat16 or float16")
 
 
-def import_checkpoint(
-    src: str | os.PathLike,
-    dst: str | os.PathLike,
+@dataclass(frozen=True)
+class LazyTargets:
+    """What an import writes, before anything is read: the leaves (`store.stream.LazyLeaf`: a
+    lazy source tensor, its sharding and chunking) of the params and optimizer state, and the
+    plan and names they came from. The import saves them; `jobs.plan_report` plans their reads."""
+
+    config: Any
+    named: Any
+    plan: Any
+    optimizer: Any
+    mesh: Any
+    escaped: dict
+    params: dict
+    opt_state: Any
+    leaves: dict  # storage name ("params.<path>", "<slot state>.<path>") -> LazyLeaf
+    counted: dict  # leaves checksummed beyond `leaves` (the step counter)
+    options: Any  # the `store.stream.StreamOptions` every leaf shares
+
+
+def lazy_targets(
+    opened: Any,
     *,
-    fmt: str = "auto",
     mesh: Any = "dp=1",
-    config: Any = None,
-    rules: str | os.PathLike | None = None,
     params_only: bool = False,
     dtype: str | None = None,
     strict_sharding: bool = False,
-    overwrite: bool = False,
-    step: int | None = None,
     progress: Progress | None = None,
-    io_threads: int | None = None,
     stream_options: Any = None,
     compression: str | None = None,
     direct_io: bool | None = None,
-    verify_reads: bool = True,
-) -> ImportSummary:
-    """Import any supported checkpoint into an Orbax checkpoint at `dst` on `mesh`, streaming.
-
-    mesh: a `jax.sharding.Mesh`, a `MeshShape` or a string like "fsdp=2,tp=2,pp=2".
-    config: HF config.json / Meta params.json path or a model config, for sources that carry
-      none; without any, the tensors are imported under the source's names (generic sharding).
-    params_only: leave the optimizer state out. dtype: cast params ("bfloat16", ...).
-    strict_sharding: a dimension the mesh cannot divide is an error (default: replicated on that
-      axis, with a note in the summary).
-    step: which step of a hybridckpt (Orbax) source (default: latest).
-    compression: the arrays' codec, "none" (default: raw chunks, the fastest write and the
-      file-to-file export), "zstd" (Orbax's default, level 1) or "zstd:LEVEL"; see `store.stream`.
-    direct_io: raw chunk files of whole 4 KiB blocks written with O_DIRECT, bypassing the page
-      cache (default True; False: buffered writes); see `store.chunk_files`.
-    verify_reads: a hybridckpt (Orbax) source's chunks checked against their import's CRC-32s.
-    """
+) -> LazyTargets:
+    """The import's leaves of an opened checkpoint on `mesh` (arguments as `import_checkpoint`'s);
+    reads nothing but what opening read."""
     import jax
 
-    from hybridckpt import models, naming, plan
-    from hybridckpt.jobs.open import open_checkpoint
-    from hybridckpt.lazy import parallel
+    from hybridckpt import naming, plan
     from hybridckpt.mesh import MeshShape, mesh_from_shape
     from hybridckpt.store import stream
     from hybridckpt.store.codec import parse_compression
-    from hybridckpt.store.layout import HF_FILES
-    from hybridckpt.store.save import save_checkpoint
-    from hybridckpt.writers.destination import Destination
 
-    t0 = time.perf_counter()
-    if io_threads is not None:
-        parallel.set_io_threads(io_threads)
-    opened = open_checkpoint(src, fmt, config=config, rules=rules, step=step, verify_reads=verify_reads)
     dtype = dtype or quantized_default_dtype(opened)
-    if jax.process_index() == 0:  # before any read: the same checks as the save's
-        Destination(dst, overwrite=overwrite, sources=[opened.path]).preflight()
     cfg = opened.config
     escaped: dict[str, str] = {}
     if cfg is not None:
@@ -175,6 +162,65 @@ def import_checkpoint(
         counted["count"] = count  # (checksummed like the arrays, not counted among them)
         opt_state = optim.state(opt, p.opt_shapes, slots, count)
         opt_state = _zeros_for_the_rest(opt_state, p, opts)
+    return LazyTargets(cfg, named, p, opt, jmesh, escaped, params, opt_state, leaves, counted, opts)
+
+
+def import_checkpoint(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    fmt: str = "auto",
+    mesh: Any = "dp=1",
+    config: Any = None,
+    rules: str | os.PathLike | None = None,
+    params_only: bool = False,
+    dtype: str | None = None,
+    strict_sharding: bool = False,
+    overwrite: bool = False,
+    step: int | None = None,
+    progress: Progress | None = None,
+    io_threads: int | None = None,
+    stream_options: Any = None,
+    compression: str | None = None,
+    direct_io: bool | None = None,
+    verify_reads: bool = True,
+) -> ImportSummary:
+    """Import any supported checkpoint into an Orbax checkpoint at `dst` on `mesh`, streaming.
+
+    mesh: a `jax.sharding.Mesh`, a `MeshShape` or a string like "fsdp=2,tp=2,pp=2".
+    config: HF config.json / Meta params.json path or a model config, for sources that carry
+      none; without any, the tensors are imported under the source's names (generic sharding).
+    params_only: leave the optimizer state out. dtype: cast params ("bfloat16", ...).
+    strict_sharding: a dimension the mesh cannot divide is an error (default: replicated on that
+      axis, with a note in the summary).
+    step: which step of a hybridckpt (Orbax) source (default: latest).
+    compression: the arrays' codec, "none" (default: raw chunks, the fastest write and the
+      file-to-file export), "zstd" (Orbax's default, level 1) or "zstd:LEVEL"; see `store.stream`.
+    direct_io: raw chunk files of whole 4 KiB blocks written with O_DIRECT, bypassing the page
+      cache (default True; False: buffered writes); see `store.chunk_files`.
+    verify_reads: a hybridckpt (Orbax) source's chunks checked against their import's CRC-32s.
+    """
+    import jax
+
+    from hybridckpt import models
+    from hybridckpt.jobs.open import open_checkpoint
+    from hybridckpt.lazy import parallel
+    from hybridckpt.mesh import MeshShape
+    from hybridckpt.store import stream
+    from hybridckpt.store.layout import HF_FILES
+    from hybridckpt.store.save import save_checkpoint
+    from hybridckpt.writers.destination import Destination
+
+    t0 = time.perf_counter()
+    if io_threads is not None:
+        parallel.set_io_threads(io_threads)
+    opened = open_checkpoint(src, fmt, config=config, rules=rules, step=step, verify_reads=verify_reads)
+    if jax.process_index() == 0:  # before any read: the same checks as the save's
+        Destination(dst, overwrite=overwrite, sources=[opened.path]).preflight()
+    lt = lazy_targets(opened, mesh=mesh, params_only=params_only, dtype=dtype, strict_sharding=strict_sharding,
+                      progress=progress, stream_options=stream_options, compression=compression, direct_io=direct_io)
+    cfg, named, p, opt, jmesh, escaped = lt.config, lt.named, lt.plan, lt.optimizer, lt.mesh, lt.escaped
+    params, opt_state, leaves, counted = lt.params, lt.opt_state, lt.leaves, lt.counted
     out_step = int(opened.step or 0)
     trainer = {
         "step": out_step,

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from hybridckpt.io.byte_source import ByteSource
+from hybridckpt.io.byte_source import ByteSource, real_reads
 from hybridckpt.lazy.box import Box, box_shape, check_box, flat_boxes, full_box, normalize_box
 from hybridckpt.lazy.element_copy import copy_into
 
@@ -100,10 +100,16 @@ class Deferred(LazyTensor):
         raise NotImplementedError
 
     def read_box(self, box: Box) -> np.ndarray:
-        return self.tensor().read_box(box)
+        return self._found().read_box(box)
 
     def read_into(self, box: Box, out: np.ndarray) -> None:
-        self.tensor().read_into(box, out)
+        self._found().read_into(box, out)
+
+    def _found(self) -> LazyTensor:
+        """`tensor()`, its storage parsed by real reads even while a read plan is made
+        (`io.byte_source.planning`): the plan counts them, as the import reads them."""
+        with real_reads():
+            return self.tensor()
 
     def file_runs(self, box: Box, limit: int) -> list[FileRun] | None:
         return self.tensor().file_runs(box, limit)

@@ -23,6 +23,8 @@ import math
 
 import numpy as np
 
+from hybridckpt.io.byte_source import planned
+
 STRIP_ROWS = 128  # indices along out's contiguous axis moved per strip (its columns stay in L1)
 PAD_BYTES = 64  # the staging rows' padding: one cache line
 STAGED_MAX_OUTER = 256  # at most this many 2-D slices (over the other axes) are staged one by one
@@ -36,7 +38,11 @@ def _fastest_axis(x: np.ndarray) -> int:
 
 def copy_into(out: np.ndarray, src: np.ndarray) -> None:
     """`out[...] = src` (numpy's unsafe casting: the same rounding as `astype`); a transposing
-    copy moves padded strips (see the module doc)."""
+    copy moves padded strips (see the module doc). Under a read plan (`io.byte_source.planning`)
+    the buffers hold no file bytes: the shapes are checked as numpy would, nothing is copied."""
+    if planned():
+        np.broadcast_shapes(src.shape, out.shape)
+        return
     if out.ndim < 2 or out.size < STRIP_ROWS * STRIP_ROWS or src.shape != out.shape:
         np.copyto(out, src, casting="unsafe")
         return

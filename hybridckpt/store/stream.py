@@ -184,6 +184,20 @@ def owned_boxes(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> list
     return sorted(b for b, d in box_owners(tuple(shape), sharding).items() if d.process_index == me)
 
 
+def chunk_shape(leaf: LazyLeaf) -> tuple[int, ...]:
+    """The chunk shape Orbax gives `leaf` in a raw (uncompressed, no OCDBT) save: its
+    `choose_chunk_shape` over the shard shape with the leaf's `save_args` (OCDBT may lower the
+    chunk bytes to its data file size, 2 GiB by default: the same chunks at `CHUNK_BYTES`)."""
+    # build_array_write_spec's own chunk rule (pinned by tests/store/test_orbax_private.py)
+    from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+
+    arg = save_args(leaf)
+    return tuple(ts_utils.subchunking.choose_chunk_shape(
+        leaf.shape, tuple(leaf.sharding.shard_shape(leaf.shape)), leaf.dtype, arg.chunk_byte_size,
+        shard_axes=tuple(arg.shard_axes),
+    ))
+
+
 def plan_tiles(box: Box, chunk: tuple[int, ...], itemsize: int, budget: int) -> Iterator[Box]:
     """Sub-boxes of `box` made of whole chunks (`box` starts on the chunk grid), each at most
     `budget` bytes where one chunk allows, split along the leading axes first (so a tile of a

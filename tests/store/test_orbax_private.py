@@ -33,6 +33,14 @@ def test_each_private_symbol_is_there_with_the_parameters_we_pass(module, name):
     assert not missing, f"{module}.{name} no longer takes {missing}"
 
 
+def test_the_chunk_rule_a_plan_uses_is_the_one_build_array_write_spec_uses():
+    """`store.stream.chunk_shape` (an import's plan) calls the chunk rule of the pinned module."""
+    from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+
+    params = inspect.signature(ts_utils.subchunking.choose_chunk_shape).parameters
+    assert [p for p in ("global_shape", "write_shape", "dtype", "target_byte_size", "shard_axes") if p not in params] == []
+
+
 def test_no_other_private_import_and_each_says_why():
     """Every `orbax.checkpoint._src` import in the library is one of the pinned ones, with a
     comment line above it saying why."""

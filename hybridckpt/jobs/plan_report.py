@@ -1,0 +1,177 @@
+"""The plan of an import, before running it: per process and per device of the target mesh, the
+bytes it reads, its reads (preads after coalescing, as the reader does them), the files it
+touches and the bytes it writes. Nothing is written and no tensor byte is read.
+
+It cannot drift from the import because it is the import's own path: the leaves come from
+`jobs.import_.lazy_targets` (the same sharding plan, names, casts, optimizer slots), the tiles
+from `plan.box_owners` and `store.stream.plan_tiles` (the boxes the streaming save writes, each
+by the process of its lowest-id holding device), and each tile is passed through the leaf's own
+`read_into` with the file reads dry (`io.byte_source.planning`): the reader decides its preads,
+spans and gaps exactly as in the import, and `count_reads` counts them, but the bytes are never
+read. Metadata a lazy tensor parses on first use (a DCP chunk's `torch.save` header) is read
+for real and counted, as the import counts it. The element copies are left out too
+(`lazy.copy_into` under `planning`), so its cost is the reader's bookkeeping per tile, a few
+reused tile buffers and those headers: no checkpoint-sized memory or time.
+
+Bytes read are the bytes the reader asks for (a span's gaps, which lie in pages the runs touch
+anyway, are counted apart as `gap_bytes`); bytes written are the tiles' bytes (raw chunks; a
+compressed save writes less).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """One device's share of an import: the boxes it owns (the lowest-id device holding them),
+    which its process reads and writes."""
+
+    device: int  # jax device id
+    process: int  # its process index
+    bytes_read: int  # bytes the reader asks for (gaps of spans apart)
+    reads: int  # preads (a span of close runs is one)
+    gap_bytes: int  # bytes read between the runs of spans
+    files: tuple[str, ...]  # files read, sorted
+    bytes_written: int  # bytes of the tiles it writes
+    tiles: int
+
+
+@dataclass(frozen=True)
+class ProcessPlan:
+    process: int
+    bytes_read: int
+    reads: int
+    gap_bytes: int
+    files: tuple[str, ...]
+    bytes_written: int
+    tiles: int
+
+
+@dataclass(frozen=True)
+class ImportPlan:
+    """The plan of an import of `source` onto `mesh`: per device and per process."""
+
+    source: str
+    source_format: str
+    mesh: str
+    tensors: int  # arrays written (params, slots, step counter, zero-filled state)
+    tensor_bytes: int  # their bytes, each counted once
+    devices: tuple[DevicePlan, ...]
+    processes: tuple[ProcessPlan, ...]
+    seconds: float = 0.0
+    notes: tuple[str, ...] = field(default=())
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _tally(counter: Counter) -> tuple[int, int, int, set[str]]:
+    """(bytes, calls, gap bytes, paths) of a `count_reads` counter."""
+    nbytes = calls = gaps = 0
+    paths: set[str] = set()
+    for k, v in counter.items():
+        if isinstance(k, tuple):
+            if k[1] == "calls":
+                calls += v
+                paths.add(k[0])
+            elif k[1] == "gap":
+                gaps += v
+        else:
+            nbytes += v
+    return nbytes, calls, gaps, paths
+
+
+def leaf_tiles(leaf: Any, tile_bytes: int) -> list[tuple[Any, tuple]]:
+    """(owning device, tile box) of every tile the streaming save writes of `leaf`, all
+    processes, in the save's order (`store.stream.owned_boxes` then `plan_tiles`)."""
+    from hybridckpt.plan import box_owners
+    from hybridckpt.store.stream import chunk_shape, plan_tiles
+
+    chunk = chunk_shape(leaf)
+    owners = box_owners(leaf.shape, leaf.sharding)
+    return [(owners[box], t) for box in sorted(owners)
+            for t in plan_tiles(box, chunk, leaf.dtype.itemsize, tile_bytes)]
+
+
+def plan_leaves(leaves: list[Any], tile_bytes: int, process: int | None = None) -> dict[int, dict]:
+    """Per device id: {"process", "counter" (`count_reads` of its tiles), "written", "tiles"},
+    for the devices of `process` (None: every process)."""
+    from hybridckpt.io.byte_source import count_reads, planning
+    from hybridckpt.io.direct_io import aligned_empty
+
+    out: dict[int, dict] = {}
+    buffers: dict[tuple, np.ndarray] = {}  # one reused buffer per (shape, dtype): no memory growth
+    for leaf in leaves:
+        for dev, box in leaf_tiles(leaf, tile_bytes):
+            if process is not None and dev.process_index != process:
+                continue
+            d = out.setdefault(dev.id, {"process": dev.process_index, "counter": Counter(), "written": 0, "tiles": 0})
+            shape = tuple(b - a for a, b in box)
+            key = (shape, leaf.dtype)
+            if key not in buffers:
+                buffers.clear()
+                buffers[key] = aligned_empty(shape, leaf.dtype)
+            with count_reads() as c, planning():
+                leaf.tensor.read_into(box, buffers[key])
+            d["counter"].update(c)
+            d["written"] += math.prod(shape) * leaf.dtype.itemsize
+            d["tiles"] += 1
+    return out
+
+
+def plan_import(
+    src: str | os.PathLike,
+    *,
+    fmt: str = "auto",
+    mesh: Any = "dp=1",
+    config: Any = None,
+    rules: str | os.PathLike | None = None,
+    params_only: bool = False,
+    dtype: str | None = None,
+    strict_sharding: bool = False,
+    step: int | None = None,
+    process: int | None = None,
+    stream_options: Any = None,
+) -> ImportPlan:
+    """The plan of `import_checkpoint(src, ..., mesh=mesh)` with the same arguments; `process`:
+    only that process's devices (None: all). Opens the source (metadata) and reads nothing else."""
+    import jax
+
+    from hybridckpt.jobs.import_ import lazy_targets
+    from hybridckpt.jobs.open import open_checkpoint
+    from hybridckpt.mesh import MeshShape
+    from hybridckpt.store import stream
+
+    t0 = time.perf_counter()
+    opened = open_checkpoint(src, fmt, config=config, rules=rules, step=step)
+    lt = lazy_targets(opened, mesh=mesh, params_only=params_only, dtype=dtype, strict_sharding=strict_sharding,
+                      stream_options=stream_options)
+    written = [x for x in jax.tree.leaves((lt.params, lt.opt_state), is_leaf=lambda x: isinstance(x, stream.LazyLeaf))
+               if isinstance(x, stream.LazyLeaf)]
+    per = plan_leaves(written, lt.options.tile_bytes, process)
+    devices = []
+    for dev_id in sorted(per):
+        d = per[dev_id]
+        nbytes, calls, gaps, paths = _tally(d["counter"])
+        devices.append(DevicePlan(dev_id, d["process"], nbytes, calls, gaps, tuple(sorted(paths)), d["written"], d["tiles"]))
+    processes = []
+    for p in sorted({d.process for d in devices}):
+        mine = [d for d in devices if d.process == p]
+        processes.append(ProcessPlan(
+            p, sum(d.bytes_read for d in mine), sum(d.reads for d in mine), sum(d.gap_bytes for d in mine),
+            tuple(sorted({f for d in mine for f in d.files})), sum(d.bytes_written for d in mine),
+            sum(d.tiles for d in mine),
+        ))
+    return ImportPlan(
+        opened.path, opened.format, str(MeshShape.of(lt.mesh)), len(written), sum(x.nbytes for x in written),
+        tuple(devices), tuple(processes), time.perf_counter() - t0,
+    )

@@ -1,0 +1,132 @@
+"""`import --plan` (`jobs.plan_report`): the plan of an import equals what the import then reads.
+
+On two real-tool checkpoints (torchtitan 0.3.0's DCP, Megatron-Core's torch_dist) and a 2- and a
+4-device mesh: the import is run with one reader thread and each tile it reads is counted
+(`io.byte_source.count_reads` around the save's own `stream.read_tile`); per device (the owner
+of each tile's box), the bytes, preads, gaps and files are exactly those of the plan, and the
+bytes written sum to the arrays' bytes (each distinct box written once, by its owner). A plan of
+other tiles (smaller chunks) differs from the import, and the comparison says so. `--plan` writes
+nothing at the destination.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections import Counter
+
+import pytest
+from meshes import fit
+
+from hybridckpt.cli import main
+from hybridckpt.io.byte_source import close_all, count_reads
+from hybridckpt.jobs.import_ import import_checkpoint
+from hybridckpt.jobs.plan_report import ImportPlan, _tally, plan_import
+from hybridckpt.lazy import parallel
+from hybridckpt.plan import box_owners
+from hybridckpt.store import stream
+
+CASES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "real", "cases")
+SOURCES = {  # case -> (checkpoint, config)
+    "dcp": (os.path.join(CASES, "torchtitan_llama3", "ckpt", "step-3"),
+            os.path.join(CASES, "torchtitan_llama3", "config.json")),
+    "megatron": (os.path.join(CASES, "megatron_core_dense_dp_reshardable", "ckpt"), None),
+}
+MESHES = ("fsdp=2", "fsdp=2,tp=2")
+
+
+def _imported_reads(monkeypatch, src: str, dst: str, mesh: str, config) -> dict[int, dict]:
+    """Per owning device id: the reads the import made for its tiles (one reader thread)."""
+    per: dict[int, dict] = {}
+    lock = threading.Lock()
+    real = stream.read_tile
+
+    def counted(leaf, box, chunk):
+        with count_reads() as c:
+            out = real(leaf, box, chunk)
+        dev = box_owners(leaf.shape, leaf.sharding)
+        owner = next(d for b, d in dev.items() if all(a0 <= a and b1 <= b0 for (a0, b0), (a, b1) in zip(b, box, strict=True)))
+        with lock:
+            d = per.setdefault(owner.id, {"counter": Counter(), "written": 0})
+            d["counter"].update(c)
+            d["written"] += out.nbytes
+        return out
+
+    monkeypatch.setattr(stream, "read_tile", counted)
+    parallel.set_io_threads(1)  # one tile read at a time: each counter sees only its tile
+    try:
+        close_all()
+        import_checkpoint(src, dst, mesh=mesh, config=config)
+    finally:
+        parallel.set_io_threads(None)
+    return per
+
+
+def _mismatches(plan: ImportPlan, imported: dict[int, dict]) -> list[str]:
+    """What differs between a plan and an import's reads, per device (empty: they agree)."""
+    out = []
+    planned = {d.device: d for d in plan.devices}
+    for dev in sorted(set(planned) | set(imported)):
+        p, i = planned.get(dev), imported.get(dev)
+        got = (p.bytes_read, p.reads, p.gap_bytes, set(p.files), p.bytes_written) if p else None
+        want = None
+        if i is not None:
+            nbytes, calls, gaps, paths = _tally(i["counter"])
+            want = (nbytes, calls, gaps, paths, i["written"])
+        if got != want:
+            out.append(f"device {dev}: plan {got} != import {want}")
+    return out
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("source", sorted(SOURCES))
+def test_plan_equals_what_the_import_reads_per_device(monkeypatch, tmp_path, source, mesh):
+    src, config = SOURCES[source]
+    mesh = fit(mesh)
+    plan = plan_import(src, mesh=mesh, config=config)
+    imported = _imported_reads(monkeypatch, src, str(tmp_path / "out"), mesh, config)
+    assert _mismatches(plan, imported) == []
+    assert sum(d.bytes_read for d in plan.devices) > 0 and sum(d.reads for d in plan.devices) > 0
+    # each distinct box is read and written once, by its owner: the devices' bytes add up to the arrays'
+    assert sum(d.bytes_written for d in plan.devices) == plan.tensor_bytes
+    assert [p.bytes_read for p in plan.processes] == [sum(d.bytes_read for d in plan.devices)]
+
+
+def test_a_wrong_plan_is_caught(monkeypatch, tmp_path):
+    """A plan of other tiles (1 KiB chunks and tiles instead of the import's 8 MiB) reads the same
+    bytes in more preads: the comparison names the devices that differ."""
+    src, config = SOURCES["dcp"]
+    mesh = fit("fsdp=2")
+    wrong = plan_import(src, mesh=mesh, config=config, stream_options=stream.StreamOptions(tile_bytes=1 << 10, chunk_bytes=1 << 10))
+    imported = _imported_reads(monkeypatch, src, str(tmp_path / "out"), mesh, config)
+    bad = _mismatches(wrong, imported)
+    assert bad and all("plan" in line for line in bad)
+    assert sum(d.bytes_read for d in wrong.devices) == sum(_tally(i["counter"])[0] for i in imported.values())
+
+
+def test_cli_plan_writes_nothing_and_prints_json(tmp_path, capsys):
+    src, config = SOURCES["dcp"]
+    dst = tmp_path / "out"
+    mesh = fit("fsdp=2")
+    assert main(["import", src, str(dst), "--mesh", mesh, "--config", config, "--plan", "--json"]) == 0
+    assert not dst.exists() and os.listdir(tmp_path) == []
+    got = json.loads(capsys.readouterr().out)
+    plan = plan_import(src, mesh=mesh, config=config)
+    assert got["devices"] == [json.loads(json.dumps(d)) for d in plan.to_json()["devices"]]
+    assert main(["inspect", src, "--plan", "--mesh", mesh, "--config", config]) == 0
+    text = capsys.readouterr().out
+    assert "bytes read" in text and f"device {plan.devices[0].device}" in text
+
+
+def test_plan_of_one_of_ours_equals_its_reimport(monkeypatch, tmp_path):
+    """An Orbax source is read through its CRC-32 checks (`store.checked`), which a plan's dry
+    reads pass without comparing: the plan of a reimport onto another mesh equals its reads."""
+    src, _ = SOURCES["megatron"]
+    first = str(tmp_path / "first")
+    import_checkpoint(src, first, mesh=fit("fsdp=2"))
+    mesh = fit("fsdp=2,tp=2", keep="tp")
+    plan = plan_import(first, mesh=mesh)
+    imported = _imported_reads(monkeypatch, first, str(tmp_path / "second"), mesh, None)
+    assert _mismatches(plan, imported) == []
+    assert sum(d.reads for d in plan.devices) > 0
