@@ -2,7 +2,7 @@
 
 megatron-core 0.19 keeps it in the ShardedObject `common_state` (byte item
 `common_state/shard_0_1`, `torch.save([state])`), read back by
-`dist_checkpointing.load_common_state_dict` with `torch.load(weights_only=True)`: plain values
+`dist_checkpointing.load_common_state_dict` by torch's weights-only loader (torch-side): plain values
 and an `argparse.Namespace` only. What Megatron-LM's `load_checkpoint` (megatron/training/
 checkpointing.py, core_v0.19.0) takes from it, and what is written here:
 
