@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from hybridckpt import lazy
-from hybridckpt.errors import CheckpointError, ConfigError
+from hybridckpt.errors import ConfigError
 from hybridckpt.formats.megatron.config import family_architecture
 from hybridckpt.formats.megatron_dist.model import LAYERS_RULES
 from hybridckpt.formats.rules_files import load_rules
@@ -47,8 +47,8 @@ from hybridckpt.lazy import LazyTensor
 from hybridckpt.rules import parse_rules
 from hybridckpt.writers import ExportRequest, Written, torch_request
 from hybridckpt.writers import megatron_common as mc
-from hybridckpt.writers.dcp_files import DEFAULT_CHUNK_BYTES, Item, write_folder
-from hybridckpt.writers.destination import Destination
+from hybridckpt.writers.dcp_files import Item
+from hybridckpt.writers.torch_request import TorchExport
 
 VOCAB_MULTIPLE = 128  # Megatron's --make-vocab-size-divisible-by default
 MAX_VOCAB_MULTIPLE = 1 << 16  # a source's larger value is not taken (it would pad that many zero rows)
@@ -192,30 +192,13 @@ def state_items(
     return items
 
 
-def write_export(
-    out: str,
-    params: Mapping[str, LazyTensor],
-    cfg: Any,
-    *,
-    slots: Mapping[str, Mapping[str, LazyTensor]] | None = None,
-    step: int | None = None,
-    hyper: Mapping[str, Any] | None = None,
-    optimizer_name: str | None = None,
-    tp: int = 1,
-    pp: int = 1,
-    max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    direct_io: bool = True,
-    overwrite: bool = False,
-    sources: tuple[str, ...] = (),
-    on_tensor=None,
-    trainer: Mapping[str, Any] | None = None,
-    masters: Mapping[str, LazyTensor] | None = None,
-) -> tuple[list[str], list[str]]:
-    """Write HF-named `params` (with AdamW `slots`, `step`, the source's `hyper`; `masters`: the
-    fp32 values when `params` were cast) of model config `cfg` at `out` as a Megatron-Core
-    torch_dist checkpoint chunked for tp x pp (module doc); returns (files, notes)."""
+def write_export(job: TorchExport, *, tp: int = 1, pp: int = 1) -> tuple[list[str], list[str]]:
+    """Write `job` (HF-named params, AdamW slots, step, the source's hyper; `job.masters`: the
+    fp32 values when the params were cast) as a Megatron-Core torch_dist checkpoint chunked for
+    tp x pp (module doc); returns (files, notes)."""
     from hybridckpt import models
 
+    cfg = job.cfg
     if cfg is None:
         raise ConfigError(
             "export --to megatron: needs a model config (the source has none; pass --config)"
@@ -224,24 +207,22 @@ def write_export(
     exported = sorted(f for f, d in models.dialects("megatron").items() if d.get("EXPORTED", False))
     if family not in exported:  # (a family's megatron dialect says EXPORTED)
         raise ConfigError(f"export --to megatron: writes {exported} models; this one is {family}")
-    if slots and optimizer_name not in (None, "adamw"):
-        raise CheckpointError(f"export --to megatron --optimizer writes AdamW's state; this checkpoint's optimizer "
-                              f"is {optimizer_name}")  # fmt: skip
-    trainer = dict(trainer or {})
+    job.check_adamw("export --to megatron")
+    slots, trainer = job.slots, job.trainer
     multiple = trainer.get("make_vocab_size_divisible_by")
     multiple = multiple if _count(multiple) and multiple <= MAX_VOCAB_MULTIPLE else VOCAB_MULTIPLE
     v = _variables(cfg, tp, multiple)
     check_layout(v, tp, pp)
     num_layers = int(v["num_layers"])
-    model_pl = megatron_names(params, cfg, v)
+    model_pl = megatron_names(job.params, cfg, v)
     chunks = layout(model_pl, tp=tp, pp=pp, num_layers=num_layers, swiglu=v["swiglu"])
     model = _stack(model_pl)
     opt = None
     if slots:
-        opt = {"param": _stack(megatron_names(masters or params, cfg, v))}
+        opt = {"param": _stack(megatron_names(job.masters or job.params, cfg, v))}
         opt |= {s: _stack(megatron_names(t, cfg, v, strict=False)) for s, t in slots.items()}
-    hyper = dict(hyper or {})
-    n = int(step or 0)
+    hyper = job.hyper
+    n = int(job.step or 0)
     origin = family_architecture(cfg, "export --to megatron").dialect.rules()[1]
     notes = [f"megatron-core names by {origin} inverted, layers stacked; "
              f"chunks of a tp={tp} pp={pp} run; vocabulary padded to {v['padded_vocab']}"]  # fmt: skip
@@ -276,13 +257,12 @@ def write_export(
     items = state_items(model, opt, chunks, num_layers=num_layers, per_stage=num_layers // pp, tp=tp,
                         common=common)  # fmt: skip
     name = f"iter_{n:07d}"
-    dest = Destination(out, overwrite=overwrite, sources=sources)
+    dest = job.destination()
     with dest as tmp:
         folder = os.path.join(tmp, name)
         os.mkdir(folder)
-        files = write_folder(folder, items, files=tp * pp, max_chunk_bytes=max_chunk_bytes, direct_io=direct_io,
-                             checkpoint_id=os.path.join(dest.dst, name), on_tensor=on_tensor, planner=False,
-                             id_as_path=False)  # fmt: skip
+        files = job.write_items(folder, items, files=tp * pp, checkpoint_id=os.path.join(dest.dst, name),
+                                planner=False, id_as_path=False)  # fmt: skip
         with open(os.path.join(folder, "metadata.json"), "w") as f:
             json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
         with open(os.path.join(tmp, "latest_checkpointed_iteration.txt"), "w") as f:

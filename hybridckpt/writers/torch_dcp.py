@@ -34,8 +34,8 @@ from hybridckpt import lazy
 from hybridckpt.errors import CheckpointError
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.writers import ExportRequest, Written, torch_request
-from hybridckpt.writers.dcp_files import DEFAULT_CHUNK_BYTES, Item, write_folder
-from hybridckpt.writers.destination import Destination
+from hybridckpt.writers.dcp_files import Item
+from hybridckpt.writers.torch_request import TorchExport
 
 TIED_HEAD = "lm_head.weight"  # transformers' causal LMs: the head's FQN, tied or not
 # torch.optim.AdamW's param group in torch 2.13 (torch/optim/adamw.py, adam.py), in its order
@@ -125,45 +125,25 @@ def state_items(
     return items
 
 
-def write_export(
-    out: str,
-    params: Mapping[str, LazyTensor],
-    cfg: Any,
-    *,
-    slots: Mapping[str, Mapping[str, LazyTensor]] | None = None,
-    step: int | None = None,
-    hyper: Mapping[str, Any] | None = None,
-    optimizer_name: str | None = None,
-    files: int = 1,
-    max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    direct_io: bool = True,
-    overwrite: bool = False,
-    sources: tuple[str, ...] = (),
-    on_tensor=None,
-    trainer: Mapping[str, Any] | None = None,
-    masters: Mapping[str, LazyTensor] | None = None,
-) -> tuple[list[str], list[str]]:
-    """Write HF-named `params` (and AdamW `slots`, `step`, the source's `hyper`) at `out` as a
-    DCP checkpoint for `get_state_dict` + `dcp.load` + `set_state_dict` (module doc); returns
-    (file names, notes). `trainer`: the source's trainer metadata (unused here)."""
+def write_export(job: TorchExport, *, files: int = 1) -> tuple[list[str], list[str]]:
+    """Write `job` (HF-named params, AdamW slots, step, the source's hyper) as a DCP checkpoint
+    for `get_state_dict` + `dcp.load` + `set_state_dict` in `files` files (module doc); returns
+    (file names, notes)."""
+    job.check_adamw("export --to dcp")
     notes: list[str] = []
     group = None
-    if slots:
-        if optimizer_name not in (None, "adamw"):
-            raise CheckpointError(f"export --to dcp --optimizer writes torch AdamW's state; this checkpoint's "
-                                  f"optimizer is {optimizer_name}")  # fmt: skip
-        group, notes = adamw_group(hyper or {})
+    if job.slots:
+        group, notes = adamw_group(job.hyper)
     extra = {}
-    tie = tied_head(params, cfg)
+    tie = tied_head(job.params, job.cfg)
     if tie is not None:
-        extra[tie[0]] = params[tie[1]]
+        extra[tie[0]] = job.params[tie[1]]
         notes.append(f"tied head: {tie[0]} written as {tie[1]} (a tied model's state dict lists both; "
                      "the optimizer state is the embedding's)")  # fmt: skip
-    items = state_items(params, slots, step, group, extra_model=extra)
-    dest = Destination(out, overwrite=overwrite, sources=sources)
+    items = state_items(job.params, job.slots, job.step, group, extra_model=extra)
+    dest = job.destination()
     with dest as tmp:
-        names = write_folder(tmp, items, files=files, max_chunk_bytes=max_chunk_bytes, direct_io=direct_io,
-                             checkpoint_id=dest.dst, on_tensor=on_tensor)  # fmt: skip
+        names = job.write_items(tmp, items, files=files, checkpoint_id=dest.dst)
         dest.commit()
     return names, notes
 

@@ -36,9 +36,9 @@ from hybridckpt.formats.dcp import torchtitan
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.rules import parse_rules
 from hybridckpt.writers import ExportRequest, Written, torch_request
-from hybridckpt.writers.dcp_files import DEFAULT_CHUNK_BYTES, Item, write_folder
-from hybridckpt.writers.destination import Destination
+from hybridckpt.writers.dcp_files import Item
 from hybridckpt.writers.torch_dcp import ADAMW_DEFAULTS, adamw_group
+from hybridckpt.writers.torch_request import TorchExport
 
 # torchtitan 0.3's AdamW (components/optimizer/optimizer.py `default_adamw`, implementation
 # "fused"): its defaults where the source recorded none
@@ -115,51 +115,30 @@ def state_items(
     return items
 
 
-def write_export(
-    out: str,
-    params: Mapping[str, LazyTensor],
-    cfg: Any,
-    *,
-    slots: Mapping[str, Mapping[str, LazyTensor]] | None = None,
-    step: int | None = None,
-    hyper: Mapping[str, Any] | None = None,
-    optimizer_name: str | None = None,
-    files: int = 1,
-    max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    direct_io: bool = True,
-    overwrite: bool = False,
-    sources: tuple[str, ...] = (),
-    on_tensor=None,
-    trainer: Mapping[str, Any] | None = None,
-    masters: Mapping[str, LazyTensor] | None = None,
-) -> tuple[list[str], list[str]]:
-    """Write HF-named `params` (AdamW `slots`, `step`, the source's `hyper`) of model config
-    `cfg` at `out` as a torchtitan 0.3 checkpoint folder (module doc); returns (files, notes)."""
-    if cfg is None:
+def write_export(job: TorchExport, *, files: int = 1) -> tuple[list[str], list[str]]:
+    """Write `job` (HF-named params, AdamW slots, step, the source's hyper) as a torchtitan 0.3
+    checkpoint folder `step-<n>/` of `files` DCP files (module doc); returns (files, notes)."""
+    if job.cfg is None:
         raise ConfigError(
             "export --to torchtitan: needs a model config (the source has none; pass --config)"
         )
-    if slots and optimizer_name not in (None, "adamw"):
-        raise CheckpointError(f"export --to torchtitan --optimizer writes AdamW's state; this checkpoint's "
-                              f"optimizer is {optimizer_name}")  # fmt: skip
-    model, by_param, notes = titan_names(params, slots, cfg)
+    job.check_adamw("export --to torchtitan")
+    model, by_param, notes = titan_names(job.params, job.slots, job.cfg)
     group = None
-    if slots:
-        group, more = adamw_group(hyper or {}, TITAN_ADAMW)
+    if job.slots:
+        group, more = adamw_group(job.hyper, TITAN_ADAMW)
         notes += more
         notes.append(
             "no dataloader state: resume with checkpoint.exclude_from_loading = ['dataloader']"
         )
-    trainer = trainer or {}
-    ntokens = trainer.get("train_state.ntokens_seen", 0)
-    n = int(step or 0)
+    ntokens = job.trainer.get("train_state.ntokens_seen", 0)
+    n = int(job.step or 0)
     items = state_items(model, by_param, n, group, ntokens if isinstance(ntokens, int) else 0)
-    dest = Destination(out, overwrite=overwrite, sources=sources)
+    dest = job.destination()
     with dest as tmp:
         folder = os.path.join(tmp, f"step-{n}")
         os.mkdir(folder)
-        names = write_folder(folder, items, files=files, max_chunk_bytes=max_chunk_bytes, direct_io=direct_io,
-                             checkpoint_id=os.path.join(dest.dst, f"step-{n}"), on_tensor=on_tensor)  # fmt: skip
+        names = job.write_items(folder, items, files=files, checkpoint_id=os.path.join(dest.dst, f"step-{n}"))
         dest.commit()
     return [f"step-{n}/{name}" for name in names], notes
 
