@@ -4,6 +4,8 @@ the config.json keys Llama's.
 What the facts mean: formats/megatron/config.py; the names map by `megatron.rules`.
 """
 
+from hybridckpt.models.llama.dialects.megatron import HF_KEYS as LLAMA_HF_KEYS
+
 DESCRIPTION = "Qwen3"
 MATCH = {
     "normalization": "RMSNorm",
@@ -12,19 +14,7 @@ MATCH = {
     "qkv_bias": False,
     "qk_layernorm": True,
 }
-HF_KEYS = {
-    "vocab_size": "vocab_size",
-    "hidden_size": "hidden_size",
-    "ffn_hidden_size": "intermediate_size",
-    "num_layers": "num_hidden_layers",
-    "num_heads": "num_attention_heads",
-    "num_query_groups": "num_key_value_heads",
-    "head_dim": "head_dim",
-    "norm_eps": "rms_norm_eps",
-    "rope_theta": "rope_theta",
-    "tied": "tie_word_embeddings",
-    "max_positions": "max_position_embeddings",
-}
+HF_KEYS = LLAMA_HF_KEYS  # the same config.json keys
 
 # `export --to megatron` writes this family (writers/megatron_dist.py: dense, checked by
 # megatron-core's own load_checkpoint)

@@ -10,6 +10,8 @@ renormalisation) is its `norm_topk_prob=False` (Megatron-Bridge qwen3_moe_bridge
 `megatron.rules`.
 """
 
+from hybridckpt.models.llama.dialects.megatron import HF_KEYS as LLAMA_HF_KEYS
+
 DESCRIPTION = "Qwen3-MoE"
 MATCH = {
     "normalization": "RMSNorm",
@@ -25,17 +27,7 @@ MATCH = {
     "scaled": False,
 }
 HF_KEYS = {
-    "vocab_size": "vocab_size",
-    "hidden_size": "hidden_size",
-    "ffn_hidden_size": "intermediate_size",
-    "num_layers": "num_hidden_layers",
-    "num_heads": "num_attention_heads",
-    "num_query_groups": "num_key_value_heads",
-    "head_dim": "head_dim",
-    "norm_eps": "rms_norm_eps",
-    "rope_theta": "rope_theta",
-    "tied": "tie_word_embeddings",
-    "max_positions": "max_position_embeddings",
+    **LLAMA_HF_KEYS,
     "moe_ffn_hidden_size": "moe_intermediate_size",
     "num_experts": "num_experts",
     "moe_topk": "num_experts_per_tok",
