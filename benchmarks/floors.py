@@ -5,7 +5,7 @@
   computed) and each fsync'd: what any tool that writes those bytes durably through the page
   cache pays at least;
 - write floor, O_DIRECT (`direct_write_floor`): the same bytes into files of the same sizes, each
-  file read (`preadv`, page cache warm) into two 4 KiB-aligned 8 MiB buffers and written from
+  file read (`preadv`, page cache warm) into 4 KiB-aligned 8 MiB buffers and written from
   them with `O_DIRECT`, the last partial 4 KiB block through the page cache, each file fsync'd:
   how our jobs write (`store.chunk_files`, `io.sequential_file`), and on this VM the harder
   floor (the buffered copy pays the kernel's copy into fresh page-cache pages). Where the
