@@ -1,7 +1,7 @@
 """Benchmark (f) and the profile of the Orbax write and read paths: import into Orbax and export
 out of it, next to the disk's floors, with each codec.
 
-    python benchmarks/orbax_speed.py [--gib 1] [--dir DIR] [--repeat 2] [--only meta|hf]
+    python benchmarks/orbax_speed.py [--gib 1] [--dir DIR] [--repeat 3] [--only meta|hf]
 
 Sources (about `--gib` GiB each, trained-like weights: normal, each row scaled by 0.02 x a
 log-normal factor (sigma 0.5), norms near 1; not uniform noise, whose bytes no codec compresses):
@@ -382,7 +382,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--dir", default=None)
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--only", choices=("meta", "hf"))
     ap.add_argument("--_write", nargs=3, help=argparse.SUPPRESS)
     ap.add_argument("--_child", nargs="+", help=argparse.SUPPRESS)
