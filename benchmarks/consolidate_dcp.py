@@ -18,7 +18,8 @@ own process under `/usr/bin/time` (wall seconds, peak RSS), page cache warm:
   fsyncs the output, timed apart: torch's time is reported without it (as users run it) and,
   as the durable equivalent of what hybridckpt does, with it.
 
-The two alternate twice with `sync` (untimed) before each run; the best of each is kept.
+The two alternate `repeat` times (default 3) with `sync` (untimed) before each run; the run of
+median time of each is kept.
 
 Then a torch process checks that both outputs hold the same tensors bit for bit.
 `run(gib, base)` returns the figures; `benchmarks/run_all.py` prints them in its table.
@@ -37,6 +38,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import floors  # noqa: E402
+from import_megatron import median_run  # noqa: E402
 
 HIDDEN, HEADS, FFN, VOCAB = 2048, 16, 5632, 8192
 HERE = os.path.abspath(__file__)
@@ -162,9 +164,9 @@ def timed(cmd: list[str], env: dict | None = None) -> dict:
     return {"seconds": float(sec), "peak_rss": int(kib) * 1024, "fsync_s": fsync[-1] if fsync else 0.0}
 
 
-def run(gib: float, base: str, *, layout: str = "fsdp", keep: bool = False, repeat: int = 2) -> dict:
+def run(gib: float, base: str, *, layout: str = "fsdp", keep: bool = False, repeat: int = 3) -> dict:
     """Write the DCP checkpoint under `base`, then time both consolidations `repeat` times,
-    alternating (best of each), and check their outputs agree."""
+    alternating (the median run of each), and check their outputs agree."""
     layers = layers_for(gib)
     os.makedirs(base, exist_ok=True)
     src = os.path.join(base, "dcp")
@@ -182,7 +184,7 @@ def run(gib: float, base: str, *, layout: str = "fsdp", keep: bool = False, repe
     theirs_cmd = [sys.executable, HERE, "--_torch", src, out_pt]
     try:
         runs: dict[str, list[dict]] = {"ours": [], "theirs": []}
-        for _ in range(repeat):  # alternate, `sync` between runs (untimed), keep each one's best
+        for _ in range(repeat):  # alternate, `sync` between runs (untimed), keep each one's median
             for key, cmd, out in (("ours", ours_cmd, out_hf), ("theirs", theirs_cmd, out_pt)):
                 if os.path.isdir(out):
                     shutil.rmtree(out)
@@ -190,10 +192,10 @@ def run(gib: float, base: str, *, layout: str = "fsdp", keep: bool = False, repe
                     os.remove(out)
                 subprocess.run(["sync"], check=True)
                 runs[key].append(timed(cmd, env))
-        ours = min(runs["ours"], key=lambda r: r["seconds"])
+        ours = median_run(runs["ours"])
         for r in runs["theirs"]:  # torch as users run it: without the fsync we add after it
             r["durable_seconds"], r["seconds"] = r["seconds"], r["seconds"] - r["fsync_s"]
-        theirs = min(runs["theirs"], key=lambda r: r["seconds"])
+        theirs = median_run(runs["theirs"])
         subprocess.run(["sync"], check=True)
         tensors = int(subprocess.run(
             [sys.executable, HERE, "--_check", out_pt, out_hf], check=True, capture_output=True, text=True

@@ -25,7 +25,8 @@ Each command runs in its own process under `/usr/bin/time` (wall seconds, peak R
 process's high-water mark), page cache warm; ours fsyncs its output before the atomic rename,
 the references do not, so each reference process then fsyncs its output, timed apart: reported
 without it (as users run it) and, as the durable equivalent, with it. The two alternate
-`--repeat` times (default 2) with `sync` (untimed) before each run; the best of each is kept.
+`--repeat` times (default 3) with `sync` (untimed) before each run; the run of median time of
+each is kept.
 Then the outputs are compared bit for bit. The references' time includes importing torch (and
 deepspeed), which users pay too; `import_s` says how long that import alone takes.
 
@@ -49,6 +50,7 @@ HERE = os.path.abspath(__file__)
 sys.path.insert(0, os.path.dirname(HERE))
 import floors  # noqa: E402
 from consolidate_dcp import check_same, timed, torch_consolidate  # noqa: E402
+from import_megatron import median_run  # noqa: E402
 
 DIM = 4096  # every tensor DIM x DIM fp32
 GIB = 2**30
@@ -208,7 +210,7 @@ def _remove(path: str) -> None:
 
 def alternate(cmds: dict[str, tuple[list[str], str, dict]], repeat: int) -> dict[str, dict]:
     """Run each `key: (cmd, output, env)` `repeat` times, alternating, `sync` (untimed) before
-    each run, the output removed first; the best run of each (references: the time without
+    each run, the output removed first; the run of median time of each (references: the time without
     their fsync in `seconds`, with it in `durable_seconds`)."""
     runs: dict[str, list[dict]] = {k: [] for k in cmds}
     for _ in range(repeat):
@@ -221,7 +223,7 @@ def alternate(cmds: dict[str, tuple[list[str], str, dict]], repeat: int) -> dict
         if key != "ours":
             for r in rs:
                 r["durable_seconds"], r["seconds"] = r["seconds"], r["seconds"] - r["fsync_s"]
-        best[key] = min(rs, key=lambda r: r["seconds"])
+        best[key] = median_run(rs)
     return best
 
 
@@ -242,7 +244,7 @@ def _ours(src: str, out: str) -> list[str]:
     return [sys.executable, "-m", "hybridckpt.cli", "export", src, out, "--quiet"]
 
 
-def run_dcp(gib: float, base: str, *, keep: bool = False, repeat: int = 2) -> dict:
+def run_dcp(gib: float, base: str, *, keep: bool = False, repeat: int = 3) -> dict:
     """(a): write the DCP checkpoint under `base`, time both consolidations, check they agree."""
     n = tensors_for(gib)
     src, out, pt = (os.path.join(base, x) for x in ("plain-dcp", "plain-dcp-out", "plain-dcp.pt"))
@@ -270,7 +272,7 @@ def run_dcp(gib: float, base: str, *, keep: bool = False, repeat: int = 2) -> di
             "floors": fl}
 
 
-def run_zero3(gib: float, base: str, *, keep: bool = False, repeat: int = 2) -> dict:
+def run_zero3(gib: float, base: str, *, keep: bool = False, repeat: int = 3) -> dict:
     """(b): write the ZeRO-3 checkpoint under `base`, time ours and both zero_to_fp32 forms,
     check the outputs agree."""
     n = tensors_for(gib)
@@ -315,7 +317,7 @@ def main() -> None:
     ap.add_argument("--dcp-gib", type=float, default=1.0)
     ap.add_argument("--zero-gib", type=float, default=1.0)
     ap.add_argument("--only", choices=("dcp", "zero3"))
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--_write-dcp", nargs=2, help=argparse.SUPPRESS)

@@ -9,8 +9,16 @@ subprocess (torch never imported there), with the page cache warm from the write
 - `cat` of every checkpoint file to /dev/null (the read floor);
 - `hybridckpt.jobs.import_checkpoint` (the streaming import) onto `--mesh` of 8 simulated
   CPU devices: seconds, GB/s of checkpoint bytes, peak RSS (`ru_maxrss`);
-- the reference: the same arrays materialised as jax.Arrays on the same mesh (untimed), then
-  `save_checkpoint` of them (Orbax saving from memory): seconds and peak RSS.
+- two references, each the same arrays materialised as jax.Arrays on the same mesh (untimed),
+  then saved from memory (timed): seconds and peak RSS:
+  - "zstd": `save_checkpoint` of them, i.e. Orbax's defaults (OCDBT, zarr chunks compressed with
+    zstd level 1), as a training loop saves;
+  - "raw": plain Orbax, `PyTreeCheckpointer(use_ocdbt=False, use_compression=False)`: a zarr
+    folder per array and a file per chunk, uncompressed, the format our raw import writes.
+  Both are as durable as the import: TensorStore's file driver fsyncs every file it writes
+  (`file_io_sync`, on by default) and Orbax renames the finished step into place.
+
+Every figure is the median of `repeat` alternating runs (the highest peak RSS of them).
 
 `run(gib)` returns the figures as a dict; `benchmarks/run_all.py` prints them in its table.
 """
@@ -135,9 +143,10 @@ def child_import(src: str, dst: str, mesh: str) -> dict:
             "peak_inflight": opts.stats.peak_inflight_bytes, "largest_tile": opts.stats.largest_tile_bytes}
 
 
-def child_save(src: str, dst: str, mesh: str) -> dict:
+def child_save(src: str, dst: str, mesh: str, codec: str = "zstd") -> dict:
     """In a fresh process: the same arrays materialised on `mesh` (untimed), then Orbax's save
-    of them from memory (timed)."""
+    of them from memory (timed): `codec` "zstd" through `save_checkpoint` (OCDBT + zstd, Orbax's
+    defaults), "raw" with plain Orbax without OCDBT or compression (module doc)."""
     _devices()
     import jax
 
@@ -154,7 +163,13 @@ def child_save(src: str, dst: str, mesh: str) -> dict:
     jax.block_until_ready(params)
     rss_before = peak_rss()
     t0 = time.perf_counter()
-    save_checkpoint(dst, 10, params, None, {"bench": True})
+    if codec == "raw":
+        import orbax.checkpoint as ocp
+
+        with ocp.PyTreeCheckpointer(use_ocdbt=False, use_compression=False) as ckptr:
+            ckptr.save(os.path.abspath(dst), args=ocp.args.PyTreeSave(params))
+    else:
+        save_checkpoint(dst, 10, params, None, {"bench": True})
     dt = time.perf_counter() - t0
     return {"seconds": dt, "peak_rss": peak_rss(), "rss_with_arrays": rss_before}
 
@@ -172,20 +187,21 @@ def _child(kind: str, *argv: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _best(runs: list[dict]) -> dict:
-    """The fastest run, with the highest peak RSS of all runs."""
-    best = dict(min(runs, key=lambda r: r["seconds"]))
-    best["peak_rss"] = max(r["peak_rss"] for r in runs)
-    best["runs"] = [round(r["seconds"], 2) for r in runs]
-    return best
+def median_run(runs: list[dict]) -> dict:
+    """The run of median time (of an even count, the upper middle one: the slower of the two), with
+    the highest peak RSS of all runs and every run's seconds."""
+    mid = dict(sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2])
+    mid["peak_rss"] = max(r["peak_rss"] for r in runs)
+    mid["runs"] = [round(r["seconds"], 2) for r in runs]
+    return mid
 
 
 def run(
     gib: float, base: str, *, mesh: str = MESH, reference: bool = True, keep: bool = False,
     keep_import: bool = False, repeat: int = 1,
 ) -> dict:
-    """Write a checkpoint of about `gib` GiB under `base`, then measure cat / import / save
-    (`repeat` times each, alternating: the best time, the highest RSS). `keep` keeps the
+    """Write a checkpoint of about `gib` GiB under `base`, then measure cat / import / both saves
+    (`repeat` times each, alternating: the median time, the highest RSS). `keep` keeps the
     source, `keep_import` the imported checkpoint (paths in the result)."""
     layers = layers_for(gib)
     src = os.path.join(base, f"megatron_{gib:g}g")
@@ -202,24 +218,26 @@ def run(
         fl = floors.measure(files, os.path.join(base, f"floor_{gib:g}g"))
         dst = os.path.join(base, f"orbax_{gib:g}g")
         ref_dst = os.path.join(base, f"orbax_ref_{gib:g}g")
-        imports, saves = [], []
-        for _ in range(repeat):  # alternate import / reference save; best time, worst RSS
+        imports, saves, raws = [], [], []
+        for _ in range(repeat):  # alternate import / reference saves; median time, worst RSS
             shutil.rmtree(dst, ignore_errors=True)
             subprocess.run(["sync"], check=True)  # untimed: no earlier writeback in the way
             imports.append(_child("import", src, dst, mesh))
             if reference:
-                subprocess.run(["sync"], check=True)
-                saves.append(_child("save", src, ref_dst, mesh))
-                shutil.rmtree(ref_dst, ignore_errors=True)
-        imp = _best(imports)
-        ref = _best(saves) if saves else None
+                for codec, out in (("zstd", saves), ("raw", raws)):
+                    subprocess.run(["sync"], check=True)
+                    out.append(_child("save", src, ref_dst, mesh, codec))
+                    shutil.rmtree(ref_dst, ignore_errors=True)
+        imp = median_run(imports)
+        ref = median_run(saves) if saves else None
+        raw = median_run(raws) if raws else None
         if not keep_import:
             shutil.rmtree(dst, ignore_errors=True)
     finally:
         if not keep:
             shutil.rmtree(src, ignore_errors=True)
     return {"gib": gib, "layers": layers, "files_bytes": src_bytes, "cat_s": t_cat, "import": imp,
-            "save": ref, "src": src, "imported": dst, "floors": fl}
+            "save": ref, "save_raw": raw, "src": src, "imported": dst, "floors": fl}
 
 
 def main() -> None:
@@ -231,7 +249,7 @@ def main() -> None:
     ap.add_argument("--no-reference", action="store_true", help="skip the Orbax-from-memory save")
     ap.add_argument("--_write", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--_import", nargs=3, help=argparse.SUPPRESS)
-    ap.add_argument("--_save", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--_save", nargs=4, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a._write:
         write(a._write[0], int(a._write[1]))

@@ -3,9 +3,12 @@ under `jax.distributed` (gloo, coordinator on 127.0.0.1), as on 2 hosts.
 
     python benchmarks/import_multiprocess.py SRC [--mesh tp=4,pp=2]
 
-Each process counts the checkpoint bytes it reads (`hybridckpt.io.byte_source.count_reads`);
-reported: wall seconds of the slowest process (from the call to import_checkpoint), bytes read
-per process as a fraction of the checkpoint's tensor bytes, peak RSS per process.
+Each process counts the checkpoint bytes it reads (`hybridckpt.io.byte_source.count_reads`),
+and the kernel counts them too (`benchmarks/kernel_io.py`: the source's page cache is dropped
+before each launch, so `/proc/self/io` `read_bytes` is what each process fetched from the disk);
+reported: wall seconds of the slowest process (from the call to import_checkpoint, cold cache),
+bytes read per process as a fraction of the checkpoint's tensor bytes by both counts, peak RSS
+per process.
 `run(src, base)` returns the figures; `benchmarks/run_all.py` prints them in its table.
 """
 
@@ -34,18 +37,21 @@ def worker(pid: int, nproc: int, port: int, src: str, dst: str, mesh: str, out: 
         jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=nproc, process_id=pid)
     sys.path.insert(0, os.path.dirname(HERE))
     from import_megatron import peak_rss
+    from kernel_io import delta, proc_io
 
     from hybridckpt import jobs
     from hybridckpt.io.byte_source import count_reads
 
+    io0 = proc_io()
     t0 = time.perf_counter()
     with count_reads() as counter:
         s = jobs.import_checkpoint(src, dst, mesh=mesh, params_only=True)
     dt = time.perf_counter() - t0
+    kernel = delta(io0, proc_io())
     read = sum(v for k, v in counter.items() if isinstance(k, str))
     with open(out, "w") as f:
-        json.dump({"seconds": dt, "bytes_read": read, "tensor_bytes": s.bytes, "peak_rss": peak_rss(),
-                   "devices": len(jax.local_devices())}, f)
+        json.dump({"seconds": dt, "bytes_read": read, "kernel_io": kernel, "tensor_bytes": s.bytes,
+                   "peak_rss": peak_rss(), "devices": len(jax.local_devices())}, f)
     if nproc > 1:
         jax.distributed.shutdown()
 
@@ -78,10 +84,19 @@ def launch(nproc: int, src: str, dst: str, mesh: str, base: str) -> list[dict]:
 
 
 def run(src: str, base: str, mesh: str = "tp=4,pp=2") -> dict:
+    """{1: [process figures], 2: [...]}; each process's figures carry "check", the kernel's count
+    beside the library's (`kernel_io.cross_check`)."""
+    sys.path.insert(0, os.path.dirname(HERE))
+    from kernel_io import cross_check, drop_cache
+
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(src) for f in fs)
     out = {}
     for nproc in (1, 2):
         dst = os.path.join(base, f"mp_orbax_{nproc}")
+        note = drop_cache(files)
         out[nproc] = launch(nproc, src, dst, mesh, base)
+        for p in out[nproc]:
+            p["check"] = cross_check(p["bytes_read"], p["kernel_io"], note)
         shutil.rmtree(dst, ignore_errors=True)
     return out
 

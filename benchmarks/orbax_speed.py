@@ -1,7 +1,7 @@
 """Benchmark (f) and the profile of the Orbax write and read paths: import into Orbax and export
 out of it, next to the disk's floors, with each codec.
 
-    python benchmarks/orbax_speed.py [--gib 1] [--dir DIR] [--repeat 2] [--only meta|hf]
+    python benchmarks/orbax_speed.py [--gib 1] [--dir DIR] [--repeat 3] [--only meta|hf]
 
 Sources (about `--gib` GiB each, trained-like weights: normal, each row scaled by 0.02 x a
 log-normal factor (sigma 0.5), norms near 1; not uniform noise, whose bytes no codec compresses):
@@ -14,8 +14,10 @@ Each figure comes from its own process (bytecode cached, `floors.cached_bytecode
 warm (every file read once first; the imported checkpoints too before they are exported: a raw
 import writes with O_DIRECT, past the page cache):
 - read floor: `cat` of the source files to /dev/null;
-- write floor: the same bytes copied file to file (`copy_file_range`) and fsync'd: what any
-  converter that writes them durably pays at least (`benchmarks/floors.py`);
+- write floors (`benchmarks/floors.py`): the same bytes copied file to file (`copy_file_range`,
+  through the page cache) and fsync'd, and the same bytes written with `O_DIRECT` from aligned
+  buffers and fsync'd (how our jobs write): what any converter that writes them durably pays at
+  least;
 - import onto tp=4,pp=2 of 8 CPU devices with `--compression none` (the default) and `zstd`
   (Orbax's default codec): wall seconds, peak RSS, bytes on disk (so the compression ratio);
 - the profile of one import: `read+cast` (the reader pool filling tiles, summed over threads),
@@ -26,8 +28,15 @@ import writes with O_DIRECT, past the page cache):
   back to `[out, in]`): wall seconds, peak RSS, and a read-only pass over the same tensors; the
   raw one also with its reads unchecked (`verify_reads=False`), next to the checked one: the
   median of their ratios is what checking every chunk's CRC-32 costs (`crc_cost`);
-- a hand-written peer: `safetensors.numpy.load_file` + `jax.device_put` on the same mesh +
-  Orbax's `StandardCheckpointer().save` (the hf source only: what a user scripts without us).
+- a hand-written peer, the Orbax reference (the hf source only: what a user scripts without
+  us): `safetensors.numpy.load_file` + `jax.device_put` on the same mesh + an Orbax save, with
+  Orbax's defaults (`StandardCheckpointer().save`: OCDBT, zstd level 1) and raw
+  (`PyTreeCheckpointer(use_ocdbt=False, use_compression=False)`: a file per chunk, uncompressed,
+  the format a raw import writes); both as durable as the import (TensorStore fsyncs every file
+  it writes, `file_io_sync`; Orbax renames the finished folder into place).
+
+Every figure is the median of `repeat` alternating runs (with the highest peak RSS of them); the
+floors are the fastest of theirs.
 
 `run(kind, gib, base)` returns the figures; `benchmarks/run_all.py` prints them as rows (f).
 """
@@ -48,7 +57,7 @@ HERE = os.path.abspath(__file__)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import floors  # noqa: E402
-from import_megatron import cat_seconds, peak_rss  # noqa: E402
+from import_megatron import cat_seconds, median_run, peak_rss  # noqa: E402
 
 MESH = "tp=4,pp=2"
 DIM, HEADS, KV, VOCAB = 2048, 16, 8, 32000  # meta (bf16)
@@ -265,10 +274,12 @@ def child_export_read(src: str) -> dict:
     return {"seconds": time.perf_counter() - t0, "peak_rss": peak_rss()}
 
 
-def child_peer(src: str, dst: str) -> dict:
+def child_peer(src: str, dst: str, codec: str = "zstd") -> dict:
     """The hand-written peer: `safetensors.numpy.load_file` of every shard, each tensor
     `jax.device_put` on the 8 devices (split on dim 0 where it divides, else replicated), then
-    Orbax's `StandardCheckpointer().save`: what a user scripts without a converter."""
+    Orbax's `StandardCheckpointer().save` (`codec` "zstd": OCDBT + zstd, Orbax's defaults) or
+    `PyTreeCheckpointer(use_ocdbt=False, use_compression=False)` ("raw"): what a user scripts
+    without a converter."""
     _devices()
     shutil.rmtree(dst, ignore_errors=True)
     import jax
@@ -285,8 +296,12 @@ def child_peer(src: str, dst: str) -> dict:
             for k, v in load_file(f).items():
                 spec = P("x") if v.shape and v.shape[0] % len(jax.devices()) == 0 else P()
                 arrays[k.replace(".", "/")] = jax.device_put(v, NamedSharding(mesh, spec))
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(os.path.abspath(dst), arrays)
+    if codec == "raw":
+        with ocp.PyTreeCheckpointer(use_ocdbt=False, use_compression=False) as ckptr:
+            ckptr.save(os.path.abspath(dst), args=ocp.args.PyTreeSave(arrays))
+    else:
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(os.path.abspath(dst), arrays)
     return {"seconds": time.perf_counter() - t0, "peak_rss": peak_rss()}
 
 
@@ -299,16 +314,10 @@ def _child(kind: str, *argv: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _best(runs: list[dict]) -> dict:
-    best = dict(min(runs, key=lambda r: r["seconds"]))
-    best["peak_rss"] = max(r["peak_rss"] for r in runs)
-    best["runs"] = [round(r["seconds"], 2) for r in runs]
-    return best
-
-
 def run(kind: str, gib: float, base: str, *, repeat: int = 2, peer: bool = True) -> dict:
     """Write the `kind` source ("meta" or "hf") under `base`, then measure (module doc); the
-    figures of each step are the best of `repeat` runs, alternating, with the highest RSS."""
+    figures of each step are the median of `repeat` runs, alternating, with the highest RSS; the
+    floors the fastest of theirs."""
     src = os.path.join(base, f"{kind}_src")
     shutil.rmtree(src, ignore_errors=True)
     layers = meta_layers(gib) if kind == "meta" else hf_layers(gib)
@@ -318,13 +327,18 @@ def run(kind: str, gib: float, base: str, *, repeat: int = 2, peer: bool = True)
     dst = {c: os.path.join(base, f"{kind}_orbax_{c}") for c in ("none", "zstd")}
     out = os.path.join(base, f"{kind}_hf_out")
     runs: dict[str, list] = {k: [] for k in ("read", "write", "import_none", "import_zstd", "read_only",
-                                           "export_none", "export_zstd", "export_read", "export_unchecked", "peer")}
+                                           "export_none", "export_zstd", "export_read", "export_unchecked", "peer",
+                                           "peer_raw", "write_direct")}
+    direct_note = ""
     try:
         subprocess.run(["sync"], check=True)
         cat_seconds(files)  # warm
         for _ in range(repeat):
             runs["read"].append({"seconds": cat_seconds(files), "peak_rss": 0})
             runs["write"].append({"seconds": floors.write_floor(files, os.path.join(base, "floor")), "peak_rss": 0})
+            secs, direct_note = floors.direct_write_floor(files, os.path.join(base, "floor"))
+            if secs is not None:
+                runs["write_direct"].append({"seconds": secs, "peak_rss": 0})
             for c in ("none", "zstd"):
                 shutil.rmtree(dst[c], ignore_errors=True)
                 subprocess.run(["sync"], check=True)
@@ -343,9 +357,14 @@ def run(kind: str, gib: float, base: str, *, repeat: int = 2, peer: bool = True)
                 peer_dst = os.path.join(base, "peer")
                 shutil.rmtree(peer_dst, ignore_errors=True)
                 subprocess.run(["sync"], check=True)
-                runs["peer"].append(_child("peer", src, peer_dst))
-                shutil.rmtree(peer_dst, ignore_errors=True)
-        r |= {k: _best(v) for k, v in runs.items() if v}
+                for codec in ("zstd", "raw"):
+                    subprocess.run(["sync"], check=True)
+                    runs["peer" if codec == "zstd" else "peer_raw"].append(_child("peer", src, peer_dst, codec))
+                    shutil.rmtree(peer_dst, ignore_errors=True)
+        r |= {k: median_run(v) for k, v in runs.items() if v}
+        fastest = {k: min(x["seconds"] for x in runs[k]) if runs[k] else None for k in ("write", "write_direct", "read")}
+        r["floors"] = {"write_s": fastest["write"], "write_direct_s": fastest["write_direct"],
+                       "direct_note": direct_note, "read_s": fastest["read"]}
         # what checking every chunk's CRC-32 costs an export: the median over repeats of the
         # checked export's time over the unchecked one's, run next to each other
         pairs = sorted(a["seconds"] / b["seconds"] for a, b in zip(runs["export_none"], runs["export_unchecked"], strict=True))
@@ -363,7 +382,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--dir", default=None)
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--only", choices=("meta", "hf"))
     ap.add_argument("--_write", nargs=3, help=argparse.SUPPRESS)
     ap.add_argument("--_child", nargs="+", help=argparse.SUPPRESS)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hybridckpt.containers.box_tiling import check_boxes
 from hybridckpt.errors import FormatError
 from hybridckpt.io.paths import inside
 
@@ -277,15 +278,12 @@ def _lookup(sorted_keys: np.ndarray, keys: np.ndarray) -> np.ndarray:
 
 # -- tiling -----------------------------------------------------------------------------------
 
-GRID_LIMIT = 1 << 24  # cells of the boundary grid checked at once (beyond: pairwise blocks)
-
-
 def tiling(table: ChunkTable, tensors: list, where: str) -> None:
     """Every tensor's chunks lie inside it (checked by `assemble`), do not overlap and cover it.
 
     The common case, every dim but the first whole in every chunk, is checked for all tensors at
-    once (sorted starts, each chunk ending where the next begins); the rest per tensor on the grid
-    of their chunk boundaries."""
+    once (sorted starts, each chunk ending where the next begins); the rest per tensor by
+    `box_tiling.check_boxes` (O(n log n) or bounded, never pair by pair)."""
     if not tensors:
         return
     width = table.offsets.shape[1]
@@ -329,84 +327,3 @@ def _tile_error(t, table: ChunkTable, where: str) -> None:
     fqn, _d, shape, first, count = t
     check_boxes(fqn, shape, table.offsets[first : first + count], table.sizes[first : first + count], where)
     raise FormatError(f"{where}: '{fqn}' chunks do not tile its shape {shape}")  # not reached
-
-
-def check_boxes(fqn: str, shape, offsets: np.ndarray, sizes: np.ndarray, where: str) -> None:
-    """Boxes `[offsets, offsets + sizes)` (int64 `[n, >= ndim]`, extent 1 past `ndim`) lie inside
-    `shape`, do not overlap and cover it; else a FormatError naming `fqn` and two chunks."""
-    nd = len(shape)
-    shape_a = np.array(shape, dtype=np.int64)
-    lo, ext = offsets[:, :nd], sizes[:, :nd]
-    bad = np.flatnonzero(((lo + ext) > shape_a).any(axis=1)) if len(lo) else []
-    if len(bad):
-        r = int(bad[0])
-        raise FormatError(
-            f"{where}: '{fqn}' chunk at offsets {_tup(lo[r], nd)} sizes {_tup(ext[r], nd)} reaches past "
-            f"the global shape {tuple(shape)}"
-        )
-    live = np.flatnonzero(ext.prod(axis=1) > 0) if nd else np.arange(len(lo))
-    lo, hi = lo[live], lo[live] + ext[live]
-    total = math.prod(shape)
-    covered = int(np.prod(hi - lo, axis=1, dtype=np.int64).sum()) if len(lo) else 0
-    if nd == 0 and len(lo) > 1:
-        raise FormatError(f"{where}: '{fqn}' chunks overlap: {len(lo)} chunks of a 0-d tensor")
-    if len(lo) > 1:
-        pair = _overlap_grid(lo, hi) if _grid_cells(lo, hi) <= GRID_LIMIT else _overlap_pairs(lo, hi)
-        if pair is not None:
-            i, j = pair
-            raise FormatError(
-                f"{where}: '{fqn}' chunks overlap: offsets {_tup(lo[i], nd)} sizes {_tup(hi[i] - lo[i], nd)} "
-                f"and offsets {_tup(lo[j], nd)} sizes {_tup(hi[j] - lo[j], nd)}"
-            )
-    if covered != total:
-        shown = [_tup(o, nd) for o in offsets[:8]]
-        raise FormatError(
-            f"{where}: '{fqn}' chunks at offsets {shown}{' ...' if len(offsets) > 8 else ''} cover "
-            f"{covered} of {total} elements of shape {tuple(shape)}: a gap"
-        )
-
-
-def _grid_cells(lo: np.ndarray, hi: np.ndarray) -> int:
-    n = 1
-    for d in range(lo.shape[1]):
-        n *= len(np.unique(np.concatenate([lo[:, d], hi[:, d]])))
-        if n > GRID_LIMIT:
-            break
-    return n
-
-
-def _overlap_grid(lo: np.ndarray, hi: np.ndarray) -> tuple[int, int] | None:
-    """Two boxes that share a cell of the grid their boundaries draw, or None: each box is a
-    block of grid cells; counts per cell come from a difference array summed along every dim."""
-    nd = lo.shape[1]
-    cuts = [np.unique(np.concatenate([lo[:, d], hi[:, d]])) for d in range(nd)]
-    a = [np.searchsorted(cuts[d], lo[:, d]) for d in range(nd)]
-    b = [np.searchsorted(cuts[d], hi[:, d]) for d in range(nd)]
-    diff = np.zeros([len(c) for c in cuts], dtype=np.int32)
-    for corner in range(1 << nd):
-        idx = tuple(b[d] if corner >> d & 1 else a[d] for d in range(nd))
-        sign = -1 if bin(corner).count("1") % 2 else 1
-        np.add.at(diff, idx, sign)
-    for d in range(nd):
-        np.cumsum(diff, axis=d, out=diff)
-    if diff.max(initial=0) <= 1:
-        return None
-    cell = np.unravel_index(int(np.argmax(diff)), diff.shape)
-    inside_ = np.ones(len(lo), dtype=bool)
-    for d in range(nd):
-        inside_ &= (a[d] <= cell[d]) & (cell[d] < b[d])
-    i, j = np.flatnonzero(inside_)[:2].tolist()
-    return i, j
-
-
-def _overlap_pairs(lo: np.ndarray, hi: np.ndarray) -> tuple[int, int] | None:
-    """Pairwise test in blocks of 1024 (O(n^2) booleans, bounded memory)."""
-    block = 1024
-    for s in range(0, len(lo), block):
-        hit = np.all((lo[s : s + block, None, :] < hi[None]) & (lo[None] < hi[s : s + block, None, :]), axis=-1)
-        idx = np.arange(s, min(s + block, len(lo)))
-        hit[np.arange(len(idx)), idx] = False
-        if hit.any():
-            i, j = np.argwhere(hit)[0]
-            return s + int(i), int(j)
-    return None

@@ -1,0 +1,65 @@
+"""The benchmarks' baselines (`benchmarks/floors.py`, `benchmarks/kernel_io.py`): the O_DIRECT
+write floor writes the bytes it times, and the kernel's count of bytes read agrees with a count
+that is right and flags one that is not."""
+
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+
+import floors  # noqa: E402
+import kernel_io  # noqa: E402
+from fixtures.direct_probe import direct_supported  # noqa: E402
+
+
+def _files(tmp_path, sizes):
+    rng = np.random.default_rng(0)
+    paths = []
+    for i, n in enumerate(sizes):
+        p = tmp_path / f"src{i}"
+        p.write_bytes(rng.integers(0, 256, n, dtype=np.uint8).tobytes())
+        paths.append(str(p))
+    return paths
+
+
+def test_direct_floor_writes_the_same_files_or_says_why(tmp_path, monkeypatch):
+    paths = _files(tmp_path, [(9 << 20) + 123, 4096, 777])  # a partial last block, whole blocks, < 1 block
+    out = tmp_path / "out"
+    kept = {}
+    real_rmtree = floors.shutil.rmtree
+
+    def keep(path, ignore_errors=False):  # read the copies before the floor removes them
+        if os.path.isdir(path) and os.listdir(path):
+            kept.update({f: (out / f).read_bytes() for f in os.listdir(path)})
+        real_rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(floors.shutil, "rmtree", keep)
+    secs, note = floors.direct_write_floor(paths, str(out))
+    if not direct_supported(str(tmp_path)):
+        assert secs is None and "refused" in note
+        return
+    assert secs > 0 and note == "O_DIRECT"
+    assert [kept[f"{i}-src{i}"] for i in range(3)] == [open(p, "rb").read() for p in paths]
+    part, _ = floors.direct_write_floor(paths, str(out), nbytes=5 << 20)  # the job writes less
+    assert part is not None and len(kept["0-src0"]) == 5 << 20
+
+
+def test_kernel_count_matches_reads_on_a_cold_cache(tmp_path):
+    (path,) = _files(tmp_path, [16 << 20])
+    note = kernel_io.drop_cache([path])
+    before = kernel_io.proc_io()
+    with open(path, "rb") as f:
+        got = len(f.read())
+    check = kernel_io.cross_check(got, kernel_io.delta(before, kernel_io.proc_io()), note)
+    assert check["ok"], check
+
+
+def test_a_wrong_library_count_is_flagged():
+    kernel = {"read_bytes": 100 << 20, "rchar": 100 << 20}
+    assert kernel_io.cross_check(100 << 20, kernel)["ok"]
+    bad = kernel_io.cross_check(50 << 20, kernel)
+    assert not bad["ok"] and "2.000x" in bad["why"]
+    warm = kernel_io.cross_check(50 << 20, {"read_bytes": 0, "rchar": 50 << 20})  # cache not dropped
+    assert warm["ok"] and warm["source"].startswith("rchar")
