@@ -1,6 +1,6 @@
 """MaxText 0.2.5 against `export --to maxtext` and MaxText checkpoints as a source
-(tests/real/generators/maxtext.py wrote `maxtext_llama3`: MaxText itself restored our export of
-`torchtitan_llama3`, ran it and stepped its optimizer; its own converter's output is the
+(tests/real/generators/maxtext.py wrote `maxtext_llama3`, `maxtext_qwen3`, `maxtext_qwen3_moe`:
+MaxText itself restored our export of the torchtitan case, ran it and stepped its optimizer; its own converter's output is the
 reference layout, and `ckpt/` is the stepped train state MaxText's Checkpointer saved).
 
 Here: our export's params equal MaxText's converter output bit for bit, its tree (names, nesting,
@@ -28,7 +28,8 @@ from hybridckpt.readers import detect
 from hybridckpt.store.reader import item_arrays
 
 # case -> (the torchtitan case exported, query pre-scaled and q/k rows interleaved by MaxText)
-CASES = {"maxtext_llama3": ("torchtitan_llama3", True), "maxtext_qwen3": ("torchtitan_qwen3", False)}
+CASES = {"maxtext_llama3": ("torchtitan_llama3", True), "maxtext_qwen3": ("torchtitan_qwen3", False),
+         "maxtext_qwen3_moe": ("torchtitan_qwen3_moe", False)}
 STEP = 3
 QUERY = "decoder.layers.self_attention.query.kernel"
 Q_PROJ = "self_attn.q_proj.weight"
@@ -103,6 +104,13 @@ def test_moments_are_torchtitans_mapped_like_their_params(export):
             else:
                 want = hf.T.reshape(-1, h, hd)
             assert np.array_equal(ours[prefix + QUERY][:, layer], want), (slot, layer)
+            if "num_experts" in cfg:  # MoE: experts [experts, layers, in, out], router [embed, layers, experts]
+                for e in range(cfg["num_experts"]):
+                    down = ref[f"{slot}/model.layers.{layer}.mlp.experts.{e}.down_proj.weight"]
+                    assert np.array_equal(ours[prefix + "decoder.layers.moe_block.wo"][e, layer], down.T), (slot, e)
+                router = ref[f"{slot}/model.layers.{layer}.mlp.gate.weight"]
+                assert np.array_equal(ours[prefix + "decoder.layers.moe_block.gate.kernel"][:, layer], router.T)
+                continue
             down = ref[f"{slot}/model.layers.{layer}.mlp.down_proj.weight"]
             assert np.array_equal(ours[prefix + "decoder.layers.mlp.wo.kernel"][:, layer], down.T)
         assert np.array_equal(ours[prefix + "token_embedder.embedding"], ref[f"{slot}/model.embed_tokens.weight"])

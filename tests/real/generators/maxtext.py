@@ -3,8 +3,13 @@ writes, and writes the checkpoint the suite reads back.
 
     python tests/real/make.py maxtext        (side venv: Python 3.12, maxtext 0.2.5, CPU JAX)
 
-Input: the committed torchtitan case `torchtitan_llama3` (a Llama 3 DCP checkpoint with AdamW
-state at step 3, its reference params, moments, next-step gradients and torchtitan's next step).
+Input: the committed torchtitan cases `torchtitan_llama3`, `torchtitan_qwen3`, `torchtitan_qwen3_moe`
+(DCP checkpoints with AdamW state at step 3, their reference params, moments, next-step gradients
+and torchtitan's next step). Qwen3-MoE runs MaxText's qwen3_moe block (model qwen3-30b-a3b
+resized) with the dense-matmul MoE path (`sparse_matmul=False`: every expert's einsum weighted by
+the routing; the default megablox path is a Pallas kernel for TPU/GPU) and `capacity_factor=-1`:
+dropless, so its forward is exact; its routing (top k of the logits, softmax over the k) is HF's
+`norm_topk_prob: true`, which the case has.
 Steps (MaxText's own code wherever MaxText has code for it):
 1. `hybridckpt export ckpt OUT --to maxtext --optimizer` (and `--no-scan-layers`, params only),
    run with the repository's venv (`--host-python`); the host also computes the HF reference
@@ -19,7 +24,7 @@ Steps (MaxText's own code wherever MaxText has code for it):
 4. MaxText's optimizer (`optimizers.get_optimizer`: optax adamw, b1 0.9, b2 0.95, eps 1e-8,
    wd 0.1 as torchtitan's run, a constant lr equal to torchtitan's next-step lr) steps once from the
    restored opt_state with torchtitan's next-step gradients (mapped into MaxText's layout by hand
-   here: kernels transposed and split by heads, q/k rows interleaved, the query's gradient times
+   here: kernels transposed and split by heads, experts stacked on a leading axis, q/k rows interleaved, the query's gradient times
    sqrt(head_dim), the gradient of q' = q / sqrt(head_dim)); the result against torchtitan's next
    step; a negative control steps from count 0.
 5. MaxText's `checkpointing.save_checkpoint` (its Orbax v1 Checkpointer) writes the stepped train
@@ -50,6 +55,10 @@ HERE = pathlib.Path(__file__).resolve().parent
 CASES = {
     "maxtext_llama3": ("torchtitan_llama3", "llama3.1-8b", "LlamaConfig", ["rope_type=llama3.1"], True, True, "hf8192"),
     "maxtext_qwen3": ("torchtitan_qwen3", "qwen3-0.6b", "Qwen3Config", [], False, False, "bf16_tied_head"),
+    # every layer MoE; the dense-matmul MoE path (sparse_matmul=False: einsums over every expert,
+    # weighted by the routing; megablox's Pallas kernel is TPU/GPU) with capacity_factor -1: dropless
+    "maxtext_qwen3_moe": ("torchtitan_qwen3_moe", "qwen3-30b-a3b", "Qwen3MoeConfig",
+                          ["sparse_matmul=False", "capacity_factor=-1"], False, False, "fp32"),
 }
 # this file is `maxtext.py`: with its folder on sys.path, `import maxtext` would find it
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != str(HERE)]
@@ -72,8 +81,16 @@ if mode == "bf16_tied_head":  # MaxText's tied logits dot the bf16-cast embeddin
     cfg["tie_word_embeddings"] = False
     state["lm_head.weight"] = state["model.embed_tokens.weight"].bfloat16().float()
 arch = getattr(transformers, cfg["architectures"][0])
-model = arch(getattr(transformers, arch.__name__.replace("ForCausalLM", "Config"))(**cfg)).eval()
-model.load_state_dict(state)
+if any(".mlp.experts." in k for k in state):  # per-expert HF names: transformers 5 fuses them on load
+    import os, tempfile
+    from safetensors.torch import save_file
+    folder = tempfile.mkdtemp()
+    save_file(state, os.path.join(folder, "model.safetensors"), {"format": "pt"})
+    json.dump(cfg, open(os.path.join(folder, "config.json"), "w"))
+    model = arch.from_pretrained(folder, dtype=torch.float32).eval()
+else:
+    model = arch(getattr(transformers, arch.__name__.replace("ForCausalLM", "Config"))(**cfg)).eval()
+    model.load_state_dict(state)
 with torch.no_grad():
     out = model(torch.from_numpy(ref["tokens"].astype(np.int64))).logits.numpy()
 np.save(sys.argv[3], out)
@@ -81,7 +98,12 @@ np.save(sys.argv[3], out)
 
 
 def sizes(cfg: dict, model_name: str) -> list[str]:
-    return [f"base_emb_dim={cfg['hidden_size']}", f"base_num_query_heads={cfg['num_attention_heads']}",
+    moe = []
+    if cfg.get("num_experts"):  # MaxText's MoE settings (base_mlp_dim: a fully-MoE qwen3_moe wants the experts')
+        moe = [f"base_moe_mlp_dim={cfg['moe_intermediate_size']}", f"num_experts={cfg['num_experts']}",
+               f"num_experts_per_tok={cfg['num_experts_per_tok']}", f"norm_topk_prob={cfg['norm_topk_prob']}"]
+        cfg = {**cfg, "intermediate_size": cfg["moe_intermediate_size"]}
+    return [*moe, f"base_emb_dim={cfg['hidden_size']}", f"base_num_query_heads={cfg['num_attention_heads']}",
             f"base_num_kv_heads={cfg['num_key_value_heads']}", f"head_dim={cfg['head_dim']}",
             f"base_mlp_dim={cfg['intermediate_size']}", f"base_num_decoder_layers={cfg['num_hidden_layers']}",
             f"vocab_size={cfg['vocab_size']}", f"rope_max_timescale={int(cfg['rope_theta'])}",
@@ -194,6 +216,13 @@ def to_maxtext_layout(hf: dict[str, np.ndarray], cfg: dict, query_factor: float,
            "mlp.wo.kernel": lambda L: hf[f"model.layers.{L}.mlp.down_proj.weight"].T,
            "pre_self_attention_layer_norm.scale": lambda L: hf[f"model.layers.{L}.input_layernorm.weight"],
            "post_self_attention_layer_norm.scale": lambda L: hf[f"model.layers.{L}.post_attention_layernorm.weight"]}
+    if "model.layers.0.mlp.gate.weight" in hf:  # Qwen3-MoE: the router and the experts (leading axis)
+        experts = cfg["num_experts"]
+        del per["mlp.wi_0.kernel"], per["mlp.wi_1.kernel"], per["mlp.wo.kernel"]
+        per["moe_block.gate.kernel"] = lambda L: hf[f"model.layers.{L}.mlp.gate.weight"].T
+        for mt, proj in (("wi_0", "gate_proj"), ("wi_1", "up_proj"), ("wo", "down_proj")):
+            per[f"moe_block.{mt}"] = lambda L, proj=proj: np.stack(
+                [hf[f"model.layers.{L}.mlp.experts.{e}.{proj}.weight"].T for e in range(experts)])
     if "model.layers.0.self_attn.q_norm.weight" in hf:
         per["self_attention.query_norm.scale"] = lambda L: hf[f"model.layers.{L}.self_attn.q_norm.weight"]
         per["self_attention.key_norm.scale"] = lambda L: hf[f"model.layers.{L}.self_attn.k_norm.weight"]
@@ -323,6 +352,13 @@ def generate(CASE: str, out: str, host_python: str) -> None:  # noqa: N803
                       "8192 (what MaxText's llama3.1 RoPE hard-codes)")
         forward_note = (f"forward vs HF logits: max rel {rel:.2e}; vs torchtitan's own logits (original context 16): "
                         f"{rel_torchtitan:.2e}")
+    elif forward == "fp32":
+        logits_ref = (f"transformers {cfg['architectures'][0]} (from_pretrained of the same params, fp32): the "
+                      "model without torchtitan's load-balancing expert bias, which HF has not")
+        forward_note = (f"forward vs HF logits: max rel {rel:.2e} (MaxText's dropless dense-matmul MoE: "
+                        f"sparse_matmul=False, capacity_factor=-1; top-k then softmax over the k, as HF's "
+                        f"norm_topk_prob=true); vs torchtitan's own logits (its experts in bf16, its expert bias in "
+                        f"the selection): {rel_torchtitan:.2e}")
     else:
         logits_ref = ("transformers Qwen3ForCausalLM of the same params with the tied head as MaxText computes it: "
                       "the embedding cast to bfloat16 (maxtext 0.2.5 layers/embeddings.py attend_on_embedding)")
