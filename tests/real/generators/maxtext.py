@@ -300,6 +300,15 @@ def generate(CASE: str, out: str, host_python: str) -> None:  # noqa: N803
     logits_unscanned = np.asarray(module_unscanned.model(tokens, positions, enable_dropout=False))
     assert np.allclose(logits_unscanned, logits, rtol=0, atol=1e-5 * np.max(np.abs(logits)))
 
+    rel_sparse = None
+    if "sparse_matmul=False" in extra:  # MoE: MaxText's default path too (megablox grouped matmul, interpreted on CPU)
+        _, module_sparse, _ = maxtext_setup(cfg, model_name, [*(x for x in extra if x != "sparse_matmul=False"),
+                                                              "sparse_matmul=True", "megablox=True",
+                                                              f"load_full_state_path={ours}/{STEP}/items"])
+        logits_sparse = np.asarray(module_sparse.model(tokens, positions, enable_dropout=False))
+        rel_sparse = float(np.max(np.abs(logits_sparse - hf_logits)) / np.max(np.abs(hf_logits)))
+        assert rel_sparse < 1e-5, rel_sparse
+
     # MaxText's optimizer, one step from the restored opt_state with torchtitan's next-step gradients
     lr = 1e-2 * (1 - (STEP - 2) / 98)  # torchtitan's lr for step 4 (warmup 2, linear decay over 98)
     tx = optimizers.get_optimizer(config, lambda count: lr)
@@ -389,6 +398,8 @@ def generate(CASE: str, out: str, host_python: str) -> None:  # noqa: N803
             "MaxText restored our export (load_full_state_path) with params bit for bit equal to its converter's",
             forward_note,
             f"{step_note}; from count 0 (negative control): {max(control_errs.values()):.2e}",
+            *([f"MaxText's default MoE path (sparse_matmul=True, megablox, Pallas interpreted on CPU), dropless: "
+               f"forward vs HF logits max rel {rel_sparse:.2e}"] if rel_sparse is not None else []),
             "the unscanned export (--no-scan-layers) restored by load_parameters_path with scan_layers=False gives "
             "the same logits",
         ],
