@@ -30,6 +30,10 @@ Steps (MaxText's own code wherever MaxText has code for it):
 5. MaxText's `checkpointing.save_checkpoint` (its Orbax v1 Checkpointer) writes the stepped train
    state: the case's `ckpt/` (what a MaxText run leaves; the suite imports it as a source).
 
+Weights only (`_maxtext_weights_only.py`, case `maxtext_mistral`): our export of Mistral's reference
+checkpoint `mistral_swa` restored by `load_parameters_path` into MaxText's `mistral` block, its
+forward against transformers' MistralForCausalLM, saved as MaxText's converters save weights.
+
 Shims (recorded in the manifest): `to_maxtext` reads HF safetensors with `framework="pt"`, which
 needs torch (not installed here): the loader is called with `framework="np"`; the converter's HF
 config table `HF_MODEL_CONFIGS["llama3.1-8b"]` is replaced by the tiny model's LlamaConfig.
@@ -245,15 +249,28 @@ def nested(flat: dict[str, np.ndarray]) -> dict:
     return out
 
 
+def weights_only():
+    """The weights-only cases' generator (`_maxtext_weights_only.py`, loaded by path: this folder is
+    off sys.path, see above), bound to this module's helpers."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_maxtext_weights_only", HERE / "_maxtext_weights_only.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.gen = sys.modules[__name__]
+    return mod
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--host-python", default=str(REPO / ".venv" / "bin" / "python"),
                     help="the repository venv's Python (hybridckpt, torch, transformers)")
-    ap.add_argument("--case", choices=sorted(CASES), action="append", help="default: every case")
+    extra = weights_only()
+    ap.add_argument("--case", choices=sorted([*CASES, *extra.CASES]), action="append", help="default: every case")
     a = ap.parse_args(argv)
-    for case in a.case or sorted(CASES):
-        generate(case, a.out, a.host_python)
+    for case in a.case or sorted([*CASES, *extra.CASES]):
+        (extra.generate if case in extra.CASES else generate)(case, a.out, a.host_python)
     return 0
 
 
