@@ -17,8 +17,8 @@ NNX run, the same layout):
 
 Scanned layers (`scan_layers: true`, the default) are one array per parameter under
 `decoder.layers.`, the layer axis at `param_scan_axis` (1): `decoder.layers.self_attention.
-query.kernel` is `[embed, layers, heads, head_dim]`, a norm scale `[embed, layers]`. Unscanned
-ones are `decoder.layers_<i>.<path>`. Internally (and in the family's `maxtext.rules`) a
+query.kernel` is `[embed, layers, heads, head_dim]`, a norm scale `[embed, layers]`, an MoE expert
+kernel `[experts, layers, in, out]`. Unscanned ones are `decoder.layers_<i>.<path>`. Internally (and in the family's `maxtext.rules`) a
 stacked parameter has its layer axis first (`STACK`), as our rules stack; `to_disk` and
 `from_disk` move it.
 
@@ -117,14 +117,17 @@ def to_disk(tensors: Mapping[str, LazyTensor], scan_layers: bool = True) -> dict
 
 
 def from_disk(tensors: Mapping[str, LazyTensor], where: str) -> dict[str, LazyTensor]:
-    """MaxText's names -> the rules' source names: a scanned array with its layer axis moved
-    first (named as stored), an unscanned layer's array as the expanded name `decoder.layers.X[i]`
-    (what `RuleSet.apply_unstack` gives a stacked source)."""
+    """MaxText's names -> the rules' source names, the layer axis first: a scanned array with
+    its layer axis moved to 0, the unscanned `decoder.layers_<i>.X` of layers 0..n-1 stacked
+    (lazily, `lazy.Stack`: its parts come back as they were) into `decoder.layers.X`, so that a
+    rule stacked deeper than the layers (the experts' `[$L, $E]`) reads either alike. Unscanned
+    layers that are not 0..n-1, or differ in shape or dtype, are a FormatError."""
     out: dict[str, LazyTensor] = {}
+    per_layer: dict[str, dict[int, LazyTensor]] = {}
     for name, t in tensors.items():
         m = _UNSCANNED.match(name)
         if m:
-            out[f"{LAYERS}{m.group(2)}[{int(m.group(1))}]"] = t
+            per_layer.setdefault(m.group(2), {})[int(m.group(1))] = t
         elif name.startswith(LAYERS):
             if t.ndim <= SCAN_AXIS:
                 raise FormatError(f"{where}: {name}: a scanned array has a layer axis {SCAN_AXIS}, found shape {t.shape}")
@@ -132,6 +135,21 @@ def from_disk(tensors: Mapping[str, LazyTensor], where: str) -> dict[str, LazyTe
             out[name] = lazy.transpose(t, perm)
         else:
             out[name] = t
+    for rest, layers in per_layer.items():
+        name = LAYERS + rest
+        if name in out:
+            raise FormatError(f"{where}: {name} is both scanned and unscanned (decoder.layers_<i>.{rest})")
+        if sorted(layers) != list(range(len(layers))):
+            raise FormatError(
+                f"{where}: decoder.layers_<i>.{rest}: expected layers 0..{len(layers) - 1}, found {sorted(layers)}"
+            )
+        parts = [layers[i] for i in range(len(layers))]
+        if len({(p.shape, str(p.dtype)) for p in parts}) != 1:
+            raise FormatError(
+                f"{where}: decoder.layers_<i>.{rest}: layers differ in shape or dtype "
+                f"({sorted({(p.shape, str(p.dtype)) for p in parts})})"
+            )
+        out[name] = lazy.Stack(tuple(parts))
     return out
 
 

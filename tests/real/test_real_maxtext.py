@@ -1,6 +1,6 @@
 """MaxText 0.2.5 against `export --to maxtext` and MaxText checkpoints as a source
-(tests/real/generators/maxtext.py wrote `maxtext_llama3`: MaxText itself restored our export of
-`torchtitan_llama3`, ran it and stepped its optimizer; its own converter's output is the
+(tests/real/generators/maxtext.py wrote `maxtext_llama3`, `maxtext_qwen3`, `maxtext_qwen3_moe`:
+MaxText itself restored our export of the torchtitan case, ran it and stepped its optimizer; its own converter's output is the
 reference layout, and `ckpt/` is the stepped train state MaxText's Checkpointer saved).
 
 Here: our export's params equal MaxText's converter output bit for bit, its tree (names, nesting,
@@ -28,7 +28,8 @@ from hybridckpt.readers import detect
 from hybridckpt.store.reader import item_arrays
 
 # case -> (the torchtitan case exported, query pre-scaled and q/k rows interleaved by MaxText)
-CASES = {"maxtext_llama3": ("torchtitan_llama3", True), "maxtext_qwen3": ("torchtitan_qwen3", False)}
+CASES = {"maxtext_llama3": ("torchtitan_llama3", True), "maxtext_qwen3": ("torchtitan_qwen3", False),
+         "maxtext_qwen3_moe": ("torchtitan_qwen3_moe", False)}
 STEP = 3
 QUERY = "decoder.layers.self_attention.query.kernel"
 Q_PROJ = "self_attn.q_proj.weight"
@@ -103,6 +104,13 @@ def test_moments_are_torchtitans_mapped_like_their_params(export):
             else:
                 want = hf.T.reshape(-1, h, hd)
             assert np.array_equal(ours[prefix + QUERY][:, layer], want), (slot, layer)
+            if "num_experts" in cfg:  # MoE: experts [experts, layers, in, out], router [embed, layers, experts]
+                for e in range(cfg["num_experts"]):
+                    down = ref[f"{slot}/model.layers.{layer}.mlp.experts.{e}.down_proj.weight"]
+                    assert np.array_equal(ours[prefix + "decoder.layers.moe_block.wo"][e, layer], down.T), (slot, e)
+                router = ref[f"{slot}/model.layers.{layer}.mlp.gate.weight"]
+                assert np.array_equal(ours[prefix + "decoder.layers.moe_block.gate.kernel"][:, layer], router.T)
+                continue
             down = ref[f"{slot}/model.layers.{layer}.mlp.down_proj.weight"]
             assert np.array_equal(ours[prefix + "decoder.layers.mlp.wo.kernel"][:, layer], down.T)
         assert np.array_equal(ours[prefix + "token_embedder.embedding"], ref[f"{slot}/model.embed_tokens.weight"])
@@ -203,3 +211,53 @@ def test_maxtext_through_our_store_and_back_bit_for_bit(case, tmp_path):
             np.testing.assert_allclose(ours[k], v, rtol=2e-7, atol=0)
         else:
             assert np.array_equal(ours[k], v), k
+
+
+def _mistral_config(tmp_path) -> str:
+    """mistral_swa's HF config (its manifest's `hf_config`) as a config.json: a MaxText source needs one."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**manifest("mistral_swa")["hf_config"], "architectures": ["MistralForCausalLM"],
+                                "model_type": "mistral"}))
+    return str(path)
+
+
+def test_maxtexts_mistral_weights_read_back_as_the_mistral_source(tmp_path):
+    """`maxtext_mistral`: MaxText restored our weights-only export of Mistral's reference checkpoint
+    into its `mistral` block, ran it, and saved the params as its converters save weights
+    (opt_state {}, step 0). Read back: HF names and the Mistral reference weights (q_proj to the
+    float32 rounding of q / sqrt(d) * sqrt(d)), no optimizer state, the dropped window noted; our
+    export of the source is MaxText's saved params bit for bit."""
+    path = ckpt("maxtext_mistral")
+    assert detect(path) == maxtext.NAME
+    opened = open_checkpoint(path, config=_mistral_config(tmp_path))
+    named = opened.named
+    want = {k: v for k, v in reference("mistral_swa").items() if k.startswith(("model.", "lm_head."))}
+    assert sorted(named.params) == sorted(want)
+    for k, v in want.items():
+        got = named.params[k].materialize()
+        if k.endswith(Q_PROJ):
+            np.testing.assert_allclose(got, v, rtol=2e-7, atol=0)
+        else:
+            assert got.dtype == v.dtype and np.array_equal(got, v), k
+    assert named.step == 0 and not named.slots
+    assert any("attends globally (no sliding window)" in n for n in opened.notes)
+    out = tmp_path / "ours"
+    jobs.export_checkpoint(ckpt("mistral_swa"), out, to="maxtext")
+    ours, theirs = _read(str(out / "0" / maxtext.ITEM)), _read(ckpt("maxtext_mistral", "0", maxtext.ITEM))
+    # MaxText's weights save stores `step` as a plain int (Orbax "scalar"); the step read is the folder's
+    theirs = {k: v for k, v in theirs.items() if k.startswith(maxtext.PARAMS)}
+    assert sorted(ours) == sorted(theirs) + [maxtext.STEP]
+    for k, v in theirs.items():
+        assert ours[k].dtype == v.dtype and np.array_equal(ours[k], v), k
+
+
+def test_maxtexts_mistral_forward_is_hfs_without_the_window():
+    """MaxText's mistral forward of our export (recorded by the generator) is HF Mistral's without a
+    sliding window (rel 1e-5), and not the windowed source model's: MaxText drops the window."""
+    ref = reference("maxtext_mistral")
+    mx, glob, win = ref["logits_maxtext"], ref["logits_hf_global"], ref["logits_hf_window"]
+    assert float(np.max(np.abs(mx - glob)) / np.max(np.abs(glob))) < 1e-5
+    assert float(np.max(np.abs(mx - win)) / np.max(np.abs(win))) > 1e-2
+    mistral_inference = reference("mistral_swa")["logits"]  # the source tool's own (windowed) logits
+    assert float(np.max(np.abs(win - mistral_inference)) / np.max(np.abs(mistral_inference))) < 1e-5
+    assert manifest("maxtext_mistral")["versions"]["maxtext"] == "0.2.5"

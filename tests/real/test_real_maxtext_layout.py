@@ -57,8 +57,18 @@ def test_layer_axis_to_disk_and_back():
     assert sorted(unscanned) == ["decoder.layers_0.self_attention.query.kernel",
                                  "decoder.layers_1.self_attention.query.kernel",
                                  "decoder.layers_2.self_attention.query.kernel", "token_embedder.embedding"]
-    read = maxtext.from_disk(unscanned, "x")
-    assert np.array_equal(read["decoder.layers.self_attention.query.kernel[2]"].materialize(), t.materialize()[2])
+    read = maxtext.from_disk(unscanned, "x")  # restacked, layers first, the parts as they were
+    stacked = read["decoder.layers.self_attention.query.kernel"]
+    assert np.array_equal(stacked.materialize(), t.materialize())
+    assert lazy.index0(stacked, 2) is unscanned["decoder.layers_2.self_attention.query.kernel"]
+    gap = {k: v for k, v in unscanned.items() if "layers_1." not in k}
+    with pytest.raises(FormatError, match=r"expected layers 0..1, found \[0, 2\]"):
+        maxtext.from_disk(gap, "ckpt")
+    odd = dict(unscanned, **{"decoder.layers_1.self_attention.query.kernel": lazy.as_lazy(np.ones((5, 2, 3)))})
+    with pytest.raises(FormatError, match="layers differ in shape or dtype"):
+        maxtext.from_disk(odd, "ckpt")
+    with pytest.raises(FormatError, match="both scanned and unscanned"):
+        maxtext.from_disk({**disk, **unscanned}, "ckpt")
     with pytest.raises(FormatError, match="layer axis 1"):
         maxtext.from_disk({"decoder.layers.x.scale": lazy.as_lazy(np.ones(3))}, "ckpt")
 
@@ -116,3 +126,59 @@ def test_refusals(tmp_path):
     (tmp_path / "3" / "items").mkdir(parents=True)
     (tmp_path / "3" / "items" / "_METADATA").write_text("{not json")
     assert not maxtext.detect(str(tmp_path))  # a hostile _METADATA is not a MaxText checkpoint
+
+
+def _qwen3_moe(**over):
+    d = json.load(open(os.path.join(case_dir("torchtitan_qwen3_moe"), "config.json")))
+    return models.config_from_hf({**d, **over})
+
+
+def test_qwen3_moe_overrides_refusals_and_notes():
+    """MaxText's qwen3_moe block: every layer MoE (a dense layer refused), routing that always
+    renormalizes the top k (norm_topk_prob=false said), dropless, the experts' width as mlp_dim."""
+    cfg = _qwen3_moe()
+    o = maxtext.overrides(cfg)
+    assert o["model_name"] == "qwen3-30b-a3b" and o["decoder_block"] == "qwen3_moe"
+    assert (o["num_experts"], o["num_experts_per_tok"], o["base_moe_mlp_dim"], o["base_mlp_dim"]) == (4, 2, 16, 16)
+    assert o["norm_topk_prob"] is True and o["capacity_factor"] == -1.0 and o["use_qk_norm"] is True
+    assert maxtext.notes(cfg) == []
+    assert "norm_topk_prob=false" in maxtext.notes(_qwen3_moe(norm_topk_prob=False))[0]
+    for dense in ({"mlp_only_layers": [0]}, {"decoder_sparse_step": 2}):
+        with pytest.raises(ConfigError, match=r"mixture of experts in every layer; this model's layers \[0\] are dense"):
+            maxtext.rules(_qwen3_moe(**dense))
+
+
+def test_qwen3_moe_expert_layout():
+    """HF's per-expert [out, in] -> MaxText's [layers, experts, in, out] (layers first here), and on
+    disk the layer axis at 1: [experts, layers, in, out], as MaxText's converter nests them."""
+    cfg = _qwen3_moe()
+    w = {f"model.layers.{L}.mlp.experts.{e}.gate_proj.weight": lazy.as_lazy(RNG.standard_normal((16, 32)).astype(np.float32))
+         for L in range(2) for e in range(4)}
+    got = maxtext.rules(cfg).invert().apply(w, strict=False).tensors["decoder.layers.moe_block.wi_0"]
+    disk = maxtext.to_disk({"decoder.layers.moe_block.wi_0": got})["decoder.layers.moe_block.wi_0"].materialize()
+    assert disk.shape == (4, 2, 32, 16)
+    for L in range(2):
+        for e in range(4):
+            assert np.array_equal(disk[e, L], w[f"model.layers.{L}.mlp.experts.{e}.gate_proj.weight"].materialize().T)
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_qwen3_moe_through_maxtext_to_hf_is_the_torchtitan_source_bit_for_bit(tmp_path, scan_layers):
+    """torchtitan Qwen3-MoE -> MaxText (--optimizer) -> HF gives what torchtitan -> HF gives: every
+    param and both moments bit for bit (no value op: Qwen3's query is stored as HF's), the step."""
+    from hybridckpt.jobs.open import open_checkpoint
+
+    src, config = ckpt("torchtitan_qwen3_moe"), os.path.join(case_dir("torchtitan_qwen3_moe"), "config.json")
+    mt = tmp_path / "mt"
+    jobs.export_checkpoint(src, mt, to="maxtext", optimizer=True, config=config, scan_layers=scan_layers)
+    via, direct = tmp_path / "via", tmp_path / "direct"
+    jobs.export_checkpoint(mt, via, to="hf", optimizer=True, config=config)
+    jobs.export_checkpoint(src, direct, to="hf", optimizer=True, config=config)
+    a, b = open_checkpoint(str(via)).named, open_checkpoint(str(direct)).named
+    assert a.step == b.step == 3
+    assert sorted(a.params) == sorted(b.params) and any(".mlp.experts.3.down_proj." in k for k in a.params)
+    for got, want in [(a.params, b.params)] + [(a.slots[s], b.slots[s]) for s in ("exp_avg", "exp_avg_sq")]:
+        assert sorted(got) == sorted(want)
+        for k in want:
+            x, y = got[k].materialize(), want[k].materialize()
+            assert x.dtype == y.dtype and np.array_equal(x, y), k

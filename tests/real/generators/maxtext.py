@@ -3,8 +3,13 @@ writes, and writes the checkpoint the suite reads back.
 
     python tests/real/make.py maxtext        (side venv: Python 3.12, maxtext 0.2.5, CPU JAX)
 
-Input: the committed torchtitan case `torchtitan_llama3` (a Llama 3 DCP checkpoint with AdamW
-state at step 3, its reference params, moments, next-step gradients and torchtitan's next step).
+Input: the committed torchtitan cases `torchtitan_llama3`, `torchtitan_qwen3`, `torchtitan_qwen3_moe`
+(DCP checkpoints with AdamW state at step 3, their reference params, moments, next-step gradients
+and torchtitan's next step). Qwen3-MoE runs MaxText's qwen3_moe block (model qwen3-30b-a3b
+resized) with the dense-matmul MoE path (`sparse_matmul=False`: every expert's einsum weighted by
+the routing; the default megablox path is a Pallas kernel for TPU/GPU) and `capacity_factor=-1`:
+dropless, so its forward is exact; its routing (top k of the logits, softmax over the k) is HF's
+`norm_topk_prob: true`, which the case has.
 Steps (MaxText's own code wherever MaxText has code for it):
 1. `hybridckpt export ckpt OUT --to maxtext --optimizer` (and `--no-scan-layers`, params only),
    run with the repository's venv (`--host-python`); the host also computes the HF reference
@@ -19,11 +24,15 @@ Steps (MaxText's own code wherever MaxText has code for it):
 4. MaxText's optimizer (`optimizers.get_optimizer`: optax adamw, b1 0.9, b2 0.95, eps 1e-8,
    wd 0.1 as torchtitan's run, a constant lr equal to torchtitan's next-step lr) steps once from the
    restored opt_state with torchtitan's next-step gradients (mapped into MaxText's layout by hand
-   here: kernels transposed and split by heads, q/k rows interleaved, the query's gradient times
+   here: kernels transposed and split by heads, experts stacked on a leading axis, q/k rows interleaved, the query's gradient times
    sqrt(head_dim), the gradient of q' = q / sqrt(head_dim)); the result against torchtitan's next
    step; a negative control steps from count 0.
 5. MaxText's `checkpointing.save_checkpoint` (its Orbax v1 Checkpointer) writes the stepped train
    state: the case's `ckpt/` (what a MaxText run leaves; the suite imports it as a source).
+
+Weights only (`_maxtext_weights_only.py`, case `maxtext_mistral`): our export of Mistral's reference
+checkpoint `mistral_swa` restored by `load_parameters_path` into MaxText's `mistral` block, its
+forward against transformers' MistralForCausalLM, saved as MaxText's converters save weights.
 
 Shims (recorded in the manifest): `to_maxtext` reads HF safetensors with `framework="pt"`, which
 needs torch (not installed here): the loader is called with `framework="np"`; the converter's HF
@@ -50,6 +59,10 @@ HERE = pathlib.Path(__file__).resolve().parent
 CASES = {
     "maxtext_llama3": ("torchtitan_llama3", "llama3.1-8b", "LlamaConfig", ["rope_type=llama3.1"], True, True, "hf8192"),
     "maxtext_qwen3": ("torchtitan_qwen3", "qwen3-0.6b", "Qwen3Config", [], False, False, "bf16_tied_head"),
+    # every layer MoE; the dense-matmul MoE path (sparse_matmul=False: einsums over every expert,
+    # weighted by the routing; megablox's Pallas kernel is TPU/GPU) with capacity_factor -1: dropless
+    "maxtext_qwen3_moe": ("torchtitan_qwen3_moe", "qwen3-30b-a3b", "Qwen3MoeConfig",
+                          ["sparse_matmul=False", "capacity_factor=-1"], False, False, "fp32"),
 }
 # this file is `maxtext.py`: with its folder on sys.path, `import maxtext` would find it
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != str(HERE)]
@@ -72,8 +85,16 @@ if mode == "bf16_tied_head":  # MaxText's tied logits dot the bf16-cast embeddin
     cfg["tie_word_embeddings"] = False
     state["lm_head.weight"] = state["model.embed_tokens.weight"].bfloat16().float()
 arch = getattr(transformers, cfg["architectures"][0])
-model = arch(getattr(transformers, arch.__name__.replace("ForCausalLM", "Config"))(**cfg)).eval()
-model.load_state_dict(state)
+if any(".mlp.experts." in k for k in state):  # per-expert HF names: transformers 5 fuses them on load
+    import os, tempfile
+    from safetensors.torch import save_file
+    folder = tempfile.mkdtemp()
+    save_file(state, os.path.join(folder, "model.safetensors"), {"format": "pt"})
+    json.dump(cfg, open(os.path.join(folder, "config.json"), "w"))
+    model = arch.from_pretrained(folder, dtype=torch.float32).eval()
+else:
+    model = arch(getattr(transformers, arch.__name__.replace("ForCausalLM", "Config"))(**cfg)).eval()
+    model.load_state_dict(state)
 with torch.no_grad():
     out = model(torch.from_numpy(ref["tokens"].astype(np.int64))).logits.numpy()
 np.save(sys.argv[3], out)
@@ -81,7 +102,12 @@ np.save(sys.argv[3], out)
 
 
 def sizes(cfg: dict, model_name: str) -> list[str]:
-    return [f"base_emb_dim={cfg['hidden_size']}", f"base_num_query_heads={cfg['num_attention_heads']}",
+    moe = []
+    if cfg.get("num_experts"):  # MaxText's MoE settings (base_mlp_dim: a fully-MoE qwen3_moe wants the experts')
+        moe = [f"base_moe_mlp_dim={cfg['moe_intermediate_size']}", f"num_experts={cfg['num_experts']}",
+               f"num_experts_per_tok={cfg['num_experts_per_tok']}", f"norm_topk_prob={cfg['norm_topk_prob']}"]
+        cfg = {**cfg, "intermediate_size": cfg["moe_intermediate_size"]}
+    return [*moe, f"base_emb_dim={cfg['hidden_size']}", f"base_num_query_heads={cfg['num_attention_heads']}",
             f"base_num_kv_heads={cfg['num_key_value_heads']}", f"head_dim={cfg['head_dim']}",
             f"base_mlp_dim={cfg['intermediate_size']}", f"base_num_decoder_layers={cfg['num_hidden_layers']}",
             f"vocab_size={cfg['vocab_size']}", f"rope_max_timescale={int(cfg['rope_theta'])}",
@@ -194,6 +220,13 @@ def to_maxtext_layout(hf: dict[str, np.ndarray], cfg: dict, query_factor: float,
            "mlp.wo.kernel": lambda L: hf[f"model.layers.{L}.mlp.down_proj.weight"].T,
            "pre_self_attention_layer_norm.scale": lambda L: hf[f"model.layers.{L}.input_layernorm.weight"],
            "post_self_attention_layer_norm.scale": lambda L: hf[f"model.layers.{L}.post_attention_layernorm.weight"]}
+    if "model.layers.0.mlp.gate.weight" in hf:  # Qwen3-MoE: the router and the experts (leading axis)
+        experts = cfg["num_experts"]
+        del per["mlp.wi_0.kernel"], per["mlp.wi_1.kernel"], per["mlp.wo.kernel"]
+        per["moe_block.gate.kernel"] = lambda L: hf[f"model.layers.{L}.mlp.gate.weight"].T
+        for mt, proj in (("wi_0", "gate_proj"), ("wi_1", "up_proj"), ("wo", "down_proj")):
+            per[f"moe_block.{mt}"] = lambda L, proj=proj: np.stack(
+                [hf[f"model.layers.{L}.mlp.experts.{e}.{proj}.weight"].T for e in range(experts)])
     if "model.layers.0.self_attn.q_norm.weight" in hf:
         per["self_attention.query_norm.scale"] = lambda L: hf[f"model.layers.{L}.self_attn.q_norm.weight"]
         per["self_attention.key_norm.scale"] = lambda L: hf[f"model.layers.{L}.self_attn.k_norm.weight"]
@@ -216,15 +249,28 @@ def nested(flat: dict[str, np.ndarray]) -> dict:
     return out
 
 
+def weights_only():
+    """The weights-only cases' generator (`_maxtext_weights_only.py`, loaded by path: this folder is
+    off sys.path, see above), bound to this module's helpers."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_maxtext_weights_only", HERE / "_maxtext_weights_only.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.gen = sys.modules[__name__]
+    return mod
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--host-python", default=str(REPO / ".venv" / "bin" / "python"),
                     help="the repository venv's Python (hybridckpt, torch, transformers)")
-    ap.add_argument("--case", choices=sorted(CASES), action="append", help="default: every case")
+    extra = weights_only()
+    ap.add_argument("--case", choices=sorted([*CASES, *extra.CASES]), action="append", help="default: every case")
     a = ap.parse_args(argv)
-    for case in a.case or sorted(CASES):
-        generate(case, a.out, a.host_python)
+    for case in a.case or sorted([*CASES, *extra.CASES]):
+        (extra.generate if case in extra.CASES else generate)(case, a.out, a.host_python)
     return 0
 
 
@@ -270,6 +316,15 @@ def generate(CASE: str, out: str, host_python: str) -> None:  # noqa: N803
                                                               "scan_layers=False"])
     logits_unscanned = np.asarray(module_unscanned.model(tokens, positions, enable_dropout=False))
     assert np.allclose(logits_unscanned, logits, rtol=0, atol=1e-5 * np.max(np.abs(logits)))
+
+    rel_sparse = None
+    if "sparse_matmul=False" in extra:  # MoE: MaxText's default path too (megablox grouped matmul, interpreted on CPU)
+        _, module_sparse, _ = maxtext_setup(cfg, model_name, [*(x for x in extra if x != "sparse_matmul=False"),
+                                                              "sparse_matmul=True", "megablox=True",
+                                                              f"load_full_state_path={ours}/{STEP}/items"])
+        logits_sparse = np.asarray(module_sparse.model(tokens, positions, enable_dropout=False))
+        rel_sparse = float(np.max(np.abs(logits_sparse - hf_logits)) / np.max(np.abs(hf_logits)))
+        assert rel_sparse < 1e-5, rel_sparse
 
     # MaxText's optimizer, one step from the restored opt_state with torchtitan's next-step gradients
     lr = 1e-2 * (1 - (STEP - 2) / 98)  # torchtitan's lr for step 4 (warmup 2, linear decay over 98)
@@ -323,6 +378,13 @@ def generate(CASE: str, out: str, host_python: str) -> None:  # noqa: N803
                       "8192 (what MaxText's llama3.1 RoPE hard-codes)")
         forward_note = (f"forward vs HF logits: max rel {rel:.2e}; vs torchtitan's own logits (original context 16): "
                         f"{rel_torchtitan:.2e}")
+    elif forward == "fp32":
+        logits_ref = (f"transformers {cfg['architectures'][0]} (from_pretrained of the same params, fp32): the "
+                      "model without torchtitan's load-balancing expert bias, which HF has not")
+        forward_note = (f"forward vs HF logits: max rel {rel:.2e} (MaxText's dropless dense-matmul MoE: "
+                        f"sparse_matmul=False, capacity_factor=-1; top-k then softmax over the k, as HF's "
+                        f"norm_topk_prob=true); vs torchtitan's own logits (its experts in bf16, its expert bias in "
+                        f"the selection): {rel_torchtitan:.2e}")
     else:
         logits_ref = ("transformers Qwen3ForCausalLM of the same params with the tied head as MaxText computes it: "
                       "the embedding cast to bfloat16 (maxtext 0.2.5 layers/embeddings.py attend_on_embedding)")
@@ -353,6 +415,8 @@ def generate(CASE: str, out: str, host_python: str) -> None:  # noqa: N803
             "MaxText restored our export (load_full_state_path) with params bit for bit equal to its converter's",
             forward_note,
             f"{step_note}; from count 0 (negative control): {max(control_errs.values()):.2e}",
+            *([f"MaxText's default MoE path (sparse_matmul=True, megablox, Pallas interpreted on CPU), dropless: "
+               f"forward vs HF logits max rel {rel_sparse:.2e}"] if rel_sparse is not None else []),
             "the unscanned export (--no-scan-layers) restored by load_parameters_path with scan_layers=False gives "
             "the same logits",
         ],
