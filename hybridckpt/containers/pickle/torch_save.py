@@ -357,3 +357,15 @@ def load(
     if kind == "tar":
         raise FormatError(f"{name}: the pre-0.4 tar torch.save format is not supported")
     raise FormatError(f"{name}: neither a torch.save zip archive nor a legacy torch.save file")
+
+
+def zip_pickle(path: str | os.PathLike) -> bytes | None:
+    """The `data.pkl` bytes of a torch.save zip archive (CRC-checked), unparsed; None when the
+    file is not a zip archive. Two archives whose pickles are equal hold the same objects (their
+    storage bytes aside): a reader of many rank files that are copies of one another parses one
+    and compares the others' pickles (DeepSpeed ZeRO-3's per-rank model states)."""
+    src, base, length, name = _window(path, 0, None)
+    if _kind(src, base, length, name) != "zip":
+        return None
+    z = _Zip(src, base, length, name)
+    return z.read(z.entry("data.pkl"))

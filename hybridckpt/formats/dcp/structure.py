@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from hybridckpt.containers.dcp_metadata import DcpMetadata
 from hybridckpt.formats.dcp.storage import entry_tensor, load_item
+from hybridckpt.io.byte_source import ByteSource, real_reads
 
 
 @dataclass(frozen=True)
@@ -86,12 +87,33 @@ _HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "params", "initial_lr", "mo
                "amsgrad", "nesterov", "maximize")
 
 
+_SMALL_ITEM = 1 << 16  # bytes: a torch.save'd hyperparameter is ~1.3 KB
+
+
+def _group_value(md: DcpMetadata, fqn: str, parsed: dict[bytes, object]):
+    """The byte item `fqn`, parsed once per distinct content: torch's flattened param groups
+    save the same few values for every param (12 keys x 967 params of a torchtitan DeepSeek V3
+    671B run are ~10 distinct archives; parsing each item was a third of `inspect`,
+    docs/scale.md). `torch.save` of equal values gives equal bytes (the archive is named
+    `archive`, no per-save id), so equal bytes are one value. Values are hyperparameters
+    (numbers, bools, tuples, None): shared, never mutated."""
+    b = md.bytes_items[fqn]
+    if b.length > _SMALL_ITEM:
+        return load_item(md, fqn)
+    with real_reads():  # the bytes themselves, even while a read plan counts reads
+        raw = ByteSource(b.path).read(b.offset, b.length)
+    if raw not in parsed:
+        parsed[raw] = load_item(md, fqn)
+    return parsed[raw]
+
+
 def param_groups(md: DcpMetadata, opt: str) -> list[dict]:
     """Param groups as dicts. Two layouts: `<opt>param_groups.N.<key>` (nested state dict) and
     `<opt>param_groups.<fqn>.<key>` (torch's flatten_optimizer_state_dict, torchtitan): the
     latter becomes one group per distinct set of values, with the fqns as `params`."""
     pre = opt + "param_groups."
     values: dict[str, dict] = {}
+    parsed: dict[bytes, object] = {}
     for fqn in list(md.bytes_items) + list(md.tensors):
         if not fqn.startswith(pre):
             continue
@@ -103,7 +125,7 @@ def param_groups(md: DcpMetadata, opt: str) -> list[dict]:
                 continue
             value = float(entry_tensor(md.tensors[fqn]).materialize())
         else:
-            value = load_item(md, fqn)
+            value = _group_value(md, fqn, parsed)
         values.setdefault(head, {})[key] = value
     if all(h.isdigit() for h in values):
         return [values[h] for h in sorted(values, key=int)]

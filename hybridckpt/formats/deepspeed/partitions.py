@@ -9,7 +9,8 @@
 - stage 3: every param is split on its own: `pn = ceil(numel/dp)`, rank r holds elements
   `[r*pn, (r+1)*pn)` of the flattened param (zero-padded; the padding holds garbage and is never
   read). A rank's sub-groups joined end to end hold its partitions of the params of the merged
-  `param_shapes`, back to back.
+  `param_shapes`, back to back. A param is one `Zero3Flat` over the ranks' flats (not a slice
+  per rank: its size does not grow with the rank count).
 Every slot is cut exactly like the fp32 master. Frozen params come from the model states'
 `frozen_param_fragments` (whole for stage <= 2, the rank's `ceil(numel/dp)` partition for 3).
 """
@@ -22,6 +23,7 @@ from hybridckpt import lazy
 from hybridckpt.errors import FormatError
 from hybridckpt.formats.deepspeed.files import cut, flat, shape_of
 from hybridckpt.formats.deepspeed.ranks import Rank
+from hybridckpt.formats.deepspeed.zero3_flat import Zero3Flat, edges
 from hybridckpt.lazy import LazyTensor
 
 
@@ -98,19 +100,17 @@ def zero3(ranks: list[Rank], shapes: list[dict], model_file: str):
                 f"not add up"
             )
         flats.append(f)
+    # one Zero3Flat per param and kind over the ranks' flats (shared): not a slice per rank
+    per_kind = {k: tuple(f[k] for f in flats) for k in flats[0]}
+    bounds = {k: edges(v) for k, v in per_kind.items()}
     out = {}
     off = 0
     for name, shape in merged:
         numel = math.prod(shape)
         pn = math.ceil(numel / dp)
         out[name] = {
-            k: cut(
-                lazy.concat([lazy.slice_axis(f[k], 0, off, off + pn) for f in flats], 0),
-                0,
-                numel,
-                shape,
-            )
-            for k in flats[0]
+            k: lazy.reshape(Zero3Flat(v, off, pn, numel, bounds[k]), shape)
+            for k, v in per_kind.items()
         }
         off += pn
     return out

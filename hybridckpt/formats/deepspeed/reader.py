@@ -77,7 +77,7 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
     model_files = [model3[r] for r in sorted(model3)] if model3 else model12
     if not model_files:
         raise FormatError(f"{folder}: no '*_model_states.pt' file")
-    models = [torch_save.load(f) for f in model_files]
+    models = _model_states(model_files)
     m0 = models[0]
     if not isinstance(m0, Mapping):
         raise FormatError(f"{model_files[0]}: expected a dict, found {type(m0).__name__}")
@@ -214,6 +214,31 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         trainer=trainer,
         notes=tuple(notes),
     )
+
+
+def _model_states(files: list[str]) -> list:
+    """Every rank's model states. Under ZeRO-3 every rank writes the same module placeholders,
+    `param_shapes` and config (rank 0 alone adds `shared_params`); only the frozen params'
+    fragments differ. So when rank 0 names no frozen param, a rank whose `data.pkl` equals one
+    already parsed byte for byte is compared, not parsed again: parsing 512 copies of a
+    1137-param module was most of the open time of a Llama 405B run on 512 ranks
+    (docs/scale.md). Every other file is parsed as before."""
+    m0 = torch_save.load(files[0])
+    if len(files) == 1 or not isinstance(m0, Mapping) or m0.get("frozen_param_shapes"):
+        return [m0] + [torch_save.load(f) for f in files[1:]]
+    first = torch_save.zip_pickle(files[0])
+    parsed = {} if first is None else {first: m0}
+    out = [m0]
+    for f in files[1:]:
+        pkl = torch_save.zip_pickle(f)
+        if pkl is not None and pkl in parsed:
+            out.append(parsed[pkl])
+            continue
+        m = torch_save.load(f)
+        if pkl is not None:
+            parsed[pkl] = m
+        out.append(m)
+    return out
 
 
 def _partition_counts(read, n_groups: int) -> list[int]:
