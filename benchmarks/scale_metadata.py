@@ -125,6 +125,68 @@ def plan_one(path: str, mesh: str, processes: int) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def measure(root: str, ranks_list, repeats: int, log, *, before: str | None = None, before_repeats: int = 1,
+            holes_above: int = 64, samples: dict | None = None) -> list[tuple[int, dict, dict]]:
+    """For each rank count: (ranks, the source's info, {kind: (median seconds, median peak RSS)}),
+    torch's `read_metadata` against `hybridckpt inspect` (and `before`), fresh processes, alternating."""
+    kinds = ["torch", "after"] + (["before"] if before else [])
+    samples = {} if samples is None else samples
+    rows = []
+    for ranks in ranks_list:
+        path, info = source(root, ranks, log, holes_above)
+        got = {k: [] for k in kinds}
+        for i in range(repeats):
+            for k in kinds if i % 2 == 0 else kinds[::-1]:  # alternate the order
+                if k == "before" and i >= before_repeats:
+                    continue
+                t0 = time.perf_counter()
+                got[k].append(run_one(k, path, before))
+                log(f"  {ranks} ranks {k}: {got[k][-1]['seconds']:.1f} s, "
+                    f"{got[k][-1]['peak_rss'] / 2**30:.2f} GiB ({time.perf_counter() - t0:.0f} s with imports)")
+        samples[ranks] = {"source": info, "runs": got}
+        med = {k: (statistics.median(r["seconds"] for r in v), statistics.median(r["peak_rss"] for r in v))
+               for k, v in got.items()}
+        rows.append((ranks, info, med))
+    return rows
+
+
+def _table(rows, kinds, repeats: int, before_repeats: int) -> None:
+    print("| ranks | chunks | `.metadata` | " + " | ".join(
+        {"torch": "torch `read_metadata`", "after": "`hybridckpt inspect`", "before": "`inspect` before"}[k]
+        for k in kinds) + " | after / torch (time, memory) |")
+    print("|---" * (4 + len(kinds)) + "|")
+    for ranks, info, med in rows:
+        cells = [f"{med[k][0]:.1f} s, {med[k][1] / 2**30:.2f} GiB" for k in kinds]
+        ratio = f"{med['after'][0] / med['torch'][0]:.2f}x, {med['after'][1] / med['torch'][1]:.2f}x"
+        print(f"| {ranks} | {info['chunks'] / 1000:.0f}k | {info['metadata_bytes'] / 2**20:.0f} MiB | "
+              + " | ".join(cells) + f" | {ratio} |")
+    print(f"(medians of {repeats} fresh processes each ({before_repeats} for before), alternating; time: "
+          "the timed call, imports excluded; memory: the process's peak RSS, imports included)")
+
+
+def measure_plan(root: str, ranks: int, mesh: str, processes: int, repeats: int, log, holes_above: int = 64) -> dict:
+    """The plan of process 0 of `processes` importing the `ranks`-rank source onto `mesh`, `repeats`
+    fresh processes: {"source", "runs", "seconds" (median), "peak_rss" (median), "mesh", "processes"}."""
+    path, info = source(root, ranks, log, holes_above)
+    runs = []
+    for _ in range(repeats):
+        runs.append(plan_one(path, mesh, processes))
+        log(f"  plan of process 0 of {processes}: {runs[-1]['seconds']:.1f} s, {runs[-1]['peak_rss'] / 2**30:.2f} GiB")
+    return {"source": info, "runs": runs, "mesh": mesh, "processes": processes, "ranks": ranks,
+            "seconds": statistics.median(x["seconds"] for x in runs),
+            "peak_rss": statistics.median(x["peak_rss"] for x in runs)}
+
+
+def plan_line(pl: dict) -> str:
+    r, info, n = pl["runs"][0], pl["source"], pl["processes"]
+    return (f"Plan of process 0 of {n} ({r['devices']} of the {pl['mesh']} mesh's devices) importing the "
+            f"{pl['ranks']}-rank source ({info['chunks'] / 1000:.0f}k chunks, {r['tensor_bytes'] / 2**40:.2f} TiB of "
+            f"arrays): {pl['seconds']:.1f} s, {pl['peak_rss'] / 2**30:.2f} GiB peak RSS (medians of {len(pl['runs'])}); "
+            f"reads {r['bytes_read'] / 2**30:.2f} GiB in {r['reads']} reads from {r['files']} files = "
+            f"{r['bytes_read'] / r['tensor_bytes']:.5f} of the arrays (1/{n} = {1 / n:.5f}); writes "
+            f"{r['bytes_written'] / 2**30:.2f} GiB ({r['bytes_written'] / r['tensor_bytes']:.5f}) in {r['tiles']} tiles")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--root", required=True, help="where the sparse sources are (written if absent)")
@@ -146,33 +208,9 @@ def main(argv=None) -> int:
 
     kinds = ["torch", "after"] + (["before"] if a.before else [])
     samples: dict = {}
-    rows = []
-    for ranks in a.ranks:
-        path, info = source(a.root, ranks, log, a.holes_above)
-        got = {k: [] for k in kinds}
-        for i in range(a.repeats):
-            for k in kinds if i % 2 == 0 else kinds[::-1]:  # alternate the order
-                if k == "before" and i >= a.before_repeats:
-                    continue
-                t0 = time.perf_counter()
-                got[k].append(run_one(k, path, a.before))
-                log(f"  {ranks} ranks {k}: {got[k][-1]['seconds']:.1f} s, "
-                    f"{got[k][-1]['peak_rss'] / 2**30:.2f} GiB ({time.perf_counter() - t0:.0f} s with imports)")
-        samples[ranks] = {"source": info, "runs": got}
-        med = {k: (statistics.median(r["seconds"] for r in v), statistics.median(r["peak_rss"] for r in v))
-               for k, v in got.items()}
-        rows.append((ranks, info, med))
-    print("| ranks | chunks | `.metadata` | " + " | ".join(
-        {"torch": "torch `read_metadata`", "after": "`hybridckpt inspect`", "before": "`inspect` before"}[k]
-        for k in kinds) + " | after / torch (time, memory) |")
-    print("|---" * (4 + len(kinds)) + "|")
-    for ranks, info, med in rows:
-        cells = [f"{med[k][0]:.1f} s, {med[k][1] / 2**30:.2f} GiB" for k in kinds]
-        ratio = f"{med['after'][0] / med['torch'][0]:.2f}x, {med['after'][1] / med['torch'][1]:.2f}x"
-        print(f"| {ranks} | {info['chunks'] / 1000:.0f}k | {info['metadata_bytes'] / 2**20:.0f} MiB | "
-              + " | ".join(cells) + f" | {ratio} |")
-    print(f"(medians of {a.repeats} fresh processes each ({a.before_repeats} for before), alternating; time: "
-          "the timed call, imports excluded; memory: the process's peak RSS, imports included)")
+    rows = measure(a.root, a.ranks, a.repeats, log, before=a.before, before_repeats=a.before_repeats,
+                   holes_above=a.holes_above, samples=samples)
+    _table(rows, kinds, a.repeats, a.before_repeats)
     if len(rows) > 1:
         (r0, i0, m0), (r1, i1, m1) = rows[0], rows[-1]
         print(f"\nGrowth from {r0} to {r1} ranks ({i1['chunks'] / i0['chunks']:.1f}x the chunks, "
@@ -180,22 +218,9 @@ def main(argv=None) -> int:
               + "; ".join(f"{k} {m1[k][0] / m0[k][0]:.1f}x the time, {m1[k][1] / m0[k][1]:.1f}x the memory"
                           for k in kinds))
     if a.plan_ranks:
-        path, info = source(a.root, a.plan_ranks, log, a.holes_above)
-        runs = []
-        for _ in range(a.repeats):
-            runs.append(plan_one(path, a.plan_mesh, a.plan_processes))
-            log(f"  plan of process 0 of {a.plan_processes}: {runs[-1]['seconds']:.1f} s, "
-                f"{runs[-1]['peak_rss'] / 2**30:.2f} GiB")
-        samples["plan"] = {"source": info, "runs": runs}
-        r = runs[0]
-        t = statistics.median(x["seconds"] for x in runs)
-        m = statistics.median(x["peak_rss"] for x in runs)
-        print(f"\nPlan of process 0 of {a.plan_processes} ({r['devices']} of the {a.plan_mesh} mesh's devices) "
-              f"importing the {a.plan_ranks}-rank source ({info['chunks'] / 1000:.0f}k chunks, "
-              f"{r['tensor_bytes'] / 2**40:.2f} TiB of arrays): {t:.1f} s, {m / 2**30:.2f} GiB peak RSS (medians of "
-              f"{len(runs)}); reads {r['bytes_read'] / 2**30:.2f} GiB in {r['reads']} reads from {r['files']} files "
-              f"= {r['bytes_read'] / r['tensor_bytes']:.4f} of the arrays (1/{a.plan_processes} = "
-              f"{1 / a.plan_processes:.4f}); writes {r['bytes_written'] / 2**30:.2f} GiB in {r['tiles']} tiles")
+        pl = measure_plan(a.root, a.plan_ranks, a.plan_mesh, a.plan_processes, a.repeats, log, a.holes_above)
+        samples["plan"] = pl
+        print("\n" + plan_line(pl))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(samples, f, indent=1)
