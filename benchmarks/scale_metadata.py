@@ -81,16 +81,14 @@ def source(root: str, ranks: int, log, holes_above: int = 64) -> tuple[str, dict
     direct build of the `.metadata` torch's planner writes (byte-identical, `scale_dcp.check`);
     the tensors' archive headers written up to `holes_above` ranks (a plan reads them), holes
     above (no figure here reads a tensor byte; 5 KiB of disk a chunk saved)."""
-    sys.path.insert(0, HERE)
-    import scale_dcp
-    import scale_sources
-
     path = os.path.join(root, f"llama405b_{ranks}")
     info_path = os.path.join(path, "scale_source.json")
     if not os.path.isfile(info_path):
         log(f"writing the {ranks}-rank source at {path}")
-        scale_dcp.write_fast(path, scale_sources.llama_params(scale_sources.LLAMA_405B), scale_sources.fsdp(ranks),
-                             ranks, config=scale_sources.LLAMA_405B, holes=ranks > holes_above, log=log)
+        # in its own process: a child's peak RSS starts from its parent's RSS at the fork (Linux
+        # keeps the high-water mark across exec), so the measuring process must stay small
+        subprocess.run([sys.executable, os.path.join(HERE, "scale_dcp.py"), path, "--ranks", str(ranks)]
+                       + (["--holes"] if ranks > holes_above else []), check=True, stdout=subprocess.DEVNULL)
     with open(info_path) as f:
         return path, json.load(f)
 
