@@ -2,7 +2,8 @@
 
     python benchmarks/run_all.py [--dir /tmp/...] [--dcp-gib 2] [--small-gib 1] [--large-gib 4]
                                  [--plain-dcp-gib 1] [--plain-zero-gib 1] [--orbax-gib 1]
-                                 [--moe-gib 1] [--moe-large-gib 4] [--only a|b|e|f|g ...]
+                                 [--moe-gib 1] [--moe-large-gib 4] [--scale-ranks 16 ...]
+                                 [--scale-plan-ranks 0] [--scale-root DIR] [--only a|b|e|f|g|h ...]
 
 (a) `benchmarks/consolidate_dcp.py`: a DCP checkpoint saved by 2 gloo processes -> one file,
     `hybridckpt export` vs torch's `dcp_to_torch_save` (wall time and peak RSS of each process,
@@ -38,6 +39,15 @@
     onto dp=4,fsdp=2 (experts over dp): the expert bytes read over the expert bytes (each read
     once: 1.00), peak RSS against the tiles in flight and the checkpoint, time; the per-expert
     source again at `--moe-large-gib`: the peak RSS of both sizes.
+(h) `benchmarks/scale_metadata.py`: what is where in a sparse DCP checkpoint shaped like Llama 3.1
+    405B FSDP2 (model + AdamW, `benchmarks/scale_dcp.py`: the `.metadata` byte-identical to
+    torch's planner path) on `--scale-ranks` ranks: `hybridckpt inspect` against torch's
+    `FileSystemReader.read_metadata`, medians of 3 fresh processes; with `--scale-plan-ranks R`,
+    the plan of one host out of 64 importing the R-rank source onto fsdp=64. The default (16
+    ranks, no plan) keeps a CI run small; the full run of docs/scale.md is
+    `--only h --scale-ranks 64 256 1024 --scale-plan-ranks 64 --scale-root /tmp/scale_dcp`
+    (sources of 1024 ranks: 11 minutes and 8 GiB to write, torch's read 8 GiB; 64 ranks' headers
+    1.1 GiB of disk).
 
 Every row also shows the disk's floors measured in the same run (`benchmarks/floors.py`), each
 with our multiple of it: two write floors, the bytes the job writes copied file to file by the
@@ -46,7 +56,7 @@ O_DIRECT and fsync'd, as our jobs write ("O_DIRECT"; the reason where the filesy
 and the read floor (`cat` of the source files, page cache warm). Headlines are medians of
 alternating runs; a floor is the fastest of its runs.
 `--only` takes a (DCP), b (b, c, d: Megatron import, restore, processes), e (plain), f
-(orbax) or g (moe), several times to run several.
+(orbax), g (moe) or h (scale), several times to run several.
 
 Every figure comes from its own process, with Python's bytecode cached as after a `pip install`
 (`floors.cached_bytecode`); all checkpoints live under `--dir` (default a fresh folder in /tmp)
@@ -75,6 +85,7 @@ import import_multiprocess  # noqa: E402
 import kernel_io  # noqa: E402
 import moe_import  # noqa: E402
 import orbax_speed  # noqa: E402
+import scale_metadata  # noqa: E402
 
 GIB = 2**30
 
@@ -121,10 +132,16 @@ def main() -> None:
     ap.add_argument("--orbax-gib", type=float, default=1.0)
     ap.add_argument("--moe-gib", type=float, default=1.0, help="size of each (g) MoE source (fp32 GiB)")
     ap.add_argument("--moe-large-gib", type=float, default=4.0, help="the larger (g) per-expert source (fp32 GiB)")
-    ap.add_argument("--only", action="append", choices=("a", "b", "e", "plain", "f", "orbax", "g", "moe"),
-                    help="run only these rows (a, b = b/c/d, e = plain, f = orbax, g = moe); repeat for several")
+    ap.add_argument("--scale-ranks", type=int, nargs="+", default=[16],
+                    help="(h): the ranks of the 405B DCP sources (default 16; the full run: 64 256 1024)")
+    ap.add_argument("--scale-plan-ranks", type=int, default=0,
+                    help="(h): plan one host of 64 importing the source of this many ranks (0: no plan; full run: 64)")
+    ap.add_argument("--scale-root", help="(h): where the sparse sources are kept (default: under --dir, deleted)")
+    ap.add_argument("--only", action="append", choices=("a", "b", "e", "plain", "f", "orbax", "g", "moe", "h", "scale"),
+                    help="run only these rows (a, b = b/c/d, e = plain, f = orbax, g = moe, h = scale); repeat for several")
     a = ap.parse_args()
-    only = {{"plain": "e", "orbax": "f", "moe": "g"}.get(x, x) for x in (a.only or ("a", "b", "e", "f", "g"))}
+    only = {{"plain": "e", "orbax": "f", "moe": "g", "scale": "h"}.get(x, x)
+            for x in (a.only or ("a", "b", "e", "f", "g", "h"))}
     base = a.dir or tempfile.mkdtemp(prefix="hybridckpt-bench-", dir="/tmp")
     os.makedirs(base, exist_ok=True)
     where = machine()
@@ -141,6 +158,8 @@ def main() -> None:
             _orbax(a, base, rows)
         if "g" in only:
             _moe(a, base, rows)
+        if "h" in only:
+            _scale(a, base, rows)
     finally:
         if a.dir is None:
             shutil.rmtree(base, ignore_errors=True)
@@ -373,6 +392,43 @@ def _moe(a, base, rows) -> None:
         f"(covered {min(large['coverages']):.3f})", f"checkpoint {large['files_bytes'] / small['files_bytes']:.1f}x "
         f"larger; {large['seconds']:.1f} s", f"{growth:.2f}", "<= 1.2, = 1.00", growth <= 1.2 and once,
         floors.write_cell(large["seconds"], large["floors"]), floors.cell(large["seconds"], large["floors"]["read_s"]))
+
+
+
+def _scale(a, base, rows) -> None:
+    """(h): metadata at scale: `hybridckpt inspect` against torch's `read_metadata` (and the plan of
+    one host out of 64), on sparse 405B FSDP2 DCP sources."""
+    root = a.scale_root or os.path.join(base, "h-scale")
+
+    def log(s):
+        print(s, file=sys.stderr, flush=True)
+
+    print(f"(h) 405B DCP metadata on {a.scale_ranks} ranks ...", file=sys.stderr, flush=True)
+    got = scale_metadata.measure(root, a.scale_ranks, 3, log)
+    for ranks, info, med in got:
+        (ot, om), (tt, tm) = med["after"], med["torch"]
+        name = (f"(h) Llama 3.1 405B FSDP2 DCP + AdamW, {ranks} ranks ({info['chunks'] / 1000:.0f}k chunks, "
+                f"{info['metadata_bytes'] / 2**20:.0f} MiB `.metadata`)")
+        big = info["chunks"] >= 800_000  # issue 29's check is at 874k chunks; below, fixed costs weigh
+        row(rows, name, "what is where: time, peak RSS (medians of 3)", f"{ot:.1f} s, {om / GIB:.2f} GiB (inspect)",
+            f"{tt:.1f} s, {tm / GIB:.2f} GiB (torch read_metadata)", f"{ot / tt:.2f}x time, {om / tm:.2f}x memory",
+            "<= 1x, <= 0.5x" if big else "(at 874k+ chunks)", not big or (ot <= tt and om <= 0.5 * tm))
+    if len(got) > 1:
+        (r0, i0, m0), (r1, i1, m1) = got[0], got[-1]
+        row(rows, f"(h) growth {r0} -> {r1} ranks", f"{i1['chunks'] / i0['chunks']:.1f}x the chunks",
+            f"{m1['after'][0] / m0['after'][0]:.1f}x time, {m1['after'][1] / m0['after'][1]:.1f}x memory",
+            f"torch {m1['torch'][0] / m0['torch'][0]:.1f}x time, {m1['torch'][1] / m0['torch'][1]:.1f}x memory",
+            "", "", True)
+    if a.scale_plan_ranks:
+        pl = scale_metadata.measure_plan(root, a.scale_plan_ranks, "fsdp=64", 64, 3, log)
+        r = pl["runs"][0]
+        share = r["bytes_read"] / r["tensor_bytes"]
+        row(rows, f"(h) plan of 1 host of 64 importing the {a.scale_plan_ranks}-rank source (fsdp=64)",
+            "time, peak RSS; bytes that host reads", f"{pl['seconds']:.1f} s, {pl['peak_rss'] / GIB:.2f} GiB; "
+            f"{r['bytes_read'] / GIB:.1f} GiB", f"{r['tensor_bytes'] / GIB:.0f} GiB of arrays", f"{share:.5f} "
+            f"(1/64 = {1 / 64:.5f})", "~1/64", abs(share * 64 - 1) < 0.05)
+    if not a.scale_root:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ from hybridckpt.errors import ConfigError, HybridCkptError
 def cmd_inspect(a) -> int:
     from hybridckpt.jobs.inspect import inspect
 
+    if (a.process is not None or a.processes) and not a.plan:
+        raise ConfigError("--process and --processes are only for --plan")
     if a.plan or a.mesh:
         if not (a.plan and a.mesh):
             raise ConfigError("inspect --plan needs --mesh (the target mesh), and --mesh is only for --plan")
@@ -72,6 +74,8 @@ def cmd_import(a) -> int:
 
     if a.json and not a.plan:
         raise ConfigError("import --json prints a plan: it needs --plan")
+    if (a.process is not None or a.processes) and not a.plan:
+        raise ConfigError("--process and --processes are only for --plan")
     if a.plan:
         return _print_plan(a, params_only=a.params_only, dtype=a.dtype, rules=a.rules,
                            strict_sharding=a.strict_sharding)
@@ -98,7 +102,8 @@ def _print_plan(a, **options) -> int:
     """`import --plan` / `inspect --plan`: the import's plan (`jobs.plan_report`), as text or JSON."""
     from hybridckpt.jobs.plan_report import plan_import
 
-    plan = plan_import(a.src, fmt=a.format, mesh=a.mesh, config=a.config, step=a.step, **options)
+    plan = plan_import(a.src, fmt=a.format, mesh=a.mesh, config=a.config, step=a.step, process=a.process,
+                       processes=a.processes, **options)
     if a.json:
         print(json.dumps(plan.to_json(), indent=2))
         return 0

@@ -77,6 +77,14 @@ def _common(sp, *, fmt=True, config=True, io=False, progress=True, step=True) ->
         sp.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def _plan_processes(sp) -> None:
+    sp.add_argument("--processes", type=_thread_count, metavar="N",
+                    help="with --plan: split the devices over N processes in order, as N hosts of a "
+                    "jax.distributed run hold them (default: this run's processes)")
+    sp.add_argument("--process", type=int, metavar="P",
+                    help="with --plan: plan only process P (e.g. one host of --processes N)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="hybridckpt",
@@ -94,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print JSON")
     s.add_argument("--plan", action="store_true", help=PLAN_HELP + " (with --mesh)")
     s.add_argument("--mesh", help="with --plan: the target mesh, e.g. fsdp=2,tp=2")
+    _plan_processes(s)
     _common(s, progress=False)
     s.set_defaults(fn=commands.cmd_inspect)
 
@@ -127,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-verify-reads", action="store_true", help=NO_VERIFY_HELP)
     s.add_argument("--plan", action="store_true", help=PLAN_HELP + "; DST is not touched")
     s.add_argument("--json", action="store_true", help="with --plan: print the plan as JSON")
+    _plan_processes(s)
     _common(s, io=True)
     s.set_defaults(fn=commands.cmd_import)
 

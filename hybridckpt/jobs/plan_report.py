@@ -102,19 +102,40 @@ def leaf_tiles(leaf: Any, tile_bytes: int) -> list[tuple[Any, tuple]]:
             for t in plan_tiles(box, chunk, leaf.dtype.itemsize, tile_bytes)]
 
 
-def plan_leaves(leaves: list[Any], tile_bytes: int, process: int | None = None) -> dict[int, dict]:
+def process_of(processes: int | None):
+    """The process index of a device: jax's (`processes` None), or the device's place among
+    `jax.devices()` split in `processes` equal consecutive runs, as `jax.distributed` orders the
+    devices of that many hosts (to plan one host of a run this process is not part of)."""
+    if processes is None:
+        return lambda dev: dev.process_index
+    import jax
+
+    devs = jax.devices()
+    if processes < 1 or len(devs) % processes:
+        from hybridckpt.errors import ConfigError
+
+        raise ConfigError(f"--processes {processes}: expected a positive divisor of the {len(devs)} devices")
+    place = {d.id: i for i, d in enumerate(devs)}
+    per = len(devs) // processes
+    return lambda dev: place[dev.id] // per
+
+
+def plan_leaves(leaves: list[Any], tile_bytes: int, process: int | None = None,
+                processes: int | None = None) -> dict[int, dict]:
     """Per device id: {"process", "counter" (`count_reads` of its tiles), "written", "tiles"},
-    for the devices of `process` (None: every process)."""
+    for the devices of `process` (None: every process); `processes`: see `process_of`."""
     from hybridckpt.io.byte_source import count_reads, planning
     from hybridckpt.io.direct_io import aligned_empty
 
     out: dict[int, dict] = {}
     buffers: dict[tuple, np.ndarray] = {}  # one reused buffer per (shape, dtype): no memory growth
+    owner = process_of(processes)
     for leaf in leaves:
         for dev, box in leaf_tiles(leaf, tile_bytes):
-            if process is not None and dev.process_index != process:
+            proc = owner(dev)
+            if process is not None and proc != process:
                 continue
-            d = out.setdefault(dev.id, {"process": dev.process_index, "counter": Counter(), "written": 0, "tiles": 0})
+            d = out.setdefault(dev.id, {"process": proc, "counter": Counter(), "written": 0, "tiles": 0})
             shape = tuple(b - a for a, b in box)
             key = (shape, leaf.dtype)
             if key not in buffers:
@@ -140,10 +161,12 @@ def plan_import(
     strict_sharding: bool = False,
     step: int | None = None,
     process: int | None = None,
+    processes: int | None = None,
     stream_options: Any = None,
 ) -> ImportPlan:
     """The plan of `import_checkpoint(src, ..., mesh=mesh)` with the same arguments; `process`:
-    only that process's devices (None: all). Opens the source (metadata) and reads nothing else."""
+    only that process's devices (None: all); `processes`: the devices split over that many
+    processes (`process_of`; None: jax's own). Opens the source (metadata) and reads nothing else."""
     import jax
 
     from hybridckpt.jobs.import_ import lazy_targets
@@ -157,7 +180,11 @@ def plan_import(
                       stream_options=stream_options)
     written = [x for x in jax.tree.leaves((lt.params, lt.opt_state), is_leaf=lambda x: isinstance(x, stream.LazyLeaf))
                if isinstance(x, stream.LazyLeaf)]
-    per = plan_leaves(written, lt.options.tile_bytes, process)
+    per = plan_leaves(written, lt.options.tile_bytes, process, processes)
+    if process is not None and not per:
+        from hybridckpt.errors import ConfigError
+
+        raise ConfigError(f"--process {process}: no device of mesh {MeshShape.of(lt.mesh)} belongs to that process")
     devices = []
     for dev_id in sorted(per):
         d = per[dev_id]

@@ -130,3 +130,40 @@ def test_plan_of_one_of_ours_equals_its_reimport(monkeypatch, tmp_path):
     imported = _imported_reads(monkeypatch, first, str(tmp_path / "second"), mesh, None)
     assert _mismatches(plan, imported) == []
     assert sum(d.reads for d in plan.devices) > 0
+
+
+def test_plan_of_one_process_of_many(capsys):
+    """`--processes N --process P`: the devices split over N processes in order (as N hosts hold
+    them); one process's plan is exactly the whole plan's devices of that process, the processes
+    together are the whole plan, and each process reads a share of the bytes."""
+    import jax
+
+    src, config = SOURCES["dcp"]
+    n = jax.device_count()
+    mesh = fit("fsdp=8")
+    whole = plan_import(src, mesh=mesh, config=config, processes=n)
+    assert [p.process for p in whole.processes] == sorted({d.process for d in whole.devices})
+    assert {d.device: d.process for d in whole.devices} == {
+        d.id: i for i, d in enumerate(jax.devices()) if d.id in {x.device for x in whole.devices}}
+    for p in whole.processes:
+        one = plan_import(src, mesh=mesh, config=config, process=p.process, processes=n)
+        mine = tuple(d for d in whole.devices if d.process == p.process)
+        key = lambda d: (d.device, d.process, d.files, d.bytes_written, d.tiles)  # noqa: E731
+        assert [key(d) for d in one.devices] == [key(d) for d in mine]
+        # alone, a process reads the torch.save headers of its chunks itself (in the whole plan
+        # another process's device read some of them first): at least the whole plan's bytes
+        assert all(a.bytes_read >= b.bytes_read and a.reads >= b.reads for a, b in zip(one.devices, mine, strict=True))
+        assert one.processes[0].process == p.process and one.processes[0].bytes_written == p.bytes_written
+    assert sum(p.bytes_written for p in whole.processes) == whole.tensor_bytes
+    if n > 1:  # more than one process: each reads a part
+        assert all(0 < p.bytes_read < sum(q.bytes_read for q in whole.processes) for p in whole.processes)
+    assert main(["inspect", src, "--plan", "--mesh", mesh, "--config", config, "--processes", str(n),
+                 "--process", "0"]) == 0
+    text = capsys.readouterr().out
+    assert "process 0:" in text and "process 1:" not in text
+    assert main(["inspect", src, "--processes", "2"]) == 2
+    assert "only for --plan" in capsys.readouterr().err
+    with pytest.raises(Exception, match="positive divisor"):
+        plan_import(src, mesh=mesh, config=config, processes=n + 1 if n > 1 else 0)
+    with pytest.raises(Exception, match="no device"):
+        plan_import(src, mesh=mesh, config=config, process=n, processes=n)
