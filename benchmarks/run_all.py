@@ -132,11 +132,14 @@ def main() -> None:
     ap.add_argument("--orbax-gib", type=float, default=1.0)
     ap.add_argument("--moe-gib", type=float, default=1.0, help="size of each (g) MoE source (fp32 GiB)")
     ap.add_argument("--moe-large-gib", type=float, default=4.0, help="the larger (g) per-expert source (fp32 GiB)")
-    ap.add_argument("--scale-ranks", type=int, nargs="+", default=[16],
-                    help="(h): the ranks of the 405B DCP sources (default 16; the full run: 64 256 1024)")
+    ap.add_argument("--scale-ranks", type=int, nargs="+", default=None,
+                    help="(h): the ranks of the 405B sources (default 16, torch_dist 72; the full run: 64 256 1024)")
     ap.add_argument("--scale-plan-ranks", type=int, default=0,
                     help="(h): plan one host of 64 importing the source of this many ranks (0: no plan; full run: 64)")
     ap.add_argument("--scale-root", help="(h): where the sparse sources are kept (default: under --dir, deleted)")
+    ap.add_argument("--scale-format", default="dcp", choices=("dcp", "torch_dist"),
+                    help="(h): dcp (FSDP2, scale_dcp) or torch_dist (Megatron-Core TP 8 x PP 9 x DP, "
+                         "scale_torch_dist: --scale-ranks multiples of 72)")
     ap.add_argument("--only", action="append", choices=("a", "b", "e", "plain", "f", "orbax", "g", "moe", "h", "scale"),
                     help="run only these rows (a, b = b/c/d, e = plain, f = orbax, g = moe, h = scale); repeat for several")
     a = ap.parse_args()
@@ -403,11 +406,14 @@ def _scale(a, base, rows) -> None:
     def log(s):
         print(s, file=sys.stderr, flush=True)
 
-    print(f"(h) 405B DCP metadata on {a.scale_ranks} ranks ...", file=sys.stderr, flush=True)
-    got = scale_metadata.measure(root, a.scale_ranks, 3, log)
+    td = a.scale_format == "torch_dist"
+    a.scale_ranks = a.scale_ranks or ([72] if td else [16])
+    print(f"(h) 405B {a.scale_format} metadata on {a.scale_ranks} ranks ...", file=sys.stderr, flush=True)
+    got = scale_metadata.measure(root, a.scale_ranks, 3, log, fmt=a.scale_format)
     for ranks, info, med in got:
         (ot, om), (tt, tm) = med["after"], med["torch"]
-        name = (f"(h) Llama 3.1 405B FSDP2 DCP + AdamW, {ranks} ranks ({info['chunks'] / 1000:.0f}k chunks, "
+        what = "Megatron-Core torch_dist TP 8 x PP 9 + dist. optimizer" if td else "FSDP2 DCP + AdamW"
+        name = (f"(h) Llama 3.1 405B {what}, {ranks} ranks ({info['chunks'] / 1000:.0f}k chunks, "
                 f"{info['metadata_bytes'] / 2**20:.0f} MiB `.metadata`)")
         big = info["chunks"] >= 800_000  # issue 29's check is at 874k chunks; below, fixed costs weigh
         row(rows, name, "what is where: time, peak RSS (medians of 3)", f"{ot:.1f} s, {om / GIB:.2f} GiB (inspect)",
@@ -419,7 +425,7 @@ def _scale(a, base, rows) -> None:
             f"{m1['after'][0] / m0['after'][0]:.1f}x time, {m1['after'][1] / m0['after'][1]:.1f}x memory",
             f"torch {m1['torch'][0] / m0['torch'][0]:.1f}x time, {m1['torch'][1] / m0['torch'][1]:.1f}x memory",
             "", "", True)
-    if a.scale_plan_ranks:
+    if a.scale_plan_ranks and not td:
         pl = scale_metadata.measure_plan(root, a.scale_plan_ranks, "fsdp=64", 64, 3, log)
         r = pl["runs"][0]
         share = r["bytes_read"] / r["tensor_bytes"]

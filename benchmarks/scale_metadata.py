@@ -76,11 +76,33 @@ def run_one(kind: str, path: str, before: str | None) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def source(root: str, ranks: int, log, holes_above: int = 64) -> tuple[str, dict]:
+TD_TP, TD_PP = 8, 9  # the torch_dist sources' model parallelism (NeMo 2's llama31_405b recipe)
+
+
+def source_torch_dist(root: str, ranks: int, log, holes_above: int = 64) -> tuple[str, dict]:
+    """The Megatron-Core torch_dist checkpoint of `ranks` = 8 x 9 x DP ranks under `root`
+    (`scale_torch_dist`: the `.metadata` megatron-core 0.19.2 writes, byte-identical at the real
+    case's size), written once in its own process; returns its iter folder (what torch reads)."""
+    if ranks % (TD_TP * TD_PP):
+        raise ValueError(f"torch_dist sources have {TD_TP} x {TD_PP} x DP ranks, not {ranks}")
+    path = os.path.join(root, f"megatron405b_{ranks}")
+    info_path = os.path.join(path, "scale_source.json")
+    if not os.path.isfile(info_path):
+        log(f"writing the {ranks}-rank torch_dist source at {path}")
+        subprocess.run([sys.executable, os.path.join(HERE, "scale_torch_dist.py"), path, "--tp", str(TD_TP),
+                        "--pp", str(TD_PP), "--dp", str(ranks // (TD_TP * TD_PP))]
+                       + (["--holes"] if ranks > holes_above else []), check=True, stdout=subprocess.DEVNULL)
+    with open(info_path) as f:
+        return os.path.join(path, "iter_0000001"), json.load(f)
+
+
+def source(root: str, ranks: int, log, holes_above: int = 64, fmt: str = "dcp") -> tuple[str, dict]:
     """The checkpoint of `ranks` ranks under `root` (written once, then reused): `scale_dcp`'s
     direct build of the `.metadata` torch's planner writes (byte-identical, `scale_dcp.check`);
     the tensors' archive headers written up to `holes_above` ranks (a plan reads them), holes
     above (no figure here reads a tensor byte; 5 KiB of disk a chunk saved)."""
+    if fmt == "torch_dist":
+        return source_torch_dist(root, ranks, log, holes_above)
     path = os.path.join(root, f"llama405b_{ranks}")
     info_path = os.path.join(path, "scale_source.json")
     if not os.path.isfile(info_path):
@@ -124,14 +146,14 @@ def plan_one(path: str, mesh: str, processes: int) -> dict:
 
 
 def measure(root: str, ranks_list, repeats: int, log, *, before: str | None = None, before_repeats: int = 1,
-            holes_above: int = 64, samples: dict | None = None) -> list[tuple[int, dict, dict]]:
+            holes_above: int = 64, samples: dict | None = None, fmt: str = "dcp") -> list[tuple[int, dict, dict]]:
     """For each rank count: (ranks, the source's info, {kind: (median seconds, median peak RSS)}),
     torch's `read_metadata` against `hybridckpt inspect` (and `before`), fresh processes, alternating."""
     kinds = ["torch", "after"] + (["before"] if before else [])
     samples = {} if samples is None else samples
     rows = []
     for ranks in ranks_list:
-        path, info = source(root, ranks, log, holes_above)
+        path, info = source(root, ranks, log, holes_above, fmt)
         got = {k: [] for k in kinds}
         for i in range(repeats):
             for k in kinds if i % 2 == 0 else kinds[::-1]:  # alternate the order
@@ -193,6 +215,8 @@ def main(argv=None) -> int:
     ap.add_argument("--before", help="a source tree of the version to compare with (PYTHONPATH)")
     ap.add_argument("--before-repeats", type=int, default=1, help="runs of `before` (it is the slow one)")
     ap.add_argument("--json", help="write every sample here")
+    ap.add_argument("--format", default="dcp", choices=("dcp", "torch_dist"),
+                    help="dcp: FSDP2 (scale_dcp); torch_dist: Megatron-Core TP 8 x PP 9 x DP (scale_torch_dist)")
     ap.add_argument("--holes-above", type=int, default=64,
                     help="sources of more ranks leave the tensors' archive headers out (holes; default 64)")
     ap.add_argument("--plan-ranks", type=int, default=0,
@@ -207,7 +231,7 @@ def main(argv=None) -> int:
     kinds = ["torch", "after"] + (["before"] if a.before else [])
     samples: dict = {}
     rows = measure(a.root, a.ranks, a.repeats, log, before=a.before, before_repeats=a.before_repeats,
-                   holes_above=a.holes_above, samples=samples)
+                   holes_above=a.holes_above, samples=samples, fmt=a.format)
     _table(rows, kinds, a.repeats, a.before_repeats)
     if len(rows) > 1:
         (r0, i0, m0), (r1, i1, m1) = rows[0], rows[-1]
