@@ -3,7 +3,8 @@
 A sparse DCP checkpoint shaped like Llama 3.1 405B trained with FSDP2 (model + AdamW moments +
 step: 4548 tensors, `benchmarks/scale_dcp.py`: torch's own metadata objects, pickled by torch's
 `FileSystemWriter.finish`, byte-identical to what its planner path writes; the `.distcp` files
-sparse) at each `--ranks`; on it, each in a fresh
+sparse) at each `--ranks` (`--format torch_dist`: a Megatron-Core torch_dist save of the same
+model, TP 8 x PP 9 x DP, ranks a multiple of 72, `benchmarks/scale_torch_dist.py`); on it, each in a fresh
 process, alternating, `--repeats` times:
 
 - torch: `FileSystemReader(path).read_metadata()` (torch's own metadata read, the least a
