@@ -243,15 +243,42 @@ def adamw_group() -> dict:
     return g
 
 
+def coordinate(root: str, state_dict0: dict, local_plans: list):
+    """Rank 0's part of a DCP save: its `DefaultSavePlanner` (set up on `state_dict0`) merges the
+    ranks' `local_plans` and `FileSystemWriter(root)` prepares them, as `dcp.save` does; returns
+    (coordinator, writer, global plans, metadata)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    coordinator = DefaultSavePlanner()
+    coordinator.set_up_planner(state_dict0, None, True)
+    writer = FileSystemWriter(root, single_file_per_rank=True, sync_files=False)
+    writer.set_up_storage_writer(True)
+    global_plans, metadata = coordinator.create_global_plan(local_plans)
+    return coordinator, writer, writer.prepare_global_plan(global_plans), metadata
+
+
+def rank_plan(plan, r: int):
+    """Rank `r`'s global plan as it receives it (pickled, as scatter_object does), its `.distcp`
+    file name, and its items in `FileSystemWriter`'s write order (byte items first)."""
+    from torch.distributed.checkpoint.filesystem import _StoragePrefix
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    plan = pickle.loads(pickle.dumps(plan))
+    prefix = plan.storage_data.prefix if isinstance(plan.storage_data, _StoragePrefix) else f"__{r}_"
+    items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
+    items += [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
+    return plan, f"{prefix}0.distcp", items
+
+
 def write(root: str, params, layouts, world: int, *, moments: bool = True, config: dict | None = None,
           log=print) -> dict:
     """The sparse DCP checkpoint of `world` ranks at `root`; returns counts and sizes."""
     import dataclasses
 
     import torch  # noqa: F401
-    from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
 
@@ -265,21 +292,14 @@ def write(root: str, params, layouts, world: int, *, moments: bool = True, confi
                                None, r == 0)
         plan = planner.create_local_plan()
         local_plans.append(pickle.loads(pickle.dumps(plan)))  # gather_object: pickled per rank
-    coordinator = DefaultSavePlanner()
-    coordinator.set_up_planner(rank_state_dict(params, layouts, 0, moments=moments, param_groups=group), None, True)
-    writer = FileSystemWriter(root, single_file_per_rank=True, sync_files=False)
-    writer.set_up_storage_writer(True)
-    global_plans, metadata = coordinator.create_global_plan(local_plans)
-    global_plans = writer.prepare_global_plan(global_plans)
+    coordinator, writer, global_plans, metadata = coordinate(
+        root, rank_state_dict(params, layouts, 0, moments=moments, param_groups=group), local_plans
+    )
     del local_plans
     log(f"  plans of {world} ranks: {time.perf_counter() - t0:.0f} s")
     results, sizes, written = [], {}, {}
     for r, plan in enumerate(global_plans):
-        plan = pickle.loads(pickle.dumps(plan))  # scatter_object: pickled per rank
-        prefix = plan.storage_data.prefix if isinstance(plan.storage_data, _StoragePrefix) else f"__{r}_"
-        file_name = f"{prefix}0.distcp"
-        items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
-        items += [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
+        plan, file_name, items = rank_plan(plan, r)
         offset, out, blobs = 0, [], []
         for item in items:
             if item.type == WriteItemType.BYTE_IO:

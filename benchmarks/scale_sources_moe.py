@@ -38,7 +38,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from scale_sources import ShardProxy, _item_length  # noqa: E402
+from scale_sources import ShardProxy, _item_length, coordinate, rank_plan  # noqa: E402
 
 DSV3_671B = {  # torchtitan 0.3.0 models/deepseek_v3/__init__.py `_671b`
     "dim": 7168, "dense_hidden_dim": 18432, "moe_hidden_dim": 2048, "n_layers": 61,
@@ -142,9 +142,8 @@ def adamw_group() -> dict:
 def write(root: str, world: int, ep: int, log=print) -> dict:
     """The sparse checkpoint of `world` ranks (EP `ep`) at `root`; returns counts and sizes."""
     import torch
-    from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
 
@@ -163,21 +162,14 @@ def write(root: str, world: int, ep: int, log=print) -> dict:
             if item.type == WriteItemType.BYTE_IO or item.tensor_data.chunk.sizes == torch.Size([]):
                 values.setdefault(item.index.fqn, planner.state_dict[item.index.fqn])
         local_plans.append(pickle.loads(pickle.dumps(plan)))  # gather_object: pickled per rank
-    coordinator = DefaultSavePlanner()
-    coordinator.set_up_planner(rank_state_dict(tensors, 0, world, ep, group), None, True)
-    writer = FileSystemWriter(root, single_file_per_rank=True, sync_files=False)
-    writer.set_up_storage_writer(True)
-    global_plans, metadata = coordinator.create_global_plan(local_plans)
-    global_plans = writer.prepare_global_plan(global_plans)
+    coordinator, writer, global_plans, metadata = coordinate(
+        root, rank_state_dict(tensors, 0, world, ep, group), local_plans
+    )
     del local_plans
     log(f"  plans of {world} ranks: {time.perf_counter() - t0:.0f} s")
     results, sizes, written = [], {}, {}
     for r, plan in enumerate(global_plans):
-        plan = pickle.loads(pickle.dumps(plan))  # scatter_object: pickled per rank
-        prefix = plan.storage_data.prefix if isinstance(plan.storage_data, _StoragePrefix) else f"__{r}_"
-        file_name = f"{prefix}0.distcp"
-        items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
-        items += [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
+        plan, file_name, items = rank_plan(plan, r)
         offset, out, blobs = 0, [], []
         for item in items:
             v = values.get(item.index.fqn)
