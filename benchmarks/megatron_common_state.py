@@ -8,6 +8,7 @@ argument names), so `scale_torch_dist` keeps the real bytes where nothing change
 
 from __future__ import annotations
 
+import contextlib
 import io
 import sys
 
@@ -60,7 +61,32 @@ def common_state(blob: bytes, m: dict, tp: int, pp: int, dp: int) -> bytes:
             return super().find_class(module, name)
 
     pm = type("pm", (), {"Unpickler": Unpickler, "load": pickle.load, "__name__": "pickle"})
-    state = torch.load(io.BytesIO(blob), weights_only=False, pickle_module=pm)
+    with _own_megatron_modules():
+        return _resized(torch.load(io.BytesIO(blob), weights_only=False, pickle_module=pm), m, tp, pp, dp)
+
+
+@contextlib.contextmanager
+def _own_megatron_modules():
+    """Our stand-in `megatron.*` modules for the duration, whatever runtime modules of that name
+    another caller made (a test fixture's `megatron.core.enums`): those are put back after. A
+    real megatron install is refused (its classes would be the real ones)."""
+    names = [k for k in sys.modules if k == "megatron" or k.startswith("megatron.")]
+    real = [k for k in names if getattr(sys.modules[k], "__file__", None) is not None]
+    if real:
+        raise RuntimeError(f"{real[0]} is a real module here: no stand-in")
+    saved = {k: sys.modules.pop(k) for k in names}
+    try:
+        yield
+    finally:
+        for k in [k for k in sys.modules if k == "megatron" or k.startswith("megatron.")]:
+            del sys.modules[k]
+        sys.modules.update(saved)
+
+
+def _resized(state, m: dict, tp: int, pp: int, dp: int) -> bytes:
+    """`torch.save` of the unpickled common `state` with this run's sizes in its `args`."""
+    import torch
+
     a = state[0]["args"]  # a ShardedObject's value is saved as a one-item list
     kv = m["hidden_size"] // m["num_attention_heads"]
     changes = {"num_layers": m["num_layers"], "hidden_size": m["hidden_size"], "ffn_hidden_size": m["ffn_hidden_size"],
