@@ -15,7 +15,8 @@ policy and calling the same policy objects (`DCP_POLICY`: stub classes, `torch.S
 general machine calls; NEWOBJ only on stub classes, REDUCE only on stubs and the policy's frozen
 functions, BUILD only on stubs. Where a chunk or a storage entry starts and the memo already holds
 its class and field names, one compiled pattern of those exact bytes (`containers.dcp_records`)
-matches the whole record and its numbers go straight into `RawTables` columns (a placeholder on the stack
+matches the whole record and its numbers go straight into `RawTables` columns (megatron's
+save plans' write items: `containers.dcp_plans`, matched and counted, never read) (a placeholder on the stack
 until APPENDS / SETITEMS put them in order); anything else runs opcode by opcode. Entries a
 matched record memoizes are not kept (only its strings): a later fetch of one, and every opcode,
 shape or value outside the subset, raises `Fallback`, and the caller reads the file with the
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import struct
 
+from hybridckpt.containers.dcp_plans import _ITEM, item_pattern, plan_items
 from hybridckpt.containers.dcp_records import _MISSING, _VALUE, Fallback, Records, _Row, deframe
 from hybridckpt.containers.dcp_stubs import DCP_POLICY, chunk_row, extract, kind, storage_entry
 from hybridckpt.containers.dcp_tables import RawTables, numbers_budget
@@ -122,6 +124,8 @@ class _Machine(Records):
                 if nxt == b"h" or nxt == b"j":  # a batch of list items or dict entries
                     pos = self.chunks(pos)
                     pos = self.entries(pos)
+                    if self.item_pattern is not None:
+                        pos = plan_items(self, pos)
             elif op == 0x68 or op == 0x6A:  # BINGET, LONG_BINGET
                 if op == 0x68:
                     i, pos = buf[pos], pos + 1
@@ -219,6 +223,8 @@ class _Machine(Records):
                     raise Fallback
                 self._clean(state if isinstance(state, tuple) else (state,))
                 inst.__setstate__(state)
+                if self.item_pattern is not None and buf[pos : pos + 1] in (b"h", b"j"):
+                    pos = plan_items(self, pos)  # the write items after one read here
             elif op == 0x2E:  # STOP
                 if len(stack) != 1 or marks or pos != end:
                     raise Fallback
@@ -268,6 +274,14 @@ class _Machine(Records):
     def _into(self, lst, items: list) -> None:
         if type(lst) is not list:
             raise Fallback
+        if any(x is _ITEM for x in items):  # matched write items: only into a plan's list, nothing else of ours
+            if id(lst) in self.lists or any(
+                (type(x) is _Row and x is not _ITEM) or type(x) is self.chunk_class for x in items
+            ):
+                raise Fallback
+            self.plan_lists[id(lst)] = lst
+            lst.extend(items)
+            return
         if any(type(x) is _Row or (isinstance(x, Stub) and type(x) is self.chunk_class) for x in items):
             self.append_rows(lst, items)
         elif id(lst) in self.lists:
@@ -313,6 +327,9 @@ class _Machine(Records):
             raise Fallback from None
 
 
+_ITEM_PATTERN = item_pattern()
+
+
 def read(data: bytearray, path: str) -> tuple[RawTables, tuple]:
     """`RawTables` of one `.metadata` file's bytes (changed in place) and `extract`'s other
     results (byte item fqns, planner_data, version, written_to); Fallback when the file is not
@@ -323,6 +340,8 @@ def read(data: bytearray, path: str) -> tuple[RawTables, tuple]:
     data.clear()
     raw = RawTables(budget=budget)
     m = _Machine(buf, frames, path, raw)
+    if b"WriteItem" in buf:
+        m.item_pattern = _ITEM_PATTERN
     try:
         md = m.run()
     except Fallback:
@@ -353,6 +372,26 @@ def read(data: bytearray, path: str) -> tuple[RawTables, tuple]:
         rest = extract(md, raw, path, rows_of=rows_of, storage_done=True)
     except HybridCkptError:
         raise Fallback from None
+    except Exception:  # noqa: BLE001 - a matched write item where a reader looks: the general machine decides
+        if m.plan_lists:
+            raise Fallback from None
+        raise
+    if m.plan_lists:
+        _items_only_in_plans(md, m.plan_lists, rest)
     if sum(c for _, c in used.values()) != len(raw.c_nd) or len(used) != len(m.lists):
         raise Fallback  # chunk rows no tensor holds
     return raw, rest
+
+
+def _items_only_in_plans(md, plan_lists: dict, rest: tuple) -> None:
+    """Fallback unless every list that matched write items went into is one plan's `items` in
+    `md.all_local_plans`, and no matched item reached what `extract` returned."""
+    plans = vars(md).get("all_local_plans")
+    held = {id(vars(p).get("items")) for p in plans if isinstance(p, Stub)} if type(plans) is list else set()
+    if any(i not in held for i in plan_lists):
+        raise Fallback
+    _, planner, version, written = rest
+    if any(x is _ITEM for v in planner.values() for x in v):
+        raise Fallback
+    if not (version is None or type(version) is str) or not (written is None or type(written) is str):
+        raise Fallback

@@ -212,7 +212,9 @@ def _opcode_starts(buf, s: int, e: int) -> set[int]:
 
 class Records:
     """The record half of the machine: the memo, matched chunk and storage-entry records
-    (pushed on `stack` as `_Row`s), frames. `dcp_fast._Machine` adds the opcode loop."""
+    (pushed on `stack` as `_Row`s), frames. `dcp_fast._Machine` adds the opcode loop and the
+    save plans' write items (`dcp_plans`)."""
+
 
     def __init__(self, buf: bytes, frames: list[int], path: str, raw: RawTables):
         self.buf, self.frames, self.fi = buf, frames, 0
@@ -226,6 +228,10 @@ class Records:
         self.known: dict[str, int] = {}
         self.chunk_pattern: re.Pattern | None = None
         self.entry_patterns: _EntryPatterns | None = None
+        self.item_pattern: re.Pattern | None = None  # a save plan's write item (`dcp_plans`)
+        self.checked: dict[int, Any] = {}  # memo index -> the name / (class,) it was seen to hold
+        self.items_matched = 0
+        self.plan_lists: dict[int, list] = {}  # id(list) -> a list matched write items went into
         self.lists: dict[int, list] = {}  # id(list) -> [list, first row, count]
         self.storage: dict[int, dict] = {}  # id(dict) -> the dict storage entries went into
         self.converted: dict[int, Any] = {}  # stubs turned into rows: never built again

@@ -329,3 +329,84 @@ def test_one_chunk_fetched_again_and_again_is_refused_before_its_rows(written, t
                 mp.setattr(dcp_fast, "read", lambda data, path: (_ for _ in ()).throw(dcp_fast.Fallback()))
             with pytest.raises(HybridCkptError, match="more chunk numbers than a file of its size"):
                 read_metadata(folder)
+
+
+# -- megatron's save plans: matched write items ----------------------------------------------
+
+
+def _plan_spans(path: str):
+    """The deframed pickle of `path` and, per call of the write-item matcher that matched, (start,
+    end, memo size at start): read by the specialised machine, which must not fall back."""
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    frames = dcp_fast.deframe(data)
+    buf = bytes(data)
+    spans = []
+    real = dcp_fast.plan_items
+
+    def record(rec, pos):
+        n0 = rec.memo_n
+        end = real(rec, pos)
+        if end != pos:
+            spans.append((pos, end, n0))
+        return end
+
+    m = dcp_fast._Machine(buf, frames, path, RawTables())
+    m.item_pattern = dcp_fast._ITEM_PATTERN
+    dcp_fast.plan_items = record
+    try:
+        m.run()
+    finally:
+        dcp_fast.plan_items = real
+    return buf, spans, m
+
+
+@pytest.mark.parametrize("path", [p for p in REAL_FILES if "megatron_core" in p],
+                         ids=lambda p: os.path.relpath(p, REAL).split(os.sep)[0])
+def test_megatron_write_items_are_matched_records(path):
+    """The plans' write items of every real megatron `.metadata` go through the record pattern
+    (all but the first of each plan and a few the opcode loop reads), without falling back."""
+    items = sum(len(vars(p)["items"]) for p in vars(safe_load_file(path, DCP_POLICY))["all_local_plans"])
+    _, spans, m = _plan_spans(path)
+    assert m.plan_lists and m.items_matched >= items // 2, (m.items_matched, items)
+    assert read_metadata(os.path.dirname(path)).readers == ("fast",)
+
+
+def test_damaged_write_items_same_outcome_as_the_general_machine(tmp_path, monkeypatch):
+    """Byte flips inside matched write items, and a write item fetching a memo entry the
+    specialised reader does not keep (another item's WriteItem object): the general machine's
+    outcome; the latter is read, by the general machine (the specialised one falls back)."""
+    path = next(p for p in REAL_FILES if "megatron_core_dense_dp" in p)
+    buf, spans, _ = _plan_spans(path)
+    folder = str(tmp_path / "m")
+    shutil.copytree(os.path.dirname(path), folder)
+    meta = os.path.join(folder, ".metadata")
+    plain = b"\x80\x04\x95" + len(buf).to_bytes(8, "little") + buf  # one frame: positions are buf's + 11
+    rng = np.random.default_rng(29)
+    inside = [i for s, e, _ in spans for i in range(s, e)]
+    kinds = set()
+    for i in rng.choice(inside, size=40, replace=False).tolist():
+        for v in (0x00, 0x94, 0x68, buf[i] ^ 0x01):
+            bad = bytearray(plain)
+            bad[11 + i] = v
+            with open(meta, "wb") as f:
+                f.write(bad)
+            a = _outcome(folder, monkeypatch, general=False)
+            assert a == _outcome(folder, monkeypatch, general=True), (i, v)
+            kinds.add(a[0])
+    assert kinds == {"ok", "error"}
+    # the second matched run's first item: its type fetch now names the first run's WriteItem
+    (_, _, n_prev), (s1, _, _) = spans[0], spans[1]
+    d = dcp_fast._ITEM_PATTERN.match(buf, s1).groupdict()
+    at = dcp_fast._ITEM_PATTERN.match(buf, s1).start("type")
+    assert d["type"][:1] == b"j"
+    bad = bytearray(plain)
+    bad[11 + at : 11 + at + 5] = b"j" + n_prev.to_bytes(4, "little")
+    with open(meta, "wb") as f:
+        f.write(bad)
+    a = _outcome(folder, monkeypatch, general=False)
+    assert a[0] == "ok" and a == _outcome(folder, monkeypatch, general=True)
+    assert read_metadata(folder).readers == ("general",)
+    with open(meta, "wb") as f:
+        f.write(plain)
+    assert read_metadata(folder).readers == ("fast",)  # one frame, undamaged: the fast reader

@@ -1,0 +1,185 @@
+"""Matched write items of the save plans megatron-core pickles into its `.metadata`.
+
+Megatron-Core's `torch_dist` `.metadata` holds every rank's `SavePlan` (`Metadata.all_local_plans`,
+about half the pickle): one `WriteItem(index=MetadataIndex(fqn, index[, offset]), type=...,
+bytes_io_data=None, tensor_data=TensorWriteData(chunk, properties, size) | None)` per chunk,
+its chunk, properties and size objects, and its type, fetched from the memo. No reader needs
+them (`dcp_stubs.extract` reads `state_dict_metadata`, `storage_data`, `planner_data`,
+`version`, `storage_meta`), but the general machine builds ~10 objects per item.
+
+Once the memo holds the classes and field names, one compiled pattern of those exact bytes
+(`item_pattern`) matches a whole item: every memo entry it makes is counted (its new fqn string
+kept, the other objects not: fetching one falls back), every memo fetch in it must name an entry
+the general machine would have, its numbers pass the same bounds, and `_ITEM` goes on the stack.
+`_ITEM` may only be appended to a list (`dcp_fast._into`, which registers the list in
+`plan_lists`); `dcp_fast.read` checks that each such list is a plan's `items` in
+`all_local_plans` and that no `_ITEM` reached what `extract` returns, else Fallback.
+"""
+
+from __future__ import annotations
+
+import re
+from bisect import bisect_left
+
+from hybridckpt.containers.dcp_records import (
+    _INT,
+    _MISSING,
+    _OBJ,
+    _SIZE,
+    Fallback,
+    _check,
+    _int_run,
+    _Row,
+    _size_value,
+)
+from hybridckpt.containers.pickle.allow import Stub
+
+_ITEM = _Row(())  # a matched write item on the stack (never a chunk or storage row: len 0)
+
+_F = rb"(?P<%s>h[\s\S]|j[\s\S]{4})"  # BINGET i | LONG_BINGET i, named
+_BODY = rb"(?:\)|(?P<%s_run>" + _INT + rb"{1,3})([\x85\x86\x87])\x94|\((" + _INT + rb"{4,64})t\x94)\x85\x94R\x94"
+_ONE = rb"(?:h[\s\S]|j[\s\S]{4}|\x88|\x89|N)"
+
+# what each named fetch must hold: a field name (str) or a class (its stub name; "Size": torch.Size)
+EXPECT = {
+    "k_index": "index", "k_index2": "index", "k_fqn": "fqn", "k_offset": "offset", "k_type": "type",
+    "k_bio": "bytes_io_data", "k_td": "tensor_data", "k_chunk": "chunk", "k_props": "properties",
+    "k_size": "size", "wi": ("WriteItem",), "mi": ("MetadataIndex",), "twd": ("TensorWriteData",),
+    "tp": ("TensorProperties",), "size1": ("Size",), "size2": ("Size",),
+}
+
+
+def item_pattern(_known=None) -> re.Pattern:
+    """A `WriteItem` record; every class and field name a fetch (`EXPECT` says what it must
+    hold: megatron's plans fetch per-rank copies of the names)."""
+    text = rb"(?:\x8c(?P<fqn_n>[\s\S])(?P<fqn_t>[\s\S]{0,255}?)\x94|" + _F % b"fqn_f" + rb")"
+    props = (rb"(?:" + _F % b"props" + rb"|" + _F % b"tp" + rb"\)\x81\x94\((?P<pargs>" + _ONE + rb"{5})t\x94b)")
+    twd = (
+        _F % b"twd" + _OBJ + _F % b"k_chunk" + _F % b"chunk" + _F % b"k_props" + props + _F % b"k_size"
+        + rb"(?:" + _F % b"size2" + _BODY % b"s" + rb"|" + _F % b"size_f" + rb")ub"
+    )
+    return re.compile(
+        _F % b"wi" + _OBJ + _F % b"k_index" + _F % b"mi" + _OBJ + _F % b"k_fqn" + text
+        + _F % b"k_index2" + rb"(?P<idx>N|" + _INT + rb")(?:" + _F % b"k_offset" + _F % b"size1" + _BODY % b"o"
+        + rb")?ub" + _F % b"k_type" + _F % b"type" + _F % b"k_bio" + rb"N" + _F % b"k_td"
+        + rb"(?:(?P<notd>N)|" + twd + rb")ub"
+    )
+
+
+def _at(b: bytes) -> int:
+    """The memo index of a matched BINGET / LONG_BINGET."""
+    return b[1] if b[0] == 0x68 else int.from_bytes(b[1:5], "little")
+
+
+def _holds(rec, i: int, want) -> bool:
+    """Whether memo entry `i` (kept) is the field name or class `want`; cached per index."""
+    got = rec.checked.get(i)
+    if got is None:
+        v = rec.memo.get(i, _MISSING)
+        if type(v) is str:
+            got = v
+        elif v is _SIZE:
+            got = ("Size",)
+        elif isinstance(v, type) and issubclass(v, Stub):
+            got = (v.stub_name,)
+        else:
+            return False
+        rec.checked[i] = got
+    return got == want
+
+
+def plan_items(rec, pos: int) -> int:
+    """Write items from `pos` on (`rec`: a `dcp_records.Records`), each pushed as `_ITEM`;
+    where the first not matched is (left to the opcode loop: nothing of it counted yet). A
+    fetch of an entry this reader does not hold falls back."""
+    pattern = rec.item_pattern
+    buf, push, memo, cache = rec.buf, rec.stack.append, rec.memo, rec.size_cache
+    gi = pattern.groupindex
+    o_run, s_run = gi["o_run"], gi["s_run"]
+    n_items = 0
+    while True:
+        m = pattern.match(buf, pos)
+        if m is None:
+            break
+        d = m.groupdict()
+        if any(d[k] is not None and not _holds(rec, _at(d[k]), w) for k, w in EXPECT.items()):
+            break
+        if d["fqn_n"] is not None and len(d["fqn_t"]) != d["fqn_n"][0]:
+            break  # a fqn holding a MEMOIZE byte: the opcode loop reads it
+        idx = d["idx"]
+        if idx != b"N":
+            _check(_int_run(idx))
+        n0 = rec.memo_n
+        n = n0 + 4  # WriteItem and its dict, MetadataIndex and its dict (not kept)
+        keep = []  # (memo index, the object the general machine would hold there)
+        if d["fqn_n"] is not None:
+            try:
+                keep.append((n, d["fqn_t"].decode("utf-8", "surrogatepass")))
+            except UnicodeDecodeError:
+                raise Fallback from None
+            n += 1
+        else:
+            _exists(rec, _at(d["fqn_f"]), n0)
+        if d["size1"] is not None:
+            n = _size_memo(_size_value(m, o_run, cache), n, keep)
+        _exists(rec, _at(d["type"]), n0)
+        if d["notd"] is None:
+            n += 2  # TensorWriteData and its dict (not kept)
+            _exists(rec, _at(d["chunk"]), n0)
+            if d["tp"] is not None:
+                state = tuple(_one(rec, op, n0) for op in re.findall(rb"h[\s\S]|j[\s\S]{4}|[\x88\x89N]", d["pargs"]))
+                cls = memo[_at(d["tp"])]
+                obj = cls.__new__(cls)
+                obj.__setstate__(state)
+                keep += [(n, obj), (n + 1, state)]
+                n += 2
+            else:
+                _exists(rec, _at(d["props"]), n0)
+            if d["size2"] is not None:
+                n = _size_memo(_size_value(m, s_run, cache), n, keep)
+            else:
+                _exists(rec, _at(d["size_f"]), n0)
+        for i, v in keep:
+            memo[i] = v
+        rec.memo_n = n
+        e = m.end()
+        rec.frames_in(pos, e)
+        push(_ITEM)
+        n_items += 1
+        pos = e
+    rec.items_matched += n_items
+    return pos
+
+
+def _size_memo(dims: tuple, n: int, keep: list) -> int:
+    """The memo entries of a `torch.Size(dims)` made at `n` (the dims tuple unless empty, the
+    args tuple, the Size the policy's REDUCE returns) into `keep`; the memo's size after."""
+    if dims:
+        keep.append((n, dims))
+        n += 1
+    keep += [(n, (dims,)), (n + 1, _SIZE(dims))]
+    return n + 2
+
+
+def _one(rec, op: bytes, n: int):
+    """The value of one opcode of a TensorProperties state: a fetch (checked), True, False, None."""
+    if op[0] in (0x68, 0x6A):
+        i = _at(op)
+        _exists(rec, i, n)
+        return rec.fetch(i)
+    return {0x88: True, 0x89: False, 0x4E: None}[op[0]]
+
+
+def _exists(rec, i: int, n: int) -> None:
+    """Fallback unless memo entry `i` is one the general machine would hold and this reader
+    knows (kept, a matched record's string, or a matched chunk); `n`: the memo's size now."""
+    if i >= n:
+        raise Fallback
+    if i in rec.memo:
+        return
+    for arr in (rec.hot_idx, rec.chunk_idx):
+        k = bisect_left(arr, i)
+        if k < len(arr) and arr[k] == i:
+            return
+    raise Fallback
+
