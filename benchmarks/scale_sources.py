@@ -32,6 +32,7 @@ the EP ranks and on dim 1 over the rest, like torchtitan's EP x FSDP.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import os
@@ -271,10 +272,22 @@ def rank_plan(plan, r: int):
     return plan, f"{prefix}0.distcp", items
 
 
+def finish(root: str, writer, metadata, results: list, sizes: dict, written: dict) -> None:
+    """Rank 0's `writer.finish` (the `.metadata` of `metadata` and every rank's `results`), then
+    each `.distcp` file sparse: `sizes[name]` bytes long, only its `written[name]` (offset, bytes)
+    blobs written (byte items are real: small torch.save'd values), the rest holes."""
+    writer.finish(metadata=dataclasses.replace(metadata), results=results)
+    for name, n in sizes.items():
+        with open(os.path.join(root, name), "wb") as f:
+            for at, blob in written[name]:
+                f.seek(at)
+                f.write(blob)
+            f.truncate(n)
+
+
 def write(root: str, params, layouts, world: int, *, moments: bool = True, config: dict | None = None,
           log=print) -> dict:
     """The sparse DCP checkpoint of `world` ranks at `root`; returns counts and sizes."""
-    import dataclasses
 
     import torch  # noqa: F401
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -321,13 +334,7 @@ def write(root: str, params, layouts, world: int, *, moments: bool = True, confi
         written[file_name] = blobs
         results.append(pickle.loads(pickle.dumps(out)))  # gather_object: pickled per rank
         global_plans[r] = None
-    writer.finish(metadata=dataclasses.replace(metadata), results=results)
-    for name, n in sizes.items():
-        with open(os.path.join(root, name), "wb") as f:
-            for at, blob in written[name]:  # byte items are real: small torch.save'd values
-                f.seek(at)
-                f.write(blob)
-            f.truncate(n)
+    finish(root, writer, metadata, results, sizes, written)
     if config is not None:
         with open(os.path.join(root, "config.json"), "w") as f:
             json.dump(config, f, indent=1)

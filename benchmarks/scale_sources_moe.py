@@ -38,7 +38,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from scale_sources import ShardProxy, _item_length, coordinate, rank_plan  # noqa: E402
+from scale_sources import ShardProxy, _item_length, coordinate, finish, rank_plan  # noqa: E402
 
 DSV3_671B = {  # torchtitan 0.3.0 models/deepseek_v3/__init__.py `_671b`
     "dim": 7168, "dense_hidden_dim": 18432, "moe_hidden_dim": 2048, "n_layers": 61,
@@ -190,13 +190,7 @@ def write(root: str, world: int, ep: int, log=print) -> dict:
         written[file_name] = blobs
         results.append(pickle.loads(pickle.dumps(out)))  # gather_object: pickled per rank
         global_plans[r] = None
-    writer.finish(metadata=dataclasses.replace(metadata), results=results)
-    for name, n in sizes.items():
-        with open(os.path.join(root, name), "wb") as f:
-            for at, blob in written[name]:
-                f.seek(at)
-                f.write(blob)
-            f.truncate(n)
+    finish(root, writer, metadata, results, sizes, written)
     md = metadata.state_dict_metadata.values()
     info = {
         "model": "torchtitan 0.3 deepseek_v3 671B",
