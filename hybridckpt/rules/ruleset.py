@@ -9,6 +9,7 @@ keys no rule took and the rules that matched nothing.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -74,6 +75,7 @@ class MappingResult:
 _CAPTURE = re.compile(r"\$([A-Za-z_]\w*)|\*")
 
 
+@functools.lru_cache(maxsize=4096)  # a rule's pattern is matched against every key: compile it once
 def _compile(pattern: str) -> re.Pattern:
     out, pos, stars = [], 0, 0
     for m in _CAPTURE.finditer(pattern):
