@@ -125,6 +125,39 @@ class ByteSource:
             self._pread_into(offset, buffer)
             _count(self.path, len(buffer))
 
+    def read_runs(self, offsets: np.ndarray, run_bytes: int, buffer: memoryview) -> None:
+        """Fill `buffer` (`len(offsets) * run_bytes` bytes) with the runs of `run_bytes` bytes at
+        the file's byte `offsets`, packed in their order: one pread a run, counted once for all
+        (bytes, calls) so the per-run cost is the syscall alone. A box of many runs far apart (a
+        target mesh that cuts a source chunk across its rows: a strip of every row) is millions
+        of them; under `planning` none is read and the count costs nothing per run."""
+        n = len(offsets)
+        if n == 0 or run_bytes == 0:
+            return
+        if len(buffer) != n * run_bytes:
+            raise ValueError(f"read_runs: a buffer of {len(buffer)} bytes for {n} runs of {run_bytes}")
+        if not planned():
+            if int(np.min(offsets)) < 0:  # a corrupt offset field: pread would fail with EINVAL
+                raise FormatError(f"{self.path}: read at byte {int(np.min(offsets))}, before the start of the file")
+            fd = _fd(self.path)
+            at = 0
+            for off in offsets.tolist():
+                piece = buffer[at : at + run_bytes]
+                try:
+                    got = os.preadv(fd, [piece], off)
+                except OSError as e:
+                    raise FormatError(
+                        f"{self.path}: cannot read bytes [{off}, {off + run_bytes}): {e.strerror}"
+                    ) from e
+                if got != run_bytes:  # a short read: the general loop finishes it or names the truncation
+                    self._pread_into(off + got, piece[got:])
+                at += run_bytes
+        if _counters:
+            with _lock:
+                for c in _counters:
+                    c[self.path] += n * run_bytes
+                    c[(self.path, "calls")] += n
+
     def _pread_into(self, offset: int, buffer: memoryview) -> None:
         want = len(buffer)
         if planned():  # planned: counted by the caller, not read

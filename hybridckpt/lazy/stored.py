@@ -83,10 +83,8 @@ class StoredTensor(LazyTensor):
             copy_into(out, view)
             return
         tmp = np.empty(box_shape(box), dtype=self.dtype)  # runs far apart: a pread a run, packed
-        flat = memoryview(tmp.reshape(-1).view(np.uint8))
-        for i, s in enumerate(starts.tolist()):
-            at = i * run_len * item
-            self.source.read_into(self.offset + s * item, flat[at : at + run_len * item])
+        offsets = self.offset + starts.astype(np.int64) * item
+        self.source.read_runs(offsets, run_len * item, memoryview(tmp.reshape(-1).view(np.uint8)))
         copy_into(out, tmp)
 
     def file_runs(self, box: Box, limit: int) -> list[FileRun] | None:

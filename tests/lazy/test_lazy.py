@@ -227,3 +227,37 @@ def test_a_truncated_file_under_a_many_run_read_is_one_error(tmp_path):
     t = lazy.StoredTensor(ByteSource(p), 0, (64, 256), np.dtype(np.float32))
     with pytest.raises(FormatError, match="truncated"):
         t.read_box(((0, 64), (0, 128)))
+
+
+def test_runs_far_apart_truncated_or_planned(tmp_path, monkeypatch):
+    """The pread-a-run path (`ByteSource.read_runs`): a file cut short inside the last of many
+    runs far apart is one FormatError naming the truncation; a negative offset (a corrupt header)
+    is one FormatError, not an EINVAL; under `planning` nothing is read (the buffer keeps its
+    bytes) and the runs are counted as the real read counts them, in one step."""
+    import os
+
+    from hybridckpt.io.byte_source import planning
+
+    p = str(tmp_path / "w.bin")
+    w = np.arange(64 * 4096, dtype=np.float32).reshape(64, 4096)
+    w.tofile(p)
+    t = lazy.StoredTensor(ByteSource(p), 0, w.shape, np.dtype(np.float32))
+    box = ((0, 64), (4000, 4096))  # 64 runs of 384 B, 16 KiB apart
+    with count_reads() as real:
+        np.testing.assert_array_equal(t.read_box(box), w[:, 4000:])
+    out = np.full((64, 96), -1.0, np.float32)
+    calls = []
+    monkeypatch.setattr(os, "preadv", lambda *a: calls.append(a) or 0)
+    with count_reads() as dry, planning():
+        t.read_into(box, out)
+    monkeypatch.undo()
+    assert calls == [] and (out == -1.0).all()
+    assert dry == real and real[(p, "calls")] == 64 and real[p] == 64 * 96 * 4
+    with pytest.raises(FormatError, match="before the start of the file"):
+        ByteSource(p).read_runs(np.array([0, -4096]), 16, memoryview(bytearray(32)))
+    os.truncate(p, w.nbytes - 100)  # the last run cut short
+    from hybridckpt.io.byte_source import close_all
+
+    close_all()
+    with pytest.raises(FormatError, match="truncated"):
+        t.read_box(box)
