@@ -120,6 +120,8 @@ def _print_plan(a, **options) -> int:
         for d in plan.devices:
             if d.process == p.process:
                 print("  " + line(f"device {d.device}", d))
+    for n in plan.notes:
+        print(f"note: {n}")
     return 0
 
 

@@ -146,7 +146,40 @@ def plan_leaves(leaves: list[Any], tile_bytes: int, process: int | None = None,
             d["counter"].update(c)
             d["written"] += math.prod(shape) * leaf.dtype.itemsize
             d["tiles"] += 1
+            nbytes, calls, _, _ = _tally(c)
+            per_leaf = d.setdefault("leaves", Counter())
+            per_leaf[(leaf.name, "reads")] += calls
+            per_leaf[(leaf.name, "bytes")] += nbytes
     return out
+
+
+SHORT_READ_BYTES = 4096  # a process whose reads average less than a page reads a strip of every row
+
+
+def short_read_notes(per: dict[int, dict], leaves: list[Any], top: int = 3) -> tuple[str, ...]:
+    """A line per process whose reads average under `SHORT_READ_BYTES`, naming the `top` arrays
+    with the most reads and their sharding: such reads cost a round trip each (a seek, a network
+    request) more than their bytes. They come from a target mesh cutting an array along a
+    dimension its source stored contiguously (FSDP2 and Megatron cut the first dimension of
+    torch's `[out, in]`; an axis on the other reads a short strip of every source row)."""
+    specs = {x.name: getattr(x.sharding, "spec", None) for x in leaves}
+    by_process: dict[int, Counter] = {}
+    for d in per.values():
+        by_process.setdefault(d["process"], Counter()).update(d.get("leaves", Counter()))
+    notes = []
+    for proc in sorted(by_process):
+        c = by_process[proc]
+        names = {k[0] for k in c}
+        reads, nbytes = sum(c[(n, "reads")] for n in names), sum(c[(n, "bytes")] for n in names)
+        if not reads or nbytes / reads >= SHORT_READ_BYTES:
+            continue
+        worst = sorted(names, key=lambda n: -c[(n, "reads")])[:top]
+        which = "; ".join(f"{n} {specs.get(n)}: {c[(n, 'reads')]} reads of {c[(n, 'bytes')] / max(1, c[(n, 'reads')]):.0f} B"
+                          for n in worst)
+        notes.append(f"process {proc}: {reads} reads of {nbytes / reads:.0f} B on average (under a page: the mesh "
+                     f"cuts arrays along a dimension the source stored contiguously, a strip of every row; a mesh "
+                     f"axis on the dimension the source's ranks cut reads whole rows). Most reads: {which}")
+    return tuple(notes)
 
 
 def plan_import(
@@ -200,5 +233,5 @@ def plan_import(
         ))
     return ImportPlan(
         opened.path, opened.format, str(MeshShape.of(lt.mesh)), len(written), sum(x.nbytes for x in written),
-        tuple(devices), tuple(processes), time.perf_counter() - t0,
+        tuple(devices), tuple(processes), time.perf_counter() - t0, short_read_notes(per, written),
     )

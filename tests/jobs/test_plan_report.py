@@ -167,3 +167,25 @@ def test_plan_of_one_process_of_many(capsys):
         plan_import(src, mesh=mesh, config=config, processes=n + 1 if n > 1 else 0)
     with pytest.raises(Exception, match="no device"):
         plan_import(src, mesh=mesh, config=config, process=n, processes=n)
+
+
+def test_short_reads_are_named(monkeypatch, capsys):
+    """A process whose reads average under `SHORT_READ_BYTES` gets a note naming its reads, their
+    mean size and the arrays with the most reads (a mesh cutting rows the source stored whole);
+    one whose reads are longer gets none. The note's counts are the plan's own."""
+    from hybridckpt.jobs import plan_report
+
+    src, config = SOURCES["dcp"]
+    mesh = fit("fsdp=2")
+    plan = plan_import(src, mesh=mesh, config=config)
+    p = plan.processes[0]
+    mean = p.bytes_read / p.reads
+    monkeypatch.setattr(plan_report, "SHORT_READ_BYTES", int(mean))  # the mean is not under it
+    assert plan_import(src, mesh=mesh, config=config).notes == ()
+    monkeypatch.setattr(plan_report, "SHORT_READ_BYTES", int(mean) + 1)
+    notes = plan_import(src, mesh=mesh, config=config).notes
+    assert len(notes) == 1 and notes[0].startswith(f"process 0: {p.reads} reads of {mean:.0f} B on average")
+    most = notes[0].split("Most reads: ")[1].split("; ")
+    assert len(most) == 3 and all("P(" in x or "PartitionSpec(" in x for x in most), most
+    assert main(["inspect", src, "--plan", "--mesh", mesh, "--config", config]) == 0
+    assert "note: process 0:" in capsys.readouterr().out
