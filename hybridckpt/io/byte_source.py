@@ -12,6 +12,8 @@ touched only the bytes of its box.
 (bytes, calls, gaps) but no byte is read (the buffer is left as it was), so running the import's
 own read path under it is its read plan (`jobs.plan_report`); `real_reads()` lifts it for the
 metadata a lazy tensor parses on first use (a DCP chunk's `torch.save` header), read for real.
+A planned read is counted only by this thread's counters (`count_reads(this_thread=True)`), never
+by the every-thread counters that measure what an import really read.
 """
 
 from __future__ import annotations
@@ -55,16 +57,31 @@ def close_all() -> None:
 
 
 @contextlib.contextmanager
-def count_reads() -> Iterator[Counter]:
-    """Count bytes read per file path (and `'<calls>'` per path with suffix) inside the block."""
+def count_reads(this_thread: bool = False, planned_too: bool = True) -> Iterator[Counter]:
+    """Count bytes read per file path (and `(path, "calls")`, `(path, "gap")`) inside the block:
+    every thread's reads, or with `this_thread` only this thread's (a dry read planned while
+    reader threads run, `store.stream.box_tiles`), and then with `planned_too=False` only the
+    reads really done (the headers a planned read parses on first use)."""
     counter: Counter = Counter()
+    held = _thread.__dict__.setdefault("counters", []) if this_thread else _counters
+    entry = (counter, planned_too) if this_thread else counter
     with _lock:
-        _counters.append(counter)
+        held.append(entry)
     try:
         yield counter
     finally:
-        with _lock:
-            _counters.remove(counter)
+        with _lock:  # by identity: two counters that counted the same are equal
+            del held[next(i for i, e in enumerate(held) if e is entry)]
+
+
+def _all_counters() -> list[Counter]:
+    """The counters a read of this thread adds to (call under `_lock`): a real read to every
+    thread's and this thread's own; a planned one only to this thread's that count planned
+    reads (a plan probed while an import runs is not a read of that import)."""
+    mine = getattr(_thread, "counters", None) or []
+    if planned():
+        return [c for c, planned_too in mine if planned_too]
+    return _counters + [c for c, _ in mine] if mine else _counters
 
 
 @contextlib.contextmanager
@@ -96,9 +113,9 @@ _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, er
 
 
 def _count(path: str, nbytes: int) -> None:
-    if _counters:
+    if _counters or getattr(_thread, "counters", None):
         with _lock:
-            for c in _counters:
+            for c in _all_counters():
                 c[path] += nbytes
                 c[(path, "calls")] += 1
 
@@ -152,9 +169,9 @@ class ByteSource:
                 if got != run_bytes:  # a short read: the general loop finishes it or names the truncation
                     self._pread_into(off + got, piece[got:])
                 at += run_bytes
-        if _counters:
+        if _counters or getattr(_thread, "counters", None):
             with _lock:
-                for c in _counters:
+                for c in _all_counters():
                     c[self.path] += n * run_bytes
                     c[(self.path, "calls")] += n
 
@@ -207,9 +224,9 @@ class ByteSource:
             self._pread_into(offset, memoryview(buf))
             useful = len(run_starts) * run_bytes
             _count(self.path, useful)
-            if nbytes > useful and _counters:
+            if nbytes > useful and (_counters or getattr(_thread, "counters", None)):
                 with _lock:
-                    for c in _counters:
+                    for c in _all_counters():
                         c[(self.path, "gap")] += nbytes - useful
         return buf
 

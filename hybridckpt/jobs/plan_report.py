@@ -90,18 +90,6 @@ def _tally(counter: Counter) -> tuple[int, int, int, set[str]]:
     return nbytes, calls, gaps, paths
 
 
-def leaf_tiles(leaf: Any, tile_bytes: int) -> list[tuple[Any, tuple]]:
-    """(owning device, tile box) of every tile the streaming save writes of `leaf`, all
-    processes, in the save's order (`store.stream.owned_boxes` then `plan_tiles`)."""
-    from hybridckpt.plan import box_owners
-    from hybridckpt.store.stream import chunk_shape, plan_tiles
-
-    chunk = chunk_shape(leaf)
-    owners = box_owners(leaf.shape, leaf.sharding)
-    return [(owners[box], t) for box in sorted(owners)
-            for t in plan_tiles(box, chunk, leaf.dtype.itemsize, tile_bytes)]
-
-
 def process_of(processes: int | None):
     """The process index of a device: jax's (`processes` None), or the device's place among
     `jax.devices()` split in `processes` equal consecutive runs, as `jax.distributed` orders the
@@ -121,35 +109,50 @@ def process_of(processes: int | None):
 
 
 def plan_leaves(leaves: list[Any], tile_bytes: int, process: int | None = None,
-                processes: int | None = None) -> dict[int, dict]:
-    """Per device id: {"process", "counter" (`count_reads` of its tiles), "written", "tiles"},
-    for the devices of `process` (None: every process); `processes`: see `process_of`."""
+                processes: int | None = None, inflight_bytes: int | None = None) -> dict[int, dict]:
+    """Per device id: {"process", "counter" (`count_reads` of its tiles), "written", "tiles",
+    "leaves" (reads and bytes per leaf name)}, for the devices of `process` (None: every
+    process); `processes`: see `process_of`. Each distinct box of a leaf is its lowest-id holding
+    device's, cut into the save's tiles (`store.stream.box_tiles`, whose probe of the first tile
+    reads the headers a reader parses on first use: counted to that device, as the import reads
+    them then), in the save's order."""
     from hybridckpt.io.byte_source import count_reads, planning
     from hybridckpt.io.direct_io import aligned_empty
+    from hybridckpt.plan import box_owners
+    from hybridckpt.store.stream import INFLIGHT_BYTES, box_tiles, chunk_shape
 
     out: dict[int, dict] = {}
     buffers: dict[tuple, np.ndarray] = {}  # one reused buffer per (shape, dtype): no memory growth
     owner = process_of(processes)
     for leaf in leaves:
-        for dev, box in leaf_tiles(leaf, tile_bytes):
+        chunk = chunk_shape(leaf)
+        owners = box_owners(leaf.shape, leaf.sharding)
+        for box in sorted(owners):
+            dev = owners[box]
             proc = owner(dev)
             if process is not None and proc != process:
                 continue
-            d = out.setdefault(dev.id, {"process": proc, "counter": Counter(), "written": 0, "tiles": 0})
-            shape = tuple(b - a for a, b in box)
-            key = (shape, leaf.dtype)
-            if key not in buffers:
-                buffers.clear()
-                buffers[key] = aligned_empty(shape, leaf.dtype)
-            with count_reads() as c, planning():
-                leaf.tensor.read_into(box, buffers[key])
-            d["counter"].update(c)
-            d["written"] += math.prod(shape) * leaf.dtype.itemsize
-            d["tiles"] += 1
-            nbytes, calls, _, _ = _tally(c)
-            per_leaf = d.setdefault("leaves", Counter())
-            per_leaf[(leaf.name, "reads")] += calls
-            per_leaf[(leaf.name, "bytes")] += nbytes
+            d = out.setdefault(dev.id, {"process": proc, "counter": Counter(), "written": 0, "tiles": 0,
+                                        "leaves": Counter()})
+            with count_reads(this_thread=True, planned_too=False) as probe:  # headers only
+                tiles = box_tiles(leaf, box, chunk, tile_bytes, inflight_bytes or INFLIGHT_BYTES)
+            counters = [probe]
+            for tile in tiles:
+                shape = tuple(b - a for a, b in tile)
+                key = (shape, leaf.dtype)
+                if key not in buffers:
+                    buffers.clear()
+                    buffers[key] = aligned_empty(shape, leaf.dtype)
+                with count_reads(this_thread=True) as c, planning(), np.errstate(all="ignore"):  # unread values
+                    leaf.tensor.read_into(tile, buffers[key])
+                counters.append(c)
+                d["written"] += math.prod(shape) * leaf.dtype.itemsize
+                d["tiles"] += 1
+            for c in counters:
+                d["counter"].update(c)
+                nbytes, calls, _, _ = _tally(c)
+                d["leaves"][(leaf.name, "reads")] += calls
+                d["leaves"][(leaf.name, "bytes")] += nbytes
     return out
 
 
@@ -213,7 +216,7 @@ def plan_import(
                       stream_options=stream_options)
     written = [x for x in jax.tree.leaves((lt.params, lt.opt_state), is_leaf=lambda x: isinstance(x, stream.LazyLeaf))
                if isinstance(x, stream.LazyLeaf)]
-    per = plan_leaves(written, lt.options.tile_bytes, process, processes)
+    per = plan_leaves(written, lt.options.tile_bytes, process, processes, lt.options.inflight_bytes)
     if process is not None and not per:
         from hybridckpt.errors import ConfigError
 

@@ -7,7 +7,8 @@ commit); only the data path differs (`store.stream_orbax`: the Orbax type handle
 
 - every distinct shard box is written once, by the process of the lowest-id device holding it,
   as tiles: boxes made of whole chunks of at most `tile_bytes` (`plan_tiles`; a stacked
-  `[layers, ...]` leaf is chunked per layer, so its tiles are whole layers);
+  `[layers, ...]` leaf is chunked per layer, so its tiles are whole layers), grown up to 64 MiB
+  where the source's reads are shorter than a page (`box_tiles`);
 - the reader pool (`hybridckpt.lazy.parallel`) fills a fresh buffer per tile (`read_tile`:
   `LazyTensor.read_into`: preads, casts, TP concatenation) and adds the tile's part of the leaf's
   checksum (`checksum.CHUNKS` on the chunk grid);
@@ -217,6 +218,53 @@ def plan_tiles(box: Box, chunk: tuple[int, ...], itemsize: int, budget: int) -> 
                 yield from plan_tiles(tuple(sub), chunk, itemsize, budget)
             return
     yield box  # one chunk larger than the budget
+
+
+SHORT_READ_BYTES = 4096  # a tile whose reads average less than a page may grow (`box_tiles`)
+GROWN_TILE_BYTES = 64 << 20  # the most a tile grows to; at most half the in-flight budget
+
+
+def box_tiles(leaf: LazyLeaf, box: Box, chunk: tuple[int, ...], tile_bytes: int,
+              inflight_bytes: int = INFLIGHT_BYTES) -> list[Box]:
+    """The tiles of `box` (`plan_tiles`), grown past `tile_bytes` where the source's reads are
+    short: a target mesh cutting a tensor across the rows its source stored whole (fsdp on the
+    `in` dim of an FSDP2 `[out, in]` weight) reads a strip of every source row, and a tile of
+    fewer chunks along the cut axis cuts each strip again (8 MiB tiles of a 405B fsdp=64 import:
+    strips of 128 B; the device's whole box: 1 KiB). The first tile is read dry (`planning`:
+    counted, not read) at `tile_bytes`, then at twice that while its reads average under
+    `SHORT_READ_BYTES` and each doubling makes them at least 1.5x longer, up to
+    `GROWN_TILE_BYTES` (at most half `inflight_bytes`). Deterministic per (leaf, box), so the
+    plan (`jobs.plan_report`) and the import cut the same tiles."""
+    item = leaf.dtype.itemsize
+    budget = tile_bytes
+    tiles = list(plan_tiles(box, chunk, item, budget))
+    limit = min(GROWN_TILE_BYTES, inflight_bytes // 2)
+    if len(tiles) < 2 or budget >= limit:
+        return tiles
+    mean = _mean_read_bytes(leaf, tiles[0])
+    while mean < SHORT_READ_BYTES and budget < limit:
+        wider = list(plan_tiles(box, chunk, item, min(limit, 2 * budget)))
+        if len(wider) == len(tiles):
+            break  # the box's chunks allow no larger first tile
+        longer = _mean_read_bytes(leaf, wider[0])
+        if longer < 1.5 * mean:
+            break
+        budget, tiles, mean = min(limit, 2 * budget), wider, longer
+    return tiles
+
+
+def _mean_read_bytes(leaf: LazyLeaf, box: Box) -> float:
+    """Bytes per read of `leaf`'s read of `box`, planned (no data byte read; a chunk's header the
+    reader parses on first use is read, as the import would); inf for a tensor that reads no file."""
+    from hybridckpt.io.byte_source import count_reads, planning
+
+    out = np.empty(box_shape(box), leaf.dtype)  # never written: planning leaves the copies out
+    # values computed from unread buffers (a dequantization) are garbage: no warning about them
+    with count_reads(this_thread=True) as c, planning(), np.errstate(all="ignore"):
+        leaf.tensor.read_into(box, out)
+    calls = sum(v for k, v in c.items() if isinstance(k, tuple) and k[1] == "calls")
+    nbytes = sum(v for k, v in c.items() if not isinstance(k, tuple))
+    return nbytes / calls if calls else math.inf
 
 
 # -- the byte budget ------------------------------------------------------------------------------

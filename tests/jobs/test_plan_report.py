@@ -42,18 +42,32 @@ def _imported_reads(monkeypatch, src: str, dst: str, mesh: str, config) -> dict[
     lock = threading.Lock()
     real = stream.read_tile
 
-    def counted(leaf, box, chunk):
-        with count_reads() as c:
-            out = real(leaf, box, chunk)
+    real_tiles = stream.box_tiles
+
+    def owner_of(leaf, box):
         dev = box_owners(leaf.shape, leaf.sharding)
-        owner = next(d for b, d in dev.items() if all(a0 <= a and b1 <= b0 for (a0, b0), (a, b1) in zip(b, box, strict=True)))
+        return next(d for b, d in dev.items() if all(a0 <= a and b1 <= b0 for (a0, b0), (a, b1) in zip(b, box, strict=True)))
+
+    def add(leaf, box, c, written):
         with lock:
-            d = per.setdefault(owner.id, {"counter": Counter(), "written": 0})
+            d = per.setdefault(owner_of(leaf, box).id, {"counter": Counter(), "written": 0})
             d["counter"].update(c)
-            d["written"] += out.nbytes
+            d["written"] += written
+
+    def counted(leaf, box, chunk):
+        with count_reads(this_thread=True) as c:  # the reader thread's reads: this tile's
+            out = real(leaf, box, chunk)
+        add(leaf, box, c, out.nbytes)
+        return out
+
+    def probed(leaf, box, *args):  # the tiles' probe: headers parsed on first use, as the plan counts them
+        with count_reads(this_thread=True, planned_too=False) as c:
+            out = real_tiles(leaf, box, *args)
+        add(leaf, box, c, 0)
         return out
 
     monkeypatch.setattr(stream, "read_tile", counted)
+    monkeypatch.setattr(stream, "box_tiles", probed)
     parallel.set_io_threads(1)  # one tile read at a time: each counter sees only its tile
     try:
         close_all()
@@ -94,11 +108,13 @@ def test_plan_equals_what_the_import_reads_per_device(monkeypatch, tmp_path, sou
 
 
 def test_a_wrong_plan_is_caught(monkeypatch, tmp_path):
-    """A plan of other tiles (1 KiB chunks and tiles instead of the import's 8 MiB) reads the same
-    bytes in more preads: the comparison names the devices that differ."""
+    """A plan of other tiles (1 KiB chunks and tiles instead of the import's 8 MiB, kept at 1 KiB by
+    a 2 KiB in-flight budget: short reads grow a tile to half of it at most) reads the same bytes
+    in more preads: the comparison names the devices that differ."""
     src, config = SOURCES["dcp"]
     mesh = fit("fsdp=2")
-    wrong = plan_import(src, mesh=mesh, config=config, stream_options=stream.StreamOptions(tile_bytes=1 << 10, chunk_bytes=1 << 10))
+    wrong = plan_import(src, mesh=mesh, config=config, stream_options=stream.StreamOptions(
+        tile_bytes=1 << 10, chunk_bytes=1 << 10, inflight_bytes=2 << 10))  # tiles that may not grow
     imported = _imported_reads(monkeypatch, src, str(tmp_path / "out"), mesh, config)
     bad = _mismatches(wrong, imported)
     assert bad and all("plan" in line for line in bad)
