@@ -131,14 +131,16 @@ print(json.dumps({"seconds": dt, "peak_rss": rss, "bytes_read": p.bytes_read, "r
 """
 
 
-def plan_one(path: str, mesh: str, processes: int) -> dict:
+def plan_one(path: str, mesh: str, processes: int, tree: str | None = None) -> dict:
     """One fresh process: the plan of process 0 of `processes` importing `path` onto `mesh`
     (`hybridckpt inspect PATH --plan --mesh M --processes N --process 0`), on as many simulated
-    CPU devices as the mesh has."""
+    CPU devices as the mesh has; by the source tree `tree` (PYTHONPATH) if given."""
     from math import prod
 
     n = prod(int(x.split("=")[1]) for x in mesh.split(","))
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
+    if tree:
+        env["PYTHONPATH"] = tree + os.pathsep + env.get("PYTHONPATH", "")
     p = subprocess.run([sys.executable, "-c", _PLAN_CHILD, path, mesh, str(processes)], env=env,
                        capture_output=True, text=True, cwd="/", check=False)
     if p.returncode != 0:
@@ -185,17 +187,26 @@ def _table(rows, kinds, repeats: int, before_repeats: int) -> None:
           "the timed call, imports excluded; memory: the process's peak RSS, imports included)")
 
 
-def measure_plan(root: str, ranks: int, mesh: str, processes: int, repeats: int, log, holes_above: int = 64) -> dict:
+def measure_plan(root: str, ranks: int, mesh: str, processes: int, repeats: int, log, holes_above: int = 64,
+                 before: str | None = None) -> dict:
     """The plan of process 0 of `processes` importing the `ranks`-rank source onto `mesh`, `repeats`
-    fresh processes: {"source", "runs", "seconds" (median), "peak_rss" (median), "mesh", "processes"}."""
+    fresh processes (alternating with the tree `before` if given): {"source", "runs", "seconds"
+    (median), "peak_rss" (median), "mesh", "processes"} and "before": the same of `before`'s runs."""
     path, info = source(root, ranks, log, holes_above)
-    runs = []
+    runs, old = [], []
     for _ in range(repeats):
         runs.append(plan_one(path, mesh, processes))
         log(f"  plan of process 0 of {processes}: {runs[-1]['seconds']:.1f} s, {runs[-1]['peak_rss'] / 2**30:.2f} GiB")
-    return {"source": info, "runs": runs, "mesh": mesh, "processes": processes, "ranks": ranks,
-            "seconds": statistics.median(x["seconds"] for x in runs),
-            "peak_rss": statistics.median(x["peak_rss"] for x in runs)}
+        if before:
+            old.append(plan_one(path, mesh, processes, before))
+            log(f"  before: {old[-1]['seconds']:.1f} s, {old[-1]['peak_rss'] / 2**30:.2f} GiB")
+
+    def med(xs):
+        return {"runs": xs, "seconds": statistics.median(x["seconds"] for x in xs),
+                "peak_rss": statistics.median(x["peak_rss"] for x in xs)}
+
+    return {"source": info, "mesh": mesh, "processes": processes, "ranks": ranks, **med(runs),
+            **({"before": med(old)} if before else {})}
 
 
 def plan_line(pl: dict) -> str:
@@ -205,7 +216,9 @@ def plan_line(pl: dict) -> str:
             f"arrays): {pl['seconds']:.1f} s, {pl['peak_rss'] / 2**30:.2f} GiB peak RSS (medians of {len(pl['runs'])}); "
             f"reads {r['bytes_read'] / 2**30:.2f} GiB in {r['reads']} reads from {r['files']} files = "
             f"{r['bytes_read'] / r['tensor_bytes']:.5f} of the arrays (1/{n} = {1 / n:.5f}); writes "
-            f"{r['bytes_written'] / 2**30:.2f} GiB ({r['bytes_written'] / r['tensor_bytes']:.5f}) in {r['tiles']} tiles")
+            f"{r['bytes_written'] / 2**30:.2f} GiB ({r['bytes_written'] / r['tensor_bytes']:.5f}) in {r['tiles']} tiles"
+            + (f"; before: {pl['before']['seconds']:.1f} s, {pl['before']['peak_rss'] / 2**30:.2f} GiB, "
+               f"{pl['before']['runs'][0]['reads']} reads in {pl['before']['runs'][0]['tiles']} tiles" if "before" in pl else ""))
 
 
 def main(argv=None) -> int:
@@ -241,7 +254,8 @@ def main(argv=None) -> int:
               + "; ".join(f"{k} {m1[k][0] / m0[k][0]:.1f}x the time, {m1[k][1] / m0[k][1]:.1f}x the memory"
                           for k in kinds))
     if a.plan_ranks:
-        pl = measure_plan(a.root, a.plan_ranks, a.plan_mesh, a.plan_processes, a.repeats, log, a.holes_above)
+        pl = measure_plan(a.root, a.plan_ranks, a.plan_mesh, a.plan_processes, a.repeats, log, a.holes_above,
+                          a.before)
         samples["plan"] = pl
         print("\n" + plan_line(pl))
     if a.json:
