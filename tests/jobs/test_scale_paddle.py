@@ -11,11 +11,11 @@ import sys
 from contextlib import redirect_stdout
 
 import numpy as np
+from fixtures import paddle_writer as pw
 
 from hybridckpt.cli import main
 from hybridckpt.containers.pickle import paddle_save
 from hybridckpt.lazy import LazyTensor
-from fixtures import paddle_writer as pw
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 
