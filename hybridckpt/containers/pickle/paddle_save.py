@@ -246,6 +246,7 @@ def safe_load(path: str, *, lazy_min_bytes: int = LAZY_MIN_BYTES) -> object:
         PADDLE_POLICY,
         what=path,
         unpickler_cls=_PaddleUnpickler,
+        walked=True,  # the walk above, on the file: one walk per file, not two
         payloads=payloads,
         nonce=nonce,
     )
