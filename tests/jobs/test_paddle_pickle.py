@@ -12,7 +12,10 @@ writes paddle.save's bytes, and our reader opens such a file without touching it
 - `paddle_save.read` of a file with a 1 GiB hole payload unpickles a few hundred bytes: the
   payload is a reference to its offset, never copied; and it walks the file's opcodes once (the
   restricted machine's pre-scan does not walk the same opcodes again: at 448 ranks that second
-  walk was ~15% of opening a PaddleNLP hybrid checkpoint).
+  walk was ~15% of opening a PaddleNLP hybrid checkpoint);
+- opening a 16 MiB file of 32 payloads whose page cache was dropped reads about its headers'
+  pages from the disk (the kernel's `read_bytes`), not the payloads the read-ahead of an mmap
+  fault would bring in (the whole file without MADV_RANDOM; on a tmpfs nothing is read either way).
 """
 
 import glob
@@ -126,3 +129,24 @@ def test_reader_skips_hole_payloads(tmp_path, monkeypatch):
     assert d.names == {"w": "linear_0.w_0", "b": "linear_0.b_0"}
     assert unpickled and max(unpickled) < 1024  # the 1 GiB payload stays in the file
     assert len(walks) == 1  # one opcode walk of the file; none again of the rewritten stream
+
+
+def _disk_reads() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
+
+
+def test_opening_reads_no_payload_from_disk(tmp_path):
+    path = str(tmp_path / "f.pdparams")
+    arrays = {f"w{i}": pp.Array((128 * 1024,), "f4", bytes([i + 1]) * (512 * 1024)) for i in range(32)}
+    pp.dump(pp.state_dict(arrays, {k: f"linear_{k}.w_0" for k in arrays}), path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages: dropped
+    finally:
+        os.close(fd)
+    before = _disk_reads()
+    d = paddle_save.read(path)
+    assert _disk_reads() - before < 2**20  # 16 MiB with the read-ahead; ~132 KiB without
+    assert len(d.tensors) == 32 and all(isinstance(t, StoredTensor) for t in d.tensors.values())
