@@ -107,8 +107,23 @@ LABEL = {"dcp": "torch `read_metadata`", "deepspeed": "DeepSpeed `zero_to_fp32` 
 PADDLE_PYTHON = os.path.expanduser("~/.cache/hybridckpt-real/paddleformers/bin/python")
 
 
-def run_one(kind: str, path: str, tree: str) -> dict:
-    """One fresh process reading `path` as `kind`, with `tree` first on PYTHONPATH."""
+def drop_cache(path: str) -> None:
+    """Drop the page cache of every file under `path` (POSIX_FADV_DONTNEED: clean pages only, of
+    these files only): the next read comes from the disk, as a first open of a checkpoint does."""
+    for d, _, names in os.walk(path):
+        for n in names:
+            fd = os.open(os.path.join(d, n), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def run_one(kind: str, path: str, tree: str, cold: bool = False) -> dict:
+    """One fresh process reading `path` as `kind`, with `tree` first on PYTHONPATH (`cold`: the
+    source's page cache dropped first)."""
+    if cold:
+        drop_cache(path)
     env = dict(os.environ, PYTHONPATH=tree + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.setdefault("JAX_PLATFORMS", "cpu")
     exe = PADDLE_PYTHON if kind == "paddle_load" else sys.executable
@@ -125,6 +140,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--before", help="a source tree of the version to compare with (its inspect runs too)")
     ap.add_argument("--json", help="write every sample here")
+    ap.add_argument("--cold", action="store_true", help="drop the source's page cache before every run")
     a = ap.parse_args(argv)
 
     def log(s):
@@ -142,7 +158,7 @@ def main(argv=None) -> int:
             order = list(zip(names, runs, strict=True))
             for name, (k, tree) in order if i % 2 == 0 else order[::-1]:
                 t0 = time.perf_counter()
-                got[name].append(run_one(k, path, tree))
+                got[name].append(run_one(k, path, tree, a.cold))
                 log(f"  {src} {name}: {got[name][-1]['seconds']:.1f} s, "
                     f"{got[name][-1]['peak_rss'] / 2**30:.2f} GiB ({time.perf_counter() - t0:.0f} s with imports)")
         med = {k: (statistics.median(r["seconds"] for r in v), statistics.median(r["peak_rss"] for r in v))
