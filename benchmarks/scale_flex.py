@@ -15,11 +15,14 @@ PP (`--pp`, layers split evenly) and sharding stage1 v2 (`--sharding`): the mome
 masters of a (tp, pp) rank's params, flattened and joined in param order, cut into `sharding`
 equal ranges, each param's piece on a rank a flattened block (the real case
 `paddleformers_untied_bf16_sharding2` shows the block form; the 256-element alignment
-PaddleFormers pads each param to is left out). The `.distcp` data files are written EMPTY: opening
-a FlexCheckpoint reads only its metadata (data files are parsed when a block is read), so only the
-metadata is shaped like the real run; do not import from these sources.
+PaddleFormers pads each param to is left out). The `.distcp` data files are written EMPTY
+(opening a FlexCheckpoint reads only its metadata), or with `--sparse` as `save_state_dict` writes
+them: per rank `paddle.save` of its local state dict after `dedup_tensor` (the keys the merged
+metadata stores in that rank's file, in the rank's order; bf16 as uint16 bits, flattened pieces
+1-D), by `scale_paddle.flex_data_file` (paddle.save's bytes with the arrays as holes; the beta
+pows hold beta ** (step + 1)), so `hybridckpt inspect` reads them as it reads a real run's.
 
-    ~/.cache/hybridckpt-real/paddleformers/bin/python benchmarks/scale_flex.py DIR --tp 8 --pp 8 --sharding 8
+    ~/.cache/hybridckpt-real/paddleformers/bin/python benchmarks/scale_flex.py DIR --tp 8 --pp 8 --sharding 8 [--sparse]
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ import math
 import os
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from scale_paddle import beta_pow, flex_data_file  # noqa: E402
 
 LLAMA_405B = {"hidden": 16384, "ffn": 53248, "layers": 126, "heads": 128, "kv_heads": 8, "vocab": 128256}
 
@@ -64,7 +71,7 @@ def _shard(shape, dim, tp, t):
     return tuple(off), tuple(loc)
 
 
-def write(root: str, tp: int, pp: int, sh: int, log=print) -> dict:
+def write(root: str, tp: int, pp: int, sh: int, log=print, sparse: bool = False, step: int = 1000) -> dict:
     import paddle  # noqa: F401
     from paddle.distributed.flex_checkpoint.dcp.metadata import (
         LocalTensorIndex,
@@ -84,18 +91,27 @@ def write(root: str, tp: int, pp: int, sh: int, log=print) -> dict:
     world = tp * pp * sh
     c = LLAMA_405B
     states = {"model_state": ([], [], []), "optimizer_state": ([], [], []), "master_weight": ([], [], [])}
+    entries: dict = {k: [] for k in states}  # state -> per rank [(index, key, stored shape, code, data)]
+    pows = {".beta1_pow_acc_0": beta_pow(0.9, step), ".beta2_pow_acc_0": beta_pow(0.999, step)} if sparse else {}
 
     def add(state, rank_md, rank_st, key, off, loc, dtype, gshape, flat=None):
         fname = f"{rank}_0.distcp"
         md = LocalTensorMetadata(global_offset=off, local_shape=loc, dtype=dtype, global_shape=gshape,
                                  is_flattened=flat is not None, flattened_range=flat)
         rank_md.setdefault(key, []).append(md)
-        rank_st[LocalTensorIndex(tensor_key=key, global_offset=off, is_flattened=flat is not None,
-                                 flattened_range=flat, local_shape=loc)] = fname
+        idx = LocalTensorIndex(tensor_key=key, global_offset=off, is_flattened=flat is not None,
+                               flattened_range=flat, local_shape=loc)
+        rank_st[idx] = fname
+        if sparse:
+            stored = (flat[1] - flat[0],) if flat is not None else loc
+            code = "u2" if dtype == "bfloat16" else "f4"
+            entries[state][-1].append((idx, key, stored, code, pows.get(key[key.rfind("."):])))
 
     for rank in range(world):
         t, p, s = rank % tp, (rank // tp) % pp, rank // (tp * pp)
         locs = {k: ({}, {}, {}) for k in states}  # state_dict_metadata, storage, flat mapping
+        for k in entries if sparse else ():
+            entries[k].append([])
         ps = params(c, tp, pp, p)
         total = sum(math.prod(_shard(g, d, tp, t)[1]) for _, g, d in ps)
         lo, hi = s * math.ceil(total / sh), min(total, (s + 1) * math.ceil(total / sh))
@@ -135,7 +151,15 @@ def write(root: str, tp: int, pp: int, sh: int, log=print) -> dict:
         os.makedirs(d, exist_ok=True)
         write_to_file_if_empty(md, os.path.join(d, "0.metadata"))
         for r in range(world):
-            open(os.path.join(d, f"{r}_0.distcp"), "wb").close()
+            fname = f"{r}_0.distcp"
+            if not sparse:
+                open(os.path.join(d, fname), "wb").close()
+                continue
+            mine = [(key, shape, code, f"{k}_tensor_{i}", data)
+                    for i, (idx, key, shape, code, data) in enumerate(entries[k][r])
+                    if md.storage_metadata[idx] == fname]
+            flex_data_file(os.path.join(d, fname), mine)
+            entries[k][r] = None
         info[k] = {"keys": len(md.state_dict_metadata), "blocks": len(md.storage_metadata),
                    "metadata_bytes": os.path.getsize(os.path.join(d, "0.metadata"))}
         log(f"  {k}: {info[k]} ({time.perf_counter() - t0:.0f} s)")
@@ -151,8 +175,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--pp", type=int, default=7)
     ap.add_argument("--sharding", type=int, default=8)
+    ap.add_argument("--sparse", action="store_true", help="write the data files (holes), not empty files")
     a = ap.parse_args(argv)
-    print(json.dumps(write(a.dir, a.tp, a.pp, a.sharding, log=lambda s: print(s, file=sys.stderr))))
+    print(json.dumps(write(a.dir, a.tp, a.pp, a.sharding, log=lambda s: print(s, file=sys.stderr),
+                           sparse=a.sparse)))
     return 0
 
 

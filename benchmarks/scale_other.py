@@ -19,6 +19,12 @@ piece, print the summary):
   data files empty); ours is `flex_checkpoint.metadata.read_metadata` of its three checkpoints
   (what opening reads before any data file), the baseline `paddle.load` of the three
   `0.metadata` files, run by `PADDLE_PYTHON` (paddle does not install in the project's venv).
+- `flexdata`: the same with sparse data files (`scale_flex.py --sparse`): the whole `hybridckpt
+  inspect` (which also parses the data files holding the beta pows), against the same baseline
+  (paddle has no loader that reads a data file without its arrays: a lower bound).
+- `paddle`: PaddleNLP hybrid per-rank `.pdparams` / `.pdopt` folders (`scale_paddle.py`): the whole
+  `hybridckpt inspect`, no baseline: `paddle.load` unpickles every array of a file (the arrays are
+  inside the pickle: 50-76 GB a file at 64 ranks) and paddle has no header-only reader.
 
 A source is `KIND:PATH` (written beforehand by its script). Each row: the median time of the
 timed call (imports excluded) and the median peak RSS (`ru_maxrss`, imports included), and the
@@ -93,15 +99,31 @@ rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps({"seconds": dt, "peak_rss": rss, "count": n}))
 """
 
-BASELINE = {"dsv3": "dcp", "zero3": "deepspeed", "megatron": "torch_mmap", "flex": "paddle_load"}
+BASELINE = {"dsv3": "dcp", "zero3": "deepspeed", "megatron": "torch_mmap", "flex": "paddle_load",
+            "flexdata": "paddle_load", "paddle": None}
 OURS = {"flex": "flex_metadata"}  # the sources' data files are empty: metadata only
 LABEL = {"dcp": "torch `read_metadata`", "deepspeed": "DeepSpeed `zero_to_fp32` parse",
          "torch_mmap": "`torch.load(mmap=True)` of every rank", "paddle_load": "`paddle.load` of the 3 metadata"}
 PADDLE_PYTHON = os.path.expanduser("~/.cache/hybridckpt-real/paddleformers/bin/python")
 
 
-def run_one(kind: str, path: str, tree: str) -> dict:
-    """One fresh process reading `path` as `kind`, with `tree` first on PYTHONPATH."""
+def drop_cache(path: str) -> None:
+    """Drop the page cache of every file under `path` (POSIX_FADV_DONTNEED: clean pages only, of
+    these files only): the next read comes from the disk, as a first open of a checkpoint does."""
+    for d, _, names in os.walk(path):
+        for n in names:
+            fd = os.open(os.path.join(d, n), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def run_one(kind: str, path: str, tree: str, cold: bool = False) -> dict:
+    """One fresh process reading `path` as `kind`, with `tree` first on PYTHONPATH (`cold`: the
+    source's page cache dropped first)."""
+    if cold:
+        drop_cache(path)
     env = dict(os.environ, PYTHONPATH=tree + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.setdefault("JAX_PLATFORMS", "cpu")
     exe = PADDLE_PYTHON if kind == "paddle_load" else sys.executable
@@ -118,6 +140,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--before", help="a source tree of the version to compare with (its inspect runs too)")
     ap.add_argument("--json", help="write every sample here")
+    ap.add_argument("--cold", action="store_true", help="drop the source's page cache before every run")
     a = ap.parse_args(argv)
 
     def log(s):
@@ -127,14 +150,15 @@ def main(argv=None) -> int:
     for src in a.sources:
         kind, path = src.split(":", 1)
         ours = OURS.get(kind, "inspect")
-        runs = [(BASELINE[kind], TREE), (ours, TREE)] + ([(ours, a.before)] if a.before else [])
-        names = ["base", "after"] + (["before"] if a.before else [])
+        base = [(BASELINE[kind], TREE)] if BASELINE[kind] else []
+        runs = base + [(ours, TREE)] + ([(ours, a.before)] if a.before else [])
+        names = ["base"] * bool(base) + ["after"] + (["before"] if a.before else [])
         got = {k: [] for k in names}
         for i in range(a.repeats):
             order = list(zip(names, runs, strict=True))
             for name, (k, tree) in order if i % 2 == 0 else order[::-1]:
                 t0 = time.perf_counter()
-                got[name].append(run_one(k, path, tree))
+                got[name].append(run_one(k, path, tree, a.cold))
                 log(f"  {src} {name}: {got[name][-1]['seconds']:.1f} s, "
                     f"{got[name][-1]['peak_rss'] / 2**30:.2f} GiB ({time.perf_counter() - t0:.0f} s with imports)")
         med = {k: (statistics.median(r["seconds"] for r in v), statistics.median(r["peak_rss"] for r in v))
@@ -145,9 +169,11 @@ def main(argv=None) -> int:
           + ("`inspect` before | " if a.before else "") + "ours / baseline (time, memory) |")
     print("|---" * (5 + bool(a.before)) + "|")
     for src, base, med in rows:
-        cells = [f"{med[k][0]:.1f} s, {med[k][1] / 2**30:.2f} GiB" for k in med]
-        ratio = f"{med['after'][0] / med['base'][0]:.2f}x, {med['after'][1] / med['base'][1]:.2f}x"
-        print(f"| {src} | {LABEL[base]} | " + " | ".join(cells) + f" | {ratio} |")
+        cells = [f"{med[k][0]:.1f} s, {med[k][1] / 2**30:.2f} GiB" if k in med else "none"
+                 for k in ("base", "after", "before") if k in med or k == "base"]
+        ratio = (f"{med['after'][0] / med['base'][0]:.2f}x, {med['after'][1] / med['base'][1]:.2f}x"
+                 if "base" in med else "-")
+        print(f"| {src} | {LABEL.get(base, 'none')} | " + " | ".join(cells) + f" | {ratio} |")
     print(f"(medians of {a.repeats} fresh processes each, alternating; load average at the end "
           f"{os.getloadavg()[0]:.1f})")
     if a.json:

@@ -136,18 +136,24 @@ def safe_loads(
     *,
     what: str,
     unpickler_cls: type[RestrictedUnpickler] = RestrictedUnpickler,
+    walked: bool = False,
     **unpickler_kwargs,
 ) -> object:
     """Unpickle `data` (bytes-like) under `policy` (default `BASE_POLICY`).
 
     `what` names the source in every error (a file path, `path:entry`). Any failure of the
     pickle itself becomes `FormatError`; refused globals are `UnsafePickleError`.
+    `walked`: the caller's own `scan_pickle` already walked these opcodes (paddle_save: the
+    file's walk, whose FRAME opcodes it dropped and whose payloads it replaced by persistent ids,
+    both at opcode boundaries the walk found), so the opcode pre-scan is not run again; the
+    restricted unpickler and its policy run all the same.
     """
     policy = BASE_POLICY if policy is None else policy
     if isinstance(data, memoryview):
         data = data.tobytes()
     try:
-        check_pickle(data, what=what)
+        if not walked:
+            check_pickle(data, what=what)
     except FormatError as e:
         refuse_named_threat(e, policy, what)
         raise

@@ -19,10 +19,13 @@ Format (PaddlePaddle/Paddle:python/paddle/framework/io.py `save`, `_legacy_save`
 
 Laziness: protocol 3/4 pickles hold each array's bytes as one BINBYTES/BINBYTES8 payload.
 `safe_load` walks the opcodes through an mmap with the one opcode walk (`opcodes.scan_pickle`;
-payloads are never paged in), drops the FRAME opcodes (a read-ahead hint only), replaces each
+payloads are never paged in: the mapping is advised MADV_RANDOM, else the kernel's read-ahead
+on each fault reads up to `read_ahead_kb` of the payload after every header: 8 MiB here, a
+whole 16 MiB file to open it), drops the FRAME opcodes (a read-ahead hint only), replaces each
 payload of at least `lazy_min_bytes` by a persistent-id reference, unpickles the small remainder
-with the restricted unpickler, and returns `StoredTensor`s at the payloads' file offsets:
-opening a file reads its pickle opcodes only, and a box of a tensor reads only that box.
+with the restricted unpickler (no second walk), and returns `StoredTensor`s at the payloads'
+file offsets: opening a file reads its pickle opcodes only, and a box of a tensor reads only
+that box.
 Smaller payloads and protocol 2 text payloads are read eagerly.
 """
 
@@ -209,6 +212,8 @@ def safe_load(path: str, *, lazy_min_bytes: int = LAZY_MIN_BYTES) -> object:
         if size == 0:
             raise FormatError(f"{path}: empty file, not a paddle.save pickle")
         with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as data:
+            if hasattr(data, "madvise"):  # no read-ahead: a header's fault must not read payload
+                data.madvise(mmap.MADV_RANDOM)  # pages around it (8 MiB a fault on some disks)
             try:
                 scan = scan_pickle(
                     data, what=path, payload_min_bytes=lazy_min_bytes, judge_frames=False
@@ -246,6 +251,7 @@ def safe_load(path: str, *, lazy_min_bytes: int = LAZY_MIN_BYTES) -> object:
         PADDLE_POLICY,
         what=path,
         unpickler_cls=_PaddleUnpickler,
+        walked=True,  # the walk above, on the file: one walk per file, not two
         payloads=payloads,
         nonce=nonce,
     )
