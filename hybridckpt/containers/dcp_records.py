@@ -230,7 +230,13 @@ class Records:
         self.entry_patterns: _EntryPatterns | None = None
         self.item_pattern: re.Pattern | None = None  # a save plan's write item (`dcp_plans`)
         self.checked: dict[int, Any] = {}  # memo index -> the name / (class,) it was seen to hold
+        self.items_good: set = set()  # write items' name / class fetch bytes seen good (`dcp_plans`)
+        self.heads_matched = 0  # tensor heads matched (`dcp_heads`)
+        self.heads_good: set = set()  # tensor heads' name / class fetch bytes seen good (`dcp_heads`)
+        self.fetch_good: set = set()  # fetch bytes of theirs seen to name an entry that exists
+        self.item_idx, self.item_pos = array("q"), array("q")  # matched write items: memo base, where
         self.items_matched = 0
+        self.ops = 0  # opcodes the loop (`dcp_fast`) read one at a time
         self.plan_lists: dict[int, list] = {}  # id(list) -> a list matched write items went into
         self.lists: dict[int, list] = {}  # id(list) -> [list, first row, count]
         self.storage: dict[int, dict] = {}  # id(dict) -> the dict storage entries went into
@@ -269,6 +275,10 @@ class Records:
         k = bisect_left(self.chunk_idx, i)
         if k < len(self.chunk_idx) and self.chunk_idx[k] == i:
             return self.chunk_again(self.chunk_pos[k])
+        return self.fetch_more(i)
+
+    def fetch_more(self, i: int):
+        """Memo entry `i` that none of the above holds (`dcp_fast`: a matched write item's)."""
         raise Fallback  # an entry inside a matched record, or none
 
     def chunk_again(self, pos: int):
