@@ -232,11 +232,14 @@ class _Machine(Records):
                         raise Fallback
                     self._clean(state if isinstance(state, tuple) else (state,))
                     inst.__setstate__(state)
-                    if self.item_pattern is not None and (
-                        buf.startswith(b")\x81", pos + 2) if buf[pos : pos + 1] == b"h"
-                        else buf[pos : pos + 1] == b"j" and buf.startswith(b")\x81", pos + 5)
-                    ):
-                        pos = plan_items(self, pos)  # the write items after one read here
+                    nxt = buf[pos : pos + 1]
+                    if (nxt == b"h" and buf.startswith(b")\x81", pos + 2)) or (
+                        nxt == b"j" and buf.startswith(b")\x81", pos + 5)
+                    ):  # an object follows: the records after one the loop read (else it would
+                        pos = self.chunks(pos)  # read the rest of its batch, up to 1000, too)
+                        pos = self.entries(pos)
+                        if self.item_pattern is not None:
+                            pos = plan_items(self, pos)
                 elif op == 0x2E:  # STOP
                     if len(stack) != 1 or marks or pos != end:
                         raise Fallback

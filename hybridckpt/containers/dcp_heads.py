@@ -8,7 +8,8 @@ Each entry of `Metadata.state_dict_metadata` is pickled (protocol 4) as its key,
     MEMOIZE BUILD | BINGET <a TensorProperties>) BINGET 'size' (BINGET torch.Size <ints> TUPLEn
     MEMOIZE TUPLE1 MEMOIZE REDUCE MEMOIZE | BINGET <a Size>) BINGET 'chunks' EMPTY_LIST MEMOIZE
 
-then the chunks (matched records, `dcp_records`) and `APPENDS SETITEMS BUILD`. Read opcode by
+then the chunks (matched records, `dcp_records`: after a MARK, or here when the list holds one
+chunk, pickled without a MARK and APPENDed) and `APPENDS SETITEMS BUILD`. Read opcode by
 opcode that head is ~35 turns of the loop a tensor (a Megatron torch_dist save of Llama 3.1
 405B has 9321 tensors: ~330k opcodes, most of the loop's work at every rank count). Here one
 compiled pattern matches it, and `tensor_head` does exactly what the loop would have done: the
@@ -92,4 +93,7 @@ def tensor_head(rec, pos: int) -> int:
     lst = []
     stack += (size, fetch(_at(key[5])), lst)
     memoize(lst)
-    return m.end()
+    e = m.end()
+    if rec.buf[e : e + 1] != b"(":  # one chunk, then APPEND (no MARK: the loop would not match it)
+        return rec.chunks(e)
+    return e
