@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_left, bisect_right
+from operator import itemgetter
 
 from hybridckpt.containers.dcp_records import (
     _INT,
     _MISSING,
     _OBJ,
     _SIZE,
+    _TUPLE_N,
     Fallback,
     _check,
     _int_run,
@@ -107,59 +109,68 @@ def plan_items(rec, pos: int) -> int:
     is fetched (no real file does: 0 of 394k at 288 ranks)."""
     pattern = rec.item_pattern
     buf, push, cache = rec.buf, rec.stack.append, rec.size_cache
-    memo, good, ok_fetch = rec.memo, rec.items_good, rec.fetch_good
-    gi = pattern.groupindex
-    o_run, s_run = gi["o_run"], gi["s_run"]
-    g_fqn_n, g_idx, g_size1, g_notd, g_tp, g_size2, g_chunk = (
-        gi[k] for k in ("fqn_n", "idx", "size1", "notd", "tp", "size2", "chunk"))
-    g_fetched = tuple(gi[k] for k in _FETCHED)
+    memo, good, ok = rec.memo, rec.items_good, rec.fetch_good
+    chunk_idx = rec.chunk_idx
+    gi = {k: v - 1 for k, v in pattern.groupindex.items()}  # indices into `m.groups()`
+    names_of = itemgetter(*(gi[k] for k in _NAMES))
+    i_fetched = tuple(gi[k] for k in _FETCHED)
+    i_fqn_n, i_fqn_t, i_idx, i_size1, i_notd, i_tp, i_size2, i_chunk, i_pargs, i_o, i_s = (gi[k] for k in (
+        "fqn_n", "fqn_t", "idx", "size1", "notd", "tp", "size2", "chunk", "pargs", "o_run", "s_run"))
     idx_at, pos_at = rec.item_idx, rec.item_pos
     n_items = 0
     while True:
         m = pattern.match(buf, pos)
         if m is None:
             break
-        key = m.group(*_NAMES)
+        G = m.groups()
+        key = names_of(G)
         if key not in good:
             if any(k is not None and not _holds(rec, _at(k), w) for k, w in zip(key, EXPECT.values(), strict=True)):
                 break
             if len(good) < 1 << 12:
                 good.add(key)
-        fqn_n = m.group(g_fqn_n)
-        if fqn_n is not None and m.end("fqn_t") - m.start("fqn_t") != fqn_n[0]:
+        fqn_n = G[i_fqn_n]
+        if fqn_n is not None and len(G[i_fqn_t]) != fqn_n[0]:
             break  # a fqn holding a MEMOIZE byte: the opcode loop reads it
-        idx = m.group(g_idx)
-        if idx != b"N":
-            _check(_int_run(idx))
         n0 = rec.memo_n
-        for g in g_fetched:
-            f = m.group(g)
-            if f is not None and f not in ok_fetch:
+        # fetch bytes (h / j ...), TensorProperties states (h / j / True / False / None ...) and
+        # index ints (K / M / J / LONG1 ...) seen good: one set, their first bytes tell them apart
+        idx = G[i_idx]
+        if idx != b"N" and idx not in ok:
+            _check(_int_run(idx))
+            if len(ok) < 1 << 16:
+                ok.add(idx)
+        for i in i_fetched:
+            f = G[i]
+            if f is not None and f not in ok:
                 _exists(rec, _at(f), n0)
-                if len(ok_fetch) < 1 << 16:
-                    ok_fetch.add(f)
+                if len(ok) < 1 << 16:
+                    ok.add(f)
         n = n0 + 4  # WriteItem and its dict, MetadataIndex and its dict (not kept)
         if fqn_n is not None:
             try:
-                memo[n] = m.group("fqn_t").decode("utf-8", "surrogatepass")
+                memo[n] = G[i_fqn_t].decode("utf-8", "surrogatepass")
             except UnicodeDecodeError:
                 raise Fallback from None
             n += 1
-        if m.group(g_size1) is not None:
-            n += 3 if _size_value(m, o_run, cache) else 2
-        if m.group(g_notd) is None:
+        if G[i_size1] is not None:
+            n += _size_entries(m, G, i_o, cache)
+        if G[i_notd] is None:
             n += 2  # TensorWriteData and its dict (not kept)
-            _exists(rec, _at(m.group(g_chunk)), n0)
-            if m.group(g_tp) is not None:
-                pargs = m.group("pargs")
-                if pargs not in ok_fetch:
+            c = _at(G[i_chunk])
+            k = bisect_left(chunk_idx, c)
+            if k == len(chunk_idx) or chunk_idx[k] != c:  # not a matched chunk: any entry held
+                _exists(rec, c, n0)
+            if G[i_tp] is not None:
+                pargs = G[i_pargs]
+                if pargs not in ok:
                     for op in re.findall(rb"h[\s\S]|j[\s\S]{4}", pargs):
                         _exists(rec, _at(op), n0)
-                    if len(ok_fetch) < 1 << 16:
-                        ok_fetch.add(pargs)
+                    if len(ok) < 1 << 16:
+                        ok.add(pargs)
                 n += 2
-            if m.group(g_size2) is not None:
-                n += 3 if _size_value(m, s_run, cache) else 2
+            if G[i_size2] is not None:
+                n += _size_entries(m, G, i_s, cache)
         idx_at.append(n0)
         pos_at.append(pos)
         rec.memo_n = n
@@ -201,6 +212,17 @@ def item_entry(rec, i: int):
     for j, v in keep:
         rec.memo[j] = v
     return rec.memo.get(i, _MISSING)
+
+
+def _size_entries(m: re.Match, G: tuple, i: int, cache: dict) -> int:
+    """The memo entries a matched `torch.Size` makes (3, or 2 when empty: no dims tuple), its
+    dims checked (`_size_value`; a run seen before, of the right length, is good)."""
+    run = G[i]
+    if run is not None:
+        dims = cache.get(run)
+        if dims is not None and len(dims) == _TUPLE_N[G[i + 1][0]]:
+            return 3
+    return 3 if _size_value(m, i + 1, cache) else 2
 
 
 def _size_memo(dims: tuple, n: int, keep: list) -> int:
