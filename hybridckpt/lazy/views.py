@@ -33,13 +33,15 @@ class Slice(LazyTensor):
 
     src: LazyTensor
     region: Box
+    _shape: tuple[int, ...] = field(init=False, repr=False)  # the region's, once (asked by the 10k)
 
     def __post_init__(self):
         check_box(self.src.shape, self.region)
+        object.__setattr__(self, "_shape", box_shape(self.region))
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return box_shape(self.region)
+        return self._shape
 
     @property
     def dtype(self) -> np.dtype:
