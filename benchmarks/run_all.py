@@ -411,7 +411,7 @@ def _scale(a, base, rows) -> None:
     print(f"(h) 405B {a.scale_format} metadata on {a.scale_ranks} ranks ...", file=sys.stderr, flush=True)
     got = scale_metadata.measure(root, a.scale_ranks, 3, log, fmt=a.scale_format)
     for ranks, info, med in got:
-        (ot, om), (tt, tm) = med["after"], med["torch"]
+        (ot, om, _), (tt, tm, _) = med["after"], med["torch"]
         what = "Megatron-Core torch_dist TP 8 x PP 9 + dist. optimizer" if td else "FSDP2 DCP + AdamW"
         name = (f"(h) Llama 3.1 405B {what}, {ranks} ranks ({info['chunks'] / 1000:.0f}k chunks, "
                 f"{info['metadata_bytes'] / 2**20:.0f} MiB `.metadata`)")

@@ -10,7 +10,9 @@ process, alternating, `--repeats` times:
 - torch: `FileSystemReader(path).read_metadata()` (torch's own metadata read, the least a
   torch-based loader does before reading a byte);
 - after: `hybridckpt inspect PATH` of this tree (the whole command: metadata, checks of every
-  chunk, the files' sizes, the family's names, the printed summary);
+  chunk, the files' sizes, the family's names, the printed summary), the modules it imports
+  (the CLI's, every reader's) imported before the timer as torch's are, and timed apart
+  (`imports` in the JSON, the last column of the table);
 - before: the same command from another source tree (`--before DIR`, e.g. `git archive` of main
   unpacked there; skipped when not given; `--before-repeats` runs, 1 by default: it is slow).
 
@@ -50,8 +52,19 @@ if kind == "torch":
     t0 = time.perf_counter()
     md = FileSystemReader(path).read_metadata()
     n = sum(len(getattr(e, "chunks", ())) for e in md.state_dict_metadata.values())
+    imports = None
 else:
+    t0 = time.perf_counter()
     from hybridckpt.cli import main
+    import hybridckpt.cli.parser, hybridckpt.jobs.inspect  # what main imports on the way
+    from hybridckpt import readers
+    try:  # every reader module (`detect` tries them in order): imports, as torch's are
+        mods = [m for _, m in readers.READERS]
+    except AttributeError:  # an older tree
+        mods = []
+    for m in mods:
+        readers._module(m)
+    imports = time.perf_counter() - t0
     out = io.StringIO()
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(out):
@@ -60,7 +73,7 @@ else:
     n = None
 dt = time.perf_counter() - t0
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps({"seconds": dt, "peak_rss": rss, "chunks": n}))
+print(json.dumps({"seconds": dt, "peak_rss": rss, "chunks": n, "imports": imports}))
 """
 
 
@@ -148,11 +161,26 @@ def plan_one(path: str, mesh: str, processes: int, tree: str | None = None) -> d
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def compile_trees(*trees: str) -> None:
+    """Byte-compile the package of each source tree (`hybridckpt/`, `models/`), as `pip install`
+    does: the timed call imports the modules `inspect` needs, and where PYTHONDONTWRITEBYTECODE is
+    set (this machine) an uncompiled tree is compiled again in every process (~0.3 s of ~170
+    modules), which torch, installed compiled, never pays."""
+    import compileall
+
+    for tree in trees:
+        for sub in ("hybridckpt", "models"):
+            if os.path.isdir(os.path.join(tree, sub)):
+                compileall.compile_dir(os.path.join(tree, sub), quiet=1)
+
+
 def measure(root: str, ranks_list, repeats: int, log, *, before: str | None = None, before_repeats: int = 1,
             holes_above: int = 64, samples: dict | None = None, fmt: str = "dcp") -> list[tuple[int, dict, dict]]:
     """For each rank count: (ranks, the source's info, {kind: (median seconds, median peak RSS)}),
-    torch's `read_metadata` against `hybridckpt inspect` (and `before`), fresh processes, alternating."""
+    torch's `read_metadata` against `hybridckpt inspect` (and `before`), fresh processes, alternating;
+    the source trees byte-compiled first (`compile_trees`)."""
     kinds = ["torch", "after"] + (["before"] if before else [])
+    compile_trees(TREE, *([before] if before else []))
     samples = {} if samples is None else samples
     rows = []
     for ranks in ranks_list:
@@ -167,7 +195,8 @@ def measure(root: str, ranks_list, repeats: int, log, *, before: str | None = No
                 log(f"  {ranks} ranks {k}: {got[k][-1]['seconds']:.1f} s, "
                     f"{got[k][-1]['peak_rss'] / 2**30:.2f} GiB ({time.perf_counter() - t0:.0f} s with imports)")
         samples[ranks] = {"source": info, "runs": got}
-        med = {k: (statistics.median(r["seconds"] for r in v), statistics.median(r["peak_rss"] for r in v))
+        med = {k: (statistics.median(r["seconds"] for r in v), statistics.median(r["peak_rss"] for r in v),
+                   statistics.median(r.get("imports") or 0.0 for r in v))
                for k, v in got.items()}
         rows.append((ranks, info, med))
     return rows
@@ -176,15 +205,16 @@ def measure(root: str, ranks_list, repeats: int, log, *, before: str | None = No
 def _table(rows, kinds, repeats: int, before_repeats: int) -> None:
     print("| ranks | chunks | `.metadata` | " + " | ".join(
         {"torch": "torch `read_metadata`", "after": "`hybridckpt inspect`", "before": "`inspect` before"}[k]
-        for k in kinds) + " | after / torch (time, memory) |")
-    print("|---" * (4 + len(kinds)) + "|")
+        for k in kinds) + " | after / torch (time, memory) | after's imports |")
+    print("|---" * (5 + len(kinds)) + "|")
     for ranks, info, med in rows:
         cells = [f"{med[k][0]:.1f} s, {med[k][1] / 2**30:.2f} GiB" for k in kinds]
         ratio = f"{med['after'][0] / med['torch'][0]:.2f}x, {med['after'][1] / med['torch'][1]:.2f}x"
         print(f"| {ranks} | {info['chunks'] / 1000:.0f}k | {info['metadata_bytes'] / 2**20:.0f} MiB | "
-              + " | ".join(cells) + f" | {ratio} |")
+              + " | ".join(cells) + f" | {ratio} | {med['after'][2]:.2f} s |")
     print(f"(medians of {repeats} fresh processes each ({before_repeats} for before), alternating; time: "
-          "the timed call, imports excluded; memory: the process's peak RSS, imports included)")
+          "the timed call, imports excluded (ours timed apart: the last column); memory: the process's peak "
+          "RSS, imports included)")
 
 
 def measure_plan(root: str, ranks: int, mesh: str, processes: int, repeats: int, log, holes_above: int = 64,

@@ -16,7 +16,8 @@ general machine calls; NEWOBJ only on stub classes, REDUCE only on stubs and the
 functions, BUILD only on stubs. Where a chunk or a storage entry starts and the memo already holds
 its class and field names, one compiled pattern of those exact bytes (`containers.dcp_records`)
 matches the whole record and its numbers go straight into `RawTables` columns (megatron's
-save plans' write items: `containers.dcp_plans`, matched and counted, never read) (a placeholder on the stack
+save plans' write items: `containers.dcp_plans`, matched and counted, never read; each tensor's
+`TensorStorageMetadata` head: `containers.dcp_heads`, done as the loop would) (a placeholder on the stack
 until APPENDS / SETITEMS put them in order); anything else runs opcode by opcode. Entries a
 matched record memoizes are not kept (only its strings): a later fetch of one, and every opcode,
 shape or value outside the subset, raises `Fallback`, and the caller reads the file with the
@@ -31,7 +32,8 @@ from __future__ import annotations
 
 import struct
 
-from hybridckpt.containers.dcp_plans import _ITEM, item_pattern, plan_items
+from hybridckpt.containers.dcp_heads import tensor_head
+from hybridckpt.containers.dcp_plans import _ITEM, item_entry, item_pattern, plan_items
 from hybridckpt.containers.dcp_records import _MISSING, _VALUE, Fallback, Records, _Row, deframe
 from hybridckpt.containers.dcp_stubs import DCP_POLICY, chunk_row, extract, kind, storage_entry
 from hybridckpt.containers.dcp_tables import RawTables, numbers_budget
@@ -99,140 +101,155 @@ class _Machine(Records):
                 except HybridCkptError:
                     raise Fallback from None
 
+    def fetch_more(self, i: int):
+        v = item_entry(self, i)
+        if v is _MISSING:
+            raise Fallback  # an entry inside a matched record, or none
+        return v
+
     # -- the loop -------------------------------------------------------------------------------
     def run(self):
         buf, stack, marks = self.buf, self.stack, self.marks
         end = len(buf)
         pos = 0
         frames, nf = self.frames, len(self.frames)
-        while True:
-            if self.fi < nf and frames[self.fi] <= pos:
-                if frames[self.fi] < pos:
-                    raise Fallback  # a frame starts inside an opcode
-                self.fi += 1
-            if pos >= end:
-                raise Fallback
-            op = buf[pos]
-            pos += 1
-            if op == 0x94:  # MEMOIZE
-                if not stack:
+        ops = 0
+        try:
+            while True:
+                ops += 1
+                if self.fi < nf and frames[self.fi] <= pos:
+                    if frames[self.fi] < pos:
+                        raise Fallback  # a frame starts inside an opcode
+                    self.fi += 1
+                if pos >= end:
                     raise Fallback
-                self.memoize(stack[-1])
-            elif op == 0x28:  # MARK
-                marks.append(len(stack))
-                nxt = buf[pos : pos + 1]
-                if nxt == b"h" or nxt == b"j":  # a batch of list items or dict entries
-                    pos = self.chunks(pos)
-                    pos = self.entries(pos)
-                    if self.item_pattern is not None:
-                        pos = plan_items(self, pos)
-            elif op == 0x68 or op == 0x6A:  # BINGET, LONG_BINGET
-                if op == 0x68:
-                    i, pos = buf[pos], pos + 1
-                else:
-                    i, pos = int.from_bytes(buf[pos : pos + 4], "little"), pos + 4
-                stack.append(self.fetch(i))
-            elif op == 0x8C:  # SHORT_BINUNICODE
-                n = buf[pos]
-                stack.append(self._text(pos + 1, n))
-                pos += 1 + n
-            elif op == 0x58 or op == 0x8D:  # BINUNICODE, BINUNICODE8
-                w = 4 if op == 0x58 else 8
-                n = int.from_bytes(buf[pos : pos + w], "little")
-                stack.append(self._text(pos + w, n))
-                pos += w + n
-            elif op == 0x4B:  # BININT1
-                stack.append(buf[pos])
+                op = buf[pos]
                 pos += 1
-            elif op == 0x4D:  # BININT2
-                stack.append(buf[pos] | buf[pos + 1] << 8)
-                pos += 2
-            elif op == 0x4A:  # BININT
-                stack.append(int.from_bytes(buf[pos : pos + 4], "little", signed=True))
-                pos += 4
-            elif op == 0x8A:  # LONG1
-                n = buf[pos]
-                stack.append(int.from_bytes(buf[pos + 1 : pos + 1 + n], "little", signed=True))
-                pos += 1 + n
-            elif op == 0x47:  # BINFLOAT
-                stack.append(struct.unpack_from(">d", buf, pos)[0])
-                pos += 8
-            elif op == 0x4E:  # NONE
-                stack.append(None)
-            elif op == 0x88 or op == 0x89:  # NEWTRUE, NEWFALSE
-                stack.append(op == 0x88)
-            elif op == 0x29:  # EMPTY_TUPLE
-                stack.append(())
-            elif op in (0x85, 0x86, 0x87):  # TUPLE1..3
-                n = op - 0x84
-                if len(stack) < n or (marks and marks[-1] > len(stack) - n):
+                if op == 0x94:  # MEMOIZE
+                    if not stack:
+                        raise Fallback
+                    self.memoize(stack[-1])
+                elif op == 0x28:  # MARK
+                    marks.append(len(stack))
+                    nxt = buf[pos : pos + 1]
+                    if nxt == b"h" or nxt == b"j":  # a batch of list items or dict entries
+                        pos = self.chunks(pos)
+                        pos = self.entries(pos)
+                        if self.item_pattern is not None:
+                            pos = plan_items(self, pos)
+                elif op == 0x68 or op == 0x6A:  # BINGET, LONG_BINGET
+                    if op == 0x68:
+                        i, pos = buf[pos], pos + 1
+                    else:
+                        i, pos = int.from_bytes(buf[pos : pos + 4], "little"), pos + 4
+                    stack.append(self.fetch(i))
+                elif op == 0x8C or op == 0x58 or op == 0x8D:  # SHORT_BINUNICODE, BINUNICODE, BINUNICODE8
+                    w = 1 if op == 0x8C else 4 if op == 0x58 else 8
+                    n = int.from_bytes(buf[pos : pos + w], "little")
+                    stack.append(self._text(pos + w, n))
+                    pos += w + n
+                    if buf[pos : pos + 1] == b"\x94":  # a tensor's key: its head may follow
+                        pos = tensor_head(self, pos)
+                elif op == 0x4B:  # BININT1
+                    stack.append(buf[pos])
+                    pos += 1
+                elif op == 0x4D:  # BININT2
+                    stack.append(buf[pos] | buf[pos + 1] << 8)
+                    pos += 2
+                elif op == 0x4A:  # BININT
+                    stack.append(int.from_bytes(buf[pos : pos + 4], "little", signed=True))
+                    pos += 4
+                elif op == 0x8A:  # LONG1
+                    n = buf[pos]
+                    stack.append(int.from_bytes(buf[pos + 1 : pos + 1 + n], "little", signed=True))
+                    pos += 1 + n
+                elif op == 0x47:  # BINFLOAT
+                    stack.append(struct.unpack_from(">d", buf, pos)[0])
+                    pos += 8
+                elif op == 0x4E:  # NONE
+                    stack.append(None)
+                elif op == 0x88 or op == 0x89:  # NEWTRUE, NEWFALSE
+                    stack.append(op == 0x88)
+                elif op == 0x29:  # EMPTY_TUPLE
+                    stack.append(())
+                elif op in (0x85, 0x86, 0x87):  # TUPLE1..3
+                    n = op - 0x84
+                    if len(stack) < n or (marks and marks[-1] > len(stack) - n):
+                        raise Fallback
+                    items = stack[-n:]
+                    del stack[-n:]
+                    stack.append(tuple(self._clean(items)))
+                elif op == 0x74:  # TUPLE
+                    stack.append(tuple(self._clean(self._pop_mark())))
+                elif op == 0x5D:  # EMPTY_LIST
+                    stack.append([])
+                elif op == 0x7D:  # EMPTY_DICT
+                    stack.append({})
+                elif op == 0x61:  # APPEND
+                    self._append()
+                elif op == 0x65:  # APPENDS
+                    self._appends()
+                elif op == 0x73:  # SETITEM
+                    if len(stack) < 3 or (marks and marks[-1] > len(stack) - 2):
+                        raise Fallback
+                    k, v = stack[-2], stack[-1]
+                    del stack[-2:]
+                    self._setitems(stack[-1], [(k, v)])
+                elif op == 0x75:  # SETITEMS
+                    items = self._pop_mark()
+                    if len(items) % 2 or not stack:
+                        raise Fallback
+                    self._setitems(stack[-1], list(zip(items[::2], items[1::2], strict=True)))
+                elif op == 0x93:  # STACK_GLOBAL
+                    if len(stack) < 2:
+                        raise Fallback
+                    name, module = stack.pop(), stack.pop()
+                    stack.append(self._global(module, name))
+                elif op == 0x81:  # NEWOBJ
+                    if len(stack) < 2:
+                        raise Fallback
+                    args, cls = stack.pop(), stack.pop()
+                    if not (isinstance(cls, type) and issubclass(cls, Stub)) or type(args) is not tuple:
+                        raise Fallback
+                    stack.append(cls.__new__(cls, *self._clean(args)))
+                elif op == 0x52:  # REDUCE
+                    if len(stack) < 2:
+                        raise Fallback
+                    args, fn = stack.pop(), stack.pop()
+                    if type(args) is not tuple or not (
+                        isinstance(fn, Frozen) or (isinstance(fn, type) and issubclass(fn, Stub))
+                    ):
+                        raise Fallback
+                    stack.append(self._call(fn, args))
+                elif op == 0x62:  # BUILD
+                    if len(stack) < 2:
+                        raise Fallback
+                    state = stack.pop()
+                    inst = stack[-1]
+                    if not isinstance(inst, Stub):
+                        raise Fallback
+                    if id(inst) in self.converted or type(state) is _Row:
+                        raise Fallback
+                    self._clean(state if isinstance(state, tuple) else (state,))
+                    inst.__setstate__(state)
+                    nxt = buf[pos : pos + 1]
+                    if (nxt == b"h" and buf.startswith(b")\x81", pos + 2)) or (
+                        nxt == b"j" and buf.startswith(b")\x81", pos + 5)
+                    ):  # an object follows: the records after one the loop read (else it would
+                        pos = self.chunks(pos)  # read the rest of its batch, up to 1000, too)
+                        pos = self.entries(pos)
+                        if self.item_pattern is not None:
+                            pos = plan_items(self, pos)
+                elif op == 0x2E:  # STOP
+                    if len(stack) != 1 or marks or pos != end:
+                        raise Fallback
+                    if self.fi != nf:
+                        raise Fallback
+                    return stack[0]
+                else:
                     raise Fallback
-                items = stack[-n:]
-                del stack[-n:]
-                stack.append(tuple(self._clean(items)))
-            elif op == 0x74:  # TUPLE
-                stack.append(tuple(self._clean(self._pop_mark())))
-            elif op == 0x5D:  # EMPTY_LIST
-                stack.append([])
-            elif op == 0x7D:  # EMPTY_DICT
-                stack.append({})
-            elif op == 0x61:  # APPEND
-                self._append()
-            elif op == 0x65:  # APPENDS
-                self._appends()
-            elif op == 0x73:  # SETITEM
-                if len(stack) < 3 or (marks and marks[-1] > len(stack) - 2):
-                    raise Fallback
-                k, v = stack[-2], stack[-1]
-                del stack[-2:]
-                self._setitems(stack[-1], [(k, v)])
-            elif op == 0x75:  # SETITEMS
-                items = self._pop_mark()
-                if len(items) % 2 or not stack:
-                    raise Fallback
-                self._setitems(stack[-1], list(zip(items[::2], items[1::2], strict=True)))
-            elif op == 0x93:  # STACK_GLOBAL
-                if len(stack) < 2:
-                    raise Fallback
-                name, module = stack.pop(), stack.pop()
-                stack.append(self._global(module, name))
-            elif op == 0x81:  # NEWOBJ
-                if len(stack) < 2:
-                    raise Fallback
-                args, cls = stack.pop(), stack.pop()
-                if not (isinstance(cls, type) and issubclass(cls, Stub)) or type(args) is not tuple:
-                    raise Fallback
-                stack.append(cls.__new__(cls, *self._clean(args)))
-            elif op == 0x52:  # REDUCE
-                if len(stack) < 2:
-                    raise Fallback
-                args, fn = stack.pop(), stack.pop()
-                if type(args) is not tuple or not (
-                    isinstance(fn, Frozen) or (isinstance(fn, type) and issubclass(fn, Stub))
-                ):
-                    raise Fallback
-                stack.append(self._call(fn, args))
-            elif op == 0x62:  # BUILD
-                if len(stack) < 2:
-                    raise Fallback
-                state = stack.pop()
-                inst = stack[-1]
-                if not isinstance(inst, Stub):
-                    raise Fallback
-                if id(inst) in self.converted or type(state) is _Row:
-                    raise Fallback
-                self._clean(state if isinstance(state, tuple) else (state,))
-                inst.__setstate__(state)
-                if self.item_pattern is not None and buf[pos : pos + 1] in (b"h", b"j"):
-                    pos = plan_items(self, pos)  # the write items after one read here
-            elif op == 0x2E:  # STOP
-                if len(stack) != 1 or marks or pos != end:
-                    raise Fallback
-                if self.fi != nf:
-                    raise Fallback
-                return stack[0]
-            else:
-                raise Fallback
+        finally:
+            self.ops += ops  # opcodes read one at a time (a measure of the slow path's work)
 
     # -- helpers --------------------------------------------------------------------------------
     def _text(self, at: int, n: int) -> str:

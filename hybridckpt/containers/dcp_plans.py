@@ -9,8 +9,9 @@ them (`dcp_stubs.extract` reads `state_dict_metadata`, `storage_data`, `planner_
 
 Once the memo holds the classes and field names, one compiled pattern of those exact bytes
 (`item_pattern`) matches a whole item: every memo entry it makes is counted (its new fqn string
-kept, the other objects not: fetching one falls back), every memo fetch in it must name an entry
-the general machine would have, its numbers pass the same bounds, and `_ITEM` goes on the stack.
+kept; its sizes and properties rebuilt from the item's bytes only when fetched, `item_entry`;
+the other objects not: fetching one falls back), every memo fetch in it must name an entry the
+general machine would have, its numbers pass the same bounds, and `_ITEM` goes on the stack.
 `_ITEM` may only be appended to a list (`dcp_fast._into`, which registers the list in
 `plan_lists`); `dcp_fast.read` checks that each such list is a plan's `items` in
 `all_local_plans` and that no `_ITEM` reached what `extract` returns, else Fallback.
@@ -19,13 +20,15 @@ the general machine would have, its numbers pass the same bounds, and `_ITEM` go
 from __future__ import annotations
 
 import re
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
+from operator import itemgetter
 
 from hybridckpt.containers.dcp_records import (
     _INT,
     _MISSING,
     _OBJ,
     _SIZE,
+    _TUPLE_N,
     Fallback,
     _check,
     _int_run,
@@ -88,59 +91,88 @@ def _holds(rec, i: int, want) -> bool:
     return got == want
 
 
+_NAMES = tuple(EXPECT)
+_FETCHED = ("fqn_f", "type", "props", "size_f")  # fetches of entries that must exist (validity cached)
+
+
 def plan_items(rec, pos: int) -> int:
     """Write items from `pos` on (`rec`: a `dcp_records.Records`), each pushed as `_ITEM`;
     where the first not matched is (left to the opcode loop: nothing of it counted yet). A
-    fetch of an entry this reader does not hold falls back."""
+    fetch of an entry this reader does not hold falls back.
+
+    Checked here, as each item is matched: its class and field-name fetches (`EXPECT`; a tuple
+    of fetch bytes once seen good is good for good: memo entries are never replaced), its other
+    fetches naming entries the general machine holds (`_exists`, cached the same way), its
+    numbers and its fqn's text. Kept: the fqn string (in the memo); the entries the general
+    machine would hold for its sizes and properties are NOT made here: the item's start and memo
+    base go to `item_idx` / `item_pos`, and `item_entry` rebuilds them from its bytes when one
+    is fetched (no real file does: 0 of 394k at 288 ranks)."""
     pattern = rec.item_pattern
-    buf, push, memo, cache = rec.buf, rec.stack.append, rec.memo, rec.size_cache
-    gi = pattern.groupindex
-    o_run, s_run = gi["o_run"], gi["s_run"]
+    buf, push, cache = rec.buf, rec.stack.append, rec.size_cache
+    memo, good, ok = rec.memo, rec.items_good, rec.fetch_good
+    chunk_idx = rec.chunk_idx
+    gi = {k: v - 1 for k, v in pattern.groupindex.items()}  # indices into `m.groups()`
+    names_of = itemgetter(*(gi[k] for k in _NAMES))
+    i_fetched = tuple(gi[k] for k in _FETCHED)
+    i_fqn_n, i_fqn_t, i_idx, i_size1, i_notd, i_tp, i_size2, i_chunk, i_pargs, i_o, i_s = (gi[k] for k in (
+        "fqn_n", "fqn_t", "idx", "size1", "notd", "tp", "size2", "chunk", "pargs", "o_run", "s_run"))
+    idx_at, pos_at = rec.item_idx, rec.item_pos
     n_items = 0
     while True:
         m = pattern.match(buf, pos)
         if m is None:
             break
-        d = m.groupdict()
-        if any(d[k] is not None and not _holds(rec, _at(d[k]), w) for k, w in EXPECT.items()):
-            break
-        if d["fqn_n"] is not None and len(d["fqn_t"]) != d["fqn_n"][0]:
+        G = m.groups()
+        key = names_of(G)
+        if key not in good:
+            if any(k is not None and not _holds(rec, _at(k), w) for k, w in zip(key, EXPECT.values(), strict=True)):
+                break
+            if len(good) < 1 << 12:
+                good.add(key)
+        fqn_n = G[i_fqn_n]
+        if fqn_n is not None and len(G[i_fqn_t]) != fqn_n[0]:
             break  # a fqn holding a MEMOIZE byte: the opcode loop reads it
-        idx = d["idx"]
-        if idx != b"N":
-            _check(_int_run(idx))
         n0 = rec.memo_n
+        # fetch bytes (h / j ...), TensorProperties states (h / j / True / False / None ...) and
+        # index ints (K / M / J / LONG1 ...) seen good: one set, their first bytes tell them apart
+        idx = G[i_idx]
+        if idx != b"N" and idx not in ok:
+            _check(_int_run(idx))
+            if len(ok) < 1 << 16:
+                ok.add(idx)
+        for i in i_fetched:
+            f = G[i]
+            if f is not None and f not in ok:
+                _exists(rec, _at(f), n0)
+                if len(ok) < 1 << 16:
+                    ok.add(f)
         n = n0 + 4  # WriteItem and its dict, MetadataIndex and its dict (not kept)
-        keep = []  # (memo index, the object the general machine would hold there)
-        if d["fqn_n"] is not None:
+        if fqn_n is not None:
             try:
-                keep.append((n, d["fqn_t"].decode("utf-8", "surrogatepass")))
+                memo[n] = G[i_fqn_t].decode("utf-8", "surrogatepass")
             except UnicodeDecodeError:
                 raise Fallback from None
             n += 1
-        else:
-            _exists(rec, _at(d["fqn_f"]), n0)
-        if d["size1"] is not None:
-            n = _size_memo(_size_value(m, o_run, cache), n, keep)
-        _exists(rec, _at(d["type"]), n0)
-        if d["notd"] is None:
+        if G[i_size1] is not None:
+            n += _size_entries(m, G, i_o, cache)
+        if G[i_notd] is None:
             n += 2  # TensorWriteData and its dict (not kept)
-            _exists(rec, _at(d["chunk"]), n0)
-            if d["tp"] is not None:
-                state = tuple(_one(rec, op, n0) for op in re.findall(rb"h[\s\S]|j[\s\S]{4}|[\x88\x89N]", d["pargs"]))
-                cls = memo[_at(d["tp"])]
-                obj = cls.__new__(cls)
-                obj.__setstate__(state)
-                keep += [(n, obj), (n + 1, state)]
+            c = _at(G[i_chunk])
+            k = bisect_left(chunk_idx, c)
+            if k == len(chunk_idx) or chunk_idx[k] != c:  # not a matched chunk: any entry held
+                _exists(rec, c, n0)
+            if G[i_tp] is not None:
+                pargs = G[i_pargs]
+                if pargs not in ok:
+                    for op in re.findall(rb"h[\s\S]|j[\s\S]{4}", pargs):
+                        _exists(rec, _at(op), n0)
+                    if len(ok) < 1 << 16:
+                        ok.add(pargs)
                 n += 2
-            else:
-                _exists(rec, _at(d["props"]), n0)
-            if d["size2"] is not None:
-                n = _size_memo(_size_value(m, s_run, cache), n, keep)
-            else:
-                _exists(rec, _at(d["size_f"]), n0)
-        for i, v in keep:
-            memo[i] = v
+            if G[i_size2] is not None:
+                n += _size_entries(m, G, i_s, cache)
+        idx_at.append(n0)
+        pos_at.append(pos)
         rec.memo_n = n
         e = m.end()
         rec.frames_in(pos, e)
@@ -149,6 +181,48 @@ def plan_items(rec, pos: int) -> int:
         pos = e
     rec.items_matched += n_items
     return pos
+
+
+def item_entry(rec, i: int):
+    """Memo entry `i` if a matched write item made it and the general machine would hold it
+    there (a size's tuples and `torch.Size`, a TensorProperties and its state), rebuilt from the
+    item's bytes and put in the memo (a second fetch gets the same object); else `_MISSING`."""
+    k = bisect_right(rec.item_idx, i) - 1
+    if k < 0:
+        return _MISSING
+    n0, pos = rec.item_idx[k], rec.item_pos[k]
+    m = rec.item_pattern.match(rec.buf, pos)
+    d, cache = m.groupdict(), rec.size_cache
+    gi = rec.item_pattern.groupindex
+    n = n0 + 4 + (d["fqn_n"] is not None)
+    keep = []  # (memo index, the object the general machine would hold there)
+    if d["size1"] is not None:
+        n = _size_memo(_size_value(m, gi["o_run"], cache), n, keep)
+    if d["notd"] is None:
+        n += 2
+        if d["tp"] is not None:
+            state = tuple(_one(rec, op, n0) for op in re.findall(rb"h[\s\S]|j[\s\S]{4}|[\x88\x89N]", d["pargs"]))
+            cls = rec.memo[_at(d["tp"])]
+            obj = cls.__new__(cls)
+            obj.__setstate__(state)
+            keep += [(n, obj), (n + 1, state)]
+            n += 2
+        if d["size2"] is not None:
+            n = _size_memo(_size_value(m, gi["s_run"], cache), n, keep)
+    for j, v in keep:
+        rec.memo[j] = v
+    return rec.memo.get(i, _MISSING)
+
+
+def _size_entries(m: re.Match, G: tuple, i: int, cache: dict) -> int:
+    """The memo entries a matched `torch.Size` makes (3, or 2 when empty: no dims tuple), its
+    dims checked (`_size_value`; a run seen before, of the right length, is good)."""
+    run = G[i]
+    if run is not None:
+        dims = cache.get(run)
+        if dims is not None and len(dims) == _TUPLE_N[G[i + 1][0]]:
+            return 3
+    return 3 if _size_value(m, i + 1, cache) else 2
 
 
 def _size_memo(dims: tuple, n: int, keep: list) -> int:
@@ -181,5 +255,6 @@ def _exists(rec, i: int, n: int) -> None:
         k = bisect_left(arr, i)
         if k < len(arr) and arr[k] == i:
             return
-    raise Fallback
+    if item_entry(rec, i) is _MISSING:
+        raise Fallback
 

@@ -230,13 +230,21 @@ class Records:
         self.entry_patterns: _EntryPatterns | None = None
         self.item_pattern: re.Pattern | None = None  # a save plan's write item (`dcp_plans`)
         self.checked: dict[int, Any] = {}  # memo index -> the name / (class,) it was seen to hold
+        self.items_good: set = set()  # write items' name / class fetch bytes seen good (`dcp_plans`)
+        self.heads_matched = 0  # tensor heads matched (`dcp_heads`)
+        self.heads_good: set = set()  # tensor heads' name / class fetch bytes seen good (`dcp_heads`)
+        self.fetch_good: set = set()  # fetch bytes of theirs seen to name an entry that exists
+        self.item_idx, self.item_pos = array("q"), array("q")  # matched write items: memo base, where
         self.items_matched = 0
+        self.ops = 0  # opcodes the loop (`dcp_fast`) read one at a time
         self.plan_lists: dict[int, list] = {}  # id(list) -> a list matched write items went into
         self.lists: dict[int, list] = {}  # id(list) -> [list, first row, count]
         self.storage: dict[int, dict] = {}  # id(dict) -> the dict storage entries went into
         self.converted: dict[int, Any] = {}  # stubs turned into rows: never built again
         self.size_cache: dict = {}
         self.text_ids: dict[bytes, int] = {}
+        self.ints_good: set[bytes] = set()  # storage entries' index ints seen good
+        self.fetch_sid: dict[int, int] = {}  # memo index of a string -> its id in `raw.strings`
         self.chunk_class = stub_class("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata")
 
     # -- memo ---------------------------------------------------------------------------------
@@ -269,6 +277,10 @@ class Records:
         k = bisect_left(self.chunk_idx, i)
         if k < len(self.chunk_idx) and self.chunk_idx[k] == i:
             return self.chunk_again(self.chunk_pos[k])
+        return self.fetch_more(i)
+
+    def fetch_more(self, i: int):
+        """Memo entry `i` that none of the above holds (`dcp_fast`: a matched write item's)."""
         raise Fallback  # an entry inside a matched record, or none
 
     def chunk_again(self, pos: int):
@@ -326,26 +338,33 @@ class Records:
         cache = self.size_cache
         if pattern is None:
             return pos
+        at, where, frames_in, get = self.chunk_idx.append, self.chunk_pos.append, self.frames_in, cache.get
         while True:
             m = pattern.match(buf, pos)
             if m is None:
                 return pos
-            offs, sizes = _size_value(m, 1, cache), _size_value(m, 4, cache)
+            G = m.groups()  # per size: its 1-3 ints, their TUPLEn, 4+ ints (`_size`)
+            offs, sizes = get(G[0]), get(G[3])  # a run seen before, of the right length, is good
+            if offs is None or len(offs) != _TUPLE_N[G[1][0]]:
+                offs = _size_value(m, 1, cache)
+            if sizes is None or len(sizes) != _TUPLE_N[G[4][0]]:
+                sizes = _size_value(m, 4, cache)
             if len(offs) != len(sizes):
                 raise Fallback
-            self.chunk_idx.append(self.memo_n)  # the record's object is memoized first
-            self.chunk_pos.append(pos)
+            at(self.memo_n)  # the record's object is memoized first
+            where(pos)
             self.memo_n += 8 - (offs == ()) - (sizes == ())  # obj, dict, per size: tuple, 1-tuple, Size
-            self.frames_in(pos, m.end())
+            e = m.end()
+            frames_in(pos, e)
             push(_Row((offs, sizes)))
-            pos = m.end()
+            pos = e
 
     def entries(self, pos: int) -> int:
         """Storage entries (key then value) from `pos` on, each pushed as `_Row`, `_VALUE`."""
         t, buf, push = self.entry_patterns, self.buf, self.stack.append
         if t is None:
             return pos
-        cache = self.size_cache
+        cache, ints_good = self.size_cache, self.ints_good
         whole = t.whole.match
         while True:
             m = whole(buf, pos)
@@ -359,11 +378,17 @@ class Records:
                 pos = end
                 continue
             idx = gr[4]
-            if idx != b"N":
+            if idx != b"N" and idx not in ints_good:
                 _check(_int_run(idx))
+                if len(ints_good) < 1 << 16:
+                    ints_good.add(idx)
             self.memo_n += 2  # the MetadataIndex and its dict
             fqn = self.text_id(gr[0], gr[1], gr[2], gr[3])
-            offs = None if gr[5] is None else _size_value(m, 7, cache)  # None: a byte item
+            offs = None  # a byte item
+            if gr[5] is not None:
+                offs = cache.get(gr[6])
+                if offs is None or len(offs) != _TUPLE_N[gr[7][0]]:
+                    offs = _size_value(m, 7, cache)
             self.memo_n += (0 if offs is None else 3 if offs else 2) + 2  # Size; _StorageInfo, dict
             path = self.text_id(gr[9], gr[10], gr[11], gr[12])
             off, length = _int1(gr[13]), _int1(gr[14])
@@ -391,10 +416,16 @@ class Records:
             self.hot_str.append(sid)
             self.memo_n += 1
             return sid
-        v = self.fetch(b1[0] if b1 is not None else int.from_bytes(j4, "little"))
-        if type(v) is not str:
-            raise Fallback
-        return self.raw.string_id(v)
+        i = b1[0] if b1 is not None else int.from_bytes(j4, "little")
+        sid = self.fetch_sid.get(i)  # memo entries are never replaced: a string's id is for good
+        if sid is None:
+            v = self.fetch(i)
+            if type(v) is not str:
+                raise Fallback
+            sid = self.raw.string_id(v)
+            if len(self.fetch_sid) < 1 << 20:
+                self.fetch_sid[i] = sid
+        return sid
 
     def entry_in_parts(self, pos: int) -> int | None:
         """One storage entry at `pos` in three matches (its strings read between them), pushed

@@ -73,10 +73,11 @@ def normalize_box(shape: Sequence[int], index) -> Box:
 def check_box(shape: Sequence[int], box: Box) -> None:
     """Raise ValueError unless `box` lies inside `shape` (one range per dimension)."""
     shape = tuple(shape)
-    if len(box) != len(shape) or any(
-        not (0 <= a <= b <= n) for (a, b), n in zip(box, shape, strict=True)
-    ):
+    if len(box) != len(shape):
         raise ValueError(f"box {box} is outside shape {shape}")
+    for (a, b), n in zip(box, shape, strict=True):  # a loop, not any(genexpr): views come by the 10k
+        if not (0 <= a <= b <= n):
+            raise ValueError(f"box {box} is outside shape {shape}")
 
 
 def flat_boxes(shape: Sequence[int], start: int, stop: int) -> Iterator[Box]:

@@ -51,10 +51,11 @@ def reshape(t: LazyTensor, shape: Sequence[int]) -> LazyTensor:
 
 
 def slice_axis(t: LazyTensor, axis: int, start: int, stop: int) -> LazyTensor:
-    axis %= t.ndim
-    if (start, stop) == (0, t.shape[axis]):
+    shape = t.shape  # once: a view computes it each time
+    axis %= len(shape)
+    if (start, stop) == (0, shape[axis]):
         return t
-    region = list(full_box(t.shape))
+    region = list(full_box(shape))
     region[axis] = (start, stop)
     return Slice(t, tuple(region))
 

@@ -33,13 +33,15 @@ class Slice(LazyTensor):
 
     src: LazyTensor
     region: Box
+    _shape: tuple[int, ...] = field(init=False, repr=False)  # the region's, once (asked by the 10k)
 
     def __post_init__(self):
         check_box(self.src.shape, self.region)
+        object.__setattr__(self, "_shape", box_shape(self.region))
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return box_shape(self.region)
+        return self._shape
 
     @property
     def dtype(self) -> np.dtype:
@@ -70,21 +72,21 @@ class Concat(LazyTensor):
         if not self.parts:
             raise ValueError("Concat needs at least one part")
         ref = self.parts[0]
-        ax = self.axis % ref.ndim
+        rs, rt = ref.shape, np.dtype(ref.dtype)  # each part's shape once (a view computes it)
+        ax = self.axis % len(rs)
         object.__setattr__(self, "axis", ax)
         bounds = [0]
         for p in self.parts:
-            if p.ndim != ref.ndim or any(
-                p.shape[i] != ref.shape[i] for i in range(ref.ndim) if i != ax
-            ):
+            ps = p.shape
+            if len(ps) != len(rs) or any(ps[i] != rs[i] for i in range(len(rs)) if i != ax):
                 raise FormatError(
                     f"cannot concatenate shapes {[q.shape for q in self.parts]} on axis {ax}"
                 )
-            if np.dtype(p.dtype) != np.dtype(ref.dtype):
+            if p.dtype is not rt and np.dtype(p.dtype) != rt:
                 raise FormatError(
                     f"cannot concatenate dtypes {[str(q.dtype) for q in self.parts]}"
                 )
-            bounds.append(bounds[-1] + p.shape[ax])
+            bounds.append(bounds[-1] + ps[ax])
         object.__setattr__(self, "_bounds", tuple(bounds))
 
     @property

@@ -159,10 +159,12 @@ def chunk_params(
     tied: bool,
     local_spec: bool,
     where: str,
+    by_layer: dict[int, list[str]] | None = None,
 ) -> list[str]:
-    """Global names of the params of model chunk v on pipeline rank p, `named_parameters()` order."""
-    layers = sorted({int(n.split(".")[2]) for n in model if n.startswith("decoder.layers.")})
-    n_layers = len(layers)
+    """Global names of the params of model chunk v on pipeline rank p, `named_parameters()` order
+    (`by_layer`: `_by_layer(model)`, when the caller has it)."""
+    by_layer = _by_layer(model) if by_layer is None else by_layer
+    n_layers = len(by_layer)
     per = n_layers // (topo.pp * topo.vpp)
     if per * topo.pp * topo.vpp != n_layers:
         raise FormatError(
@@ -182,9 +184,7 @@ def chunk_params(
     for g in range(start, start + per):
         pre = f"decoder.layers.{g}."
         # the routed experts are the experts' optimizer's (see `bucket_state`)
-        names = [
-            n for n in model if n.startswith(pre) and ".mlp.experts." not in n and not is_buffer(n)
-        ]
+        names = [n for n in by_layer.get(g, ()) if ".mlp.experts." not in n and not is_buffer(n)]
         unknown = sorted(n for n in names if n[len(pre) :] not in order)
         if unknown:
             raise FormatError(
@@ -199,6 +199,15 @@ def chunk_params(
         ]
         if "output_layer.weight" in model or (tied and topo.pp > 1):
             out.append("output_layer.weight")
+    return out
+
+
+def _by_layer(model: Mapping[str, LazyTensor]) -> dict[int, list[str]]:
+    """Layer number -> the model's `decoder.layers.<n>.` names (model order)."""
+    out: dict[int, list[str]] = {}
+    for n in model:
+        if n.startswith("decoder.layers."):
+            out.setdefault(int(n.split(".")[2]), []).append(n)
     return out
 
 
@@ -352,21 +361,22 @@ def bucket_state(
             into = per_kind.setdefault(kind, {}).setdefault((p, r), {})
             into.update(named)
 
+    by_layer = _by_layer(model)
     for p in range(topo.pp):
-        for r in range(topo.tp):
-            g = r + topo.tp * p
-            labels[(p, r)] = f"{where}: {dense}dp_group_idx_{g}"
-            for v in range(topo.vpp):
-                names = chunk_params(
-                    model, topo, p, v, tied=tied, local_spec=local_spec, where=where
+        for v in range(topo.vpp):  # the chunk's params and local shapes: the same on every tp rank
+            names = chunk_params(
+                model, topo, p, v, tied=tied, local_spec=local_spec, where=where, by_layer=by_layer
+            )
+            names = [n for n in names if not is_expert(n)]
+            shapes = [local_shape(n, _global_shape(model, n), tp_rules, topo.tp) for n in names]
+            if inline is not None:
+                layers = _chunk_layers(model, topo, p, v, where)
+                names, shapes = with_inline_experts(
+                    model, layers, names, shapes, inline, topo.tp, where
                 )
-                names = [n for n in names if not is_expert(n)]
-                shapes = [local_shape(n, _global_shape(model, n), tp_rules, topo.tp) for n in names]
-                if inline is not None:
-                    layers = _chunk_layers(model, topo, p, v, where)
-                    names, shapes = with_inline_experts(
-                        model, layers, names, shapes, inline, topo.tp, where
-                    )
+            for r in range(topo.tp):
+                g = r + topo.tp * p
+                labels[(p, r)] = f"{where}: {dense}dp_group_idx_{g}"
                 views = _buffer_views(found, dense, g, v, names, shapes, where)
                 if inline is not None:
                     label = labels[(p, r)]
