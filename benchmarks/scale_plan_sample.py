@@ -40,7 +40,8 @@ def main(argv=None) -> int:
     from hybridckpt.io.direct_io import aligned_empty
     from hybridckpt.jobs.import_ import lazy_targets
     from hybridckpt.jobs.open import open_checkpoint
-    from hybridckpt.jobs.plan_report import _tally, leaf_tiles, process_of
+    from hybridckpt.jobs.plan_report import _tally, process_of
+    from hybridckpt.plan import box_owners
     from hybridckpt.store import stream
 
     t0 = time.perf_counter()
@@ -49,8 +50,13 @@ def main(argv=None) -> int:
               if isinstance(x, stream.LazyLeaf)]
     t_open = time.perf_counter() - t0
     owner = process_of(a.processes)
-    mine = [(leaf, box) for leaf in leaves for dev, box in leaf_tiles(leaf, lt.options.tile_bytes)
-            if owner(dev) == a.process]
+    mine = []  # this process's tiles, cut as the save cuts them (`stream.box_tiles`)
+    for leaf in leaves:
+        chunk = stream.chunk_shape(leaf)
+        for box, dev in sorted(box_owners(leaf.shape, leaf.sharding).items()):
+            if owner(dev) == a.process:
+                mine += [(leaf, t) for t in stream.box_tiles(leaf, box, chunk, lt.options.tile_bytes,
+                                                             lt.options.inflight_bytes)]
     t_list = time.perf_counter() - t0 - t_open
     total = sum(x.nbytes for x in leaves)
     wbytes = sum(math.prod(b - s for s, b in box) * leaf.dtype.itemsize for leaf, box in mine)
@@ -60,7 +66,7 @@ def main(argv=None) -> int:
     t1 = time.perf_counter()
     for leaf, box in sample:
         shape = tuple(b - s for s, b in box)
-        with count_reads() as c, planning():
+        with count_reads(this_thread=True) as c, planning():
             leaf.tensor.read_into(box, aligned_empty(shape, leaf.dtype))
         counts.update(c)
         done += 1

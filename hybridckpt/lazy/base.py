@@ -112,4 +112,4 @@ class Deferred(LazyTensor):
             return self.tensor()
 
     def file_runs(self, box: Box, limit: int) -> list[FileRun] | None:
-        return self.tensor().file_runs(box, limit)
+        return self._found().file_runs(box, limit)

@@ -261,3 +261,55 @@ def test_runs_far_apart_truncated_or_planned(tmp_path, monkeypatch):
     close_all()
     with pytest.raises(FormatError, match="truncated"):
         t.read_box(box)
+
+
+def test_a_reshaped_flat_range_is_read_as_a_stored_tensor(tmp_path, monkeypatch):
+    """A parameter inside a flat 1-D buffer (a Megatron optimizer bucket, a ZeRO flat), reshaped:
+    a box of many rows is read as a stored tensor's box (rows a page or more apart: one call
+    for all, a pread each; closer rows: one span), never a `read_flat` a row; equal values. A
+    flat range split over two files (a bucket cut between DP ranks) is read row by row, as
+    before, with the same values."""
+    from hybridckpt.lazy import views
+
+    p = str(tmp_path / "bucket.bin")
+    flat = np.arange(100 + 32 * 2048, dtype=np.float32)
+    flat.tofile(p)
+    bucket = lazy.StoredTensor(ByteSource(p), 0, flat.shape, np.dtype(np.float32))
+    param = lazy.reshape(lazy.slice_axis(bucket, 0, 100, 100 + 32 * 2048), (32, 2048))
+    want = flat[100:].reshape(32, 2048)
+    rows = []
+    real = views.Reshape._runs_into
+    monkeypatch.setattr(views.Reshape, "_runs_into", lambda self, box, out: rows.append(box) or real(self, box, out))
+    # rows of 64 B 8 KiB apart: a pread each; rows 592 B apart: one span; one run: one read
+    for box, calls in ((((0, 32), (8, 24)), 32), (((3, 30), (0, 1900)), 1), (((5, 6), (7, 9)), 1)):
+        with count_reads() as c:
+            got = param.read_box(box)
+        np.testing.assert_array_equal(got, want[tuple(slice(a, b) for a, b in box)])
+        assert c[(p, "calls")] == calls and c[p] == got.nbytes, box
+    assert rows == [((5, 6), (7, 9))]  # one run: nothing to gain, the old path
+    q = str(tmp_path / "other.bin")
+    flat[100 + 16 * 2048:].tofile(q)
+    split = lazy.reshape(lazy.concat([lazy.slice_axis(bucket, 0, 100, 100 + 16 * 2048),
+                                      lazy.StoredTensor(ByteSource(q), 0, (16 * 2048,), np.dtype(np.float32))], 0),
+                         (32, 2048))
+    rows.clear()
+    np.testing.assert_array_equal(split.read_box(((0, 32), (8, 24))), want[:, 8:24])
+    assert rows == [((0, 32), (8, 24))]
+
+
+def test_a_deferred_chunk_found_for_its_file_runs_is_parsed_by_real_reads(tmp_path):
+    """Under a read plan (`planning`), a chunk asked for its file runs before any read (a
+    reshape's stored span) parses its archive by real reads, as for a read: not the planned
+    reads' untouched buffer (which is no archive)."""
+    import torch
+
+    from hybridckpt.formats.dcp.chunk import TorchSaveChunk
+    from hybridckpt.io.byte_source import planning
+
+    p = str(tmp_path / "c.pt")
+    torch.save(torch.arange(64, dtype=torch.float32), p)
+    size = __import__("os").path.getsize(p)
+    chunk = TorchSaveChunk(p, 0, size, (64,), np.dtype(np.float32))
+    with planning():
+        runs = chunk.file_runs(((0, 64),), 1)
+    assert len(runs) == 1 and runs[0].nbytes == 256
