@@ -171,6 +171,26 @@ def test_a_changed_number_changes_the_table(written, tmp_path):
 # -- hostile bytes ----------------------------------------------------------------------------
 
 
+def flipped_bytes_agree(folder: str, buf: bytes, inside: list[int], n: int, monkeypatch) -> set[str]:
+    """Write `folder`'s `.metadata` as `buf` in one frame with one byte of `n` positions of
+    `inside` (offsets in `buf`, seed 29) set to each of 0x00, 0x94 (MEMOIZE), 0x68 (BINGET) and
+    itself ^ 1; each time the specialised reader's outcome must be the general machine's.
+    Returns the outcome kinds seen ("ok", "error")."""
+    meta = os.path.join(folder, ".metadata")
+    plain = b"\x80\x04\x95" + len(buf).to_bytes(8, "little") + buf  # one frame: positions are buf's + 11
+    kinds = set()
+    for i in np.random.default_rng(29).choice(inside, size=n, replace=False).tolist():
+        for v in (0x00, 0x94, 0x68, buf[i] ^ 0x01):
+            bad = bytearray(plain)
+            bad[11 + i] = v
+            with open(meta, "wb") as f:
+                f.write(bad)
+            a = _outcome(folder, monkeypatch, general=False)
+            assert a == _outcome(folder, monkeypatch, general=True), (i, v)
+            kinds.add(a[0])
+    return kinds
+
+
 def _outcome(folder: str, monkeypatch, *, general: bool):
     """`read_metadata`'s result (canonical) or its error line, by the specialised reader (falling
     back where it does) or by the general machine alone."""
@@ -380,21 +400,9 @@ def test_damaged_write_items_same_outcome_as_the_general_machine(tmp_path, monke
     buf, spans, _ = _plan_spans(path)
     folder = str(tmp_path / "m")
     shutil.copytree(os.path.dirname(path), folder)
+    assert flipped_bytes_agree(folder, buf, [i for s, e, _ in spans for i in range(s, e)], 40, monkeypatch) == {"ok", "error"}
     meta = os.path.join(folder, ".metadata")
-    plain = b"\x80\x04\x95" + len(buf).to_bytes(8, "little") + buf  # one frame: positions are buf's + 11
-    rng = np.random.default_rng(29)
-    inside = [i for s, e, _ in spans for i in range(s, e)]
-    kinds = set()
-    for i in rng.choice(inside, size=40, replace=False).tolist():
-        for v in (0x00, 0x94, 0x68, buf[i] ^ 0x01):
-            bad = bytearray(plain)
-            bad[11 + i] = v
-            with open(meta, "wb") as f:
-                f.write(bad)
-            a = _outcome(folder, monkeypatch, general=False)
-            assert a == _outcome(folder, monkeypatch, general=True), (i, v)
-            kinds.add(a[0])
-    assert kinds == {"ok", "error"}
+    plain = b"\x80\x04\x95" + len(buf).to_bytes(8, "little") + buf
     # the second matched run's first item: its type fetch now names the first run's WriteItem
     (_, _, n_prev), (s1, _, _) = spans[0], spans[1]
     d = dcp_fast._ITEM_PATTERN.match(buf, s1).groupdict()
