@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -226,21 +227,39 @@ GROWN_TILE_BYTES = 64 << 20  # the most a tile grows to; at most half the in-fli
 
 def box_tiles(leaf: LazyLeaf, box: Box, chunk: tuple[int, ...], tile_bytes: int,
               inflight_bytes: int = INFLIGHT_BYTES) -> list[Box]:
-    """The tiles of `box` (`plan_tiles`), grown past `tile_bytes` where the source's reads are
-    short: a target mesh cutting a tensor across the rows its source stored whole (fsdp on the
-    `in` dim of an FSDP2 `[out, in]` weight) reads a strip of every source row, and a tile of
-    fewer chunks along the cut axis cuts each strip again (8 MiB tiles of a 405B fsdp=64 import:
-    strips of 128 B; the device's whole box: 1 KiB). The first tile is read dry (`planning`:
-    counted, not read) at `tile_bytes`, then at twice that while its reads average under
+    """The tiles of `box` (`plan_tiles`) at the leaf's tile size (`leaf_tile_bytes`): the plan
+    (`jobs.plan_report`) and the import cut the same tiles."""
+    budget = leaf_tile_bytes(leaf, chunk, tile_bytes, inflight_bytes)
+    return list(plan_tiles(box, chunk, leaf.dtype.itemsize, budget))
+
+
+_TILE_BYTES_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # leaf -> {(chunk, sizes): bytes}
+
+
+def leaf_tile_bytes(leaf: LazyLeaf, chunk: tuple[int, ...], tile_bytes: int,
+                    inflight_bytes: int = INFLIGHT_BYTES) -> int:
+    """The tile size of `leaf`: `tile_bytes`, grown where the source's reads are short. A target
+    mesh cutting a tensor across the rows its source stored whole (fsdp on the `in` dim of an
+    FSDP2 `[out, in]` weight) reads a strip of every source row, and a tile of fewer chunks
+    along the cut axis cuts each strip again (8 MiB tiles of a 405B fsdp=64 import: strips of
+    128 B; the device's whole box: 1 KiB). The first tile of the leaf's first box (the lowest,
+    whichever process holds it: every process decides alike) is read dry (`planning`: counted,
+    not read) at `tile_bytes`, then at twice that while its reads average under
     `SHORT_READ_BYTES` and each doubling makes them at least 1.5x longer, up to
-    `GROWN_TILE_BYTES` (at most half `inflight_bytes`). Deterministic per (leaf, box), so the
-    plan (`jobs.plan_report`) and the import cut the same tiles."""
+    `GROWN_TILE_BYTES` (at most half `inflight_bytes`). Once per leaf (its boxes are alike)."""
+    key = (tuple(chunk), tile_bytes, inflight_bytes)
+    known = _TILE_BYTES_OF.setdefault(leaf, {})
+    if key not in known:
+        known[key] = _grown_tile_bytes(leaf, min(box_owners(leaf.shape, leaf.sharding)), chunk, tile_bytes,
+                                       min(GROWN_TILE_BYTES, inflight_bytes // 2))
+    return known[key]
+
+
+def _grown_tile_bytes(leaf: LazyLeaf, box: Box, chunk: tuple[int, ...], budget: int, limit: int) -> int:
     item = leaf.dtype.itemsize
-    budget = tile_bytes
     tiles = list(plan_tiles(box, chunk, item, budget))
-    limit = min(GROWN_TILE_BYTES, inflight_bytes // 2)
     if len(tiles) < 2 or budget >= limit:
-        return tiles
+        return budget
     mean = _mean_read_bytes(leaf, tiles[0])
     while mean < SHORT_READ_BYTES and budget < limit:
         wider = list(plan_tiles(box, chunk, item, min(limit, 2 * budget)))
@@ -250,7 +269,7 @@ def box_tiles(leaf: LazyLeaf, box: Box, chunk: tuple[int, ...], tile_bytes: int,
         if longer < 1.5 * mean:
             break
         budget, tiles, mean = min(limit, 2 * budget), wider, longer
-    return tiles
+    return budget
 
 
 def _mean_read_bytes(leaf: LazyLeaf, box: Box) -> float:
