@@ -84,6 +84,22 @@ def _all_counters() -> list[Counter]:
     return _counters + [c for c, _ in mine] if mine else _counters
 
 
+def tally(counter: Counter) -> tuple[int, int, int, set[str]]:
+    """(bytes, calls, gap bytes, paths) of a `count_reads` counter."""
+    nbytes = calls = gaps = 0
+    paths: set[str] = set()
+    for k, v in counter.items():
+        if isinstance(k, tuple):
+            if k[1] == "calls":
+                calls += v
+                paths.add(k[0])
+            elif k[1] == "gap":
+                gaps += v
+        else:
+            nbytes += v
+    return nbytes, calls, gaps, paths
+
+
 @contextlib.contextmanager
 def planning(dry: bool = True) -> Iterator[None]:
     """Inside the block, this thread's reads are counted but not done (`dry`), or done again

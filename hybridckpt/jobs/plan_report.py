@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from hybridckpt.io.byte_source import tally
+
 
 @dataclass(frozen=True)
 class DevicePlan:
@@ -74,20 +76,7 @@ class ImportPlan:
         return asdict(self)
 
 
-def _tally(counter: Counter) -> tuple[int, int, int, set[str]]:
-    """(bytes, calls, gap bytes, paths) of a `count_reads` counter."""
-    nbytes = calls = gaps = 0
-    paths: set[str] = set()
-    for k, v in counter.items():
-        if isinstance(k, tuple):
-            if k[1] == "calls":
-                calls += v
-                paths.add(k[0])
-            elif k[1] == "gap":
-                gaps += v
-        else:
-            nbytes += v
-    return nbytes, calls, gaps, paths
+_tally = tally  # (bytes, calls, gap bytes, paths) of a `count_reads` counter
 
 
 def process_of(processes: int | None):
@@ -168,7 +157,7 @@ def short_read_notes(per: dict[int, dict], leaves: list[Any], top: int = 3) -> t
     specs = {x.name: getattr(x.sharding, "spec", None) for x in leaves}
     by_process: dict[int, Counter] = {}
     for d in per.values():
-        by_process.setdefault(d["process"], Counter()).update(d.get("leaves", Counter()))
+        by_process.setdefault(d["process"], Counter()).update(d["leaves"])
     notes = []
     for proc in sorted(by_process):
         c = by_process[proc]

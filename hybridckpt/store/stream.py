@@ -275,14 +275,13 @@ def _grown_tile_bytes(leaf: LazyLeaf, box: Box, chunk: tuple[int, ...], budget: 
 def _mean_read_bytes(leaf: LazyLeaf, box: Box) -> float:
     """Bytes per read of `leaf`'s read of `box`, planned (no data byte read; a chunk's header the
     reader parses on first use is read, as the import would); inf for a tensor that reads no file."""
-    from hybridckpt.io.byte_source import count_reads, planning
+    from hybridckpt.io.byte_source import count_reads, planning, tally
 
     out = np.empty(box_shape(box), leaf.dtype)  # never written: planning leaves the copies out
     # values computed from unread buffers (a dequantization) are garbage: no warning about them
     with count_reads(this_thread=True) as c, planning(), np.errstate(all="ignore"):
         leaf.tensor.read_into(box, out)
-    calls = sum(v for k, v in c.items() if isinstance(k, tuple) and k[1] == "calls")
-    nbytes = sum(v for k, v in c.items() if not isinstance(k, tuple))
+    nbytes, calls, _, _ = tally(c)
     return nbytes / calls if calls else math.inf
 
 
