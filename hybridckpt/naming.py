@@ -26,24 +26,15 @@ import numpy as np
 from hybridckpt import lazy
 from hybridckpt.errors import ConfigError, MappingError
 from hybridckpt.lazy import LazyTensor
+from hybridckpt.models import table
 from hybridckpt.rules import RuleSet, parse_rules
 from hybridckpt.source_checkpoint import SourceCheckpoint
 
 
 def nest(flat: Mapping[str, Any]) -> dict:
-    """`{"a.b": x}` -> `{"a": {"b": x}}`; a name that is also another name's prefix is an error."""
-    out: dict = {}
-    for path, x in flat.items():
-        node = out
-        *parents, leaf = path.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise MappingError(f"tensor name {path!r}: {p!r} is both a tensor and a prefix")
-        if leaf in node:
-            raise MappingError(f"tensor name {path!r} is both a tensor and a prefix of another")
-        node[leaf] = x
-    return out
+    """`{"a.b": x}` -> `{"a": {"b": x}}`; a name that is also another name's prefix is a
+    MappingError (`models.table.nest`, the one nesting, with this module's error)."""
+    return table.nest(flat, MappingError, "tensor name")
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -111,8 +111,9 @@ def under(prefix: str, rows: Iterable[Row]) -> tuple[Row, ...]:
     return tuple(replace(r, path=f"{prefix}.{r.path}") if isinstance(r, Param) else r for r in rows)
 
 
-def nest(flat: Mapping[str, Any]) -> dict:
-    """`{"a.b": x}` -> `{"a": {"b": x}}` (a path that is another's prefix is an error)."""
+def nest(flat: Mapping[str, Any], error: type[Exception] = ConfigError, what: str = "param") -> dict:
+    """`{"a.b": x}` -> `{"a": {"b": x}}`; a path that is also another's prefix raises `error`
+    naming the `what` (the one nesting of dotted names: the tables' params, `naming`'s tensors)."""
     out: dict = {}
     for path, x in flat.items():
         node = out
@@ -120,9 +121,9 @@ def nest(flat: Mapping[str, Any]) -> dict:
         for p in parents:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"param {path!r}: {p!r} is both a param and a group")
+                raise error(f"{what} {path!r}: {p!r} is both a {what} and a prefix of another")
         if leaf in node:
-            raise ConfigError(f"param {path!r} is both a param and a group")
+            raise error(f"{what} {path!r} is both a {what} and a prefix of another")
         node[leaf] = x
     return out
 

@@ -82,3 +82,27 @@ def test_a_non_editable_install_leaves_a_users_models_folder_alone(tmp_path):
     listing = _sh(str(venv / "bin" / "hybridckpt"), "inspect", sample_path(), cwd=user, env=env)
     assert "config:    {\"family\": \"llama\"" in listing
     assert _sh(py, "-m", "hybridckpt", "--version", cwd=user, env=env).strip() == f"hybridckpt {hybridckpt.__version__}"
+
+
+def test_the_package_needs_none_of_the_test_only_libraries(tmp_path):
+    """An import, an inspect and an export of the sample run with torch, transformers and the
+    safetensors library unimportable: the package reads and writes safetensors itself (the
+    library is the tests' second reader, in the test extra, not a dependency)."""
+    blocker = tmp_path / "block"
+    blocker.mkdir()
+    for name in ("torch", "transformers", "safetensors", "deepspeed", "paddle", "megatron"):
+        (blocker / f"{name}.py").write_text(f"raise ImportError('{name} is blocked in this test')\n")
+    code = (
+        "import sys, hybridckpt\n"
+        "from hybridckpt.demo import sample_path\n"
+        "from hybridckpt import jobs\n"
+        f"jobs.import_checkpoint(sample_path(), {str(tmp_path / 'ck')!r})\n"
+        f"jobs.export_checkpoint({str(tmp_path / 'ck')!r}, {str(tmp_path / 'hf')!r})\n"
+        "bad = [m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocker), ROOT, os.environ.get("PYTHONPATH", "")]),
+           "JAX_PLATFORMS": "cpu"}
+    assert _sh(sys.executable, "-c", code, env=env, cwd=str(tmp_path)).strip().endswith("ok")
+    assert sorted(os.listdir(tmp_path / "hf"))[:1] and any(n.endswith(".safetensors") for n in os.listdir(tmp_path / "hf"))

@@ -70,3 +70,56 @@ def test_our_read_spec_is_orbaxs(tmp_path, use_ocdbt):
     theirs = ts_utils.build_array_read_spec(info, use_ocdbt=use_ocdbt).json
     ours = ts_spec.read_spec(str(tmp_path), "layers.q.kernel", use_ocdbt=use_ocdbt)
     assert ours == theirs
+
+
+# private attributes of Orbax's public classes that the subclasses in store/stream_orbax.py read
+# or set: (class, attribute, what it must be) — a renamed one would make the streaming save fall
+# back to, or silently bypass, Orbax's own behaviour
+PRIVATE_ATTRIBUTES = [
+    ("StandardCheckpointHandler", "_supported_types", tuple),
+    ("StandardCheckpointHandler", "_impl", "PyTreeCheckpointHandler"),
+    ("ArrayHandler", "_primary_host", None),
+    ("ArrayHandler", "_metadata_key", None),
+    ("ArrayHandler", "_array_metadata_store", None),
+]
+
+
+@pytest.mark.parametrize("cls, attr, kind", PRIVATE_ATTRIBUTES)
+def test_each_private_attribute_of_a_subclassed_orbax_class_is_there(cls, attr, kind):
+    import jax
+    import orbax.checkpoint as ocp
+
+    obj = ocp.StandardCheckpointHandler() if cls == "StandardCheckpointHandler" else (
+        ocp.type_handlers.get_type_handler(jax.Array))
+    assert type(obj).__name__ == cls
+    assert hasattr(obj, attr), f"Orbax's {cls} no longer has {attr}: hybridckpt/store/stream_orbax.py needs a new way"
+    value = getattr(obj, attr)
+    if isinstance(kind, type):
+        assert isinstance(value, kind), (attr, type(value))
+    elif isinstance(kind, str):
+        assert type(value).__name__ == kind, (attr, type(value))
+
+
+def test_standard_handler_saves_through_the_impl_we_swap():
+    """`StreamingCheckpointHandler.async_save` picks the OCDBT or per-chunk handler by setting
+    `self._impl`: Orbax's own `async_save` and `finalize` must still go through that attribute,
+    and its type check through `_supported_types`."""
+    import orbax.checkpoint as ocp
+
+    cls = ocp.StandardCheckpointHandler
+    for method in ("async_save", "finalize"):
+        assert "self._impl" in inspect.getsource(getattr(cls, method)), method
+    assert "self._supported_types" in inspect.getsource(cls)
+
+
+def test_every_private_attribute_stream_orbax_uses_is_pinned():
+    """The `self._x` attributes stream_orbax.py touches are the ones pinned above or its own
+    (new in its subclasses: not an attribute of the Orbax class it extends)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    src = (STORE / "store" / "stream_orbax.py").read_text()
+    used = set(re.findall(r"self\.(_[a-z]\w*)", src)) | set(re.findall(r'"(_[a-z]\w*)"', src))
+    parents = (ocp.StandardCheckpointHandler(), ocp.type_handlers.get_type_handler(jax.Array))
+    orbax_owned = {a for a in used if any(hasattr(p, a) for p in parents)}
+    assert orbax_owned == {a for _, a, _ in PRIVATE_ATTRIBUTES}, sorted(orbax_owned)
