@@ -10,9 +10,12 @@ and export all use.
 
 - Model params: each dim's logical axis maps to a mesh axis by `mesh.DEFAULT_RULES`
   (`embed->fsdp`, `heads/kv_heads/mlp/vocab->tp`, `layers->pp`, `experts->dp`), overridden by
-  `axis_rules` or `$HYBRIDCKPT_AXIS_RULES` (`mesh.axis_rules`). A dim the mesh axis cannot divide
-  (GPT-2's vocabulary 50257 on tp=2) is replicated on that axis, with one note naming every such
-  dim (`indivisible="replicate"`, the jobs' default), or is an error (`"error"`, the CLI's
+  `axis_rules` or `$HYBRIDCKPT_AXIS_RULES` (`mesh.axis_rules`). A dim made of heads or experts
+  (the table's groups, `models.param_groups_tree`) divides only when the mesh axes divide its
+  count (2 kv heads of 8 values on tp=4 do not). A dim the mesh axis cannot divide (GPT-2's
+  vocabulary 50257 on tp=2) is replicated on that axis, with one note per kind of group naming
+  its leaves and real count and one note naming every other such dim (`indivisible="replicate"`,
+  the jobs' default, `mesh.replication_notes`), or is an error (`"error"`, the CLI's
   `--strict-sharding`).
 - Named trees (no model): the generic rule. For each tensor, `fsdp` shards the largest dim it
   divides (the first such dim on ties); then `tp` shards the largest remaining dim it divides;
