@@ -39,8 +39,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hybridckpt import optim
 from hybridckpt.lazy import Box, normalize_box
-from hybridckpt.mesh import axis_rules as merged_axis_rules
 from hybridckpt.mesh import Replicated, replicated, replication_notes, tree_shardings
+from hybridckpt.mesh import axis_rules as merged_axis_rules
 from hybridckpt.naming import flatten, nest
 
 

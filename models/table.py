@@ -205,7 +205,7 @@ class ParamTable:
                 continue
             if r.path in out:
                 raise ConfigError(f"{self.source} row {i}: param {r.path!r} is given twice")
-            dim_groups = tuple(self._groups(d, n, a, groups, r, i) for d, n, a in zip(r.shape, shape, r.axes))
+            dim_groups = tuple(self._groups(d, n, a, groups, r, i) for d, n, a in zip(r.shape, shape, r.axes, strict=True))
             out[r.path] = Spec(shape, tuple(r.axes), r.init, dim_groups)
         return out
 
