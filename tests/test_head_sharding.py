@@ -189,11 +189,14 @@ def test_cli_refuses_tp4_over_2_kv_heads_under_strict_sharding_and_notes_it_othe
     assert r.stderr.startswith("hybridckpt: error: layers.k.kernel: kv_heads 2 do not divide over tp=4"), r.stderr
     assert "drop --strict-sharding" in r.stderr
     assert not (tmp_path / "ck").exists() and sorted(os.listdir(tmp_path)) == ["src"]
+    lines = (f"kv_heads 2 do not divide over tp=4: layers.k.kernel, layers.v.kernel replicated on tp {STRICT}",
+             f"heads 6 do not divide over tp=4: layers.o.kernel, layers.q.kernel replicated on tp {STRICT}")
+    planned = run("import", tmp_path / "src", tmp_path / "ck", "--mesh", "tp=4", "--plan")  # writes nothing
     r = run("import", tmp_path / "src", tmp_path / "ck", "--mesh", "tp=4", "--quiet")
-    assert r.returncode == 0, r.stderr
-    for line in (f"kv_heads 2 do not divide over tp=4: layers.k.kernel, layers.v.kernel replicated on tp {STRICT}",
-                 f"heads 6 do not divide over tp=4: layers.o.kernel, layers.q.kernel replicated on tp {STRICT}"):
-        assert r.stdout.count(line) == 1, r.stdout
+    for out in (planned, r):
+        assert out.returncode == 0, out.stderr
+        for line in lines:
+            assert out.stdout.count(f"note: {line}\n") == 1, out.stdout
 
 
 TOKENS = np.array([[1, 5, 9, 3, 7, 2, 8, 4], [0, 11, 42, 17, 6, 5, 50, 3]], dtype=np.int32)
