@@ -136,6 +136,17 @@ def test_experts_split_between_experts_and_the_note_counts_them(config_cls, expe
         assert (note in notes) != on, (mesh, notes)
 
 
+def test_gpt_oss_sinks_by_head_and_gate_up_by_pair():
+    cfg = hf_config("GptOssConfig", **{**ATTN, "intermediate_size": 6}, num_local_experts=4, num_experts_per_tok=2)
+    for tp, on in ((2, True), (3, True), (4, False)):  # 6 heads, 6 gate/up pairs (12 columns: tp=4 cut pairs)
+        got, notes = specs(cfg, f"tp={tp}")
+        assert got["layers.sinks"] == split(on, 2, 1), tp  # [L, heads]
+        assert got["moe.experts.gate_up.kernel"] == split(on, 4, 3), tp  # [Lm, X, E, 2 * MX] interleaved
+        assert got["moe.experts.down.kernel"] == split(on, 4, 2), tp  # [Lm, X, MX, E]: row j with pair j
+        assert on or (f"gate_up pairs 6 do not divide over tp=4: moe.experts.gate_up.bias, moe.experts.gate_up.kernel "
+                      f"replicated on tp {STRICT}") in notes
+
+
 # -- refusals ---------------------------------------------------------------------------------------
 
 
