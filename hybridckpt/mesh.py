@@ -200,7 +200,7 @@ class Replicated:
 
 
 def _divide(what: str, count: int, axes: tuple[str, ...], n: int) -> str:
-    """"kv_heads 2 do not divide over tp=4"."""
+    """The words `kv_heads 2 do not divide over tp=4` of a note or an error."""
     return f"{what} {count} {'does' if count == 1 else 'do'} not divide over {'*'.join(axes)}={n}"
 
 
