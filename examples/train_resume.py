@@ -25,8 +25,8 @@ import numpy as np
 import optax
 
 from hybridckpt import models
-from hybridckpt.mesh import batch_sharding, mesh_from_shape, tree_shardings
-from hybridckpt.plan import abstract_tree, optax_state_shardings
+from hybridckpt.mesh import batch_sharding, mesh_from_shape
+from hybridckpt.plan import abstract_tree, for_model, optax_state_shardings
 from hybridckpt.store import CheckpointStore
 
 CONFIG = models.LlamaConfig(
@@ -53,7 +53,7 @@ def make_step(optimizer):
 def setup(mesh_text: str):
     mesh = mesh_from_shape(mesh_text)
     shapes = models.param_shapes(CONFIG)
-    p_shard = tree_shardings(shapes, models.logical_axes(CONFIG), mesh)
+    p_shard = for_model(CONFIG, mesh).param_shardings  # heads split between heads only (the plan)
     optimizer = optax.adamw(3e-3, weight_decay=0.01)
     o_shapes = jax.eval_shape(optimizer.init, shapes)
     o_shard = optax_state_shardings(o_shapes, p_shard, mesh)

@@ -5,6 +5,12 @@ logical-axis rules below map each name to a mesh axis. A dimension whose mesh ax
 divide it is an error naming the tensor, the dimension and the sizes, unless the caller asks for
 `indivisible="replicate"`, which leaves that one dimension unsharded (documented fallback).
 
+A dimension made of groups (a model's param table says which: `models.table.Groups`, e.g.
+q_proj's `heads * head_dim` is `num_heads` heads, an MoE weight's leading dim its experts) is
+split only between groups: the mesh axes must divide the number of groups, not merely the size.
+6 q heads of 8 values (48) on tp=4 would cut 1.5 heads a device: that dimension is replicated on
+tp instead (or an error), and the note names the real count: "heads 6 do not divide over tp=4".
+
 `experts` (the expert axis of mixture-of-experts weights `[layers, experts, ...]` and of their
 optimizer moments) maps to `dp` by default. Megatron-Core and DeepSpeed build their
 expert-parallel groups out of data-parallel ranks (EP divides DP: NVIDIA/Megatron-LM
@@ -27,6 +33,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import numpy as np
@@ -171,6 +178,52 @@ def mesh_from_shape(shape: MeshShape | str, devices: Sequence[jax.Device] | None
     return make_mesh(**shape.as_dict(), devices=devs[: shape.size])
 
 
+@dataclass(frozen=True)
+class Replicated:
+    """One dimension of a tensor left whole on mesh axes that cannot divide it.
+
+    leaf: the tensor's name ("layers.k.kernel"); dim: which dimension; logical: its logical axis;
+    size: its size (values); axes / n: the mesh axes and their total size; groups: the
+    `(what, count)` the dim is made of (`models.table.Groups`: "kv_heads", 2), or None.
+    """
+
+    leaf: str
+    dim: int
+    logical: str
+    size: int
+    axes: tuple[str, ...]
+    n: int
+    groups: tuple[str, int] | None = None
+
+    def __str__(self) -> str:
+        return f"{self.leaf} dim {self.dim} ({self.logical} {self.size} over {'*'.join(self.axes)}={self.n})"
+
+
+def _divide(what: str, count: int, axes: tuple[str, ...], n: int) -> str:
+    """The words `kv_heads 2 do not divide over tp=4` of a note or an error."""
+    return f"{what} {count} {'does' if count == 1 else 'do'} not divide over {'*'.join(axes)}={n}"
+
+
+def replication_notes(records: Sequence[Replicated]) -> tuple[str, ...]:
+    """The notes of a plan's replicated dimensions: one line per kind of group, count and mesh
+    axes ("kv_heads 2 do not divide over tp=4: layers.k.kernel, layers.v.kernel replicated on
+    tp (--strict-sharding makes this an error)"), then one line for every other dimension."""
+    grouped: dict[tuple, list[str]] = {}
+    plain: list[str] = []
+    for r in records:
+        if r.groups is None:
+            plain.append(str(r))
+        else:
+            grouped.setdefault((*r.groups, r.axes, r.n), []).append(r.leaf)
+    out = [f"{_divide(what, count, axes, n)}: {', '.join(dict.fromkeys(leaves))} replicated on "
+           f"{'*'.join(axes)} (--strict-sharding makes this an error)"
+           for (what, count, axes, n), leaves in grouped.items()]
+    if plain:
+        out.append("replicated where the mesh cannot divide a dimension (--strict-sharding makes this an "
+                   "error): " + "; ".join(plain))
+    return tuple(out)
+
+
 def partition_spec(
     name: str,
     shape: Sequence[int],
@@ -179,18 +232,25 @@ def partition_spec(
     *,
     rules: Mapping[str, str | tuple[str, ...] | None] = DEFAULT_RULES,
     indivisible: str = "error",
-    notes: list[str] | None = None,
+    notes: list[Replicated] | None = None,
+    groups: Sequence[Any] | None = None,
 ) -> PartitionSpec:
     """The PartitionSpec of one tensor `name` with `logical_axes` per dim on `mesh`.
 
-    indivisible: "error" (MeshError naming tensor, dim, axis and sizes) or "replicate" (that dim
-    stays whole on those axes; a line saying so is appended to `notes` when given).
+    groups: per dim None or the `(what, count)` it is made of (`models.table.Groups`): its mesh
+      axes must divide `count` (a split between heads), not merely the size.
+    indivisible: "error" (MeshError naming tensor, dim, axis and sizes, or the groups' count)
+    or "replicate" (that dim stays whole on those axes; a `Replicated` record is appended to
+    `notes` when given: `replication_notes` words them).
     """
     if len(logical_axes) != len(shape):
         raise MeshError(f"{name}: {len(shape)} dims {tuple(shape)} but logical axes {logical_axes}")
+    groups = tuple(groups) if groups else (None,) * len(shape)
+    if len(groups) != len(shape):
+        raise MeshError(f"{name}: {len(shape)} dims {tuple(shape)} but groups {groups}")
     used: set[str] = set()
     spec = []
-    for dim, (size, logical) in enumerate(zip(shape, logical_axes, strict=True)):
+    for dim, (size, logical, group) in enumerate(zip(shape, logical_axes, groups, strict=True)):
         axes = rules.get(logical) if logical else None
         if axes is None:
             spec.append(None)
@@ -201,14 +261,19 @@ def partition_spec(
         if not axes:
             spec.append(None)
             continue
-        if size % n:
+        group = None if group is None else (str(group[0]), int(group[1]))
+        if (group[1] if group else size) % n:
             if indivisible == "replicate":
                 if notes is not None:
-                    notes.append(f"{name} dim {dim} ({logical} {size} over {'*'.join(axes)}={n})")
+                    notes.append(Replicated(name, dim, logical, size, axes, n, group))
                 spec.append(None)
                 continue
-            what = (f"{name}: dim {dim} ({logical}) has size {size}, which mesh axes {axes} of total "
-                    f"size {n} cannot divide (shape {tuple(shape)}); choose another mesh or drop")
+            if group:
+                what = (f"{name}: {_divide(*group, axes, n)} (dim {dim} of shape {tuple(shape)}: {group[1]} "
+                        f"{group[0]} of {size // group[1]}); choose another mesh or drop")
+            else:
+                what = (f"{name}: dim {dim} ({logical}) has size {size}, which mesh axes {axes} of total "
+                        f"size {n} cannot divide (shape {tuple(shape)}); choose another mesh or drop")
             raise MeshError(f"{what} strict_sharding=True to replicate that dimension",
                             cli=f"{what} --strict-sharding to replicate that dimension")
         used.update(axes)
@@ -223,14 +288,17 @@ def tree_shardings(
     *,
     rules: Mapping[str, str | tuple[str, ...] | None] = DEFAULT_RULES,
     indivisible: str = "error",
-    notes: list[str] | None = None,
+    notes: list[Replicated] | None = None,
+    groups: Any = None,
 ):
     """NamedShardings for a pytree of shapes (anything with `.shape`) given a matching pytree of
-    logical-axis tuples; `notes` collects one line per replicated indivisible dimension."""
+    logical-axis tuples (and optionally of per-dim groups: `partition_spec`); `notes` collects a
+    `Replicated` record per replicated indivisible dimension."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     axes_leaves = treedef.flatten_up_to(logical_axes)
+    group_leaves = [None] * len(flat) if groups is None else treedef.flatten_up_to(groups)
     out = []
-    for (path, leaf), axes in zip(flat, axes_leaves, strict=True):
+    for (path, leaf), axes, group in zip(flat, axes_leaves, group_leaves, strict=True):
         spec = partition_spec(
             jax.tree_util.keystr(path, simple=True, separator="."),
             leaf.shape,
@@ -239,6 +307,7 @@ def tree_shardings(
             rules=rules,
             indivisible=indivisible,
             notes=notes,
+            groups=group,
         )
         out.append(NamedSharding(mesh, spec))
     return jax.tree_util.tree_unflatten(treedef, out)

@@ -10,9 +10,12 @@ and export all use.
 
 - Model params: each dim's logical axis maps to a mesh axis by `mesh.DEFAULT_RULES`
   (`embed->fsdp`, `heads/kv_heads/mlp/vocab->tp`, `layers->pp`, `experts->dp`), overridden by
-  `axis_rules` or `$HYBRIDCKPT_AXIS_RULES` (`mesh.axis_rules`). A dim the mesh axis cannot divide
-  (GPT-2's vocabulary 50257 on tp=2) is replicated on that axis, with one note naming every such
-  dim (`indivisible="replicate"`, the jobs' default), or is an error (`"error"`, the CLI's
+  `axis_rules` or `$HYBRIDCKPT_AXIS_RULES` (`mesh.axis_rules`). A dim made of heads or experts
+  (the table's groups, `models.param_groups_tree`) divides only when the mesh axes divide its
+  count (2 kv heads of 8 values on tp=4 do not). A dim the mesh axis cannot divide (GPT-2's
+  vocabulary 50257 on tp=2) is replicated on that axis, with one note per kind of group naming
+  its leaves and real count and one note naming every other such dim (`indivisible="replicate"`,
+  the jobs' default, `mesh.replication_notes`), or is an error (`"error"`, the CLI's
   `--strict-sharding`).
 - Named trees (no model): the generic rule. For each tensor, `fsdp` shards the largest dim it
   divides (the first such dim on ties); then `tp` shards the largest remaining dim it divides;
@@ -36,8 +39,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hybridckpt import optim
 from hybridckpt.lazy import Box, normalize_box
+from hybridckpt.mesh import Replicated, replicated, replication_notes, tree_shardings
 from hybridckpt.mesh import axis_rules as merged_axis_rules
-from hybridckpt.mesh import replicated, tree_shardings
 from hybridckpt.naming import flatten, nest
 
 
@@ -153,17 +156,19 @@ def _stacked_axes(axes: Any) -> Any:
     return jax.tree.map(lambda a: (0,) if a and a[0] == "layers" else (), axes, is_leaf=lambda x: isinstance(x, tuple))
 
 
-def _model_shapes_and_axes(cfg: Any) -> tuple[Any, Any]:
-    """(tree of fp32 `ShapeDtypeStruct`, tree of logical-axis tuples) of `cfg`'s params, from the
-    family's param table (`models.param_shape_tree`, `models.param_axes_tree`): no Flax module is
-    imported or traced."""
+def _model_shapes_axes_groups(cfg: Any) -> tuple[Any, Any, Any]:
+    """(tree of fp32 `ShapeDtypeStruct`, tree of logical-axis tuples, tree of per-dim groups) of
+    `cfg`'s params, from the family's param table (`models.param_shape_tree`,
+    `models.param_axes_tree`, `models.param_groups_tree`): no Flax module is imported or traced."""
     from hybridckpt import models
 
     def is_leaf(x):
         return isinstance(x, tuple)
 
     shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, np.float32), models.param_shape_tree(cfg), is_leaf=is_leaf)
-    return shapes, jax.tree.map(lambda a: a, models.param_axes_tree(cfg), is_leaf=is_leaf)  # (keys sorted)
+    axes = jax.tree.map(lambda a: a, models.param_axes_tree(cfg), is_leaf=is_leaf)  # (keys sorted)
+    groups = jax.tree.map(lambda g: g, models.param_groups_tree(cfg), is_leaf=is_leaf)
+    return shapes, axes, groups
 
 
 def for_model(
@@ -178,16 +183,12 @@ def for_model(
 
     axis_rules: overrides of `mesh.DEFAULT_RULES` (a mapping or `experts=fsdp` text); None
     reads `$HYBRIDCKPT_AXIS_RULES`."""
-    shapes, axes = _model_shapes_and_axes(cfg)
-    replicated_dims: list[str] = []
+    shapes, axes, groups = _model_shapes_axes_groups(cfg)
+    replicated_dims: list[Replicated] = []
     rules = merged_axis_rules(axis_rules)
-    shardings = tree_shardings(shapes, axes, mesh, rules=rules, indivisible=indivisible, notes=replicated_dims)
-    notes = ()
-    if replicated_dims:
-        notes = (
-            "replicated where the mesh cannot divide a dimension (--strict-sharding makes this an "
-            "error): " + "; ".join(replicated_dims),
-        )
+    shardings = tree_shardings(shapes, axes, mesh, rules=rules, indivisible=indivisible, notes=replicated_dims,
+                               groups=groups)
+    notes = replication_notes(replicated_dims)
     return Plan(mesh, shapes, shardings, _stacked_axes(axes), notes=notes).with_optimizer(optimizer)
 
 

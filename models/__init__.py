@@ -33,6 +33,7 @@ from hybridckpt.models.api import (
     hf_name_fixes,
     hf_rules,
     param_axes_tree,
+    param_groups_tree,
     param_shape_tree,
     rule_variables,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "hf_rules",
     "meta_ffn_hidden_dim",
     "param_axes_tree",
+    "param_groups_tree",
     "param_shape_tree",
     "rule_variables",
     *_JAX_API,

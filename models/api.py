@@ -105,6 +105,13 @@ def param_axes_tree(cfg: ModelConfig) -> dict:
     return family_of(cfg).axes_tree(cfg)
 
 
+def param_groups_tree(cfg: ModelConfig) -> dict:
+    """Nested dicts (the `param_shape_tree` structure) of per-dim tuples: the `models.table.Groups`
+    (what, count) a dim is made of (q heads, kv heads, experts), None for the others. A mesh axis
+    splits a grouped dim only between groups (`hybridckpt.mesh.partition_spec`)."""
+    return family_of(cfg).groups_tree(cfg)
+
+
 def rule_variables(cfg: ModelConfig) -> dict[str, Any]:
     """Variables a rules text may use, from a model config: at least `RULE_VARIABLES`
     (num_heads, num_kv_heads, head_dim, hidden_size, vocab_size, num_layers, intermediate_size,

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from hybridckpt.models.errors import ConfigError, UnknownModelError
-from hybridckpt.models.table import ParamTable, Spec, axes_tree, shape_tree
+from hybridckpt.models.table import ParamTable, Spec, axes_tree, groups_tree, shape_tree
 
 
 class ModelConfig(Protocol):
@@ -111,6 +111,10 @@ class Family:
     def axes_tree(self, cfg: Any) -> dict:
         """Nested dicts (the `shape_tree` structure) of logical-axis tuples."""
         return axes_tree(self.specs(cfg))
+
+    def groups_tree(self, cfg: Any) -> dict:
+        """Nested dicts (the `shape_tree` structure) of per-dim `Groups` (heads, experts) or None."""
+        return groups_tree(self.specs(cfg))
 
     def hf_rules(self) -> tuple[str, str]:
         """(text, origin) of the rules from HF names to the params tree, generated from the

@@ -16,6 +16,15 @@ A family's `params.py` defines `TABLE = ParamTable(origin, dims, rows)`. A `Para
            leading dim stacked from several HF tensors; "" for a tensor taken whole
   init     how a fresh param starts: "normal" (std `models.common.INIT_STD`), "ones", "zeros"
 
+A dimension made of equal groups (attention heads, experts) says so through the table's
+`groups(cfg)`: dimension symbol -> `Groups(what, count)`, e.g. Llama's "Q" (heads * head_dim) is
+`Groups("heads", num_heads)`, "KV" `Groups("kv_heads", num_kv_heads)`, an MoE's "X"
+`Groups("experts", n)`. A mesh axis may split such a dimension only between groups
+(`hybridckpt.mesh`: q_proj's `6 * 8` values on tp=4 are not cut into 1.5 heads a device). Every
+dimension on a grouped logical axis (`GROUPED_AXES`: heads, kv_heads, experts) must name a
+symbol the table's `groups` declares, whose size its count divides (checked by `specs`), so a
+new table cannot leave its heads to be cut anywhere.
+
 A `Drop(hf, when)` row names an HF tensor that is no param (a buffer, a tied head's copy): its
 rule consumes it. `stack(prefix, rows, ...)` writes the rows of one layer (or one module) as
 rows of a group stacked on a leading dim: under the group's path, with the group's stack index.
@@ -24,7 +33,8 @@ Derived from a table, with no JAX:
 - the params of a config (`specs`): every row whose `when` holds, its shape resolved. A row with
   a dimension of size 0 is no param (a group with no layer: no dense layer, no MTP module); its
   rule stays and matches nothing (its index list is empty);
-- the shape tree and the logical-axes tree (`shape_tree`, `axes_tree`);
+- the shape tree, the logical-axes tree and the groups tree (`shape_tree`, `axes_tree`,
+  `groups_tree`);
 - the rules text from HF names to the params tree (`rules_text`): line i is row i,
   `hf -> path[stacked] : op when VAR` or `hf -> _ when VAR`; the export direction is its inverse
   (`RuleSet.invert`), derived by the rules engine.
@@ -38,12 +48,13 @@ import re
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from hybridckpt.models.errors import ConfigError
 
 Axes = tuple[str | None, ...]
 INITS = ("normal", "ones", "zeros")
+GROUPED_AXES = ("heads", "kv_heads", "experts")  # logical axes whose dims are made of groups
 _WHEN = re.compile(r"^(not\s+)?([A-Za-z_]\w*)$")
 
 
@@ -81,13 +92,23 @@ class Drop:
 Row = Param | Drop
 
 
+class Groups(NamedTuple):
+    """A dimension made of `count` equal groups named `what` ("heads", "kv_heads", "experts"):
+    `count` heads of `size // count` values each, stored group-major."""
+
+    what: str
+    count: int
+
+
 @dataclass(frozen=True)
 class Spec:
-    """A param of one config: its shape, logical axes (one per dim) and init."""
+    """A param of one config: its shape, logical axes (one per dim), init, and per dim the
+    `Groups` it is made of (None: any split is whole values; () for a spec made by hand)."""
 
     shape: tuple[int, ...]
     axes: Axes
     init: str
+    groups: tuple[Groups | None, ...] = ()
 
 
 def stack(
@@ -132,11 +153,13 @@ def nest(flat: Mapping[str, Any], error: type[Exception] = ConfigError, what: st
 class ParamTable:
     """A family's params: `rows` (`Param` and `Drop`), `dims(cfg)` giving the size of each
     dimension symbol (None for one the config does not have, e.g. DeepSeek's `q_lora_rank`),
+    `groups(cfg)` the `Groups` of the symbols made of heads or experts (module docstring),
     `origin` the module defining it (`__name__`), which error messages and rules name."""
 
     origin: str
     dims: Callable[[Any], Mapping[str, int | None]]
     rows: tuple[Row, ...] = field(default=())
+    groups: Callable[[Any], Mapping[str, Groups]] = field(default=lambda cfg: {})  # none grouped
 
     def __post_init__(self) -> None:
         where = self.source
@@ -173,7 +196,7 @@ class ParamTable:
     def specs(self, cfg: Any, variables: Mapping[str, Any]) -> dict[str, Spec]:
         """The params of `cfg` (flat paths, table order): rows whose `when` holds under the rule
         `variables`, without those with a dimension of size 0."""
-        sizes = self.dims(cfg)
+        sizes, groups = self.dims(cfg), self.groups(cfg)
         out: dict[str, Spec] = {}
         for i, r in enumerate(self.rows, 1):
             if not isinstance(r, Param) or not self._holds(r, variables, i):
@@ -183,8 +206,24 @@ class ParamTable:
                 continue
             if r.path in out:
                 raise ConfigError(f"{self.source} row {i}: param {r.path!r} is given twice")
-            out[r.path] = Spec(shape, tuple(r.axes), r.init)
+            dim_groups = tuple(self._groups(d, n, a, groups, r, i) for d, n, a in zip(r.shape, shape, r.axes, strict=True))
+            out[r.path] = Spec(shape, tuple(r.axes), r.init, dim_groups)
         return out
+
+    def _groups(self, d: str | int, size: int, axis: str | None, groups: Mapping[str, Groups],
+                r: Param, i: int) -> Groups | None:
+        """The `Groups` of dimension `d` (size `size`, logical `axis`) of row `i`, or None."""
+        g = groups.get(d) if isinstance(d, str) else None
+        if g is None:
+            if axis in GROUPED_AXES:
+                raise ConfigError(f"{self.source} row {i} ({r.path}): dimension {d!r} on axis {axis!r} is "
+                                  f"made of {axis} but the table's groups do not declare it")
+            return None
+        count = g.count
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1 or size % count:
+            raise ConfigError(f"{self.source} row {i} ({r.path}): dimension {d!r} of size {size} is "
+                              f"{count!r} {g.what}; expected a positive count dividing its size")
+        return g
 
     def _holds(self, r: Row, variables: Mapping[str, Any], i: int) -> bool:
         if r.when is None:
@@ -217,6 +256,12 @@ def shape_tree(specs: Mapping[str, Spec]) -> dict:
 def axes_tree(specs: Mapping[str, Spec]) -> dict:
     """Nested dicts (the `shape_tree` structure) of logical-axis tuples."""
     return nest({p: s.axes for p, s in specs.items()})
+
+
+def groups_tree(specs: Mapping[str, Spec]) -> dict:
+    """Nested dicts (the `shape_tree` structure) of per-dim `Groups` tuples (None where a dim is
+    not made of groups)."""
+    return nest({p: s.groups or (None,) * len(s.shape) for p, s in specs.items()})
 
 
 def when(condition: str, rows: Iterable[Row]) -> tuple[Row, ...]:

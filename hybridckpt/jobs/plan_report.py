@@ -225,5 +225,6 @@ def plan_import(
         ))
     return ImportPlan(
         opened.path, opened.format, str(MeshShape.of(lt.mesh)), len(written), sum(x.nbytes for x in written),
-        tuple(devices), tuple(processes), time.perf_counter() - t0, short_read_notes(per, written),
+        tuple(devices), tuple(processes), time.perf_counter() - t0,
+        lt.plan.notes + short_read_notes(per, written),  # the sharding's notes first (a dim replicated)
     )

@@ -161,7 +161,8 @@ class Restored:
     params / opt_state: trees of jax.Arrays with the target's structure and shardings
     (`opt_state` is None when not requested). With `strict=False`, leaves listed in
     `missing_keys` are the target's ShapeDtypeStruct (nothing was saved for them) and saved
-    leaves listed in `unexpected_keys` were not read.
+    leaves listed in `unexpected_keys` were not read. `notes`: the plan's (`hybridckpt.restore`),
+    e.g. a dimension the mesh cannot divide, replicated.
     """
 
     step: int
@@ -172,3 +173,4 @@ class Restored:
     missing_keys: tuple[str, ...] = ()
     unexpected_keys: tuple[str, ...] = ()
     tx: Any = None  # the optax optimizer rebuilt from the checkpoint (`restore(optimizer="from-checkpoint")`)
+    notes: tuple[str, ...] = ()

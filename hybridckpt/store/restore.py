@@ -10,6 +10,7 @@ and the step counter replicated.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 import jax
@@ -65,7 +66,8 @@ def restore(
     rebuilds the optax optimizer from the hyper-parameters the import recorded (lr, betas, eps,
     weight decay and its mask: `optim.groups`) and returns the state in that optimizer's
     structure, the transformation as `restored.tx`. strict_sharding: a dimension
-    the mesh cannot divide is an error (default: replicated on that axis). Other keyword arguments go
+    the mesh cannot divide is an error (default: replicated on that axis, with a line in
+    `restored.notes`; a dim made of heads or experts splits only between them). Other keyword arguments go
     to `CheckpointStore.restore` (global_batch_size, allow_batch_size_change, strict).
     """
     from hybridckpt.store.as_source import model_config
@@ -83,6 +85,7 @@ def restore(
         restored = store.restore(
             step, target_params=p.param_targets(saved), target_opt_state=p.opt_targets(), **restore_kwargs
         )
+        restored = replace(restored, notes=p.notes)
     if optimizer == "from-checkpoint":
         restored = with_optimizer(restored, opt, state, directory)
     elif not isinstance(optimizer, bool):
@@ -93,7 +96,6 @@ def restore(
 def with_optimizer(restored: Restored, opt: optim.Optimizer | None, state: dict, directory: str) -> Restored:
     """`restored` with `tx`, the optax optimizer rebuilt from the recorded hyper-parameters, and
     its opt_state in that optimizer's structure (slots and step moved over, nothing recomputed)."""
-    from dataclasses import replace
 
     from hybridckpt.errors import CheckpointError
     from hybridckpt.optim import groups

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybridckpt.models import mlp_table
-from hybridckpt.models.table import Drop, Param, ParamTable, Row, stack, under
+from hybridckpt.models.table import Drop, Groups, Param, ParamTable, Row, stack, under
 
 
 def dims(cfg: Any) -> dict[str, int | None]:
@@ -40,6 +40,12 @@ def dims(cfg: Any) -> dict[str, int | None]:
         "M": cfg.intermediate_size, "X": cfg.n_routed_experts, "MX": cfg.moe_intermediate_size,
         "MS": cfg.moe_intermediate_size * cfg.n_shared_experts,
     }  # fmt: skip
+
+
+def groups(cfg: Any) -> dict[str, Groups]:
+    """The dimensions made of heads (Q, KVB, VO: MLA's per-head blocks) or of experts (X)."""
+    heads = Groups("heads", cfg.num_heads)
+    return {"Q": heads, "KVB": heads, "VO": heads, "X": Groups("experts", cfg.n_routed_experts)}
 
 
 def decoder(i: str) -> tuple[Param, ...]:
@@ -103,4 +109,5 @@ TABLE = ParamTable(
         # a buffer some writers keep; not a parameter
         Drop("model.layers.$L.self_attn.rotary_emb.inv_freq"),
     ),
+    groups,
 )

@@ -8,7 +8,16 @@ the module scales by 1 + w, so a fresh one is 0). No `rotary_emb.inv_freq` buffe
 
 from __future__ import annotations
 
-from hybridckpt.models.llama.params import ATTENTION, EMBED, LAYER, LM_HEAD, MLP, TIED_HEAD, dims
+from hybridckpt.models.llama.params import (
+    ATTENTION,
+    EMBED,
+    LAYER,
+    LM_HEAD,
+    MLP,
+    TIED_HEAD,
+    dims,
+    groups,
+)
 from hybridckpt.models.table import Param, ParamTable, stack
 
 
@@ -29,4 +38,5 @@ TABLE = ParamTable(
     __name__,
     dims,
     (EMBED, *stack("layers", (*NORMS, *ATTENTION, *MLP)), FINAL_NORM, LM_HEAD, TIED_HEAD),
+    groups,
 )

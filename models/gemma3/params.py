@@ -6,7 +6,7 @@ layers, None), HF Gemma3ForCausalLM names.
 from __future__ import annotations
 
 from hybridckpt.models.gemma2.params import ATTENTION, FINAL_NORM, NORMS, norm
-from hybridckpt.models.llama.params import ATTN, EMBED, LM_HEAD, MLP, TIED_HEAD, dims
+from hybridckpt.models.llama.params import ATTN, EMBED, LM_HEAD, MLP, TIED_HEAD, dims, groups
 from hybridckpt.models.table import ParamTable, stack
 
 QK_NORMS = (
@@ -18,4 +18,5 @@ TABLE = ParamTable(
     __name__,
     dims,
     (EMBED, *stack("layers", (*NORMS, *ATTENTION, *QK_NORMS, *MLP)), FINAL_NORM, LM_HEAD, TIED_HEAD),
+    groups,
 )

@@ -95,4 +95,5 @@ TABLE = ParamTable(
         *under("vision", VISION),
         *under("projector", PROJECTOR),
     ),
+    TEXT.groups,
 )

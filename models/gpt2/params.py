@@ -4,21 +4,28 @@
 GPT-2's Conv1D weights are already `[in, out]`; c_attn `[E, 3E]` holds q | k | v blocks and
 becomes `[E, 3, E]` (axis 1 = q, k, v; the last axis head-major heads * head_dim), its bias
 `[3E]` becomes `[3, E]`. The head is tied to `wte`. Dimensions: V vocab, P n_positions, E n_embd,
-I n_inner, L n_layer.
+I n_inner, L n_layer, EH n_embd seen as n_head heads of n_embd / n_head (the attention's
+head dimensions, which a mesh axis splits only between heads).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from hybridckpt.models.table import Drop, Param, ParamTable, stack
+from hybridckpt.models.table import Drop, Groups, Param, ParamTable, stack
 
 H = "transformer.h.$L"
 
 
 def dims(cfg: Any) -> dict[str, int]:
     """The size of each dimension symbol of the rows below."""
-    return {"V": cfg.vocab_size, "P": cfg.n_positions, "E": cfg.n_embd, "I": cfg.n_inner, "L": cfg.n_layer}
+    return {"V": cfg.vocab_size, "P": cfg.n_positions, "E": cfg.n_embd, "I": cfg.n_inner, "L": cfg.n_layer,
+            "EH": cfg.n_embd}
+
+
+def groups(cfg: Any) -> dict[str, Groups]:
+    """EH, the attention's width, is made of the heads (`models.table`)."""
+    return {"EH": Groups("heads", cfg.n_head)}
 
 
 def layer_norm(path: str, hf: str) -> tuple[Param, Param]:
@@ -31,9 +38,9 @@ def layer_norm(path: str, hf: str) -> tuple[Param, Param]:
 
 LAYER = (
     *layer_norm("ln_1", f"{H}.ln_1"),
-    Param("qkv.kernel", ("E", 3, "E"), ("embed", None, "heads"), f"{H}.attn.c_attn.weight", "unflatten(1, 3, -1)"),
-    Param("qkv.bias", (3, "E"), (None, "heads"), f"{H}.attn.c_attn.bias", "unflatten(0, 3, -1)", init="zeros"),
-    Param("attn_out.kernel", ("E", "E"), ("heads", "embed"), f"{H}.attn.c_proj.weight"),
+    Param("qkv.kernel", ("E", 3, "EH"), ("embed", None, "heads"), f"{H}.attn.c_attn.weight", "unflatten(1, 3, -1)"),
+    Param("qkv.bias", (3, "EH"), (None, "heads"), f"{H}.attn.c_attn.bias", "unflatten(0, 3, -1)", init="zeros"),
+    Param("attn_out.kernel", ("EH", "E"), ("heads", "embed"), f"{H}.attn.c_proj.weight"),
     Param("attn_out.bias", ("E",), (None,), f"{H}.attn.c_proj.bias", init="zeros"),
     *layer_norm("ln_2", f"{H}.ln_2"),
     Param("fc.kernel", ("E", "I"), ("embed", "mlp"), f"{H}.mlp.c_fc.weight"),
@@ -55,4 +62,5 @@ TABLE = ParamTable(
         Drop(f"{H}.attn.bias"),
         Drop(f"{H}.attn.masked_bias"),
     ),
+    groups,
 )

@@ -29,7 +29,7 @@ from typing import Any
 
 from hybridckpt.models.llama import params as llama
 from hybridckpt.models.qwen2.params import K_BIAS, O_BIAS, Q_BIAS, V_BIAS
-from hybridckpt.models.table import Param, ParamTable, stack, when
+from hybridckpt.models.table import Groups, Param, ParamTable, stack, when
 
 MLP = f"{llama.LAYER}.mlp"
 EXPERTS = f"{MLP}.experts"
@@ -44,6 +44,13 @@ def dims(cfg: Any) -> dict[str, int]:
         "MX2": 2 * cfg.intermediate_size,
         "Lm": len(cfg.moe_layers),
     }
+
+
+def groups(cfg: Any) -> dict[str, Groups]:
+    """Llama's head dimensions plus H (the sinks: one a head), X (the experts) and MX2 (gate and
+    up interleaved column by column: a split keeps each pair whole)."""
+    return llama.groups(cfg) | {"H": Groups("heads", cfg.num_heads), "X": Groups("experts", cfg.num_experts),
+                                "MX2": Groups("gate_up pairs", cfg.intermediate_size)}
 
 
 SINKS = Param("sinks", ("H",), ("heads",), f"{llama.ATTN}.sinks")
@@ -76,4 +83,5 @@ TABLE = ParamTable(
         llama.LM_HEAD,
         llama.TIED_HEAD,
     ),
+    groups,
 )

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybridckpt.models.mlp_table import swiglu
-from hybridckpt.models.table import Drop, Param, ParamTable, stack
+from hybridckpt.models.table import Drop, Groups, Param, ParamTable, stack
 
 LAYER = "model.layers.$L"
 ATTN = f"{LAYER}.self_attn"
@@ -29,6 +29,11 @@ def dims(cfg: Any) -> dict[str, int]:
         "KV": cfg.num_kv_heads * cfg.head_dim,
         "D": cfg.head_dim,
     }
+
+
+def groups(cfg: Any) -> dict[str, Groups]:
+    """The dimensions made of heads (`models.table`): a mesh axis splits them between heads."""
+    return {"Q": Groups("heads", cfg.num_heads), "KV": Groups("kv_heads", cfg.num_kv_heads)}
 
 
 EMBED = Param("embed.embedding", ("V", "E"), ("vocab", "embed"), "model.embed_tokens.weight")
@@ -64,4 +69,5 @@ TABLE = ParamTable(
         TIED_HEAD,
         INV_FREQ,
     ),
+    groups,
 )

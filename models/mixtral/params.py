@@ -15,7 +15,7 @@ from typing import Any
 
 from hybridckpt.models import mlp_table
 from hybridckpt.models.llama import params as llama
-from hybridckpt.models.table import ParamTable, stack
+from hybridckpt.models.table import Groups, ParamTable, stack
 
 MOE = f"{llama.LAYER}.block_sparse_moe"
 
@@ -28,6 +28,11 @@ def dims(cfg: Any) -> dict[str, int]:
         "Lm": len(cfg.moe_layers),
         "Ld": len(cfg.dense_layers),
     }
+
+
+def groups(cfg: Any) -> dict[str, Groups]:
+    """Llama's head dimensions plus X, the experts (`models.table`)."""
+    return llama.groups(cfg) | {"X": Groups("experts", cfg.num_experts)}
 
 
 ATTENTION = (llama.ATTN_NORM, *llama.ATTENTION, llama.MLP_NORM)
@@ -45,4 +50,5 @@ TABLE = ParamTable(
         llama.TIED_HEAD,
         llama.INV_FREQ,
     ),
+    groups,
 )

@@ -20,6 +20,7 @@ from hybridckpt.models.llama.params import (
     MLP,
     TIED_HEAD,
     dims,
+    groups,
 )
 from hybridckpt.models.table import Param, ParamTable, stack
 
@@ -47,4 +48,5 @@ TABLE = ParamTable(
         TIED_HEAD,
         INV_FREQ,
     ),
+    groups,
 )

@@ -27,13 +27,19 @@ from hybridckpt.models.llama.params import (
     TIED_HEAD,
 )
 from hybridckpt.models.llama.params import dims as llama_dims
-from hybridckpt.models.table import Param, ParamTable, stack
+from hybridckpt.models.llama.params import groups as llama_groups
+from hybridckpt.models.table import Groups, Param, ParamTable, stack
 
 
 def dims(cfg: Any) -> dict[str, int]:
     """Llama's dimension symbols plus QKV = Q + 2 KV (the fused projection's width)."""
     d = llama_dims(cfg)
     return d | {"QKV": d["Q"] + 2 * d["KV"]}
+
+
+def groups(cfg: Any) -> dict[str, Groups]:
+    """Llama's head dimensions plus QKV: the q heads, then the k and the v heads, head-major."""
+    return llama_groups(cfg) | {"QKV": Groups("qkv_heads", cfg.num_heads + 2 * cfg.num_kv_heads)}
 
 
 QKV = Param("qkv.kernel", ("E", "QKV"), ("embed", "heads"), f"{ATTN}.qkv_proj.weight", "transpose")
@@ -54,4 +60,5 @@ TABLE = ParamTable(
         TIED_HEAD,
         INV_FREQ,
     ),
+    groups,
 )

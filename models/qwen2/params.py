@@ -22,6 +22,7 @@ from hybridckpt.models.llama.params import (
     TIED_HEAD,
     V_PROJ,
     dims,
+    groups,
 )
 from hybridckpt.models.table import Param, ParamTable, stack
 
@@ -41,4 +42,5 @@ TABLE = ParamTable(
         TIED_HEAD,
         INV_FREQ,
     ),
+    groups,
 )

@@ -18,6 +18,7 @@ from hybridckpt.models.llama.params import (
     MLP_NORM,
     TIED_HEAD,
     dims,
+    groups,
 )
 from hybridckpt.models.qwen2.params import K_BIAS, O_BIAS, Q_BIAS, V_BIAS
 from hybridckpt.models.table import Param, ParamTable, stack, when
@@ -37,4 +38,5 @@ TABLE = ParamTable(
         TIED_HEAD,
         INV_FREQ,
     ),
+    groups,
 )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from hybridckpt.models import mlp_table
 from hybridckpt.models.llama import params as llama
-from hybridckpt.models.mixtral.params import dims
+from hybridckpt.models.mixtral.params import dims, groups
 from hybridckpt.models.qwen3.params import K_NORM, Q_NORM
 from hybridckpt.models.table import ParamTable, stack, when
 
@@ -32,4 +32,5 @@ TABLE = ParamTable(
         llama.TIED_HEAD,
         llama.INV_FREQ,
     ),
+    groups,
 )
