@@ -110,6 +110,22 @@ def test_import_restore_export_bitwise(case, dtype, tmp_path):
     assert "quantization_config" not in cfg
 
 
+def test_export_straight_from_the_release_keeps_each_stored_dtype(tmp_path):
+    """`export RELEASE OUT` (no import): the dequantized experts bfloat16, the converter's fp32
+    RMSNorm weights fp32, every other tensor as the file stores it; `--dtype float32` says what
+    it cast."""
+    want, stored = _want("gpt_oss_mxfp4"), _stored_dtypes("gpt_oss_mxfp4")
+    jobs.export_checkpoint(ckpt("gpt_oss_mxfp4"), str(tmp_path / "out"))
+    params = {k: v.materialize() for k, v in open_source(str(tmp_path / "out")).tensors.items()}
+    assert sorted(params) == sorted(want)
+    for k, v in want.items():
+        assert bitwise_equal(params[k], v.astype(stored.get(k) or BF16)), k
+    assert {str(params[k].dtype) for k in params if "norm" in k} == {"float32"}
+    s = jobs.export_checkpoint(ckpt("gpt_oss_mxfp4"), str(tmp_path / "f32"), dtype="float32")
+    n32 = sum(1 for k in want if stored.get(k) == np.float32)
+    assert f"cast {len(want) - n32} tensors bfloat16->float32; {n32} already float32" in s.notes
+
+
 def test_partial_edge_blocks_matter():
     """A block inferred as shape // grid (transformers 5.24's CPU dequantization) gives other
     values wherever a weight's edge blocks are partial: the reference catches it."""
