@@ -151,7 +151,7 @@ def lazy_targets(
         from hybridckpt import optim
 
         slots = {
-            s.name: lazy_tree(named.slots[s.name], p.slot_shardings(s.name), np.dtype(s.dtype), f"{s.state_name}.")
+            s.name: lazy_tree(named.slots[s.name], p.slot_shardings(s.name), None, f"{s.state_name}.")
             for s in opt.slots
         }
         count = stream.LazyLeaf(

@@ -215,3 +215,38 @@ def test_a_plain_named_tree_keeps_each_dtype_and_dtype_leaves_integers(tmp_path,
     got = _load(cast_out)
     for k, want in src.items():
         _same(got[k], want if not want.is_floating_point() else want.to(torch.bfloat16), k)
+
+
+def test_optimizer_moments_keep_their_dtype_whatever_dtype_casts(mixed, tmp_path, capsys):
+    """Moments as our single-card export holds them (`optimizer.safetensors`, written here by
+    safetensors), `exp_avg` bf16 and `exp_avg_sq` fp32: `--dtype float32` casts the weights
+    only; the moments restore onto another mesh and export in their own dtypes, bit for bit."""
+    folder, _ = mixed["llama"]
+    src = _source(folder)
+    g = torch.Generator().manual_seed(2)
+    moments = {f"{k}.exp_avg": torch.randn(v.shape, generator=g).to(torch.bfloat16) for k, v in src.items()}
+    moments |= {f"{k}.exp_avg_sq": torch.rand(v.shape, generator=g) for k, v in src.items()}
+    from safetensors.torch import save_file
+
+    with_opt = tmp_path / "with_opt"
+    with_opt.mkdir()
+    for f in os.listdir(folder):
+        os.symlink(os.path.join(folder, f), with_opt / f)
+    save_file(moments | {"step": torch.tensor(5, dtype=torch.int64)}, str(with_opt / "optimizer.safetensors"))
+    store, out = str(tmp_path / "store"), str(tmp_path / "out")
+    assert main(["import", str(with_opt), store, "--mesh", MESH_A, "--dtype", "float32", "--quiet"]) == 0
+    n32 = sum(v.dtype == torch.float32 for v in src.values())
+    assert f"cast {len(src) - n32} tensors bfloat16->float32; {n32} already float32" in capsys.readouterr().out
+    cfg, r = restore(store, MESH_B)
+    adam = r.opt_state[0]
+    assert {str(x.dtype) for x in jax.tree.leaves(adam.mu)} == {"bfloat16"}
+    assert {str(x.dtype) for x in jax.tree.leaves(adam.nu)} == {"float32"}
+    mu = naming.tree_to_hf(jax.tree.map(np.asarray, adam.mu), cfg)
+    for k in src:
+        _same(mu[k].materialize(), moments[f"{k}.exp_avg"], f"restored exp_avg {k}")
+    jobs.export_checkpoint(store, out, optimizer=True)
+    got = load_file(os.path.join(out, "optimizer.safetensors"))
+    for k, want in moments.items():
+        _same(got[k], want, k)
+    assert {v.dtype for k, v in _load(out).items() if not k.endswith(("exp_avg", "exp_avg_sq", "step"))} == {
+        torch.float32}
