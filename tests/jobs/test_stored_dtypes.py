@@ -156,7 +156,7 @@ def test_dtype_float32_casts_the_rest_and_says_what_it_cast(mixed, tmp_path, cap
         _same(got[k], want.to(torch.bfloat16), f"bfloat16 {k}")
 
 
-@pytest.mark.parametrize("to", ["dcp", "torchtitan", "megatron", "maxtext", "paddleformers-unified"])
+@pytest.mark.parametrize("to", ["dcp", "torchtitan", "megatron", "maxtext", "paddleformers-unified", "paddlenlp-unified"])
 def test_other_export_targets_keep_each_dtype(mixed, to, tmp_path):
     """Every `--to` layout holds per-tensor dtypes: read back (under HF names) each tensor is the
     source's, dtype and bytes."""
