@@ -117,7 +117,7 @@ def export_checkpoint(
     opened = open_checkpoint(src, fmt, config=config, rules=rules, step=step, verify_reads=verify_reads)
     Destination(out, overwrite=overwrite, sources=[opened.path]).preflight()  # before any read
     named = naming.model_hf(opened.named, opened.config) if opened.config is not None else opened.named
-    _, cast = cast_floating(named.params, dtype)  # what the writer casts (`writers.cast_params`)
+    _, cast = cast_floating(named.params, dtype)  # what the writer casts (through the same helper)
     if optimizer and not named.slots:
         raise CheckpointError(f"{opened.path}: has no optimizer state to export (drop --optimizer)")
     done = writers.write(writers.ExportRequest(

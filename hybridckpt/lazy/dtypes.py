@@ -28,8 +28,6 @@ from hybridckpt.lazy.base import LazyTensor
 from hybridckpt.lazy.constructors import cast
 from hybridckpt.lazy.views import Cast
 
-NAMES = ("float32", "bfloat16", "float16")  # the `--dtype` choices
-
 
 def np_dtype(name: str) -> np.dtype:
     """The numpy dtype of a `--dtype` name (float32, bfloat16, float16; fp32, bf16, fp16)."""
@@ -45,10 +43,12 @@ def np_dtype(name: str) -> np.dtype:
 
 
 def is_floating(dtype) -> bool:
-    """Whether `dtype` is a floating type (numpy's, or ml_dtypes' bfloat16 / float8 kinds)."""
+    """Whether `dtype` is a real floating type (numpy's, or ml_dtypes' bfloat16 / float8 kinds)."""
     import ml_dtypes
 
     try:
+        if np.dtype(dtype).kind == "c":  # (finfo answers for complex too)
+            return False
         ml_dtypes.finfo(np.dtype(dtype))
     except (TypeError, ValueError):
         return False

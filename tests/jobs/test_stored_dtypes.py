@@ -250,3 +250,26 @@ def test_optimizer_moments_keep_their_dtype_whatever_dtype_casts(mixed, tmp_path
         _same(got[k], want, k)
     assert {v.dtype for k, v in _load(out).items() if not k.endswith(("exp_avg", "exp_avg_sq", "step"))} == {
         torch.float32}
+
+
+def test_cast_floating_leaves_integers_booleans_and_complex_alone():
+    """`--dtype`'s cast (`lazy.dtypes.cast_floating`): real floating tensors only, counted."""
+    import ml_dtypes
+
+    from hybridckpt.lazy import ArrayTensor
+    from hybridckpt.lazy.dtypes import cast_floating
+
+    arrays = {
+        "f8": np.arange(4, dtype=np.float32).astype(ml_dtypes.float8_e4m3fn), "f16": np.ones(3, np.float16),
+        "f32": np.full(2, 1 / 3, np.float32), "i": np.arange(3, dtype=np.int64), "b": np.array([True, False]),
+        "c": np.array([1 + 2j], np.complex64),
+    }  # fmt: skip
+    out, report = cast_floating({k: ArrayTensor(v) for k, v in arrays.items()}, "bfloat16")
+    got = {k: t.materialize() for k, t in out.items()}
+    for k in ("i", "b", "c"):
+        assert got[k].dtype == arrays[k].dtype and np.array_equal(got[k], arrays[k]), k
+    for k in ("f8", "f16", "f32"):
+        assert got[k].dtype == ml_dtypes.bfloat16 and np.array_equal(got[k], arrays[k].astype(ml_dtypes.bfloat16)), k
+    assert report.note() == ("cast 1 tensor float16->bfloat16; cast 1 tensor float32->bfloat16; "
+                             "cast 1 tensor float8_e4m3fn->bfloat16; 3 not floating, kept as stored")
+    assert cast_floating({"x": ArrayTensor(arrays["f32"])}, None)[1].note() is None
