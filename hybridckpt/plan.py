@@ -141,6 +141,36 @@ class Plan:
         )
 
 
+def _key_name(key: Any) -> str:
+    """One step of a tree path as text (`SequenceKey` 0, `DictKey` "mu", `GetAttrKey` "mu")."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def with_saved_dtypes(targets: Any, saved: Any) -> Any:
+    """`targets` (abstract arrays with shardings) with each floating leaf's dtype the one `saved`
+    (a tree of the saved arrays' `ShapeDtypeStruct`s, matched by dotted path: `0.mu.layers.q.kernel`,
+    whatever the containers) records for it: a bf16 moment stored as bf16 restores as bf16.
+    Leaves `saved` does not hold keep their dtype."""
+    if targets is None or saved is None:
+        return targets
+    stored = {
+        ".".join(_key_name(k) for k in path): leaf.dtype
+        for path, leaf in jax.tree_util.tree_flatten_with_path(saved, is_leaf=_has_shape)[0]
+        if _has_shape(leaf)
+    }
+
+    def one(path: tuple, t: Any) -> Any:
+        dt = stored.get(".".join(_key_name(k) for k in path))
+        if dt is None or not jax.numpy.issubdtype(t.dtype, np.floating) or not jax.numpy.issubdtype(dt, np.floating):
+            return t
+        return jax.ShapeDtypeStruct(t.shape, np.dtype(dt), sharding=t.sharding)
+
+    return jax.tree_util.tree_map_with_path(one, targets, is_leaf=_has_shape)
+
+
 def _get(node: Any, path: tuple) -> Any:
     for key in path:
         node = getattr(node, key) if isinstance(key, str) and hasattr(node, "_fields") else node[key]

@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("dst", help="Orbax checkpoint directory to create")
     s.add_argument("--mesh", default="dp=1", help="target mesh, e.g. dp=1,fsdp=2,tp=2,pp=2 (default: one device)")
     s.add_argument("--params-only", action="store_true", help="do not import optimizer state")
-    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast params (default: as stored)")
+    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="cast the floating params, saying what was cast (default: each tensor as stored)")
     s.add_argument("--rules", help="a rules file applied before the format's own rules (model variants)")
     s.add_argument("--strict-sharding", action="store_true",
                    help="fail on a dimension the mesh cannot divide (default: replicate it on that axis, with a note)")
@@ -156,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("out", help="folder to create (model*.safetensors, config.json, optimizer*.safetensors)")
     s.add_argument("--optimizer", action="store_true",
                    help="also write optimizer*.safetensors (<name>.<slot>, e.g. exp_avg / exp_avg_sq, and step)")
-    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast params on write")
+    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="cast the floating params on write, saying what was cast (default: each tensor as stored)")
     s.add_argument("--rules", help="a rules file applied before the format's own rules")
     s.add_argument("--max-shard-gb", type=_positive_number, metavar="G",
                    help="shard size in GiB above which files are split (default 5)")

@@ -149,7 +149,7 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
     if q is not None:
         tensors, count, qnotes = hf_quant.dequantize(tensors, q, path)
         notes += [f"{q.method} weights of {count} tensors dequantized (stored as {hf_quant.DEFAULT_DTYPE} "
-                  f"unless --dtype float32)", *qnotes]
+                  f"unless --dtype float32; every other tensor in its own dtype)", *qnotes]
     optim = None
     moments = read_tensors(folder, OPTIMIZER, OPTIMIZER_INDEX)
     if os.path.isfile(os.path.join(folder, TRAINER)):

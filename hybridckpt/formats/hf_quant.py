@@ -16,9 +16,13 @@
   `[E, hidden, 2 * intermediate]`, `down_proj` `[E, intermediate, hidden]`): the name and layout
   given here, the ones an export writes.
 
-A dequantized tensor is float32 (exact for MXFP4; for FP8 the one float32 rounding of
-`q * scale` that DeepSeek's kernel makes); the import stores bfloat16 unless `--dtype` says
-otherwise (`DEFAULT_DTYPE`). The config read on is the source's without `quantization_config`.
+A dequantized tensor's values are float32 (exact for MXFP4; for FP8 the one float32 rounding of
+`q * scale` that DeepSeek's kernel makes). Having no stored float dtype of its own, it is read as
+`DEFAULT_DTYPE` (bfloat16, the dtype the releases keep their unquantized weights in and declare in
+`torch_dtype`; every MXFP4 value is exact in it) over those float32 values (`lazy.dtypes.Dequantized`):
+what an import stores and an export writes unless `--dtype` says otherwise, `--dtype float32`
+casting from the exact values. Every tensor stored unquantized keeps its own dtype (GPT-OSS's
+fp32 RMSNorm weights stay fp32). The config read on is the source's without `quantization_config`.
 """
 
 from __future__ import annotations
@@ -32,9 +36,10 @@ import numpy as np
 from hybridckpt import lazy
 from hybridckpt.errors import FormatError, short_repr
 from hybridckpt.lazy import LazyTensor
+from hybridckpt.lazy.dtypes import Dequantized, np_dtype
 from hybridckpt.lazy.quantized import BlockScaled, Mxfp4
 
-DEFAULT_DTYPE = "bfloat16"  # what an import or export of a quantized source stores unless --dtype says
+DEFAULT_DTYPE = "bfloat16"  # a dequantized tensor's stored dtype: what an import or export writes unless --dtype says
 METHODS = ("fp8", "mxfp4")
 FP8_SCALE = "_scale_inv"
 ACTIVATION_SCALES = (".activation_scale", ".input_scale")
@@ -94,8 +99,9 @@ def without_quantization(hf_config: Mapping[str, Any]) -> dict[str, Any]:
 
 def dequantize(tensors: Mapping[str, LazyTensor], q: Quantization, where: str
                ) -> tuple[dict[str, LazyTensor], int, tuple[str, ...]]:
-    """(the tensors with every quantized weight replaced by its float32 dequantized view under
-    the name transformers gives it after dequantizing, how many were, notes)."""
+    """(the tensors with every quantized weight replaced by its dequantized view (`Dequantized`:
+    `DEFAULT_DTYPE` over the float32 values) under the name transformers gives it after
+    dequantizing, how many were, notes)."""
     if q.method == "fp8":
         return _fp8(tensors, q.block, where)
     return _mxfp4(tensors, where)
@@ -119,7 +125,7 @@ def _fp8(tensors: Mapping[str, LazyTensor], block: tuple[int, int] | None, where
         if s.ndim == 0 and block is None:
             s = lazy.reshape(s, (1,) * w.ndim)
         try:
-            out[wname] = BlockScaled(w, s, b)
+            out[wname] = Dequantized(BlockScaled(w, s, b), np_dtype(DEFAULT_DTYPE))
         except FormatError as e:
             raise FormatError(f"{where}: {short_repr(sname)}: {e}") from None
         done += 1
@@ -150,7 +156,7 @@ def _mxfp4(tensors: Mapping[str, LazyTensor], where: str) -> tuple[dict[str, Laz
             raise FormatError(f"{where}: {short_repr(bname)}: {e}") from None
         axes = list(range(deq.ndim))
         axes[-2], axes[-1] = axes[-1], axes[-2]
-        out[base] = lazy.transpose(deq, axes)
+        out[base] = Dequantized(lazy.transpose(deq, axes), np_dtype(DEFAULT_DTYPE))
         done += 1
     stray = sorted(n for n in out if n.endswith("_scales"))
     if stray:

@@ -89,7 +89,8 @@ def export_checkpoint(
 ) -> ExportSummary:
     """Any supported checkpoint (Orbax included) -> one safetensors folder at `out`.
 
-    optimizer: also write the optimizer slots and step. dtype: cast params on write.
+    optimizer: also write the optimizer slots and step. dtype: cast the floating params on write
+      (the summary's notes say what was cast); default: every tensor as stored.
     config: a config path or model config for sources that carry none (omit it to consolidate
       under the source's own names). step: which step of a hybridckpt (Orbax) source.
     to: "hf", or a Paddle unified layout ("paddlenlp-unified", "paddleformers-unified":
@@ -104,9 +105,10 @@ def export_checkpoint(
     scan_layers: `to="maxtext"`: layers stacked on MaxText's scan axis (default) or one per layer.
     """
     from hybridckpt import naming, writers
-    from hybridckpt.jobs.import_ import np_dtype, quantized_default_dtype
+    from hybridckpt.jobs.import_ import np_dtype
     from hybridckpt.jobs.open import open_checkpoint
     from hybridckpt.lazy import parallel
+    from hybridckpt.lazy.dtypes import cast_floating
     from hybridckpt.writers.destination import Destination
 
     t0 = time.perf_counter()
@@ -114,8 +116,8 @@ def export_checkpoint(
         parallel.set_io_threads(io_threads)
     opened = open_checkpoint(src, fmt, config=config, rules=rules, step=step, verify_reads=verify_reads)
     Destination(out, overwrite=overwrite, sources=[opened.path]).preflight()  # before any read
-    dtype = dtype or quantized_default_dtype(opened)
     named = naming.model_hf(opened.named, opened.config) if opened.config is not None else opened.named
+    _, cast = cast_floating(named.params, dtype)  # what the writer casts (through the same helper)
     if optimizer and not named.slots:
         raise CheckpointError(f"{opened.path}: has no optimizer state to export (drop --optimizer)")
     done = writers.write(writers.ExportRequest(
@@ -124,5 +126,6 @@ def export_checkpoint(
         sources=(opened.path,), source_format=opened.format, trainer=dict(opened.trainer), files=dict(opened.files),
         hyper=exported_hyper(opened, set(named.params)) if opened.hyper else {}, extra={**dict(layout or {}), **_writer_extra(to, scan_layers)},
     ))
+    cast_note = (cast.note(),) if cast.note() else ()
     return ExportSummary(opened.format, os.path.abspath(out), done.files, done.tensors, done.nbytes,
-                         time.perf_counter() - t0, optimizer, tuple(opened.notes) + done.notes)
+                         time.perf_counter() - t0, optimizer, tuple(opened.notes) + done.notes + cast_note)

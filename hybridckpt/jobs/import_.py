@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 
 from hybridckpt import lazy
-from hybridckpt.errors import ConfigError
 from hybridckpt.naming import flatten, nest
 from hybridckpt.store.keys import NAMES_KEY
 
@@ -49,27 +48,23 @@ class ImportSummary:
     source_tensors: int = 0  # the source's param tensors they came from (layers stacked)
 
 
-def quantized_default_dtype(opened: Any) -> str | None:
-    """The `--dtype` a quantized source (FP8 blocks, MXFP4: `formats.hf_quant`) is stored in when
-    none is given (bfloat16; float32 on request holds the dequantized values exactly), else None."""
-    if opened.format == "orbax" or "quantization" not in opened.trainer:
-        return None
-    from hybridckpt.formats.hf_quant import DEFAULT_DTYPE
-
-    return DEFAULT_DTYPE
-
-
 def np_dtype(name: str) -> np.dtype:
-    """The numpy dtype of a `--dtype` name (float32, bfloat16, float16)."""
-    import ml_dtypes
+    """The numpy dtype of a `--dtype` name (float32, bfloat16, float16): `lazy.dtypes.np_dtype`."""
+    from hybridckpt.lazy.dtypes import np_dtype as named_dtype
 
-    if name in ("bfloat16", "bf16"):
-        return np.dtype(ml_dtypes.bfloat16)
-    if name in ("float32", "fp32"):
-        return np.dtype(np.float32)
-    if name in ("float16", "fp16"):
-        return np.dtype(np.float16)
-    raise ConfigError(f"unknown --dtype {name!r}: expected float32, bfloat16 or float16")
+    return named_dtype(name)
+
+
+def cast_named(named: Any, dtype: str | None) -> tuple[Any, Any]:
+    """(`named` with its floating params cast to `dtype` (None: every tensor as stored; the
+    optimizer slots are never cast), the `lazy.dtypes.CastReport`), applied to the source's
+    tensors one by one before any rule stacks or fuses them, so a report counts them."""
+    from dataclasses import replace
+
+    from hybridckpt.lazy.dtypes import cast_floating
+
+    params, report = cast_floating(named.params, dtype)
+    return (named if dtype is None else replace(named, params=params)), report
 
 
 @dataclass(frozen=True)
@@ -89,6 +84,7 @@ class LazyTargets:
     leaves: dict  # storage name ("params.<path>", "<slot state>.<path>") -> LazyLeaf
     counted: dict  # leaves checksummed beyond `leaves` (the step counter)
     options: Any  # the `store.stream.StreamOptions` every leaf shares
+    cast: Any = None  # the `lazy.dtypes.CastReport` of `--dtype` (what it cast)
 
 
 def lazy_targets(
@@ -108,17 +104,18 @@ def lazy_targets(
     import jax
 
     from hybridckpt import naming, plan
+    from hybridckpt.lazy.dtypes import is_floating
     from hybridckpt.mesh import MeshShape, mesh_from_shape
     from hybridckpt.store import stream
     from hybridckpt.store.codec import parse_compression
 
-    dtype = dtype or quantized_default_dtype(opened)
     cfg = opened.config
     escaped: dict[str, str] = {}
+    hf, cast = cast_named(opened.named, dtype)  # every tensor as stored unless --dtype
     if cfg is not None:
-        named = naming.hf_to_tree(opened.named, cfg)
+        named = naming.hf_to_tree(hf, cfg)
     else:  # the source's own names: data, stored under safe keys (`store.keys`)
-        named, escaped = _under_storage_keys(opened.named)
+        named, escaped = _under_storage_keys(hf)
     jmesh = mesh if isinstance(mesh, jax.sharding.Mesh) else mesh_from_shape(
         MeshShape.parse(mesh) if isinstance(mesh, str) else mesh
     )
@@ -139,21 +136,22 @@ def lazy_targets(
     leaves: dict[str, stream.LazyLeaf] = {}
     counted: dict[str, stream.LazyLeaf] = {}  # leaves checksummed beyond `leaves`: the step counter
 
-    def lazy_tree(flat: dict, shardings: Any, cast: np.dtype | None, prefix: str) -> dict:
+    def lazy_tree(flat: dict, shardings: Any, to: np.dtype | None, prefix: str) -> dict:
         flat_s, flat_c = flatten(shardings), flatten(p.chunk_axes)
         out = {}
         for k, t in flat.items():
-            t = lazy.cast(t, cast) if cast is not None else t
+            t = lazy.cast(t, to) if to is not None and is_floating(t.dtype) else t
             out[k] = leaves[prefix + k] = stream.LazyLeaf(t, flat_s[k], prefix + k, tuple(flat_c.get(k, ())), opts)
         return nest(out)
 
+    # (a rule's value op computing in float32 cast back: the leaves are what --dtype asked)
     params = lazy_tree(named.params, p.param_shardings, None if dtype is None else np_dtype(dtype), "params.")
     opt_state = None
     if opt is not None:
         from hybridckpt import optim
 
         slots = {
-            s.name: lazy_tree(named.slots[s.name], p.slot_shardings(s.name), np.dtype(s.dtype), f"{s.state_name}.")
+            s.name: lazy_tree(named.slots[s.name], p.slot_shardings(s.name), None, f"{s.state_name}.")
             for s in opt.slots
         }
         count = stream.LazyLeaf(
@@ -162,7 +160,7 @@ def lazy_targets(
         counted["count"] = count  # (checksummed like the arrays, not counted among them)
         opt_state = optim.state(opt, p.opt_shapes, slots, count)
         opt_state = _zeros_for_the_rest(opt_state, p, opts)
-    return LazyTargets(cfg, named, p, opt, jmesh, escaped, params, opt_state, leaves, counted, opts)
+    return LazyTargets(cfg, named, p, opt, jmesh, escaped, params, opt_state, leaves, counted, opts, cast)
 
 
 def import_checkpoint(
@@ -261,6 +259,8 @@ def import_checkpoint(
                     sources=[opened.path], files=opened.files.values())
     nbytes = sum(x.nbytes for x in leaves.values())
     notes = opened.notes + opened.named.report + named.report[len(opened.named.report):] + p.notes + hyper_notes
+    if lt.cast.note():
+        notes += (lt.cast.note(),)
     if cfg is None:
         from hybridckpt.jobs.open import unknown_architecture
 

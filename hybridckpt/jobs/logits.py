@@ -33,6 +33,7 @@ def logits(
     import jax.numpy as jnp
 
     from hybridckpt import models, naming, plan
+    from hybridckpt.jobs.import_ import cast_named
     from hybridckpt.jobs.open import open_checkpoint, require_config
     from hybridckpt.mesh import MeshShape, mesh_from_shape
     from hybridckpt.place import assemble
@@ -47,7 +48,8 @@ def logits(
     vocab = models.rule_variables(cfg)["vocab_size"]
     if toks.min() < 0 or toks.max() >= vocab:
         raise MappingError(f"tokens must lie in [0, {vocab}), found {toks.min()}..{toks.max()}")
-    tree = naming.hf_to_tree(opened.named, cfg)
+    hf, _ = cast_named(opened.named, "float32")  # (a dequantized tensor: its exact float32 values)
+    tree = naming.hf_to_tree(hf, cfg)
     jmesh = mesh if isinstance(mesh, jax.sharding.Mesh) else mesh_from_shape(
         MeshShape.parse(mesh) if isinstance(mesh, str) else mesh
     )

@@ -39,6 +39,9 @@ Modules (each imports only those above it):
                    `split`: views with no-ops and chains folded.
 - `strided`        `stored_strided`: torch's `(shape, strides, storage_offset)` views of a storage.
 - `tiled`          `Tiled`: a global tensor of blocks at their offsets (DCP chunks, store chunks).
+- `dtypes`         stored dtypes and `--dtype`: `cast_floating` (floating tensors only, with a
+                   `CastReport` of what it cast), `Dequantized` (a dequantized tensor's stored
+                   dtype over its exact values) (not re-exported: `from hybridckpt.lazy import dtypes`).
 - `parallel`       the pool of readers: boxes read in parallel within a byte budget (not
                    re-exported: `from hybridckpt.lazy import parallel`).
 """

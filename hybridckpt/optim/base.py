@@ -63,7 +63,8 @@ class Slot:
                 also the suffix in our single-card export (`<hf name>.<name>`)
     state_name: the field of the optax state holding the tree of this slot, e.g. "mu"
     relation:   how its shape follows from its parameter's
-    dtype:      the dtype it is stored in (numpy name)
+    dtype:      the dtype of a fresh state's slot (numpy name; the plan's targets); a source's own
+                moments keep the dtype they are stored in through import, restore and export
     """
 
     name: str

@@ -177,6 +177,15 @@ class CheckpointStore:
         where = f"{self.directory}/{step}"
         return as_shape_dtype(_unwrapped(where, f"the metadata of {PARAMS}", lambda: item_metadata(self._manager, step, PARAMS)))
 
+    def opt_state_metadata(self, step: int | None = None) -> Any:
+        """The saved optimizer state as a tree of `jax.ShapeDtypeStruct` (Orbax's own nesting:
+        lists and dicts), or None when the step has none; reads no arrays."""
+        self._manager.wait_until_finished()
+        step = resolve_step(self._manager, step)
+        where = f"{self.directory}/{step}"
+        meta = _unwrapped(where, f"the metadata of {OPT_STATE}", lambda: item_metadata(self._manager, step, OPT_STATE))
+        return None if meta is None else as_shape_dtype(meta)
+
     # -- save
     def _trainer_json(self, step: int, params: Any, trainer_state: Mapping | None) -> dict:
         state = {k: v for k, v in (trainer_state or {}).items() if k not in IMPORT_KEYS}

@@ -2,9 +2,9 @@
 
 The model config comes from the checkpoint's trainer state (or `config=`); the sharding plan from
 `hybridckpt.plan` (the model's logical axes, or the generic rule for a model-agnostic import);
-params keep the dtype they were saved in; the optimizer state (when saved and asked for) comes
-back as the optax state of the optimizer named in trainer state, each slot sharded like its param
-and the step counter replicated.
+params and optimizer moments keep the dtype they were saved in (`plan.with_saved_dtypes`); the
+optimizer state (when saved and asked for) comes back as the optax state of the optimizer named
+in trainer state, each slot sharded like its param and the step counter replicated.
 """
 
 from __future__ import annotations
@@ -82,9 +82,8 @@ def restore(
         has_opt = os.path.isdir(os.path.join(str(store.directory), str(step), "opt_state"))
         opt = optim.get(state.get("optimizer", optim.DEFAULT)) if optimizer and has_opt else None
         p = plan_for(state, saved, jmesh, config=config, optimizer=opt, indivisible="error" if strict_sharding else "replicate")
-        restored = store.restore(
-            step, target_params=p.param_targets(saved), target_opt_state=p.opt_targets(), **restore_kwargs
-        )
+        opt_targets = plan.with_saved_dtypes(p.opt_targets(), store.opt_state_metadata(step) if opt else None)
+        restored = store.restore(step, target_params=p.param_targets(saved), target_opt_state=opt_targets, **restore_kwargs)
         restored = replace(restored, notes=p.notes)
     if optimizer == "from-checkpoint":
         restored = with_optimizer(restored, opt, state, directory)

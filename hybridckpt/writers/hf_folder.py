@@ -21,6 +21,7 @@ from hybridckpt.containers import safetensors_file as sf
 from hybridckpt.io import model_files
 from hybridckpt.io.model_files import CONFIG, ModelFile
 from hybridckpt.lazy import ArrayTensor, LazyTensor
+from hybridckpt.lazy.dtypes import cast_floating
 from hybridckpt.writers.destination import Destination
 
 DEFAULT_SHARD_BYTES = 5 * 1024**3
@@ -139,8 +140,7 @@ def write_export(request) -> Any:
 
     named, cfg = request.named, request.config
     params = dict(named.params)
-    if request.dtype is not None:
-        params = {k: lazy.cast(v, request.dtype) for k, v in params.items()}
+    params, _ = cast_floating(params, request.dtype)  # (None: every tensor as stored)
     slots = {s: dict(t) for s, t in named.slots.items()} if request.optimizer else {}
     staged: dict[tuple[str, str], LazyTensor] = {("model", k): v for k, v in params.items()}
     for slot, tensors in slots.items():

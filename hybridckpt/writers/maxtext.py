@@ -35,6 +35,7 @@ import numpy as np
 from hybridckpt import lazy
 from hybridckpt.errors import ConfigError, MappingError
 from hybridckpt.formats import maxtext
+from hybridckpt.lazy.dtypes import cast_floating
 from hybridckpt.naming import nest
 from hybridckpt.writers.destination import Destination
 
@@ -43,15 +44,13 @@ def maxtext_tensors(named, cfg, *, optimizer: bool, scan_layers: bool = True, dt
     """The flat MaxText train state (dotted item paths, `formats.maxtext`) of `named` (HF names:
     params, slots, step) for the model `cfg`: lazy tensors, and ints for the counts."""
     inverse = maxtext.rules(cfg).invert()
-    res = inverse.apply(named.params, strict=False)
+    res = inverse.apply(cast_floating(named.params, dtype)[0], strict=False)  # (None: as stored)
     if res.unconsumed:
         raise MappingError(
             f"export --to maxtext: no MaxText name for {', '.join(res.unconsumed[:10])} "
             f"(family {maxtext.dialect(cfg).family!r}, {maxtext.dialect(cfg).rules()[1]})"
         )
     params = res.tensors
-    if dtype is not None:
-        params = {k: lazy.cast(t, dtype) for k, t in params.items()}
     flat: dict[str, Any] = {maxtext.PARAMS + k: t for k, t in maxtext.to_disk(params, scan_layers).items()}
     step = int(named.step or 0)
     flat[maxtext.STEP] = step

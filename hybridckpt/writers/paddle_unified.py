@@ -47,6 +47,7 @@ from hybridckpt.formats.paddle.unified import (
     TIED_HEAD,
 )
 from hybridckpt.lazy import LazyTensor
+from hybridckpt.lazy.dtypes import cast_floating
 from hybridckpt.writers.destination import Destination
 
 LAYOUTS = {
@@ -189,8 +190,7 @@ def write_unified(
         def stored(state, what):
             return paddleformers.state_to_paddle(hf_params, lazies(state), what)
 
-    if dtype is not None:
-        params = {k: lazy.cast(t, dtype) for k, t in params.items()}
+    params, _ = cast_floating(params, dtype)  # (None: every tensor as stored)
     os.makedirs(out_dir, exist_ok=True)
     state_key = {k: k for k in params}  # the name each param's optimizer state is saved under
     if flavour == paddleformers.PADDLENLP:

@@ -16,9 +16,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridckpt import lazy
 from hybridckpt.errors import CheckpointError
 from hybridckpt.lazy import LazyTensor
+from hybridckpt.lazy.dtypes import cast_floating
 from hybridckpt.writers.dcp_files import DEFAULT_CHUNK_BYTES, Item, write_folder
 from hybridckpt.writers.destination import Destination
 
@@ -69,8 +69,7 @@ def run(request: Any, write_export: Callable[..., tuple[list[str], list[str]]]) 
     """Call a torch writer's `write_export` for `request` (module doc)."""
     named = request.named
     params = dict(named.params)
-    if request.dtype is not None:
-        params = {k: lazy.cast(v, request.dtype) for k, v in params.items()}
+    params, _ = cast_floating(params, request.dtype)  # (None: every tensor as stored)
     slots = {s: dict(t) for s, t in named.slots.items()} if request.optimizer else None
     every = list(params.values()) + [t for v in (slots or {}).values() for t in v.values()]
     set_total = getattr(request.progress, "set_total", None)

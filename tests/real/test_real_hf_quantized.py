@@ -8,9 +8,11 @@
   transformers' CPU dequantization (float32). Read as the gpt_oss family (`models/gpt_oss`); the
   same files under an architecture no family implements are read under their own names.
 
-Params: bit for bit, float32 equal to the references, bfloat16 (the default for a quantized
-source) equal to bfloat16 of them (round to nearest even), after import on a mesh, restore on
-another and export. Logits against the tool's forward (fp32, 1e-5).
+Params: bit for bit, float32 equal to the references; by default each tensor in the dtype it is
+stored in: a dequantized one bfloat16 (`hf_quant.DEFAULT_DTYPE`) equal to bfloat16 of them (round
+to nearest even), every unquantized one its own (the GPT-OSS converter's fp32 RMSNorm weights stay
+fp32); after import on a mesh, restore on another and export. Logits against the tool's forward
+(fp32, 1e-5).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from cases import ckpt, reference
 from roundtrip_real import bitwise_equal, mesh_pair
 
 from hybridckpt import jobs
+from hybridckpt.lazy.dtypes import exact
 from hybridckpt.lazy.quantized import BlockScaled
 from hybridckpt.readers import open_source
 
@@ -41,6 +44,21 @@ def _want(case: str) -> dict[str, np.ndarray]:
     if case == "deepseek_fp8_partial":
         return _refs(case, "unquantized") | _refs(case, "deepseek_weight_dequant")
     return _refs(case, "transformers")
+
+
+def _stored_dtypes(case: str) -> dict[str, np.dtype]:
+    """Each tensor's dtype as the safetensors headers of the case store it (read by safetensors
+    itself), the quantized ones' parts included."""
+    from safetensors import safe_open
+
+    folder = ckpt(case)
+    out = {}
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, f), "np") as st:
+                for k in st.keys():
+                    out[k] = {"F32": np.dtype(np.float32), "BF16": BF16}.get(st.get_slice(k).get_dtype())
+    return out
 
 
 def _roundtrip(case: str, tmp_path, dtype: str | None) -> tuple[dict[str, np.ndarray], str]:
@@ -61,7 +79,7 @@ def test_reader_dequantizes_bit_for_bit(case):
     want = _want(case)
     assert sorted(src.tensors) == sorted(want) or case == "hf_fp8_qwen3"
     for k, v in want.items():
-        got = src.tensors[k].materialize().astype(np.float32)
+        got = exact(src.tensors[k]).materialize().astype(np.float32)
         assert bitwise_equal(got, v), k
 
 
@@ -81,11 +99,31 @@ def test_import_restore_export_bitwise(case, dtype, tmp_path):
     if case == "hf_fp8_qwen3":
         want = {k: v for k, v in want.items() if k in params}
     assert sorted(params) == sorted(want)
+    stored = _stored_dtypes(case)
+    if case == "gpt_oss_mxfp4":  # the converter keeps the RMSNorm weights fp32, the rest bf16
+        assert sorted(k for k, d in stored.items() if d == np.float32) == sorted(k for k in want if "norm" in k)
     for k, v in want.items():
-        expect = v if dtype == "float32" else v.astype(BF16)  # float32 -> bfloat16: nearest even
-        assert bitwise_equal(params[k], expect), k
+        # float32 -> bfloat16: nearest even; an unquantized tensor as the file stores it
+        expect = v if dtype == "float32" else v.astype(stored.get(k) or BF16)
+        assert bitwise_equal(params[k], expect), (k, params[k].dtype, expect.dtype)
     cfg = json.loads(open(os.path.join(out, "config.json")).read())
     assert "quantization_config" not in cfg
+
+
+def test_export_straight_from_the_release_keeps_each_stored_dtype(tmp_path):
+    """`export RELEASE OUT` (no import): the dequantized experts bfloat16, the converter's fp32
+    RMSNorm weights fp32, every other tensor as the file stores it; `--dtype float32` says what
+    it cast."""
+    want, stored = _want("gpt_oss_mxfp4"), _stored_dtypes("gpt_oss_mxfp4")
+    jobs.export_checkpoint(ckpt("gpt_oss_mxfp4"), str(tmp_path / "out"))
+    params = {k: v.materialize() for k, v in open_source(str(tmp_path / "out")).tensors.items()}
+    assert sorted(params) == sorted(want)
+    for k, v in want.items():
+        assert bitwise_equal(params[k], v.astype(stored.get(k) or BF16)), k
+    assert {str(params[k].dtype) for k in params if "norm" in k} == {"float32"}
+    s = jobs.export_checkpoint(ckpt("gpt_oss_mxfp4"), str(tmp_path / "f32"), dtype="float32")
+    n32 = sum(1 for k in want if stored.get(k) == np.float32)
+    assert f"cast {len(want) - n32} tensors bfloat16->float32; {n32} already float32" in s.notes
 
 
 def test_partial_edge_blocks_matter():
@@ -95,6 +133,7 @@ def test_partial_edge_blocks_matter():
     want = _refs("deepseek_fp8_partial", "deepseek_weight_dequant")
     wrong = 0
     for k, t in src.tensors.items():
+        t = exact(t)
         if not isinstance(t, BlockScaled) or all(n % b == 0 for n, b in zip(t.shape, t.block, strict=True)):
             continue
         grid = t.scales.shape
@@ -111,7 +150,7 @@ def test_partial_edge_blocks_matter():
 def test_box_reads_touch_only_their_blocks():
     """A box of a dequantized tensor equals the box of the whole (partial blocks included)."""
     src = open_source(ckpt("deepseek_fp8_partial"))
-    t = next(t for t in src.tensors.values() if isinstance(t, BlockScaled) and t.shape[0] % 16 and t.shape[1] % 16)
+    t = next(t for t in map(exact, src.tensors.values()) if isinstance(t, BlockScaled) and t.shape[0] % 16 and t.shape[1] % 16)
     whole = t.materialize()
     for box in (((3, t.shape[0] - 1), (5, 21)), ((16, t.shape[0]), (17, t.shape[1]))):
         np.testing.assert_array_equal(t.read_box(box), whole[box[0][0]:box[0][1], box[1][0]:box[1][1]])
@@ -231,8 +270,8 @@ def test_mxfp4_nibble_order_and_bias_matter():
 
     src = open_source(ckpt("gpt_oss_mxfp4"))
     want = _refs("gpt_oss_mxfp4", "transformers")["model.layers.0.mlp.experts.down_proj"]
-    blocks = src.tensors["model.layers.0.mlp.experts.down_proj"].src.blocks
-    scales = src.tensors["model.layers.0.mlp.experts.down_proj"].src.scales
+    blocks = exact(src.tensors["model.layers.0.mlp.experts.down_proj"]).src.blocks
+    scales = exact(src.tensors["model.layers.0.mlp.experts.down_proj"]).src.scales
     ok = np.ascontiguousarray(q.Mxfp4(blocks, scales).materialize().transpose(0, 2, 1))
     assert bitwise_equal(ok, want)
     raw = blocks.materialize()
