@@ -24,6 +24,7 @@ import numpy as np
 
 from hybridckpt import lazy
 from hybridckpt.errors import ConfigError
+from hybridckpt.io import byte_source
 from hybridckpt.naming import flatten, nest
 from hybridckpt.store.keys import NAMES_KEY
 
@@ -165,6 +166,7 @@ def lazy_targets(
     return LazyTargets(cfg, named, p, opt, jmesh, escaped, params, opt_state, leaves, counted, opts)
 
 
+@byte_source.watch()  # every source file read is checked unchanged before the commit
 def import_checkpoint(
     src: str | os.PathLike,
     dst: str | os.PathLike,
