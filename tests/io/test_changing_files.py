@@ -181,3 +181,86 @@ def test_the_check_costs_no_syscall_per_read(tmp_path, monkeypatch):
         assert calls[len(opened) + 2:] == ["fstat", "stat"]
     finally:
         close_all()
+
+
+# -- Paddle pickles: walked by pread, never through a mapping ------------------------------------
+
+PADDLE = os.path.join(os.path.dirname(__file__), "..", "real", "cases", "paddlenlp_untied_fp32_1rank", "ckpt",
+                      "legacy", "checkpoint-3")
+_TRUNCATE_DURING_THE_WALK = """
+import os, sys
+from hybridckpt.cli import main
+from hybridckpt.containers.pickle import paddle_save
+target, real = sys.argv[2], paddle_save.scan_pickle
+def scan(data, *args, **kwargs):
+    if kwargs.get("what") == target:
+        os.truncate(target, 4096)  # under the walk: its next page is past the end
+    return real(data, *args, **kwargs)
+paddle_save.scan_pickle = scan
+sys.exit(main(["inspect", sys.argv[1]]))
+"""
+
+
+def test_a_pdparams_truncated_during_the_opcode_walk_is_one_line_not_a_sigbus(tmp_path):
+    """paddle 3.0's own `.pdparams` (tests/real), truncated by a hook just as the walk starts: a
+    mapped walk died of SIGBUS (exit -7, no message); preads make it the one line, exit 2."""
+    import shutil
+    import subprocess
+    import sys
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(PADDLE, folder)
+    target = str(folder / "model_state.pdparams")
+    assert os.path.getsize(target) == 62113
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("XLA_FLAGS", None)
+    r = subprocess.run([sys.executable, "-c", _TRUNCATE_DURING_THE_WALK, str(folder), target],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert r.stderr == f"hybridckpt: error: {target} changed while it was read: size 62113 -> 4096\n"
+
+
+def test_a_pdparams_rewritten_after_its_walk_is_refused(tmp_path, monkeypatch):
+    """Changed after the walk read its opcodes (same size, new bytes): the stream unpickled would
+    mix two versions; the check after the walk refuses it."""
+    import shutil
+
+    from hybridckpt.containers.pickle import paddle_save
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(PADDLE, folder)
+    target = str(folder / "model_state.pdparams")
+    real = paddle_save.scan_pickle
+
+    def scan(data, *args, **kwargs):
+        found = real(data, *args, **kwargs)
+        with open(target, "r+b") as f:
+            f.write(b"\x80")  # the same byte, but a write: a new mtime
+        return found
+
+    monkeypatch.setattr(paddle_save, "scan_pickle", scan)
+    os.utime(target, ns=(0, 0))  # an mtime the write cannot keep
+    with pytest.raises(FormatError, match=r"model_state\.pdparams changed while it was read: rewritten at the same "
+                                          r"size 62113 \(mtime 0 -> "):
+        paddle_save.safe_load(target)
+
+
+def test_a_pread_view_reads_as_bytes_do(tmp_path):
+    """Indexing, slicing and find agree with the file's bytes, across windows and after jumps."""
+    from hybridckpt.io.pread_view import MAX_WINDOW, PreadView
+
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, 3 * MAX_WINDOW + 123, dtype=np.uint8).tobytes()
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    with PreadView(str(path)) as v:
+        assert len(v) == len(data) and v[-1] == data[-1]
+        for a in rng.integers(0, len(data), 300).tolist():
+            b = a + int(rng.integers(0, 2 * MAX_WINDOW))
+            assert v[a] == data[a] and v[a:b] == data[a:b]
+            assert v.find(b"\n", a) == data.find(b"\n", a)
+            assert v.find(b"\xff\xfe", a) == data.find(b"\xff\xfe", a)
+        assert v.find(b"no such bytes here", 0) == -1
+        with pytest.raises(IndexError):
+            v[len(data)]
+        v.check_unchanged()
