@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from hybridckpt import values
 from hybridckpt.containers.pickle import torch_save
 from hybridckpt.containers.pickle.allow import Stub
 from hybridckpt.errors import FormatError
@@ -56,8 +57,11 @@ class Rank:
 def _slots(osd_torch, n: int, what: str) -> tuple[dict[str, list], float | None]:
     """The torch optimizer state of its params 0..n-1 (one flat tensor each), by slot name."""
     state = get_key(osd_torch, "state", what)
-    groups = get_key(osd_torch, "param_groups", what)
-    order = [i for g in groups for i in g.get("params", [])]
+    groups = values.sequence(get_key(osd_torch, "param_groups", what), what, "param_groups")
+    order = [i for n, g in enumerate(groups)
+             for i in torch_optim.group_params(values.mapping(g, what, f"param_groups[{n}]"), what, n)]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in order):
+        raise values.wrong(what, "param_groups[..]['params']", "parameter indices", order)
     if len(order) != n:
         raise FormatError(
             f"{what}: the torch optimizer has {len(order)} params, expected {n} flat groups"

@@ -1,0 +1,157 @@
+"""Values of the wrong type in a checkpoint (issue 38): one line through the CLI, never a traceback.
+
+Each case starts from a real tool's file (tests/real/cases: an HF Trainer FSDP2 `optimizer.bin`
+and a DeepSpeed ZeRO-2 `*_optim_states.pt` saved by torch, a DeepSpeed universal
+`optimizer_state.pt`, OpenAI's MXFP4 GPT-OSS safetensors), loads it with the real library
+(torch, safetensors), changes one value's type and saves it back the same way: `import` exits 2
+with one line naming the file, the key, what was expected and what was found, and writes nothing.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+
+import pytest
+import torch
+
+from hybridckpt.cli import main
+from hybridckpt.io.byte_source import close_all
+
+CASES = os.path.join(os.path.dirname(__file__), "..", "real", "cases")
+
+
+def _groups(sd):
+    """The first `param_groups` list in a (nested) optimizer state dict."""
+    if isinstance(sd, dict):
+        if "param_groups" in sd:
+            return sd["param_groups"]
+        for v in sd.values():
+            found = _groups(v)
+            if found:
+                return found
+    return None
+
+
+def _copy(tmp_path, case: str) -> str:
+    dst = str(tmp_path / "src")
+    shutil.copytree(os.path.join(CASES, case, "ckpt"), dst)
+    return dst
+
+
+def _edit_torch(path: str, edit) -> None:
+    sd = torch.load(path, weights_only=False)
+    edit(sd)
+    torch.save(sd, path)
+
+
+def _import_fails(tmp_path, capsys, src: str, *must: str) -> str:
+    capsys.readouterr()
+    code = main(["import", src, str(tmp_path / "dst")])
+    close_all()
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith("hybridckpt: error:"), err
+    for m in must:
+        assert m in err, (m, err)
+    assert sorted(os.listdir(tmp_path)) == ["src"], err  # nothing written, nothing left
+    return err
+
+
+def _set(key, value):
+    def edit(sd):
+        for g in _groups(sd):
+            g[key] = value
+    return edit
+
+
+GROUP_CASES = {
+    "betas nested": (_set("betas", [[0.9], [0.999]]), "['betas']: expected a list of numbers, found [[0.9], [0.999]]"),
+    "lr a list": (_set("lr", [0.1, 0.2]), "['lr']: expected a number, found [0.1, 0.2]"),
+    "eps a string": (_set("eps", "tiny"), "['eps']: expected a number, found 'tiny'"),
+    "amsgrad a string": (_set("amsgrad", "yes"), "['amsgrad']: expected true or false, found 'yes'"),
+}
+FILES = {  # case -> its optimizer file (glob under ckpt/)
+    "fsdp": ("hf_trainer_fsdp2_full", "checkpoint-3/optimizer.bin"),
+    "zero2": ("hf_trainer_deepspeed_zero2", "checkpoint-3/global_step*/*_optim_states.pt"),
+    "universal": ("deepspeed_universal_zero2", "global_step3_universal/zero/optimizer_state.pt"),
+}
+
+
+@pytest.mark.parametrize("which", sorted(FILES))
+@pytest.mark.parametrize("case", sorted(GROUP_CASES))
+def test_a_param_group_value_of_the_wrong_type_is_one_line(tmp_path, capsys, which, case):
+    name, pattern = FILES[which]
+    src = _copy(tmp_path, name)
+    path = sorted(glob.glob(os.path.join(src, pattern)))[0]  # (ZeRO: rank 0's, whose groups are read)
+    edit, says = GROUP_CASES[case]
+    _edit_torch(path, edit)
+    _import_fails(tmp_path, capsys, src, f"{path}: param_groups[0]{says}")
+
+
+def test_param_group_params_that_are_not_a_list_is_one_line(tmp_path, capsys):
+    src = _copy(tmp_path, "hf_trainer_fsdp2_full")
+    path = os.path.join(src, "checkpoint-3", "optimizer.bin")
+    _edit_torch(path, _set("params", 5))
+    _import_fails(tmp_path, capsys, src, f"{path}: param_groups[0]['params']: expected a list, found 5 (int)")
+
+
+def test_zero_param_indices_that_are_lists_are_one_line(tmp_path, capsys):
+    src = _copy(tmp_path, "hf_trainer_deepspeed_zero2")
+    path = sorted(glob.glob(os.path.join(src, "checkpoint-3", "global_step*", "*_optim_states.pt")))[0]
+    _edit_torch(path, _set("params", [[0]]))
+    _import_fails(tmp_path, capsys, src, f"{path}: param_groups[..]['params']: expected parameter indices, found [[0]")
+
+
+def test_a_step_of_the_wrong_type_is_one_line(tmp_path, capsys):
+    """DeepSpeed's own folder (global_step3/, read as `deepspeed`): its `global_steps` is the step."""
+    src = _copy(tmp_path, "hf_trainer_deepspeed_zero2")
+    folder = os.path.join(src, "checkpoint-3", "global_step3")
+
+    def edit(sd):
+        sd["global_steps"] = [3]
+    _edit_torch(os.path.join(folder, "mp_rank_00_model_states.pt"), edit)
+    _import_fails(tmp_path, capsys, folder, f"{folder}: step: expected an integer, found [3] (list)")
+
+
+@pytest.mark.parametrize(("shapes", "found"), [
+    (((256, 16), (256,)), "MXFP4 blocks (256, 16) and scales (256,): expected blocks [..., rows, G, 16]"),
+    (((4, 64, 1, 16), (4, 64)), "MXFP4 blocks (4, 64, 1, 16) and scales (4, 64): expected blocks [..., G, 16]"),
+])
+def test_mxfp4_blocks_and_scales_of_too_few_dimensions_are_one_line(tmp_path, capsys, shapes, found):
+    from safetensors.torch import load_file, save_file
+
+    src = _copy(tmp_path, "gpt_oss_mxfp4")
+    (path,) = glob.glob(os.path.join(src, "*.safetensors"))
+    t = load_file(path)
+    name = "model.layers.0.mlp.experts.down_proj"
+    t[name + "_blocks"] = t[name + "_blocks"].reshape(shapes[0])
+    t[name + "_scales"] = t[name + "_scales"].reshape(shapes[1])
+    save_file(t, path, {"format": "pt"})
+    _import_fails(tmp_path, capsys, src, f"'{name}_blocks': {found}")
+
+
+def test_the_value_helpers_name_the_key_expected_and_found():
+    import numpy as np
+
+    from hybridckpt import values
+    from hybridckpt.errors import FormatError
+    from hybridckpt.lazy import ArrayTensor
+
+    assert values.number(np.float32(0.5), "f", "lr") == 0.5
+    assert values.number(ArrayTensor(np.array(0.25, np.float32)), "f", "lr") == 0.25  # torch's tensor lr
+    assert values.integer(3.0, "f", "step") == 3 and values.flag(np.True_, "f", "x") is True
+    assert values.numbers((0.9, 0.95), "f", "betas", 2) == [0.9, 0.95]
+    for call, says in [
+        (lambda: values.number(True, "f", "lr"), "f: lr: expected a number, found True (bool)"),
+        (lambda: values.number(10**400, "f", "lr"), "f: lr: expected a number that fits a float"),
+        (lambda: values.integer(2.5, "f", "step"), "f: step: expected an integer, found 2.5 (float)"),
+        (lambda: values.integer(float("inf"), "f", "step"), "f: step: expected an integer, found inf (float)"),
+        (lambda: values.numbers([0.9], "f", "betas", 2), "f: betas: expected a list of 2 numbers, found [0.9] (list)"),
+        (lambda: values.flag(1, "f", "amsgrad"), "f: amsgrad: expected true or false, found 1 (int)"),
+        (lambda: values.mapping([], "f", "g"), "f: g: expected a dict, found [] (list)"),
+    ]:
+        with pytest.raises(FormatError) as e:
+            call()
+        assert str(e.value).startswith(says), str(e.value)
