@@ -155,3 +155,39 @@ def test_the_value_helpers_name_the_key_expected_and_found():
         with pytest.raises(FormatError) as e:
             call()
         assert str(e.value).startswith(says), str(e.value)
+
+
+@pytest.mark.parametrize(("key", "value", "says"), [
+    ("group_paddings", [[0]], "group_paddings[0]: expected an integer, found [0] (list)"),
+    ("group_paddings", 3, "group_paddings: expected a list, found 3 (int)"),
+    ("param_alignment_paddings", [[[1]]], "param_alignment_paddings[0][0]: expected an integer, found [1] (list)"),
+    ("single_partition_of_fp32_groups", 7, "single_partition_of_fp32_groups: expected a list, found 7 (int)"),
+])
+def test_zero_partition_fields_of_the_wrong_type_are_one_line(tmp_path, capsys, key, value, says):
+    src = _copy(tmp_path, "hf_trainer_deepspeed_zero2")
+    path = sorted(glob.glob(os.path.join(src, "checkpoint-3", "global_step*", "*_optim_states.pt")))[0]
+
+    def edit(sd):
+        sd["optimizer_state_dict"][key] = value
+    _edit_torch(path, edit)
+    _import_fails(tmp_path, capsys, src, f"{path}: {says}")
+
+
+def test_megatron_betas_nested_are_one_line(tmp_path, capsys, monkeypatch):
+    """Megatron-LM's legacy save (model_optim_rng.pt, torch.save'd by the test's writer): betas
+    nested as lists were dropped without a word; now the file and key are named."""
+    from fixtures import megatron_writer as mw
+
+    real = mw._torch_optimizer
+
+    def hostile(*args, **kwargs):
+        out = real(*args, **kwargs)
+        for g in _groups(out):
+            g["betas"] = [[0.9], [0.95]]
+        return out
+
+    monkeypatch.setattr(mw, "_torch_optimizer", hostile)
+    src = str(tmp_path / "src")
+    mw.write_megatron(src, mw.make_llama())
+    _import_fails(tmp_path, capsys, src, "model_optim_rng.pt: optimizer param_groups[0]['betas']: expected a list of "
+                  "numbers, found [[0.9], [0.95]]")
