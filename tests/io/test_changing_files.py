@@ -1,6 +1,6 @@
 """Files that change while a job reads them (issue 38): never zeros, never a mix of two versions.
 
-A safetensors file written by the safetensors library is truncated, truncated and extended again
+A safetensors file written by the safetensors library is truncated, extended, truncated and extended again
 (the missing bytes would read as zeros), or replaced by another file in the middle of a real
 import or export, by a hook on the project's own reader (`ByteSource.read_into`, called from the
 reader threads) after its first tensor read: the job is one line naming the file and the change,
@@ -76,6 +76,13 @@ def _shrink_and_grow(path):
     return act
 
 
+def _extend(path):
+    def act():
+        with open(path, "ab") as f:
+            f.write(b"\0" * 48)  # a writer still appending
+    return act
+
+
 def _replace(path):
     def act():
         other = path + ".new"
@@ -87,6 +94,7 @@ def _replace(path):
 @pytest.mark.parametrize(("how", "change"), [
     (_shrink, "size 32952 -> 24760"),
     (_shrink_and_grow, "rewritten at the same size 32952"),
+    (_extend, "size 32952 -> 33000"),
     (_replace, "replaced by another file"),
 ])
 @pytest.mark.parametrize("job", ["import", "export"])
