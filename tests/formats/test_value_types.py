@@ -191,3 +191,19 @@ def test_megatron_betas_nested_are_one_line(tmp_path, capsys, monkeypatch):
     mw.write_megatron(src, mw.make_llama())
     _import_fails(tmp_path, capsys, src, "model_optim_rng.pt: optimizer param_groups[0]['betas']: expected a list of "
                   "numbers, found [[0.9], [0.95]]")
+
+
+def test_a_paddle_beta_pow_accumulator_of_no_element_is_one_line(tmp_path, capsys):
+    """PaddleNLP's own unified save (safetensors): a `beta1_pow_acc` of shape [0] (an IndexError
+    when its one value was read) is named with its file and key."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(os.path.join(CASES, "paddlenlp_untied_fp32_1rank", "ckpt", "unified"), tmp_path / "src")
+    src = str(tmp_path / "src" / "checkpoint-3")
+    path = os.path.join(src, "optimizer-00001-of-00001.safetensors")
+    t = load_file(path)
+    key = "llama.embed_tokens.weight/beta1_pow_acc_0"
+    t[key] = np.zeros((0,), np.float32)
+    save_file(t, path, {"format": "np"})
+    _import_fails(tmp_path, capsys, src, f"{key!r}: expected one element (shape [1]), found shape [0]")
