@@ -207,3 +207,27 @@ def test_a_paddle_beta_pow_accumulator_of_no_element_is_one_line(tmp_path, capsy
     t[key] = np.zeros((0,), np.float32)
     save_file(t, path, {"format": "np"})
     _import_fails(tmp_path, capsys, src, f"{key!r}: expected one element (shape [1]), found shape [0]")
+
+
+@pytest.mark.parametrize("to", ["hf", "dcp"])
+def test_our_store_with_betas_nested_in_its_trainer_state_is_one_line_on_export(tmp_path, capsys, to):
+    """Our own store is a source like any other: its recorded `optimizer_hyper` is typed too."""
+    import json
+
+    src = _copy(tmp_path, "hf_trainer_fsdp2_full")
+    store = tmp_path / "store"
+    assert main(["import", src, str(store)]) == 0
+    (meta,) = glob.glob(str(store / "*" / "trainer_state" / "metadata"))
+    with open(meta) as f:
+        state = json.load(f)
+    assert state["optimizer_hyper"]["betas"] == [0.9, 0.95]  # the real run's, as imported
+    state["optimizer_hyper"]["betas"] = [[0.9], [0.95]]
+    with open(meta, "w") as f:
+        json.dump(state, f)
+    capsys.readouterr()
+    code = main(["export", str(store), str(tmp_path / "out"), "--to", to, "--optimizer"])
+    close_all()
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{store}: optimizer hyper-parameter 'betas': expected a list of numbers, found [[0.9], [0.95]]" in err
+    assert not os.path.exists(tmp_path / "out")
