@@ -231,3 +231,27 @@ def test_our_store_with_betas_nested_in_its_trainer_state_is_one_line_on_export(
     assert code == 2 and err.count("\n") == 1, err
     assert f"{store}: optimizer hyper-parameter 'betas': expected a list of numbers, found [[0.9], [0.95]]" in err
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_our_store_with_adam_betas_nested_is_one_line_on_a_paddle_export(tmp_path, capsys):
+    """The betas a Paddle export writes its beta pows from (`adam_betas`, kept by the import of
+    PaddleNLP's own unified save): nested, they were a float() traceback mid-export."""
+    import json
+
+    store = tmp_path / "store"
+    src = os.path.join(CASES, "paddlenlp_untied_fp32_1rank", "ckpt", "unified", "checkpoint-3")
+    assert main(["import", src, str(store)]) == 0
+    (meta,) = glob.glob(str(store / "*" / "trainer_state" / "metadata"))
+    with open(meta) as f:
+        state = json.load(f)
+    assert state["adam_betas"] == [0.9, 0.95]
+    state["adam_betas"] = [[0.9], [0.95]]
+    with open(meta, "w") as f:
+        json.dump(state, f)
+    capsys.readouterr()
+    code = main(["export", str(store), str(tmp_path / "out"), "--to", "paddlenlp-unified", "--optimizer"])
+    close_all()
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{store}: trainer state 'adam_betas': expected a list of numbers, found [[0.9], [0.95]]" in err
+    assert sorted(os.listdir(tmp_path)) == ["store"]
