@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -112,6 +113,17 @@ def test_a_source_that_changes_during_a_job_is_one_line_and_nothing_is_committed
     assert f"{path} changed while it was read: {change}" in err, err
     assert sorted(os.listdir(tmp_path)) == ["src"]  # no dst, no .lock, no .tmp-*
 
+
+def test_verify_of_a_file_that_changes_while_compared_is_one_line(tmp_path, capsys, monkeypatch):
+    """A verdict on bytes of two versions is no verdict: `verify` A B where A is rewritten (same
+    size, zeros in the middle) after its first tensor was compared."""
+    src, path = _source(tmp_path)
+    twin = tmp_path / "twin"
+    shutil.copytree(src, twin)
+    _on_first_data_read(monkeypatch, path, _shrink_and_grow(path))
+    code, err = _cli(capsys, "verify", src, twin)
+    assert code == 2, err
+    assert err.count("\n") == 1 and f"{path} changed while it was read: rewritten at the same size 32952" in err, err
 
 def test_a_file_shrunk_after_its_last_read_is_caught_before_the_commit(tmp_path, capsys, monkeypatch):
     """Every tensor already read when the file shrinks: no read is short, the check after the last
