@@ -10,9 +10,11 @@ read). `READERS` lists (name, module) most specific first; `NAMES` is what `--fo
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 
+from hybridckpt import values
 from hybridckpt.errors import FormatError, short_repr
 from hybridckpt.lazy import shape_problem
 from hybridckpt.source_checkpoint import SourceCheckpoint
@@ -72,7 +74,17 @@ def open_source(path: str, fmt: str = "auto", *, config=None, step: int | None =
     else:
         src = mod.open(path, config=config, step=step) if step is not None else mod.open(path, config=config)
     check_shapes(src)
-    return src
+    return checked_steps(src)
+
+
+def checked_steps(src: SourceCheckpoint) -> SourceCheckpoint:
+    """`src` with its step and its optimizer's as ints: a step read from a file (a list, a string,
+    2.5, inf) is a FormatError naming the source (`values.integer`), not a traceback later."""
+    step = None if src.step is None else values.integer(src.step, src.path, "step")
+    opt = src.optimizer
+    if opt is not None and opt.step is not None:
+        opt = dataclasses.replace(opt, step=values.integer(opt.step, src.path, "optimizer step"))
+    return dataclasses.replace(src, step=step, optimizer=opt)
 
 
 def check_shapes(src: SourceCheckpoint) -> None:

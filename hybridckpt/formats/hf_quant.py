@@ -154,6 +154,9 @@ def _mxfp4(tensors: Mapping[str, LazyTensor], where: str) -> tuple[dict[str, Laz
             deq = Mxfp4(blocks, scales)
         except FormatError as e:
             raise FormatError(f"{where}: {short_repr(bname)}: {e}") from None
+        if deq.ndim < 2:  # stored [..., out, in]: the two last axes are swapped below
+            raise FormatError(f"{where}: {short_repr(bname)}: MXFP4 blocks {tuple(blocks.shape)} and scales "
+                              f"{tuple(scales.shape)}: expected blocks [..., rows, G, 16] and scales [..., rows, G]")
         axes = list(range(deq.ndim))
         axes[-2], axes[-1] = axes[-1], axes[-2]
         out[base] = Dequantized(lazy.transpose(deq, axes), np_dtype(DEFAULT_DTYPE))

@@ -15,12 +15,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from hybridckpt import values
 from hybridckpt.errors import FormatError, HybridCkptError
 from hybridckpt.lazy import LazyTensor
 
 STEP = "step"  # torch's step counter in `state[i]` (optax's `count`)
-HYPER_FLOATS = ("lr", "eps", "weight_decay", "momentum", "dampening", "initial_lr")  # (initial_lr: an LR scheduler's)
-HYPER_BOOLS = ("decoupled_weight_decay", "amsgrad", "nesterov", "maximize")
 
 
 def param_state(entry: Mapping, where: str) -> tuple[dict[str, LazyTensor], float | None]:
@@ -31,7 +30,7 @@ def param_state(entry: Mapping, where: str) -> tuple[dict[str, LazyTensor], floa
     step = None
     for key, value in entry.items():
         if key == STEP:
-            step = float(value.materialize()) if isinstance(value, LazyTensor) else float(value)
+            step = values.number(value, where, STEP)
         elif isinstance(key, str) and isinstance(value, LazyTensor):
             slots[key] = value
     return slots, step
@@ -78,23 +77,23 @@ def slot_shape(slot_names: Sequence[str], slot: str, param_shape: Sequence[int])
         return tuple(param_shape)
 
 
-def hyper(groups: Sequence[Mapping], names: Sequence[Sequence[str]]) -> dict:
+def group_params(group: Mapping, where: str, index: int) -> list:
+    """`param_groups[index]["params"]` as a list (absent: empty); another type is a FormatError."""
+    return values.sequence(group.get("params") or [], where, f"param_groups[{index}]['params']")
+
+
+def hyper(groups: Sequence[Mapping], names: Sequence[Sequence[str]], where: str = "param_groups") -> dict:
     """The param groups' hyperparameters: group 0's `lr`, `betas`, `eps`, `weight_decay` (and
     SGD's `momentum`, `dampening`; the flags `decoupled_weight_decay`, `amsgrad`, `nesterov`,
     `maximize` where the group has them; `initial_lr` where an LR scheduler added it), plus `groups` (each group's values and its param names
-    `names[g]`) when the groups differ."""
-
-    def norm(g):
-        h = {k: float(g[k]) for k in HYPER_FLOATS
-             if isinstance(g.get(k), (int, float)) and not isinstance(g.get(k), bool)}
-        h |= {k: g[k] for k in HYPER_BOOLS if isinstance(g.get(k), bool)}
-        if isinstance(g.get("betas"), (tuple, list)):
-            h["betas"] = [float(b) for b in g["betas"]]
-        return h
+    `names[g]`) when the groups differ. A value of the wrong type (`betas` a list of lists, `lr` a
+    list) is a FormatError naming `where` (the file) and the group's key (`optim.groups.check_group`)."""
+    from hybridckpt.optim.groups import check_group
 
     if not groups:
         return {}
-    normed = [norm(g) for g in groups]
+    normed = [check_group(values.mapping(g, where, f"param_groups[{i}]"), where, f"param_groups[{i}][{{!r}}]")
+              for i, g in enumerate(groups)]
     out = dict(normed[0])
     if any(n != normed[0] for n in normed[1:]):
         out["groups"] = [{**n, "params": list(p)} for n, p in zip(normed, names, strict=False)]

@@ -14,6 +14,13 @@ own read path under it is its read plan (`jobs.plan_report`); `real_reads()` lif
 metadata a lazy tensor parses on first use (a DCP chunk's `torch.save` header), read for real.
 A planned read is counted only by this thread's counters (`count_reads(this_thread=True)`), never
 by the every-thread counters that measure what an import really read.
+
+A file that changes while it is read is an error, never zeros or a mix of two versions
+(`io.unchanged`): a read that ends before the bytes asked for is a FormatError (naming the change
+when the file's size is no longer the one it had when opened), and `watch()` (held by every job
+that writes, `writers.destination`) records each file as the job first reads it and checks them
+all after the last read, before the output is committed: one fstat a file at each end, nothing
+per read.
 """
 
 from __future__ import annotations
@@ -29,9 +36,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridckpt.errors import FormatError
+from hybridckpt.io.unchanged import Seen, changed_error, check_fd
 
 _lock = threading.Lock()
 _fds: dict[str, int] = {}
+_opened: dict[str, Seen] = {}  # each cached file as it was when opened (a short read names the change)
+_retired: list[int] = []  # fds of files replaced since they were opened (closed by close_all)
+_watches: list[dict[str, Seen]] = []  # per `watch()`: each file as that job first read it
 _counters: list[Counter] = []
 _thread = threading.local()  # .dry: this thread's reads are planned, not done (`planning`)
 
@@ -39,21 +50,92 @@ _thread = threading.local()  # .dry: this thread's reads are planned, not done (
 def _fd(path: str) -> int:
     with _lock:
         fd = _fds.get(path)
-        if fd is None:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError as e:
-                raise FormatError(f"{path}: cannot open: {e.strerror}") from e
-            _fds[path] = fd
+        fresh = fd is None
+        if fresh:
+            fd = _open(path)
+        for seen in _watches:
+            if path not in seen:
+                if fresh:
+                    seen[path] = _opened[path]
+                else:
+                    fd = _first_read_in_job(path, fd, seen)
         return fd
+
+
+def _open(path: str) -> int:
+    """Open `path`, cache its fd and what it is (one fstat; call under `_lock`)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise FormatError(f"{path}: cannot open: {e.strerror}") from e
+    _fds[path] = fd
+    _opened[path] = Seen.of(os.fstat(fd))
+    return fd
+
+
+def _first_read_in_job(path: str, fd: int, seen: dict[str, Seen]) -> int:
+    """A watched job's first read of `path` (call under `_lock`): record what the file is now.
+    A cached fd whose path was replaced since (a folder converted again after it was rewritten,
+    in the same process) is reopened: the job reads the file the path names."""
+    now = Seen.of(os.fstat(fd))
+    try:
+        st = os.stat(path)
+    except OSError:
+        st = None
+    if st is not None and (st.st_dev, st.st_ino) != (now.dev, now.ino):
+        _retired.append(fd)  # not closed: another thread may still read it
+        fd = _open(path)
+        now = _opened[path]
+    seen[path] = now
+    return fd
 
 
 def close_all() -> None:
     """Close every cached file descriptor (files may be replaced or deleted afterwards)."""
     with _lock:
-        for fd in _fds.values():
+        for fd in [*_fds.values(), *_retired]:
             os.close(fd)
         _fds.clear()
+        _opened.clear()
+        _retired.clear()
+
+
+@contextlib.contextmanager
+def watch() -> Iterator[Watch]:
+    """Inside the block, every file read is recorded as it is at its first read, and `check()`
+    (after the last read) raises FormatError if any of them changed since (`io.unchanged`).
+    Held by the jobs that write (also as a decorator, `@watch()`); `check_watches` is called
+    by `writers.destination.Destination.commit` before the output is put in place."""
+    seen: dict[str, Seen] = {}
+    with _lock:
+        _watches.append(seen)
+    try:
+        yield Watch(seen)
+    finally:
+        with _lock:
+            del _watches[next(i for i, w in enumerate(_watches) if w is seen)]
+
+
+def check_watches() -> None:
+    """`Watch.check` of every `watch()` block open in this process (none: nothing to check)."""
+    for seen in list(_watches):
+        Watch(seen).check()
+
+
+@dataclass(frozen=True)
+class Watch:
+    """The files a `watch()` block read, as they were at their first read."""
+
+    seen: dict[str, Seen]
+
+    def check(self) -> None:
+        """Raise FormatError naming the first file read in the block that changed since its first
+        read (size, mtime, or the path now another file): one fstat and one stat a file."""
+        with _lock:
+            items = [(path, seen, _fds.get(path)) for path, seen in self.seen.items()]
+            for path, seen, fd in sorted(items):
+                if fd is not None:  # (None: closed by close_all meanwhile, a test's doing)
+                    check_fd(path, fd, seen)
 
 
 @contextlib.contextmanager
@@ -207,11 +289,20 @@ class ByteSource:
                     f"{self.path}: cannot read bytes [{offset}, {offset + want}): {e.strerror}"
                 ) from e
             if got == 0:
+                self._changed(fd)
                 raise FormatError(
                     f"{self.path}: truncated: wanted bytes [{offset}, {offset + want}) "
                     f"but the file ends at {offset + done}"
                 )
             done += got
+
+    def _changed(self, fd: int) -> None:
+        """At a short read: FormatError saying how the file changed, if it did since opened."""
+        before = _opened.get(self.path)
+        if before is not None:
+            err = changed_error(self.path, before, Seen.of(os.fstat(fd)))
+            if err is not None:
+                raise err
 
     def _fd_holding(self, offset: int, nbytes: int) -> int:
         """The open file, checked to hold bytes `[offset, offset + nbytes)` (else FormatError)."""
@@ -220,6 +311,7 @@ class ByteSource:
         fd = _fd(self.path)
         size = os.fstat(fd).st_size
         if offset + nbytes > size:
+            self._changed(fd)
             raise FormatError(
                 f"{self.path}: truncated: wanted bytes [{offset}, {offset + nbytes}) but the file "
                 f"ends at {size}"

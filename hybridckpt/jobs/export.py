@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridckpt.errors import CheckpointError
+from hybridckpt.io import byte_source
 
 Progress = Callable[[str, int], None]  # (tensor name, bytes) after each tensor
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ def _writer_extra(to: str, scan_layers: bool) -> dict:
     return {"scan_layers": scan_layers, "save_state": save_state}
 
 
+@byte_source.watch()  # every source file read is checked unchanged before the commit
 def export_checkpoint(
     src: str | os.PathLike,
     out: str | os.PathLike,

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from hybridckpt import lazy
+from hybridckpt.io import byte_source
 from hybridckpt.naming import flatten, nest
 from hybridckpt.store.keys import NAMES_KEY
 
@@ -163,6 +164,7 @@ def lazy_targets(
     return LazyTargets(cfg, named, p, opt, jmesh, escaped, params, opt_state, leaves, counted, opts, cast)
 
 
+@byte_source.watch()  # every source file read is checked unchanged before the commit
 def import_checkpoint(
     src: str | os.PathLike,
     dst: str | os.PathLike,

@@ -21,6 +21,7 @@ from hybridckpt.formats.config_file import read_json
 from hybridckpt.io import model_files
 from hybridckpt.io.model_files import ModelFile
 from hybridckpt.naming import Named
+from hybridckpt.optim.groups import checked_hyper
 
 
 def load_config_file(path: str, vocab_size: int | None = None) -> Any:
@@ -108,7 +109,7 @@ def open_checkpoint(
     src = readers.open_source(path, fmt, config=cfg, step=step, verify_reads=verify_reads)
     named, cfg = naming.named_for_model(src, cfg or src.config, rules=rules, strict=strict)
     user = naming.user_rules(src, cfg, rules) if rules else None
-    hyper = dict(src.optimizer.hyper) if src.optimizer is not None else {}
+    hyper = checked_hyper(src.optimizer.hyper, path) if src.optimizer is not None else {}  # (any source's: typed)
     files, skipped = model_files_of(src, path, config)
     return Opened(src.format, path, cfg, named, dict(src.trainer), dict(src.topology), named.notes + tuple(skipped),
                   hyper, naming.leaf_namer(src, cfg, user_rules=user),

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from hybridckpt.errors import CheckpointError
+from hybridckpt.io import byte_source
 from hybridckpt.lazy import LazyTensor
 
 Progress = Callable[[str, int], None]
@@ -113,7 +114,16 @@ def verify(
     every param, and unless `params_only` every optimizer slot's tensor (`name [slot]`), the
     optimizer step and the trainer-state values both record (`TRAINER_KEYS`). Returns (rows,
     names only in a, names only in b); a checkpoint without optimizer state beside one with it
-    is one entry, `[optimizer state: ...]`, in the other's list."""
+    is one entry, `[optimizer state: ...]`, in the other's list. A file of either that changed
+    while it was read is a FormatError (`io.byte_source.watch`): the verdict would be of neither."""
+    with byte_source.watch() as watched:
+        out = _verify(a, b, atol=atol, config=config, progress=progress, params_only=params_only,
+                      verify_reads=verify_reads)
+        watched.check()
+    return out
+
+
+def _verify(a, b, *, atol, config, progress, params_only, verify_reads):
     from hybridckpt.jobs.open import open_checkpoint
 
     oa = open_checkpoint(a, config=config, verify_reads=verify_reads)

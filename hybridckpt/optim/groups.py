@@ -15,10 +15,49 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from hybridckpt import values
 from hybridckpt.errors import CheckpointError
 
 SCALARS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "decoupled_weight_decay",
            "amsgrad", "nesterov", "maximize", "initial_lr")  # (initial_lr: an LR scheduler's peak, kept for exports)
+FLOATS = ("lr", "eps", "weight_decay", "momentum", "dampening", "initial_lr")
+FLAGS = ("decoupled_weight_decay", "amsgrad", "nesterov", "maximize")
+
+
+def check_group(group: Mapping, where: str, key: str = "{}") -> dict:
+    """The hyper-parameters of one param group (`FLOATS` as floats, `FLAGS` as bools, `betas` as a
+    list of floats; keys absent or None left out), read from a file: a value of another type is a
+    FormatError naming `where`, the key (as `key.format(name)`), what was expected and found
+    (`values`)."""
+    out: dict[str, Any] = {}
+    for k in FLOATS:
+        if group.get(k) is not None:
+            out[k] = values.number(group[k], where, key.format(k))
+    for k in FLAGS:
+        if group.get(k) is not None:
+            out[k] = values.flag(group[k], where, key.format(k))
+    if group.get("betas") is not None:
+        out["betas"] = values.numbers(group["betas"], where, key.format("betas"))
+    return out
+
+
+def checked_hyper(hyper: Mapping[str, Any], where: str) -> dict:
+    """`hyper` (a source's `OptimizerState.hyper`: group 0's values and maybe `groups`) with every
+    known value checked as `check_group` does, each group's `params` a list of names or indices;
+    other keys kept as they are."""
+    hyper = values.mapping(hyper, where, "optimizer hyper-parameters")
+    out = {k: v for k, v in hyper.items() if k not in (*FLOATS, *FLAGS, "betas")}
+    out.update(check_group(hyper, where, "optimizer hyper-parameter {!r}"))
+    if hyper.get("groups") is not None:
+        groups = []
+        for i, g in enumerate(values.sequence(hyper["groups"], where, "param groups")):
+            g = values.mapping(g, where, f"param group {i}")
+            params = values.sequence(g.get("params") or [], where, f"param group {i} 'params'")
+            if not all(isinstance(n, (str, int)) and not isinstance(n, bool) for n in params):
+                raise values.wrong(where, f"param group {i} 'params'", "a list of names or indices", params)
+            groups.append({**g, **check_group(g, where, f"param group {i} {{!r}}"), "params": params})
+        out["groups"] = groups
+    return out
 
 
 def _decays(groups: list[Mapping], where: str) -> tuple[float, list[bool]]:

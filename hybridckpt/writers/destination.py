@@ -15,7 +15,8 @@ Every writer (our Orbax store, HF folders, Paddle unified folders) goes through 
    mode a plain `mkdir` gives under the user's umask); `commit()` renames it into place
    (with `RENAME_NOREPLACE` when nothing was there, so a folder someone created meanwhile is
    not replaced; a folder being replaced is moved aside to `.<name>.old-<token>` first and
-   removed after), fsyncs the parent, and holds interrupts meanwhile (`io.interrupts`). A
+   removed after), fsyncs the parent, and holds interrupts meanwhile (`io.interrupts`); a
+   source file the job read that changed meanwhile (`io.byte_source.watch`) refuses it. A
    failure or interrupt before removes the temporary and puts back what was there: nothing is
    left beside the destination. What a job killed outright (SIGKILL, power loss) leaves is
    cleaned up by the next job that takes the lock: its temporary removed, a checkpoint it had
@@ -40,7 +41,7 @@ import uuid
 from collections.abc import Iterable
 
 from hybridckpt.errors import CheckpointError
-from hybridckpt.io import interrupts
+from hybridckpt.io import byte_source, interrupts
 from hybridckpt.io.writeback import fsync_folder
 
 RENAME_NOREPLACE = 1  # linux/fs.h
@@ -170,6 +171,7 @@ class Destination:
         """Swap the finished temporary folder into place (see the module doc)."""
         if not self.primary:
             return
+        byte_source.check_watches()  # after the last read: a source that changed is not committed
         with interrupts.committing():
             fsync_folder(self.tmp)
             moved_aside = False

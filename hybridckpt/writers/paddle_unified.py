@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from hybridckpt import lazy
+from hybridckpt import lazy, values
 from hybridckpt.containers import safetensors_file
 from hybridckpt.errors import ConfigError, MappingError
 from hybridckpt.formats.paddle import paddleformers
@@ -68,6 +68,8 @@ def write_export(request) -> Any:
     params, dtype = named.params, request.dtype
     slots = named.slots if request.optimizer else None
     step, betas = named.step, request.trainer.get("adam_betas")
+    if betas is not None:  # (a source's trainer state: two numbers, else one line naming it)
+        betas = values.numbers(betas, (request.sources or ("source",))[0], "trainer state 'adam_betas'", 2)
     out, overwrite, sources = request.out, request.overwrite, request.sources
     if layout not in LAYOUTS:
         raise ConfigError(f"export: layout {layout!r}; expected one of {sorted(LAYOUTS)}")

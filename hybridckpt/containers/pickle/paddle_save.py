@@ -18,10 +18,12 @@ Format (PaddlePaddle/Paddle:python/paddle/framework/io.py `save`, `_legacy_save`
 - Framework objects (paddle generator states, paddlenlp classes) become inert stubs.
 
 Laziness: protocol 3/4 pickles hold each array's bytes as one BINBYTES/BINBYTES8 payload.
-`safe_load` walks the opcodes through an mmap with the one opcode walk (`opcodes.scan_pickle`;
-payloads are never paged in: the mapping is advised MADV_RANDOM, else the kernel's read-ahead
-on each fault reads up to `read_ahead_kb` of the payload after every header: 8 MiB here, a
-whole 16 MiB file to open it), drops the FRAME opcodes (a read-ahead hint only), replaces each
+`safe_load` walks the opcodes by preads with the one opcode walk (`opcodes.scan_pickle` over an
+`io.pread_view.PreadView`: never a mapping, which a file truncated meanwhile would turn into a
+SIGBUS; payloads are never read: the view's windows are small after each jump and its fd is
+advised FADV_RANDOM, else the kernel's read-ahead reads up to `read_ahead_kb` of the payload
+after every header: 8 MiB here, a whole 16 MiB file to open it), drops the FRAME opcodes (a
+read-ahead hint only), replaces each
 payload of at least `lazy_min_bytes` by a persistent-id reference, unpickles the small remainder
 with the restricted unpickler (no second walk), and returns `StoredTensor`s at the payloads'
 file offsets: opening a file reads its pickle opcodes only, and a box of a tensor reads only
@@ -31,8 +33,6 @@ Smaller payloads and protocol 2 text payloads are read eagerly.
 
 from __future__ import annotations
 
-import mmap
-import os
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -52,6 +52,7 @@ from hybridckpt.containers.pickle.numpy_guard import NDARRAY
 from hybridckpt.containers.pickle.opcodes import FRAME_SIZE, scan_pickle
 from hybridckpt.errors import FormatError, UnsafePickleError
 from hybridckpt.io.byte_source import ByteSource
+from hybridckpt.io.pread_view import PreadView
 from hybridckpt.lazy import ArrayTensor, LazyTensor, StoredTensor
 
 NAME_TABLE = "StructuredToParameterName@@"
@@ -203,49 +204,32 @@ def safe_load(path: str, *, lazy_min_bytes: int = LAZY_MIN_BYTES) -> object:
     `lazy_min_bytes` bytes, read on demand). Raises FormatError for a file that is
     not a valid pickle and UnsafePickleError for globals off the allow-list.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as e:
-        raise FormatError(f"{path}: cannot open: {e.strerror}") from None
-    try:
-        size = os.fstat(fd).st_size
-        if size == 0:
+    with PreadView(path) as data:  # preads, never a mapping: a file shrunk meanwhile is an error, not a SIGBUS
+        if len(data) == 0:
             raise FormatError(f"{path}: empty file, not a paddle.save pickle")
-        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as data:
-            if hasattr(data, "madvise"):  # no read-ahead: a header's fault must not read payload
-                data.madvise(mmap.MADV_RANDOM)  # pages around it (8 MiB a fault on some disks)
-            try:
-                scan = scan_pickle(
-                    data, what=path, payload_min_bytes=lazy_min_bytes, judge_frames=False
-                )
-            except FormatError as e:
-                refuse_named_threat(e, PADDLE_POLICY, path)
-                raise
-            nonce = "hybridckpt-" + secrets.token_hex(8)
-            # cuts: FRAME opcodes are dropped (framing is only a read-ahead hint, and the
-            # stream changes length), large payloads become persistent-id references
-            cuts: list[tuple[int, int, bytes]] = [(f, f + FRAME_SIZE, b"") for f in scan.frames]
-            payloads = []
-            for i, (op, off, length) in enumerate(scan.payloads):
-                pid = f"{nonce}:{i}".encode()
-                cuts.append(
-                    (
-                        op,
-                        off + length,
-                        _BINUNICODE + len(pid).to_bytes(4, "little") + pid + _BINPERSID,
-                    )
-                )
-                payloads.append(_Payload(path, off, length))
-            cuts.sort()
-            parts, pos = [], 0
-            for a, b, rep in cuts:
-                parts.append(data[pos:a])
-                parts.append(rep)
-                pos = b
-            parts.append(data[pos:])
-            stream = b"".join(parts)
-    finally:
-        os.close(fd)
+        try:
+            scan = scan_pickle(data, what=path, payload_min_bytes=lazy_min_bytes, judge_frames=False)
+        except FormatError as e:
+            refuse_named_threat(e, PADDLE_POLICY, path)
+            raise
+        nonce = "hybridckpt-" + secrets.token_hex(8)
+        # cuts: FRAME opcodes are dropped (framing is only a read-ahead hint, and the
+        # stream changes length), large payloads become persistent-id references
+        cuts: list[tuple[int, int, bytes]] = [(f, f + FRAME_SIZE, b"") for f in scan.frames]
+        payloads = []
+        for i, (op, off, length) in enumerate(scan.payloads):
+            pid = f"{nonce}:{i}".encode()
+            cuts.append((op, off + length, _BINUNICODE + len(pid).to_bytes(4, "little") + pid + _BINPERSID))
+            payloads.append(_Payload(path, off, length))
+        cuts.sort()
+        parts, pos = [], 0
+        for a, b, rep in cuts:
+            parts.append(data[pos:a])
+            parts.append(rep)
+            pos = b
+        parts.append(data[pos:])
+        stream = b"".join(parts)
+        data.check_unchanged()  # the walk's bytes are one version of the file
     obj = safe_loads(
         stream,
         PADDLE_POLICY,

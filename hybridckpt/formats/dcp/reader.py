@@ -152,9 +152,10 @@ def _open_metadata(path: str, folder: str, config) -> SourceCheckpoint:
         hyper = torch_optim.hyper(
             groups,
             [
-                [_strip(p, st.model) for p in g.get("params", []) if isinstance(p, str)]
-                for g in groups
+                [_strip(p, st.model) for p in torch_optim.group_params(g, md.files[0], i) if isinstance(p, str)]
+                for i, g in enumerate(groups)
             ],
+            md.files[0],
         )
         optimizer = OptimizerState(slots, step, hyper=hyper)
     if not tensors:

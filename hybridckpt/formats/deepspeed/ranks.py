@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from hybridckpt import values
 from hybridckpt.containers.pickle import torch_save
 from hybridckpt.containers.pickle.allow import Stub
 from hybridckpt.errors import FormatError
@@ -56,8 +57,11 @@ class Rank:
 def _slots(osd_torch, n: int, what: str) -> tuple[dict[str, list], float | None]:
     """The torch optimizer state of its params 0..n-1 (one flat tensor each), by slot name."""
     state = get_key(osd_torch, "state", what)
-    groups = get_key(osd_torch, "param_groups", what)
-    order = [i for g in groups for i in g.get("params", [])]
+    groups = values.sequence(get_key(osd_torch, "param_groups", what), what, "param_groups")
+    order = [i for n, g in enumerate(groups)
+             for i in torch_optim.group_params(values.mapping(g, what, f"param_groups[{n}]"), what, n)]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in order):
+        raise values.wrong(what, "param_groups[..]['params']", "parameter indices", order)
     if len(order) != n:
         raise FormatError(
             f"{what}: the torch optimizer has {len(order)} params, expected {n} flat groups"
@@ -90,13 +94,15 @@ def read_rank(path: str) -> tuple[int | None, Rank, object]:
     osd = get_key(d, OSD, path)
     zs = _enum_value(osd["zero_stage"], path) if "zero_stage" in osd else None
     if zs == 3:
-        groups = get_key(osd, "fp32_flat_groups", path)
+        groups = values.sequence(get_key(osd, "fp32_flat_groups", path), path, "fp32_flat_groups")
         torch_sd = get_key(osd, OSD, path)
         pads = [0] * len(groups)
     else:
-        groups = get_key(osd, "single_partition_of_fp32_groups", path)
+        groups = values.sequence(get_key(osd, "single_partition_of_fp32_groups", path), path,
+                                 "single_partition_of_fp32_groups")
         torch_sd = get_key(osd, "base_optimizer_state", path)
-        pads = list(get_key(osd, "group_paddings", path))
+        pads = [values.integer(p, path, f"group_paddings[{i}]")
+                for i, p in enumerate(values.sequence(get_key(osd, "group_paddings", path), path, "group_paddings"))]
         if isinstance(torch_sd, list):  # elastic checkpoint: a lean state per group
             torch_sd = {
                 "state": dict(enumerate(torch_sd)),
@@ -108,6 +114,10 @@ def read_rank(path: str) -> tuple[int | None, Rank, object]:
     slots, step = _slots(torch_sd, len(fp32), path)
     pg = [g for g in torch_sd.get("param_groups", []) if isinstance(g, Mapping)]
     align = osd.get("param_alignment_paddings")
+    if align is not None:  # per group, per param: element counts
+        align = [[values.integer(p, path, f"param_alignment_paddings[{g}][{i}]")
+                  for i, p in enumerate(values.sequence(ps, path, f"param_alignment_paddings[{g}]"))]
+                 for g, ps in enumerate(values.sequence(align, path, "param_alignment_paddings"))]
     return zs, Rank(path, fp32, slots, pads, step, pg, align), osd.get("partition_count")
 
 

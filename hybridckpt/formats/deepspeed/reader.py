@@ -206,7 +206,7 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         optimizer=OptimizerState(
             slots,
             None if ranks[0].step is None else int(ranks[0].step),
-            hyper=torch_optim.hyper(ranks[0].groups, group_names),
+            hyper=torch_optim.hyper(ranks[0].groups, group_names, ranks[0].path),
         ),
         config=_config(path, folder, config),
         step=m0.get("global_steps"),

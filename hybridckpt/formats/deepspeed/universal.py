@@ -144,7 +144,7 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         osd = torch_save.load(opt_path)
         groups = osd.get("param_groups") if isinstance(osd, Mapping) else None
         if isinstance(groups, list) and all(isinstance(g, Mapping) for g in groups):
-            hyper = torch_optim.hyper(groups, _group_names(folder, len(groups)))
+            hyper = torch_optim.hyper(groups, _group_names(folder, len(groups)), opt_path)
     models = sorted(n for n in file_names(folder) if MODEL_RE.match(n))
     if models:
         m0 = torch_save.load(os.path.join(folder, models[0]))

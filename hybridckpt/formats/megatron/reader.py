@@ -42,6 +42,7 @@ from hybridckpt.formats.megatron.model import (
     merge_tp,
 )
 from hybridckpt.lazy import LazyTensor
+from hybridckpt.optim.groups import check_group
 from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
 NAME = "megatron"
@@ -262,14 +263,10 @@ def _optimizer(
         merged[kind] = m
     groups = optim.param_groups(rd.state0["optimizer"], rd.first_file)
     hyper = {}
-    if groups:
-        g0 = groups[0]
-        for k in ("lr", "eps", "weight_decay"):
-            if isinstance(g0.get(k), (int, float)):
-                hyper[k] = float(g0[k])
-        betas = g0.get("betas")
-        if isinstance(betas, (tuple, list)) and all(isinstance(b, (int, float)) for b in betas):
-            hyper["betas"] = [float(b) for b in betas]
+    if groups:  # group 0's, typed (a value of another type names the file: `optim.groups.check_group`)
+        g0 = groups[0] if isinstance(groups[0], Mapping) else {}
+        hyper = {k: v for k, v in check_group(g0, rd.first_file, "optimizer param_groups[0][{!r}]").items()
+                 if k in ("lr", "eps", "weight_decay", "betas")}
     return OptimizerState(
         slots={k: v for k, v in merged.items() if k != optim.MASTER},
         step=rd.iteration if isinstance(rd.iteration, int) else None,

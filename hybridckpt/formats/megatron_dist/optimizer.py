@@ -25,9 +25,10 @@ import math
 import re
 from collections.abc import Mapping
 
-from hybridckpt import lazy
+from hybridckpt import lazy, values
 from hybridckpt.errors import FormatError
 from hybridckpt.lazy import LazyTensor, tiled
+from hybridckpt.optim.groups import check_group
 
 MASTER_KINDS = ("param", "fp32_param")
 _STATE = re.compile(r"^(?P<chain>chained_\d+\.)?optimizer\.state\.(?P<kind>\w+?)\.(?P<key>.+)$")
@@ -105,27 +106,19 @@ def step_and_hyper(groups, where: str, tensors=None) -> tuple[int | None, dict]:
     groups (group 0 holds the weight-decayed params: optimizer/__init__.py `_get_param_groups`)."""
     if not groups:
         return None, {}
-    steps = {g.get("step") for g in groups if g.get("step") is not None}
+    groups = [values.mapping(g, where, f"param_groups[{i}]") for i, g in enumerate(groups)]
+    steps = {values.integer(g["step"], where, f"param_groups[{i}]['step']")
+             for i, g in enumerate(groups) if g.get("step") is not None}
     step = None
     if steps:
         if len(steps) > 1:
             raise FormatError(f"{where}: param groups have different steps {sorted(steps)}")
-        s = steps.pop()
-        step = int(s.materialize()) if isinstance(s, LazyTensor) else int(s)
-    g0 = groups[0]
-    hyper = {
-        k: float(g0[k])
-        for k in ("lr", "eps", "weight_decay")
-        if isinstance(g0.get(k), (int, float))
-    }
-    betas = g0.get("betas")
-    if isinstance(betas, (tuple, list)) and all(isinstance(b, (int, float)) for b in betas):
-        hyper["betas"] = [float(b) for b in betas]
-    if isinstance(g0.get("decoupled_weight_decay"), bool):
-        hyper["decoupled_weight_decay"] = g0["decoupled_weight_decay"]
+        step = steps.pop()
+    hyper = {k: v for k, v in check_group(groups[0], where, "param_groups[0][{!r}]").items()
+             if k in ("lr", "eps", "weight_decay", "betas", "decoupled_weight_decay")}
     split = decay_groups(groups, tensors) if tensors is not None else None
     if split is not None:
         from hybridckpt.formats.torch_optim import hyper as torch_hyper
 
-        hyper = {**hyper, "groups": torch_hyper(split, [g["params"] for g in split])["groups"]}
+        hyper = {**hyper, "groups": torch_hyper(split, [g["params"] for g in split], where)["groups"]}
     return step, hyper

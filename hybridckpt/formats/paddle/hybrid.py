@@ -142,7 +142,7 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
                 for kind in beta_pows:
                     pieces = groups[(t, p)].states.get(n, {}).get(kind)
                     if pieces:
-                        beta_pows[kind].append(scalar(pieces[min(pieces)].tensor))
+                        beta_pows[kind].append(scalar(pieces[min(pieces)].tensor, f"{g.folder}: {n!r} ({kind})"))
             merged = {}
             for kind, shards in per_tp.items():
                 try:

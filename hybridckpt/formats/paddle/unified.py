@@ -142,7 +142,7 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
                     f"{os.path.join(path, OPT_INDEX)}: {key!r} is for {name!r}, which the model lacks"
                 )
             if acc in beta_pows:
-                beta_pows[acc].append(scalar(t))
+                beta_pows[acc].append(scalar(t, f"{os.path.join(path, OPT_INDEX)}: {key!r}"))
             else:
                 slots.setdefault(SLOT_OF_ACCUMULATOR[acc], {})[name] = t
         unknown = sorted(set(master) - set(tensors))

@@ -70,7 +70,8 @@ def dcp_optimizer(folder: str) -> tuple[dict[str, dict[str, LazyTensor]], int | 
         else:
             slots.setdefault(slot, {})[name] = t
     groups = param_groups(md, OPTIM_KEY)
-    hyper = torch_optim.hyper(groups, [[p for p in g.get("params", []) if isinstance(p, str)] for g in groups])
+    hyper = torch_optim.hyper(groups, [[p for p in torch_optim.group_params(g, md.files[0], i) if isinstance(p, str)]
+                                       for i, g in enumerate(groups)], md.files[0])
     return slots, *_one_step(steps, md.files[0]), hyper
 
 
@@ -106,14 +107,15 @@ def torch_optimizer(path: str, params: Mapping[str, LazyTensor]) -> tuple[dict, 
         raise FormatError(f"{path}: 'param_groups': expected a list of dicts")
     state = sd["state"]
     by_index: dict[object, str] = {}
-    for g in groups:
-        ids, pnames = g.get("params") or [], g.get("param_names")
+    for i, g in enumerate(groups):
+        ids, pnames = torch_optim.group_params(g, path, i), g.get("param_names")
         if isinstance(pnames, list) and len(pnames) == len(ids):
             by_index.update(zip(ids, pnames, strict=True))
-    group_names = [[by_index.get(i, i) if not isinstance(i, str) else i for i in g.get("params") or []] for g in groups]
+    group_names = [[by_index.get(i, i) if not isinstance(i, str) else i for i in torch_optim.group_params(g, path, n)]
+                   for n, g in enumerate(groups)]
     keys = list(state)
     if keys and not all(isinstance(k, str) for k in keys) and not all(k in by_index for k in keys):
-        return {}, None, torch_optim.hyper(groups, [[] for _ in groups]), [
+        return {}, None, torch_optim.hyper(groups, [[] for _ in groups], path), [
             f"{path}: optimizer state keyed by parameter index with no parameter names (the order of the "
             f"model's named_parameters() is recorded nowhere): not imported, weights only"
         ]
@@ -133,7 +135,7 @@ def torch_optimizer(path: str, params: Mapping[str, LazyTensor]) -> tuple[dict, 
     unknown = sorted(n for g in names for n in g if n not in params)
     notes = [f"{path}: param_groups name {unknown[:3]}, which the model does not hold"] if unknown else []
     step, more = _one_step(steps, path)
-    return slots, step, torch_optim.hyper(groups, names), notes + more
+    return slots, step, torch_optim.hyper(groups, names, path), notes + more
 
 
 def optimizer_file(folder: str, names: list[str]) -> str | None:
