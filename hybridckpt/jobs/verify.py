@@ -99,6 +99,21 @@ def _model_named(opened: Any) -> Any:
     return naming.model_hf(opened.named, opened.config)
 
 
+def _steps_of(a: str | os.PathLike, b: str | os.PathLike, step: int | None) -> tuple[int | None, int | None]:
+    """`step` for each of `a`, `b` that is a folder of several steps (None for the other)."""
+    if step is None:
+        return None, None
+    from hybridckpt import readers
+
+    held = [readers.step_folders(os.path.abspath(os.fspath(p))) is not None for p in (a, b)]
+    if not any(held):
+        raise CheckpointError(
+            f"step {step}: neither {os.fspath(a)} nor {os.fspath(b)} is a folder of several steps (ours, "
+            f"step-N/, checkpoint-N/, iter_N/, global_stepN/, N/): there is no step to pick"
+        )
+    return tuple(step if h else None for h in held)
+
+
 def verify(
     a: str | os.PathLike,
     b: str | os.PathLike,
@@ -108,16 +123,20 @@ def verify(
     progress: Progress | None = None,
     params_only: bool = False,
     verify_reads: bool = True,
+    step: int | None = None,
 ) -> tuple[list[TensorDiff], list[str], list[str]]:
     """Compare two checkpoints of any formats (under HF names when a model config is known):
     every param, and unless `params_only` every optimizer slot's tensor (`name [slot]`), the
     optimizer step and the trainer-state values both record (`TRAINER_KEYS`). Returns (rows,
     names only in a, names only in b); a checkpoint without optimizer state beside one with it
-    is one entry, `[optimizer state: ...]`, in the other's list."""
+    is one entry, `[optimizer state: ...]`, in the other's list. `step` picks that step of each
+    side that is a folder of several steps (ours, `step-N/`, `checkpoint-N/`, ...); a side of one
+    step is read as it is; neither being one is a CheckpointError."""
     from hybridckpt.jobs.open import open_checkpoint
 
-    oa = open_checkpoint(a, config=config, verify_reads=verify_reads)
-    ob = open_checkpoint(b, config=config, verify_reads=verify_reads)
+    step_a, step_b = _steps_of(a, b, step)
+    oa = open_checkpoint(a, config=config, verify_reads=verify_reads, step=step_a)
+    ob = open_checkpoint(b, config=config, verify_reads=verify_reads, step=step_b)
     na, nb = _model_named(oa), _model_named(ob)
     rows, only_a, only_b = compare_tensors(na.params, nb.params, atol, progress)
     if params_only:

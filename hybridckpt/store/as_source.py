@@ -46,10 +46,13 @@ def resolve(path: str, step: int | None = None) -> tuple[str, int, dict]:
     from hybridckpt.errors import CheckpointError
 
     root, dir_step = root_and_step(os.path.abspath(path))
+    found = steps(root) if dir_step is None and step is not None else None
+    if found is not None and found.folders:
+        found.folder(step)  # a step not on disk: one FormatError listing the steps that are
     step = dir_step if step is None else step
     if step is None:
-        steps = _steps_on_disk(root)
-        step = steps[-1] if steps else None
+        held = _steps_on_disk(root)
+        step = held[-1] if held else None
     state = None if step is None else _trainer_state_file(root, int(step))
     if state is not None:
         return root, int(step), state
@@ -61,10 +64,20 @@ def resolve(path: str, step: int | None = None) -> tuple[str, int, dict]:
     return root, int(step), read_trainer_state(root, step)
 
 
+def steps(path: str):
+    """The step folders `DIR/<N>/` of our checkpoint `DIR` (`io.step_folders`: a folder holding
+    `params/`), or None when `path` is one step's folder `DIR/<N>` or no folder."""
+    from hybridckpt.io.step_folders import StepPattern, listing
+
+    root, step = root_and_step(os.path.abspath(path))
+    if step is not None or not os.path.isdir(root):
+        return None
+    return listing(root, StepPattern(""), lambda f: os.path.isdir(os.path.join(f, "params")))
+
+
 def _steps_on_disk(root: str) -> list[int]:
-    if not os.path.isdir(root):
-        return []
-    return sorted(int(d) for d in os.listdir(root) if d.isdigit() and os.path.isdir(os.path.join(root, d, "params")))
+    found = steps(root)
+    return found.steps if found is not None else []
 
 
 def _trainer_state_file(root: str, step: int) -> dict | None:
