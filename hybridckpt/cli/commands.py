@@ -28,8 +28,9 @@ def cmd_inspect(a) -> int:
     print(f"path:      {info['path']}")
     print(f"step:      {'-' if step is None else step}")
     steps, default = info.get("steps") or [], info.get("default_step")
-    if len(steps) > 1 or (steps and default != step):
-        shown = "the one shown" if default == step else f"shown: {step}"
+    read = default if a.step is None else a.step
+    if len(steps) > 1 or (steps and default != read):
+        shown = "the one shown" if default == read else f"shown: {read}"
         print(f"steps:     {', '.join(map(str, steps))} (default {'-' if default is None else default}; {shown})")
     print(f"topology:  {compact_json(info['topology']) if info.get('topology') else '-'}")
     if info.get("architecture"):
