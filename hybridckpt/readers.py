@@ -84,6 +84,8 @@ def open_source(path: str, fmt: str = "auto", *, config=None, step: int | None =
     found = mod.steps(path) if step is not None and hasattr(mod, "steps") else None
     if fmt == "orbax":
         src = mod.open(path, config=config, step=step, verify_reads=verify_reads)
+        if found is not None and found.folders:
+            src = replace(src, notes=(found.note(step), *src.notes))
     elif found is not None:  # one step of several: its own folder, opened as the format opens it
         src = mod.open(found.folder(step), config=config)
         src = replace(src, notes=(found.note(step), *src.notes))

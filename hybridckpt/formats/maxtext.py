@@ -174,10 +174,10 @@ def item_dir(path: str, step: int | None) -> tuple[str, int | None]:
     norm = os.path.abspath(path)
     if os.path.basename(norm) == ITEM and os.path.isfile(os.path.join(norm, "_METADATA")):
         base = os.path.basename(os.path.dirname(norm))
-        return norm, int(base) if base.isdigit() else None
+        return norm, STEP_DIRS.number(base)
     if os.path.isfile(os.path.join(norm, ITEM, "_METADATA")):
         base = os.path.basename(norm)
-        return os.path.join(norm, ITEM), int(base) if base.isdigit() else None
+        return os.path.join(norm, ITEM), STEP_DIRS.number(base)
     found = steps(norm)
     if found is None:
         raise FormatError(f"{path}: no MaxText checkpoint (expected <step>/{ITEM}/_METADATA)")
@@ -202,13 +202,23 @@ def _leaf_names(item_dir: str) -> list[str] | None:
     return names
 
 
+MAX_PROBED = 4  # step folders whose `_METADATA` detection reads, latest first
+
+
 def detect(path: str) -> bool:
-    """A MaxText checkpoint: an Orbax item `items` whose leaves are `params.params.*`."""
+    """A MaxText checkpoint: an Orbax item `items` whose leaves are `params.params.*`. A run
+    folder is told by its latest step whose `_METADATA` parses (at most `MAX_PROBED` tried), so
+    that a damaged latest step does not hide the others (`--step` reads them)."""
     if not os.path.isdir(path):
         return False
+    found = steps(path)
     try:
-        found, _ = item_dir(path, None)
+        items = [item_dir(path, None)[0]] if found is None else [
+            os.path.join(found.folders[s], ITEM) for s in found.steps[::-1][:MAX_PROBED]]
     except FormatError:
         return False
-    names = _leaf_names(found)
-    return bool(names) and any(n.startswith(PARAMS) for n in names)
+    for item in items:
+        names = _leaf_names(item)
+        if names is not None:
+            return bool(names) and any(n.startswith(PARAMS) for n in names)
+    return False

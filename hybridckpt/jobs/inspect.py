@@ -70,8 +70,10 @@ def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, s
     fmt = readers.detect(path) if fmt == "auto" else fmt
     if fmt == store_source.NAME:
         info = store_source.describe(path, step)
-        return _in_order({**info, "default_step": max(info["steps"]) if info["steps"] and
-                          store_source.root_and_step(path)[1] is None else info["step"]})
+        held = store_source.steps(path)
+        notes = [held.note(step)] if step is not None and held is not None and held.folders else []
+        return _in_order({**info, "notes": notes + info["notes"], "default_step": max(info["steps"]) if info["steps"]
+                          and store_source.root_and_step(path)[1] is None else info["step"]})
     cfg = _config_arg(config)
     src = readers.open_source(path, fmt, config=cfg, step=step)
     held = readers.step_folders(path, fmt)

@@ -230,7 +230,7 @@ def describe(path: str, step: int | None = None) -> dict:
         "format": NAME,
         "path": path,
         "step": step,
-        "steps": list_steps(root),
+        "steps": _steps_on_disk(root) or list_steps(root),  # (names only: no other step's files read)
         "topology": state.get("mesh", {}),
         "config": _config_json(state.get("model_config")),
         "needs_config": False,

@@ -182,8 +182,36 @@ def _flex(tmp_path) -> Case:
     return Case("flex-checkpoint", root, folders, 5)
 
 
+def _maxtext(tmp_path) -> Case:
+    """A MaxText run folder: 1/items and 3/items, the torchtitan steps exported as MaxText's
+    train state (`export --to maxtext`: OUT/<step>/items), moved under one root."""
+    from hybridckpt.jobs import export_checkpoint
+
+    titan = _titan(tmp_path)
+    root = tmp_path / "maxtext"
+    for step, folder in titan.folders.items():
+        out = tmp_path / f"mt{step}"
+        export_checkpoint(folder, str(out), to="maxtext", config=titan.config, optimizer=True)
+        os.makedirs(root, exist_ok=True)
+        os.rename(out / str(step), root / str(step))
+    return Case("maxtext", str(root), {s: str(root / str(s)) for s in titan.folders}, 3, config=titan.config, absent=2)
+
+
+def _ours(tmp_path) -> Case:
+    """Our own store (Orbax), steps 1 and 3 saved by `CheckpointStore` from a training loop."""
+    import jax.numpy as jnp
+
+    from hybridckpt.store.manager import CheckpointStore
+
+    root = str(tmp_path / "ours")
+    with CheckpointStore(root, async_save=False) as store:
+        for step in (1, 3):
+            store.save(step, {"w": jnp.arange(12.0).reshape(3, 4) * step, "b": jnp.full((4,), float(step))})
+    return Case("orbax", root, {s: os.path.join(root, str(s)) for s in (1, 3)}, 3, absent=2)
+
+
 SOURCES = {"torchtitan": _titan, "trainer": _trainer, "deepspeed": _deepspeed, "megatron": _megatron,
-           "megatron_dist": _megatron_dist, "paddleformers": _flex}
+           "megatron_dist": _megatron_dist, "paddleformers": _flex, "maxtext": _maxtext, "ours": _ours}
 
 
 @pytest.fixture(params=sorted(SOURCES))
@@ -207,15 +235,16 @@ def test_step_picks_that_step_and_an_absent_one_is_one_line(case, capsys):
         open_checkpoint(root, step=case.absent, config=case.config)
     assert f"no step {case.absent}" in str(e.value) and f"steps {early}, {late}" in str(e.value)
 
-    code, out, _ = _run(capsys, "inspect", root, "--json", "--step", str(early))
+    cfg = ["--config", case.config] if case.config else []
+    code, out, _ = _run(capsys, "inspect", root, "--json", "--step", str(early), *cfg)
     info = json.loads(out)
     assert code == 0 and info["steps"] == [early, late] and info["default_step"] == case.default
     assert any(f"read step {early} (asked for)" in n for n in info["notes"])
-    code, out, _ = _run(capsys, "inspect", root)
+    code, out, _ = _run(capsys, "inspect", root, *cfg)
     assert code == 0 and f"steps:     {early}, {late} (default {case.default}; the one shown)" in out
-    code, out, _ = _run(capsys, "inspect", root, "--step", str(early))
+    code, out, _ = _run(capsys, "inspect", root, "--step", str(early), *cfg)
     assert code == 0 and f"steps:     {early}, {late} (default {case.default}; shown: {early})" in out
-    code, out, err = _run(capsys, "inspect", root, "--step", str(case.absent))
+    code, out, err = _run(capsys, "inspect", root, "--step", str(case.absent), *cfg)
     assert code == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err
     assert f"no step {case.absent}" in err and f"steps {early}, {late}" in err
 
@@ -225,7 +254,8 @@ def test_a_damaged_later_step_does_not_matter(case, capsys):
     want = _values(open_checkpoint(case.folders[early], config=case.config))
     assert _truncate_all(case.folders[max(case.folders)]) > 0
     assert _same(_values(open_checkpoint(case.root, step=early, config=case.config)), want)
-    code, out, _ = _run(capsys, "inspect", case.root, "--json", "--step", str(early))
+    cfg = ["--config", case.config] if case.config else []
+    code, out, _ = _run(capsys, "inspect", case.root, "--json", "--step", str(early), *cfg)
     assert code == 0 and any(f"read step {early} (asked for)" in n for n in json.loads(out)["notes"])
 
 
