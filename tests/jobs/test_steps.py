@@ -145,6 +145,44 @@ def _deepspeed(tmp_path) -> Case:
     return Case("deepspeed", str(root), {3: str(root / "global_step3"), 5: str(root / "global_step5")}, 5)
 
 
+def _trainer_deepspeed(tmp_path) -> Case:
+    """An HF Trainer + DeepSpeed output folder: checkpoint-3/ as the Trainer wrote it
+    (tests/real/cases) and checkpoint-5/, its copy with the DeepSpeed files re-saved by torch with
+    other values (`global_step5/`, `latest`, trainer_state.json's global_step 5)."""
+    real = os.path.join(REAL, "hf_trainer_deepspeed_zero2", "ckpt", "checkpoint-3")
+    root = tmp_path / "trainer_ds"
+    shutil.copytree(real, root / "checkpoint-3")
+    later = root / "checkpoint-5"
+    shutil.copytree(real, later, ignore=shutil.ignore_patterns("global_step3"))
+    (later / "global_step5").mkdir()
+    for f in os.listdir(os.path.join(real, "global_step3")):
+        _resaved(os.path.join(real, "global_step3", f), str(later / "global_step5" / f), add=0.25, step=5)
+    (later / "latest").write_text("global_step5")
+    state = json.loads((later / "trainer_state.json").read_text())
+    (later / "trainer_state.json").write_text(json.dumps({**state, "global_step": 5}))
+    return Case("hf-trainer", str(root), {3: str(root / "checkpoint-3"), 5: str(later)}, 5)
+
+
+def _universal(tmp_path) -> Case:
+    """A DeepSpeed universal save folder: global_step3_universal/ as ds_to_universal wrote it
+    (tests/real/cases) and global_step5_universal/, every `.pt` re-saved by torch with other
+    values; `latest_universal` names step 5."""
+    real = os.path.join(REAL, "deepspeed_universal_zero2", "ckpt", "global_step3_universal")
+    root = tmp_path / "universal"
+    shutil.copytree(real, root / "global_step3_universal")
+    later = root / "global_step5_universal"
+    for r, _, files in os.walk(real):
+        os.makedirs(later / os.path.relpath(r, real), exist_ok=True)
+        for f in files:
+            dst = str(later / os.path.relpath(os.path.join(r, f), real))
+            if f.endswith(".pt"):
+                _resaved(os.path.join(r, f), dst, add=0.25, step=5)
+            else:
+                shutil.copy(os.path.join(r, f), dst)
+    (root / "latest_universal").write_text("global_step5_universal")
+    return Case("deepspeed-universal", str(root), {3: str(root / "global_step3_universal"), 5: str(later)}, 5)
+
+
 def _megatron(tmp_path) -> Case:
     """A Megatron-LM save folder (torch format): iter_0000002/, iter_0000006/ and the tracker
     naming 6, two models' values."""
@@ -210,7 +248,7 @@ def _ours(tmp_path) -> Case:
     return Case("orbax", root, {s: os.path.join(root, str(s)) for s in (1, 3)}, 3, absent=2)
 
 
-SOURCES = {"torchtitan": _titan, "trainer": _trainer, "deepspeed": _deepspeed, "megatron": _megatron,
+SOURCES = {"torchtitan": _titan, "trainer": _trainer, "trainer_deepspeed": _trainer_deepspeed, "deepspeed": _deepspeed, "deepspeed_universal": _universal, "megatron": _megatron,
            "megatron_dist": _megatron_dist, "paddleformers": _flex, "maxtext": _maxtext, "ours": _ours}
 
 
