@@ -49,6 +49,10 @@ def resolve(path: str, step: int | None = None) -> tuple[str, int, dict]:
     found = steps(root) if dir_step is None and step is not None else None
     if found is not None and found.folders:
         found.folder(step)  # a step not on disk: one FormatError listing the steps that are
+    if dir_step is not None and step not in (None, dir_step):
+        from hybridckpt.errors import FormatError
+
+        raise FormatError(f"{path}: no step {step}: this is the folder of step {dir_step} (give {root} to pick a step)")
     step = dir_step if step is None else step
     if step is None:
         held = _steps_on_disk(root)

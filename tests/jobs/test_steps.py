@@ -318,6 +318,11 @@ def test_import_export_verify_and_logits_take_the_step(tmp_path, capsys):
     code, out, _ = _run(capsys, "verify", case.root, ck, "--config", case.config)
     assert code == 1 and "BAD" in out  # the default, step 3, is another step
 
+    code, _, err = _run(capsys, "verify", ck, "--step", "3")  # ours holds step 1 alone
+    assert code == 2 and "no step 3" in err and "steps 1 (default 1: the latest)" in err
+    code, _, err = _run(capsys, "verify", os.path.join(ck, "1"), "--step", "3")
+    assert code == 2 and "no step 3: this is the folder of step 1" in err
+
     out_dir, alone = str(tmp_path / "out"), str(tmp_path / "alone")
     assert _run(capsys, "export", case.root, out_dir, "--step", "1", "--quiet")[0] == 0
     assert _run(capsys, "export", early, alone, "--quiet")[0] == 0
@@ -339,6 +344,10 @@ def test_a_source_of_one_step_takes_only_its_own(tmp_path, capsys):
     assert open_checkpoint(one, step=2).step == 2
     code, _, err = _run(capsys, "inspect", one, "--step", "4")
     assert code == 2 and "no step 4" in err and "holds one step (step 2)" in err
+    code, _, err = _run(capsys, "verify", one, case.folders[4], "--step", "2")
+    assert code == 2 and "is a folder of several steps" in err and err.count("\n") == 1
+    code, out, _ = _run(capsys, "verify", case.root, one, "--step", "2")  # step 2 of the output folder
+    assert code == 0, out
 
 
 # -- the listing itself -----------------------------------------------------------------------------
