@@ -387,3 +387,15 @@ def test_a_long_run_is_listed_in_one_short_line(tmp_path):
         listing(str(tmp_path), StepPattern("checkpoint-")).folder(5)
     msg = str(e.value)
     assert "\n" not in msg and len(msg) < 400 and "0, 10, 20" in msg and "4990 (default 4990: the latest)" in msg
+
+
+@pytest.mark.parametrize("kind", ["megatron", "megatron_dist"])
+def test_a_tracker_naming_a_lost_iteration_leaves_the_others_readable(kind, tmp_path, capsys):
+    case = SOURCES[kind](tmp_path)
+    want = _values(open_checkpoint(case.folders[2]))
+    shutil.rmtree(case.folders[6])  # the tracker still names iteration 6
+    assert _same(_values(open_checkpoint(case.root, step=2)), want)
+    with pytest.raises(FormatError, match="latest_checkpointed_iteration.txt names '6' but the folder"):
+        open_checkpoint(case.root)
+    code, out, _ = _run(capsys, "inspect", case.root, "--json", "--step", "2")
+    assert code == 0 and json.loads(out)["steps"] == [2] and json.loads(out)["default_step"] == 6

@@ -49,8 +49,8 @@ def detect(path: str) -> bool:
         return False
     try:
         return _has_rank_dirs(iteration_dir(path))
-    except FormatError:
-        return False
+    except FormatError:  # (a tracker naming a folder that is not there: its other iterations still count)
+        return steps(path) is not None
 
 
 def tracked_folder(save: str) -> str:

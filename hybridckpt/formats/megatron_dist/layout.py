@@ -122,8 +122,8 @@ def detect(path: str) -> bool:
     `metadata.json` without `sharded_backend` is someone else's file: not claimed."""
     try:
         loc = locate(path)
-    except (FormatError, OSError):
-        return False
+    except (FormatError, OSError):  # (a tracker naming a folder that is not there: its other iterations still count)
+        return steps(path) is not None
     if loc is None:
         return False
     config = os.path.join(loc.folder, CONFIG_FILE)
