@@ -68,7 +68,7 @@ def resolve(path: str, step: int | None = None) -> tuple[str, int, dict]:
     return root, int(step), read_trainer_state(root, step)
 
 
-def steps(path: str):
+def steps(path: str):  # -> io.step_folders.StepFolders | None
     """The step folders `DIR/<N>/` of our checkpoint `DIR` (`io.step_folders`: a folder holding
     `params/`), or None when `path` is one step's folder `DIR/<N>` or no folder."""
     from hybridckpt.io.step_folders import StepPattern, listing

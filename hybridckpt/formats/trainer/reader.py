@@ -18,12 +18,13 @@ from hybridckpt.errors import FormatError, UnknownModelError
 from hybridckpt.formats.config_file import read_json
 from hybridckpt.formats.trainer import folder as files
 from hybridckpt.formats.trainer import fsdp
+from hybridckpt.io.step_folders import StepFolders
 from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
 NAME = "hf-trainer"
 
 
-def steps(path: str):
+def steps(path: str) -> StepFolders | None:
     """An output folder's `checkpoint-N` folders (`io.step_folders`), or None when `path` is a
     checkpoint folder itself or holds none."""
     path = os.path.abspath(path)
