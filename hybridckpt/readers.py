@@ -3,7 +3,10 @@
 A format module (`hybridckpt/formats/<format>` or our own store's `hybridckpt/store/as_source.py`)
 defines `NAME`, `detect(path) -> bool` (cheap: file names and a few bytes) and
 `open(path, *, config=None) -> SourceCheckpoint` (pure planning from metadata; no tensor bytes
-read). `READERS` lists (name, module) most specific first; `NAMES` is what `--format` accepts
+read). A format whose folders may hold several steps (`step-N/`, `checkpoint-N/`, `iter_N/`,
+`global_stepN/`, `N/`) also defines `steps(path) -> io.step_folders.StepFolders | None` (None
+when `path` is itself one step): `open_source(..., step=N)` opens that step's folder, and a
+source of one step takes `step` only when it is that step. `READERS` lists (name, module) most specific first; `NAMES` is what `--format` accepts
 (the CLI reads it without importing any reader). This module sits above both `formats` and
 `store` (it imports them by the module names below, which tests/test_layers.py checks too).
 """
@@ -13,9 +16,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+from dataclasses import replace
 
 from hybridckpt import values
 from hybridckpt.errors import FormatError, short_repr
+from hybridckpt.io.step_folders import StepFolders
 from hybridckpt.lazy import shape_problem
 from hybridckpt.source_checkpoint import SourceCheckpoint
 
@@ -58,21 +63,42 @@ def detect(path: str) -> str:
     raise FormatError(f"{path}: not a checkpoint of any known format (known: {', '.join(NAMES)})")
 
 
+def step_folders(path: str, fmt: str = "auto") -> StepFolders | None:
+    """The step folders of `path` when it is an output folder of several steps of format `fmt`
+    (`io.step_folders`: names only), else None."""
+    mod = _module(dict(READERS)[detect(path) if fmt == "auto" else fmt])
+    return mod.steps(path) if hasattr(mod, "steps") else None
+
+
 def open_source(path: str, fmt: str = "auto", *, config=None, step: int | None = None,
                 verify_reads: bool = True) -> SourceCheckpoint:
     """Open `path` as format `fmt` ("auto" detects it); `config` is a model config for sources
-    that carry none; `step` picks a step of a source that holds several (ours), whose reads are
-    checked against the CRC-32s of its import unless `verify_reads=False`."""
+    that carry none; `step` picks a step of a source that holds several (default: the format's:
+    the latest, or the one its tracker names), a FormatError listing the steps there when it is
+    not one of them; our checkpoint's reads are checked against the CRC-32s of its import unless
+    `verify_reads=False`."""
     if fmt == "auto":
         fmt = detect(path)
     modules = dict(READERS)
     if fmt not in modules:
         raise FormatError(f"unknown format {fmt!r} (known: {', '.join(NAMES)})")
     mod = _module(modules[fmt])
+    found = mod.steps(path) if step is not None and hasattr(mod, "steps") else None
     if fmt == "orbax":
         src = mod.open(path, config=config, step=step, verify_reads=verify_reads)
+        if found is not None and found.folders:
+            src = replace(src, notes=(found.note(step), *src.notes))
+    elif found is not None:  # one step of several: its own folder, opened as the format opens it
+        src = mod.open(found.folder(step), config=config)
+        src = replace(src, notes=(found.note(step), *src.notes))
     else:
-        src = mod.open(path, config=config, step=step) if step is not None else mod.open(path, config=config)
+        src = mod.open(path, config=config)
+        if step is not None and src.step != step:
+            held = "no step number" if src.step is None else f"step {src.step}"
+            raise FormatError(
+                f"{path}: no step {step}: this {fmt} checkpoint holds one step ({held}); a step is picked "
+                f"from a folder of several (step-N/, checkpoint-N/, iter_N/, global_stepN/, N/)"
+            )
     check_shapes(src)
     return checked_steps(src)
 

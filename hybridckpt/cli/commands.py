@@ -27,8 +27,11 @@ def cmd_inspect(a) -> int:
     print(f"format:    {info['format']}")
     print(f"path:      {info['path']}")
     print(f"step:      {'-' if step is None else step}")
-    if info.get("steps") and len(info["steps"]) > 1:
-        print(f"steps:     {', '.join(map(str, info['steps']))}")
+    steps, default = info.get("steps") or [], info.get("default_step")
+    read = default if a.step is None else a.step
+    if len(steps) > 1 or (steps and default != read):
+        shown = "the one shown" if default == read else f"shown: {read}"
+        print(f"steps:     {', '.join(map(str, steps))} (default {'-' if default is None else default}; {shown})")
     print(f"topology:  {compact_json(info['topology']) if info.get('topology') else '-'}")
     if info.get("architecture"):
         print(f"config:    config.json names {info['architecture']}, which no model family implements: its "
@@ -84,7 +87,7 @@ def cmd_import(a) -> int:
             a.src, a.dst, fmt=a.format, mesh=a.mesh, config=a.config, rules=a.rules,
             params_only=a.params_only, dtype=a.dtype, strict_sharding=a.strict_sharding,
             overwrite=a.overwrite, progress=prog, io_threads=a.io_threads, compression=a.compression,
-            direct_io=not a.buffered_writes, verify_reads=not a.no_verify_reads,
+            direct_io=not a.buffered_writes, verify_reads=not a.no_verify_reads, step=a.step,
         )
     job_finished()
     print(f"imported {s.source_format} checkpoint into {s.destination} at step {s.step} on mesh {s.mesh}"
@@ -186,7 +189,7 @@ def cmd_verify(a) -> int:
             print(f"{arrays - sum(r.kind != 'file' for r in bad)}/{arrays} arrays match their import checksums{kept}; "
                   f"{time.perf_counter() - t0:.2f} s")
             return 1 if bad else 0
-        rows, only_a, only_b = verify(a.a, a.b, atol=a.atol, config=a.config, progress=prog,
+        rows, only_a, only_b = verify(a.a, a.b, atol=a.atol, config=a.config, progress=prog, step=a.step,
                                       params_only=a.params_only, verify_reads=not a.no_verify_reads)
     width = max((len(r.name) for r in rows), default=10)
     bad = 0

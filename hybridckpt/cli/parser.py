@@ -46,7 +46,7 @@ def _thread_count(text: str) -> int:
 
 
 def _step(text: str) -> int:
-    if not text.strip().isdigit() or len(text.strip()) > 18:
+    if not (text.strip().isascii() and text.strip().isdigit()) or len(text.strip()) > 18:
         raise argparse.ArgumentTypeError(f"expected a step number, found {text!r:.40}")
     return int(text)
 
@@ -67,7 +67,9 @@ def _common(sp, *, fmt=True, config=True, io=False, progress=True, step=True) ->
     if fmt:
         sp.add_argument("--format", default="auto", choices=FORMAT_CHOICES, help="source format (default: detect)")
     if step:
-        sp.add_argument("--step", type=_step, help="step of a hybridckpt (Orbax) checkpoint (default: latest)")
+        sp.add_argument("--step", type=_step, help="the step to read of a folder of several: ours (N/), torchtitan "
+                        "step-N/, Trainer checkpoint-N/, Megatron iter_N/, DeepSpeed global_stepN/, MaxText N/ "
+                        "(default: the latest, or the one the tracker file names); an absent step is an error")
     if io:
         sp.add_argument("--io-threads", type=_thread_count, metavar="N",
                         help="parallel byte-range readers (default: $HYBRIDCKPT_IO_THREADS, else 2 x cores, 4..16)")

@@ -38,9 +38,11 @@ from typing import Any
 
 from hybridckpt import lazy
 from hybridckpt.errors import ConfigError, FormatError
+from hybridckpt.io.step_folders import StepFolders, StepPattern, listing
 from hybridckpt.lazy import LazyTensor
 
 NAME = "maxtext"
+STEP_DIRS = StepPattern("")  # `<root>/<step>/`: Orbax CheckpointManager step folders
 ITEM = "items"  # the checkpointable MaxText's Checkpointer saves the train state as
 PARAMS = "params.params."
 MU = "opt_state.0.mu.params."
@@ -156,8 +158,14 @@ def from_disk(tensors: Mapping[str, LazyTensor], where: str) -> dict[str, LazyTe
 # -- the reader ------------------------------------------------------------------------------------
 
 
-def _steps(root: str) -> list[int]:
-    return sorted(int(d) for d in os.listdir(root) if d.isdigit() and os.path.isdir(os.path.join(root, d, ITEM)))
+def steps(path: str) -> StepFolders | None:
+    """The step folders `<root>/<N>/` of a MaxText run (`io.step_folders`: a folder holding
+    `items/`), or None when `path` is a step or item folder itself, or holds no step."""
+    norm = os.path.abspath(path)
+    if not os.path.isdir(norm) or os.path.isfile(os.path.join(norm, "_METADATA")) or os.path.isdir(os.path.join(norm, ITEM)):
+        return None
+    found = listing(norm, STEP_DIRS, lambda f: os.path.isdir(os.path.join(f, ITEM)))
+    return found if found.folders else None
 
 
 def item_dir(path: str, step: int | None) -> tuple[str, int | None]:
@@ -166,17 +174,15 @@ def item_dir(path: str, step: int | None) -> tuple[str, int | None]:
     norm = os.path.abspath(path)
     if os.path.basename(norm) == ITEM and os.path.isfile(os.path.join(norm, "_METADATA")):
         base = os.path.basename(os.path.dirname(norm))
-        return norm, int(base) if base.isdigit() else None
+        return norm, STEP_DIRS.number(base)
     if os.path.isfile(os.path.join(norm, ITEM, "_METADATA")):
         base = os.path.basename(norm)
-        return os.path.join(norm, ITEM), int(base) if base.isdigit() else None
-    steps = _steps(norm) if os.path.isdir(norm) else []
-    if not steps:
+        return os.path.join(norm, ITEM), STEP_DIRS.number(base)
+    found = steps(norm)
+    if found is None:
         raise FormatError(f"{path}: no MaxText checkpoint (expected <step>/{ITEM}/_METADATA)")
-    pick = steps[-1] if step is None else step
-    if pick not in steps:
-        raise FormatError(f"{path}: no step {pick} (steps: {steps})")
-    return os.path.join(norm, str(pick), ITEM), pick
+    pick = found.default if step is None else step
+    return os.path.join(found.folder(pick), ITEM), pick
 
 
 def _leaf_names(item_dir: str) -> list[str] | None:
@@ -196,13 +202,23 @@ def _leaf_names(item_dir: str) -> list[str] | None:
     return names
 
 
+MAX_PROBED = 4  # step folders whose `_METADATA` detection reads, latest first
+
+
 def detect(path: str) -> bool:
-    """A MaxText checkpoint: an Orbax item `items` whose leaves are `params.params.*`."""
+    """A MaxText checkpoint: an Orbax item `items` whose leaves are `params.params.*`. A run
+    folder is told by its latest step whose `_METADATA` parses (at most `MAX_PROBED` tried), so
+    that a damaged latest step does not hide the others (`--step` reads them)."""
     if not os.path.isdir(path):
         return False
+    found = steps(path)
     try:
-        found, _ = item_dir(path, None)
+        items = [item_dir(path, None)[0]] if found is None else [
+            os.path.join(found.folders[s], ITEM) for s in found.steps[::-1][:MAX_PROBED]]
     except FormatError:
         return False
-    names = _leaf_names(found)
-    return bool(names) and any(n.startswith(PARAMS) for n in names)
+    for item in items:
+        names = _leaf_names(item)
+        if names is not None:
+            return bool(names) and any(n.startswith(PARAMS) for n in names)
+    return False

@@ -94,7 +94,7 @@ def export_checkpoint(
     optimizer: also write the optimizer slots and step. dtype: cast the floating params on write
       (the summary's notes say what was cast); default: every tensor as stored.
     config: a config path or model config for sources that carry none (omit it to consolidate
-      under the source's own names). step: which step of a hybridckpt (Orbax) source.
+      under the source's own names). step: which step of a folder of several (`open_checkpoint`).
     to: "hf", or a Paddle unified layout ("paddlenlp-unified", "paddleformers-unified":
       `writers/paddle_unified.py`), or a torch trainer's ("dcp", "torchtitan", "megatron":
       `writers.torch_dcp`, `writers.torchtitan`, `writers.megatron_dist`).

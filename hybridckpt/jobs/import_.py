@@ -193,7 +193,7 @@ def import_checkpoint(
     params_only: leave the optimizer state out. dtype: cast params ("bfloat16", ...).
     strict_sharding: a dimension the mesh cannot divide is an error (default: replicated on that
       axis, with a note in the summary).
-    step: which step of a hybridckpt (Orbax) source (default: latest).
+    step: which step of a folder of several steps (`open_checkpoint`; default: the latest or the tracked).
     compression: the arrays' codec, "none" (default: raw chunks, the fastest write and the
       file-to-file export), "zstd" (Orbax's default, level 1) or "zstd:LEVEL"; see `store.stream`.
     direct_io: raw chunk files of whole 4 KiB blocks written with O_DIRECT, bypassing the page

@@ -23,7 +23,10 @@ SCHEMA = {
     "format": "the format name (`--format` choices; `orbax` for ours)",
     "path": "the absolute path inspected",
     "step": "the training step, or null when the checkpoint does not say",
-    "steps": "every step the checkpoint holds (ours may hold several; others: [step] or [])",
+    "steps": "every step the folder holds (ours, torchtitan step-N/, Trainer checkpoint-N/, Megatron iter_N/, "
+             "DeepSpeed global_stepN/, MaxText N/: each step folder's number; a source of one step: [step] or [])",
+    "default_step": "the step read when none is asked for (the latest, or the one the source's tracker names), "
+                    "or null",
     "topology": "parallel degrees read from the files, e.g. {\"tp\": 2, \"pp\": 2}; ours: the mesh it was saved on",
     "config": "the model config: {\"family\", ...fields} (RoPE scaling as an object), or null",
     "needs_config": "true when model-level jobs (logits, import as a model) need --config",
@@ -66,16 +69,22 @@ def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, s
     path = os.path.abspath(os.fspath(path))
     fmt = readers.detect(path) if fmt == "auto" else fmt
     if fmt == store_source.NAME:
-        return _in_order(store_source.describe(path, step))
+        info = store_source.describe(path, step)
+        held = store_source.steps(path)
+        notes = [held.note(step)] if step is not None and held is not None and held.folders else []
+        return _in_order({**info, "notes": notes + info["notes"], "default_step": max(info["steps"]) if info["steps"]
+                          and store_source.root_and_step(path)[1] is None else info["step"]})
     cfg = _config_arg(config)
-    src = readers.open_source(path, fmt, config=cfg)
+    src = readers.open_source(path, fmt, config=cfg, step=step)
+    held = readers.step_folders(path, fmt)
     cfg = cfg or src.config
     files, skipped = model_files_of(src, path, config)
     info: dict[str, Any] = {
         "format": src.format,
         "path": path,
         "step": src.step,
-        "steps": [] if src.step is None else [src.step],
+        "steps": held.steps if held is not None else [] if src.step is None else [src.step],
+        "default_step": held.default if held is not None else src.step,
         "topology": dict(src.topology),
         "config": None,
         "needs_config": cfg is None,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridckpt import naming
-from hybridckpt.errors import CheckpointError, ConfigError, FormatError
+from hybridckpt.errors import ConfigError, FormatError
 from hybridckpt.formats.config_file import read_json
 from hybridckpt.io import model_files
 from hybridckpt.io.model_files import ModelFile
@@ -92,7 +92,10 @@ def open_checkpoint(
 
     config: an HF `config.json` / Meta `params.json` path or a model config, for sources that
       carry none (or to override theirs). rules: a user rules file applied before the format's.
-    step: which step of our Orbax checkpoint (default: latest); other formats hold one step.
+    step: which step of a source that holds several (our Orbax checkpoint, torchtitan `step-N/`,
+      Trainer `checkpoint-N/`, Megatron `iter_N/`, DeepSpeed `global_stepN/`, MaxText `N/`;
+      default: the latest, or the one the source's tracker names); a source of one step takes
+      only its own step. A step not there is a FormatError listing those that are.
     verify_reads: every read of our Orbax checkpoint is checked against the CRC-32s its import
       recorded (`store.checked`); False reads it unchecked.
     """
@@ -101,11 +104,6 @@ def open_checkpoint(
     path = os.path.abspath(os.fspath(path))
     cfg = _config_arg(config)
     fmt = readers.detect(path) if fmt == "auto" else fmt
-    if step is not None and fmt != "orbax":
-        raise CheckpointError(
-            f"{path}: --step selects a step of a hybridckpt (Orbax) checkpoint; this {fmt} "
-            f"checkpoint holds one step"
-        )
     src = readers.open_source(path, fmt, config=cfg, step=step, verify_reads=verify_reads)
     named, cfg = naming.named_for_model(src, cfg or src.config, rules=rules, strict=strict)
     user = naming.user_rules(src, cfg, rules) if rules else None

@@ -100,6 +100,21 @@ def _model_named(opened: Any) -> Any:
     return naming.model_hf(opened.named, opened.config)
 
 
+def _steps_of(a: str | os.PathLike, b: str | os.PathLike, step: int | None) -> tuple[int | None, int | None]:
+    """`step` for each of `a`, `b` that is a folder of several steps (None for the other)."""
+    if step is None:
+        return None, None
+    from hybridckpt import readers
+
+    held = [readers.step_folders(os.path.abspath(os.fspath(p))) is not None for p in (a, b)]
+    if not any(held):
+        raise CheckpointError(
+            f"step {step}: neither {os.fspath(a)} nor {os.fspath(b)} is a folder of several steps (ours, "
+            f"step-N/, checkpoint-N/, iter_N/, global_stepN/, N/): there is no step to pick"
+        )
+    return tuple(step if h else None for h in held)
+
+
 def verify(
     a: str | os.PathLike,
     b: str | os.PathLike,
@@ -109,25 +124,29 @@ def verify(
     progress: Progress | None = None,
     params_only: bool = False,
     verify_reads: bool = True,
+    step: int | None = None,
 ) -> tuple[list[TensorDiff], list[str], list[str]]:
     """Compare two checkpoints of any formats (under HF names when a model config is known):
     every param, and unless `params_only` every optimizer slot's tensor (`name [slot]`), the
     optimizer step and the trainer-state values both record (`TRAINER_KEYS`). Returns (rows,
     names only in a, names only in b); a checkpoint without optimizer state beside one with it
-    is one entry, `[optimizer state: ...]`, in the other's list. A file of either that changed
+    is one entry, `[optimizer state: ...]`, in the other's list. `step` picks that step of each
+    side that is a folder of several steps (ours, `step-N/`, `checkpoint-N/`, ...); a side of one
+    step is read as it is; neither being one is a CheckpointError. A file of either that changed
     while it was read is a FormatError (`io.byte_source.watch`): the verdict would be of neither."""
     with byte_source.watch() as watched:
         out = _verify(a, b, atol=atol, config=config, progress=progress, params_only=params_only,
-                      verify_reads=verify_reads)
+                      verify_reads=verify_reads, step=step)
         watched.check()
     return out
 
 
-def _verify(a, b, *, atol, config, progress, params_only, verify_reads):
+def _verify(a, b, *, atol, config, progress, params_only, verify_reads, step):
     from hybridckpt.jobs.open import open_checkpoint
 
-    oa = open_checkpoint(a, config=config, verify_reads=verify_reads)
-    ob = open_checkpoint(b, config=config, verify_reads=verify_reads)
+    step_a, step_b = _steps_of(a, b, step)
+    oa = open_checkpoint(a, config=config, verify_reads=verify_reads, step=step_a)
+    ob = open_checkpoint(b, config=config, verify_reads=verify_reads, step=step_b)
     na, nb = _model_named(oa), _model_named(ob)
     rows, only_a, only_b = compare_tensors(na.params, nb.params, atol, progress)
     if params_only:

@@ -46,10 +46,17 @@ def resolve(path: str, step: int | None = None) -> tuple[str, int, dict]:
     from hybridckpt.errors import CheckpointError
 
     root, dir_step = root_and_step(os.path.abspath(path))
+    found = steps(root) if dir_step is None and step is not None else None
+    if found is not None and found.folders:
+        found.folder(step)  # a step not on disk: one FormatError listing the steps that are
+    if dir_step is not None and step not in (None, dir_step):
+        from hybridckpt.errors import FormatError
+
+        raise FormatError(f"{path}: no step {step}: this is the folder of step {dir_step} (give {root} to pick a step)")
     step = dir_step if step is None else step
     if step is None:
-        steps = _steps_on_disk(root)
-        step = steps[-1] if steps else None
+        held = _steps_on_disk(root)
+        step = held[-1] if held else None
     state = None if step is None else _trainer_state_file(root, int(step))
     if state is not None:
         return root, int(step), state
@@ -61,10 +68,20 @@ def resolve(path: str, step: int | None = None) -> tuple[str, int, dict]:
     return root, int(step), read_trainer_state(root, step)
 
 
+def steps(path: str):  # -> io.step_folders.StepFolders | None
+    """The step folders `DIR/<N>/` of our checkpoint `DIR` (`io.step_folders`: a folder holding
+    `params/`), or None when `path` is one step's folder `DIR/<N>` or no folder."""
+    from hybridckpt.io.step_folders import StepPattern, listing
+
+    root, step = root_and_step(os.path.abspath(path))
+    if step is not None or not os.path.isdir(root):
+        return None
+    return listing(root, StepPattern(""), lambda f: os.path.isdir(os.path.join(f, "params")))
+
+
 def _steps_on_disk(root: str) -> list[int]:
-    if not os.path.isdir(root):
-        return []
-    return sorted(int(d) for d in os.listdir(root) if d.isdigit() and os.path.isdir(os.path.join(root, d, "params")))
+    found = steps(root)
+    return found.steps if found is not None else []
 
 
 def _trainer_state_file(root: str, step: int) -> dict | None:
@@ -217,7 +234,7 @@ def describe(path: str, step: int | None = None) -> dict:
         "format": NAME,
         "path": path,
         "step": step,
-        "steps": list_steps(root),
+        "steps": _steps_on_disk(root) or list_steps(root),  # (names only: no other step's files read)
         "topology": state.get("mesh", {}),
         "config": _config_json(state.get("model_config")),
         "needs_config": False,

@@ -18,7 +18,7 @@ from typing import Any
 
 from hybridckpt.errors import CheckpointError, ConfigError, FormatError
 from hybridckpt.formats import maxtext
-from hybridckpt.formats.maxtext import NAME, detect  # noqa: F401  (the reader registry's entry points)
+from hybridckpt.formats.maxtext import NAME, detect, steps  # noqa: F401  (the reader registry's entry points)
 from hybridckpt.lazy import LazyTensor
 
 V1_PYTREE_HANDLER = "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler"

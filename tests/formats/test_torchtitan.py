@@ -77,7 +77,8 @@ def test_manager_folder_reads_its_latest_step_and_trainer_state(written):
     assert detect(paths["checkpoint"]) == "dcp" == detect(paths["step"])
     src, _ = _open(paths)
     assert src.step == src.optimizer.step == STEPS
-    assert src.notes[0] == f"torchtitan checkpoint folder: read its latest step, step-{STEPS}"
+    assert src.notes[0] == (f"torchtitan checkpoint folder: read step {STEPS}, step-{STEPS}/, of steps 1, {STEPS} "
+                            f"(default {STEPS}: the latest)")
     assert src.trainer["train_state.step"] == STEPS and src.trainer["lr_scheduler.last_epoch"] == STEPS
     assert src.trainer["model_prefix"] == "" and src.trainer["optimizer_prefix"] == "optimizer."
     assert dcp.open(os.path.join(paths["checkpoint"], "step-1"), config=_config(paths)).step == 1

@@ -171,7 +171,7 @@ def test_messages_speak_the_cli_words(tmp_path):
     empty = run("logits", str(ck), "--tokens", "")
     assert empty.returncode == 2 and "expected at least one token id" in empty.stderr
     step = run("export", sample_path(), str(tmp_path / "o"), "--step", "5")
-    assert step.returncode == 2 and "--step selects a step of a hybridckpt (Orbax) checkpoint" in step.stderr
+    assert step.returncode == 2 and "no step 5: this hf checkpoint holds one step" in step.stderr
     gpt2_cfg = tmp_path / "gpt2.json"
     gpt2_cfg.write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "n_embd": 32, "n_layer": 2,
                                     "n_head": 4, "vocab_size": 64, "n_positions": 32}))

@@ -44,7 +44,7 @@ groups), `torchtitan` (step folders, names, fused q/k/v, trainer state), `reader
 from __future__ import annotations
 
 from hybridckpt.formats.dcp.chunk import TorchSaveChunk
-from hybridckpt.formats.dcp.reader import NAME, detect, open  # noqa: A004 - the format contract
+from hybridckpt.formats.dcp.reader import NAME, detect, open, steps  # noqa: A004 - the format contract
 from hybridckpt.formats.dcp.storage import read_hf_shards
 from hybridckpt.formats.dcp.structure import Structure, find_structure
 from hybridckpt.lazy import Tiled, tiled
@@ -57,6 +57,7 @@ __all__ = [
     "detect",
     "find_structure",
     "open",
+    "steps",
     "read_hf_shards",
     "tiled",
 ]

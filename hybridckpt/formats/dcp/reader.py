@@ -6,7 +6,7 @@ Names after the model prefix are the model's own: HF names for HF models (`hf_ru
 torchtitan's names (`tok_embeddings`, `layers.N.attention.qkv_linear.wq`, ...) mapped by the
 family's torchtitan dialect (`models/<family>/dialects/torchtitan.rules`), the moments of its
 fused q/k/v parameter split like the weights first (`torchtitan`). A torchtitan CheckpointManager folder (`step-N/`
-subfolders) reads its latest step; a `step-N` folder's config.json may sit in its parent.
+subfolders) reads its latest step (`steps`: `--step` picks another); a `step-N` folder's config.json may sit in its parent.
 """
 
 from __future__ import annotations
@@ -51,18 +51,20 @@ def _config(folder: str, config):
 
 def detect(path: str) -> bool:
     """A DCP folder, or a torchtitan CheckpointManager folder holding `step-N` DCP folders."""
-    return storage_detect(path) or torchtitan.latest_step_folder(path) is not None
+    return storage_detect(path) or torchtitan.steps(path) is not None
+
+
+steps = torchtitan.steps  # a CheckpointManager folder's `step-N` folders (`io.step_folders`)
 
 
 def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the format contract
     folder = os.path.abspath(path)
     if not os.path.isdir(folder):
         raise FormatError(f"{path}: a DCP checkpoint is a folder")
-    latest = torchtitan.latest_step_folder(folder)
-    if latest is not None:
-        src = _open_metadata(path, latest, config)
-        note = f"torchtitan checkpoint folder: read its latest step, {os.path.basename(latest)}"
-        return replace(src, notes=(note, *src.notes))
+    found = torchtitan.steps(folder)
+    if found is not None:
+        src = _open_metadata(path, found.folder(found.default), config)
+        return replace(src, notes=(f"torchtitan checkpoint folder: {found.note(found.default)}", *src.notes))
     if not metadata_files(folder):
         return _open_hf_shards(path, folder, config)
     return _open_metadata(path, folder, config)

@@ -8,7 +8,7 @@ qwen3_moe}, tests/real/test_real_torchtitan.py: FSDP2 on 2 ranks, EP 2 x FSDP 2 
   state dict is `_flattened_model_states_sd()`: the model's own fqns at the TOP level (no
   `model.` prefix), beside `optimizer`, `lr_scheduler` (`{"last_epoch"}`,
   components/optimizer/lr_scheduler.py), `train_state` (`{"step", "ntokens_seen"}`, trainer.py
-  `Trainer.state_dict`) and `dataloader`. Given the parent folder, the latest `step-N` is read.
+  `Trainer.state_dict`) and `dataloader`. Given the parent folder, the latest `step-N` is read (`steps`; `--step` picks another).
 - The optimizer state is flat and keyed by PARAMETER fqn (components/optimizer/utils.py
   `get_flat_optim_state_dict`): `optimizer.state.<fqn>.{exp_avg,exp_avg_sq,step}` and
   `optimizer.param_groups.<fqn>.<key>` (`structure` reads both). The group's `lr` is the one
@@ -80,10 +80,10 @@ from hybridckpt.containers.dcp_metadata import DcpMetadata, metadata_files
 from hybridckpt.errors import FormatError
 from hybridckpt.formats.dcp.storage import load_item
 from hybridckpt.formats.rules_files import load_rules
+from hybridckpt.io.step_folders import StepFolders, StepPattern, listing
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.models.dialect import most_specific
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 # CheckpointManager's states other than the model and the optimizer (top-level keys)
 TRAINER_STATES = ("lr_scheduler", "train_state", "dataloader")
 FUSED = ".attention.qkv_linear.wqkv."
@@ -97,27 +97,18 @@ _GROUPED = re.compile(
 _EXPERT_BIAS = re.compile(r"^layers\.\d+\.moe\.expert_bias(_E)?$")
 
 
-def step_folders(path: str) -> dict[int, str]:
-    """`step-N` DCP folders directly under `path` (a CheckpointManager folder), by step."""
-    try:
-        names = os.listdir(path)
-    except OSError:
-        return {}
-    out = {}
-    for n in names:
-        m = _STEP_DIR.match(n)
-        full = os.path.join(path, n)
-        if m and os.path.isdir(full) and metadata_files(full):
-            out[int(m.group(1))] = full
-    return out
+STEP_DIRS = StepPattern("step-")  # CheckpointManager.save(step): `<folder>/step-{step}/`
 
 
-def latest_step_folder(path: str) -> str | None:
-    """The latest `step-N` folder under `path` when `path` is not a DCP folder itself."""
+def steps(path: str) -> StepFolders | None:
+    """The `step-N` DCP folders directly under `path` (a CheckpointManager folder), or None when
+    `path` is a DCP folder itself or holds none. A step folder counts when it holds DCP metadata
+    (names only), as torchtitan's own `_find_load_step` counts those with a `.metadata`; the
+    default is the latest."""
     if not os.path.isdir(path) or metadata_files(path):
         return None
-    steps = step_folders(path)
-    return steps[max(steps)] if steps else None
+    found = listing(path, STEP_DIRS, lambda f: bool(metadata_files(f)))
+    return found if found.folders else None
 
 
 @dataclass(frozen=True)

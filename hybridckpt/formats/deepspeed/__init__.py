@@ -43,7 +43,7 @@ expert-parallel groups), `reader` (`open`).
 
 from __future__ import annotations
 
-from hybridckpt.formats.deepspeed.files import detect, tag_dir
+from hybridckpt.formats.deepspeed.files import detect, steps, tag_dir
 from hybridckpt.formats.deepspeed.reader import NAME, open  # noqa: A004 - the format contract
 
-__all__ = ["NAME", "detect", "open", "tag_dir"]
+__all__ = ["NAME", "detect", "open", "steps", "tag_dir"]

@@ -17,11 +17,13 @@ from hybridckpt import lazy
 from hybridckpt.errors import FormatError
 from hybridckpt.formats.config_file import MAX_TEXT_BYTES, read_small_text
 from hybridckpt.io.paths import inside
+from hybridckpt.io.step_folders import StepFolders, StepPattern, listing
 from hybridckpt.lazy import LazyTensor
 
 OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 MODEL3_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+TAG_DIRS = StepPattern("global_step")  # engine.save_checkpoint's default tag, `global_step{N}`
 
 
 def file_names(folder: str) -> list[str]:
@@ -56,6 +58,27 @@ def tag_dir(path: str) -> str:
             f"{path}: no 'latest' file and several tags {tags[:5]}: pass one tag folder"
         )
     raise FormatError(f"{path}: no DeepSpeed '*_model_states.pt' / '*_optim_states.pt' files")
+
+
+def tag_steps(path: str, pattern: StepPattern, latest_file: str, holds) -> StepFolders | None:
+    """The step tags (`global_stepN/`) of a save folder that `holds` accepts (names only), the
+    tag its `latest_file` names the default when it is one of them; None when there are none."""
+    if not os.path.isdir(path) or holds(path):
+        return None
+    latest, default = os.path.join(path, latest_file), None
+    if os.path.isfile(latest):
+        try:
+            default = pattern.number(read_small_text(latest))
+        except (FormatError, OSError):
+            default = None  # (opening the default says what is wrong with it)
+    found = listing(path, pattern, holds, default=default,
+                    default_from=f"'{latest_file}'" if os.path.isfile(latest) else None)
+    return found if found.folders else None
+
+
+def steps(path: str) -> StepFolders | None:
+    """A save folder's `global_stepN` tag folders, `latest`'s the default (`io.step_folders`)."""
+    return tag_steps(path, TAG_DIRS, "latest", _is_tag_dir)
 
 
 def detect(path: str) -> bool:

@@ -30,13 +30,15 @@ from hybridckpt.containers.pickle import torch_save
 from hybridckpt.errors import FormatError, short_repr
 from hybridckpt.formats import torch_optim
 from hybridckpt.formats.config_file import config_beside, read_small_text
-from hybridckpt.formats.deepspeed.files import file_names
+from hybridckpt.formats.deepspeed.files import file_names, tag_steps
 from hybridckpt.io.paths import inside
+from hybridckpt.io.step_folders import StepFolders, StepPattern
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
 NAME = "deepspeed-universal"
 LATEST = "latest_universal"
+TAG_DIRS = StepPattern("global_step", "_universal")  # ds_to_universal's `global_step{N}_universal`
 ZERO = "zero"
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 CUT_KEYS = ("cat_dim", "param_n_sub_params", "sub_param_shape", "vocab_tensor")
@@ -63,6 +65,11 @@ def tag_dir(path: str) -> str:
             raise FormatError(f"{latest}: names tag {tag!r}, but {folder} holds no universal checkpoint (zero/)")
         return folder
     raise FormatError(f"{path}: no {LATEST} and no zero/<param>/fp32.pt")
+
+
+def steps(path: str) -> StepFolders | None:
+    """A save folder's `global_stepN_universal` folders, `latest_universal`'s the default."""
+    return tag_steps(path, TAG_DIRS, LATEST, _is_universal)
 
 
 def detect(path: str) -> bool:

@@ -7,7 +7,8 @@ A FlexCheckpoint folder is `{id}.metadata` (the pickled `Metadata` dataclass: ev
 of every tensor with its global offset, shape, dtype and, for sharding stage1 v2 / stage3, its
 flattened range) plus one `{rank}_{id}.distcp` data file per rank (a `paddle.save` pickle of the
 rank's blocks, or a safetensors file). A PaddleFormers `checkpoint-N/` holds three of them:
-`model_state/`, `optimizer_state/`, `master_weight/`.
+`model_state/`, `optimizer_state/`, `master_weight/`; an output folder of several is read at its
+latest (`steps`; `--step` picks another).
 
 Modules:
 - `metadata`  the `.metadata` pickle (stubbed classes, checked fields) -> `Block`s.
@@ -24,6 +25,6 @@ Modules:
 
 from __future__ import annotations
 
-from hybridckpt.formats.flex_checkpoint.reader import NAME, detect, open  # noqa: A004 - the format contract
+from hybridckpt.formats.flex_checkpoint.reader import NAME, detect, open, steps  # noqa: A004 - the format contract
 
-__all__ = ["NAME", "detect", "open"]
+__all__ = ["NAME", "detect", "open", "steps"]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import replace
 
 import numpy as np
 
@@ -53,11 +54,13 @@ from hybridckpt.formats.paddle.optimizer import (
     optimizer_step,
     scalar,
 )
+from hybridckpt.io.step_folders import StepFolders, StepPattern, listing
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
 NAME = "flex-checkpoint"
 MODEL, OPTIMIZER, MASTER = "model_state", "optimizer_state", "master_weight"
+CHECKPOINT_DIRS = StepPattern("checkpoint-")  # the Trainer's `output_dir/checkpoint-{global_step}/`
 DIALECT = "flex_checkpoint"  # models/<family>/dialects/flex_checkpoint.{py,rules}
 CATCH_ALL = "* -> *"  # every tensor no family rule names is stored as HF stores it
 EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -94,10 +97,22 @@ def is_flex_folder(path: str) -> bool:
     return any(METADATA_RE.match(n) for n in names) and any(DISTCP_RE.match(n) for n in names)
 
 
+def _one(path: str) -> bool:
+    """A step folder (`model_state/` and the rest) or one bare FlexCheckpoint folder."""
+    return os.path.isdir(path) and (is_flex_folder(os.path.join(path, MODEL)) or is_flex_folder(path))
+
+
+def steps(path: str) -> StepFolders | None:
+    """A PaddleFormers output folder's `checkpoint-N/` step folders (each with a FlexCheckpoint
+    `model_state/`; names only), the latest the default; None for one step folder itself."""
+    if not os.path.isdir(path) or _one(path):
+        return None
+    found = listing(path, CHECKPOINT_DIRS, lambda f: is_flex_folder(os.path.join(f, MODEL)))
+    return found if found.folders else None
+
+
 def detect(path: str) -> bool:
-    return os.path.isdir(path) and (
-        is_flex_folder(os.path.join(path, MODEL)) or is_flex_folder(path)
-    )
+    return _one(path) or steps(path) is not None
 
 
 def _scalar_fields(obj) -> dict:
@@ -246,7 +261,16 @@ def retie(
 
 
 def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the format contract
-    """A FlexCheckpoint step folder (or one bare FlexCheckpoint folder) as lazy global tensors."""
+    """A FlexCheckpoint step folder (or one bare FlexCheckpoint folder, or an output folder's
+    latest `checkpoint-N/`) as lazy global tensors."""
+    found = steps(os.path.abspath(path))
+    if found is not None:
+        src = _open_step(found.folder(found.default), config)
+        return replace(src, notes=(f"output folder: {found.note(found.default)}", *src.notes))
+    return _open_step(path, config)
+
+
+def _open_step(path: str, config) -> SourceCheckpoint:
     folder = os.path.abspath(path)
     if not os.path.isdir(folder):
         raise FormatError(f"{path}: a FlexCheckpoint is a folder")
@@ -322,9 +346,8 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         for md, _ in opened.values()
         for f in md.files
     }
-    m = re.match(r"^checkpoint-(\d+)$", os.path.basename(folder))
-    if global_step is None and m:
-        global_step = int(m.group(1))
+    if global_step is None:
+        global_step = CHECKPOINT_DIRS.number(os.path.basename(folder))
     return SourceCheckpoint(
         format=NAME,
         path=path,

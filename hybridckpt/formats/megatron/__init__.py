@@ -42,6 +42,7 @@ from hybridckpt.formats.megatron.layout import (
     detect,
     iteration_dir,
     rank_folder,
+    steps,
 )
 from hybridckpt.formats.megatron.reader import NAME, open  # noqa: A004 - the format contract
 
@@ -55,4 +56,5 @@ __all__ = [
     "model_config",
     "open",
     "rank_folder",
+    "steps",
 ]

@@ -3,7 +3,8 @@
 Layout (NVIDIA/Megatron-LM:megatron/training/checkpointing.py `get_checkpoint_name`,
 `read_metadata`):
 - `<save>/latest_checkpointed_iteration.txt` (`TRACKER`): an integer or `release`; the folder is
-  `iter_{N:07d}` or `release`. A path may be the save folder or the iteration folder.
+  `iter_{N:07d}` or `release`. A path may be the save folder or the iteration folder; the
+  tracker's is read unless another iteration is asked for (`steps`, `--step`).
 - One folder per model-parallel rank: `mp_rank_{tp:02d}` (PP = 1) or `mp_rank_{tp:02d}_{pp:03d}`,
   `_{ep:03d}` appended when EP > 1; each holds `model_optim_rng.pt` (`MODEL_FILE`) and, with
   `--use-distributed-optimizer`, `distrib_optim.pt` (`OPTIM_FILE`).
@@ -22,10 +23,12 @@ from typing import Any
 from hybridckpt.containers.pickle import torch_save
 from hybridckpt.errors import FormatError, short_repr
 from hybridckpt.formats.config_file import read_small_text
+from hybridckpt.io.step_folders import StepFolders, StepPattern, listing
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
 OPTIM_FILE = "distrib_optim.pt"
+ITER_DIRS = StepPattern("iter_")  # `iter_{N:07d}` (any number of digits read)
 RANK_DIR = re.compile(r"^mp_rank_\d{2}(_\d{3}){0,2}$")
 
 
@@ -46,8 +49,8 @@ def detect(path: str) -> bool:
         return False
     try:
         return _has_rank_dirs(iteration_dir(path))
-    except FormatError:
-        return False
+    except FormatError:  # (a tracker naming a folder that is not there: its other iterations still count)
+        return steps(path) is not None
 
 
 def tracked_folder(save: str) -> str:
@@ -66,6 +69,33 @@ def tracked_folder(save: str) -> str:
     if not os.path.isdir(folder):
         raise FormatError(f"{tracker} names {text!r} but the folder {folder} is missing")
     return folder
+
+
+def _tracked_iteration(save: str) -> int | None:
+    """The iteration the tracker of `save` names, or None (no tracker, `release`, malformed:
+    opening the default then says which)."""
+    try:
+        text = read_small_text(os.path.join(save, TRACKER))
+    except (FormatError, OSError):
+        return None
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 12 else None
+
+
+def iteration_folders(save: str, holds) -> StepFolders:
+    """The `iter_N` folders of a save folder that `holds` accepts (names only), the tracker's
+    iteration the default (`io.step_folders`)."""
+    tracked = os.path.isfile(os.path.join(save, TRACKER))
+    return listing(save, ITER_DIRS, holds, default=_tracked_iteration(save) if tracked else None,
+                   default_from=TRACKER if tracked else None)
+
+
+def steps(path: str) -> StepFolders | None:
+    """The `iter_N` folders of a save folder (each with `mp_rank_*` folders), or None when `path`
+    is an iteration folder itself or holds none."""
+    if not os.path.isdir(path) or _has_rank_dirs(path):
+        return None
+    found = iteration_folders(path, _has_rank_dirs)
+    return found if found.folders else None
 
 
 def iteration_dir(path: str) -> str:

@@ -31,7 +31,7 @@ ShardedObjects), `config` (Bridge / NeMo YAML model configs), `model` (model key
 
 from __future__ import annotations
 
-from hybridckpt.formats.megatron_dist.layout import detect, locate
+from hybridckpt.formats.megatron_dist.layout import detect, locate, steps
 from hybridckpt.formats.megatron_dist.reader import NAME, open  # noqa: A004 - the format contract
 
-__all__ = ["NAME", "detect", "locate", "open"]
+__all__ = ["NAME", "detect", "locate", "open", "steps"]

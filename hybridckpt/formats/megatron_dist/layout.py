@@ -23,12 +23,12 @@ from __future__ import annotations
 import builtins
 import json
 import os
-import re
 from dataclasses import dataclass
 
 from hybridckpt.containers.dcp_metadata import METADATA, metadata_files
 from hybridckpt.errors import FormatError
-from hybridckpt.formats.megatron.layout import tracked_folder
+from hybridckpt.formats.megatron.layout import ITER_DIRS, iteration_folders, tracked_folder
+from hybridckpt.io.step_folders import StepFolders
 
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM, Bridge
 CONFIG_FILE = "metadata.json"  # dist_checkpointing/core.py CONFIG_FNAME
@@ -37,7 +37,6 @@ BACKEND = "torch_dist"
 BRIDGE_TRAIN_STATE = "latest_train_state.pt"
 BRIDGE_RUN_CONFIG = "run_config.yaml"
 NEMO_WEIGHTS, NEMO_CONTEXT = "weights", "context"
-_ITER_DIR = re.compile(r"^(iter_\d+|release)$")
 
 
 @dataclass(frozen=True)
@@ -70,9 +69,17 @@ def _tracked(save: str) -> str:
     return tracked_folder(save)
 
 
+def steps(path: str) -> StepFolders | None:
+    """The `iter_N` folders (with DCP files) of a save folder with a tracker, the tracker's
+    iteration the default; None for an iteration folder itself, or a folder without them."""
+    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, TRACKER)):
+        return None
+    found = iteration_folders(path, _has_dcp_files)
+    return found if found.folders else None
+
+
 def _iteration(folder: str) -> int | None:
-    m = re.match(r"^iter_(\d+)$", os.path.basename(os.path.normpath(folder)))
-    return int(m.group(1)) if m else None
+    return ITER_DIRS.number(os.path.basename(os.path.normpath(folder)))
 
 
 def locate(path: str) -> Location | None:
@@ -98,7 +105,7 @@ def locate(path: str) -> Location | None:
             or os.path.isfile(os.path.join(path, COMMON_FILE))
             or os.path.isfile(os.path.join(path, BRIDGE_RUN_CONFIG))
             or (
-                _ITER_DIR.match(os.path.basename(path))
+                (os.path.basename(path) == "release" or ITER_DIRS.number(os.path.basename(path)) is not None)
                 and os.path.isfile(os.path.join(parent, TRACKER))
             )
         )
@@ -115,8 +122,8 @@ def detect(path: str) -> bool:
     `metadata.json` without `sharded_backend` is someone else's file: not claimed."""
     try:
         loc = locate(path)
-    except (FormatError, OSError):
-        return False
+    except (FormatError, OSError):  # (a tracker naming a folder that is not there: its other iterations still count)
+        return steps(path) is not None
     if loc is None:
         return False
     config = os.path.join(loc.folder, CONFIG_FILE)

@@ -7,14 +7,15 @@ DCP folders), `FULL_STATE_DICT` (`pytorch_model_fsdp_K.bin` or `model.safetensor
 and plain folders (`model.safetensors` + `optimizer.pt` / accelerate's `optimizer.bin`). The
 trainer layer (`reader`) adds the step of `trainer_state.json`, the scheduler's learning rate,
 the optimizer's hyper-parameters, and the model config from `--config`, the folder or the
-output folder above it (which one, said). An output folder reads its latest `checkpoint-N`.
+output folder above it (which one, said). An output folder reads its latest `checkpoint-N` (`steps`;
+`--step` picks another).
 
 Modules: `folder` (which files, trainer_state / scheduler / training_args), `fsdp` (model and
-optimizer files as tensors and slots), `reader` (`open`, `detect`).
+optimizer files as tensors and slots), `reader` (`open`, `detect`, `steps`).
 """
 
 from __future__ import annotations
 
-from hybridckpt.formats.trainer.reader import NAME, detect, open  # noqa: A004 - the format contract
+from hybridckpt.formats.trainer.reader import NAME, detect, open, steps  # noqa: A004 - the format contract
 
-__all__ = ["NAME", "detect", "open"]
+__all__ = ["NAME", "detect", "open", "steps"]

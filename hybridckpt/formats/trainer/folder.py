@@ -35,6 +35,7 @@ from hybridckpt.containers.pickle import torch_save
 from hybridckpt.containers.pickle.allow import Policy, Stub
 from hybridckpt.errors import FormatError, HybridCkptError
 from hybridckpt.formats.config_file import read_json
+from hybridckpt.io.step_folders import StepFolders, StepPattern, listing
 
 TRAINER_STATE = "trainer_state.json"
 TRAINING_ARGS = "training_args.bin"
@@ -49,7 +50,7 @@ PLAIN_OPTIMIZERS = ("optimizer.pt", "optimizer.bin")
 PLAIN_MODELS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 # a pickled TrainingArguments names transformers' (and accelerate's) classes: inert stubs
 ARGS_POLICY = Policy(stub_prefixes=("transformers.", "accelerate."))
-CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+CHECKPOINT_DIRS = StepPattern("checkpoint-")  # Trainer._save_checkpoint: `output_dir/checkpoint-{global_step}`
 # TrainingArguments fields that are the optimizer's hyper-parameters (transformers'
 # `get_optimizer_cls_and_kwargs`: lr, betas, eps; weight decay for the decayed group)
 ARGS_HYPER = {"learning_rate": "lr", "weight_decay": "weight_decay", "adam_epsilon": "eps"}
@@ -82,14 +83,10 @@ def layout(folder: str) -> str | None:
     return None
 
 
-def checkpoint_folders(path: str) -> list[tuple[int, str]]:
-    """`(N, path/checkpoint-N)` of an output folder's Trainer checkpoints, by N."""
-    out = []
-    for n in names(path):
-        m = CHECKPOINT_RE.match(n)
-        if m and layout(os.path.join(path, n)) is not None:
-            out.append((int(m.group(1)), os.path.join(path, n)))
-    return sorted(out)
+def checkpoint_folders(path: str) -> StepFolders:
+    """The `checkpoint-N` folders of an output folder that hold a Trainer checkpoint (`layout`:
+    names only), by N; the default is the latest (transformers' `get_last_checkpoint`)."""
+    return listing(path, CHECKPOINT_DIRS, lambda f: layout(f) is not None)
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,20 @@ from hybridckpt.errors import FormatError, UnknownModelError
 from hybridckpt.formats.config_file import read_json
 from hybridckpt.formats.trainer import folder as files
 from hybridckpt.formats.trainer import fsdp
+from hybridckpt.io.step_folders import StepFolders
 from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
 NAME = "hf-trainer"
+
+
+def steps(path: str) -> StepFolders | None:
+    """An output folder's `checkpoint-N` folders (`io.step_folders`), or None when `path` is a
+    checkpoint folder itself or holds none."""
+    path = os.path.abspath(path)
+    if not os.path.isdir(path) or files.layout(path) is not None:
+        return None
+    found = files.checkpoint_folders(path)
+    return found if found.folders else None
 
 
 def resolve(path: str) -> tuple[str, list[str]]:
@@ -28,17 +39,16 @@ def resolve(path: str) -> tuple[str, list[str]]:
     path = os.path.abspath(path)
     if files.layout(path) is not None:
         return path, []
-    found = files.checkpoint_folders(path)
-    if not found:
+    found = steps(path)
+    if found is None:
         raise FormatError(f"{path}: no Trainer / accelerate checkpoint files and no checkpoint-N folder holding them")
-    n, folder = found[-1]
-    return folder, [f"output folder: read its latest checkpoint, checkpoint-{n} (of {[k for k, _ in found]})"]
+    return found.folder(found.default), [f"output folder: {found.note(found.default)}"]
 
 
 def detect(path: str) -> bool:
     if not os.path.isdir(path):
         return False
-    return files.layout(path) is not None or bool(files.checkpoint_folders(path))
+    return files.layout(path) is not None or steps(path) is not None
 
 
 def _config(folder: str, config) -> tuple[object, str | None]:
