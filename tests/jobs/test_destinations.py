@@ -235,3 +235,24 @@ def test_a_folder_a_source_links_into_is_never_replaced(store, tmp_path, capsys)
         first = sorted(loaded.named.params)[0]
         assert np.asarray(loaded.named.params[first].read()).size > 0
     assert sorted(os.listdir(tmp_path)) == ["cache", "links", "real"]
+
+
+def test_the_marker_is_harmless_to_the_tools_that_load_exports(store, tmp_path, capsys):
+    """Transformers loads an HF export, torch DCP reads a DCP export's metadata and Orbax (MaxText's
+    loader) lists a MaxText export's step, each with `.hybridckpt-export` beside the files."""
+    import orbax.checkpoint as ocp
+    import torch
+    import transformers
+    from torch.distributed.checkpoint import FileSystemReader
+
+    outs = {t: tmp_path / t for t in ("hf", "dcp", "maxtext")}
+    for target, out in outs.items():
+        assert cli(capsys, "export", store, out, "--to", target)[0] == 0
+        assert (out / ownership.MARKER).is_file()
+    model = transformers.AutoModelForCausalLM.from_pretrained(outs["hf"], torch_dtype=torch.float32)
+    want = hybridckpt.open_checkpoint(store).named.params["model.norm.weight"].read()
+    np.testing.assert_array_equal(model.state_dict()["model.norm.weight"].numpy(), np.asarray(want, np.float32))
+    meta = FileSystemReader(str(outs["dcp"])).read_metadata()
+    assert "model.model.norm.weight" in meta.state_dict_metadata
+    with ocp.CheckpointManager(outs["maxtext"]) as manager:
+        assert manager.all_steps() == [12]
