@@ -77,7 +77,8 @@ def test_an_empty_path_is_an_error_everywhere(store, tmp_path, monkeypatch, caps
                  lambda: hybridckpt.import_checkpoint(sample_path(), "", overwrite=True),
                  lambda: hybridckpt.export_checkpoint("", "x"),
                  lambda: hybridckpt.export_checkpoint(store, "", overwrite=True),
-                 lambda: save_checkpoint("", 1, {"w": jnp.ones(4)}, overwrite=True)):
+                 lambda: save_checkpoint("", 1, {"w": jnp.ones(4)}, overwrite=True),
+                 lambda: CheckpointStore("")):
         with pytest.raises(CheckpointError, match="an empty path was given as"):
             call()
     assert tree_digest(str(work)) == before
