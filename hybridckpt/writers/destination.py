@@ -117,12 +117,12 @@ class Destination:
             what = None
         if what is None:
             return
+        if self.overwrite and os.path.isdir(d) and not os.path.islink(d):
+            ownership.check_no_links_into(d, self.sources)
+        ownership.check_replaceable(d)  # (what hybridckpt did not write is named: no flag replaces it)
         if not self.overwrite:
             raise CheckpointError(f"{d}: {what}; pass overwrite=True to replace it",
                                   cli=f"{d}: {what}; pass --overwrite to replace it")
-        if os.path.isdir(d) and not os.path.islink(d):
-            ownership.check_no_links_into(d, self.sources)
-        ownership.check_replaceable(d)
 
     def _lock(self) -> None:
         """Take `.<name>.lock` (see the module doc), or a CheckpointError naming the holder."""

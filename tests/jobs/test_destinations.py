@@ -125,8 +125,10 @@ def test_home_root_and_an_unexpanded_tilde_are_never_destinations(tmp_path, monk
 def test_a_folder_of_other_files_is_never_replaced(store, tmp_path, capsys, command):
     dst = tmp_path / "data"
     before = user_folder(dst)
-    refused(cli(capsys, command, sample_path(), dst, "--overwrite"),
-            f"{dst}: holds 3 files not written by hybridckpt: a.txt, b.txt, c.txt")
+    for flags in (["--overwrite"], []):
+        code, _, err = cli(capsys, command, sample_path(), dst, *flags)
+        refused((code, "", err), f"{dst}: holds 3 files not written by hybridckpt: a.txt, b.txt, c.txt")
+        assert "pass --overwrite" not in err  # it would not help
     call = hybridckpt.import_checkpoint if command == "import" else hybridckpt.export_checkpoint
     with pytest.raises(CheckpointError, match="holds 3 files not written by hybridckpt"):
         call(sample_path(), str(dst), overwrite=True)
