@@ -142,3 +142,27 @@ def test_on_a_terminal_the_progress_bar_is_erased_and_never_drawn_after_the_line
     assert after == b"\r\n", after[:400]  # nothing drawn after the line
     assert before.endswith(b"\x1b[2K"), before[-200:]  # the bar's lines erased first
     assert os.listdir(tmp_path) == []
+
+
+def test_a_swap_in_progress_holds_sigterm_as_it_holds_sigint():
+    """In the library (no CLI handler): a SIGTERM or SIGINT arriving while a finished folder is
+    swapped into place reaches the program's handler only once the swap is done."""
+    from hybridckpt.io import interrupts
+
+    calls: list[tuple[int, bool]] = []
+    inside = [False]
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for s in previous:
+            signal.signal(s, lambda signum, frame: calls.append((signum, inside[0])))
+        for s in (signal.SIGTERM, signal.SIGINT):
+            with interrupts.committing():
+                inside[0] = True
+                os.kill(os.getpid(), s)
+                for _ in range(1000):  # bytecodes run: a handler installed now would run here
+                    pass
+                inside[0] = False
+        assert calls == [(signal.SIGTERM, False), (signal.SIGINT, False)]
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
