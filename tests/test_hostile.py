@@ -464,6 +464,8 @@ def test_ctrl_c_at_any_moment_is_one_line_and_leaves_nothing_beside(tmp_path, ex
 
 
 def test_a_file_or_a_symlink_at_the_destination(tmp_path, capsys):
+    """A symlink or a non-empty file at the destination is not something hybridckpt wrote: refused
+    with or without --overwrite, the link's target untouched; an empty file is replaced."""
     target = tmp_path / "elsewhere"
     target.mkdir()
     (target / "keep.txt").write_text("mine")
@@ -471,10 +473,15 @@ def test_a_file_or_a_symlink_at_the_destination(tmp_path, capsys):
     link.symlink_to(target)
     plain = tmp_path / "dst-file"
     plain.write_text("a file")
-    for dst in (link, plain):
-        one_line(*cli(capsys, "export", sample_path(), dst)[::2], "pass --overwrite")
-        code, _, err = cli(capsys, "export", sample_path(), dst, "--overwrite")
-        assert code == 0, err
-        assert dst.is_dir() and not dst.is_symlink()
+    for dst, what in ((link, "is a symlink"), (plain, "is a file of 6 bytes not written by hybridckpt")):
+        for flags in ([], ["--overwrite"]):
+            code, _, err = cli(capsys, "export", sample_path(), dst, *flags)
+            one_line(code, err, what)
+            assert "pass --overwrite" not in err  # it would not help
+    assert link.is_symlink() and plain.read_text() == "a file"
+    empty = tmp_path / "dst-empty"
+    empty.write_text("")
+    code, _, err = cli(capsys, "export", sample_path(), empty, "--overwrite")
+    assert code == 0 and (empty / "model.safetensors").is_file(), err
     assert (target / "keep.txt").read_text() == "mine" and sorted(os.listdir(target)) == ["keep.txt"]
-    assert sorted(os.listdir(tmp_path)) == ["dst-file", "dst-link", "elsewhere"]
+    assert sorted(os.listdir(tmp_path)) == ["dst-empty", "dst-file", "dst-link", "elsewhere"]

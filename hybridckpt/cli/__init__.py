@@ -4,11 +4,13 @@ Errors of the project's family print one line and exit 2 (`--debug` shows the tr
 `verify` exits 1 when tensors differ. Long jobs show a progress bar on a terminal and end with a
 summary: arrays or tensors, bytes, rate, peak memory.
 
-Ctrl-C at any moment prints one line and exits 130; the jobs write atomically (a temporary
-sibling renamed into place, `writers.destination`), and the handler removes what is being written, so
-an interrupted job leaves nothing, or the previous checkpoint, at its destination and nothing
-beside it. Once a job has put its output in place, a late Ctrl-C is ignored: the job reports its
-success.
+Ctrl-C at any moment prints one line and exits 130; SIGTERM (what `timeout`, `kill` and job
+schedulers send) the same, exiting 143 (128 + the signal's number, as a shell reports a process
+it ended). A second signal while the first is handled adds nothing. The jobs write atomically (a
+temporary sibling renamed into place, `writers.destination`), and the handler removes what is
+being written, so an interrupted job leaves nothing, or the previous checkpoint, at its
+destination and nothing beside it; the progress bar is erased first and never drawn again. Once
+a job has put its output in place, a late signal is ignored: the job reports its success.
 On a CPU host, meshes of up to 8 devices run anywhere: the CLI simulates 8 host devices.
 """
 
@@ -19,6 +21,21 @@ import signal
 import sys
 
 _INTERRUPTED = "hybridckpt: interrupted; nothing was written (a checkpoint already at the destination is kept)"
+_TERMINATED = "hybridckpt: terminated (SIGTERM); nothing was written (a checkpoint already at the destination is kept)"
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _line(signum: int) -> bytes:
+    return ((_TERMINATED if signum == signal.SIGTERM else _INTERRUPTED) + "\n").encode()
+
+
+def _install(handler) -> None:
+    """`handler` for SIGINT and SIGTERM (the main thread only; elsewhere nothing)."""
+    try:
+        for s in _SIGNALS:
+            signal.signal(s, handler)
+    except ValueError:  # not the main thread
+        pass
 
 
 def _running_as_the_command() -> bool:
@@ -32,16 +49,16 @@ def _running_as_the_command() -> bool:
 
 
 def _interrupted_before_the_job(signum, frame) -> None:
-    """SIGINT while the command is still starting (nothing written yet): one line, exit 130."""
-    os.write(2, (_INTERRUPTED + "\n").encode())
-    os._exit(130)
+    """SIGINT or SIGTERM while the command is still starting (nothing written yet): one line,
+    exit 128 + the signal's number."""
+    for s in _SIGNALS:
+        signal.signal(s, signal.SIG_IGN)  # a second signal: nothing more
+    os.write(2, _line(signum))
+    os._exit(128 + signum)
 
 
 if _running_as_the_command():  # first of all: the rest of this module (and `run`) installs the full handler
-    try:
-        signal.signal(signal.SIGINT, _interrupted_before_the_job)
-    except ValueError:  # not the main thread: not the command starting
-        pass
+    _install(_interrupted_before_the_job)
 
 import traceback  # noqa: E402
 
@@ -55,50 +72,58 @@ def _simulate_host_devices(count: int = 8) -> None:
 
 
 class _OnInterrupt:
-    """The CLI's SIGINT handler, installed before anything else runs: print one line, remove
-    what the job is writing (`io.interrupts.temporaries`: its temporary folder and lock), exit
-    130 at once, without unwinding through Orbax's and TensorStore's threads (whose own
-    reports of an unwinding job were tracebacks, and sometimes a crash at exit). While a
-    finished folder is swapped into place, and after, the signal is ignored: the job has done
-    its writing and reports its success. With --debug the stack where it arrived is printed."""
+    """The CLI's SIGINT and SIGTERM handler, installed before anything else runs: erase the
+    progress bar and keep it from drawing again, print one line, close stderr (what Orbax's and
+    TensorStore's threads say as their files vanish is not the user's business), remove what
+    the job is writing (`io.interrupts.clear_for_exit`: its temporary folder and lock) and exit
+    128 + the signal's number at once, without unwinding through those threads (whose own
+    reports of an unwinding job were tracebacks, and sometimes a crash at exit). Only the first
+    signal does this; later ones are ignored. While a finished folder is swapped into place,
+    and after, the signal is ignored: the job has done its writing and reports its success.
+    With --debug the stack where it arrived is printed."""
 
     def __init__(self) -> None:
         self.debug = False
 
     def __call__(self, signum, frame) -> None:
         interrupts = sys.modules.get("hybridckpt.io.interrupts")  # (maybe still being imported)
-        ready = interrupts is not None and hasattr(interrupts, "remove_temporaries")
+        ready = interrupts is not None and hasattr(interrupts, "clear_for_exit")
         if ready and interrupts.committed():
             return
-        if self.debug and frame is not None:
-            traceback.print_stack(frame)
+        for s in _SIGNALS:
+            signal.signal(s, signal.SIG_IGN)  # a second signal: nothing more
         try:
-            os.write(2, (_INTERRUPTED + "\n").encode())
+            output = sys.modules.get("hybridckpt.cli.output")
+            if output is not None and hasattr(output, "stop_drawing"):
+                output.stop_drawing()
+            if self.debug and frame is not None:
+                traceback.print_stack(frame, file=sys.__stderr__)
+                sys.__stderr__.flush()
+            os.write(2, _line(signum))
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 2)
             if ready:
-                interrupts.remove_temporaries()
+                interrupts.clear_for_exit()
         finally:
-            os._exit(130)
+            os._exit(128 + signum)
 
 
 _ON_INTERRUPT = _OnInterrupt()
 
 
 if _running_as_the_command():  # the full handler, now that it is defined (see `run`)
-    try:
-        signal.signal(signal.SIGINT, _ON_INTERRUPT)
-    except ValueError:
-        pass
+    _install(_ON_INTERRUPT)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; returns its exit code (0, 1 from verify, 2 on errors, 130 on Ctrl-C)."""
+    """Run one command; returns its exit code (0, 1 from verify, 2 on errors; a signal exits
+    130 (SIGINT) or 143 (SIGTERM) from its handler)."""
     from hybridckpt.cli.parser import build_parser
     from hybridckpt.errors import HybridCkptError
 
     in_main_thread = _is_main_thread()
-    previous = signal.getsignal(signal.SIGINT) if in_main_thread else None
-    if in_main_thread:
-        signal.signal(signal.SIGINT, _ON_INTERRUPT)
+    previous = {s: signal.getsignal(s) for s in _SIGNALS} if in_main_thread else {}
+    _install(_ON_INTERRUPT)
     try:
         try:
             args = build_parser().parse_args(argv)
@@ -118,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hybridckpt: error: {msg}", file=sys.stderr)
             return 2
     finally:
-        if in_main_thread:
-            signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            if handler is not None:
+                signal.signal(s, handler)
 
 
 def _backend_failure() -> str | None:
@@ -149,9 +175,9 @@ def _is_main_thread() -> bool:
 
 
 def run() -> None:
-    """The console entry point: the SIGINT handler first (an interrupt at any moment is one line
-    and exit 130), then `main()`."""
-    signal.signal(signal.SIGINT, _ON_INTERRUPT)
+    """The console entry point: the SIGINT/SIGTERM handler first (a signal at any moment is one
+    line and exit 130 or 143), then `main()`."""
+    _install(_ON_INTERRUPT)
     from hybridckpt.io import interrupts  # noqa: F401 - loaded before any signal needs it
 
     try:
@@ -159,8 +185,8 @@ def run() -> None:
     except BrokenPipeError:  # `hybridckpt inspect X | head`: the reader left; not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 0
-    # the job is over (done or not): a late Ctrl-C must not turn its result into another
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # the job is over (done or not): a late signal must not turn its result into another
+    _install(signal.SIG_IGN)
     sys.stdout.flush()
     sys.stderr.flush()
     sys.exit(code)

@@ -9,17 +9,18 @@ from __future__ import annotations
 import json
 import resource
 import sys
+import threading
 from typing import Any
 
 
 def job_finished() -> None:
-    """Called by a command once its job has returned: from here on a Ctrl-C is ignored, so a
-    finished job reports its success (`cli.main` puts the previous handler back)."""
+    """Called by a command once its job has returned: from here on a Ctrl-C or SIGTERM is
+    ignored, so a finished job reports its success (`cli.main` puts the previous handlers back)."""
     import signal
-    import threading
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def peak_rss_gib() -> float:
@@ -50,16 +51,77 @@ def compact_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
 
+class _Screen:
+    """The terminal stream a progress bar draws on, as a file for rich's Console; `close()` erases
+    the bar and drops every later write, so rich's refresh thread (10 frames a second) cannot
+    draw it again after an interrupt's last line. `close()` takes the write lock, never rich's
+    own (the main thread may have been interrupted holding it)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.lock = threading.Lock()
+        self.closed = False
+        self.live = None  # the rich Live drawing here (for the height of its last frame)
+
+    def write(self, text: str) -> int:
+        with self.lock:
+            if not self.closed:
+                self.stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        with self.lock:
+            if not self.closed:
+                self.stream.flush()
+
+    def isatty(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self.stream, "encoding", None) or "utf-8"
+
+    def close(self) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            try:  # each line of the bar erased, back to its first (what rich writes before a new frame)
+                erase = self.live._live_render.position_cursor().segment.text
+            except Exception:  # noqa: BLE001 - another rich: erase the current line
+                erase = "\r\x1b[2K"
+            try:
+                self.stream.write(erase)
+                self.stream.flush()
+            except (OSError, ValueError):
+                pass
+
+
+_SCREENS: list[_Screen] = []
+
+
+def stop_drawing() -> None:
+    """Erase every progress bar and stop it drawing, for good (the CLI's interrupt handler,
+    before its last line)."""
+    for screen in list(_SCREENS):
+        screen.close()
+
+
 class Progress:
     """A rich progress bar over bytes on stderr when it is a terminal; silent otherwise.
 
     `total` (bytes) is set by the job once it knows it (`set_total`), so the bar shows
-    `done/total` and an ETA instead of `done/?`.
+    `done/total` and an ETA instead of `done/?`. It draws through a `_Screen` that
+    `stop_drawing()` closes.
     """
 
     def __init__(self, what: str, quiet: bool = False):
         self.bar = None
         if not quiet and sys.stderr.isatty():
+            from rich.console import Console
             from rich.progress import (
                 BarColumn,
                 DownloadColumn,
@@ -69,21 +131,25 @@ class Progress:
             )
             from rich.progress import Progress as RichProgress
 
+            self.screen = _Screen(sys.stderr)
             self.bar = RichProgress(
                 TextColumn(f"{what} [progress.description]{{task.description}}"),
                 BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
-                transient=True,
+                transient=True, console=Console(file=self.screen, force_terminal=True),
             )
+            self.screen.live = self.bar.live
             self.task = self.bar.add_task("", total=None)
 
     def __enter__(self) -> Progress:
         if self.bar:
+            _SCREENS.append(self.screen)
             self.bar.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if self.bar:
             self.bar.stop()
+            _SCREENS.remove(self.screen)
 
     def set_total(self, nbytes: int) -> None:
         if self.bar:

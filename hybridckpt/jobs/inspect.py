@@ -65,8 +65,9 @@ def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, s
     from hybridckpt import readers
     from hybridckpt.jobs.open import _config_arg, model_files_of
     from hybridckpt.store import as_source as store_source
+    from hybridckpt.writers.ownership import given
 
-    path = os.path.abspath(os.fspath(path))
+    path = os.path.abspath(given(path, "the source"))
     fmt = readers.detect(path) if fmt == "auto" else fmt
     if fmt == store_source.NAME:
         info = store_source.describe(path, step)

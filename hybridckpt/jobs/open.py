@@ -100,8 +100,9 @@ def open_checkpoint(
       recorded (`store.checked`); False reads it unchecked.
     """
     from hybridckpt import readers
+    from hybridckpt.writers.ownership import given
 
-    path = os.path.abspath(os.fspath(path))
+    path = os.path.abspath(given(path, "the source"))
     cfg = _config_arg(config)
     fmt = readers.detect(path) if fmt == "auto" else fmt
     src = readers.open_source(path, fmt, config=cfg, step=step, verify_reads=verify_reads)

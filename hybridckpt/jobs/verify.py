@@ -211,8 +211,9 @@ def verify_checksums(
     from hybridckpt.errors import HybridCkptError
     from hybridckpt.store.as_source import resolve
     from hybridckpt.store.reader import UnreadableArray, item_arrays
+    from hybridckpt.writers.ownership import given
 
-    root, step, state = resolve(os.fspath(path), step)
+    root, step, state = resolve(given(path, "the checkpoint"), step)
     recorded = state.get("checksums")
     if not recorded:
         raise CheckpointError(f"{path}: no checksums recorded (only `hybridckpt import` records them)")

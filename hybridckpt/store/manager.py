@@ -43,6 +43,7 @@ from hybridckpt.store.orbax_io import (
     restore_partial,
     standard_save,
 )
+from hybridckpt.writers.ownership import given
 
 # what an import records about the arrays it wrote: a later save writes other arrays, so a
 # trainer state carried over from a restore must not bring them along
@@ -109,7 +110,7 @@ class CheckpointStore:
             raise CheckpointError(f"save_interval_steps must be >= 1, got {save_interval_steps}")
         if best_mode not in ("min", "max"):
             raise CheckpointError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
-        self.directory = Path(directory).absolute()
+        self.directory = Path(given(directory, "the store's folder")).absolute()
         self.keep_best_by = keep_best_by
         self.save_optimizer = save_optimizer
         policies = ocp.checkpoint_managers

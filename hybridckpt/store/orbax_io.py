@@ -4,13 +4,16 @@ the trainer-state JSON, tree checks against a target and partial restores.
 Items (see `store.layout`): `params` and `opt_state` are written by
 `store.stream_orbax.StreamingCheckpointHandler` (Orbax's StandardCheckpointHandler that also streams
 `stream.LazyLeaf` leaves), `trainer_state` by Orbax's JSON handler. Orbax's info/warning chatter
-(logged through absl) is dropped; its errors are kept.
+(logged through absl) is dropped; its errors are kept, except its log of an exception a
+background thread raised (the same exception reaches the caller, which reports it once), and the
+"Event loop is closed" that TensorStore's late completions of a failed save print.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -32,14 +35,37 @@ from hybridckpt.store.layout import (
 
 
 class _QuietOrbax(logging.Filter):
-    """Drop Orbax's info/warning chatter (it logs through absl); keep its errors."""
+    """Drop Orbax's info/warning chatter (it logs through absl) and its log of an exception in
+    one of its threads (`_SignalingThread.run() raised an exception`, with a traceback: Orbax
+    keeps the exception and raises it in the caller, which reports it); keep its other errors."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname
+        if f"{os.sep}orbax{os.sep}" not in record.pathname:
+            return True
+        return record.levelno >= logging.ERROR and "_SignalingThread.run() raised" not in str(record.msg)
 
 
 if not any(isinstance(f, _QuietOrbax) for f in logging.getLogger("absl").filters):
     logging.getLogger("absl").addFilter(_QuietOrbax())
+
+
+def _late_completions_dropped(hook):
+    """`sys.unraisablehook` that drops "RuntimeError: Event loop is closed": after a save fails,
+    Orbax closes its event loop while TensorStore writes it started are still in flight; their
+    completions then call into the closed loop from TensorStore's threads, which print it
+    (unraisable) once per write, at exit after the one-line error. Nothing waits for them."""
+
+    def unraisable(u) -> None:
+        if isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed":
+            return
+        hook(u)
+
+    unraisable.drops_late_completions = True
+    return unraisable
+
+
+if not getattr(sys.unraisablehook, "drops_late_completions", False):
+    sys.unraisablehook = _late_completions_dropped(sys.unraisablehook)
 
 
 def handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:

@@ -25,6 +25,7 @@ from hybridckpt.io import model_files
 from hybridckpt.io.model_files import ModelFile
 from hybridckpt.store.layout import HF_FILES, TRAINER_STATE
 from hybridckpt.store.manager import CheckpointStore
+from hybridckpt.writers import ownership
 from hybridckpt.writers.destination import Destination
 
 
@@ -56,7 +57,7 @@ def save_checkpoint(
     checkpoint into one temporary directory (its name agreed through a barrier) and process 0
     renames it. Returns the absolute path.
     """
-    dst = Path(directory).absolute()
+    dst = Path(ownership.given(directory, "the destination")).absolute()
     multi = jax.process_count() > 1
     primary = jax.process_index() == 0
     token = _shared_token() if multi else uuid.uuid4().hex[:8]

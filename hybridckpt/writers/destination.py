@@ -2,11 +2,15 @@
 
 Every writer (our Orbax store, HF folders, Paddle unified folders) goes through `Destination`:
 
-1. **Checked against the sources.** A destination that is a source, lies inside one or holds
-   one is refused (compared after resolving symlinks), so `export SRC SRC --overwrite` cannot
-   replace what it reads. What is at the destination: nothing or an empty folder is fine; a
-   non-empty folder, a file or a symlink is refused unless `overwrite` (then the folder is
-   replaced, or the file or the link itself, never a link's target).
+1. **Checked against the sources and the user's places.** An empty path, the working directory
+   or a folder above it, the home folder and `/` are refused (`writers.ownership`). A
+   destination that is a source, lies inside one or holds one is refused (compared after
+   resolving symlinks), so `export SRC SRC --overwrite` cannot replace what it reads. What is at
+   the destination: nothing or an empty folder is fine; a non-empty folder, a file or a symlink
+   is refused unless `overwrite`, and even then only what hybridckpt wrote is replaced (our
+   store, an export carrying `ownership.MARKER`, an empty file), and never a folder a source
+   file links into (`writers.ownership`); checked again just before the swap. An export
+   (`marker=True`) gets the marker written into it before it is swapped in.
 2. **Locked.** `.<name>.lock` beside the destination holds an exclusive `flock` for the whole
    job and says who holds it (pid, host, command, start time): a second job writing the same
    destination is refused at once, naming the first. The lock goes with the job (the kernel
@@ -43,6 +47,7 @@ from collections.abc import Iterable
 from hybridckpt.errors import CheckpointError
 from hybridckpt.io import byte_source, interrupts
 from hybridckpt.io.writeback import fsync_folder
+from hybridckpt.writers import ownership
 
 RENAME_NOREPLACE = 1  # linux/fs.h
 
@@ -53,9 +58,11 @@ class Destination:
     error) removes the temporary and keeps what was at `dst`."""
 
     def __init__(self, dst: str | os.PathLike, *, overwrite: bool = False, sources: Iterable = (),
-                 primary: bool = True, token: str | None = None):
-        self.dst = os.path.abspath(os.fspath(dst))
+                 primary: bool = True, token: str | None = None, marker: bool = False):
+        self.raw = ownership.given(dst, "the destination")
+        self.dst = os.path.abspath(self.raw)
         self.overwrite = overwrite
+        self.marker = marker
         self.sources = [os.path.abspath(os.fspath(s)) for s in sources if s]
         self.primary = primary
         self.token = token or uuid.uuid4().hex[:8]
@@ -71,6 +78,7 @@ class Destination:
         """The checks of step 1 alone (the sources, what is at the destination), so a job can
         refuse before it reads anything; `__enter__` makes them again."""
         if self.primary:
+            ownership.check_not_a_home(self.raw, self.dst)
             check_not_over_sources(self.dst, self.sources)
             self._check_existing()
         return self
@@ -97,21 +105,23 @@ class Destination:
         return self.tmp
 
     def _check_existing(self) -> None:
+        """What is at the destination (module doc, step 1): refused unless it is nothing, an
+        empty folder, or (with `overwrite`) something hybridckpt wrote that no source links into."""
         d = self.dst
-        what = None
         if os.path.islink(d):
-            if not self.overwrite:
-                raise CheckpointError(
-                    f"{d}: is a symlink (to {os.readlink(d)}); pass overwrite=True to replace the link itself, "
-                    f"or give the link's target as the destination",
-                    cli=f"{d}: is a symlink (to {os.readlink(d)}); pass --overwrite to replace the link itself, "
-                    f"or give the link's target as the destination",
-                )
+            what = f"is a symlink (to {os.readlink(d)})"
         elif os.path.isdir(d):
             what = "exists and is not empty" if os.listdir(d) else None
         elif os.path.lexists(d):
             what = "exists and is not a folder"
-        if what is not None and not self.overwrite:
+        else:
+            what = None
+        if what is None:
+            return
+        if self.overwrite and os.path.isdir(d) and not os.path.islink(d):
+            ownership.check_no_links_into(d, self.sources)
+        ownership.check_replaceable(d)  # (what hybridckpt did not write is named: no flag replaces it)
+        if not self.overwrite:
             raise CheckpointError(f"{d}: {what}; pass overwrite=True to replace it",
                                   cli=f"{d}: {what}; pass --overwrite to replace it")
 
@@ -172,9 +182,12 @@ class Destination:
         if not self.primary:
             return
         byte_source.check_watches()  # after the last read: a source that changed is not committed
+        if self.marker:
+            ownership.write_marker(self.tmp)
         with interrupts.committing():
             fsync_folder(self.tmp)
             moved_aside = False
+            self._check_existing()  # again: what is there may have changed while the job ran
             try:
                 if os.path.islink(self.dst) or (os.path.lexists(self.dst) and not os.path.isdir(self.dst)):
                     os.unlink(self.dst)  # a file or a link (never its target); checked by __enter__
@@ -203,8 +216,9 @@ class Destination:
                     os.rename(self.old, self.dst)
         finally:
             self._release()
-        if isinstance(exc, OSError):
-            raise CheckpointError(f"{self.dst}: write failed: {exc.strerror or exc}") from exc
+        reason = io_reason(exc) if exc is not None else None
+        if reason is not None:
+            raise CheckpointError(f"{self.dst}: write failed: {reason}") from exc
 
     def _release(self) -> None:
         if self._lock_fd is not None:
@@ -215,6 +229,20 @@ class Destination:
             interrupts.discard_temporary(self.lock_path)
             os.close(self._lock_fd)  # (closing drops the flock)
             self._lock_fd = None
+
+
+def io_reason(e: BaseException) -> str | None:
+    """The OS reason of a failed write (disk full, read-only, permissions), from an OSError or
+    from TensorStore's errors as Orbax raises them (`... [os_error_code='28']`); else None."""
+    if isinstance(e, OSError):
+        return e.strerror or str(e)
+    text = str(e)
+    if isinstance(e, ValueError | RuntimeError) and "os_error_code=" in text:
+        code = text.split("os_error_code=", 1)[1].strip("'\"[] \n").split("'")[0]
+        if code.isdigit():
+            return os.strerror(int(code))
+        return text.splitlines()[0][:300]
+    return None
 
 
 def _read_holder(fd: int) -> str:

@@ -86,7 +86,7 @@ def write_hf(
     (read and checked); a `config.json` among them is written unless `hf_config` is given.
     """
     files_in = files
-    dest = Destination(dst, overwrite=overwrite, sources=sources)
+    dest = Destination(dst, overwrite=overwrite, sources=sources, marker=True)
     with dest as tmp:
         files = write_sharded(tmp, params, stem="model", max_shard_bytes=max_shard_bytes, on_tensor=on_tensor,
                               direct_io=direct_io)

@@ -101,7 +101,7 @@ def write_export(request) -> Any:
     flat = maxtext_tensors(named, cfg, optimizer=request.optimizer, scan_layers=scan_layers, dtype=request.dtype)
     step = int(flat[maxtext.STEP])
     tree = _tree(flat, request.optimizer)
-    dest = Destination(request.out, overwrite=request.overwrite, sources=request.sources)
+    dest = Destination(request.out, overwrite=request.overwrite, sources=request.sources, marker=True)
     with dest as tmp:
         save_state(tmp, step, tree, scan_layers=scan_layers, mesh=request.extra.get("mesh"))
         (Path(tmp) / "maxtext_overrides.json").write_text(

@@ -82,7 +82,7 @@ def write_export(request) -> Any:
     master = None
     if slots and written in SIXTEEN_BIT and first == np.float32:
         master = dict(params)  # AMP O2: fp32 master weights beside the 16-bit params
-    dest = Destination(out, overwrite=overwrite, sources=sources)
+    dest = Destination(out, overwrite=overwrite, sources=sources, marker=True)
     with dest as tmp:
         files = write_unified(
             tmp,

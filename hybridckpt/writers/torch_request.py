@@ -56,7 +56,7 @@ class TorchExport:
 
     def destination(self) -> Destination:
         """The atomic destination folder for `out` (written aside, swapped in on commit)."""
-        return Destination(self.out, overwrite=self.overwrite, sources=self.sources)
+        return Destination(self.out, overwrite=self.overwrite, sources=self.sources, marker=True)
 
     def write_items(self, folder: str, items: Sequence[Item], *, files: int, checkpoint_id: str, **options: Any) -> list[str]:
         """`dcp_files.write_folder` of `items` into `folder` with this export's chunking, IO and

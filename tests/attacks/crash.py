@@ -266,12 +266,18 @@ def _imported_from(ckpt: str) -> str | None:
 
 def kill_exports(src: str, previous_hf: str, workdir: str, *, seed: int, n: int) -> list[KillPoint]:
     """`hybridckpt export src OUT` killed at `n` seeded points; odd ones replace a complete HF
-    folder. OK: OUT absent (the previous one kept beside it when replacing), OUT equal to the
-    source bit for bit, or OUT still the previous folder."""
+    folder (an export of `previous_hf`: `--overwrite` replaces only what hybridckpt wrote). OK:
+    OUT absent (the previous one kept beside it when replacing), OUT equal to the source bit for
+    bit, or OUT still the previous folder."""
     cal = os.path.join(workdir, "export-calibration")
     r = run(cli("export", src, cal, "--quiet"), cal, None)
     if r.returncode != 0 or export_outcome(src, cal) != "complete":
         raise RuntimeError(f"uninterrupted export failed: {r.stderr}")
+    previous = os.path.join(workdir, "export-previous")
+    p = run(cli("export", previous_hf, previous, "--quiet"), previous, None)
+    if p.returncode != 0 or export_outcome(previous_hf, previous) != "complete":
+        raise RuntimeError(f"export of the previous checkpoint failed: {p.stderr}")
+    previous_hf = previous
     points = []
     for i, delay in enumerate(kill_delays(seed, n, r.seconds_to_dst or r.seconds_after_marker)):
         dst = os.path.join(workdir, f"export-kill{i}")

@@ -92,7 +92,7 @@ def assert_resumed(got, run) -> None:
 
 def test_the_files_are_torchs_layout(exported):
     names = sorted(os.listdir(exported))
-    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+    assert names == [".hybridckpt-export", ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]  # + our marker
     md = read_metadata(exported)
     embed = md.tensors["model.model.embed_tokens.weight"]
     assert embed.shape == (250, 64) and len(embed.chunks) == 4  # 16 KiB blocks of 64 rows

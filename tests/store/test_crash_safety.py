@@ -149,6 +149,27 @@ def test_disk_full_is_a_clear_error(src, tmp_path, command):
     assert _digest(src) == before
 
 
+WRITERS = ["hf", "dcp", "torchtitan", "megatron", "maxtext", "paddleformers-unified", "paddlenlp-unified"]
+
+
+@pytest.mark.parametrize("size", ["16k", "256k"])
+@pytest.mark.parametrize("target", WRITERS)
+def test_disk_full_on_every_writer_is_one_line(src, tmp_path, target, size):
+    """Every `export --to` writer, with its optimizer state, on a tmpfs that fills at its first
+    files (16k) or among its arrays (256k): one line, exit 2, nothing left (`--to maxtext` was a
+    traceback from TensorStore, then "Event loop is closed" at exit). Without the right to mount,
+    RLIMIT_FSIZE (EFBIG) instead."""
+    before = _digest(src)
+    mnt = tmp_path / "small"
+    with _tmpfs(mnt, size) as mounted:
+        dst = str(mnt / "out")
+        res = _run_cli("export", src, dst, "--quiet", "--to", target, "--optimizer",
+                       fsize=None if mounted else {"16k": 16 * 1024, "256k": 256 * 1024}[size])
+        _assert_clean_failure(res, dst, ("No space left on device", "File too large"))
+        assert os.listdir(mnt) == []
+    assert _digest(src) == before
+
+
 @pytest.mark.parametrize("command", ["import", "export"])
 def test_read_only_destination_is_a_clear_error(src, tmp_path, command):
     before = _digest(src)
