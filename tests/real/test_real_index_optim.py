@@ -46,10 +46,10 @@ def test_each_index_holds_the_moments_of_the_name_the_manifest_gives(case):
     opt, ref, groups = _optimizer(case), reference(case), manifest(case)["hyper"]
     assert len(opt["param_groups"]) == len(groups)
     seen = []
-    for g, want in zip(opt["param_groups"], groups):
+    for g, want in zip(opt["param_groups"], groups, strict=True):
         assert len(g["params"]) == len(want["names"])
         assert g["weight_decay"] == want["weight_decay"] and g["lr"] == want["lr"]
-        for i, name in zip(g["params"], want["names"]):
+        for i, name in zip(g["params"], want["names"], strict=True):
             st = opt["state"][i]
             for slot in ("exp_avg", "exp_avg_sq"):
                 got = np.asarray(st[slot].materialize())
