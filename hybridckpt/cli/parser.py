@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("logits", help="run the model's forward pass on tokens")
     s.add_argument("src", help=SRC_HELP)
     s.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 1,2,3")
-    s.add_argument("--out", help="write the logits to this .npy file")
+    s.add_argument("--out", help="write the logits in .npy format to exactly this file (its folder must exist)")
     s.add_argument("--mesh", default="dp=1", help="mesh to run on, e.g. tp=2,pp=2 (default: one device)")
     s.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="dtype of activations and matmuls (params stay fp32; logits are fp32)")
