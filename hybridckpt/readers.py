@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import os
 
-from hybridckpt.errors import FormatError, short_repr
+from hybridckpt.errors import CheckpointError, FormatError, short_repr
 from hybridckpt.lazy import shape_problem
 from hybridckpt.source_checkpoint import SourceCheckpoint
 
@@ -54,6 +54,27 @@ def detect(path: str) -> str:
         if _module(module).detect(path):
             return name
     raise FormatError(f"{path}: not a checkpoint of any known format (known: {', '.join(NAMES)})")
+
+
+def require_store(path: str) -> None:
+    """`path` is a folder that may hold our checkpoints (`DIR` or `DIR/<step>`), or a CheckpointError
+    saying what it is instead: absent (nothing is created), not a folder, or another format's
+    checkpoint, which becomes one of ours by an import. A folder of no known format passes (a
+    training loop's store before its first save): the store says it has no steps."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: no such folder (expected one of our checkpoints: `hybridckpt import` or "
+                              f"CheckpointStore writes them)")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: not a folder (expected one of our checkpoints, a folder)")
+    for name, module in READERS:
+        if _module(module).detect(path):
+            if name == "orbax":
+                return
+            raise CheckpointError(
+                f"{path} is a {name} checkpoint, not a hybridckpt store; import it first: "
+                f"hybridckpt.import_checkpoint({str(path)!r}, DST)",
+                cli=f"{path} is a {name} checkpoint, not a hybridckpt store; import it first: "
+                    f"hybridckpt import {path} DST")
 
 
 def open_source(path: str, fmt: str = "auto", *, config=None, step: int | None = None,

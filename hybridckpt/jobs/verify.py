@@ -181,8 +181,10 @@ def verify_checksums(
     from hybridckpt import checksum, optim
     from hybridckpt.errors import HybridCkptError
     from hybridckpt.store.as_source import resolve
+    from hybridckpt.readers import require_store
     from hybridckpt.store.reader import UnreadableArray, item_arrays
 
+    require_store(os.fspath(path))  # another format's checkpoint: named, with the import to run
     root, step, state = resolve(os.fspath(path), step)
     recorded = state.get("checksums")
     if not recorded:

@@ -68,8 +68,11 @@ def restore(
     the mesh cannot divide is an error (default: replicated on that axis). Other keyword arguments go
     to `CheckpointStore.restore` (global_batch_size, allow_batch_size_change, strict).
     """
+    from hybridckpt.errors import CheckpointError
     from hybridckpt.store.as_source import model_config
 
+    if not os.path.isdir(directory):  # (the store would create it)
+        raise CheckpointError(f"{directory}: no such folder (expected one of our checkpoints)")
     with CheckpointStore(os.path.abspath(directory)) as store:
         state = store.trainer_state(step)
         if mesh is None:

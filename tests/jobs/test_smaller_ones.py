@@ -95,3 +95,30 @@ def test_logits_out_that_cannot_be_written_is_one_line_and_leaves_the_old_file(t
     for bad, why in (("", "expected the path"), (tmp_path, "is a folder")):
         code, _, err = cli(capsys, "logits", src, "--tokens", "1,2", "--out", bad)
         one_line(code, err, why)
+
+
+# -- b: restore of what is not one of ours --------------------------------------------------------------
+
+
+def test_restore_of_an_absent_folder_creates_nothing_and_another_format_is_named_with_its_import(tmp_path, capsys):
+    import pytest
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from hybridckpt.errors import CheckpointError
+
+    absent = tmp_path / "nothere"
+    with pytest.raises(CheckpointError, match="no such folder") as e:
+        hybridckpt.restore(str(absent))
+    assert "\n" not in str(e.value) and listing(tmp_path) == []
+
+    dcp.save({"w": torch.arange(6.0).reshape(2, 3)}, checkpoint_id=str(tmp_path / "dcp"))
+    for src, fmt in ((sample_path(), "hf"), (str(tmp_path / "dcp"), "dcp")):
+        before = listing(src)
+        with pytest.raises(CheckpointError) as e:
+            hybridckpt.restore(src)
+        assert str(e.value).startswith(f"{src} is a {fmt} checkpoint, not a hybridckpt store; import it first"), e.value
+        assert listing(src) == before
+        code, _, err = cli(capsys, "verify", src)  # the command's words in the command line
+        one_line(code, err, f"{src} is a {fmt} checkpoint, not a hybridckpt store",
+                 f"import it first: hybridckpt import {src} DST")
