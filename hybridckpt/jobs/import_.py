@@ -105,10 +105,9 @@ def lazy_targets(
 ) -> LazyTargets:
     """The import's leaves of an opened checkpoint on `mesh` (arguments as `import_checkpoint`'s);
     reads nothing but what opening read."""
-    import jax
 
     from hybridckpt import naming, plan
-    from hybridckpt.mesh import MeshShape, mesh_from_shape
+    from hybridckpt.mesh import as_mesh
     from hybridckpt.store import stream
     from hybridckpt.store.codec import parse_compression
 
@@ -119,9 +118,7 @@ def lazy_targets(
         named = naming.hf_to_tree(opened.named, cfg)
     else:  # the source's own names: data, stored under safe keys (`store.keys`)
         named, escaped = _under_storage_keys(opened.named)
-    jmesh = mesh if isinstance(mesh, jax.sharding.Mesh) else mesh_from_shape(
-        MeshShape.parse(mesh) if isinstance(mesh, str) else mesh
-    )
+    jmesh = as_mesh(mesh)
     opt = None if params_only else named.optimizer
     if opt is not None:
         _check_slots_match_params(named, opened.path)

@@ -34,7 +34,7 @@ def logits(
 
     from hybridckpt import models, naming, plan
     from hybridckpt.jobs.open import open_checkpoint, require_config
-    from hybridckpt.mesh import MeshShape, mesh_from_shape
+    from hybridckpt.mesh import as_mesh
     from hybridckpt.place import assemble
 
     opened = open_checkpoint(src, fmt, config=config, step=step, verify_reads=verify_reads)
@@ -48,9 +48,7 @@ def logits(
     if toks.min() < 0 or toks.max() >= vocab:
         raise MappingError(f"tokens must lie in [0, {vocab}), found {toks.min()}..{toks.max()}")
     tree = naming.hf_to_tree(opened.named, cfg)
-    jmesh = mesh if isinstance(mesh, jax.sharding.Mesh) else mesh_from_shape(
-        MeshShape.parse(mesh) if isinstance(mesh, str) else mesh
-    )
+    jmesh = as_mesh(mesh)
     p = plan.for_model(cfg, jmesh, indivisible="replicate")
     params = assemble(naming.nest(tree.params), p.param_shardings, np.float32)
     cd = jnp.bfloat16 if compute_dtype in ("bfloat16", "bf16") else jnp.float32

@@ -180,8 +180,8 @@ def verify_checksums(
     max_abs_diff is 0 (match) or inf (differs, or not recorded)."""
     from hybridckpt import checksum, optim
     from hybridckpt.errors import HybridCkptError
-    from hybridckpt.store.as_source import resolve
     from hybridckpt.readers import require_store
+    from hybridckpt.store.as_source import resolve
     from hybridckpt.store.reader import UnreadableArray, item_arrays
 
     require_store(os.fspath(path))  # another format's checkpoint: named, with the import to run

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 
 from hybridckpt import optim, plan
-from hybridckpt.mesh import MeshShape, mesh_from_shape
+from hybridckpt.mesh import MeshShape, as_mesh
 from hybridckpt.naming import flatten
 from hybridckpt.store.layout import Restored
 from hybridckpt.store.manager import CheckpointStore
@@ -77,7 +77,7 @@ def restore(
         state = store.trainer_state(step)
         if mesh is None:
             mesh = _saved_mesh_if_it_fits(state.get("mesh"))
-        jmesh = mesh if isinstance(mesh, jax.sharding.Mesh) else mesh_from_shape(mesh)
+        jmesh = as_mesh(mesh)
         step = state.get("step", step) if step is None else step
         saved = store.params_metadata(step)
         has_opt = os.path.isdir(os.path.join(str(store.directory), str(step), "opt_state"))

@@ -122,3 +122,27 @@ def test_restore_of_an_absent_folder_creates_nothing_and_another_format_is_named
         code, _, err = cli(capsys, "verify", src)  # the command's words in the command line
         one_line(code, err, f"{src} is a {fmt} checkpoint, not a hybridckpt store",
                  f"import it first: hybridckpt import {src} DST")
+
+
+# -- c: make_mesh takes the first N devices, as the CLI and restore do ------------------------------------
+
+
+def test_make_mesh_takes_the_first_devices_its_sizes_multiply_to_like_every_job():
+    import jax
+    import pytest
+    from meshes import fit
+
+    from hybridckpt.errors import MeshError
+    from hybridckpt.mesh import MeshShape
+
+    shape = MeshShape.parse(fit("fsdp=2,tp=2"))  # 4 of the 8 devices
+    m = hybridckpt.make_mesh(**shape.as_dict())
+    assert list(m.devices.flat) == jax.devices()[: shape.size] and dict(m.shape) == shape.as_dict()
+    from hybridckpt.mesh import as_mesh
+
+    for given in (str(shape), shape, m):  # the one coercion every job uses
+        assert as_mesh(given).devices.tolist() == m.devices.tolist()
+    with pytest.raises(MeshError, match="expected a jax.sharding.Mesh, a MeshShape or text"):
+        as_mesh(4)
+    with pytest.raises(MeshError, match="sizes must be positive"):
+        hybridckpt.make_mesh(tp=0)
