@@ -33,6 +33,7 @@ READERS: tuple[tuple[str, str], ...] = (
     ("paddle-unified", "hybridckpt.formats.paddle.unified"),
     ("colossal", "hybridckpt.formats.colossal"),
     ("hf", "hybridckpt.formats.hf"),
+    ("torch", "hybridckpt.formats.torch_file"),  # last: any torch.save file of a state dict, by its bytes
 )
 NAMES: tuple[str, ...] = tuple(name for name, _ in READERS)
 

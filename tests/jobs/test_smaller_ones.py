@@ -146,3 +146,73 @@ def test_make_mesh_takes_the_first_devices_its_sizes_multiply_to_like_every_job(
         as_mesh(4)
     with pytest.raises(MeshError, match="sizes must be positive"):
         hybridckpt.make_mesh(tp=0)
+
+
+# -- d: a plain torch.save(state_dict) file is a source ----------------------------------------------------
+
+
+def _tiny_llama(tmp_path):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    model = transformers.LlamaForCausalLM(cfg)
+    cfg.save_pretrained(tmp_path / "cfg")
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, tmp_path / "cfg" / "config.json"
+
+
+def test_a_torch_save_state_dict_by_any_name_is_read_and_imports_as_the_family_with_config(tmp_path, capsys):
+    import json
+
+    import torch
+
+    sd, config = _tiny_llama(tmp_path)
+    (tmp_path / "folder").mkdir()
+    files = {
+        "model.pt": (sd, {}),
+        "weights.pth": ({"model": sd, "epoch": 3}, {}),  # a training script's wrapper
+        "anything.bin": ({"state_dict": sd}, {}),
+        "legacy.ckpt": (sd, {"_use_new_zipfile_serialization": False}),
+        "folder/w": (sd, {}),  # a folder holding one such file
+    }
+    for name, (obj, kw) in files.items():
+        torch.save(obj, tmp_path / name, **kw)
+    for name in files:
+        src = tmp_path / name.split("/")[0]
+        code, out, err = cli(capsys, "inspect", src, "--json")
+        assert code == 0, err
+        info = json.loads(out)
+        assert info["format"] == "torch" and info["needs_config"], info
+        assert {t["name"]: tuple(t["shape"]) for t in info["tensors"]} == {k: tuple(v.shape) for k, v in sd.items()}
+
+    code, out, err = cli(capsys, "import", tmp_path / "weights.pth", tmp_path / "ck", "--config", config, "--quiet")
+    assert code == 0, err
+    assert "the state dict under 'model'; its other entries are not read: 'epoch'" in out
+    code, _, err = cli(capsys, "export", tmp_path / "ck", tmp_path / "out", "--quiet")
+    assert code == 0, err
+    from safetensors.numpy import load_file
+
+    back = load_file(tmp_path / "out" / "model.safetensors")
+    assert sorted(back) == sorted(sd)
+    for k, v in sd.items():
+        np.testing.assert_array_equal(back[k], v.numpy(), err_msg=k)
+
+
+def test_a_torch_file_under_format_hf_or_holding_no_state_dict_is_one_line(tmp_path, capsys):
+    import torch
+
+    sd, _ = _tiny_llama(tmp_path)
+    torch.save(sd, tmp_path / "model.pt")
+    code, _, err = cli(capsys, "inspect", tmp_path / "model.pt", "--format", "hf")
+    one_line(code, err, f"{tmp_path / 'model.pt'} is not a safetensors file: it is a torch.save file")
+    (tmp_path / "notes.txt").write_bytes(b"\xff" * 64)
+    code, _, err = cli(capsys, "inspect", tmp_path / "notes.txt", "--format", "hf")
+    one_line(code, err, "notes.txt is not a safetensors file: header length")
+    torch.save([torch.zeros(2)], tmp_path / "list.pt")
+    code, _, err = cli(capsys, "inspect", tmp_path / "list.pt")
+    one_line(code, err, "list.pt: expected a state dict (name -> tensor), found list")
+    torch.save({"w": torch.zeros(2), "lr": 0.1}, tmp_path / "mixed.pt")
+    code, _, err = cli(capsys, "inspect", tmp_path / "mixed.pt")
+    one_line(code, err, "mixed.pt: entry 'lr': expected a tensor under a str name, found float")
