@@ -236,12 +236,13 @@ def import_checkpoint(
 
     def checksums() -> dict:
         from hybridckpt.checksum import CHUNKS, encode_crcs, to_hex
+        from hybridckpt.store.save_crcs import gather_crc_tables
 
         recorded = leaves | counted
         sums = {name: to_hex(leaf.checksum) for name, leaf in recorded.items()}
         tables = {name: leaf.crc_table() for name, leaf in recorded.items()}
         if jax.process_count() > 1:
-            sums, tables = _sum_across_processes(sums), _gather_crc_tables(tables)
+            sums, tables = _sum_across_processes(sums), gather_crc_tables(tables)
         return {
             "checksum_algorithm": CHUNKS,
             "checksum_chunks": {name: list(leaf.checksum_chunk or leaf.shape) for name, leaf in recorded.items()},
@@ -345,23 +346,6 @@ def _zeros_for_the_rest(state: Any, p: Any, opts: Any) -> Any:
         return x
 
     return jax.tree.map(fill, state, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct | stream.LazyLeaf))
-
-
-def _gather_crc_tables(tables: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Every process's CRC tables summed: each chunk is written (and its entry set) by exactly
-    one process, the others hold 0 there. As int32 halves (jax runs without x64)."""
-    from jax.experimental import multihost_utils
-
-    names = sorted(tables)
-    flat = np.concatenate([tables[n].astype(np.int64) for n in names]) if names else np.zeros(0, np.int64)
-    halves = np.stack([flat & 0xFFFF, flat >> 16]).astype(np.int32)
-    gathered = np.asarray(multihost_utils.process_allgather(halves)).astype(np.int64).sum(axis=0)
-    total = (gathered[0] + (gathered[1] << 16)).astype(np.uint32)
-    out, at = {}, 0
-    for n in names:
-        out[n] = total[at : at + len(tables[n])]
-        at += len(tables[n])
-    return out
 
 
 def _sum_across_processes(sums: dict[str, str]) -> dict[str, str]:

@@ -188,7 +188,7 @@ def verify_checksums(
     root, step, state = resolve(os.fspath(path), step)
     recorded = state.get("checksums")
     if not recorded:
-        raise CheckpointError(f"{path}: no checksums recorded (only `hybridckpt import` records them)")
+        raise CheckpointError(f"{path}: no checksums recorded (`hybridckpt import` and CheckpointStore saves of arrays record them)")
     step_dir = os.path.join(root, str(step))
     arrays = {f"params.{k}": v for k, v in item_arrays(os.path.join(step_dir, "params"), unreadable="keep").items()}
     if os.path.isdir(os.path.join(step_dir, "opt_state")):

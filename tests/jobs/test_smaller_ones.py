@@ -216,3 +216,56 @@ def test_a_torch_file_under_format_hf_or_holding_no_state_dict_is_one_line(tmp_p
     torch.save({"w": torch.zeros(2), "lr": 0.1}, tmp_path / "mixed.pt")
     code, _, err = cli(capsys, "inspect", tmp_path / "mixed.pt")
     one_line(code, err, "mixed.pt: entry 'lr': expected a tensor under a str name, found float")
+
+
+# -- e: a training loop's CheckpointStore saves are checked on every read ---------------------------------
+
+
+def _flip_a_bit(item_dir, array: str, index: tuple[int, ...]) -> None:
+    """Flip the low bit of one element of a stored array, through TensorStore (the chunk is
+    re-encoded: damage its zstd codec cannot see, as a bit flipped before compression would be)."""
+    import tensorstore as ts
+
+    from hybridckpt.store.ts_spec import context, read_spec
+
+    spec = {k: v for k, v in read_spec(str(item_dir), array, use_ocdbt=True).items()
+            if k not in ("fill_missing_data_reads", "recheck_cached_data", "recheck_cached_metadata")}
+    t = ts.open(spec, open=True, context=context(use_ocdbt=True)).result()
+    v = np.asarray(t[index].read().result())
+    t[index].write((v.view(np.uint32) ^ 1).view(v.dtype)).result()
+
+
+def test_a_checkpoint_store_save_records_crc32s_and_a_flipped_byte_is_one_line_on_restore_and_verify(tmp_path, capsys):
+    import jax
+    import optax
+    import pytest
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from meshes import fit
+
+    from hybridckpt.errors import CheckpointError
+    from hybridckpt.mesh import as_mesh
+    from hybridckpt.store import CheckpointStore
+
+    mesh = as_mesh(fit("fsdp=2,tp=2"))
+    rng = np.random.default_rng(0)
+    host = {"w": rng.standard_normal((64, 32)).astype(np.float32), "b": rng.standard_normal(32).astype(np.float32)}
+    params = {"w": jax.device_put(host["w"], NamedSharding(mesh, P("fsdp", "tp"))),
+              "b": jax.device_put(host["b"], NamedSharding(mesh, P()))}
+    tx = optax.adamw(1e-2)
+    grads = jax.tree.map(lambda x: x * 0.5, params)
+    updates, opt_state = tx.update(grads, tx.init(params), params)
+    run = tmp_path / "run"
+    with CheckpointStore(run) as store:
+        store.save(7, params, opt_state, {"loss": 1.5})
+    code, out, err = cli(capsys, "verify", run)
+    assert code == 0 and "7/7 arrays match their import checksums" in out, (out, err)
+    _, restored = hybridckpt.restore(str(run), "dp=1")
+    np.testing.assert_array_equal(np.asarray(restored.params["w"]), host["w"])
+
+    _flip_a_bit(run / "7" / "params", "w", (33, 17))
+    with pytest.raises(CheckpointError, match=r"params: array w: chunk .* has CRC-32") as e:
+        hybridckpt.restore(str(run), "dp=1")
+    assert "\n" not in str(e.value)
+    code, out, err = cli(capsys, "verify", run)
+    assert code == 1 and "BAD params.w" in out and "6/7 arrays match" in out, (out, err)
