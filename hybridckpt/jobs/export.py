@@ -29,8 +29,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hybridckpt.errors import CheckpointError
-
 Progress = Callable[[str, int], None]  # (tensor name, bytes) after each tensor
 @dataclass(frozen=True)
 class ExportSummary:
@@ -89,7 +87,8 @@ def export_checkpoint(
 ) -> ExportSummary:
     """Any supported checkpoint (Orbax included) -> one safetensors folder at `out`.
 
-    optimizer: also write the optimizer slots and step. dtype: cast params on write.
+    optimizer: also write the optimizer slots and step (a source without any: the weights alone,
+      with a note saying so). dtype: cast params on write.
     config: a config path or model config for sources that carry none (omit it to consolidate
       under the source's own names). step: which step of a hybridckpt (Orbax) source.
     to: "hf", or a Paddle unified layout ("paddlenlp-unified", "paddleformers-unified":
@@ -116,8 +115,10 @@ def export_checkpoint(
     Destination(out, overwrite=overwrite, sources=[opened.path]).preflight()  # before any read
     dtype = dtype or quantized_default_dtype(opened)
     named = naming.model_hf(opened.named, opened.config) if opened.config is not None else opened.named
-    if optimizer and not named.slots:
-        raise CheckpointError(f"{opened.path}: has no optimizer state to export (drop --optimizer)")
+    notes: tuple[str, ...] = ()
+    if optimizer and not named.slots:  # the weights alone, and said: the flag had nothing to write
+        optimizer = False
+        notes = (f"{opened.path} holds no optimizer state (weights only): the weights are exported without it",)
     done = writers.write(writers.ExportRequest(
         to, os.fspath(out), named, opened.config, optimizer=optimizer, dtype=np_dtype(dtype) if dtype else None,
         max_shard_bytes=max_shard_bytes, overwrite=overwrite, progress=progress, direct_io=direct_io,
@@ -125,4 +126,4 @@ def export_checkpoint(
         hyper=exported_hyper(opened, set(named.params)) if opened.hyper else {}, extra={**dict(layout or {}), **_writer_extra(to, scan_layers)},
     ))
     return ExportSummary(opened.format, os.path.abspath(out), done.files, done.tensors, done.nbytes,
-                         time.perf_counter() - t0, optimizer, tuple(opened.notes) + done.notes)
+                         time.perf_counter() - t0, optimizer, notes + tuple(opened.notes) + done.notes)

@@ -269,3 +269,27 @@ def test_a_checkpoint_store_save_records_crc32s_and_a_flipped_byte_is_one_line_o
     assert "\n" not in str(e.value)
     code, out, err = cli(capsys, "verify", run)
     assert code == 1 and "BAD params.w" in out and "6/7 arrays match" in out, (out, err)
+
+
+# -- f: the quick start's export --optimizer on a weights-only source --------------------------------------
+
+
+def test_export_optimizer_of_a_weights_only_source_exports_the_weights_and_says_so(tmp_path, capsys):
+    from safetensors.numpy import load_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("config.json", "model.safetensors"):  # the sample without its optimizer.safetensors
+        (src / name).write_bytes(open(os.path.join(sample_path(), name), "rb").read())
+    code, _, err = cli(capsys, "import", src, tmp_path / "ckpt", "--quiet")
+    assert code == 0, err
+    code, out, err = cli(capsys, "export", tmp_path / "ckpt", tmp_path / "hf-out", "--optimizer", "--quiet")
+    assert code == 0, err
+    notes = [line for line in out.splitlines() if line.startswith("note:")]
+    assert notes == [f"note: {tmp_path / 'ckpt'} holds no optimizer state (weights only): the weights are exported "
+                     "without it"], out
+    assert not any(n.startswith("optimizer") for n in listing(tmp_path / "hf-out"))
+    back, want = load_file(tmp_path / "hf-out" / "model.safetensors"), load_file(src / "model.safetensors")
+    assert sorted(back) == sorted(want)
+    for k in want:
+        np.testing.assert_array_equal(back[k], want[k], err_msg=k)
