@@ -293,3 +293,23 @@ def test_export_optimizer_of_a_weights_only_source_exports_the_weights_and_says_
     assert sorted(back) == sorted(want)
     for k in want:
         np.testing.assert_array_equal(back[k], want[k], err_msg=k)
+
+
+# -- g: inspect of a MaxText checkpoint without --config lists its tensors ---------------------------------
+
+
+def test_inspect_of_a_maxtext_checkpoint_without_config_lists_its_tensors(tmp_path, capsys):
+    import json
+
+    out = tmp_path / "mt"
+    hybridckpt.export_checkpoint(sample_path(), str(out), to="maxtext", optimizer=True)
+    code, text, err = cli(capsys, "inspect", out, "--json")
+    assert code == 0, err
+    bare = json.loads(text)
+    code, text, err = cli(capsys, "inspect", out, "--json", "--config", os.path.join(sample_path(), "config.json"))
+    assert code == 0, err
+    with_config = json.loads(text)
+    assert bare["format"] == "maxtext" and bare["needs_config"] and bare["config"] is None
+    assert bare["tensors"] == with_config["tensors"] and len(bare["tensors"]) == 12  # the same arrays, as stored
+    assert {"name": "decoder.layers.mlp.wi_0.kernel", "shape": [2, 32, 64], "dtype": "float32", "pieces": 1} in bare["tensors"]
+    assert bare["optimizer"]["slots"] == ["exp_avg", "exp_avg_sq"] and bare["step"] == 12
