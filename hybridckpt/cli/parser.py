@@ -72,7 +72,7 @@ def _common(sp, *, fmt=True, config=True, io=False, progress=True, step=True) ->
         sp.add_argument("--io-threads", type=_thread_count, metavar="N",
                         help="parallel byte-range readers (default: $HYBRIDCKPT_IO_THREADS, else 2 x cores, 4..16)")
     if config:
-        sp.add_argument("--config", help="HF config.json or Meta params.json, for sources that carry no model config")
+        sp.add_argument("--config", help="HF config.json or Meta params.json (or a folder holding one), for sources that carry no model config")
     if progress:
         sp.add_argument("--quiet", action="store_true", help="no progress bar")
 

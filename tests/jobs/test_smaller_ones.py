@@ -313,3 +313,24 @@ def test_inspect_of_a_maxtext_checkpoint_without_config_lists_its_tensors(tmp_pa
     assert bare["tensors"] == with_config["tensors"] and len(bare["tensors"]) == 12  # the same arrays, as stored
     assert {"name": "decoder.layers.mlp.wi_0.kernel", "shape": [2, 32, 64], "dtype": "float32", "pieces": 1} in bare["tensors"]
     assert bare["optimizer"]["slots"] == ["exp_avg", "exp_avg_sq"] and bare["step"] == 12
+
+
+# -- h: --config DIR takes DIR/config.json ------------------------------------------------------------------
+
+
+def test_config_given_as_a_folder_takes_its_config_json_and_a_folder_without_one_is_one_line(tmp_path, capsys):
+    import json
+
+    import torch
+
+    sd, config = _tiny_llama(tmp_path)
+    torch.save(sd, tmp_path / "model.pt")
+    (config.parent / "tokenizer_config.json").write_text("{}")
+    code, out, err = cli(capsys, "inspect", tmp_path / "model.pt", "--json", "--config", config.parent)
+    assert code == 0, err
+    info = json.loads(out)
+    assert info["config"]["family"] == "llama" and info["config"]["num_kv_heads"] == 1
+    assert info["files"] == ["config.json", "tokenizer_config.json"]  # the folder's files travel, as beside a file
+    (tmp_path / "empty").mkdir()
+    code, _, err = cli(capsys, "inspect", tmp_path / "model.pt", "--config", tmp_path / "empty")
+    one_line(code, err, f"--config {tmp_path / 'empty'}: a folder without config.json or params.json")
