@@ -334,3 +334,27 @@ def test_config_given_as_a_folder_takes_its_config_json_and_a_folder_without_one
     (tmp_path / "empty").mkdir()
     code, _, err = cli(capsys, "inspect", tmp_path / "model.pt", "--config", tmp_path / "empty")
     one_line(code, err, f"--config {tmp_path / 'empty'}: a folder without config.json or params.json")
+
+
+# -- i: a config of another family is named as such ----------------------------------------------------------
+
+
+def test_a_qwen3_config_on_a_llama_checkpoint_names_the_family_mismatch(tmp_path, capsys):
+    import torch
+    import transformers
+
+    sd, _ = _tiny_llama(tmp_path)
+    torch.save(sd, tmp_path / "model.pt")
+    for cls, fam, missing in ((transformers.Qwen3Config, "qwen3", "model.layers.0.self_attn.k_norm.weight"),
+                              (transformers.Qwen2Config, "qwen2", "model.layers.0.self_attn.k_proj.bias")):
+        cls(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=8).save_pretrained(tmp_path / fam)
+        code, _, err = cli(capsys, "import", tmp_path / "model.pt", tmp_path / f"ck-{fam}", "--config", tmp_path / fam)
+        msg = one_line(code, err, f"the config is {fam}, but the checkpoint's tensors are those of a ",
+                       "llama", f"({missing}", "missing); pass the checkpoint's own config")
+        assert "expects" not in msg and not os.path.exists(tmp_path / f"ck-{fam}")
+    # the checkpoint's own family still imports
+    transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=1, head_dim=8).save_pretrained(tmp_path / "llama")
+    code, _, err = cli(capsys, "import", tmp_path / "model.pt", tmp_path / "ck", "--config", tmp_path / "llama", "--quiet")
+    assert code == 0, err
