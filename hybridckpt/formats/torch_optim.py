@@ -78,23 +78,31 @@ def slot_shape(slot_names: Sequence[str], slot: str, param_shape: Sequence[int])
         return tuple(param_shape)
 
 
+def _norm(g: Mapping) -> dict:
+    """A param group's hyper-parameters as recorded (floats, flags, betas), without its params."""
+    h = {k: float(g[k]) for k in HYPER_FLOATS
+         if isinstance(g.get(k), (int, float)) and not isinstance(g.get(k), bool)}
+    h |= {k: g[k] for k in HYPER_BOOLS if isinstance(g.get(k), bool)}
+    if isinstance(g.get("betas"), (tuple, list)):
+        h["betas"] = [float(b) for b in g["betas"]]
+    return h
+
+
+def group_table(groups: Sequence[Mapping], names: Sequence[Sequence[str]]) -> tuple[dict, ...]:
+    """Every param group as the source records it, alike or not: its hyper-parameters and
+    `params`, how many params it names (`OptimizerState.groups`, what `inspect` shows)."""
+    return tuple({**_norm(g), "params": len(n)} for g, n in zip(groups, names, strict=False))
+
+
 def hyper(groups: Sequence[Mapping], names: Sequence[Sequence[str]]) -> dict:
     """The param groups' hyperparameters: group 0's `lr`, `betas`, `eps`, `weight_decay` (and
     SGD's `momentum`, `dampening`; the flags `decoupled_weight_decay`, `amsgrad`, `nesterov`,
     `maximize` where the group has them; `initial_lr` where an LR scheduler added it), plus `groups` (each group's values and its param names
     `names[g]`) when the groups differ."""
 
-    def norm(g):
-        h = {k: float(g[k]) for k in HYPER_FLOATS
-             if isinstance(g.get(k), (int, float)) and not isinstance(g.get(k), bool)}
-        h |= {k: g[k] for k in HYPER_BOOLS if isinstance(g.get(k), bool)}
-        if isinstance(g.get("betas"), (tuple, list)):
-            h["betas"] = [float(b) for b in g["betas"]]
-        return h
-
     if not groups:
         return {}
-    normed = [norm(g) for g in groups]
+    normed = [_norm(g) for g in groups]
     out = dict(normed[0])
     if any(n != normed[0] for n in normed[1:]):
         out["groups"] = [{**n, "params": list(p)} for n, p in zip(normed, names, strict=False)]

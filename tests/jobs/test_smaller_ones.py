@@ -358,3 +358,33 @@ def test_a_qwen3_config_on_a_llama_checkpoint_names_the_family_mismatch(tmp_path
                              num_attention_heads=2, num_key_value_heads=1, head_dim=8).save_pretrained(tmp_path / "llama")
     code, _, err = cli(capsys, "import", tmp_path / "model.pt", tmp_path / "ck", "--config", tmp_path / "llama", "--quiet")
     assert code == 0, err
+
+
+# -- j: inspect shows a DCP checkpoint's param groups ----------------------------------------------------------
+
+
+def test_inspect_shows_the_param_groups_a_dcp_checkpoint_records(tmp_path, capsys):
+    import json
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    for name, groups in (("alike", [{"params": weights}, {"params": biases}]),  # two groups, the same values
+                         ("differ", [{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0}]),
+                         ("one", [{"params": weights + biases}])):
+        opt = torch.optim.AdamW(groups, lr=1e-3)
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / name))
+        code, out, err = cli(capsys, "inspect", tmp_path / name, "--json")
+        assert code == 0, err
+        shown = json.loads(out)["optimizer"]["param_groups"]
+        want = [{"lr": 1e-3, "weight_decay": g.get("weight_decay", 0.01), "params": len(g["params"])} for g in groups]
+        assert [{k: g[k] for k in ("lr", "weight_decay", "params")} for g in shown] == want, (name, shown)
+        assert all(g["betas"] == [0.9, 0.999] for g in shown)

@@ -149,14 +149,9 @@ def _open_metadata(path: str, folder: str, config) -> SourceCheckpoint:
                     f"params have different optimizer steps {sorted(values)[:5]}; using {step}"
                 )
         groups = param_groups(md, st.optim)
-        hyper = torch_optim.hyper(
-            groups,
-            [
-                [_strip(p, st.model) for p in g.get("params", []) if isinstance(p, str)]
-                for g in groups
-            ],
-        )
-        optimizer = OptimizerState(slots, step, hyper=hyper)
+        names = [[_strip(p, st.model) for p in g.get("params", []) if isinstance(p, str)] for g in groups]
+        optimizer = OptimizerState(slots, step, hyper=torch_optim.hyper(groups, names),
+                                   groups=torch_optim.group_table(groups, names))
     if not tensors:
         raise FormatError(f"{md.files[0]}: no model tensors found (keys: {sorted(md.tensors)[:5]})")
     if dialect is not None:
