@@ -32,7 +32,7 @@ _WHERE = {
     "verify_checksums": "hybridckpt.jobs.verify",
     "inspect": "hybridckpt.jobs.inspect",
     "logits": "hybridckpt.jobs.logits",
-    "restore": "hybridckpt.store.restore",
+    "restore": "hybridckpt.jobs.restore",
     "CheckpointStore": "hybridckpt.store.manager",
     "make_mesh": "hybridckpt.mesh",
     "MeshShape": "hybridckpt.mesh",

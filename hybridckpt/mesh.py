@@ -39,7 +39,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hybridckpt.errors import MeshError
+from hybridckpt.errors import MeshError, short_repr
 
 MESH_AXES = ("dp", "fsdp", "tp", "pp")
 
@@ -139,26 +139,25 @@ def make_mesh(
     *,
     devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
-    """A Mesh with axes ("dp", "fsdp", "tp", "pp") over `devices` (default: all devices).
-
-    The product of the sizes must equal the device count; pass a device list to use fewer.
-    """
+    """A Mesh with axes ("dp", "fsdp", "tp", "pp") over the first `dp*fsdp*tp*pp` of `devices`
+    (default: `jax.devices()`), as the CLI and every job build theirs (README "Choosing a
+    mesh"); more devices than are there is an error saying how to get them."""
     shape = MeshShape(dp, fsdp, tp, pp)
+    for axis, size in shape.as_dict().items():
+        if not isinstance(size, int | np.integer) or isinstance(size, bool) or size < 1:
+            raise MeshError(f"mesh {axis}={size!r}: sizes must be positive integers")
     devs = list(jax.devices() if devices is None else devices)
-    if shape.size != len(devs):
-        raise MeshError(
-            f"mesh {shape} needs {shape.size} devices but {len(devs)} are given "
-            f"(pass devices=jax.devices()[:{shape.size}] to use fewer)"
-        )
-    grid = np.array(devs, dtype=object).reshape(dp, fsdp, tp, pp)
+    if shape.size > len(devs):
+        raise _too_few_devices(shape, devs, given=devices is not None)
+    grid = np.array(devs[: shape.size], dtype=object).reshape(dp, fsdp, tp, pp)
     return Mesh(grid, MESH_AXES)
 
 
-def _too_few_devices(shape: MeshShape, devs: Sequence[jax.Device]) -> MeshError:
-    """The error for a mesh larger than the devices present, saying how to get more CPU devices
-    (JAX starts with one; the `hybridckpt` command simulates 8)."""
-    what = f"mesh {shape} needs {shape.size} devices but only {len(devs)} exist"
-    if not devs or devs[0].platform != "cpu":
+def _too_few_devices(shape: MeshShape, devs: Sequence[jax.Device], given: bool = False) -> MeshError:
+    """The error for a mesh larger than the devices present (or `given`), saying how to get more
+    CPU devices (JAX starts with one; the `hybridckpt` command simulates 8)."""
+    what = f"mesh {shape} needs {shape.size} devices but only {len(devs)} {'are given' if given else 'exist'}"
+    if given or not devs or devs[0].platform != "cpu":
         return MeshError(what)
     flag = f"--xla_force_host_platform_device_count={shape.size}"
     return MeshError(
@@ -168,14 +167,20 @@ def _too_few_devices(shape: MeshShape, devs: Sequence[jax.Device]) -> MeshError:
 
 
 def mesh_from_shape(shape: MeshShape | str, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """`make_mesh` from a MeshShape or a `dp=..,tp=..` string on the first `shape.size` devices:
-    the sizes' product is how many devices the mesh uses, at most the devices present."""
+    """`make_mesh` from a MeshShape or a `dp=..,tp=..` string: on the first `shape.size` devices."""
     if isinstance(shape, str):
         shape = MeshShape.parse(shape)
-    devs = list(jax.devices() if devices is None else devices)
-    if shape.size > len(devs):
-        raise _too_few_devices(shape, devs)
-    return make_mesh(**shape.as_dict(), devices=devs[: shape.size])
+    return make_mesh(**shape.as_dict(), devices=devices)
+
+
+def as_mesh(mesh: Mesh | MeshShape | str) -> Mesh:
+    """The one coercion of a job's `mesh=` argument: a Mesh as it is; a MeshShape or text like
+    "dp=2,tp=4" on the first devices its sizes multiply to (`mesh_from_shape`)."""
+    if isinstance(mesh, Mesh):
+        return mesh
+    if isinstance(mesh, MeshShape | str):
+        return mesh_from_shape(mesh)
+    raise MeshError(f"mesh {short_repr(mesh)}: expected a jax.sharding.Mesh, a MeshShape or text like 'dp=2,tp=4'")
 
 
 @dataclass(frozen=True)

@@ -175,9 +175,18 @@ def _check_fits(src: SourceCheckpoint, named: Named | None, cfg: Any) -> None:
 
     want = model_hf_shapes(cfg)
     have = set(named.params) if named is not None else set()
+    fam = models.family_of(cfg)
+    missing = sorted(set(want) - have)
+    others = _families_fitting(cfg, have) if missing and have else []
+    if others:  # another family's model is the checkpoint's: say that, not the missing keys
+        more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        which = others[0] if len(others) == 1 else f"{', '.join(others[:-1])} or {others[-1]}"
+        raise ConfigError(
+            f"{src.path}: the config is {fam.name}, but the checkpoint's tensors are those of a {which} model "
+            f"({', '.join(missing[:4])}{more} missing); pass the checkpoint's own config"
+        )
     if named is not None and 2 * len(have & set(want)) >= len(want):
         return
-    fam = models.family_of(cfg)
     arch = ", ".join(fam.hf_architectures)
     theirs = sorted(src.tensors)[:3]
     raise ConfigError(
@@ -185,6 +194,31 @@ def _check_fits(src: SourceCheckpoint, named: Named | None, cfg: Any) -> None:
         f"checkpoint's tensors are not that model's (the model expects names like "
         f"{sorted(want)[:2]}, the checkpoint has {theirs}); pass the checkpoint's own config"
     )
+
+
+def _families_fitting(cfg: Any, names: set[str]) -> list[str]:
+    """The other families whose model, with `cfg`'s sizes (its HF config under their
+    architecture), has every one of its tensors among `names`, the most tensors first: what the
+    checkpoint is when `cfg`'s own model wants tensors it lacks. Tried only on that error path."""
+    from hybridckpt import models
+
+    mine = models.family_of(cfg)
+    hf = models.config_to_hf(cfg)
+    fits = []
+    for fam in models.families().values():
+        if fam is mine or not fam.hf_architectures:
+            continue
+        d = {**hf, "architectures": [fam.hf_architectures[0]]}
+        if fam.hf_model_types:
+            d["model_type"] = fam.hf_model_types[0]
+        try:
+            other = models.fit_to_hf_names(models.config_from_hf(d, source="config.json"), names)
+            want = set(model_hf_shapes(other))
+        except Exception:  # noqa: BLE001 - a family whose config these sizes do not make: not a fit
+            continue
+        if want and want <= names:
+            fits.append((-len(want), fam.name))
+    return [name for _, name in sorted(fits)]
 
 
 def model_rules(cfg: Any) -> RuleSet:

@@ -19,7 +19,7 @@ import os
 from dataclasses import replace
 
 from hybridckpt import values
-from hybridckpt.errors import FormatError, short_repr
+from hybridckpt.errors import CheckpointError, FormatError, short_repr
 from hybridckpt.io.step_folders import StepFolders
 from hybridckpt.lazy import shape_problem
 from hybridckpt.source_checkpoint import SourceCheckpoint
@@ -40,6 +40,7 @@ READERS: tuple[tuple[str, str], ...] = (
     ("paddle-unified", "hybridckpt.formats.paddle.unified"),
     ("colossal", "hybridckpt.formats.colossal"),
     ("hf", "hybridckpt.formats.hf"),
+    ("torch", "hybridckpt.formats.torch_file"),  # last: any torch.save file of a state dict, by its bytes
 )
 NAMES: tuple[str, ...] = tuple(name for name, _ in READERS)
 
@@ -68,6 +69,27 @@ def step_folders(path: str, fmt: str = "auto") -> StepFolders | None:
     (`io.step_folders`: names only), else None."""
     mod = _module(dict(READERS)[detect(path) if fmt == "auto" else fmt])
     return mod.steps(path) if hasattr(mod, "steps") else None
+
+
+def require_store(path: str) -> None:
+    """`path` is a folder that may hold our checkpoints (`DIR` or `DIR/<step>`), or a CheckpointError
+    saying what it is instead: absent (nothing is created), not a folder, or another format's
+    checkpoint, which becomes one of ours by an import. A folder of no known format passes (a
+    training loop's store before its first save): the store says it has no steps."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: no such folder (expected one of our checkpoints: `hybridckpt import` or "
+                              f"CheckpointStore writes them)")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: not a folder (expected one of our checkpoints, a folder)")
+    for name, module in READERS:
+        if _module(module).detect(path):
+            if name == "orbax":
+                return
+            raise CheckpointError(
+                f"{path} is a {name} checkpoint, not a hybridckpt store; import it first: "
+                f"hybridckpt.import_checkpoint({str(path)!r}, DST)",
+                cli=f"{path} is a {name} checkpoint, not a hybridckpt store; import it first: "
+                    f"hybridckpt import {path} DST")
 
 
 def open_source(path: str, fmt: str = "auto", *, config=None, step: int | None = None,

@@ -27,12 +27,15 @@ class OptimizerState:
     step:   the optimizer's step count (torch's `step`, optax's `count`)
     master: fp32 master weights where the source keeps them apart from 16-bit model weights
     hyper:  the param-group hyperparameters (lr, betas, eps, weight_decay) when recorded
+    groups: every param group as recorded, alike or not (its hyperparameters and `params`, how
+            many params it names), where the format reads them (`torch_optim.group_table`)
     """
 
     slots: Mapping[str, Mapping[str, LazyTensor]]
     step: int | None = None
     master: Mapping[str, LazyTensor] = field(default_factory=dict)
     hyper: Mapping[str, Any] = field(default_factory=dict)
+    groups: tuple[Mapping[str, Any], ...] = ()
 
     @property
     def optimizer(self):

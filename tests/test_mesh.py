@@ -20,7 +20,7 @@ from hybridckpt.plan import optax_state_shardings
 
 
 def test_make_mesh_axes_and_device_count():
-    """On the devices present (8: dp=2,tp=2,pp=2; tp=4 of 8 refused; 16 of 8 refused)."""
+    """On the devices present (8: dp=2,tp=2,pp=2; tp=4: the first 4 of 8; 16 of 8 refused)."""
     n = device_count()
     shape = MeshShape.parse(fit("dp=2,tp=2,pp=2"))
     m = make_mesh(**shape.as_dict(), devices=jax.devices()[: shape.size])
@@ -28,10 +28,12 @@ def test_make_mesh_axes_and_device_count():
     assert dict(m.shape) == shape.as_dict()
     if n == 8:
         assert dict(m.shape) == {"dp": 2, "fsdp": 1, "tp": 2, "pp": 2}
-    wrong = n // 2 if n > 1 else 2  # all devices by default: another count is refused
-    with pytest.raises(MeshError, match=f"needs {wrong} devices but {n} are given"):
-        make_mesh(tp=wrong)
-    half = max(1, n // 2)
+    half = max(1, n // 2)  # the first N devices, as the CLI and the jobs take them (issue 37)
+    assert list(make_mesh(tp=half).devices.flat) == jax.devices()[:half]
+    with pytest.raises(MeshError, match=f"needs {2 * n} devices but only {n} exist"):
+        make_mesh(tp=2 * n)
+    with pytest.raises(MeshError, match=f"needs {n + 1} devices but only {n} are given"):
+        make_mesh(dp=n + 1, devices=jax.devices())
     assert make_mesh(tp=half, devices=jax.devices()[:half]).devices.size == half
     assert mesh_from_shape(f"tp={half}").devices.size == half
     with pytest.raises(MeshError, match=f"needs {2 * n} devices but only {n}"):

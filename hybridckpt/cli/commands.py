@@ -214,8 +214,10 @@ def cmd_verify(a) -> int:
 def cmd_logits(a) -> int:
     import numpy as np
 
-    from hybridckpt.jobs.logits import logits
+    from hybridckpt.jobs.logits import check_out, logits, save
 
+    if a.out is not None:
+        check_out(a.out)  # before the forward pass: a path that cannot be written is said at once
     try:
         tokens = [int(t) for t in a.tokens.split(",") if t.strip()]
     except ValueError:
@@ -224,9 +226,8 @@ def cmd_logits(a) -> int:
         raise HybridCkptError(f"--tokens: expected at least one token id, found {a.tokens!r}")
     out = logits(a.src, tokens, mesh=a.mesh, config=a.config, fmt=a.format, step=a.step,
                  compute_dtype=a.compute_dtype, verify_reads=not a.no_verify_reads)
-    if a.out:
-        np.save(a.out, out)
-        print(f"logits {out.shape} float32 written to {a.out}")
+    if a.out is not None:
+        print(f"logits {out.shape} float32 written to {save(a.out, out)}")
     else:
         np.set_printoptions(precision=4, suppress=True, linewidth=120)
         print(f"logits {out.shape}; argmax per position: {out[0].argmax(-1).tolist()}")

@@ -74,7 +74,7 @@ def _common(sp, *, fmt=True, config=True, io=False, progress=True, step=True) ->
         sp.add_argument("--io-threads", type=_thread_count, metavar="N",
                         help="parallel byte-range readers (default: $HYBRIDCKPT_IO_THREADS, else 2 x cores, 4..16)")
     if config:
-        sp.add_argument("--config", help="HF config.json or Meta params.json, for sources that carry no model config")
+        sp.add_argument("--config", help="HF config.json or Meta params.json (or a folder holding one), for sources that carry no model config")
     if progress:
         sp.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -207,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("logits", help="run the model's forward pass on tokens")
     s.add_argument("src", help=SRC_HELP)
     s.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 1,2,3")
-    s.add_argument("--out", help="write the logits to this .npy file")
+    s.add_argument("--out", help="write the logits in .npy format to exactly this file (its folder must exist)")
     s.add_argument("--mesh", default="dp=1", help="mesh to run on, e.g. tp=2,pp=2 (default: one device)")
     s.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="dtype of activations and matmuls (params stay fp32; logits are fp32)")

@@ -96,13 +96,28 @@ def _model_files(path: str, folder: str) -> tuple[dict[str, LazyTensor], str]:
     """(the model's tensors, which files held them) of a file, or a folder's safetensors (else
     its torch shards)."""
     if os.path.isfile(path):
-        return dict(read_header(path).tensors), os.path.basename(path)
+        return _safetensors_file(path), os.path.basename(path)
     tensors = read_tensors(folder, WEIGHTS, INDEX)
     if tensors:
         return tensors, INDEX if os.path.isfile(os.path.join(folder, INDEX)) else WEIGHTS
     if hf_bin.present(folder):
         return hf_bin.read(folder, read_index(os.path.join(folder, hf_bin.INDEX)))
     raise FormatError(f"{path}: no {WEIGHTS}, {INDEX} or {hf_bin.SINGLE}")
+
+
+def _safetensors_file(path: str) -> dict[str, LazyTensor]:
+    """The tensors of a file given as the source: one line saying it is not a safetensors file
+    when its header is not one (a torch.save file named with `--format hf`, say)."""
+    from hybridckpt.containers.pickle import torch_save
+
+    if torch_save.is_torch_zip(path) or torch_save.is_torch_legacy(path):
+        raise FormatError(f"{path} is not a safetensors file: it is a torch.save file "
+                          f"(read as --format torch, which detection picks)")
+    try:
+        return dict(read_header(path).tensors)
+    except FormatError as e:
+        why = str(e).removeprefix(f"{path}: ")
+        raise FormatError(f"{path} is not a safetensors file: {why}") from None
 
 
 def _config(folder: str, config) -> tuple[object, dict | None]:

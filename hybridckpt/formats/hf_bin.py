@@ -41,13 +41,18 @@ def present(folder: str) -> bool:
 
 
 def _state_dict(path: str) -> dict[str, LazyTensor]:
-    obj = torch_save.load(path)
+    return tensors_of(torch_save.load(path), path)
+
+
+def tensors_of(obj: object, where: str) -> dict[str, LazyTensor]:
+    """A flat state dict `{name: tensor}` unpickled from `where`, checked to be one (names are
+    strings, values tensors): else a FormatError naming the first entry that is not."""
     if not isinstance(obj, Mapping):
-        raise FormatError(f"{path}: expected a state dict (name -> tensor), found {type(obj).__name__}")
+        raise FormatError(f"{where}: expected a state dict (name -> tensor), found {type(obj).__name__}")
     out = {}
     for k, v in obj.items():
         if not isinstance(k, str) or not isinstance(v, LazyTensor):
-            raise FormatError(f"{path}: entry {short_repr(k)}: expected a tensor under a str name, found {type(v).__name__}")
+            raise FormatError(f"{where}: entry {short_repr(k)}: expected a tensor under a str name, found {type(v).__name__}")
         out[k] = v
     return out
 

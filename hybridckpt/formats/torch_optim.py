@@ -77,6 +77,17 @@ def slot_shape(slot_names: Sequence[str], slot: str, param_shape: Sequence[int])
         return tuple(param_shape)
 
 
+def group_table(groups: Sequence[Mapping], names: Sequence[Sequence[str]],
+                where: str = "param_groups") -> tuple[dict, ...]:
+    """Every param group as the source records it, alike or not: its hyper-parameters (checked
+    as `hyper` checks them) and `params`, how many params it names (`OptimizerState.groups`, what
+    `inspect` shows)."""
+    from hybridckpt.optim.groups import check_group
+
+    return tuple({**check_group(values.mapping(g, where, f"param_groups[{i}]"), where, f"param_groups[{i}][{{!r}}]"),
+                  "params": len(n)} for i, (g, n) in enumerate(zip(groups, names, strict=False)))
+
+
 def group_params(group: Mapping, where: str, index: int) -> list:
     """`param_groups[index]["params"]` as a list (absent: empty); another type is a FormatError."""
     return values.sequence(group.get("params") or [], where, f"param_groups[{index}]['params']")

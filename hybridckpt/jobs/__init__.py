@@ -8,6 +8,8 @@
 - `verify.verify` / `verify.verify_checksums`: compare two checkpoints; re-check ours on disk.
 - `inspect.inspect`: what a checkpoint holds, from metadata.
 - `logits.logits`: the forward pass, to check a conversion against the source framework.
+- `restore.restore`: one of our checkpoints onto any mesh (`store.restore`), after checking the
+  path is one (absent: nothing created; another format's: named, with the import to run).
 
 Each job takes plain arguments and returns a summary or data; printing and exit codes live in
 `hybridckpt.cli`. JAX, Flax and Orbax are imported inside the jobs that use them, so export,

@@ -29,7 +29,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hybridckpt.errors import CheckpointError
 from hybridckpt.io import byte_source
 
 Progress = Callable[[str, int], None]  # (tensor name, bytes) after each tensor
@@ -91,8 +90,9 @@ def export_checkpoint(
 ) -> ExportSummary:
     """Any supported checkpoint (Orbax included) -> one safetensors folder at `out`.
 
-    optimizer: also write the optimizer slots and step. dtype: cast the floating params on write
-      (the summary's notes say what was cast); default: every tensor as stored.
+    optimizer: also write the optimizer slots and step (a source without any: the weights alone,
+      with a note saying so). dtype: cast the floating params on write (the summary's notes say
+      what was cast); default: every tensor as stored.
     config: a config path or model config for sources that carry none (omit it to consolidate
       under the source's own names). step: which step of a folder of several (`open_checkpoint`).
     to: "hf", or a Paddle unified layout ("paddlenlp-unified", "paddleformers-unified":
@@ -120,8 +120,10 @@ def export_checkpoint(
     Destination(out, overwrite=overwrite, sources=[opened.path]).preflight()  # before any read
     named = naming.model_hf(opened.named, opened.config) if opened.config is not None else opened.named
     _, cast = cast_floating(named.params, dtype)  # what the writer casts (through the same helper)
-    if optimizer and not named.slots:
-        raise CheckpointError(f"{opened.path}: has no optimizer state to export (drop --optimizer)")
+    notes: tuple[str, ...] = ()
+    if optimizer and not named.slots:  # the weights alone, and said: the flag had nothing to write
+        optimizer = False
+        notes = (f"{opened.path} holds no optimizer state (weights only): the weights are exported without it",)
     done = writers.write(writers.ExportRequest(
         to, os.fspath(out), named, opened.config, optimizer=optimizer, dtype=np_dtype(dtype) if dtype else None,
         max_shard_bytes=max_shard_bytes, overwrite=overwrite, progress=progress, direct_io=direct_io,
@@ -130,4 +132,4 @@ def export_checkpoint(
     ))
     cast_note = (cast.note(),) if cast.note() else ()
     return ExportSummary(opened.format, os.path.abspath(out), done.files, done.tensors, done.nbytes,
-                         time.perf_counter() - t0, optimizer, tuple(opened.notes) + done.notes + cast_note)
+                         time.perf_counter() - t0, optimizer, notes + tuple(opened.notes) + done.notes + cast_note)

@@ -102,11 +102,10 @@ def lazy_targets(
 ) -> LazyTargets:
     """The import's leaves of an opened checkpoint on `mesh` (arguments as `import_checkpoint`'s);
     reads nothing but what opening read."""
-    import jax
 
     from hybridckpt import naming, plan
     from hybridckpt.lazy.dtypes import is_floating
-    from hybridckpt.mesh import MeshShape, mesh_from_shape
+    from hybridckpt.mesh import as_mesh
     from hybridckpt.store import stream
     from hybridckpt.store.codec import parse_compression
 
@@ -117,9 +116,7 @@ def lazy_targets(
         named = naming.hf_to_tree(hf, cfg)
     else:  # the source's own names: data, stored under safe keys (`store.keys`)
         named, escaped = _under_storage_keys(hf)
-    jmesh = mesh if isinstance(mesh, jax.sharding.Mesh) else mesh_from_shape(
-        MeshShape.parse(mesh) if isinstance(mesh, str) else mesh
-    )
+    jmesh = as_mesh(mesh)
     opt = None if params_only else named.optimizer
     if opt is not None:
         _check_slots_match_params(named, opened.path)
@@ -239,12 +236,13 @@ def import_checkpoint(
 
     def checksums() -> dict:
         from hybridckpt.checksum import CHUNKS, encode_crcs, to_hex
+        from hybridckpt.store.save_crcs import gather_crc_tables
 
         recorded = leaves | counted
         sums = {name: to_hex(leaf.checksum) for name, leaf in recorded.items()}
         tables = {name: leaf.crc_table() for name, leaf in recorded.items()}
         if jax.process_count() > 1:
-            sums, tables = _sum_across_processes(sums), _gather_crc_tables(tables)
+            sums, tables = _sum_across_processes(sums), gather_crc_tables(tables)
         return {
             "checksum_algorithm": CHUNKS,
             "checksum_chunks": {name: list(leaf.checksum_chunk or leaf.shape) for name, leaf in recorded.items()},
@@ -350,23 +348,6 @@ def _zeros_for_the_rest(state: Any, p: Any, opts: Any) -> Any:
         return x
 
     return jax.tree.map(fill, state, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct | stream.LazyLeaf))
-
-
-def _gather_crc_tables(tables: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Every process's CRC tables summed: each chunk is written (and its entry set) by exactly
-    one process, the others hold 0 there. As int32 halves (jax runs without x64)."""
-    from jax.experimental import multihost_utils
-
-    names = sorted(tables)
-    flat = np.concatenate([tables[n].astype(np.int64) for n in names]) if names else np.zeros(0, np.int64)
-    halves = np.stack([flat & 0xFFFF, flat >> 16]).astype(np.int32)
-    gathered = np.asarray(multihost_utils.process_allgather(halves)).astype(np.int64).sum(axis=0)
-    total = (gathered[0] + (gathered[1] << 16)).astype(np.uint32)
-    out, at = {}, 0
-    for n in names:
-        out[n] = total[at : at + len(tables[n])]
-        at += len(tables[n])
-    return out
 
 
 def _sum_across_processes(sums: dict[str, str]) -> dict[str, str]:

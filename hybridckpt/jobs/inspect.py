@@ -125,7 +125,7 @@ def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, s
             "params_with_state": opt.num_params(),
             "master_weights": len(opt.master),
             "hyper": {k: v for k, v in opt.hyper.items() if k != "groups"},
-            "param_groups": [
+            "param_groups": [dict(g) for g in opt.groups] or [
                 {**{k: v for k, v in g.items() if k != "params"}, "params": len(g.get("params") or [])}
                 for g in opt.hyper.get("groups") or []
             ],

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from hybridckpt.errors import MappingError
+from hybridckpt.errors import ConfigError, MappingError
 
 
 def logits(
@@ -35,7 +35,7 @@ def logits(
     from hybridckpt import models, naming, plan
     from hybridckpt.jobs.import_ import cast_named
     from hybridckpt.jobs.open import open_checkpoint, require_config
-    from hybridckpt.mesh import MeshShape, mesh_from_shape
+    from hybridckpt.mesh import as_mesh
     from hybridckpt.place import assemble
 
     opened = open_checkpoint(src, fmt, config=config, step=step, verify_reads=verify_reads)
@@ -50,11 +50,57 @@ def logits(
         raise MappingError(f"tokens must lie in [0, {vocab}), found {toks.min()}..{toks.max()}")
     hf, _ = cast_named(opened.named, "float32")  # (a dequantized tensor: its exact float32 values)
     tree = naming.hf_to_tree(hf, cfg)
-    jmesh = mesh if isinstance(mesh, jax.sharding.Mesh) else mesh_from_shape(
-        MeshShape.parse(mesh) if isinstance(mesh, str) else mesh
-    )
+    jmesh = as_mesh(mesh)
     p = plan.for_model(cfg, jmesh, indivisible="replicate")
     params = assemble(naming.nest(tree.params), p.param_shardings, np.float32)
     cd = jnp.bfloat16 if compute_dtype in ("bfloat16", "bf16") else jnp.float32
     fn = jax.jit(lambda prm, t: models.forward(cfg, prm, t, compute_dtype=cd))
     return np.asarray(fn(params, toks))
+
+
+def check_out(path: str) -> str:
+    """The `--out` file, checked before the forward pass runs: a non-empty path that is not a
+    folder, in a folder that exists and can be written; returned as given."""
+    where = os.fspath(path)
+    if not where:
+        raise ConfigError("--out '': expected the path of the .npy file to write")
+    if os.path.isdir(where):
+        raise ConfigError(f"--out {where}: is a folder; expected the path of the .npy file to write")
+    folder = os.path.dirname(where) or "."
+    if not os.path.isdir(folder):
+        raise ConfigError(f"--out {where}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {where}: the folder {folder} is not writable")
+    return where
+
+
+def save(path: str, out: np.ndarray) -> str:
+    """Write `out` as a `.npy` file at exactly `path` (no suffix added) and return it: written
+    into a temporary sibling (removed on any failure or Ctrl-C) and renamed into place, so the
+    path holds the whole array or what it held before. A file already there is replaced."""
+    import secrets
+
+    from hybridckpt.io import interrupts
+
+    where = check_out(path)
+    folder = os.path.dirname(where) or "."
+    tmp = os.path.join(folder, f".{os.path.basename(where)}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for np.save
+    except OSError as e:
+        raise ConfigError(f"--out {where}: cannot write in {folder} ({e.strerror})") from None
+    interrupts.add_temporary(tmp, "file")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, out, allow_pickle=False)
+            f.flush()
+            os.fsync(f.fileno())
+        with interrupts.committing():
+            os.replace(tmp, where)
+    except OSError as e:
+        raise ConfigError(f"--out {where}: cannot write the logits ({e.strerror or e})") from None
+    finally:
+        interrupts.discard_temporary(tmp)
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+    return where

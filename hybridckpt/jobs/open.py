@@ -24,10 +24,24 @@ from hybridckpt.naming import Named
 from hybridckpt.optim.groups import checked_hyper
 
 
+def config_file(path: str) -> str:
+    """The config file `--config` names: the file itself, or in a folder its `config.json` (HF),
+    else its `params.json` (Meta); a folder with neither is a ConfigError."""
+    if not os.path.isdir(path):
+        return path
+    for name in ("config.json", "params.json"):
+        if os.path.isfile(os.path.join(path, name)):
+            return os.path.join(path, name)
+    raise ConfigError(f"--config {path}: a folder without config.json or params.json; expected an HF config.json "
+                      f"or a Meta params.json (or a folder holding one)")
+
+
 def load_config_file(path: str, vocab_size: int | None = None) -> Any:
-    """A model config from an HF `config.json` or a Meta `params.json`."""
+    """A model config from an HF `config.json` or a Meta `params.json` (or a folder holding one:
+    `config_file`)."""
     from hybridckpt import models
 
+    path = config_file(path)
     try:
         data = read_json(path)
     except FormatError as e:  # missing or not a JSON object: a bad --config
@@ -129,7 +143,7 @@ def model_files_of(src: Any, path: str, config: Any) -> tuple[dict[str, ModelFil
         if model_files.CONFIG in above:
             files, skipped = above | files, skipped + more
     if isinstance(config, str | os.PathLike):
-        cpath = os.path.abspath(os.fspath(config))
+        cpath = os.path.abspath(config_file(os.fspath(config)))
         data = read_json(cpath)
         if not ("dim" in data and "n_layers" in data):  # an HF config.json (a Meta params.json is not carried)
             beside, more = model_files.find(os.path.dirname(cpath))

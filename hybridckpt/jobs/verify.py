@@ -209,14 +209,17 @@ def verify_checksums(
     max_abs_diff is 0 (match) or inf (differs, or not recorded)."""
     from hybridckpt import checksum, optim
     from hybridckpt.errors import HybridCkptError
+    from hybridckpt.readers import require_store
     from hybridckpt.store.as_source import resolve
     from hybridckpt.store.reader import UnreadableArray, item_arrays
     from hybridckpt.writers.ownership import given
 
-    root, step, state = resolve(given(path, "the checkpoint"), step)
+    path = given(path, "the checkpoint")
+    require_store(path)  # another format's checkpoint: named, with the import to run
+    root, step, state = resolve(path, step)
     recorded = state.get("checksums")
     if not recorded:
-        raise CheckpointError(f"{path}: no checksums recorded (only `hybridckpt import` records them)")
+        raise CheckpointError(f"{path}: no checksums recorded (`hybridckpt import` and CheckpointStore saves of arrays record them)")
     step_dir = os.path.join(root, str(step))
     arrays = {f"params.{k}": v for k, v in item_arrays(os.path.join(step_dir, "params"), unreadable="keep").items()}
     if os.path.isdir(os.path.join(step_dir, "opt_state")):

@@ -43,6 +43,7 @@ from hybridckpt.store.orbax_io import (
     restore_partial,
     standard_save,
 )
+from hybridckpt.store.save_crcs import crc_record
 from hybridckpt.writers.ownership import given
 
 # what an import records about the arrays it wrote: a later save writes other arrays, so a
@@ -239,7 +240,8 @@ class CheckpointStore:
         """Save `params` (and `opt_state` unless None or save_optimizer=False) at `step`.
 
         Returns False when the save interval skips this step. `trainer_state` gets `step` and
-        `mesh` (taken from the params' shardings) filled in. A step that already exists is an
+        `mesh` (taken from the params' shardings) filled in, and the CRC-32 of every chunk of
+        every array (`store.save_crcs`), against which restore, export and verify check it. A step that already exists is an
         error.
         """
         if not force and not self._manager.should_save(step):
@@ -248,9 +250,11 @@ class CheckpointStore:
         _check_keys(params, f"{self.directory}/{step}/{PARAMS}")
         if opt_state is not None and self.save_optimizer:
             _check_keys(opt_state, f"{self.directory}/{step}/{OPT_STATE}")
-        items: dict[str, Any] = {PARAMS: standard_save(params)}
+        trees = {PARAMS: params}
         if opt_state is not None and self.save_optimizer:
-            items[OPT_STATE] = standard_save(opt_state)
+            trees[OPT_STATE] = opt_state
+        state.update(crc_record(trees, state) or {})  # every later read checked, as an import's
+        items: dict[str, Any] = {k: standard_save(t) for k, t in trees.items()}
         items[TRAINER_STATE] = ocp.args.JsonSave(state)
         try:
             return bool(
@@ -286,7 +290,8 @@ class CheckpointStore:
           restored and the others reported in `Restored.missing_keys / unexpected_keys`.
         verify_reads: a step whose import recorded CRC-32s per chunk is read through them
           (`store.checked`: every chunk checked, each device reading the chunks of its shard);
-          False, or a step without them (a training loop's save), is read by Orbax.
+          a training loop's save records them too (`store.save_crcs`); False, or a step
+          without them, is read by Orbax.
         """
         manager = self._manager
         manager.wait_until_finished()  # a pending async save must be on disk before reading

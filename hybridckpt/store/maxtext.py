@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hybridckpt.errors import CheckpointError, ConfigError, FormatError
+from hybridckpt.errors import CheckpointError, FormatError
 from hybridckpt.formats import maxtext
 from hybridckpt.formats.maxtext import NAME, detect, steps  # noqa: F401  (the reader registry's entry points)
 from hybridckpt.lazy import LazyTensor
@@ -28,12 +28,12 @@ def open(path: str, *, config: Any = None, step: int | None = None):  # noqa: A0
     """A MaxText checkpoint as a lazy `SourceCheckpoint`: params (and Adam's mu/nu, the step)
     under MaxText's names with the layer axis first; the family's rules take them to HF names
     (the query kernel scaled back, RoPE rows as HF's; the moments with `Op.for_slot`). MaxText
-    saves no model config: `config` (`--config`, an HF config.json) is required."""
+    saves no model config: with `config` (`--config`, an HF config.json) it is read as that model;
+    without, its tensors are listed and converted under MaxText's names (layer axis first), as
+    any source without a config."""
     from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
     from hybridckpt.store.reader import item_arrays
 
-    if config is None:
-        raise ConfigError(f"{path}: a MaxText checkpoint records no model config; pass --config (an HF config.json)")
     item_dir, dir_step = maxtext.item_dir(path, step)
     leaves = item_arrays(item_dir)
 
@@ -57,11 +57,13 @@ def open(path: str, *, config: Any = None, step: int | None = None):  # noqa: A0
         path=path,
         tensors=params,
         optimizer=optimizer,
-        hf_rules=maxtext.dialect(config).rules()[0],
-        rule_vars=maxtext.rule_vars(config),
+        hf_rules=maxtext.dialect(config).rules()[0] if config is not None else "",
+        rule_vars=maxtext.rule_vars(config) if config is not None else {},
         config=config,
         step=optimizer.step if optimizer is not None else run_step,
-        notes=tuple(maxtext.notes(config)),
+        notes=tuple(maxtext.notes(config)) if config is not None else (
+            "MaxText records no model config: its tensors under MaxText's names, the layer axis first "
+            "(--config, an HF config.json, reads it as that model)",),
     )
 
 

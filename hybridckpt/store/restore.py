@@ -16,7 +16,7 @@ from typing import Any
 import jax
 
 from hybridckpt import optim, plan
-from hybridckpt.mesh import MeshShape, mesh_from_shape
+from hybridckpt.mesh import MeshShape, as_mesh
 from hybridckpt.naming import flatten
 from hybridckpt.store.layout import Restored
 from hybridckpt.store.manager import CheckpointStore
@@ -70,13 +70,16 @@ def restore(
     `restored.notes`; a dim made of heads or experts splits only between them). Other keyword arguments go
     to `CheckpointStore.restore` (global_batch_size, allow_batch_size_change, strict).
     """
+    from hybridckpt.errors import CheckpointError
     from hybridckpt.store.as_source import model_config
 
+    if not os.path.isdir(directory):  # (the store would create it)
+        raise CheckpointError(f"{directory}: no such folder (expected one of our checkpoints)")
     with CheckpointStore(os.path.abspath(directory)) as store:
         state = store.trainer_state(step)
         if mesh is None:
             mesh = _saved_mesh_if_it_fits(state.get("mesh"))
-        jmesh = mesh if isinstance(mesh, jax.sharding.Mesh) else mesh_from_shape(mesh)
+        jmesh = as_mesh(mesh)
         step = state.get("step", step) if step is None else step
         saved = store.params_metadata(step)
         has_opt = os.path.isdir(os.path.join(str(store.directory), str(step), "opt_state"))

@@ -27,7 +27,6 @@ from fixtures.torch_common import load_reference, reference_names
 from hybridckpt import jobs
 from hybridckpt.cli import main
 from hybridckpt.containers.dcp_metadata import read_metadata
-from hybridckpt.errors import CheckpointError
 
 RESUME = os.path.join(FIXTURES, "dcp_resume.py")
 
@@ -113,14 +112,16 @@ def test_fsdp2_resumes_a_direct_export(run, tmp_path):
     assert_resumed(resume(out, 2, run, tmp_path / "res.npz"), run)
 
 
-def test_refused_without_optimizer_state(run, tmp_path):
+def test_without_optimizer_state_the_weights_export_with_a_note(run, tmp_path):
     out = tmp_path / "w"
     jobs.export_checkpoint(str(run / "fsdp2"), str(out), to="dcp")  # weights only: fine
     md = read_metadata(str(out))
     assert not any(k.startswith("optim.") for k in md.tensors)
-    with pytest.raises(CheckpointError, match="no optimizer state"):
-        jobs.export_checkpoint(str(run / "fsdp2_hf"), str(tmp_path / "x"), to="dcp", optimizer=True)
-    assert not os.path.exists(tmp_path / "x")
+    # --optimizer on a weights-only source: the weights, and a note that there was nothing more
+    # (issue 37: it was refused, which broke the README's quick start on such a source)
+    s = jobs.export_checkpoint(str(run / "fsdp2_hf"), str(tmp_path / "x"), to="dcp", optimizer=True)
+    assert not s.with_optimizer and any("holds no optimizer state" in n for n in s.notes), s.notes
+    assert sorted(read_metadata(str(tmp_path / "x")).tensors) == sorted(md.tensors)
 
 
 def test_unknown_hyperparameters_are_torchs_defaults_and_said(tmp_path):

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from cases import case_dir, ckpt, manifest, reference
 
+import hybridckpt
 from hybridckpt import jobs
 from hybridckpt.formats import maxtext
 from hybridckpt.jobs.open import open_checkpoint
@@ -178,12 +179,15 @@ def test_manifest_records_maxtexts_own_checks(case):
     assert manifest(case)["versions"]["maxtext"] == "0.2.5"
 
 
-def test_a_maxtext_source_needs_a_config_and_a_family_without_a_mapping_is_refused(tmp_path):
+def test_a_maxtext_source_needs_a_config_for_the_model_and_a_family_without_a_mapping_is_refused(tmp_path):
     from hybridckpt import models
     from hybridckpt.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="records no model config; pass --config"):
-        open_checkpoint(ckpt("maxtext_llama3"))
+    # without one, its tensors under MaxText's names (inspect lists them, as DCP's; issue 37)
+    opened = open_checkpoint(ckpt("maxtext_llama3"))
+    assert opened.config is None and "decoder.layers.mlp.wi_0.kernel" in opened.named.params
+    with pytest.raises(ConfigError, match="carries no model config; logits needs one"):
+        hybridckpt.logits(ckpt("maxtext_llama3"), [1, 2])
     gpt2 = models.config_from_hf({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 8,
                                   "n_head": 2, "n_layer": 1, "vocab_size": 16, "n_positions": 8})
     with pytest.raises(ConfigError, match="no mapping for family 'gpt2'"):

@@ -117,12 +117,14 @@ def test_verify_recorded_checksums_then_detect_a_changed_tensor(imported, capsys
     bad = imported + "-bad"
     with CheckpointStore(bad) as store:
         store.save(state["step"], params, opt_state, {k: v for k, v in state.items() if k not in ("step", "mesh")})
-    # a save of new arrays records no checksums of the old ones: put them back, as damage would
+    # a save of new arrays records its own checksums, not the old ones (issue 37: a training
+    # loop's saves are checked too): put the old ones back, as damage would
     from pathlib import Path
 
     from hybridckpt.store.save import _add_to_trainer_state
 
-    assert "checksums" not in read_trainer_state(bad)
+    assert read_trainer_state(bad)["checksums"] != state["checksums"]
+    assert main(["verify", bad]) == 0
     kept = {k: state[k] for k in ("checksums", "checksum_chunks", "checksum_algorithm", "chunk_crc32")}
     _add_to_trainer_state(Path(bad) / str(state["step"]), kept)
     capsys.readouterr()

@@ -151,15 +151,12 @@ def _open_metadata(path: str, folder: str, config) -> SourceCheckpoint:
                     f"params have different optimizer steps {sorted(values)[:5]}; using {step}"
                 )
         groups = param_groups(md, st.optim)
-        hyper = torch_optim.hyper(
-            groups,
-            [
-                [_strip(p, st.model) for p in torch_optim.group_params(g, md.files[0], i) if isinstance(p, str)]
-                for i, g in enumerate(groups)
-            ],
-            md.files[0],
-        )
-        optimizer = OptimizerState(slots, step, hyper=hyper)
+        names = [
+            [_strip(p, st.model) for p in torch_optim.group_params(g, md.files[0], i) if isinstance(p, str)]
+            for i, g in enumerate(groups)
+        ]
+        optimizer = OptimizerState(slots, step, hyper=torch_optim.hyper(groups, names, md.files[0]),
+                                   groups=torch_optim.group_table(groups, names, md.files[0]))
     if not tensors:
         raise FormatError(f"{md.files[0]}: no model tensors found (keys: {sorted(md.tensors)[:5]})")
     if dialect is not None:
