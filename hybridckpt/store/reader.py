@@ -38,7 +38,8 @@ from hybridckpt.formats.config_file import read_json
 from hybridckpt.io.byte_source import ByteSource
 from hybridckpt.lazy import ArrayTensor, Box, FileRun, LazyTensor, StoredTensor, tiled
 from hybridckpt.store import ts_spec
-from hybridckpt.store.chunk_index import OCDBT_MANIFEST, ItemIndex, read_index
+from hybridckpt.store.chunk_index import OCDBT_MANIFEST, ItemIndex, UnsafeItem, no_special_files, read_index
+from hybridckpt.store.keys import metadata_leaf_names
 
 
 class _Item:
@@ -52,11 +53,14 @@ class _Item:
         self._context: list = []
 
     def index(self) -> ItemIndex | None:
-        """The OCDBT index, or None when it cannot be read (TensorStore then says what is wrong)."""
+        """The OCDBT index, or None when it cannot be read (TensorStore then says what is wrong);
+        an index that names a data file outside the item is an error here."""
         with self._lock:
             if not self._index:
                 try:
                     self._index.append(read_index(self.item_dir))
+                except UnsafeItem:
+                    raise  # (TensorStore would follow the reference: it is not asked)
                 except CheckpointError:
                     self._index.append(None)
             return self._index[0]
@@ -202,16 +206,19 @@ def item_arrays(item_dir: str, *, unreadable: str = "raise") -> dict[str, OrbaxA
     unreadable: "raise" (a CheckpointError naming the array) or "keep" (an `UnreadableArray` in
     its place, for `verify` to report every damaged array rather than stop at the first).
     """
-    meta = read_json(os.path.join(item_dir, "_METADATA"))
+    meta_path = os.path.join(item_dir, "_METADATA")
+    meta = read_json(meta_path)
     zarr3 = bool(meta.get("use_zarr3", False))
+    leaves = metadata_leaf_names(meta, meta_path)  # names, never paths: one folder each, no two alike
     out: dict[str, OrbaxArray] = {}
     item = _Item(item_dir)
+    no_special_files(item_dir)  # (TensorStore would wait on a FIFO named like a chunk)
+    if not item.use_ocdbt:
+        _one_folder_each(item_dir, leaves, meta_path)
     index = None if zarr3 else item.index()
-    for entry in meta.get("tree_metadata", {}).values():
-        value = entry.get("value_metadata", {})
-        if value.get("value_type") not in ("jax.Array", "np.ndarray"):
+    for name, entry in leaves.items():
+        if entry.get("value_metadata", {}).get("value_type") not in ("jax.Array", "np.ndarray"):
             continue
-        name = ".".join(str(k["key"]) for k in entry.get("key_metadata", []))
         layout = None if index is None or name not in index.zarrays else raw_layout(index.zarrays[name])
         raw = None if layout is None else raw_chunks(name, layout[0], index)
         if raw is not None:  # shape and dtype from the index: no TensorStore open, no Orbax
@@ -230,3 +237,21 @@ def item_arrays(item_dir: str, *, unreadable: str = "raise") -> dict[str, OrbaxA
             item, probe._store, [None],
         )
     return out
+
+
+def _one_folder_each(item_dir: str, names, where: str) -> None:
+    """A CheckpointError when two leaf names of a raw item (a folder per array) are one folder on
+    this filesystem (`W` and `w` where names are compared case-blind): one array read for both."""
+    by_fold: dict[str, str] = {}
+    for name in names:
+        first = by_fold.setdefault(name.casefold(), name)
+        if first == name:
+            continue
+        a, b = os.path.join(item_dir, first), os.path.join(item_dir, name)
+        try:
+            same = os.path.samefile(a, b)
+        except OSError:
+            same = False
+        if same:
+            raise CheckpointError(f"{where}: leaves {first!r} and {name!r} are one folder on this filesystem; "
+                                  f"one would be read for both")
