@@ -38,7 +38,13 @@ from hybridckpt.formats.config_file import read_json
 from hybridckpt.io.byte_source import ByteSource
 from hybridckpt.lazy import ArrayTensor, Box, FileRun, LazyTensor, StoredTensor, tiled
 from hybridckpt.store import ts_spec
-from hybridckpt.store.chunk_index import OCDBT_MANIFEST, ItemIndex, UnsafeItem, no_special_files, read_index
+from hybridckpt.store.chunk_index import (
+    OCDBT_MANIFEST,
+    ItemIndex,
+    UnsafeItem,
+    no_special_files,
+    read_index,
+)
 from hybridckpt.store.keys import metadata_leaf_names
 
 
@@ -149,16 +155,23 @@ def zarr_dtype(text: str) -> np.dtype | None:
 
 def raw_layout(zarray: dict) -> tuple[tuple[int, ...], tuple[int, ...], np.dtype, str] | None:
     """(shape, chunk shape, dtype, key separator) of a zarr v2 array whose chunks are raw C-order
-    little-endian bytes; None for any other (compressed, filtered, Fortran order, big-endian)."""
+    little-endian bytes; None for any other (compressed, filtered, Fortran order, big-endian) and
+    for metadata that is not such an object (TensorStore then reads it and says what is wrong)."""
+    if not isinstance(zarray, dict):
+        return None
     dtype = zarr_dtype(zarray.get("dtype", ""))
     if (dtype is None or zarray.get("compressor") is not None or zarray.get("filters")
             or zarray.get("order", "C") != "C" or dtype.byteorder == ">" or zarray.get("zarr_format", 2) != 2):
         return None
-    shape = tuple(int(n) for n in zarray.get("shape", ()))
-    chunks = tuple(int(c) for c in zarray.get("chunks", shape))
-    if len(chunks) != len(shape) or any(c <= 0 for c in chunks):
+    try:
+        shape = tuple(int(n) for n in zarray.get("shape", ()))
+        chunks = tuple(int(c) for c in zarray.get("chunks", shape))
+    except (TypeError, ValueError, OverflowError):
         return None
-    return shape, chunks, dtype, zarray.get("dimension_separator", ".")
+    sep = zarray.get("dimension_separator", ".")
+    if len(chunks) != len(shape) or any(c <= 0 for c in chunks) or any(n < 0 for n in shape) or sep not in (".", "/"):
+        return None
+    return shape, chunks, dtype, sep
 
 
 def raw_chunks(name: str, shape: tuple[int, ...], index: ItemIndex) -> LazyTensor | None:
@@ -170,6 +183,9 @@ def raw_chunks(name: str, shape: tuple[int, ...], index: ItemIndex) -> LazyTenso
     if layout is None or layout[0] != tuple(shape):
         return None
     _, chunk, dtype, sep = layout
+    grid = math.prod(-(-n // c) for n, c in zip(shape, chunk, strict=True))
+    if grid > len(index.locations) + len(index.inline):  # more chunks than stored: some are missing
+        return None  # (and a declared grid is never walked past what the index holds)
     want = math.prod(chunk) * dtype.itemsize
     pieces = []
     for origin in itertools.product(*(range(0, n, c) for n, c in zip(shape, chunk, strict=True))):
@@ -215,7 +231,8 @@ def item_arrays(item_dir: str, *, unreadable: str = "raise") -> dict[str, OrbaxA
     no_special_files(item_dir)  # (TensorStore would wait on a FIFO named like a chunk)
     if not item.use_ocdbt:
         _one_folder_each(item_dir, leaves, meta_path)
-    index = None if zarr3 else item.index()
+    index = item.index() if item.use_ocdbt or not zarr3 else None  # (an OCDBT index is walked, and its
+    index = None if zarr3 else index  # data files checked to lie inside the item, for zarr v3 too)
     for name, entry in leaves.items():
         if entry.get("value_metadata", {}).get("value_type") not in ("jax.Array", "np.ndarray"):
             continue

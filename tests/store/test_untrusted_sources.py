@@ -273,3 +273,4 @@ def test_a_maxtext_fifo_named_like_a_chunk_is_refused(tmp_path, capsys):
     os.remove(meta)
     os.mkfifo(meta)
     _refused(capsys, copy, tmp_path, "not a regular file", extra=("--config", CONFIG))
+
