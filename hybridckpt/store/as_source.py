@@ -140,7 +140,7 @@ def open(path: str, *, config: Any = None, step: int | None = None, verify_reads
     from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
     from hybridckpt.store.checked import checked_arrays
     from hybridckpt.store.keys import NAMES_KEY, original_names
-    from hybridckpt.store.reader import item_arrays
+    from hybridckpt.store.reader import item_arrays, scalar_int
 
     root, step, state = resolve(path, step)
     cfg = model_config(state, config)
@@ -172,7 +172,7 @@ def open(path: str, *, config: Any = None, step: int | None = None, verify_reads
             count = {"count": leaves[opt.orbax_step]}
             if verify_reads and "count" in (state.get("chunk_crc32") or {}):
                 count = checked_arrays(count, state, "", os.path.join(step_dir, "opt_state"))
-            opt_step = int(count["count"].materialize())
+            opt_step = scalar_int(count["count"], opt.orbax_step, os.path.join(step_dir, "opt_state"))
         optimizer = OptimizerState(slots, opt_step, hyper=recorded_hyper(state, params, named))
     return SourceCheckpoint(
         format=NAME,

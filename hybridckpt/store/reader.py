@@ -200,6 +200,15 @@ def raw_chunks(name: str, shape: tuple[int, ...], index: ItemIndex) -> LazyTenso
     return tiled(tuple(shape), dtype, pieces)  # (a single whole chunk is itself: 0-d arrays too)
 
 
+def scalar_int(t: LazyTensor, name: str, where: str) -> int:
+    """The value of a step counter leaf (`step`, Adam's `count`): a CheckpointError unless it is
+    one integer element (checked on its declared shape before anything is read)."""
+    dtype = np.dtype(t.dtype)
+    if math.prod(t.shape) != 1 or dtype.kind not in "iu":
+        raise CheckpointError(f"{where}: {name} is {dtype.name} {list(t.shape)}, expected one integer (a step count)")
+    return int(t.materialize().reshape(()))
+
+
 def _reason(e: Exception) -> str:
     """TensorStore's error without the spec it appends (a JSON document of a few hundred bytes)."""
     text = str(e).split(" [source locations=")[0].split(" [tensorstore_spec=")[0]

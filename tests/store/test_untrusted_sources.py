@@ -274,3 +274,16 @@ def test_a_maxtext_fifo_named_like_a_chunk_is_refused(tmp_path, capsys):
     os.mkfifo(meta)
     _refused(capsys, copy, tmp_path, "not a regular file", extra=("--config", CONFIG))
 
+
+
+@pytest.mark.parametrize("shape", [[2], [1, 3]])
+def test_a_maxtext_step_that_is_not_one_integer_is_refused(tmp_path, capsys, shape):
+    """MaxText's `step` leaf rewritten as a raw int32 array of several elements (a valid array
+    whose chunk is all there): one line naming it, checked on its declared shape, not a
+    TypeError from converting the array read whole."""
+    _, copy, items = _maxtext_world(tmp_path)
+    folder = os.path.join(items, "step")
+    _edit_json(os.path.join(folder, ".zarray"), lambda z: z.update(shape=shape, chunks=shape, compressor=None))
+    os.remove(os.path.join(folder, "0"))
+    np.arange(int(np.prod(shape)), dtype="<i4").tofile(os.path.join(folder, ".".join("0" * len(shape))))
+    _refused(capsys, copy, tmp_path, "step", "expected one integer", extra=("--config", CONFIG))
