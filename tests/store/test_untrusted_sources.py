@@ -287,3 +287,21 @@ def test_a_maxtext_step_that_is_not_one_integer_is_refused(tmp_path, capsys, sha
     os.remove(os.path.join(folder, "0"))
     np.arange(int(np.prod(shape)), dtype="<i4").tofile(os.path.join(folder, ".".join("0" * len(shape))))
     _refused(capsys, copy, tmp_path, "step", "expected one integer", extra=("--config", CONFIG))
+
+
+def test_an_index_naming_a_data_file_outside_is_not_handed_to_tensorstore(store, tmp_path, monkeypatch):
+    """An OCDBT index whose value reference leaves the item (`parse_location` refuses it) must
+    stop the read: it was taken for an unreadable index and the array read through TensorStore,
+    which follows the same reference."""
+    from hybridckpt.store import chunk_index, reader
+
+    with pytest.raises(HybridCkptError, match="only a path inside"):
+        chunk_index.parse_location(str(tmp_path), "value::../../outside/secret:0:16")
+
+    def outside(item_dir, context=None):
+        return chunk_index.parse_location(item_dir, "value::../../outside/secret:0:16")
+
+    monkeypatch.setattr(reader, "read_index", outside)
+    _, copy, step = _world(store, tmp_path)
+    with pytest.raises(HybridCkptError, match="only a path inside"):
+        reader.item_arrays(os.path.join(step, "params"))
