@@ -1,6 +1,10 @@
 """Fuzzing: 500 hypothesis cases per parser (zip directory, pickle stream, legacy torch,
-safetensors header, DCP metadata, Paddle pickle, Paddle and Colossal JSON, HF index JSON).
-Nothing but a project error escapes, and no case runs past 5 s (a SIGALRM per case).
+safetensors header, DCP metadata, torch's own DCP metadata through the fast reader, Paddle
+pickle, Paddle and Colossal JSON, HF index JSON), and 150 per whole-checkpoint target, each case
+opening and reading a real checkpoint one of whose files is mutated (our store's `_METADATA`,
+`.zarray`, trainer state and a chunk; MaxText's `_METADATA` and `.zarray`s; a PaddleFormers
+FlexCheckpoint's metadata and data file; a Paddle hybrid rank file). Nothing but a project error
+escapes, and no case runs past 5 s (a SIGALRM per case).
 
 Derandomized (the same cases every run) and without a database; `benchmarks/fuzz.py` runs the
 same targets with 10,000 cases each. Targets and strategies: `tests/attacks/fuzzers.py`.
@@ -12,8 +16,6 @@ import pytest
 from attacks import fuzzers
 from hypothesis import HealthCheck, Phase, given, settings
 
-CASES = 500
-
 
 @pytest.mark.parametrize("name", list(fuzzers.TARGETS))
 def test_parser_only_raises_project_errors(tmp_path, name):
@@ -22,17 +24,17 @@ def test_parser_only_raises_project_errors(tmp_path, name):
     target.run(state, _seed_input(state))  # the seed input itself parses
     outcome = fuzzers.Outcome()
 
-    @settings(max_examples=CASES, derandomize=True, deadline=None, database=None,
+    @settings(max_examples=target.cases, derandomize=True, deadline=None, database=None,
               phases=[Phase.generate], suppress_health_check=list(HealthCheck))
     @given(target.strategy(state))
     def case(data):
         fuzzers.run_case(target, state, data, outcome)
 
     case()
-    assert outcome.cases == CASES
+    assert outcome.cases == target.cases
     assert not outcome.escapes, outcome.escapes[:5]
     assert outcome.hangs == 0
-    assert outcome.errors > CASES // 2  # the mutations do break the input
+    assert outcome.errors > target.cases // 2  # the mutations do break the input
 
 
 def _seed_input(state: dict):

@@ -59,13 +59,40 @@ def resolve(path: str, step: int | None = None) -> tuple[str, int, dict]:
         step = held[-1] if held else None
     state = None if step is None else _trainer_state_file(root, int(step))
     if state is not None:
-        return root, int(step), state
+        return root, int(step), checked_state(state, f"{root}/{step}/trainer_state/metadata")
     from hybridckpt.store.orbax_io import latest_step, read_trainer_state
 
     step = latest_step(root) if step is None else step
     if step is None:
         raise CheckpointError(f"{root}: no checkpoint steps")
-    return root, int(step), read_trainer_state(root, step)
+    return root, int(step), checked_state(read_trainer_state(root, step), f"{root}/{step}/trainer_state")
+
+
+# the trainer state's fields this reader uses, and the JSON types they must have when present
+STATE_TYPES: dict[str, tuple[type, ...]] = {
+    "step": (int,), "mesh": (dict,), "optimizer": (str,), "optimizer_hyper": (dict,), "weight_decay_mask": (dict,),
+    "tensor_names": (dict,), "model_config": (dict,), "optimizer_param_groups": (list,), "hf_files": (dict,),
+    "checksum_chunks": (dict,), "array_specs": (dict,), "checksums": (dict,),
+}
+
+
+def checked_state(state: Any, where: str) -> dict:
+    """`state` (a step's trainer state, read from `where`) when it is a JSON object whose fields
+    this reader uses have their types (`STATE_TYPES`; `null` stands for absent), the mesh's
+    degrees ints; else a CheckpointError naming the field."""
+    from hybridckpt.errors import CheckpointError
+
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{where}: the trainer state is a {type(state).__name__}, expected a JSON object")
+    for key, types in STATE_TYPES.items():
+        value = state.get(key)
+        if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
+            raise CheckpointError(f"{where}: {key!r} is a {type(value).__name__}, expected "
+                                  f"{' or '.join(t.__name__ for t in types)}")
+    mesh = state.get("mesh") or {}
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in mesh.values()):
+        raise CheckpointError(f"{where}: 'mesh' must map axis names to sizes, found {str(mesh)[:120]}")
+    return state
 
 
 def steps(path: str):  # -> io.step_folders.StepFolders | None
@@ -85,18 +112,15 @@ def _steps_on_disk(root: str) -> list[int]:
 
 
 def _trainer_state_file(root: str, step: int) -> dict | None:
-    """The trainer state JSON object of `step` read from its file, or None when it is not there
-    as expected (Orbax's reader then decides)."""
-    import builtins
-    import json
+    """The trainer state JSON object of `step` read from its file, or None when there is no such
+    file (Orbax's reader then decides); a file there that is not a JSON object is a FormatError
+    naming it."""
+    from hybridckpt.formats.config_file import read_json
 
     path = os.path.join(root, str(step), "trainer_state", "metadata")
-    try:
-        with builtins.open(path, "rb") as f:  # (this module's `open` is the format API)
-            state = json.loads(f.read())
-    except (OSError, ValueError):
+    if not os.path.lexists(path):
         return None
-    return state if isinstance(state, dict) else None
+    return read_json(path)
 
 
 def model_config(state: dict, config: Any = None) -> Any:
@@ -133,7 +157,7 @@ def open(path: str, *, config: Any = None, step: int | None = None, verify_reads
     from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
     from hybridckpt.store.checked import checked_arrays
     from hybridckpt.store.keys import NAMES_KEY, original_names
-    from hybridckpt.store.reader import item_arrays
+    from hybridckpt.store.reader import item_arrays, scalar_int
 
     root, step, state = resolve(path, step)
     cfg = model_config(state, config)
@@ -150,7 +174,7 @@ def open(path: str, *, config: Any = None, step: int | None = None, verify_reads
         return naming.tree_to_hf(flat, cfg) if cfg is not None else original_names(flat, state.get(NAMES_KEY))
 
     optimizer = None
-    opt_step = state.get("step", step)
+    opt_step = state.get("step") if state.get("step") is not None else step
     if os.path.isdir(os.path.join(step_dir, "opt_state")):
         opt = optim.get(state.get("optimizer", optim.DEFAULT))
         leaves = item_arrays(os.path.join(step_dir, "opt_state"))
@@ -165,7 +189,7 @@ def open(path: str, *, config: Any = None, step: int | None = None, verify_reads
             count = {"count": leaves[opt.orbax_step]}
             if verify_reads and "count" in (state.get("chunk_crc32") or {}):
                 count = checked_arrays(count, state, "", os.path.join(step_dir, "opt_state"))
-            opt_step = int(count["count"].materialize())
+            opt_step = scalar_int(count["count"], opt.orbax_step, os.path.join(step_dir, "opt_state"))
         optimizer = OptimizerState(slots, opt_step, hyper=recorded_hyper(state, params, named))
     return SourceCheckpoint(
         format=NAME,
@@ -174,7 +198,7 @@ def open(path: str, *, config: Any = None, step: int | None = None, verify_reads
         optimizer=optimizer,
         config=cfg,
         step=opt_step,
-        topology=dict(state.get("mesh", {})),
+        topology=dict(state.get("mesh") or {}),
         trainer=state,
         files=stored_files(step_dir, state),
     )

@@ -37,6 +37,28 @@ from hybridckpt.lazy import Box, FileRun, LazyTensor, box_shape, copy_into
 
 CRC_TABLES = "chunk_crc32"  # trainer_state keys (written by `jobs.import_`)
 ARRAY_SPECS = "array_specs"
+IMPORT_RECORDS = ("checksums", "checksum_chunks", "checksum_algorithm", ARRAY_SPECS)  # written beside CRC_TABLES
+
+
+def has_crc_tables(state: Mapping, where: str) -> bool:
+    """Whether a step's reads are checked against CRC tables (`trainer_state[CRC_TABLES]`, an
+    object). A step with none is read as saved only when it holds none of the records an import
+    writes beside them (`IMPORT_RECORDS`: a training loop's save); tables that are not an object,
+    or that were removed while the other records stayed, are a CheckpointError (`where`: the step):
+    deleting them must not turn the checks off."""
+    tables = state.get(CRC_TABLES)
+    if isinstance(tables, Mapping):
+        return True
+    present = [k for k in IMPORT_RECORDS if k in state]
+    if tables is None and not present:
+        return False
+    found = f"is a {type(tables).__name__}" if tables is not None else f"is missing, though {', '.join(present)} are present"
+    raise CheckpointError(
+        f"{where}: trainer_state[{CRC_TABLES!r}] (the CRC-32 of every stored chunk) {found}: the store's records "
+        f"were changed; its reads cannot be checked (verify_reads=False reads it unchecked)",
+        cli=f"{where}: trainer_state[{CRC_TABLES!r}] (the CRC-32 of every stored chunk) {found}: the store's records "
+        f"were changed; its reads cannot be checked (--no-verify-reads reads it unchecked)",
+    )
 
 
 class RunCheck:
@@ -267,10 +289,12 @@ def checked_arrays(arrays: Mapping[str, LazyTensor], state: Mapping, prefix: str
     """`arrays` (leaf key -> lazy array of one item) wrapped in `CheckedArray` where
     `trainer_state` records their CRC tables under `prefix + key`; an import that recorded
     tables for an item but not for one of its arrays is an error, not an unchecked read."""
+    if not has_crc_tables(state, where):
+        return dict(arrays)
     tables, grids = state.get(CRC_TABLES), state.get("checksum_chunks") or {}
     specs = state.get(ARRAY_SPECS) or {}
-    if not isinstance(tables, Mapping):
-        return dict(arrays)
+    if not isinstance(grids, Mapping) or not isinstance(specs, Mapping):
+        raise CheckpointError(f"{where}: trainer_state 'checksum_chunks' and {ARRAY_SPECS!r} must be objects")
     out = {}
     for key, t in arrays.items():
         name = prefix + key
@@ -282,7 +306,12 @@ def checked_arrays(arrays: Mapping[str, LazyTensor], state: Mapping, prefix: str
                 f"{where}: array {key} is stored as {np.dtype(t.dtype).name} {list(t.shape)} but its import wrote "
                 f"{spec.get('dtype')} {spec.get('shape')}: its metadata (.zarray) was changed"
             )
-        grid = tuple(int(c) for c in grids.get(name, t.shape))
+        try:
+            grid = tuple(int(c) for c in grids.get(name, t.shape))
+        except (TypeError, ValueError, OverflowError):
+            grid = ()
+        if any(c <= 0 for c in grid):
+            grid = ()
         size = checksum.grid_size(tuple(t.shape), grid) if len(grid) == len(t.shape) else -1
         crcs = None if size < 0 else checksum.decode_crcs(tables[name], size)
         if crcs is None:

@@ -35,6 +35,11 @@ from hybridckpt.io.paths import inside
 OCDBT_MANIFEST = "manifest.ocdbt"  # at the root of an item saved with OCDBT (Orbax's `format_utils`)
 
 
+class UnsafeItem(CheckpointError):
+    """An item whose index names a data file outside it, or that holds a special file: never
+    read, whichever reader (ours or TensorStore) is asked."""
+
+
 class ChunkLocation(NamedTuple):
     """A value stored by reference: `length` bytes at byte `offset` of the file `path`."""
 
@@ -52,7 +57,7 @@ def parse_location(item_dir: str, ref: str) -> ChunkLocation:
     try:
         path = inside(item_dir, base + rel, f"{item_dir}: OCDBT index", "data file")
     except FormatError as e:
-        raise CheckpointError(str(e)) from None
+        raise UnsafeItem(str(e)) from None
     return ChunkLocation(path, int(offset), int(length))
 
 
@@ -72,7 +77,8 @@ def chunk_locations(item_dir: str, context=None) -> dict[str, ChunkLocation]:
 
 
 def read_index(item_dir: str, context=None) -> ItemIndex:
-    """The item's `ItemIndex` (see the module doc); a CheckpointError when its index is unreadable."""
+    """The item's `ItemIndex` (see the module doc); a CheckpointError when its index is unreadable
+    (an index naming a data file outside the item: `UnsafeItem`)."""
     if not os.path.isfile(os.path.join(item_dir, OCDBT_MANIFEST)):
         return _list_folders(item_dir)
     import tensorstore as ts
@@ -111,6 +117,27 @@ def _walk(ts, item_dir: str, context) -> ItemIndex:
     return ItemIndex(out, zarrays, inline)
 
 
+def no_special_files(item_dir: str, depth: int = 10) -> None:
+    """An UnsafeItem error when the item's folders (`depth` levels: `<item>/<array>/<chunk>`,
+    `<item>/ocdbt.process_<i>/d/<file>`, zarr v3's `<array>/c/<i>/<j>/...`) hold anything but
+    plain files and folders (links followed): TensorStore
+    reading a FIFO or a device named like a chunk would wait forever or read without end."""
+    pending = [(item_dir, depth)]
+    while pending:
+        folder, left = pending.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except OSError as e:
+            raise CheckpointError(f"{folder}: cannot list the item: {e.strerror}") from e
+        for entry in entries:
+            if entry.is_dir():
+                if left > 1:
+                    pending.append((entry.path, left - 1))
+            elif not entry.is_file():
+                raise UnsafeItem(f"{entry.path}: not a regular file (a FIFO, device, socket or dangling link) "
+                                  f"in the checkpoint item; it is not read")
+
+
 def _list_folders(item_dir: str) -> ItemIndex:
     """The `ItemIndex` of an item without OCDBT: every `<array>/.zarray` and its chunk files."""
     out: dict[str, ChunkLocation] = {}
@@ -133,6 +160,7 @@ def _list_folders(item_dir: str) -> ItemIndex:
             for entry in entries:
                 if entry.is_file() and not entry.name.startswith("."):
                     out[f"{name}/{entry.name}"] = ChunkLocation(entry.path, 0, entry.stat().st_size)
+
     return ItemIndex(out, zarrays, {})
 
 

@@ -21,7 +21,7 @@ import orbax.checkpoint as ocp
 
 from hybridckpt.errors import CheckpointError
 from hybridckpt.mesh import MeshShape
-from hybridckpt.store.checked import CRC_TABLES, read_tree
+from hybridckpt.store.checked import CRC_TABLES, has_crc_tables, read_tree
 from hybridckpt.store.layout import (
     HF_FILES,
     OPT_STATE,
@@ -339,7 +339,7 @@ class CheckpointStore:
 
         step_dir = self.directory / str(step)
         try:
-            if verify_reads and isinstance(state.get(CRC_TABLES), dict):
+            if verify_reads and has_crc_tables(state, where):
                 out = {k: read_tree(str(step_dir), k, t, state) for k, t in targets.items()}
             elif missing or unexpected:
                 out = {k: restore_partial(step_dir, k, metas[k], t) for k, t in targets.items()}

@@ -32,7 +32,7 @@ def open(path: str, *, config: Any = None, step: int | None = None):  # noqa: A0
     without, its tensors are listed and converted under MaxText's names (layer axis first), as
     any source without a config."""
     from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
-    from hybridckpt.store.reader import item_arrays
+    from hybridckpt.store.reader import item_arrays, scalar_int
 
     item_dir, dir_step = maxtext.item_dir(path, step)
     leaves = item_arrays(item_dir)
@@ -43,14 +43,14 @@ def open(path: str, *, config: Any = None, step: int | None = None):  # noqa: A0
     params = under(maxtext.PARAMS)
     if not params:
         raise FormatError(f"{item_dir}: no arrays under {maxtext.PARAMS!r}")
-    run_step = int(leaves[maxtext.STEP].materialize()) if maxtext.STEP in leaves else dir_step
+    run_step = scalar_int(leaves[maxtext.STEP], maxtext.STEP, item_dir) if maxtext.STEP in leaves else dir_step
     optimizer = None
     slots = {slot: under(prefix) for slot, prefix in maxtext.SLOTS.items()}
     if any(slots.values()):
         missing = [s for s, t in slots.items() if set(t) != set(params)]
         if missing:
             raise CheckpointError(f"{item_dir}: Adam's {missing} do not cover the params")
-        count = int(leaves[maxtext.ADAM_COUNT].materialize()) if maxtext.ADAM_COUNT in leaves else run_step
+        count = scalar_int(leaves[maxtext.ADAM_COUNT], maxtext.ADAM_COUNT, item_dir) if maxtext.ADAM_COUNT in leaves else run_step
         optimizer = OptimizerState(slots, count)
     return SourceCheckpoint(
         format=NAME,

@@ -38,7 +38,14 @@ from hybridckpt.formats.config_file import read_json
 from hybridckpt.io.byte_source import ByteSource
 from hybridckpt.lazy import ArrayTensor, Box, FileRun, LazyTensor, StoredTensor, tiled
 from hybridckpt.store import ts_spec
-from hybridckpt.store.chunk_index import OCDBT_MANIFEST, ItemIndex, read_index
+from hybridckpt.store.chunk_index import (
+    OCDBT_MANIFEST,
+    ItemIndex,
+    UnsafeItem,
+    no_special_files,
+    read_index,
+)
+from hybridckpt.store.keys import metadata_leaf_names
 
 
 class _Item:
@@ -52,11 +59,14 @@ class _Item:
         self._context: list = []
 
     def index(self) -> ItemIndex | None:
-        """The OCDBT index, or None when it cannot be read (TensorStore then says what is wrong)."""
+        """The OCDBT index, or None when it cannot be read (TensorStore then says what is wrong);
+        an index that names a data file outside the item is an error here."""
         with self._lock:
             if not self._index:
                 try:
                     self._index.append(read_index(self.item_dir))
+                except UnsafeItem:
+                    raise  # (TensorStore would follow the reference: it is not asked)
                 except CheckpointError:
                     self._index.append(None)
             return self._index[0]
@@ -145,16 +155,23 @@ def zarr_dtype(text: str) -> np.dtype | None:
 
 def raw_layout(zarray: dict) -> tuple[tuple[int, ...], tuple[int, ...], np.dtype, str] | None:
     """(shape, chunk shape, dtype, key separator) of a zarr v2 array whose chunks are raw C-order
-    little-endian bytes; None for any other (compressed, filtered, Fortran order, big-endian)."""
+    little-endian bytes; None for any other (compressed, filtered, Fortran order, big-endian) and
+    for metadata that is not such an object (TensorStore then reads it and says what is wrong)."""
+    if not isinstance(zarray, dict):
+        return None
     dtype = zarr_dtype(zarray.get("dtype", ""))
     if (dtype is None or zarray.get("compressor") is not None or zarray.get("filters")
             or zarray.get("order", "C") != "C" or dtype.byteorder == ">" or zarray.get("zarr_format", 2) != 2):
         return None
-    shape = tuple(int(n) for n in zarray.get("shape", ()))
-    chunks = tuple(int(c) for c in zarray.get("chunks", shape))
-    if len(chunks) != len(shape) or any(c <= 0 for c in chunks):
+    try:
+        shape = tuple(int(n) for n in zarray.get("shape", ()))
+        chunks = tuple(int(c) for c in zarray.get("chunks", shape))
+    except (TypeError, ValueError, OverflowError):
         return None
-    return shape, chunks, dtype, zarray.get("dimension_separator", ".")
+    sep = zarray.get("dimension_separator", ".")
+    if len(chunks) != len(shape) or any(c <= 0 for c in chunks) or any(n < 0 for n in shape) or sep not in (".", "/"):
+        return None
+    return shape, chunks, dtype, sep
 
 
 def raw_chunks(name: str, shape: tuple[int, ...], index: ItemIndex) -> LazyTensor | None:
@@ -166,6 +183,9 @@ def raw_chunks(name: str, shape: tuple[int, ...], index: ItemIndex) -> LazyTenso
     if layout is None or layout[0] != tuple(shape):
         return None
     _, chunk, dtype, sep = layout
+    grid = math.prod(-(-n // c) for n, c in zip(shape, chunk, strict=True))
+    if grid > len(index.locations) + len(index.inline):  # more chunks than stored: some are missing
+        return None  # (and a declared grid is never walked past what the index holds)
     want = math.prod(chunk) * dtype.itemsize
     pieces = []
     for origin in itertools.product(*(range(0, n, c) for n, c in zip(shape, chunk, strict=True))):
@@ -178,6 +198,15 @@ def raw_chunks(name: str, shape: tuple[int, ...], index: ItemIndex) -> LazyTenso
         else:  # missing (the fill value) or not raw
             return None
     return tiled(tuple(shape), dtype, pieces)  # (a single whole chunk is itself: 0-d arrays too)
+
+
+def scalar_int(t: LazyTensor, name: str, where: str) -> int:
+    """The value of a step counter leaf (`step`, Adam's `count`): a CheckpointError unless it is
+    one integer element (checked on its declared shape before anything is read)."""
+    dtype = np.dtype(t.dtype)
+    if math.prod(t.shape) != 1 or dtype.kind not in "iu":
+        raise CheckpointError(f"{where}: {name} is {dtype.name} {list(t.shape)}, expected one integer (a step count)")
+    return int(t.materialize().reshape(()))
 
 
 def _reason(e: Exception) -> str:
@@ -202,16 +231,20 @@ def item_arrays(item_dir: str, *, unreadable: str = "raise") -> dict[str, OrbaxA
     unreadable: "raise" (a CheckpointError naming the array) or "keep" (an `UnreadableArray` in
     its place, for `verify` to report every damaged array rather than stop at the first).
     """
-    meta = read_json(os.path.join(item_dir, "_METADATA"))
+    meta_path = os.path.join(item_dir, "_METADATA")
+    meta = read_json(meta_path)
     zarr3 = bool(meta.get("use_zarr3", False))
+    leaves = metadata_leaf_names(meta, meta_path)  # names, never paths: one folder each, no two alike
     out: dict[str, OrbaxArray] = {}
     item = _Item(item_dir)
-    index = None if zarr3 else item.index()
-    for entry in meta.get("tree_metadata", {}).values():
-        value = entry.get("value_metadata", {})
-        if value.get("value_type") not in ("jax.Array", "np.ndarray"):
+    no_special_files(item_dir)  # (TensorStore would wait on a FIFO named like a chunk)
+    if not item.use_ocdbt:
+        _one_folder_each(item_dir, leaves, meta_path)
+    index = item.index() if item.use_ocdbt or not zarr3 else None  # (an OCDBT index is walked, and its
+    index = None if zarr3 else index  # data files checked to lie inside the item, for zarr v3 too)
+    for name, entry in leaves.items():
+        if entry.get("value_metadata", {}).get("value_type") not in ("jax.Array", "np.ndarray"):
             continue
-        name = ".".join(str(k["key"]) for k in entry.get("key_metadata", []))
         layout = None if index is None or name not in index.zarrays else raw_layout(index.zarrays[name])
         raw = None if layout is None else raw_chunks(name, layout[0], index)
         if raw is not None:  # shape and dtype from the index: no TensorStore open, no Orbax
@@ -230,3 +263,21 @@ def item_arrays(item_dir: str, *, unreadable: str = "raise") -> dict[str, OrbaxA
             item, probe._store, [None],
         )
     return out
+
+
+def _one_folder_each(item_dir: str, names, where: str) -> None:
+    """A CheckpointError when two leaf names of a raw item (a folder per array) are one folder on
+    this filesystem (`W` and `w` where names are compared case-blind): one array read for both."""
+    by_fold: dict[str, str] = {}
+    for name in names:
+        first = by_fold.setdefault(name.casefold(), name)
+        if first == name:
+            continue
+        a, b = os.path.join(item_dir, first), os.path.join(item_dir, name)
+        try:
+            same = os.path.samefile(a, b)
+        except OSError:
+            same = False
+        if same:
+            raise CheckpointError(f"{where}: leaves {first!r} and {name!r} are one folder on this filesystem; "
+                                  f"one would be read for both")

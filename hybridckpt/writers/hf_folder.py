@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from hybridckpt.containers import safetensors_file as sf
+from hybridckpt.errors import CheckpointError
 from hybridckpt.io import model_files
 from hybridckpt.io.model_files import CONFIG, ModelFile
 from hybridckpt.lazy import ArrayTensor, LazyTensor
@@ -25,6 +26,7 @@ from hybridckpt.lazy.dtypes import cast_floating
 from hybridckpt.writers.destination import Destination
 
 DEFAULT_SHARD_BYTES = 5 * 1024**3
+RESERVED = "__metadata__"  # a safetensors header's metadata: no tensor can be named so
 
 
 def write_sharded(
@@ -86,6 +88,9 @@ def write_hf(
     (read and checked); a `config.json` among them is written unless `hf_config` is given.
     """
     files_in = files
+    if RESERVED in params:  # (the optimizer's `<name>.<slot>` and `step` cannot be it)
+        raise CheckpointError(f"export --to hf: a tensor named {RESERVED!r} cannot be stored in safetensors (the "
+                              f"header's own key for its metadata); rename it (--rules)")
     dest = Destination(dst, overwrite=overwrite, sources=sources, marker=True)
     with dest as tmp:
         files = write_sharded(tmp, params, stem="model", max_shard_bytes=max_shard_bytes, on_tensor=on_tensor,

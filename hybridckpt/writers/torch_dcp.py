@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 
 from hybridckpt import lazy
-from hybridckpt.errors import CheckpointError
+from hybridckpt.errors import CheckpointError, short_repr
+from hybridckpt.formats.dcp.structure import state_split
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.writers import ExportRequest, Written, torch_request
 from hybridckpt.writers.dcp_files import Item
@@ -91,6 +92,22 @@ def tied_head(params: Mapping[str, LazyTensor], cfg: Any) -> tuple[str, str] | N
     return (TIED_HEAD, found[0]) if len(found) == 1 else None
 
 
+def check_names(params: Mapping[str, LazyTensor], model_key: str, where: str) -> None:
+    """A CheckpointError when a param's key `<model_key>.<name>` has the form of another
+    param's optimizer state (`<opt>state.<fqn>.<slot>` with `<fqn>` a written param, e.g. a
+    tensor named `optim.state.w.exp_avg` beside `w`): a DCP reader (ours, `formats.dcp.structure`)
+    would read it back as a slot of that param and the tensor would be gone."""
+    keys = {f"{model_key}.{n}" for n in params}
+    for n in sorted(params):
+        for _, fqn in state_split(f"{model_key}.{n}"):
+            if fqn != n and any(k == fqn or k.endswith("." + fqn) for k in keys if k != f"{model_key}.{n}"):
+                raise CheckpointError(
+                    f"{where}: tensor {short_repr(n)} would be the DCP key {short_repr(f'{model_key}.{n}')}, the form "
+                    f"of optimizer state of {short_repr(fqn)} (<optimizer>state.<param>.<slot>): read back it would "
+                    f"be a slot of {short_repr(fqn)}, not a tensor; rename it (--rules) or export --to hf"
+                )
+
+
 def state_items(
     params: Mapping[str, LazyTensor],
     slots: Mapping[str, Mapping[str, LazyTensor]] | None,
@@ -103,7 +120,9 @@ def state_items(
 ) -> list[Item]:
     """`get_state_dict`'s state dict as DCP items: `model_key` params (then `extra_model`, e.g. a
     tied head's copy), `optim_key.state.<fqn>.{step, <slot>...}` for every param with slots, and
-    param group 0 (`group` plus `params`)."""
+    param group 0 (`group` plus `params`). A param named like another's state is refused
+    (`check_names`)."""
+    check_names({**params, **(extra_model or {})}, model_key, "export --to dcp")
     items = [Item((model_key, n), tensor=t) for n, t in {**params, **(extra_model or {})}.items()]
     if not slots:
         return items

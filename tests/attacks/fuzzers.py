@@ -53,6 +53,7 @@ class Target:
     setup: Callable[[str], dict]
     strategy: Callable[[dict], st.SearchStrategy]
     run: Callable[[dict, object], None]
+    cases: int = 500  # per run of tests/test_fuzz.py (a target whose case opens a whole checkpoint: fewer)
 
 
 # -- mutation strategies ---------------------------------------------------------------------------
@@ -376,6 +377,14 @@ def _json_strategy(state):
     return mutated_json(state["doc"])
 
 
+def _paddle_rank_setup(folder: str) -> dict:
+    """The same hybrid checkpoint, one rank's optimizer file (`optimizer.shard01.pdopt`: the
+    sharding v2 buffers sliced by `model_meta.json`) mutated."""
+    state = _paddle_json_setup(folder)
+    path = os.path.join(state["folder"], "optimizer.shard01.pdopt")
+    return {"path": path, "folder": state["folder"], "base": open(path, "rb").read()}
+
+
 def _paddle_json_run(state, data: bytes) -> None:
     from hybridckpt.formats import paddle
 
@@ -424,6 +433,101 @@ def _hf_index_run(state, data: bytes) -> None:
     _read_all(hf.read_tensors(state["folder"], hf.WEIGHTS, hf.INDEX))
 
 
+# -- whole checkpoints: our store and MaxText's, one file of them mutated --------------------------
+
+_CASES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "real", "cases")
+_MAXTEXT_CONFIG = os.path.join(_CASES_DIR, "torchtitan_llama3", "config.json")
+
+
+def _opened_all(path: str, config: str | None = None) -> None:
+    """Open `path` as every job does (`jobs.open`: the format's reader, then the rules) and read
+    every param and optimizer slot it gives."""
+    from hybridckpt.jobs.open import open_checkpoint
+
+    named = open_checkpoint(path, config=config).named
+    _read_all([dict(named.params), *(dict(t) for t in named.slots.values())])
+
+
+def _store_setup(folder: str, rel: str) -> dict:
+    """A real import of the demo sample (CRC tables recorded); `rel`: the file mutated, relative
+    to the step folder (a JSON document, or a chunk file's bytes)."""
+    import glob
+
+    from hybridckpt.demo import sample_path
+    from hybridckpt.jobs import import_checkpoint
+
+    root = os.path.join(folder, "store")
+    import_checkpoint(sample_path(), root)
+    step = glob.glob(os.path.join(root, "*", "params"))[0].rsplit(os.sep, 1)[0]
+    path = glob.glob(os.path.join(step, rel))[0]
+    base = open(path, "rb").read()
+    state = {"path": path, "folder": root, "base": base}
+    if not rel.split("/")[-1][0].isdigit():
+        state["doc"] = json.loads(base)
+    return state
+
+
+def _maxtext_setup(folder: str, rel: str) -> dict:
+    """MaxText 0.2.5's own save (`tests/real/cases/maxtext_llama3`) copied; `rel` as above, to
+    the `items` folder."""
+    import shutil
+
+    root = os.path.join(folder, "maxtext")
+    shutil.copytree(os.path.join(_CASES_DIR, "maxtext_llama3", "ckpt"), root)
+    path = os.path.join(root, "4", "items", rel)
+    base = open(path, "rb").read()
+    return {"path": path, "folder": root, "base": base, "doc": json.loads(base), "config": _MAXTEXT_CONFIG}
+
+
+def _whole_run(state, data: bytes) -> None:
+    _write(state["path"], data)
+    _opened_all(state["folder"], state.get("config"))
+
+
+def _whole_strategy(state):
+    return mutated_json(state["doc"]) if "doc" in state else mutated_bytes(state["base"])
+
+
+def _flex_setup(folder: str, rel: str) -> dict:
+    """PaddleFormers 1.2's own FlexCheckpoint (`tests/real/cases/paddleformers_untied_bf16_sharding2`,
+    two ranks) copied; `rel`: the file whose bytes are mutated, relative to `checkpoint-3`."""
+    import shutil
+
+    root = os.path.join(folder, "flex")
+    shutil.copytree(os.path.join(_CASES_DIR, "paddleformers_untied_bf16_sharding2", "ckpt", "flex"), root)
+    step = os.path.join(root, "checkpoint-3")
+    path = os.path.join(step, rel)
+    return {"path": path, "folder": step, "base": open(path, "rb").read()}
+
+
+def _flex_run(state, data: bytes) -> None:
+    from hybridckpt.formats import flex_checkpoint
+
+    _write(state["path"], data)
+    _read_all(flex_checkpoint.open(state["folder"]))
+
+
+def _torch_dcp_setup(folder: str) -> dict:
+    """torch's own `dcp.save` (in process, protocol 4 with frames: the `.metadata` the fast reader,
+    `containers.dcp_fast`, reads record by record) of a state dict with optimizer-like entries."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    out = os.path.join(folder, "torch_dcp")
+    state = {"model": {f"layers.{i}.w": torch.arange(12.0).reshape(3, 4) + i for i in range(4)},
+             "optim": {"state": {"layers.0.w": {"exp_avg": torch.ones(3, 4), "step": torch.tensor(2.0)}}}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=out, no_dist=True)
+    path = os.path.join(out, ".metadata")
+    return {"path": path, "folder": out, "base": open(path, "rb").read()}
+
+
+_WHOLE = 150  # cases of a whole-checkpoint target: each opens and reads a checkpoint (~0.1 s)
+
+
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
@@ -438,6 +542,24 @@ TARGETS: dict[str, Target] = {
         Target("Paddle model_meta JSON", _paddle_json_setup, _json_strategy, _paddle_json_run),
         Target("Colossal metadata JSON", _colossal_setup, _json_strategy, _colossal_run),
         Target("HF index JSON", _hf_index_setup, _json_strategy, _hf_index_run),
+        Target("our store _METADATA", lambda f: _store_setup(f, "params/_METADATA"), _whole_strategy, _whole_run, _WHOLE),
+        Target("our store .zarray", lambda f: _store_setup(f, "params/layers.q.kernel/.zarray"), _whole_strategy,
+               _whole_run, _WHOLE),
+        Target("our store trainer_state", lambda f: _store_setup(f, "trainer_state/metadata"), _whole_strategy,
+               _whole_run, _WHOLE),
+        Target("our store chunk", lambda f: _store_setup(f, "params/embed.embedding/0.0"), _whole_strategy, _whole_run,
+               _WHOLE),
+        Target("MaxText _METADATA", lambda f: _maxtext_setup(f, "_METADATA"), _whole_strategy, _whole_run, _WHOLE),
+        Target("MaxText .zarray", lambda f: _maxtext_setup(f, "params.params.decoder.layers.mlp.wi_0.kernel/.zarray"),
+               _whole_strategy, _whole_run, _WHOLE),
+        Target("MaxText step .zarray", lambda f: _maxtext_setup(f, "step/.zarray"), _whole_strategy, _whole_run, _WHOLE),
+        Target("FlexCheckpoint metadata", lambda f: _flex_setup(f, "model_state/0.metadata"),
+               lambda s: mutated_bytes(s["base"]), _flex_run, _WHOLE),
+        Target("FlexCheckpoint distcp", lambda f: _flex_setup(f, "optimizer_state/1_0.distcp"),
+               lambda s: mutated_bytes(s["base"], (0, min(len(s["base"]), 600))), _flex_run, _WHOLE),
+        Target("Paddle hybrid rank file", _paddle_rank_setup,
+               lambda s: mutated_bytes(s["base"], (0, min(len(s["base"]), 600))), _paddle_json_run, _WHOLE),
+        Target("DCP metadata, torch's own (fast reader)", _torch_dcp_setup, lambda s: mutated_bytes(s["base"]), _dcp_run),
     )
 }
 

@@ -32,7 +32,7 @@ class Structure:
     optim: str | None
 
 
-def _state_split(key: str) -> list[tuple[str, str]]:
+def state_split(key: str) -> list[tuple[str, str]]:
     """Candidate (optimizer prefix, fqn) splits of `<opt>state.<fqn>.<slot>`, longest fqn first."""
     body, dot, _slot = key.rpartition(".")
     if not dot:
@@ -49,7 +49,7 @@ def find_structure(tensor_keys, planner_data: Mapping[str, tuple]) -> Structure:
     """The model and optimizer prefixes that explain the most per-parameter state keys (see
     module doc)."""
     keys = set(tensor_keys)
-    splits = {k: _state_split(k) for k in sorted(keys)}
+    splits = {k: state_split(k) for k in sorted(keys)}
     splits = {k: v for k, v in splits.items() if v}
     # candidate (model, optim) prefix pairs from a few state keys, then a vote over all of them
     pairs: set[tuple[str, str]] = set()
