@@ -14,7 +14,9 @@ torch/_weights_only_unpickler.py): a pickle can only name globals from an allow-
 
 Denial-of-service guards (`opcodes.check_pickle`, run before unpickling): every length-prefixed
 argument must fit in the bytes left in the stream, memo indices must not run ahead of the
-opcodes seen, and unknown opcodes are refused. Every failure of a malformed pickle (truncation,
+opcodes seen, and unknown opcodes are refused; after it, the result's expansion through shared
+(memo) references is counted against a budget of objects and bytes (`budget`: billion laughs).
+Every failure of a malformed pickle (truncation,
 bad opcode, recursion, memory) is a `FormatError` naming the file. The C unpickler is used: it
 does not recurse on nesting.
 """
@@ -31,6 +33,7 @@ import struct
 
 from hybridckpt.containers.pickle.allow import Contextual, Policy, short_repr, stub_class
 from hybridckpt.containers.pickle.base_policy import BASE_POLICY
+from hybridckpt.containers.pickle.budget import check_expansion
 from hybridckpt.containers.pickle.numpy_guard import finalize
 from hybridckpt.containers.pickle.opcodes import check_pickle
 from hybridckpt.errors import FormatError, HybridCkptError, UnsafePickleError
@@ -159,7 +162,9 @@ def safe_loads(
         raise
     try:
         up = unpickler_cls(io.BytesIO(data), policy, what=what, **unpickler_kwargs)
-        return up.load()
+        obj = up.load()
+        check_expansion(obj, len(data), what=what)
+        return obj
     except HybridCkptError as e:
         if str(e).startswith(what):
             raise

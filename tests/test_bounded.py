@@ -1,0 +1,100 @@
+"""Readers work in time and memory bounded by the bytes they are given (issue 38).
+
+Hostile inputs are built here: pickles whose memo references expand to 10^10 objects
+("billion laughs", written by torch.save itself), ... Every check counts objects and bytes
+(tracemalloc, the expansion count), never time.
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import attacks
+import pytest
+import torch
+from attacks.containers import CONTAINERS
+
+from hybridckpt.cli import main
+from hybridckpt.containers.pickle import torch_save
+from hybridckpt.containers.pickle.budget import budget_for, expanded_size
+from hybridckpt.errors import FormatError
+from hybridckpt.io.byte_source import close_all
+
+# -- pickles: billion laughs -------------------------------------------------------------------
+
+
+def _laughs(levels: int = 12) -> list:
+    x = [0.1] * 10
+    for _ in range(levels):
+        x = [x] * 10  # one list, referenced 10 times: torch.save writes BINGETs of it
+    return x
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_scheduler_pt_billion_laughs_is_refused_in_bounded_memory(tmp_path, legacy):
+    """torch.save writes a scheduler state whose `last_lr` expands to 10^13 floats in ~400
+    bytes of pickle: the load refuses it in one line naming the file, allocating little."""
+    path = str(tmp_path / "scheduler.pt")
+    torch.save({"last_lr": _laughs(), "base_lrs": [0.1]}, path, _use_new_zipfile_serialization=not legacy)
+    tracemalloc.start()
+    try:
+        with pytest.raises(FormatError) as e:
+            torch_save.load(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        close_all()
+    msg = str(e.value)
+    assert msg.startswith(path) and "\n" not in msg
+    lists, floats = sum(10**k for k in range(13)), 10**13
+    assert f"expands to {lists + floats + 5} objects" in msg and "budget" in msg  # + dict, 2 keys, base_lrs
+    assert peak < 4 << 20, peak  # bytes: the shared graph only, never the expansion
+
+
+def test_shared_lists_within_budget_load_with_their_values(tmp_path):
+    """Sharing as real checkpoints use it (one list under several keys) still loads exactly."""
+    path = str(tmp_path / "scheduler.pt")
+    lrs = [0.25 * k for k in range(1000)]
+    torch.save({"last_lr": lrs, "base_lrs": lrs, "groups": [lrs] * 100}, path)
+    obj = torch_save.load(path)
+    close_all()
+    assert obj["last_lr"] == lrs and obj["base_lrs"] == lrs and obj["groups"] == [lrs] * 100
+    assert obj["groups"][0] is obj["last_lr"]
+
+
+def test_expanded_size_counts_every_reference_once_per_reference():
+    leaf = ["ab", b"xyz", 1.5]  # 4 objects, 5 bytes
+    mid = (leaf, leaf, leaf)  # 1 + 3 * 4 objects, 15 bytes
+    root = {"k": mid, "j": [mid, leaf]}  # dict + "k" + mid + "j" + list + mid + leaf
+    assert expanded_size(leaf) == (4, 5)
+    assert expanded_size(mid) == (13, 15)
+    assert expanded_size(root) == (1 + 1 + 13 + 1 + 1 + 13 + 4, 1 + 15 + 1 + 15 + 5)
+
+
+def test_expanded_size_cycles_count_once_and_depth_does_not_recurse():
+    a: list = [1]
+    a.append(a)
+    assert expanded_size(a) == (3, 0)
+    deep: list = []
+    for _ in range(200_000):
+        deep = [deep]
+    assert expanded_size(deep) == (200_001, 0)
+
+
+def test_expansion_is_linear_in_distinct_objects():
+    """10 levels of 10 references: 10^10 leaves counted by visiting 11 lists, not the leaves."""
+    x = _laughs(10)
+    objects, _ = expanded_size(x)
+    assert objects == sum(10**k for k in range(11)) + 10**11  # lists + floats
+    assert objects > budget_for(1 << 20).objects
+
+
+def test_cli_megatron_args_billion_laughs_is_one_line(tmp_path, capsys):
+    payload = next(p for p in attacks.PAYLOADS if p.name.startswith("billion laughs, the innermost"))
+    path, file = CONTAINERS["megatron-args"].write(str(tmp_path), payload.build, str(tmp_path / "M"))
+    capsys.readouterr()
+    code = main(["inspect", path])
+    err = capsys.readouterr().err
+    close_all()
+    assert code == 2 and err.count("\n") == 1 and err.startswith("hybridckpt: error:"), err
+    assert "model_optim_rng.pt" in err and "budget" in err
