@@ -1,12 +1,15 @@
 """Readers work in time and memory bounded by the bytes they are given (issue 38).
 
 Hostile inputs are built here: pickles whose memo references expand to 10^10 objects
-("billion laughs", written by torch.save itself), ... Every check counts objects and bytes
+("billion laughs", written by torch.save itself); JSON nested past its depth limit in
+copies of real checkpoints; ... Every check counts objects and bytes
 (tracemalloc, the expansion count), never time.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import tracemalloc
 
 import attacks
@@ -18,7 +21,9 @@ from hybridckpt.cli import main
 from hybridckpt.containers.pickle import torch_save
 from hybridckpt.containers.pickle.budget import budget_for, expanded_size
 from hybridckpt.errors import FormatError
+from hybridckpt.io import json_text
 from hybridckpt.io.byte_source import close_all
+from hybridckpt.io.json_text import MAX_JSON_DEPTH, JsonTooDeep
 
 # -- pickles: billion laughs -------------------------------------------------------------------
 
@@ -98,3 +103,61 @@ def test_cli_megatron_args_billion_laughs_is_one_line(tmp_path, capsys):
     close_all()
     assert code == 2 and err.count("\n") == 1 and err.startswith("hybridckpt: error:"), err
     assert "model_optim_rng.pt" in err and "budget" in err
+
+
+# -- JSON: nesting past the depth limit ---------------------------------------------------------
+
+REAL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "real", "cases")
+
+
+def _nested(depth: int) -> bytes:
+    return b'{"a": ' * depth + b"1" + b"}" * depth
+
+
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 900, 100_000])
+def test_json_nested_past_the_limit_is_one_line(depth):
+    with pytest.raises(JsonTooDeep) as e:
+        json_text.loads(_nested(depth), "f.json")
+    assert str(e.value) == f"f.json: JSON nested deeper than {MAX_JSON_DEPTH} levels; not a file this format writes"
+
+
+def test_json_at_the_limit_parses_with_its_values():
+    value = json_text.loads(_nested(MAX_JSON_DEPTH), "f.json")
+    for _ in range(MAX_JSON_DEPTH):
+        value = value["a"]
+    assert value == 1
+    assert json_text.loads(b'[[1, 2], {"k": [3]}]', "g") == [[1, 2], {"k": [3]}]
+    with pytest.raises(FormatError, match="^g: not valid JSON"):
+        json_text.loads(b"[1,", "g")
+
+
+def _copy_case(tmp_path, case: str) -> str:
+    dst = str(tmp_path / case)
+    shutil.copytree(os.path.join(REAL, case, "ckpt"), dst)
+    return dst
+
+
+def _deep_file(path: str, depth: int = 5000) -> None:
+    os.chmod(path, 0o644) if os.path.exists(path) else None
+    with open(path, "wb") as f:
+        f.write(_nested(depth))
+
+
+@pytest.mark.parametrize(
+    "case, file",
+    [
+        ("megatron_core_dense_dp_reshardable", "iter_0000003/metadata.json"),
+        ("maxtext_llama3", "4/items/_METADATA"),
+        ("maxtext_llama3", "4/items/params.params.decoder.decoder_norm.scale/.zarray"),
+    ],
+)
+def test_cli_deep_json_in_a_real_checkpoint_is_one_line(tmp_path, capsys, case, file):
+    folder = _copy_case(tmp_path, case)
+    _deep_file(os.path.join(folder, file))
+    capsys.readouterr()
+    config = ["--config", os.path.join(REAL, "torchtitan_llama3", "config.json")] if "maxtext" in case else []
+    code = main(["inspect", folder, *config])
+    err = capsys.readouterr().err
+    close_all()
+    assert code == 2 and err.count("\n") == 1 and err.startswith("hybridckpt: error:"), err
+    assert file.split("/")[-1] in err and "nested deeper than" in err, err

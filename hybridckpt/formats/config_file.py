@@ -4,10 +4,10 @@ is data from the checkpoint, and a multi-gigabyte "config" is refused, not loade
 
 from __future__ import annotations
 
-import json
 import os
 
 from hybridckpt.errors import ConfigError, FormatError, UnknownModelError
+from hybridckpt.io import json_text
 
 MAX_METADATA_BYTES = 256 << 20  # bytes: the largest JSON index or metadata file read
 MAX_TEXT_BYTES = 4096  # bytes: the largest tracker / tag file (`latest`, `latest_checkpointed_iteration.txt`)
@@ -52,10 +52,7 @@ def read_json(path: str) -> dict:
 def parse_json(text: str | bytes, where: str) -> dict:
     """A JSON object from `text` (a file's bytes, or a string stored inside a file); FormatError
     naming `where` (the file, and the key when the JSON is a value inside it) when malformed."""
-    try:
-        data = json.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
-    except (ValueError, RecursionError) as e:  # (JSONDecodeError, UnicodeDecodeError, an int of 4300+ digits)
-        raise FormatError(f"{where}: not valid JSON: {str(e)[:200]}") from None
+    data = json_text.loads(text, where)  # one line when malformed or nested past its depth limit
     if not isinstance(data, dict):
         raise FormatError(f"{where}: expected a JSON object, found {type(data).__name__}")
     return data

@@ -71,13 +71,17 @@ def _trainer_state_file(root: str, step: int) -> dict | None:
     """The trainer state JSON object of `step` read from its file, or None when it is not there
     as expected (Orbax's reader then decides)."""
     import builtins
-    import json
+
+    from hybridckpt.errors import FormatError
+    from hybridckpt.io import json_text
 
     path = os.path.join(root, str(step), "trainer_state", "metadata")
     try:
         with builtins.open(path, "rb") as f:  # (this module's `open` is the format API)
-            state = json.loads(f.read())
-    except (OSError, ValueError):
+            state = json_text.loads(f.read(), path)
+    except json_text.JsonTooDeep:
+        raise
+    except (OSError, FormatError):
         return None
     return state if isinstance(state, dict) else None
 

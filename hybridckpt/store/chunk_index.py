@@ -24,12 +24,12 @@ same `ItemIndex` is then read by listing those folders: each chunk file is a loc
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from hybridckpt.errors import CheckpointError, FormatError, short_repr
+from hybridckpt.io import json_text
 from hybridckpt.io.paths import inside
 
 OCDBT_MANIFEST = "manifest.ocdbt"  # at the root of an item saved with OCDBT (Orbax's `format_utils`)
@@ -102,9 +102,12 @@ def _walk(ts, item_dir: str, context) -> ItemIndex:
             elif "indirect_value" in entry:
                 out[key.decode("utf-8", "replace")] = parse_location(item_dir, entry["indirect_value"])
             elif key.endswith(b"/.zarray") and "inline_value" in entry:
+                name = key[: -len(b"/.zarray")].decode("utf-8", "replace")
                 try:
-                    zarrays[key[: -len(b"/.zarray")].decode()] = json.loads(entry["inline_value"])
-                except (ValueError, UnicodeDecodeError):
+                    zarrays[name] = json_text.loads(entry["inline_value"], f"{item_dir}: {name}/.zarray")
+                except json_text.JsonTooDeep:
+                    raise
+                except FormatError:
                     pass  # TensorStore reads it and says what is wrong
             elif "inline_value" in entry:
                 inline[key.decode("utf-8", "replace")] = bytes(entry["inline_value"])
@@ -126,8 +129,10 @@ def _list_folders(item_dir: str) -> ItemIndex:
             continue
         try:
             with open(meta, "rb") as f:
-                zarrays[name] = json.loads(f.read())
-        except (OSError, ValueError):
+                zarrays[name] = json_text.loads(f.read(), meta)
+        except json_text.JsonTooDeep:
+            raise
+        except (OSError, FormatError):
             continue  # TensorStore reads it and says what is wrong
         with os.scandir(folder) as entries:
             for entry in entries:
