@@ -161,3 +161,66 @@ def test_cli_deep_json_in_a_real_checkpoint_is_one_line(tmp_path, capsys, case, 
     close_all()
     assert code == 2 and err.count("\n") == 1 and err.startswith("hybridckpt: error:"), err
     assert file.split("/")[-1] in err and "nested deeper than" in err, err
+
+
+# -- YAML: alias and merge bombs ----------------------------------------------------------------
+
+
+def _alias_bomb(levels: int = 11) -> str:
+    """`a0` a list of 10 strings, each `a{i}` a list of 10 aliases of `a{i-1}`: 10^(levels+1)
+    leaves in under 1 KB."""
+    lines = ["a0: &a0 [" + ", ".join(["silu"] * 10) + "]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + "\n"
+
+
+def _merge_bomb(levels: int = 40) -> str:
+    """Each mapping merges the previous one twice (`<<: [*m, *m]`): PyYAML copies the merged
+    pairs, 2^levels of them, whatever the keys."""
+    lines = ["m0: &m0 {x: 1}"]
+    lines += [f"m{i}: &m{i} {{<<: [*m{i - 1}, *m{i - 1}]}}" for i in range(1, levels + 1)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("bomb", ["alias", "merge"])
+def test_bridge_run_config_yaml_bomb_is_one_line(tmp_path, capsys, bomb):
+    """A Megatron-Bridge checkpoint whose run_config.yaml `activation_func` is an alias bomb (or
+    whose `model:` merges a merge bomb): `inspect` is one line naming the file, in bounded memory."""
+    import yaml
+    from fixtures.megatron_dist_writer import write_torch_dist
+    from fixtures.megatron_writer import make_llama
+
+    ref = make_llama(hidden=64, layers=2, heads=8, kv_heads=4, ffn=96, vocab=100, seed=3)
+    it_dir = write_torch_dist(str(tmp_path / "ckpt"), ref, tp=1, pp=1, layout="bridge")
+    path = os.path.join(it_dir, "run_config.yaml")
+    with open(path) as f:
+        run = yaml.safe_load(f)
+    model = yaml.safe_dump({"model": run["model"]}).replace("model:\n", "")
+    if bomb == "alias":
+        text = _alias_bomb() + "model:\n" + model.replace("  activation_func:", "  activation_func: *a11\n  old_act:")
+    else:
+        text = _merge_bomb() + "model:\n  <<: *m40\n" + model
+    with open(path, "w") as f:
+        f.write(text)
+    capsys.readouterr()
+    tracemalloc.start()
+    try:
+        code = main(["inspect", str(tmp_path / "ckpt")])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        close_all()
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("hybridckpt: error:"), err
+    assert "run_config.yaml" in err and "through its aliases and merge keys" in err, err
+    assert peak < 64 << 20, peak
+
+
+def test_yaml_aliases_within_the_budget_load_with_their_values(tmp_path):
+    from hybridckpt.formats.megatron_dist.config import read_yaml
+
+    path = tmp_path / "run_config.yaml"
+    path.write_text("base: &b {num_layers: 2, hidden_size: 64}\nmodel:\n  <<: *b\n  ffn: [*b, *b]\n")
+    assert read_yaml(str(path), "model") == {
+        "num_layers": 2, "hidden_size": 64, "ffn": [{"num_layers": 2, "hidden_size": 64}] * 2
+    }
