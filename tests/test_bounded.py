@@ -8,14 +8,19 @@ copies of real checkpoints; ... Every check counts objects and bytes
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tracemalloc
 
 import attacks
+import numpy as np
 import pytest
 import torch
-from attacks.containers import CONTAINERS
+from attacks import opcodes as op
+from attacks.containers import CONTAINERS, LLAMA_CONFIG
 
 from hybridckpt.cli import main
 from hybridckpt.containers.pickle import torch_save
@@ -224,3 +229,128 @@ def test_yaml_aliases_within_the_budget_load_with_their_values(tmp_path):
     assert read_yaml(str(path), "model") == {
         "num_layers": 2, "hidden_size": 64, "ffn": [{"num_layers": 2, "hidden_size": 64}] * 2
     }
+
+
+# -- special files: FIFOs and devices are refused at open ---------------------------------------
+
+
+def _cli_child(*args: str) -> subprocess.CompletedProcess:
+    """The CLI in a child (a FIFO would block an in-process open forever: the timeout fails it)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, "-m", "hybridckpt.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+
+
+def _special(path: str, kind: str) -> None:
+    if os.path.exists(path):
+        os.remove(path)
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        os.symlink("/dev/zero", path)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+@pytest.mark.parametrize("file", ["model_state.pdparams", "model.safetensors", "config.json"])
+def test_special_files_are_refused_in_one_line(tmp_path, kind, file):
+    """A FIFO (or a link to /dev/zero) in place of a checkpoint file: `inspect` refuses it in one
+    line naming the file, never waits on it (a FIFO named *.pdparams blocked forever)."""
+    from hybridckpt.demo import sample_path
+
+    if file.endswith(".pdparams"):
+        folder = str(tmp_path / "paddle")
+        os.makedirs(folder)
+        path, _ = CONTAINERS["paddle-pdparams"].write(folder, lambda c: op.value([1]), str(tmp_path / "M"))
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(LLAMA_CONFIG, f)
+        _special(path, kind)
+        target = folder  # found by listing the folder, not by the path typed
+    else:
+        folder = str(tmp_path / "hf")
+        shutil.copytree(sample_path(), folder)
+        _special(os.path.join(folder, file), kind)
+        target = folder
+    r = _cli_child("inspect", target)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("hybridckpt: error:"), r.stderr
+    # the HF folder's only weights file is not a file: no format claims the folder
+    assert file in r.stderr or (file == "model.safetensors" and "not a checkpoint" in r.stderr), r.stderr
+
+
+def test_open_regular_names_what_the_file_is(tmp_path):
+    from hybridckpt.io.regular_file import NotRegular, open_regular
+
+    fifo = str(tmp_path / "p")
+    os.mkfifo(fifo)
+    with pytest.raises(NotRegular, match=r"p: a FIFO \(named pipe\), not a regular file"):
+        open_regular(fifo)
+    with pytest.raises(NotRegular, match="a character device"):
+        open_regular("/dev/null")
+    with pytest.raises(NotRegular, match="a directory"):
+        open_regular(str(tmp_path))
+    plain = tmp_path / "f"
+    plain.write_bytes(b"abc")
+    fd = open_regular(str(plain))
+    assert os.pread(fd, 3, 0) == b"abc"
+    os.close(fd)
+
+
+def test_byte_source_and_metadata_reads_refuse_a_fifo_without_waiting(tmp_path):
+    """Every source read goes through `open_regular`: the byte-range reader (safetensors, DCP,
+    torch.save files) and the metadata reader (JSON, trackers, YAML)."""
+    from hybridckpt.formats.config_file import read_bytes
+    from hybridckpt.io.byte_source import ByteSource
+    from hybridckpt.io.regular_file import NotRegular
+
+    fifo = str(tmp_path / "model-00001-of-00002.safetensors")
+    os.mkfifo(fifo)
+    with pytest.raises(NotRegular, match="safetensors: a FIFO"):
+        ByteSource(fifo).read(0, 8)
+    with pytest.raises(NotRegular, match="safetensors: a FIFO"):
+        read_bytes(fifo)
+    close_all()
+
+
+# -- declared sizes checked before anything is read ---------------------------------------------
+
+
+def test_maxtext_step_leaf_declared_8_gib_is_refused_before_it_is_read(tmp_path, capsys):
+    """A MaxText `step` leaf whose `.zarray` declares 2^31 int32 (8 GiB, all fill value: no chunk
+    files needed) was allocated before it was checked (MemoryError traceback): now one line
+    naming the leaf's shape, and nothing near its size allocated."""
+    folder = _copy_case(tmp_path, "maxtext_llama3")
+    zarray = os.path.join(folder, "4", "items", "step", ".zarray")
+    with open(zarray) as f:
+        spec = json.load(f)
+    spec.update(shape=[1 << 31], chunks=[1 << 31], fill_value=0)
+    os.remove(zarray)
+    with open(zarray, "w") as f:
+        json.dump(spec, f)
+    config = os.path.join(REAL, "torchtitan_llama3", "config.json")
+    capsys.readouterr()
+    tracemalloc.start()
+    try:
+        code = main(["inspect", folder, "--config", config])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        close_all()
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("hybridckpt: error:"), err
+    assert "step should hold one number" in err and str(1 << 31) in err, err
+    assert peak < 256 << 20, peak
+
+
+@pytest.mark.parametrize("shape", [(1 << 33,), (2, 3)])
+def test_a_step_of_many_elements_is_refused_before_it_is_read(shape):
+    from hybridckpt.io.byte_source import ByteSource, count_reads
+    from hybridckpt.lazy import StoredTensor, scalar_value
+
+    t = StoredTensor(ByteSource("/nonexistent/step"), 0, shape, np.dtype(np.float32))
+    with count_reads() as reads, pytest.raises(FormatError) as e:
+        scalar_value(t, "opt.pt: state.0", "step")
+    assert str(e.value) == (
+        f"opt.pt: state.0: step should hold one number, but it is declared float32 {list(shape)} "
+        f"({int(np.prod(shape))} elements); not read"
+    )
+    assert sum(reads.values()) == 0
+    assert scalar_value(np.array([7.0]), "w") == 7.0 and scalar_value(3, "w") == 3.0

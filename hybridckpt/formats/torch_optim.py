@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from hybridckpt.errors import FormatError, HybridCkptError
-from hybridckpt.lazy import LazyTensor
+from hybridckpt.lazy import LazyTensor, scalar_value
 
 STEP = "step"  # torch's step counter in `state[i]` (optax's `count`)
 HYPER_FLOATS = ("lr", "eps", "weight_decay", "momentum", "dampening", "initial_lr")  # (initial_lr: an LR scheduler's)
@@ -31,7 +31,7 @@ def param_state(entry: Mapping, where: str) -> tuple[dict[str, LazyTensor], floa
     step = None
     for key, value in entry.items():
         if key == STEP:
-            step = float(value.materialize()) if isinstance(value, LazyTensor) else float(value)
+            step = scalar_value(value, where)  # its size checked before it is read
         elif isinstance(key, str) and isinstance(value, LazyTensor):
             slots[key] = value
     return slots, step

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridckpt.errors import FormatError
+from hybridckpt.io.regular_file import open_regular
 
 _lock = threading.Lock()
 _fds: dict[str, int] = {}
@@ -40,10 +41,7 @@ def _fd(path: str) -> int:
     with _lock:
         fd = _fds.get(path)
         if fd is None:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError as e:
-                raise FormatError(f"{path}: cannot open: {e.strerror}") from e
+            fd = open_regular(path)  # a regular file: never a FIFO (would block) or a device
             _fds[path] = fd
         return fd
 

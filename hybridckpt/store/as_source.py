@@ -117,6 +117,7 @@ def open(path: str, *, config: Any = None, step: int | None = None, verify_reads
     array is read through the CRC-32s its import recorded (`store.checked`) unless
     `verify_reads=False`."""
     from hybridckpt import naming, optim
+    from hybridckpt.lazy import scalar_value
     from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
     from hybridckpt.store.checked import checked_arrays
     from hybridckpt.store.keys import NAMES_KEY, original_names
@@ -152,7 +153,7 @@ def open(path: str, *, config: Any = None, step: int | None = None, verify_reads
             count = {"count": leaves[opt.orbax_step]}
             if verify_reads and "count" in (state.get("chunk_crc32") or {}):
                 count = checked_arrays(count, state, "", os.path.join(step_dir, "opt_state"))
-            opt_step = int(count["count"].materialize())
+            opt_step = int(scalar_value(count["count"], step_dir, "opt_state count"))
         optimizer = OptimizerState(slots, opt_step, hyper=recorded_hyper(state, params, named))
     return SourceCheckpoint(
         format=NAME,

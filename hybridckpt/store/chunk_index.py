@@ -31,6 +31,7 @@ from typing import NamedTuple
 from hybridckpt.errors import CheckpointError, FormatError, short_repr
 from hybridckpt.io import json_text
 from hybridckpt.io.paths import inside
+from hybridckpt.io.regular_file import NotRegular, open_regular_file
 
 OCDBT_MANIFEST = "manifest.ocdbt"  # at the root of an item saved with OCDBT (Orbax's `format_utils`)
 
@@ -128,10 +129,10 @@ def _list_folders(item_dir: str) -> ItemIndex:
         if not os.path.isfile(meta):
             continue
         try:
-            with open(meta, "rb") as f:
+            with open_regular_file(meta) as f:
                 zarrays[name] = json_text.loads(f.read(), meta)
-        except json_text.JsonTooDeep:
-            raise
+        except (json_text.JsonTooDeep, NotRegular):
+            raise  # before TensorStore waits on it or walks it
         except (OSError, FormatError):
             continue  # TensorStore reads it and says what is wrong
         with os.scandir(folder) as entries:

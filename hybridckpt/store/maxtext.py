@@ -19,7 +19,7 @@ from typing import Any
 from hybridckpt.errors import CheckpointError, ConfigError, FormatError
 from hybridckpt.formats import maxtext
 from hybridckpt.formats.maxtext import NAME, detect  # noqa: F401  (the reader registry's entry points)
-from hybridckpt.lazy import LazyTensor
+from hybridckpt.lazy import LazyTensor, scalar_value
 
 V1_PYTREE_HANDLER = "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler"
 
@@ -43,14 +43,16 @@ def open(path: str, *, config: Any = None, step: int | None = None):  # noqa: A0
     params = under(maxtext.PARAMS)
     if not params:
         raise FormatError(f"{item_dir}: no arrays under {maxtext.PARAMS!r}")
-    run_step = int(leaves[maxtext.STEP].materialize()) if maxtext.STEP in leaves else dir_step
+    run_step = int(scalar_value(leaves[maxtext.STEP], item_dir)) if maxtext.STEP in leaves else dir_step
     optimizer = None
     slots = {slot: under(prefix) for slot, prefix in maxtext.SLOTS.items()}
     if any(slots.values()):
         missing = [s for s, t in slots.items() if set(t) != set(params)]
         if missing:
             raise CheckpointError(f"{item_dir}: Adam's {missing} do not cover the params")
-        count = int(leaves[maxtext.ADAM_COUNT].materialize()) if maxtext.ADAM_COUNT in leaves else run_step
+        count = run_step
+        if maxtext.ADAM_COUNT in leaves:
+            count = int(scalar_value(leaves[maxtext.ADAM_COUNT], item_dir, maxtext.ADAM_COUNT))
         optimizer = OptimizerState(slots, count)
     return SourceCheckpoint(
         format=NAME,

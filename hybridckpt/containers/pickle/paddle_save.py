@@ -52,6 +52,7 @@ from hybridckpt.containers.pickle.numpy_guard import NDARRAY
 from hybridckpt.containers.pickle.opcodes import FRAME_SIZE, scan_pickle
 from hybridckpt.errors import FormatError, UnsafePickleError
 from hybridckpt.io.byte_source import ByteSource
+from hybridckpt.io.regular_file import open_regular
 from hybridckpt.lazy import ArrayTensor, LazyTensor, StoredTensor
 
 NAME_TABLE = "StructuredToParameterName@@"
@@ -203,10 +204,7 @@ def safe_load(path: str, *, lazy_min_bytes: int = LAZY_MIN_BYTES) -> object:
     `lazy_min_bytes` bytes, read on demand). Raises FormatError for a file that is
     not a valid pickle and UnsafePickleError for globals off the allow-list.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as e:
-        raise FormatError(f"{path}: cannot open: {e.strerror}") from None
+    fd = open_regular(path)  # a regular file: a FIFO named *.pdparams blocked here forever
     try:
         size = os.fstat(fd).st_size
         if size == 0:

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 
 from hybridckpt import lazy
 from hybridckpt.errors import FormatError
-from hybridckpt.lazy import LazyTensor, tiled
+from hybridckpt.lazy import LazyTensor, scalar_value, tiled
 
 MASTER_KINDS = ("param", "fp32_param")
 _STATE = re.compile(r"^(?P<chain>chained_\d+\.)?optimizer\.state\.(?P<kind>\w+?)\.(?P<key>.+)$")
@@ -111,7 +111,7 @@ def step_and_hyper(groups, where: str, tensors=None) -> tuple[int | None, dict]:
         if len(steps) > 1:
             raise FormatError(f"{where}: param groups have different steps {sorted(steps)}")
         s = steps.pop()
-        step = int(s.materialize()) if isinstance(s, LazyTensor) else int(s)
+        step = int(scalar_value(s, where))  # its size checked before it is read
     g0 = groups[0]
     hyper = {
         k: float(g0[k])
