@@ -354,3 +354,58 @@ def test_a_step_of_many_elements_is_refused_before_it_is_read(shape):
     )
     assert sum(reads.values()) == 0
     assert scalar_value(np.array([7.0]), "w") == 7.0 and scalar_value(3, "w") == 3.0
+
+
+def _dcp_declaring(tmp_path, shape) -> str:
+    """torch's own DCP save of two small tensors, its `.metadata` edited (pickled by torch's
+    classes) so that `model.w` and its one chunk declare `shape`."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    src = str(tmp_path / "src")
+    sd = {"model.w": torch.arange(64, dtype=torch.float32).reshape(8, 8), "model.b": torch.ones(8)}
+    dcp.save(sd, checkpoint_id=src, no_dist=True)
+    path = os.path.join(src, ".metadata")
+    with open(path, "rb") as f:
+        md = pickle.load(f)
+    e = md.state_dict_metadata["model.w"]
+    c = e.chunks[0]
+    e.size = torch.Size(shape)
+    e.chunks[0] = type(c)(offsets=c.offsets, sizes=torch.Size(shape))
+    with open(path, "wb") as f:
+        pickle.dump(md, f)
+    return src
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("args", [["inspect"], ["import", "--plan"], ["import"]])
+def test_dcp_metadata_declaring_4_tib_is_refused_before_planning(tmp_path, capsys, args):
+    """A 1 KB `.metadata` declaring a 2^20 x 2^20 float32 tensor (4 TiB) in a 3 KB data file: one
+    line naming the file, the tensor, the bytes declared and present; a few KB read, nothing
+    written (an import --plan ran past 90 s on one, an import wrote until the disk was full)."""
+    from hybridckpt.io.byte_source import count_reads
+
+    src = _dcp_declaring(tmp_path, (1 << 20, 1 << 20))
+    dst = str(tmp_path / "dst")
+    cmd = [args[0], src, *([dst] if args[0] == "import" else []), *args[1:]]
+    capsys.readouterr()
+    with count_reads() as reads:
+        code = main(cmd)
+    close_all()
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("hybridckpt: error:"), err
+    assert "__0_0.distcp" in err and "'model.w' (float32 [1048576, 1048576])" in err, err
+    assert f"{4 * (1 << 40)} bytes" in err and f"file of {os.path.getsize(os.path.join(src, '__0_0.distcp'))} bytes" in err
+    assert sum(reads.values()) < 64 << 10
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_declared_bytes_within_the_file_still_read(tmp_path):
+    from hybridckpt.readers import open_source
+
+    src = _dcp_declaring(tmp_path, (8, 8))  # rewritten by pickle, unchanged in meaning
+    t = open_source(src).tensors["model.w"]
+    assert np.array_equal(t.materialize(), np.arange(64, dtype=np.float32).reshape(8, 8))
+    close_all()
