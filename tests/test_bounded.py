@@ -409,3 +409,54 @@ def test_dcp_declared_bytes_within_the_file_still_read(tmp_path):
     t = open_source(src).tensors["model.w"]
     assert np.array_equal(t.materialize(), np.arange(64, dtype=np.float32).reshape(8, 8))
     close_all()
+
+
+# -- slow, if linear: counts capped where real files stay far under them ------------------------
+
+
+def _safetensors_of(path: str, n: int) -> None:
+    import struct
+
+    hdr = {f"model.layers.{i}.w": {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]} for i in range(n)}
+    head = json.dumps(hdr).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head + b"\0" * (4 * n))
+
+
+def test_safetensors_header_of_too_many_tensors_is_refused_before_parsing(tmp_path, monkeypatch):
+    """A header past `MAX_TENSORS` entries is refused by a count in C, before one JSON value is
+    built (a 96 MB header of 1.4M tensors took 32-94 s to inspect and 300+ s to plan)."""
+    from hybridckpt.containers import safetensors_file as sf
+
+    monkeypatch.setattr(sf, "MAX_TENSORS", 100)
+    parsed = []
+    monkeypatch.setattr(sf.json, "loads", lambda *a, **k: parsed.append(1))
+    path = str(tmp_path / "model.safetensors")
+    _safetensors_of(path, 101)
+    with pytest.raises(FormatError, match=r"model\.safetensors: header of \d+ bytes holds about 101 tensors, more than the 100"):
+        sf.read_header(path)
+    assert parsed == []
+    close_all()
+
+
+def test_safetensors_header_at_the_cap_reads_every_tensor(tmp_path, monkeypatch):
+    from hybridckpt.containers import safetensors_file as sf
+
+    monkeypatch.setattr(sf, "MAX_TENSORS", 100)
+    path = str(tmp_path / "model.safetensors")
+    _safetensors_of(path, 100)
+    st = sf.read_header(path)
+    assert len(st.tensors) == 100 and st.tensors["model.layers.99.w"].offset == 8 + (os.path.getsize(path) - 8 - 400) + 396
+    close_all()
+
+
+def test_safetensors_duplicate_names_still_refused():
+    from hybridckpt.containers import safetensors_file as sf
+
+    with pytest.raises(sf._DuplicateKey):
+        sf._no_duplicates([("a", 1), ("b", 2), ("a", 3)])
+    assert sf._no_duplicates([("a", 1), ("b", 2)]) == {"a": 1, "b": 2}
+    with pytest.raises(TypeError):
+        sf._ints([1, True])
+    assert sf._ints([0, 7]) == (0, 7)
