@@ -92,20 +92,22 @@ def _dict_children(d: dict) -> list:
     return out
 
 
-def expanded_size(root) -> tuple[int, int]:
+def expanded_size(root, totals: dict | None = None) -> tuple[int, int]:
     """(objects, bytes) a full walk of `root` meets, shared objects counted at every reference.
 
     Iterative (no recursion on nesting); each distinct container is expanded once and its total
     remembered by id (ids stay valid: `root` keeps every object it reaches alive, and nothing
     changes it during the walk), so the cost is linear in the distinct objects and references.
     """
-    totals: dict[int, tuple[int, int]] = {}
+    totals = {} if totals is None else totals  # id -> (objects, bytes), shared between calls
     objects = 0
     nbytes = 0
     # frames: [obj, iterator over children, objects so far, bytes so far]
     o, b, kids = _own(root)
     if kids is None:
         return o, b
+    if id(root) in totals:
+        return totals[id(root)]
     stack = [[root, iter(kids), o, b]]
     totals[id(root)] = (1, 0)  # a cycle back to an object being counted counts once
     while stack:
@@ -140,13 +142,31 @@ def expanded_size(root) -> tuple[int, int]:
     return objects, nbytes
 
 
-def check_expansion(obj, pickle_bytes: int, *, what: str) -> None:
-    """Refuse `obj` (unpickled from `pickle_bytes` bytes of `what`) when it expands past its budget."""
+def check_expansion(obj, pickle_bytes: int, *, what: str, shared=((-1, 1),), memo=None) -> None:
+    """Refuse `obj` (unpickled from `pickle_bytes` bytes of `what`) when it expands past its budget.
+
+    `shared` (`opcodes.PickleScan.shared`): the memo slots fetched and how often, `memo` the
+    unpickler's memo: the result is then counted as what those fetches add (each fetch of a slot
+    adds the slot's whole expansion; the objects reached without a fetch are at most those the
+    pickle built, fewer than its bytes), walking only the fetched objects' subgraphs (a DCP
+    `.metadata` of 10^6 chunks fetches a few hundred small objects). `((-1, n),)` (a DUP, or no
+    walk by the caller): the whole result is counted.
+    """
     budget = budget_for(pickle_bytes)
-    objects, nbytes = expanded_size(obj)
+    if memo is None or any(index < 0 for index, _ in shared):
+        objects, nbytes = expanded_size(obj)
+    else:
+        slots = memo.copy()
+        totals: dict = {}
+        objects = nbytes = 0
+        for index, fetches in shared:
+            if index in slots:
+                o, b = expanded_size(slots[index], totals)
+                objects += fetches * o
+                nbytes += fetches * b
     if objects > budget.objects or nbytes > budget.bytes:
         raise FormatError(
-            f"{what}: pickle of {pickle_bytes} bytes expands to {objects} objects and {nbytes} "
+            f"{what}: pickle of {pickle_bytes} bytes expands to at least {objects} objects and {nbytes} "
             f"bytes of data through shared (memo) references, past the budget of "
             f"{budget.objects} objects and {budget.bytes} bytes; refused as a resource bomb"
         )

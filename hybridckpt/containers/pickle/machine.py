@@ -35,7 +35,7 @@ from hybridckpt.containers.pickle.allow import Contextual, Policy, short_repr, s
 from hybridckpt.containers.pickle.base_policy import BASE_POLICY
 from hybridckpt.containers.pickle.budget import check_expansion
 from hybridckpt.containers.pickle.numpy_guard import finalize
-from hybridckpt.containers.pickle.opcodes import check_pickle
+from hybridckpt.containers.pickle.opcodes import scan_pickle
 from hybridckpt.errors import FormatError, HybridCkptError, UnsafePickleError
 from hybridckpt.io.byte_source import ByteSource
 
@@ -154,16 +154,18 @@ def safe_loads(
     policy = BASE_POLICY if policy is None else policy
     if isinstance(data, memoryview):
         data = data.tobytes()
+    shared: tuple = ((-1, 1),)  # the caller walked: count the whole result
     try:
         if not walked:
-            check_pickle(data, what=what)
+            shared = scan_pickle(data, what=what).shared
     except FormatError as e:
         refuse_named_threat(e, policy, what)
         raise
     try:
         up = unpickler_cls(io.BytesIO(data), policy, what=what, **unpickler_kwargs)
         obj = up.load()
-        check_expansion(obj, len(data), what=what)
+        if shared:  # without fetches of shared objects it holds no more than it built
+            check_expansion(obj, len(data), what=what, shared=shared, memo=up.memo)
         return obj
     except HybridCkptError as e:
         if str(e).startswith(what):
