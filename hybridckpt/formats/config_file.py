@@ -4,10 +4,11 @@ is data from the checkpoint, and a multi-gigabyte "config" is refused, not loade
 
 from __future__ import annotations
 
-import json
 import os
 
 from hybridckpt.errors import ConfigError, FormatError, UnknownModelError
+from hybridckpt.io import json_text
+from hybridckpt.io.regular_file import open_regular_file
 
 MAX_METADATA_BYTES = 256 << 20  # bytes: the largest JSON index or metadata file read
 MAX_TEXT_BYTES = 4096  # bytes: the largest tracker / tag file (`latest`, `latest_checkpointed_iteration.txt`)
@@ -17,7 +18,13 @@ def read_bytes(path: str, limit: int = MAX_METADATA_BYTES) -> bytes:
     """The bytes of a metadata file, at most `limit`; FormatError naming the file when it is
     missing, unreadable or larger."""
     try:
-        with open(path, "rb") as f:  # by pieces: read(limit) would allocate `limit` bytes at once
+        f = open_regular_file(path)  # a regular file: never a FIFO (would block) or a device
+    except FormatError as e:
+        if isinstance(e.__cause__, FileNotFoundError):
+            raise FormatError(f"{path}: missing") from None
+        raise
+    try:
+        with f:  # by pieces: read(limit) would allocate `limit` bytes at once
             parts, got = [], 0
             while got <= limit:
                 piece = f.read(min(1 << 20, limit + 1 - got))
@@ -26,8 +33,6 @@ def read_bytes(path: str, limit: int = MAX_METADATA_BYTES) -> bytes:
                 parts.append(piece)
                 got += len(piece)
             raw = b"".join(parts)
-    except FileNotFoundError:
-        raise FormatError(f"{path}: missing") from None
     except OSError as e:
         raise FormatError(f"{path}: cannot read: {e.strerror or e}") from None
     if len(raw) > limit:
@@ -52,10 +57,7 @@ def read_json(path: str) -> dict:
 def parse_json(text: str | bytes, where: str) -> dict:
     """A JSON object from `text` (a file's bytes, or a string stored inside a file); FormatError
     naming `where` (the file, and the key when the JSON is a value inside it) when malformed."""
-    try:
-        data = json.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
-    except (ValueError, RecursionError) as e:  # (JSONDecodeError, UnicodeDecodeError, an int of 4300+ digits)
-        raise FormatError(f"{where}: not valid JSON: {str(e)[:200]}") from None
+    data = json_text.loads(text, where)  # one line when malformed or nested past its depth limit
     if not isinstance(data, dict):
         raise FormatError(f"{where}: expected a JSON object, found {type(data).__name__}")
     return data

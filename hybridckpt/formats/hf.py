@@ -29,7 +29,7 @@ from hybridckpt.formats import hf_bin, hf_quant
 from hybridckpt.formats.config_file import read_json
 from hybridckpt.formats.torch_optim import check_complete
 from hybridckpt.io.paths import check_relative
-from hybridckpt.lazy import LazyTensor
+from hybridckpt.lazy import LazyTensor, scalar_value
 from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
 NAME = "hf"
@@ -177,7 +177,7 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
     if moments:
         step = None
         if "step" in moments:
-            step = int(moments["step"].materialize().reshape(-1)[0])
+            step = int(scalar_value(moments["step"], "optimizer step"))
         slots: dict[str, dict[str, LazyTensor]] = {}
         stray = []
         for key, t in moments.items():

@@ -29,8 +29,6 @@ inverts them (writers/maxtext.py).
 
 from __future__ import annotations
 
-import builtins
-import json
 import os
 import re
 from collections.abc import Mapping
@@ -38,6 +36,8 @@ from typing import Any
 
 from hybridckpt import lazy
 from hybridckpt.errors import ConfigError, FormatError
+from hybridckpt.io import json_text
+from hybridckpt.io.regular_file import NotRegular, open_regular_file
 from hybridckpt.io.step_folders import StepFolders, StepPattern, listing
 from hybridckpt.lazy import LazyTensor
 
@@ -186,10 +186,13 @@ def item_dir(path: str, step: int | None) -> tuple[str, int | None]:
 
 
 def _leaf_names(item_dir: str) -> list[str] | None:
+    path = os.path.join(item_dir, "_METADATA")
     try:
-        with builtins.open(os.path.join(item_dir, "_METADATA"), encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, ValueError):
+        with open_regular_file(path) as f:
+            meta = json_text.loads(f.read(), path)
+    except (json_text.JsonTooDeep, NotRegular):
+        raise  # before Orbax parses it (RecursionError), waits on it (a FIFO) or a reader walks it
+    except (OSError, FormatError):
         return None
     tree = meta.get("tree_metadata") if isinstance(meta, dict) else None
     if not isinstance(tree, dict):

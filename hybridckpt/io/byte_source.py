@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridckpt.errors import FormatError
+from hybridckpt.io.regular_file import open_regular
 from hybridckpt.io.unchanged import Seen, changed_error, check_fd
 
 _lock = threading.Lock()
@@ -64,10 +65,7 @@ def _fd(path: str) -> int:
 
 def _open(path: str) -> int:
     """Open `path`, cache its fd and what it is (one fstat; call under `_lock`)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as e:
-        raise FormatError(f"{path}: cannot open: {e.strerror}") from e
+    fd = open_regular(path)  # a regular file: never a FIFO (would block) or a device
     _fds[path] = fd
     _opened[path] = Seen.of(os.fstat(fd))
     return fd

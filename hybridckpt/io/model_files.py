@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from hybridckpt.errors import CheckpointError, FormatError, short_repr
+from hybridckpt.io.regular_file import open_regular_file
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -64,7 +65,7 @@ class ModelFile:
         """The file's bytes: exactly `size` of them (a file that changed or grew past
         `MAX_FILE_BYTES` is an error naming it), matching the recorded CRC-32 when there is one."""
         try:
-            with open(self.path, "rb") as f:
+            with open_regular_file(self.path) as f:
                 data = f.read(min(self.size, MAX_FILE_BYTES) + 1)
         except OSError as e:
             raise FormatError(f"{self.path}: cannot read: {e.strerror or e}") from None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 
 from hybridckpt.errors import FormatError
+from hybridckpt.io.regular_file import open_regular
 from hybridckpt.io.unchanged import Seen, changed_error, check_fd
 
 MIN_WINDOW = 4096  # bytes read after a jump: a header and what follows it in its page
@@ -30,10 +31,7 @@ class PreadView:
 
     def __init__(self, path: str):
         self.path = path
-        try:
-            self._fd = os.open(path, os.O_RDONLY)
-        except OSError as e:
-            raise FormatError(f"{path}: cannot open: {e.strerror}") from None
+        self._fd = open_regular(path)  # a regular file, or one line (a FIFO named *.pdparams never blocks)
         try:
             self._seen = Seen.of(os.fstat(self._fd))
             if hasattr(os, "posix_fadvise"):

@@ -46,7 +46,7 @@ Modules (each imports only those above it):
                    re-exported: `from hybridckpt.lazy import parallel`).
 """
 
-from hybridckpt.lazy.base import Deferred, FileRun, LazyTensor, copy_into
+from hybridckpt.lazy.base import Deferred, FileRun, LazyTensor, copy_into, scalar_value
 from hybridckpt.lazy.box import (
     Box,
     block_overlap,
@@ -96,6 +96,7 @@ __all__ = [
     "FileRun",
     "LazyTensor",
     "copy_into",
+    "scalar_value",
     "Deferred",
     "copy_runs",
     "join_runs",

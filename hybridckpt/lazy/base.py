@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from hybridckpt.errors import FormatError
 from hybridckpt.io.byte_source import ByteSource, real_reads
 from hybridckpt.lazy.box import Box, box_shape, check_box, flat_boxes, full_box, normalize_box
 from hybridckpt.lazy.element_copy import copy_into
@@ -113,3 +114,26 @@ class Deferred(LazyTensor):
 
     def file_runs(self, box: Box, limit: int) -> list[FileRun] | None:
         return self._found().file_runs(box, limit)
+
+
+def scalar_value(t, where: str, what: str = "step") -> float:
+    """The one number a scalar leaf holds (a step, a count), checked BEFORE it is read: a leaf
+    declaring more than one element (a `step` of 2^33 elements would allocate 64 GiB to read it)
+    is a FormatError naming `where`, `what`, its shape and dtype. `t` a LazyTensor, a numpy
+    array or a plain number; read as float64."""
+    if not isinstance(t, (LazyTensor, np.ndarray)):
+        try:
+            return float(t)
+        except (TypeError, ValueError, OverflowError):
+            raise FormatError(f"{where}: {what} should be a number, found {type(t).__name__}") from None
+    shape = tuple(t.shape)
+    if math.prod(shape) != 1:
+        raise FormatError(
+            f"{where}: {what} should hold one number, but it is declared {np.dtype(t.dtype)} "
+            f"{list(shape)} ({math.prod(shape)} elements); not read"
+        )
+    value = t.materialize() if isinstance(t, LazyTensor) else t
+    try:
+        return float(np.asarray(value).reshape(-1)[0])
+    except (TypeError, ValueError, OverflowError):
+        raise FormatError(f"{where}: {what} of dtype {np.dtype(t.dtype)} is not a number") from None

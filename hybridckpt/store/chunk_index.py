@@ -24,13 +24,14 @@ same `ItemIndex` is then read by listing those folders: each chunk file is a loc
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from hybridckpt.errors import CheckpointError, FormatError, short_repr
+from hybridckpt.io import json_text
 from hybridckpt.io.paths import inside
+from hybridckpt.io.regular_file import NotRegular, open_regular_file
 
 OCDBT_MANIFEST = "manifest.ocdbt"  # at the root of an item saved with OCDBT (Orbax's `format_utils`)
 
@@ -108,9 +109,12 @@ def _walk(ts, item_dir: str, context) -> ItemIndex:
             elif "indirect_value" in entry:
                 out[key.decode("utf-8", "replace")] = parse_location(item_dir, entry["indirect_value"])
             elif key.endswith(b"/.zarray") and "inline_value" in entry:
+                name = key[: -len(b"/.zarray")].decode("utf-8", "replace")
                 try:
-                    zarrays[key[: -len(b"/.zarray")].decode()] = json.loads(entry["inline_value"])
-                except (ValueError, UnicodeDecodeError):
+                    zarrays[name] = json_text.loads(entry["inline_value"], f"{item_dir}: {name}/.zarray")
+                except json_text.JsonTooDeep:
+                    raise
+                except FormatError:
                     pass  # TensorStore reads it and says what is wrong
             elif "inline_value" in entry:
                 inline[key.decode("utf-8", "replace")] = bytes(entry["inline_value"])
@@ -152,9 +156,11 @@ def _list_folders(item_dir: str) -> ItemIndex:
         if not os.path.isfile(meta):
             continue
         try:
-            with open(meta, "rb") as f:
-                zarrays[name] = json.loads(f.read())
-        except (OSError, ValueError):
+            with open_regular_file(meta) as f:
+                zarrays[name] = json_text.loads(f.read(), meta)
+        except (json_text.JsonTooDeep, NotRegular):
+            raise  # before TensorStore waits on it or walks it
+        except (OSError, FormatError):
             continue  # TensorStore reads it and says what is wrong
         with os.scandir(folder) as entries:
             for entry in entries:

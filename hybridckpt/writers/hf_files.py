@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from hybridckpt.errors import HybridCkptError
+from hybridckpt.io import json_text
 from hybridckpt.io.model_files import CONFIG, GENERATION_CONFIG, ModelFile
 from hybridckpt.lazy import LazyTensor
 
@@ -49,8 +50,8 @@ def _carried_config(f: ModelFile | None) -> dict | None:
     if f is None:
         return None
     try:
-        data = json.loads(f.read())
-    except (ValueError, RecursionError, HybridCkptError):
+        data = json_text.loads(f.read(), f.name)
+    except HybridCkptError:
         return None  # not what we can use: the family's own config is written instead
     return data if isinstance(data, dict) else None
 

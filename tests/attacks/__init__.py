@@ -14,7 +14,8 @@ object. Groups (`kind`):
            copyreg._reconstructor, _codecs.encode, patching shared classes)
 - dos:     size claims past the end of the file (BINBYTES8, BINUNICODE, LONG4, FRAME), memo
            indices that would grow the memo table, bytes(10**12), numpy shapes far larger
-           than their bytes, 100k-deep nesting
+           than their bytes, 100k-deep nesting, billion laughs (memo references to lists of
+           memo references)
 - trick:   memo and stack tricks, extension codes, non-storage persistent ids, object and
            structured numpy dtypes
 - storage: (torch files only) views whose size, offset or stride reach outside their storage,
@@ -61,6 +62,22 @@ def _py_open(ctx: Ctx) -> bytes:
 
 
 _HUGE = 10**12
+
+
+def _laughs(ctx: Ctx, *, grow_after: bool = False) -> bytes:
+    """A list of 10 references to a list of 10 references ... 10 levels down (10^10 leaves in
+    a few hundred bytes: "billion laughs" through the memo). `grow_after`: the innermost list is
+    referenced while empty and filled last, so a count taken at reference time would see 1."""
+    base = 200  # memo slots far from any the container uses (BINPUT q / BINGET h, one byte)
+    put, get = (lambda i: b"q" + bytes([base + i])), (lambda i: b"h" + bytes([base + i]))
+    floats = b"".join(op.floating(0.1 * k) for k in range(10))
+    out = op.EMPTY_LIST + put(0) + (b"0" if grow_after else op.MARK + floats + op.APPENDS + b"0")
+    for level in range(1, 11):
+        out += op.MARK + get(level - 1) * 10 + b"l" + put(level) + b"0"
+    out += get(10)
+    if grow_after:
+        out += get(0) + op.MARK + floats + op.APPENDS + b"0"
+    return out
 
 
 def _deep(ctx: Ctx) -> bytes:
@@ -146,6 +163,10 @@ PAYLOADS: tuple[Payload, ...] = (
     Payload("numpy shape 10**6 x 10**6 over 8 bytes", "dos", r"needs \d+ bytes",
             lambda c: op.ndarray(b"\0" * 8, (10**6, 10**6))),
     Payload("100k-deep nesting around an array", "dos", r"Recursion|too deeply", _deep),
+    Payload("billion laughs: lists of memo references, 10^10 leaves", "dos", r"expands to at least \d+ objects.*budget",
+            _laughs),
+    Payload("billion laughs, the innermost list filled after it is referenced", "dos",
+            r"expands to at least \d+ objects.*budget", lambda c: _laughs(c, grow_after=True)),
     # -- memo / stack tricks and odd objects ---------------------------------------------------
     Payload("BINGET of an empty memo slot", "trick", r"Memo value not found", lambda c: b"h\x05"),
     Payload("REDUCE with nothing above a MARK", "trick", r"unexpected MARK found", lambda c: op.MARK + op.REDUCE),

@@ -5,6 +5,7 @@ Modules, each importing only those above it:
     opcodes       the one opcode walk: DoS guards, pickle ends, payload offsets (Paddle)
     allow         Policy, Token, Frozen, Contextual, Stub: what a pickle may name
     numpy_guard   numpy arrays, dtypes, scalars rebuilt from checked state
+    budget        the expansion budget: objects and bytes counted over shared references
     base_policy   BASE_ALLOWED / BASE_POLICY: containers, guarded builtins, numpy
     machine       RestrictedUnpickler, safe_loads, safe_load_file
     torch_policy  TorchDtype, TORCH_DTYPES, TORCH_POLICY, FRAMEWORK_STUBS

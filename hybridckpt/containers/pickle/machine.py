@@ -14,7 +14,9 @@ torch/_weights_only_unpickler.py): a pickle can only name globals from an allow-
 
 Denial-of-service guards (`opcodes.check_pickle`, run before unpickling): every length-prefixed
 argument must fit in the bytes left in the stream, memo indices must not run ahead of the
-opcodes seen, and unknown opcodes are refused. Every failure of a malformed pickle (truncation,
+opcodes seen, and unknown opcodes are refused; after it, the result's expansion through shared
+(memo) references is counted against a budget of objects and bytes (`budget`: billion laughs).
+Every failure of a malformed pickle (truncation,
 bad opcode, recursion, memory) is a `FormatError` naming the file. The C unpickler is used: it
 does not recurse on nesting.
 """
@@ -31,8 +33,9 @@ import struct
 
 from hybridckpt.containers.pickle.allow import Contextual, Policy, short_repr, stub_class
 from hybridckpt.containers.pickle.base_policy import BASE_POLICY
+from hybridckpt.containers.pickle.budget import check_expansion
 from hybridckpt.containers.pickle.numpy_guard import finalize
-from hybridckpt.containers.pickle.opcodes import check_pickle
+from hybridckpt.containers.pickle.opcodes import scan_pickle
 from hybridckpt.errors import FormatError, HybridCkptError, UnsafePickleError
 from hybridckpt.io.byte_source import ByteSource
 
@@ -151,15 +154,19 @@ def safe_loads(
     policy = BASE_POLICY if policy is None else policy
     if isinstance(data, memoryview):
         data = data.tobytes()
+    shared: tuple = ((-1, 1),)  # the caller walked: count the whole result
     try:
         if not walked:
-            check_pickle(data, what=what)
+            shared = scan_pickle(data, what=what).shared
     except FormatError as e:
         refuse_named_threat(e, policy, what)
         raise
     try:
         up = unpickler_cls(io.BytesIO(data), policy, what=what, **unpickler_kwargs)
-        return up.load()
+        obj = up.load()
+        if shared:  # without fetches of shared objects it holds no more than it built
+            check_expansion(obj, len(data), what=what, shared=shared, memo=up.memo)
+        return obj
     except HybridCkptError as e:
         if str(e).startswith(what):
             raise

@@ -74,6 +74,9 @@ _PUTS = {ord("q"): 1, ord("r"): 4}  # BINPUT, LONG_BINPUT (PUT is a line)
 _GETS = {ord("h"): 1, ord("j"): 4}  # BINGET, LONG_BINGET (GET is a line)
 _GET = ord("g")
 _NEUTRAL = (_FRAME, 0x80)  # FRAME, PROTO: no stack effect
+_INST, _DUP = ord("i"), ord("2")
+_ATOM_OPS = (ord("N"), 0x88, 0x89, ord("Q"))  # NONE, NEWTRUE, NEWFALSE, BINPERSID
+_ATOM_BYTES = 256  # strings and bytes up to this long fetched again are not counted as shared
 FRAME_SIZE = 9
 """Bytes of one FRAME opcode with its argument (a reader may drop frames: they are hints)."""
 
@@ -95,12 +98,17 @@ class PickleScan:
     payloads: `(opcode offset, payload offset, payload length)` of every BINBYTES/BINBYTES8
               of at least the `payload_min_bytes` asked for (none when not asked)
     frames:   the offsets of its FRAME opcodes
+    shared:   `(memo index, fetches)` of every memo slot fetched that holds anything but a
+              short string, number, global or persistent id: the only way one object gets
+              referenced twice (`budget` counts what those fetches add); `((-1, n),)` when
+              the walk cannot tell (DUP, an unreadable GET): count the whole result
     """
 
     end: int
     globals: tuple[tuple[str, str], ...] = ()
     payloads: tuple[tuple[int, int, int], ...] = ()
     frames: tuple[int, ...] = ()
+    shared: tuple[tuple[int, int], ...] = ()
 
 
 def scan_pickle(
@@ -140,12 +148,30 @@ class _Globals:
         self.recent: list[str | None] = [None, None]
         self.memo: dict[int, str] = {}
         self.memo_keys: set[int] = set()  # MEMOIZE stores at len(memo), as the unpickler does
+        # whether the value on top is an atom (short string, number, None, bool, global,
+        # persistent id): False whenever unsure; the memo slots holding atoms; memo fetches of
+        # anything else (`PickleScan.shared`)
+        self.atom = False
+        self.atoms: set[int] = set()
+        self.shared: dict[int, int] = {}  # memo index -> fetches (-1: not known which)
 
-    def push(self, value: str | None) -> None:
+    def push(self, value: str | None, atom: bool = False) -> None:
         self.recent = [self.recent[-1], value]
+        self.atom = atom
+
+    def get(self, index: int | None) -> None:
+        atom = index in self.atoms
+        if not atom:
+            key = -1 if index is None else index
+            self.shared[key] = self.shared.get(key, 0) + 1
+        self.push(self.memo.get(index), atom)
 
     def put(self, index: int) -> None:
         self.memo_keys.add(index)
+        if self.atom:
+            self.atoms.add(index)
+        else:
+            self.atoms.discard(index)
         if isinstance(self.recent[-1], str):
             self.memo[index] = self.recent[-1]
         else:
@@ -158,7 +184,7 @@ class _Globals:
         module, name = self.recent
         if isinstance(module, str) and isinstance(name, str):
             self.names.append((module, name))
-        self.push(None)
+        self.push(None, atom=True)
 
 
 def _text(raw) -> str:
@@ -189,9 +215,9 @@ def _walk(data, start, what, stream_end, payload_min_bytes, judge_frames, found:
             if code in _PUTS:
                 found.put(int.from_bytes(data[pos : pos + size], "little"))
             elif code in _GETS:
-                found.push(found.memo.get(int.from_bytes(data[pos : pos + size], "little")))
+                found.get(int.from_bytes(data[pos : pos + size], "little"))
             elif code not in _NEUTRAL:
-                found.push(None)
+                found.push(None, atom=True)  # BININT*, BINFLOAT, EXT*: numbers and globals
             if code == _LONG_BINPUT and int.from_bytes(data[pos : pos + 4], "little") > ops:
                 raise FormatError(f"{what}: memo index at byte {pos} runs ahead of the pickle")
             if code == _FRAME:
@@ -213,7 +239,10 @@ def _walk(data, start, what, stream_end, payload_min_bytes, judge_frames, found:
                 raise Truncated(f"{what}: pickle truncated at byte {pos}")
             if length >= min_payload and code in (_BINBYTES, _BINBYTES8):
                 payloads.append((pos - size - 1, pos, length))
-            found.push(_text(data[pos : pos + min(length, 200)]) if code in _STRINGS else None)
+            found.push(
+                _text(data[pos : pos + min(length, 200)]) if code in _STRINGS else None,
+                atom=length <= _ATOM_BYTES,  # a long string or bytes fetched again is counted
+            )
             pos += length
         elif kind == _LINES:
             first = pos
@@ -235,24 +264,27 @@ def _walk(data, start, what, stream_end, payload_min_bytes, judge_frames, found:
             elif code in _GLOBAL_LINES:
                 module, _, name = _text(data[first : pos - 1]).partition("\n")
                 found.names.append((module, name))
-                found.push(None)
+                found.push(None, atom=code != _INST)
             elif code in _LINE_STRINGS:
-                found.push(_text(data[first : pos - 1]).strip("'\""))
+                found.push(_text(data[first : pos - 1]).strip("'\""), atom=pos - first <= _ATOM_BYTES)
             elif code == _GET:
                 try:
-                    found.push(found.memo.get(int(bytes(data[first : pos - 1]))))
+                    found.get(int(bytes(data[first : pos - 1])))
                 except ValueError:
-                    found.push(None)
+                    found.get(None)
             else:
-                found.push(None)
+                found.push(None, atom=True)  # INT, LONG, FLOAT, PERSID
         elif code == _STOP:
-            return PickleScan(pos, tuple(found.names), tuple(payloads), tuple(frames))
+            shared = ((-1, found.shared[-1]),) if -1 in found.shared else tuple(found.shared.items())
+            return PickleScan(pos, tuple(found.names), tuple(payloads), tuple(frames), shared)
         elif code == _STACK_GLOBAL:
             found.stack_global()
         elif code == _MEMOIZE:
             found.memoize()
         else:
-            found.push(None)
+            if code == _DUP:
+                found.shared[-1] = found.shared.get(-1, 0) + 1
+            found.push(None, atom=code in _ATOM_OPS)
         ops += 1
 
 

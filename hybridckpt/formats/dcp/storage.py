@@ -79,14 +79,49 @@ def check_files(md: DcpMetadata) -> None:
     used = {t.files[i]: int(ends[i]) for i in t.used_files()}
     for b in md.bytes_items.values():
         used[b.path] = max(used.get(b.path, 0), b.offset + b.length)
+    sizes: dict[str, int] = {}
     for path, end in used.items():
         if not os.path.isfile(path):
             raise FormatError(f"{path}: missing; {md.files[0]} stores '{_stored_in(md, path)}' (and maybe more) in it")
-        size = os.path.getsize(path)
+        size = sizes[path] = os.path.getsize(path)
         if end > size:
             fqn, a, b = _past(md, path, size)
             raise FormatError(
                 f"{path}: '{fqn}' is stored at bytes [{a}, {b}) but the file has {size} bytes (truncated?)"
+            )
+    check_declared_bytes(md, sizes)
+
+
+def check_declared_bytes(md: DcpMetadata, sizes: Mapping[str, int]) -> None:
+    """The chunks stored in each data file declare (shape x itemsize) no more bytes than the
+    file has: a few-KB `.metadata` declaring a 4 TiB tensor is refused here, before a plan or a
+    write is made for it (an import planned past 90 s on one, and wrote until the disk was
+    full). One line naming the file, the largest tensor declared in it, the bytes declared and
+    the bytes present. Columnar: float64 products (exact to 2^53 bytes; never wraps)."""
+    t = md.table
+    if not t.rows:
+        return
+    nd = np.zeros(t.rows, dtype=np.int64)
+    item = np.zeros(t.rows, dtype=np.float64)
+    for e in md.tensors.values():
+        nd[e.rows] = len(e.shape)
+        item[e.rows] = e.dtype.itemsize
+    dims = t.sizes.astype(np.float64)
+    dims[np.arange(dims.shape[1])[None, :] >= nd[:, None]] = 1.0
+    declared = dims.prod(axis=1) * item
+    per_file = np.bincount(t.file, weights=declared, minlength=len(t.files))
+    for fid in t.used_files():
+        path = t.files[fid]
+        if per_file[fid] > sizes[path]:
+            rows = np.flatnonzero(t.file == fid)
+            row = int(rows[np.argmax(declared[rows])])
+            fqn = _owner(md, row)
+            e = md.tensors.get(fqn)
+            what = f" ({e.dtype} {list(e.shape)})" if e is not None else ""
+            raise FormatError(
+                f"{path}: the metadata declares {per_file[fid]:.0f} bytes of tensor data in this "
+                f"file of {sizes[path]} bytes (the most for '{fqn}'{what}: {declared[row]:.0f} "
+                f"bytes); refused before planning"
             )
 
 

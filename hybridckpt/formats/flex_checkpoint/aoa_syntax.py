@@ -11,11 +11,11 @@ line (`#` starts a comment here). The meaning of a statement is `aoa`'s.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 
-from hybridckpt.errors import MappingError
+from hybridckpt.errors import FormatError, MappingError
+from hybridckpt.io import json_text
 
 _TOKEN = re.compile(
     r"(?P<RARROW>->)|(?P<EQUAL>=)|(?P<COLON>:)|(?P<LBRACKET>\[)|(?P<RBRACKET>\])|(?P<COMMA>,)"
@@ -50,9 +50,9 @@ def read_statements(path: str) -> list[Statement]:
     stripped = text.lstrip()
     if stripped.startswith(("{", "[")):
         try:
-            doc = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise MappingError(f"{path}: not valid JSON: {e}") from None
+            doc = json_text.loads(text, path)
+        except FormatError as e:  # malformed, or nested past the depth limit
+            raise MappingError(str(e)) from None
         items = doc.get("aoa_statements") if isinstance(doc, dict) else doc
         if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
             raise MappingError(f"{path}: aoa_statements must be a list of strings")

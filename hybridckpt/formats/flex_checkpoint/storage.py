@@ -34,6 +34,7 @@ from hybridckpt.containers.pickle import paddle_save
 from hybridckpt.containers.safetensors_file import read_header
 from hybridckpt.errors import FormatError
 from hybridckpt.formats.flex_checkpoint.metadata import Block, FlexMetadata
+from hybridckpt.io.regular_file import open_regular_file
 from hybridckpt.lazy import Deferred, LazyTensor, tiled
 
 
@@ -52,7 +53,7 @@ class DistcpFile:
             return self._tensors
 
     def _parse(self) -> dict[str, LazyTensor]:
-        with open(self.path, "rb") as f:
+        with open_regular_file(self.path) as f:  # a FIFO or device refused, never waited on
             head = f.read(9)
         # safetensors: an 8-byte little-endian header length, then the JSON header; a protocol
         # 2-5 pickle starts with PROTO, and its first 8 bytes read as a length past the file end

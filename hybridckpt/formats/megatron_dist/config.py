@@ -30,6 +30,7 @@ from hybridckpt.errors import ConfigError, FormatError
 from hybridckpt.formats.config_file import read_bytes
 
 MAX_YAML_BYTES = 16 << 20  # bytes: the largest run_config.yaml / model.yaml read (a config, not data)
+YAML_NODE_FLOOR = 200_000  # nodes a YAML config may expand to through aliases, whatever its size
 
 _SAME = (
     "num_layers",
@@ -96,7 +97,7 @@ def read_yaml(path: str, section: str | None) -> Mapping:
         ) from None
     raw = read_bytes(path, MAX_YAML_BYTES)
     try:
-        data = yaml.safe_load(raw.decode("utf-8"))
+        data = _bounded_load(yaml, raw.decode("utf-8"), path)
     except (ValueError, RecursionError, yaml.YAMLError) as e:
         raise FormatError(f"{path}: not readable YAML: {str(e).splitlines()[0]}") from None
     if section is not None:
@@ -105,6 +106,62 @@ def read_yaml(path: str, section: str | None) -> Mapping:
         where = f"'{section}' of {path}" if section else path
         raise FormatError(f"{where}: expected a mapping of model config fields")
     return data
+
+
+def _bounded_load(yaml, text: str, path: str):
+    """`yaml.safe_load(text)`, with the document's nodes counted first, over aliases and merge
+    keys (`<<: *a`), each counted again at every reference: an alias bomb (ten aliases of a list
+    of ten aliases of ...: `activation_func` made so ran 91 s to 3.4 GB) or a merge bomb (PyYAML
+    copies every merged pair) is refused in one line before it is constructed. The budget,
+    `YAML_NODE_FLOOR` + one node per byte, is never reached by a file without aliases (a node
+    takes at least one byte)."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        budget = YAML_NODE_FLOOR + len(text)
+        count = _expanded_nodes(node, yaml)
+        if count > budget:
+            raise FormatError(
+                f"{path}: YAML expands to {count} nodes through its aliases and merge keys, past "
+                f"the budget of {budget} for a file of {len(text)} characters; refused"
+            )
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _expanded_nodes(root, yaml) -> int:
+    """Nodes a full walk of the composed YAML `root` meets, an aliased node counted at every
+    reference (a node being counted, reached again through an alias: once). Iterative, each
+    distinct node expanded once: linear in the document."""
+    totals: dict[int, int] = {id(root): 1}
+    stack = [[root, iter(_children(root, yaml)), 1]]
+    while stack:
+        frame = stack[-1]
+        for child in frame[1]:
+            known = totals.get(id(child))
+            if known is not None:
+                frame[2] += known
+                continue
+            totals[id(child)] = 1
+            stack.append([child, iter(_children(child, yaml)), 1])
+            break
+        else:
+            stack.pop()
+            totals[id(frame[0])] = frame[2]
+            if stack:
+                stack[-1][2] += frame[2]
+    return totals[id(root)]
+
+
+def _children(node, yaml) -> list:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return node.value
+    return []
 
 
 def _activation(value) -> str:

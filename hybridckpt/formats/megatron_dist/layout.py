@@ -20,14 +20,14 @@ Only the `torch_dist` backend is read (the retired `zarr` backend is refused by 
 
 from __future__ import annotations
 
-import builtins
-import json
 import os
 from dataclasses import dataclass
 
 from hybridckpt.containers.dcp_metadata import METADATA, metadata_files
 from hybridckpt.errors import FormatError
+from hybridckpt.formats.config_file import read_bytes
 from hybridckpt.formats.megatron.layout import ITER_DIRS, iteration_folders, tracked_folder
+from hybridckpt.io import json_text
 from hybridckpt.io.step_folders import StepFolders
 
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM, Bridge
@@ -130,9 +130,8 @@ def detect(path: str) -> bool:
     if not os.path.isfile(config):
         return True  # marked by a tracker, an iteration folder, common.pt or Bridge/NeMo files
     try:
-        with builtins.open(config, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        data = json_text.loads(read_bytes(config), config)
+    except FormatError:
         return True  # `open` names the damage
     return not isinstance(data, dict) or "sharded_backend" in data
 
@@ -150,12 +149,11 @@ def _backend(folder: str, *, strict: bool):
             f"{written}); use an earlier iteration or finish the save"
         )
     try:
-        with builtins.open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        data = json_text.loads(read_bytes(path), path)  # one line: unreadable, malformed, too deep
+    except FormatError:
         if not strict:
             return None
-        raise FormatError(f"{path}: not valid JSON: {e}") from None
+        raise
     if not isinstance(data, dict):
         if not strict:
             return None

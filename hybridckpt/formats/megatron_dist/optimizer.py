@@ -113,7 +113,7 @@ def step_and_hyper(groups, where: str, tensors=None) -> tuple[int | None, dict]:
     if steps:
         if len(steps) > 1:
             raise FormatError(f"{where}: param groups have different steps {sorted(steps)}")
-        step = steps.pop()
+        step = steps.pop()  # (values.integer read a tensor only when it holds one element)
     hyper = {k: v for k, v in check_group(groups[0], where, "param_groups[0][{!r}]").items()
              if k in ("lr", "eps", "weight_decay", "betas", "decoupled_weight_decay")}
     split = decay_groups(groups, tensors) if tensors is not None else None

@@ -22,8 +22,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from hybridckpt.containers.pickle import paddle_save
-from hybridckpt.errors import FormatError, HybridCkptError
-from hybridckpt.lazy import LazyTensor
+from hybridckpt.errors import HybridCkptError
+from hybridckpt.lazy import LazyTensor, scalar_value
 
 DEFAULT_BETAS = (0.9, 0.999)  # paddle.optimizer.AdamW / PaddleNLP TrainingArguments defaults
 
@@ -125,9 +125,7 @@ def adam_step(folder: str, beta_pows: Mapping[str, Sequence[float]], notes: list
     return step, {"betas": list(betas)}
 
 
-def scalar(t: LazyTensor, where: str = "a beta pow accumulator") -> float:
-    """The value of a one-element (`[1]`) tensor, as a Python float; another size is a
-    FormatError naming `where` (file and key)."""
-    if math.prod(t.shape) != 1:
-        raise FormatError(f"{where}: expected one element (shape [1]), found shape {list(t.shape)}")
-    return float(np.asarray(t.materialize(), dtype=np.float64).reshape(-1)[0])
+def scalar(t: LazyTensor, where: str = "paddle optimizer", what: str = "scalar") -> float:
+    """The value of a one-element (`[1]`) tensor, as a Python float; its size checked before it
+    is read (`lazy.scalar_value`)."""
+    return scalar_value(t, where, what)
