@@ -45,6 +45,7 @@ from hybridckpt.store.chunk_index import (
     no_special_files,
     read_index,
 )
+from hybridckpt.store.declared import check_item
 from hybridckpt.store.keys import metadata_leaf_names
 
 
@@ -240,8 +241,9 @@ def item_arrays(item_dir: str, *, unreadable: str = "raise") -> dict[str, OrbaxA
     no_special_files(item_dir)  # (TensorStore would wait on a FIFO named like a chunk)
     if not item.use_ocdbt:
         _one_folder_each(item_dir, leaves, meta_path)
-    index = item.index() if item.use_ocdbt or not zarr3 else None  # (an OCDBT index is walked, and its
-    index = None if zarr3 else index  # data files checked to lie inside the item, for zarr v3 too)
+    walked = item.index() if item.use_ocdbt or not zarr3 else None  # (an OCDBT index is walked, and its
+    index = None if zarr3 else walked  # data files checked to lie inside the item, for zarr v3 too)
+    partial: dict[str, tuple] = {}  # raw leaves not read as whole stored chunks
     for name, entry in leaves.items():
         if entry.get("value_metadata", {}).get("value_type") not in ("jax.Array", "np.ndarray"):
             continue
@@ -250,6 +252,8 @@ def item_arrays(item_dir: str, *, unreadable: str = "raise") -> dict[str, OrbaxA
         if raw is not None:  # shape and dtype from the index: no TensorStore open, no Orbax
             out[name] = OrbaxArray(item_dir, name, raw.shape, raw.dtype, zarr3, item, _raw=[raw])
             continue
+        if layout is not None:
+            partial[name] = layout
         probe = OrbaxArray(item_dir, name, (), np.dtype(np.float32), zarr3, item)
         try:
             store = probe._open()
@@ -262,6 +266,7 @@ def item_arrays(item_dir: str, *, unreadable: str = "raise") -> dict[str, OrbaxA
             item_dir, name, tuple(int(n) for n in store.shape), np.dtype(store.dtype.numpy_dtype), zarr3,
             item, probe._store, [None],
         )
+    check_item(item_dir, out, walked, item.use_ocdbt, partial)  # before any plan, allocation or write
     return out
 
 
