@@ -33,6 +33,7 @@ Smaller payloads and protocol 2 text payloads are read eagerly.
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -312,7 +313,7 @@ def _join_big_params(d: dict, path: str, key: str = "") -> None:
             raise FormatError(f"{path}: big parameter {name!r} has no parts")
         flat = lazy.concat(parts, 0)
         total = flat.shape[0]
-        want = int(np.prod(shape, dtype=np.int64))
+        want = math.prod(shape)  # (exact: an int64 product wraps to whatever the parts hold)
         if total != want:
             raise FormatError(
                 f"{path}: big parameter {name!r}: parts hold {total} elements, OriginShape "

@@ -149,13 +149,31 @@ def global_tensor(
 
 
 def check_files(md: FlexMetadata) -> None:
-    """Every data file the metadata names exists (a FormatError naming a key it holds)."""
+    """Every data file the metadata names exists (a FormatError naming a key it holds), and the
+    blocks stored in it declare (stored shape x itemsize, exact ints) no more bytes than it has:
+    a metadata declaring a 4 TiB block in a file of a few KB is refused here, before a plan or a
+    write is made for it (the files are parsed only on a block's first read). One line naming
+    the file, the block declaring the most, the bytes declared and the bytes present."""
+    declared: dict[str, list] = {}
     for key, blocks in md.blocks.items():
         for b in blocks:
             if not os.path.isfile(b.file):
                 raise FormatError(
                     f"{b.file}: missing; {md.path} stores {key!r} (and maybe more) in it"
                 )
+            n = math.prod(b.stored_shape) * b.dtype.itemsize
+            entry = declared.setdefault(b.file, [0, 0, b])
+            entry[0] += n
+            if n > entry[1]:
+                entry[1:] = [n, b]
+    for path, (total, most, b) in declared.items():
+        size = os.path.getsize(path)
+        if total > size:
+            raise FormatError(
+                f"{path}: {md.path} declares {total} bytes of blocks in this file of {size} bytes "
+                f"(the most for {b.key!r}, {b.dtype} {list(b.stored_shape)}: {most} bytes); "
+                f"refused before planning"
+            )
 
 
 def open_tensors(md: FlexMetadata) -> dict[str, LazyTensor]:
