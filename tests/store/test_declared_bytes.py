@@ -91,6 +91,10 @@ def test_a_store_leaf_declaring_4_tib_is_refused_before_planning(store, tmp_path
     code, _, err = cli(capsys, "export", copy, tmp_path / "out", "--no-verify-reads")
     one_line(code, err, *must)
     assert not os.path.exists(tmp_path / "out")
+    with count_reads() as reads:  # verify (a store alone: its CRC tables) stops at the item too
+        code, _, err = cli(capsys, "verify", copy)
+    one_line(code, err, *must)
+    assert tally(reads)[0] < 256 << 10
 
 
 def test_a_raw_leaf_missing_its_chunk_is_refused(tmp_path):
