@@ -72,3 +72,78 @@ def test_big_param_origin_shape_that_wraps_int64_is_refused(tmp_path):
     with pytest.raises(FormatError, match=r"parts hold 4 elements, OriginShape .* needs 18446744073709551620"):
         paddle_save.read(path)
     close_all()
+
+
+# -- the readers that size tensors from the bytes themselves: guards, each a 4 TiB declaration --
+
+
+def _torch_zip_size(d: str) -> tuple[str, str]:
+    from attacks import opcodes as op
+    from attacks.containers import Ctx, torch_zip
+
+    c, p = Ctx("x"), os.path.join(d, "zip_view.pt")
+    torch_zip(p, op.stream(op.dct({"w": c.tensor(size=HUGE, stride=(HUGE[1], 1))})))
+    return p, "reaches element 1099511627775 but the storage has 4"
+
+
+def _torch_zip_numel(d: str) -> tuple[str, str]:
+    from attacks import opcodes as op
+    from attacks.containers import Ctx, torch_zip
+
+    c, p = Ctx("x"), os.path.join(d, "zip_numel.pt")
+    torch_zip(p, op.stream(op.dct({"w": c.tensor(c.storage(numel=1 << 40), size=HUGE, stride=(HUGE[1], 1))})))
+    return p, f"claims {4 << 40} bytes, entry holds 16"
+
+
+def _torch_legacy(d: str) -> tuple[str, str]:
+    from attacks import opcodes as op
+    from attacks.containers import Ctx, torch_legacy
+
+    c, p = Ctx("x", legacy=True), os.path.join(d, "legacy.pt")
+    torch_legacy(p, op.stream(op.dct({"w": c.tensor(size=HUGE, stride=(HUGE[1], 1))})))
+    return p, "reaches element 1099511627775 but the storage has 4"
+
+
+def _safetensors(d: str) -> tuple[str, str]:
+    import json
+    import struct
+
+    os.makedirs(os.path.join(d, "st"))
+    p = os.path.join(d, "st", "model.safetensors")
+    blob = json.dumps({"w": {"dtype": "F32", "shape": list(HUGE), "data_offsets": [0, 16]}}).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(p, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob + b"\0" * 16)
+    return p, f"({4 << 40} bytes) inside a buffer of 16 bytes"
+
+
+def _deepspeed_param_shapes(d: str) -> tuple[str, str]:
+    import shutil
+
+    import torch
+
+    src = os.path.join(d, "ds")
+    shutil.copytree(os.path.join(REAL, "hf_trainer_deepspeed_zero2", "ckpt"), src)
+    p = os.path.join(src, "checkpoint-3", "global_step3", "mp_rank_00_model_states.pt")
+    sd = torch.load(p, weights_only=False)  # (the real tool's file, trusted here)
+    group = sd["param_shapes"][0]
+    group[next(iter(group))] = torch.Size(HUGE)
+    torch.save(sd, p)
+    return src, "numel totals do not add up"
+
+
+REAL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "real", "cases")
+GUARDS = {"torch-zip-view": _torch_zip_size, "torch-zip-storage": _torch_zip_numel, "torch-legacy": _torch_legacy,
+          "safetensors": _safetensors, "deepspeed-param-shapes": _deepspeed_param_shapes}
+
+
+@pytest.mark.parametrize("kind", list(GUARDS))
+def test_declared_4_tib_is_refused_at_open(tmp_path, capsys, kind):
+    src, must = GUARDS[kind](str(tmp_path))
+    before = sorted(os.listdir(tmp_path))
+    for cmd in (["inspect", src], ["import", src, tmp_path / "dst", "--plan"]):
+        with count_reads() as reads:
+            code, _, err = cli(capsys, *cmd)
+        one_line(code, err, must)
+        assert tally(reads)[0] < 256 << 10, tally(reads)
+        assert sorted(os.listdir(tmp_path)) == before
