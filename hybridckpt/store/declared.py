@@ -29,7 +29,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from hybridckpt.errors import CheckpointError
-from hybridckpt.store.chunk_index import ItemIndex
+from hybridckpt.store.chunk_index import OCDBT_MANIFEST, ItemIndex
 
 GENEROUS_FLOOR = 1 << 30  # bytes an item may declare whatever its files hold
 GENEROUS_RATIO = 1000  # declared : present past which a compressed item is refused
@@ -102,9 +102,33 @@ def check_item(item_dir: str, arrays: Mapping, index: ItemIndex | None, ocdbt: b
     if declared and total > max(GENEROUS_FLOOR, GENEROUS_RATIO * present):
         name = max(declared, key=declared.__getitem__)
         t = sized[name]
+        if ocdbt and index is None:  # (read by Orbax: the index is walked only to say this)
+            per_leaf = _index_bytes_or_none(item_dir)
         raise CheckpointError(
             f"{item_dir}: the item's arrays declare {total} bytes but its files hold {present} bytes "
             f"(the most for leaf {name!r}, {np.dtype(t.dtype).name} {list(t.shape)}: {declared[name]} bytes "
-            f"declared, {per_leaf.get(name, 0)} bytes stored for it); more than {GENEROUS_RATIO} x the bytes "
+            f"declared, {per_leaf.get(name, 0) if per_leaf is not None else '?'} bytes stored for it); more than {GENEROUS_RATIO} x the bytes "
             f"present: refused before planning"
         )
+
+
+def _index_bytes_or_none(item_dir: str) -> dict[str, int] | None:
+    from hybridckpt.store.chunk_index import read_index
+
+    try:
+        return index_bytes(read_index(item_dir))
+    except CheckpointError:
+        return None
+
+
+def check_orbax_tree(item_dir: str, tree) -> None:
+    """`check_item`'s item bound for an item read by Orbax itself (`CheckpointStore.restore`
+    without CRC tables): `tree` is Orbax's metadata of the item (leaves with `shape` and
+    `dtype`), checked before Orbax allocates the restored arrays."""
+    import jax
+
+    from hybridckpt.store.layout import leaf_key
+
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
+    arrays = {leaf_key(path): leaf for path, leaf in leaves if hasattr(leaf, "shape") and hasattr(leaf, "dtype")}
+    check_item(item_dir, arrays, None, os.path.isfile(os.path.join(item_dir, OCDBT_MANIFEST)))

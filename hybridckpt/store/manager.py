@@ -22,6 +22,7 @@ import orbax.checkpoint as ocp
 from hybridckpt.errors import CheckpointError
 from hybridckpt.mesh import MeshShape
 from hybridckpt.store.checked import CRC_TABLES, has_crc_tables, read_tree
+from hybridckpt.store.declared import check_orbax_tree
 from hybridckpt.store.layout import (
     HF_FILES,
     OPT_STATE,
@@ -333,6 +334,7 @@ class CheckpointStore:
                     f"{where}: has no {item} (saved without it); restore with target_{item}=None"
                 )
             miss, extra = check_tree(f"{where}/{item}", meta, target, strict)
+            check_orbax_tree(str(self.directory / str(step) / item), meta)  # before Orbax allocates what it declares
             metas[item] = meta
             missing |= {f"{item}.{k}" for k in miss}
             unexpected |= {f"{item}.{k}" for k in extra}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -141,3 +142,20 @@ def test_real_maxtext_checkpoints_still_open(case):
     scale = arrays["params.params.decoder.decoder_norm.scale"].materialize()
     assert scale.shape == arrays["params.params.decoder.decoder_norm.scale"].shape and np.isfinite(scale).all()
     assert scale.any()
+
+
+def test_a_restore_by_orbax_refuses_before_allocating(store, tmp_path):
+    """`hybridckpt.restore(..., verify_reads=False)` hands the item to Orbax, which allocates every
+    array it declares: a leaf declaring 1.5 GiB over a few KB (past the 1 GiB floor) is refused
+    first, naming it (before, 1.5 GiB of fill value was restored)."""
+    path, codec = store
+    copy = str(tmp_path / "ck")
+    shutil.copytree(path, copy)
+    params = glob.glob(os.path.join(copy, "*", "params"))[0]
+    shape = [3 << 13, 1 << 14]
+    if codec == "none":
+        _declare(os.path.join(params, "w", ".zarray"), shape)
+    else:
+        _declare_ocdbt(params, "w", shape)
+    with pytest.raises(hybridckpt.errors.CheckpointError, match=re.escape(f"leaf 'w', float32 {shape}: {3 << 29} bytes declared, ") + r"\d+ bytes stored for it"):
+        hybridckpt.restore(copy, "dp=1", verify_reads=False)
