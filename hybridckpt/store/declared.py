@@ -11,10 +11,12 @@ and refuses in one line naming the item, the leaf, the bytes declared and the by
   in its chunk values: an import writes every chunk, and so does Orbax
   (`STORE_ARRAY_DATA_EQUAL_TO_FILL_VALUE`), so a raw leaf missing its bytes is damaged or forged;
 - every item (compressed zstd chunks, zarr v3, OCDBT or not): the arrays together declare at
-  most `max(GENEROUS_FLOOR, GENEROUS_RATIO x the bytes of every file in the item)`; compressed
-  chunks of real weights and moments come nowhere near 1000:1, and an item under 1 GiB is never
-  refused by this bound (only an item of almost nothing but zeros, e.g. a never-stepped
-  optimizer state of a large model, could be).
+  most `max(GENEROUS_FLOOR, GENEROUS_RATIO x the bytes of every file in the item)`. The ratio is
+  what zstd can reach at most (RFC 8878: a block holds at most 128 KiB and costs at least 4
+  bytes, an RLE block of one repeated byte: 32768:1 before the frame's own header; gzip/deflate
+  stops near 1032:1, lz4 near 255:1), so no real item is refused, not even one of nothing but
+  zeros (the moments of an optimizer saved before its first step); what an attacker gains is
+  bounded: a few KB of files may declare at most 1 GiB.
 
 Declared bytes are Python ints (`prod(shape) x itemsize`: exact, never wrapped). Bytes present
 are sizes from the directory walk and the OCDBT index: no chunk is read.
@@ -32,7 +34,7 @@ from hybridckpt.errors import CheckpointError
 from hybridckpt.store.chunk_index import OCDBT_MANIFEST, ItemIndex
 
 GENEROUS_FLOOR = 1 << 30  # bytes an item may declare whatever its files hold
-GENEROUS_RATIO = 1000  # declared : present past which a compressed item is refused
+GENEROUS_RATIO = 1 << 15  # declared : present past which an item is refused (zstd's most: module doc)
 _METADATA_FILES = (".zarray", ".zattrs", ".zgroup", "zarr.json")
 
 
