@@ -159,3 +159,25 @@ def test_a_restore_by_orbax_refuses_before_allocating(store, tmp_path):
         _declare_ocdbt(params, "w", shape)
     with pytest.raises(hybridckpt.errors.CheckpointError, match=re.escape(f"leaf 'w', float32 {shape}: {3 << 29} bytes declared, ") + r"\d+ bytes stored for it"):
         hybridckpt.restore(copy, "dp=1", verify_reads=False)
+
+
+def test_the_item_bound_is_zstds_most():
+    """An item may declare up to 32768 x its files' bytes (what zstd reaches on zeros: a 128 KiB
+    block in 4 bytes), past 1 GiB; one byte more is refused. No file is read, only sized."""
+    import tempfile
+    from types import SimpleNamespace
+
+    from hybridckpt.store.declared import GENEROUS_RATIO, check_item
+
+    with tempfile.TemporaryDirectory() as item:
+        os.makedirs(os.path.join(item, "mu"))
+        present = 1 << 16  # 64 KiB of chunk files -> 2 GiB allowed
+        with open(os.path.join(item, "mu", "0.0"), "wb") as f:
+            f.truncate(present)
+        fits = {"mu": SimpleNamespace(shape=(GENEROUS_RATIO * present // 4,), dtype=np.dtype(np.float32))}
+        check_item(item, fits, None, False)
+        over = {"mu": SimpleNamespace(shape=(GENEROUS_RATIO * present // 4 + 1,), dtype=np.dtype(np.float32))}
+        with count_reads() as reads, pytest.raises(hybridckpt.errors.CheckpointError,
+                                                   match=f"declare {GENEROUS_RATIO * present + 4} bytes but its files hold {present} bytes"):
+            check_item(item, over, None, False)
+        assert tally(reads)[0] == 0
