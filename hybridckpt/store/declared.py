@@ -14,7 +14,8 @@ and refuses in one line naming the item, the leaf, the bytes declared and the by
   most `max(GENEROUS_FLOOR, GENEROUS_RATIO x the bytes of every file in the item)`. The ratio is
   what zstd can reach at most (RFC 8878: a block holds at most 128 KiB and costs at least 4
   bytes, an RLE block of one repeated byte: 32768:1 before the frame's own header; gzip/deflate
-  stops near 1032:1, lz4 near 255:1), so no real item is refused, not even one of nothing but
+  stops near 1032:1, lz4 near 255:1; measured: TensorStore's zstd level 1 stores 16 MiB of zeros
+  in 531 bytes, 31596:1), so no real item is refused, not even one of nothing but
   zeros (the moments of an optimizer saved before its first step); what an attacker gains is
   bounded: a few KB of files may declare at most 1 GiB.
 
