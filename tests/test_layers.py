@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS: list[tuple[str, ...]] = [
     ("hybridckpt.errors",),
     ("hybridckpt.io", "hybridckpt.models"),  # bytes and files; the families (JAX-free parts first)
-    ("hybridckpt.lazy",),  # the lazy tensor protocol, every generic view, the reader pool
+    ("hybridckpt.lazy", "hybridckpt.values"),  # the lazy tensor protocol, every generic view, the reader pool; values read from files, type-checked
     ("hybridckpt.containers",),  # file containers: restricted pickles, safetensors, DCP metadata
     ("hybridckpt.rules", "hybridckpt.optim", "hybridckpt.checksum", "hybridckpt.source_checkpoint"),
     ("hybridckpt.formats",),  # other frameworks' checkpoints: parallel-layout mechanics

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridckpt.errors import FormatError
-from hybridckpt.io.regular_file import open_regular
+from hybridckpt.io.regular_file import open_regular_stat
 from hybridckpt.io.unchanged import Seen, changed_error, check_fd
 
 _lock = threading.Lock()
@@ -65,9 +65,9 @@ def _fd(path: str) -> int:
 
 def _open(path: str) -> int:
     """Open `path`, cache its fd and what it is (one fstat; call under `_lock`)."""
-    fd = open_regular(path)  # a regular file: never a FIFO (would block) or a device
+    fd, st = open_regular_stat(path)  # a regular file: never a FIFO (would block) or a device
     _fds[path] = fd
-    _opened[path] = Seen.of(os.fstat(fd))
+    _opened[path] = Seen.of(st)
     return fd
 
 

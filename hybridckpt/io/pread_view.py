@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 
 from hybridckpt.errors import FormatError
-from hybridckpt.io.regular_file import open_regular
+from hybridckpt.io.regular_file import open_regular_stat
 from hybridckpt.io.unchanged import Seen, changed_error, check_fd
 
 MIN_WINDOW = 4096  # bytes read after a jump: a header and what follows it in its page
@@ -31,9 +31,9 @@ class PreadView:
 
     def __init__(self, path: str):
         self.path = path
-        self._fd = open_regular(path)  # a regular file, or one line (a FIFO named *.pdparams never blocks)
+        self._fd, st = open_regular_stat(path)  # a regular file, or one line (a FIFO named *.pdparams never blocks)
         try:
-            self._seen = Seen.of(os.fstat(self._fd))
+            self._seen = Seen.of(st)
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
         except BaseException:

@@ -41,19 +41,25 @@ def kind_of(mode: int) -> str:
 def open_regular(path: str) -> int:
     """A read-only descriptor of the regular file `path` (the caller closes it); FormatError
     naming the file when it cannot be opened or is not a regular file. Never blocks on a FIFO."""
+    return open_regular_stat(path)[0]
+
+
+def open_regular_stat(path: str) -> tuple[int, os.stat_result]:
+    """`open_regular` and the one fstat it made (a caller that records what the file is at open
+    needs no second one)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         raise FormatError(f"{path}: cannot open: {e.strerror}") from e
     try:
-        mode = os.fstat(fd).st_mode
+        st = os.fstat(fd)
     except OSError as e:
         os.close(fd)
         raise FormatError(f"{path}: cannot open: {e.strerror}") from e
-    if not stat.S_ISREG(mode):
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise NotRegular(f"{path}: {kind_of(mode)}, not a regular file; refused as a checkpoint file")
-    return fd
+        raise NotRegular(f"{path}: {kind_of(st.st_mode)}, not a regular file; refused as a checkpoint file")
+    return fd, st
 
 
 def open_regular_file(path: str):

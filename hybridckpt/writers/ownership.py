@@ -136,10 +136,14 @@ def check_no_links_into(dst: str, sources: Iterable[str]) -> None:
 
 def write_marker(folder: str) -> None:
     """Write `MARKER` into the finished export `folder`, listing every file in it."""
-    from hybridckpt import __version__
+    from importlib import metadata
 
+    try:  # (the installed distribution's: this layer does not import the package's top)
+        version = metadata.version("hybridckpt")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
     files = sorted(_files(folder))
-    body = {"written_by": "hybridckpt", "version": __version__, "files": files}
+    body = {"written_by": "hybridckpt", "version": version, "files": files}
     with open(os.path.join(folder, MARKER), "w") as f:
         json.dump(body, f, indent=0)
         f.write("\n")

@@ -120,8 +120,10 @@ def test_refusals(tmp_path):
                                   "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 64, "attention_bias": True})
     with pytest.raises(ConfigError, match="no q/k/v biases"):
         maxtext.rules(qwen)
-    with pytest.raises(Exception, match="no optimizer state"):
-        jobs.export_checkpoint(ckpt("hf_bin_llama_sharded"), tmp_path / "o", to="maxtext", optimizer=True)
+    # --optimizer on a weights-only source: the weights alone, and a note saying so (issue 37)
+    s = jobs.export_checkpoint(ckpt("hf_bin_llama_sharded"), tmp_path / "o", to="maxtext", optimizer=True)
+    assert any("holds no optimizer state (weights only)" in n for n in s.notes), s.notes
+    assert not s.with_optimizer
     assert not maxtext.detect(str(tmp_path))
     (tmp_path / "3" / "items").mkdir(parents=True)
     (tmp_path / "3" / "items" / "_METADATA").write_text("{not json")
