@@ -26,7 +26,7 @@ from hybridckpt.io.model_files import ModelFile
 from hybridckpt.store.layout import HF_FILES, TRAINER_STATE
 from hybridckpt.store.manager import CheckpointStore
 from hybridckpt.writers import ownership
-from hybridckpt.writers.destination import Destination
+from hybridckpt.writers.destination import Destination, io_reason
 
 
 def save_checkpoint(
@@ -80,7 +80,7 @@ def save_checkpoint(
             dest.commit()
             _barrier(f"hybridckpt-save-renamed-{token}")
     except BaseException as e:
-        reason = _io_reason(e)
+        reason = io_reason(e, detail=True)
         if reason is not None:
             raise CheckpointError(f"{dst}: cannot write the checkpoint: {reason}") from e
         raise
@@ -100,20 +100,6 @@ def _no_cyclic_gc() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
-
-
-def _io_reason(e: BaseException) -> str | None:
-    """The OS reason of a failed write (disk full, read-only, permissions), from an OSError or
-    from TensorStore's errors as Orbax raises them (`... [os_error_code='28']`); else None."""
-    if isinstance(e, OSError):
-        return e.strerror or str(e)
-    text = str(e)
-    if isinstance(e, ValueError | RuntimeError) and "os_error_code=" in text:
-        code = text.split("os_error_code=", 1)[1].strip("'\"[] \n").split("'")[0]
-        if code.isdigit():
-            return f"{os.strerror(int(code))} ({text.splitlines()[0][:300]})"
-        return text.splitlines()[0][:300]
-    return None
 
 
 def _add_to_trainer_state(step_dir: Path, extra: Mapping[str, Any]) -> None:

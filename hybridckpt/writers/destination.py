@@ -231,16 +231,17 @@ class Destination:
             self._lock_fd = None
 
 
-def io_reason(e: BaseException) -> str | None:
+def io_reason(e: BaseException, *, detail: bool = False) -> str | None:
     """The OS reason of a failed write (disk full, read-only, permissions), from an OSError or
-    from TensorStore's errors as Orbax raises them (`... [os_error_code='28']`); else None."""
+    from TensorStore's errors as Orbax raises them (`... [os_error_code='28']`; `detail`: with
+    the first line of TensorStore's text after it); else None."""
     if isinstance(e, OSError):
         return e.strerror or str(e)
     text = str(e)
     if isinstance(e, ValueError | RuntimeError) and "os_error_code=" in text:
         code = text.split("os_error_code=", 1)[1].strip("'\"[] \n").split("'")[0]
         if code.isdigit():
-            return os.strerror(int(code))
+            return f"{os.strerror(int(code))} ({text.splitlines()[0][:300]})" if detail else os.strerror(int(code))
         return text.splitlines()[0][:300]
     return None
 
