@@ -6,7 +6,8 @@ Items (see `store.layout`): `params` and `opt_state` are written by
 `stream.LazyLeaf` leaves), `trainer_state` by Orbax's JSON handler. Orbax's info/warning chatter
 (logged through absl) is dropped; its errors are kept, except its log of an exception a
 background thread raised (the same exception reaches the caller, which reports it once), and the
-"Event loop is closed" that TensorStore's late completions of a failed save print.
+"Event loop is closed" that TensorStore's late completions of a failed save print and the warning
+of a write coroutine such a save never ran.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -66,6 +68,11 @@ def _late_completions_dropped(hook):
 
 if not getattr(sys.unraisablehook, "drops_late_completions", False):
     sys.unraisablehook = _late_completions_dropped(sys.unraisablehook)
+
+# the same failed save can leave a write coroutine it created but never ran (Orbax's
+# `async_serialize_from_host.<locals>.write_fragment`); Python warns of it when it is collected, at
+# exit after the one-line error (seen on a full disk, now and then). Nothing was to run it.
+warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning)
 
 
 def handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
