@@ -50,6 +50,30 @@ class OptimizerState:
 
 
 @dataclass(frozen=True)
+class IndexKeyedOptimizer:
+    """A torch `Optimizer.state_dict()` keyed by parameter INDEX, not yet given names.
+
+    The HF Trainer's `optimizer.pt`, accelerate's `optimizer.bin`, Lightning's `optimizer_states[k]`
+    and a plain loop's `torch.save({"optimizer": opt.state_dict()})` record no parameter names: index
+    i is the i-th parameter the optimizer was built with, over its groups in order. The names follow
+    from the model's `named_parameters()` order and the tool's grouping rule (`optim.param_order`),
+    decided where the model config is known (`jobs.open`).
+
+    path:   the file the state was read from (for messages)
+    tool:   who wrote it: "trainer", "accelerate", "lightning" or "torch" (the grouping rule to try)
+    state:  index -> slot name -> LazyTensor (torch's `state[i]` without `step`)
+    steps:  index -> that entry's `step`
+    groups: the `param_groups` as recorded (hyper-parameters and `params`, their index lists)
+    """
+
+    path: str
+    tool: str
+    state: Mapping[int, Mapping[str, LazyTensor]]
+    steps: Mapping[int, float] = field(default_factory=dict)
+    groups: tuple[Mapping[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
 class SourceCheckpoint:
     """A checkpoint of any format as lazy global tensors plus what is known about it.
 
@@ -70,6 +94,8 @@ class SourceCheckpoint:
     files:       the config, generation config and tokenizer files that travel with the weights
                  (`io.model_files.ModelFile` by name); set by `jobs.open` for other formats'
                  folders, by `store.as_source` from what an import stored
+    index_optimizer: an optimizer state keyed by parameter index, awaiting its names (set by the
+                 reader with `optimizer=None`; `jobs.open` names it from the model's config)
     """
 
     format: str
@@ -84,3 +110,4 @@ class SourceCheckpoint:
     trainer: Mapping[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     files: Mapping[str, ModelFile] = field(default_factory=dict)
+    index_optimizer: IndexKeyedOptimizer | None = None
