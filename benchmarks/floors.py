@@ -7,7 +7,7 @@
 - write floor, O_DIRECT (`direct_write_floor`): the same bytes into files of the same sizes, each
   file read (`preadv`, page cache warm) into 4 KiB-aligned 8 MiB buffers and written from
   them with `O_DIRECT`, the last partial 4 KiB block through the page cache, each file fsync'd:
-  how our jobs write (`store.chunk_files`, `io.sequential_file`), and on this VM the harder
+  how our jobs write (`containers.orbax.chunk_files`, `io.sequential_file`), and on this VM the harder
   floor (the buffered copy pays the kernel's copy into fresh page-cache pages). Where the
   filesystem refuses `O_DIRECT` it is None with the reason (`direct_note`);
 - read floor: `cat` of every source file to /dev/null, page cache warm (the benchmarks read

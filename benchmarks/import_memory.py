@@ -5,7 +5,7 @@
 For each size (GiB of bf16 weights) a synthetic Llama-like Megatron checkpoint (mcore names,
 tp=2, pp=2, GQA, SwiGLU, no optimizer; written by import_megatron.py's writer) is written with
 torch in one subprocess;
-a second subprocess (torch never imported) opens it with `hybridckpt.readers.open_source`, maps
+a second subprocess (torch never imported) opens it with `hybridckpt.formats.registry.open_source`, maps
 it to HF names with its `hf_rules`, then materialises one HF tensor at a time and drops it.
 Printed per size: checkpoint bytes, largest HF tensor (bytes), peak RSS after `open` and after
 the whole import (`resource.getrusage(RUSAGE_SELF).ru_maxrss`, the process's high-water mark),
@@ -47,7 +47,7 @@ def _rss_mib() -> float:
 
 def run_import(root: str) -> dict:
     """Open, map to HF names, materialise tensor by tensor; memory and speed figures."""
-    from hybridckpt.readers import open_source
+    from hybridckpt.formats.registry import open_source
     from hybridckpt.rules import parse_rules
 
     t0 = time.perf_counter()

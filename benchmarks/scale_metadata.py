@@ -57,13 +57,9 @@ else:
     t0 = time.perf_counter()
     from hybridckpt.cli import main
     import hybridckpt.cli.parser, hybridckpt.jobs.inspect  # what main imports on the way
-    from hybridckpt import readers
-    try:  # every reader module (`detect` tries them in order): imports, as torch's are
-        mods = [m for _, m in readers.READERS]
-    except AttributeError:  # an older tree
-        mods = []
-    for m in mods:
-        readers._module(m)
+    from hybridckpt.formats import registry
+    for f in registry.READABLE:  # every reader module (`detect` tries them in order): imports, as torch's are
+        f.reader
     imports = time.perf_counter() - t0
     out = io.StringIO()
     t0 = time.perf_counter()

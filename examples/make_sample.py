@@ -10,8 +10,8 @@ import shutil
 import numpy as np
 
 from hybridckpt import models, naming
+from hybridckpt.formats.hf.write import write_hf
 from hybridckpt.lazy import ArrayTensor
-from hybridckpt.writers.hf_folder import write_hf
 
 OUT = os.path.join(os.path.dirname(__file__), "..", "hybridckpt", "samples", "tiny-llama")
 

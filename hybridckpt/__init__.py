@@ -4,7 +4,7 @@ The public API (each has a docstring; the README shows each in use):
 
     open_checkpoint(path)                   any checkpoint as HF-named lazy tensors + optimizer slots
     import_checkpoint(src, dst, mesh=...)   into an Orbax checkpoint sharded on a mesh, streamed
-    export_checkpoint(src, out)             to one single-card safetensors folder, streamed
+    export_checkpoint(src, out, **ExportJob) to any format a writer offers (HF by default), streamed
     restore(directory, mesh)                one of our checkpoints onto any mesh, with its optimizer
     verify(a, b) / verify_checksums(path)   compare two checkpoints / re-check ours on disk
     inspect(path) / logits(path, tokens)    what a checkpoint holds / its forward pass
@@ -28,6 +28,7 @@ _WHERE = {
     "open_checkpoint": "hybridckpt.jobs.open",
     "import_checkpoint": "hybridckpt.jobs.import_",
     "export_checkpoint": "hybridckpt.jobs.export",
+    "ExportJob": "hybridckpt.jobs.export",
     "verify": "hybridckpt.jobs.verify",
     "verify_checksums": "hybridckpt.jobs.verify",
     "inspect": "hybridckpt.jobs.inspect",

@@ -27,7 +27,7 @@ def run(workdir: str | None = None, keep: bool = False) -> int:
     import jax
 
     from hybridckpt import jobs
-    from hybridckpt.store.restore import restore
+    from hybridckpt.jobs.restore import restore
 
     work = workdir or tempfile.mkdtemp(prefix="hybridckpt-demo-")
     os.makedirs(work, exist_ok=True)

@@ -162,7 +162,7 @@ def user_rules(src: SourceCheckpoint, cfg: Any, rules: str | os.PathLike) -> Rul
     """A user's `--rules` file read against `src`'s names, with the variables of the model config
     `cfg` (the source's own rule variables without one)."""
     from hybridckpt import models
-    from hybridckpt.formats.rules_files import load_user_rules
+    from hybridckpt.rules.user import load_user_rules
 
     variables = dict(src.rule_vars) if cfg is None else models.rule_variables(cfg)
     return load_user_rules(os.fspath(rules), variables, source_named(src).params)
@@ -289,6 +289,52 @@ def tree_to_hf(tree: Mapping[str, Any], cfg: Any) -> dict[str, LazyTensor]:
     flat = flatten(tree)
     tensors = {k: v if isinstance(v, LazyTensor) else lazy.ArrayTensor(np.asarray(v)) for k, v in flat.items()}
     return model_rules(cfg).invert().apply_unstack(tensors).tensors
+
+
+@dataclass(frozen=True)
+class SourceNames:
+    """Every name decision about one source, made once (`names_of`): named: its tensors and
+    slots (under HF names with a config; only the model's with `model_only`); config: the config
+    fitted to them; leaf_of / hf_of: source param name -> the tree leaves / HF names it ends under
+    (`leaf_namer`), for per-param facts the source records by its own names; hyper: the
+    optimizer's hyper-parameters (`OptimizerState.hyper`), each param group's params under the
+    source's names, or with `model_only` under the names `named` holds (`exported_hyper`)."""
+
+    named: Named
+    config: Any
+    leaf_of: Any
+    hf_of: Any
+    hyper: Mapping[str, Any] = field(default_factory=dict)
+
+
+def names_of(src: SourceCheckpoint, cfg: Any, *, rules: str | os.PathLike | None = None, strict: bool = True,
+             model_only: bool = False) -> SourceNames:
+    """`named_for_model` and both `leaf_namer`s of `src` with the same user `rules`; with
+    `model_only` (and a config) the named tensors are the model's (`model_hf`: buffers and tied
+    copies dropped, every name and shape checked), which is what an export writes."""
+    named, cfg = named_for_model(src, cfg, rules=rules, strict=strict)
+    user = user_rules(src, cfg, rules) if rules else None
+    if model_only and cfg is not None:
+        named = model_hf(named, cfg)
+    hf_of = leaf_namer(src, cfg, user_rules=user, tree=False)
+    hyper = dict(src.optimizer.hyper) if src.optimizer is not None else {}
+    if model_only and hyper:
+        hyper = exported_hyper(hyper, hf_of, set(named.params))
+    return SourceNames(named, cfg, leaf_namer(src, cfg, user_rules=user), hf_of, hyper)
+
+
+def exported_hyper(hyper: Mapping[str, Any], hf_of, names: set[str]) -> dict:
+    """`hyper` with each param group's params under the exported names (`hf_of`: source name ->
+    its HF names, the source's names without a config), those not exported (not in `names`) left out."""
+    hyper = dict(hyper)
+    groups = hyper.pop("groups", None)
+    if groups:
+        hyper["groups"] = [
+            {**{k: v for k, v in g.items() if k != "params"},
+             "params": [h for n in g.get("params") or [] for h in hf_of(str(n)) if h in names]}
+            for g in groups
+        ]
+    return hyper
 
 
 def leaf_namer(src: SourceCheckpoint, cfg: Any, *, user_rules: RuleSet | None = None, tree: bool = True):

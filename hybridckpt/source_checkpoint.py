@@ -93,7 +93,7 @@ class SourceCheckpoint:
     notes:       human-readable remarks (skipped entries, assumptions), shown by `inspect`
     files:       the config, generation config and tokenizer files that travel with the weights
                  (`io.model_files.ModelFile` by name); set by `jobs.open` for other formats'
-                 folders, by `store.as_source` from what an import stored
+                 folders, by `formats.orbax_store` from what an import stored
     index_optimizer: an optimizer state keyed by parameter index, awaiting its names (set by the
                  reader with `optimizer=None`; `jobs.open` names it from the model's config)
     """

@@ -13,9 +13,9 @@ import numpy as np
 from meshes import device_count, fit_pair
 
 from hybridckpt import jobs, models, naming
+from hybridckpt.formats.registry import open_source
+from hybridckpt.jobs.restore import restore
 from hybridckpt.mesh import mesh_from_shape, tree_shardings
-from hybridckpt.readers import open_source
-from hybridckpt.store.restore import restore
 
 
 def roundtrip(src: str, workdir, *, mesh_a: str, mesh_b: str, config: str | None = None, optimizer: bool = True,

@@ -299,8 +299,8 @@ def test_open_regular_names_what_the_file_is(tmp_path):
 def test_byte_source_and_metadata_reads_refuse_a_fifo_without_waiting(tmp_path):
     """Every source read goes through `open_regular`: the byte-range reader (safetensors, DCP,
     torch.save files) and the metadata reader (JSON, trackers, YAML)."""
-    from hybridckpt.formats.config_file import read_bytes
     from hybridckpt.io.byte_source import ByteSource
+    from hybridckpt.io.config_file import read_bytes
     from hybridckpt.io.regular_file import NotRegular
 
     fifo = str(tmp_path / "model-00001-of-00002.safetensors")
@@ -338,7 +338,7 @@ def test_maxtext_step_leaf_declared_8_gib_is_refused_before_it_is_read(tmp_path,
         close_all()
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and err.startswith("hybridckpt: error:"), err
-    # (refused when the item is opened, `store.declared`: 8 GiB declared in an item of a few KB)
+    # (refused when the item is opened, `containers.orbax.declared`: 8 GiB declared in an item of a few KB)
     assert ("leaf 'step'" in err and f"{4 << 31} bytes declared" in err) or (
         "step should hold one number" in err and str(1 << 31) in err), err
     assert peak < 256 << 20, peak
@@ -407,7 +407,7 @@ def test_dcp_metadata_declaring_4_tib_is_refused_before_planning(tmp_path, capsy
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_dcp_declared_bytes_within_the_file_still_read(tmp_path):
-    from hybridckpt.readers import open_source
+    from hybridckpt.formats.registry import open_source
 
     src = _dcp_declaring(tmp_path, (8, 8))  # rewritten by pickle, unchanged in meaning
     t = open_source(src).tensors["model.w"]

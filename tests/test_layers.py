@@ -19,13 +19,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("hybridckpt.errors",),
     ("hybridckpt.io", "hybridckpt.models"),  # bytes and files; the families (JAX-free parts first)
     ("hybridckpt.lazy", "hybridckpt.values"),  # the lazy tensor protocol, every generic view, the reader pool; values read from files, type-checked
-    ("hybridckpt.containers",),  # file containers: restricted pickles, safetensors, DCP metadata
+    ("hybridckpt.containers",),  # file containers: restricted pickles, safetensors, DCP metadata, Orbax's files
     ("hybridckpt.rules", "hybridckpt.optim", "hybridckpt.checksum", "hybridckpt.source_checkpoint"),
-    ("hybridckpt.formats",),  # other frameworks' checkpoints: parallel-layout mechanics
     ("hybridckpt.naming", "hybridckpt.mesh", "hybridckpt.plan", "hybridckpt.place"),
-    ("hybridckpt.writers",),  # every writer and the one destination helper
-    ("hybridckpt.store",),  # our Orbax checkpoints
-    ("hybridckpt.readers",),  # the registry of every reader, ours included
+    ("hybridckpt.writers",),  # what a writer is asked, and the one destination helper
+    ("hybridckpt.store",),  # our Orbax checkpoints: the store, the streaming save
+    ("hybridckpt.formats",),  # every format, ours included: its reader, its writer, the one registry
     ("hybridckpt.jobs",),
     ("hybridckpt.cli", "hybridckpt.demo", "hybridckpt"),
 ]
@@ -108,10 +107,10 @@ def test_every_import_goes_down_or_sideways():
 
 
 def test_the_check_catches_an_upward_import_and_an_importlib_string(tmp_path):
-    """The checker fed modules that break the picture: a reader importing the store, a lazy view
+    """The checker fed modules that break the picture: a format importing a job, a lazy view
     importing a format by an importlib string, a family importing the jobs."""
     cases = {
-        "hybridckpt.formats.evil": "from hybridckpt.store import CheckpointStore\n",
+        "hybridckpt.formats.evil": "from hybridckpt.jobs import export_checkpoint\n",
         "hybridckpt.lazy.evil": "import importlib\nimportlib.import_module('hybridckpt.formats.dcp')\n",
         "hybridckpt.models.evil": "def f():\n    from hybridckpt import jobs\n",
         "hybridckpt.io.evil": "import models\n",
@@ -134,9 +133,20 @@ def _write(tmp_path, text: str) -> str:
 
 
 def test_the_registry_names_each_reader_by_its_own_name():
+    from hybridckpt.formats import registry
+
+    for f in registry.READABLE:
+        assert f.reader.NAME == f.name
+        assert f.detect.partition(":")[0] == f.open.partition(":")[0]  # one module: detect, open, steps
+
+
+def test_every_writer_and_reader_the_registry_names_exists():
     import importlib
 
-    from hybridckpt import readers
+    from hybridckpt.formats import registry
 
-    for name, module in readers.READERS:
-        assert importlib.import_module(module).NAME == name
+    for f in registry.FORMATS:
+        for where in (f.detect, f.open, f.write):
+            if where is not None:
+                module, _, function = where.partition(":")
+                assert callable(getattr(importlib.import_module(module), function)), where

@@ -137,20 +137,18 @@ def _devices_used(mesh: str) -> str:
     return f"{MeshShape.parse(mesh).size} of {jax.device_count()} devices"
 
 
-def _torch_layout(a) -> dict:
-    """`--writers`, `--tp`, `--pp` for the `--to` layout that takes them."""
-    for flag, value in (("--writers", a.writers), ("--tp", a.tp), ("--pp", a.pp)):
-        if value < 1:
+def writer_options(a) -> dict:
+    """The `--to` format's own options from the flags given (`--writers`, `--tp`, `--pp`,
+    `--no-scan-layers`; `formats.registry.write` refuses those the format does not take)."""
+    options = {}
+    for flag, key, value in (("--writers", "files", a.writers), ("--tp", "tp", a.tp), ("--pp", "pp", a.pp)):
+        if value is not None and value < 1:
             raise ConfigError(f"{flag} {value}: expected a positive number")
-    if a.to == "megatron":
-        return {"tp": a.tp, "pp": a.pp}
-    if a.tp != 1 or a.pp != 1:
-        raise ConfigError(f"--tp/--pp: only for --to megatron (not --to {a.to})")
-    if a.to in ("dcp", "torchtitan"):
-        return {"files": a.writers}
-    if a.writers != 1:
-        raise ConfigError(f"--writers: only for --to dcp or torchtitan (not --to {a.to})")
-    return {}
+        if value is not None:
+            options[key] = value
+    if a.scan_layers is not None:
+        options["scan_layers"] = a.scan_layers
+    return options
 
 
 def cmd_export(a) -> int:
@@ -163,7 +161,7 @@ def cmd_export(a) -> int:
             max_shard_bytes=int(a.max_shard_gb * 1024**3) if a.max_shard_gb else None,
             overwrite=a.overwrite, progress=prog, io_threads=a.io_threads, to=a.to,
             direct_io=not a.buffered_writes, verify_reads=not a.no_verify_reads,
-            layout=_torch_layout(a), scan_layers=a.scan_layers,
+            options=writer_options(a),
         )
     job_finished()
     print(f"exported {s.source_format} checkpoint to {s.destination}: {', '.join(s.files)}")

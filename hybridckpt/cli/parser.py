@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from hybridckpt import readers, writers
 from hybridckpt.cli import commands
+from hybridckpt.formats import registry
 
-FORMAT_CHOICES = ["auto", *readers.NAMES]  # `hybridckpt.readers`: names only, no reader imported
 SRC_HELP = "checkpoint folder or file of any supported format, or a hybridckpt (Orbax) checkpoint"
 NO_VERIFY_HELP = ("read a hybridckpt (Orbax) source without checking each chunk against the CRC-32 recorded "
                   "at import (default: every read is checked; a damaged chunk is an error naming it)")
@@ -65,7 +64,8 @@ def _atol(text: str) -> float:
 
 def _common(sp, *, fmt=True, config=True, io=False, progress=True, step=True) -> None:
     if fmt:
-        sp.add_argument("--format", default="auto", choices=FORMAT_CHOICES, help="source format (default: detect)")
+        sp.add_argument("--format", default="auto", choices=["auto", *registry.NAMES],
+                        help="source format (default: detect)")
     if step:
         sp.add_argument("--step", type=_step, help="the step to read of a folder of several: ours (N/), torchtitan "
                         "step-N/, Trainer checkpoint-N/, Megatron iter_N/, DeepSpeed global_stepN/, MaxText N/ "
@@ -165,24 +165,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-shard-gb", type=_positive_number, metavar="G",
                    help="shard size in GiB above which files are split (default 5)")
     s.add_argument("--no-verify-reads", action="store_true", help=NO_VERIFY_HELP)
-    s.add_argument("--to", default="hf", choices=list(writers.NAMES),
-                   help="layout of OUT: hf (default); paddlenlp-unified (PaddleNLP's names, Linear weights [in, out]) or "
-                   "paddleformers-unified (HF names and [out, in] weights, optimizer state [in, out]): Paddle unified "
-                   "checkpoints with optimizer-*/master_weights-* (fp32 masters when --dtype is 16-bit); dcp: a torch "
-                   "Distributed Checkpoint FSDP2 resumes on any number of ranks (get_state_dict + dcp.load + "
-                   "set_state_dict); torchtitan: a CheckpointManager folder (step-N/) torchtitan 0.3 resumes; "
-                   "megatron: a Megatron-Core torch_dist checkpoint (iter_N/) Megatron-LM loads at any tp/pp "
-                   "(docs/torch-export.md); maxtext: MaxText's train state OUT/<step>/items (load_parameters_path / "
-                   "load_full_state_path; docs/maxtext.md)")
-    s.add_argument("--writers", type=int, default=1, metavar="N",
-                   help="--to dcp/torchtitan: how many __R_0.distcp files (as N ranks write them; default 1)")
-    s.add_argument("--tp", type=int, default=1, metavar="N",
-                   help="--to megatron: the tensor-parallel size the chunks and files follow (default 1; Megatron "
-                   "reshards on load)")
-    s.add_argument("--pp", type=int, default=1, metavar="M", help="--to megatron: the pipeline-parallel size (default 1)")
-    s.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
-                   help="--to maxtext: layers stacked on MaxText's scan axis (scan_layers=true, default) or one "
-                   "decoder.layers_<i> per layer (--no-scan-layers)")
+    s.add_argument("--to", default="hf", choices=list(registry.TO_NAMES),
+                   help="the format of OUT: " + "; ".join(f"{t}: {f.about}" for t, f in registry.WRITABLE.items()))
+    s.add_argument("--writers", type=int, metavar="N", help=f"--to {registry.takers('files')}: how many "
+                   "__R_0.distcp files (as N ranks write them; default 1)")
+    s.add_argument("--tp", type=int, metavar="N", help=f"--to {registry.takers('tp')}: the tensor-parallel size "
+                   "the chunks and files follow (default 1; Megatron reshards on load)")
+    s.add_argument("--pp", type=int, metavar="M", help=f"--to {registry.takers('pp')}: the pipeline-parallel size (default 1)")
+    s.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"--to {registry.takers('scan_layers')}: layers stacked on MaxText's scan axis (scan_layers=true, "
+                   "default) or one decoder.layers_<i> per layer (--no-scan-layers)")
     s.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     s.add_argument("--buffered-writes", action="store_true",
                    help="write the safetensors files through the page cache, stored runs copied file to file by "

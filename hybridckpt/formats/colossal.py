@@ -40,7 +40,7 @@ from hybridckpt import lazy
 from hybridckpt.containers.pickle import torch_save
 from hybridckpt.containers.safetensors_file import read_header
 from hybridckpt.errors import FormatError
-from hybridckpt.formats.config_file import config_beside, read_json
+from hybridckpt.io.config_file import config_beside, read_json
 from hybridckpt.io.paths import plain_name
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.source_checkpoint import SourceCheckpoint

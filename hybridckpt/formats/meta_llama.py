@@ -45,8 +45,8 @@ from hybridckpt import models
 from hybridckpt.containers.pickle import torch_save
 from hybridckpt.containers.safetensors_file import read_header
 from hybridckpt.errors import ConfigError, FormatError
-from hybridckpt.formats.config_file import read_json
 from hybridckpt.formats.rules_files import load_rules
+from hybridckpt.io.config_file import read_json
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.models.dialect import most_specific
 from hybridckpt.source_checkpoint import SourceCheckpoint

@@ -22,15 +22,3 @@ def rules_text(name: str) -> str:
 def load_rules(name: str, variables: Mapping[str, Any] | None = None) -> RuleSet:
     """`rules/<name>` parsed with `variables` (errors name the file)."""
     return parse_rules(rules_text(name), dict(variables or {}), origin=name)
-
-
-def load_user_rules(path: str, variables: Mapping[str, Any] | None = None, source=None):
-    """A user's `--rules FILE`: hybridckpt's rules language, or a Paddle AOA config (`.aoa`, JSON
-    with `aoa_statements`, or text in AOA's syntax) translated by `flex_checkpoint.aoa` against
-    `source` (the checkpoint's tensors under the names the rules see)."""
-    from hybridckpt.formats.flex_checkpoint import aoa
-    from hybridckpt.rules import load_rules as load_text
-
-    if aoa.is_aoa_file(path):
-        return aoa.load(path, source=source)
-    return load_text(path, variables)

@@ -6,7 +6,7 @@ Layout (pytorch/pytorch torch/serialization.py; the container: `containers.pickl
 read through the restricted unpickler, no code runs, tensor bytes are byte ranges of the file):
 - the zip archive (torch >= 1.6) or the legacy pickles (`_use_new_zipfile_serialization=False`),
   told apart from every other file by their first bytes (`torch_save.is_torch_zip`, `is_torch_legacy`);
-- the object is a flat state dict `{name: tensor}` (`formats.hf_bin.tensors_of` checks it), or a
+- the object is a flat state dict `{name: tensor}` (`formats.hf.bin.tensors_of` checks it), or a
   dict holding one under `"model"`, `"state_dict"` or `"module"` (the common training-script
   wrappers `{"model": sd, "optimizer": ..., "epoch": ...}`): those tensors are read, the other
   entries named in a note and left alone.
@@ -24,8 +24,8 @@ from collections.abc import Mapping
 from hybridckpt import models
 from hybridckpt.containers.pickle import torch_save
 from hybridckpt.errors import FormatError, UnknownModelError, short_repr
-from hybridckpt.formats import hf_bin
-from hybridckpt.formats.config_file import read_json
+from hybridckpt.formats.hf import bin as hf_bin
+from hybridckpt.io.config_file import read_json
 from hybridckpt.source_checkpoint import SourceCheckpoint
 
 NAME = "torch"

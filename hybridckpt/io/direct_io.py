@@ -11,7 +11,7 @@ later), and writing it there evicts what the machine had cached.
 The rules: buffer address, length and file offset are multiples of DIRECT_ALIGN (`aligned_empty`
 gives such buffers). A filesystem that refuses O_DIRECT (EINVAL at open or at write: tmpfs before
 Linux 6.6, some network filesystems) is remembered by device, and written buffered for the rest of
-the process. Users: `store.chunk_files` (an import's raw chunks) and `io.sequential_file` (the
+the process. Users: `containers.orbax.chunk_files` (an import's raw chunks) and `io.sequential_file` (the
 safetensors files of an export).
 """
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from hybridckpt.errors import FormatError, short_repr
+from hybridckpt.errors import CheckpointError, FormatError, short_repr
 
 MAX_PATH_CHARS = 1024  # longer names from a file are refused (Linux: 4096 per path, 255 a name)
 
@@ -52,3 +52,12 @@ def plain_name(name: object, where: str, what: str = "name") -> str:
     if "/" in rel:
         raise FormatError(f"{where}: {what} {short_repr(rel)} is not a single folder or file name")
     return rel
+
+
+def given(path: object, role: str) -> str:
+    """`path` as a string, or a CheckpointError when it is empty (`role`: "the source", "the
+    destination"): an empty path is never taken to mean the working directory."""
+    text = os.fspath(path) if isinstance(path, str | os.PathLike) else path
+    if not isinstance(text, str) or text == "":
+        raise CheckpointError(f"an empty path was given as {role}: name a folder or file")
+    return text

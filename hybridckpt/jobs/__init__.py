@@ -8,7 +8,7 @@
 - `verify.verify` / `verify.verify_checksums`: compare two checkpoints; re-check ours on disk.
 - `inspect.inspect`: what a checkpoint holds, from metadata.
 - `logits.logits`: the forward pass, to check a conversion against the source framework.
-- `restore.restore`: one of our checkpoints onto any mesh (`store.restore`), after checking the
+- `restore.restore`: one of our checkpoints onto any mesh (`jobs.restore`), after checking the
   path is one (absent: nothing created; another format's: named, with the import to run).
 
 Each job takes plain arguments and returns a summary or data; printing and exit codes live in
@@ -16,11 +16,12 @@ Each job takes plain arguments and returns a summary or data; printing and exit 
 inspect and verify between torch-side formats never load them.
 """
 
+from hybridckpt.formats.model_config import load_config_file
 from hybridckpt.jobs.export import ExportSummary, export_checkpoint
 from hybridckpt.jobs.import_ import ImportSummary, import_checkpoint
 from hybridckpt.jobs.inspect import inspect
 from hybridckpt.jobs.logits import logits
-from hybridckpt.jobs.open import Opened, load_config_file, open_checkpoint
+from hybridckpt.jobs.open import Opened, open_checkpoint
 from hybridckpt.jobs.verify import TensorDiff, compare_tensors, verify, verify_checksums
 
 __all__ = [

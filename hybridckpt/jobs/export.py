@@ -3,21 +3,21 @@
 
 - With a model config: the model's tensors under HF names (`naming.model_hf`: every name and
   shape checked against the model, buffers and tied copies dropped), `config.json`,
-  `generation_config.json` and the source's tokenizer files (`writers.hf_files`), and with
+  `generation_config.json` and the source's tokenizer files (`formats.hf.files`), and with
   `optimizer=True` the optimizer slots as `optimizer*.safetensors` (`<hf name>.<slot>`, `step`).
   The checkpoint goes to HF names once, when it is opened; the export writes those tensors.
 - Without one (model-agnostic): every tensor under the source's own names, tensor-parallel and
   ZeRO pieces joined, with the slots when asked: the job of `dcp_to_torch_save` and
   `zero_to_fp32`, in bounded memory.
 
-Streams (the HF writer, `writers.hf_folder.write_export`): each tensor is read (by `io_threads`
+Streams (the HF writer, `formats.hf.write.write_export`): each tensor is read (by `io_threads`
 readers, ahead of the writer within a window of the largest tensor up to `WRITE_BLOCK_BYTES`) and written before the next ones are read; a larger one
 is read and written in blocks of rows of that size, so peak host memory is a couple of blocks
 (our raw Orbax store, read without JAX or Orbax, exports in under 256 MiB whatever its size:
 docs/benchmarks.md "The Orbax write and read paths"); tensors whose bytes already lie in the source files in the order they must be written
 are copied file to file without being materialised (`lazy.copy_runs`: through the O_DIRECT
 write buffer of `io.sequential_file`, or by the kernel with `--buffered-writes`). Our Orbax
-store is read lazily too (`store.reader`: a layer of a stacked leaf reads only its chunks).
+store is read lazily too (`containers.orbax.reader`: a layer of a stacked leaf reads only its chunks).
 Between torch-side formats no JAX is imported.
 """
 
@@ -26,12 +26,53 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hybridckpt.io import byte_source
 
 Progress = Callable[[str, int], None]  # (tensor name, bytes) after each tensor
+
+
+@dataclass(frozen=True)
+class ExportJob:
+    """How to export: `export_checkpoint(src, out, **fields)`'s fields (src: the checkpoint, any
+    format, ours included; out: the folder to create).
+
+    fmt: the source's format ("auto" detects it); step: which step of a folder of several
+      (`open_checkpoint`); config: a config path or model config for sources that carry none
+      (omit it to consolidate under the source's own names); rules: a user rules file.
+    optimizer: also write the optimizer slots and step (a source without any: the weights alone,
+      with a note saying so). dtype: cast the floating params on write (the summary's notes say
+      what was cast); default: every tensor as stored.
+    to: the format written (`formats.registry.TO_NAMES`: "hf", the Paddle unified layouts, the
+      torch trainers' "dcp", "torchtitan", "megatron", "maxtext").
+    options: that format's own options (`formats.registry.Format.options`: `files` for dcp and
+      torchtitan (the `__R_0.distcp` files), `tp`, `pp` for megatron (the parallel sizes the chunks
+      follow), `scan_layers` for maxtext); any other is refused. max_shard_bytes: the largest
+      file (hf) or chunk (the torch layouts: a larger tensor is saved as row blocks).
+    direct_io: files written with O_DIRECT through two aligned buffers (default; False: through
+      the page cache, runs copied file to file by the kernel): `io.sequential_file`.
+    verify_reads: a hybridckpt (Orbax) source's chunks checked against their import's CRC-32s.
+    io_threads: parallel byte-range readers; progress: called (tensor name, bytes) per tensor.
+    """
+
+    fmt: str = "auto"
+    step: int | None = None
+    optimizer: bool = False
+    config: Any = None
+    rules: str | os.PathLike | None = None
+    dtype: str | None = None
+    to: str = "hf"
+    options: Mapping[str, Any] = field(default_factory=dict)
+    max_shard_bytes: int | None = None
+    overwrite: bool = False
+    direct_io: bool = True
+    verify_reads: bool = True
+    io_threads: int | None = None
+    progress: Progress | None = None
+
+
 @dataclass(frozen=True)
 class ExportSummary:
     source_format: str
@@ -44,92 +85,36 @@ class ExportSummary:
     notes: tuple[str, ...] = ()
 
 
-def exported_hyper(opened: Any, names: set[str]) -> dict:
-    """The source's optimizer hyper-parameters with each param group's params under the exported
-    names (`opened.hf_of`: HF names with a model config), those not exported left out."""
-    hyper = dict(opened.hyper)
-    groups = hyper.pop("groups", None)
-    if groups:
-        hyper["groups"] = [
-            {**{k: v for k, v in g.items() if k != "params"},
-             "params": [h for n in g.get("params") or [] for h in opened.hf_of(str(n)) if h in names]}
-            for g in groups
-        ]
-    return hyper
-
-
-def _writer_extra(to: str, scan_layers: bool) -> dict:
-    """Writer options; `maxtext` gets the store's streaming Orbax save (the store is above the writers)."""
-    if to != "maxtext":
-        return {}
-    from hybridckpt.store.maxtext import save_state
-
-    return {"scan_layers": scan_layers, "save_state": save_state}
+def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, **fields: Any) -> ExportSummary:
+    """Any supported checkpoint (Orbax included) -> one folder at `out` in the format `to`
+    (HF safetensors by default); `fields` are `ExportJob`'s (an unknown one is a TypeError)."""
+    return run(src, out, ExportJob(**fields))
 
 
 @byte_source.watch()  # every source file read is checked unchanged before the commit
-def export_checkpoint(
-    src: str | os.PathLike,
-    out: str | os.PathLike,
-    *,
-    fmt: str = "auto",
-    step: int | None = None,
-    optimizer: bool = False,
-    config: Any = None,
-    rules: str | os.PathLike | None = None,
-    dtype: str | None = None,
-    max_shard_bytes: int | None = None,
-    overwrite: bool = False,
-    progress: Progress | None = None,
-    io_threads: int | None = None,
-    to: str = "hf",
-    direct_io: bool = True,
-    verify_reads: bool = True,
-    layout: Mapping[str, int] | None = None,
-    scan_layers: bool = True,
-) -> ExportSummary:
-    """Any supported checkpoint (Orbax included) -> one safetensors folder at `out`.
-
-    optimizer: also write the optimizer slots and step (a source without any: the weights alone,
-      with a note saying so). dtype: cast the floating params on write (the summary's notes say
-      what was cast); default: every tensor as stored.
-    config: a config path or model config for sources that carry none (omit it to consolidate
-      under the source's own names). step: which step of a folder of several (`open_checkpoint`).
-    to: "hf", or a Paddle unified layout ("paddlenlp-unified", "paddleformers-unified":
-      `writers/paddle_unified.py`), or a torch trainer's ("dcp", "torchtitan", "megatron":
-      `writers.torch_dcp`, `writers.torchtitan`, `writers.megatron_dist`).
-    layout: for the torch trainers' layouts, how the files are split: `writers` (DCP files),
-      `tp`, `pp` (Megatron's parallel sizes the chunks follow); `max_shard_bytes` is then the
-      largest chunk (a larger tensor is saved as row blocks).
-    direct_io: the HF safetensors files written with O_DIRECT through two aligned buffers (default;
-      False: through the page cache, runs copied file to file by the kernel): `io.sequential_file`.
-    verify_reads: a hybridckpt (Orbax) source's chunks checked against their import's CRC-32s.
-    scan_layers: `to="maxtext"`: layers stacked on MaxText's scan axis (default) or one per layer.
-    """
-    from hybridckpt import naming, writers
-    from hybridckpt.jobs.import_ import np_dtype
+def run(src: str | os.PathLike, out: str | os.PathLike, job: ExportJob) -> ExportSummary:
+    """Open `src` (names decided once: only the model's tensors with a config), then write `out`
+    with the format's writer (`formats.registry.write`: the destination checked before any read)."""
+    from hybridckpt.formats import registry
     from hybridckpt.jobs.open import open_checkpoint
     from hybridckpt.lazy import parallel
-    from hybridckpt.lazy.dtypes import cast_floating
-    from hybridckpt.writers.destination import Destination
+    from hybridckpt.writers import ExportRequest
 
     t0 = time.perf_counter()
-    if io_threads is not None:
-        parallel.set_io_threads(io_threads)
-    opened = open_checkpoint(src, fmt, config=config, rules=rules, step=step, verify_reads=verify_reads)
-    Destination(out, overwrite=overwrite, sources=[opened.path]).preflight()  # before any read
-    named = naming.model_hf(opened.named, opened.config) if opened.config is not None else opened.named
-    _, cast = cast_floating(named.params, dtype)  # what the writer casts (through the same helper)
-    notes: tuple[str, ...] = ()
-    if optimizer and not named.slots:  # the weights alone, and said: the flag had nothing to write
-        optimizer = False
-        notes = (f"{opened.path} holds no optimizer state (weights only): the weights are exported without it",)
-    done = writers.write(writers.ExportRequest(
-        to, os.fspath(out), named, opened.config, optimizer=optimizer, dtype=np_dtype(dtype) if dtype else None,
-        max_shard_bytes=max_shard_bytes, overwrite=overwrite, progress=progress, direct_io=direct_io,
+    registry.writing(job.to, job.options)  # a target or option it does not take: refused before anything is read
+    if job.io_threads is not None:
+        parallel.set_io_threads(job.io_threads)
+    opened = open_checkpoint(src, job.fmt, config=job.config, rules=job.rules, step=job.step,
+                             verify_reads=job.verify_reads, model_only=True)
+    named = opened.named
+    optimizer = job.optimizer and bool(named.slots)  # the weights alone, and said: the flag had nothing to write
+    notes = () if optimizer == job.optimizer else (
+        f"{opened.path} holds no optimizer state (weights only): the weights are exported without it",)
+    done = registry.write(ExportRequest(
+        job.to, os.fspath(out), named, opened.config, optimizer=optimizer, dtype=job.dtype,
+        max_shard_bytes=job.max_shard_bytes, overwrite=job.overwrite, progress=job.progress, direct_io=job.direct_io,
         sources=(opened.path,), source_format=opened.format, trainer=dict(opened.trainer), files=dict(opened.files),
-        hyper=exported_hyper(opened, set(named.params)) if opened.hyper else {}, extra={**dict(layout or {}), **_writer_extra(to, scan_layers)},
-    ))
-    cast_note = (cast.note(),) if cast.note() else ()
+        hyper=dict(opened.hyper), options=dict(job.options),
+    ))  # fmt: skip
     return ExportSummary(opened.format, os.path.abspath(out), done.files, done.tensors, done.nbytes,
-                         time.perf_counter() - t0, optimizer, notes + tuple(opened.notes) + done.notes + cast_note)
+                         time.perf_counter() - t0, optimizer, notes + tuple(opened.notes) + done.notes)

@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 
 from hybridckpt import lazy
+from hybridckpt.containers.orbax.keys import NAMES_KEY
 from hybridckpt.io import byte_source
 from hybridckpt.naming import flatten, nest
-from hybridckpt.store.keys import NAMES_KEY
 
 Progress = Callable[[str, int], None]  # (tensor name, bytes) after each tensor
 CRC_TABLES = "chunk_crc32"  # trainer_state key: array name -> its chunks' CRC-32s (`checksum.encode_crcs`)
@@ -104,17 +104,17 @@ def lazy_targets(
     reads nothing but what opening read."""
 
     from hybridckpt import naming, plan
+    from hybridckpt.containers.orbax.codec import parse_compression
     from hybridckpt.lazy.dtypes import is_floating
     from hybridckpt.mesh import as_mesh
     from hybridckpt.store import stream
-    from hybridckpt.store.codec import parse_compression
 
     cfg = opened.config
     escaped: dict[str, str] = {}
     hf, cast = cast_named(opened.named, dtype)  # every tensor as stored unless --dtype
     if cfg is not None:
         named = naming.hf_to_tree(hf, cfg)
-    else:  # the source's own names: data, stored under safe keys (`store.keys`)
+    else:  # the source's own names: data, stored under safe keys (`containers.orbax.keys`)
         named, escaped = _under_storage_keys(hf)
     jmesh = as_mesh(mesh)
     opt = None if params_only else named.optimizer
@@ -194,7 +194,7 @@ def import_checkpoint(
     compression: the arrays' codec, "none" (default: raw chunks, the fastest write and the
       file-to-file export), "zstd" (Orbax's default, level 1) or "zstd:LEVEL"; see `store.stream`.
     direct_io: raw chunk files of whole 4 KiB blocks written with O_DIRECT, bypassing the page
-      cache (default True; False: buffered writes); see `store.chunk_files`.
+      cache (default True; False: buffered writes); see `containers.orbax.chunk_files`.
     verify_reads: a hybridckpt (Orbax) source's chunks checked against their import's CRC-32s.
     """
     import jax
@@ -304,11 +304,11 @@ def _recorded_hyper(opened: Any, leaves: dict, escaped: dict[str, str]) -> tuple
 
 
 def _under_storage_keys(named: Any) -> tuple[Any, dict[str, str]]:
-    """`named` with every param and slot tensor under its storage key (`store.keys`), and the
+    """`named` with every param and slot tensor under its storage key (`containers.orbax.keys`), and the
     escaped keys' original names."""
     from dataclasses import replace
 
-    from hybridckpt.store.keys import storage_keys
+    from hybridckpt.containers.orbax.keys import storage_keys
 
     keys, escaped = storage_keys({*named.params, *(n for t in named.slots.values() for n in t)})
     return replace(

@@ -62,24 +62,21 @@ def _pieces(t: LazyTensor) -> int:
 def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, step: int | None = None) -> dict:
     """What a checkpoint holds, as a JSON-able dict of one schema for every format (`SCHEMA`;
     docs/cli.md "inspect --json"); reads metadata only."""
-    from hybridckpt import readers
-    from hybridckpt.jobs.open import _config_arg, model_files_of
-    from hybridckpt.store import as_source as store_source
-    from hybridckpt.writers.ownership import given
+    from hybridckpt.formats import orbax_store as store_source
+    from hybridckpt.formats import registry
+    from hybridckpt.io.paths import given
 
     path = os.path.abspath(given(path, "the source"))
-    fmt = readers.detect(path) if fmt == "auto" else fmt
+    fmt = registry.detect(path) if fmt == "auto" else fmt
     if fmt == store_source.NAME:
         info = store_source.describe(path, step)
         held = store_source.steps(path)
         notes = [held.note(step)] if step is not None and held is not None and held.folders else []
         return _in_order({**info, "notes": notes + info["notes"], "default_step": max(info["steps"]) if info["steps"]
                           and store_source.root_and_step(path)[1] is None else info["step"]})
-    cfg = _config_arg(config)
-    src = readers.open_source(path, fmt, config=cfg, step=step)
-    held = readers.step_folders(path, fmt)
-    cfg = cfg or src.config
-    files, skipped = model_files_of(src, path, config)
+    src = registry.open_source(path, fmt, config=config, step=step)
+    held = registry.step_folders(path, fmt)
+    cfg, files = src.config, src.files
     info: dict[str, Any] = {
         "format": src.format,
         "path": path,
@@ -91,7 +88,7 @@ def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, s
         "needs_config": cfg is None,
         "optimizer": None,
         "files": sorted(files),
-        "notes": [*src.notes, *skipped],
+        "notes": list(src.notes),
         "trainer_state": None,
         "tensors": [
             {"name": k, "shape": list(t.shape), "dtype": str(np.dtype(t.dtype)), "pieces": _pieces(t)}

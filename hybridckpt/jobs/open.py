@@ -1,7 +1,7 @@
 """Open any checkpoint, ours included: HF-named lazy tensors, optimizer slots, trainer metadata.
 
 `open_checkpoint` is the one way every job sees a checkpoint. It detects the format (or takes
-`fmt`), asks the format (or `store.as_source` for our own Orbax checkpoints) for a `SourceCheckpoint`
+`fmt`), asks the format (or `formats.orbax_store` for our own Orbax checkpoints) for a `SourceCheckpoint`
 and renames it once, by rules only (`naming.source_to_hf`), to single-card HF names. A source with
 no model config and no `config=` is opened model-agnostic: its tensors keep the source's own
 names (tensor-parallel pieces already merged, pipeline stages already global), which is what
@@ -16,39 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridckpt import naming
-from hybridckpt.errors import ConfigError, FormatError
-from hybridckpt.formats.config_file import read_json
-from hybridckpt.io import model_files
+from hybridckpt.errors import ConfigError
 from hybridckpt.io.model_files import ModelFile
 from hybridckpt.naming import Named
-from hybridckpt.optim.groups import checked_hyper
-
-
-def config_file(path: str) -> str:
-    """The config file `--config` names: the file itself, or in a folder its `config.json` (HF),
-    else its `params.json` (Meta); a folder with neither is a ConfigError."""
-    if not os.path.isdir(path):
-        return path
-    for name in ("config.json", "params.json"):
-        if os.path.isfile(os.path.join(path, name)):
-            return os.path.join(path, name)
-    raise ConfigError(f"--config {path}: a folder without config.json or params.json; expected an HF config.json "
-                      f"or a Meta params.json (or a folder holding one)")
-
-
-def load_config_file(path: str, vocab_size: int | None = None) -> Any:
-    """A model config from an HF `config.json` or a Meta `params.json` (or a folder holding one:
-    `config_file`)."""
-    from hybridckpt import models
-
-    path = config_file(path)
-    try:
-        data = read_json(path)
-    except FormatError as e:  # missing or not a JSON object: a bad --config
-        raise ConfigError(str(e)) from None
-    if "dim" in data and "n_layers" in data:
-        return models.config_from_meta_params(data, vocab_size=vocab_size, source=path)
-    return models.config_from_hf(data, source=path)
 
 
 @dataclass(frozen=True)
@@ -65,7 +35,8 @@ class Opened:
     files:    the config, generation config and tokenizer files that travel with the weights
               (`io.model_files`): an import stores them, an HF export writes them
     hyper:    the optimizer's hyperparameters as the source recorded them (lr, betas, eps,
-              weight_decay; `OptimizerState.hyper`), kept by an import as `optimizer_hyper`
+              weight_decay; `OptimizerState.hyper`, typed), kept by an import as `optimizer_hyper`;
+              with `model_only` its param groups name the exported params (`naming.exported_hyper`)
     """
 
     format: str
@@ -85,13 +56,6 @@ class Opened:
         return self.named.step
 
 
-def _config_arg(config: Any) -> Any:
-    """`config` may be a path (config.json / params.json), a model config, or None."""
-    if isinstance(config, str | os.PathLike):
-        return load_config_file(os.fspath(config))
-    return config
-
-
 def open_checkpoint(
     path: str | os.PathLike,
     fmt: str = "auto",
@@ -101,6 +65,7 @@ def open_checkpoint(
     step: int | None = None,
     strict: bool = True,
     verify_reads: bool = True,
+    model_only: bool = False,
 ) -> Opened:
     """Open `path` (any supported format, our Orbax checkpoints included) without reading it.
 
@@ -112,44 +77,15 @@ def open_checkpoint(
       only its own step. A step not there is a FormatError listing those that are.
     verify_reads: every read of our Orbax checkpoint is checked against the CRC-32s its import
       recorded (`store.checked`); False reads it unchecked.
+    model_only: with a model config, `named` holds only the model's tensors (buffers and tied
+      copies dropped, every name and shape checked: `naming.model_hf`), as an export writes them.
     """
-    from hybridckpt import readers
-    from hybridckpt.writers.ownership import given
+    from hybridckpt.formats import registry
 
-    path = os.path.abspath(given(path, "the source"))
-    cfg = _config_arg(config)
-    fmt = readers.detect(path) if fmt == "auto" else fmt
-    src = readers.open_source(path, fmt, config=cfg, step=step, verify_reads=verify_reads)
-    named, cfg = naming.named_for_model(src, cfg or src.config, rules=rules, strict=strict)
-    user = naming.user_rules(src, cfg, rules) if rules else None
-    hyper = checked_hyper(src.optimizer.hyper, path) if src.optimizer is not None else {}  # (any source's: typed)
-    files, skipped = model_files_of(src, path, config)
-    return Opened(src.format, path, cfg, named, dict(src.trainer), dict(src.topology), named.notes + tuple(skipped),
-                  hyper, naming.leaf_namer(src, cfg, user_rules=user),
-                  naming.leaf_namer(src, cfg, user_rules=user, tree=False), files)
-
-
-def model_files_of(src: Any, path: str, config: Any) -> tuple[dict[str, ModelFile], list[str]]:
-    """The config, generation and tokenizer files that travel with `src` (`io.model_files`):
-    what our store recorded; else those in the source's folder (or, when its config.json lies in
-    the folder above, as for torchtitan's `step-N` and PaddleFormers' `checkpoint-N`, there);
-    a `--config` file is the config.json, with the files beside it."""
-    if src.format == "orbax" or src.files:  # (ours: what the import stored, nothing else)
-        return dict(src.files), []
-    folder = path if os.path.isdir(path) else os.path.dirname(path)
-    files, skipped = model_files.find(folder)
-    if model_files.CONFIG not in files and config is None and src.config is not None:
-        above, more = model_files.find(os.path.dirname(folder))
-        if model_files.CONFIG in above:
-            files, skipped = above | files, skipped + more
-    if isinstance(config, str | os.PathLike):
-        cpath = os.path.abspath(config_file(os.fspath(config)))
-        data = read_json(cpath)
-        if not ("dim" in data and "n_layers" in data):  # an HF config.json (a Meta params.json is not carried)
-            beside, more = model_files.find(os.path.dirname(cpath))
-            files, skipped = files | beside, skipped + more
-            files[model_files.CONFIG] = ModelFile(model_files.CONFIG, cpath, os.path.getsize(cpath))
-    return files, skipped
+    src = registry.open_source(path, fmt, config=config, step=step, verify_reads=verify_reads)
+    names = naming.names_of(src, src.config, rules=rules, strict=strict, model_only=model_only)
+    return Opened(src.format, os.path.abspath(os.fspath(path)), names.config, names.named, dict(src.trainer),
+                  dict(src.topology), names.named.notes, names.hyper, names.leaf_of, names.hf_of, dict(src.files))
 
 
 def unknown_architecture(opened: Opened) -> str | None:

@@ -1,18 +1,128 @@
-"""The public `hybridckpt.restore`: one of our checkpoints onto any mesh (`store.restore`), once the
-path is known to be one. An absent folder is one error and nothing is created (the store would
-create it, as a training loop's store does); another format's checkpoint (an HF folder, DCP, ...)
-is named as such, with the import that makes it one of ours (`readers.require_store`)."""
+"""Restore one of our checkpoints onto any mesh in one call.
+
+The model config comes from the checkpoint's trainer state (or `config=`); the sharding plan from
+`hybridckpt.plan` (the model's logical axes, or the generic rule for a model-agnostic import);
+params and optimizer moments keep the dtype they were saved in (`plan.with_saved_dtypes`); the
+optimizer state (when saved and asked for) comes back as the optax state of the optimizer named
+in trainer state, each slot sharded like its param and the step counter replicated.
+An absent folder is one error and nothing is created (the store would create it, as a training
+loop's store does); another format's checkpoint (an HF folder, DCP, ...) is named as such, with
+the import that makes it one of ours (`formats.registry.require_store`).
+"""
 
 from __future__ import annotations
 
-import functools
 import os
+from dataclasses import replace
+from typing import Any
 
-from hybridckpt.readers import require_store
-from hybridckpt.store.restore import restore as store_restore
+import jax
+
+from hybridckpt import optim, plan
+from hybridckpt.mesh import MeshShape, as_mesh
+from hybridckpt.naming import flatten
+from hybridckpt.store.layout import Restored
+from hybridckpt.store.manager import CheckpointStore
 
 
-@functools.wraps(store_restore)
-def restore(directory, *args, **kwargs):
+def plan_for(state: dict, saved_params: Any, mesh: jax.sharding.Mesh, *, config: Any = None,
+             optimizer: optim.Optimizer | None = None, indivisible: str = "replicate") -> plan.Plan:
+    """The plan of a saved checkpoint on `mesh`: by its model config, or by the generic rule
+    over the saved tree's names when it has none."""
+    from hybridckpt.formats.orbax_store import model_config
+
+    cfg = model_config(state, config)
+    if cfg is not None:
+        return plan.for_model(cfg, mesh, optimizer=optimizer, indivisible=indivisible)
+    return plan.for_named(flatten(saved_params), mesh, optimizer=optimizer)
+
+
+def _saved_mesh_if_it_fits(saved: Any) -> MeshShape:
+    """The saved mesh (trainer state `mesh`: data) when this process has that many devices, else
+    one device."""
+    try:
+        shape = MeshShape(**{k: int(v) for k, v in saved.items()})
+    except (AttributeError, TypeError, ValueError):
+        return MeshShape()
+    ok = min(shape.as_dict().values()) >= 1 and shape.size <= jax.device_count()
+    return shape if ok else MeshShape()
+
+
+def restore(
+    directory: str,
+    mesh: jax.sharding.Mesh | MeshShape | str | None = None,
+    *,
+    step: int | None = None,
+    optimizer: bool | str = True,
+    config: Any = None,
+    strict_sharding: bool = False,
+    **restore_kwargs: Any,
+) -> tuple[Any, Restored]:
+    """(model config or None, Restored) of `directory` (step: latest) on `mesh`.
+
+    mesh: a Mesh, a MeshShape or "dp=2,tp=4" (its sizes' product is how many devices it uses, the
+      first ones); default: the mesh the checkpoint was saved on when that many devices are
+      present, else one device. The saved mesh is only how the arrays lie on disk: any mesh reads
+      them.
+
+    optimizer: restore the optimizer state too when the step has one; "from-checkpoint" also
+    rebuilds the optax optimizer from the hyper-parameters the import recorded (lr, betas, eps,
+    weight decay and its mask: `optim.groups`) and returns the state in that optimizer's
+    structure, the transformation as `restored.tx`. strict_sharding: a dimension
+    the mesh cannot divide is an error (default: replicated on that axis, with a line in
+    `restored.notes`; a dim made of heads or experts splits only between them). Other keyword arguments go
+    to `CheckpointStore.restore` (global_batch_size, allow_batch_size_change, strict).
+    """
+    from hybridckpt.errors import CheckpointError
+    from hybridckpt.formats.orbax_store import model_config
+    from hybridckpt.formats.registry import require_store
+
     require_store(os.fspath(directory))
-    return store_restore(directory, *args, **kwargs)
+
+    if not os.path.isdir(directory):  # (the store would create it)
+        raise CheckpointError(f"{directory}: no such folder (expected one of our checkpoints)")
+    with CheckpointStore(os.path.abspath(directory)) as store:
+        state = store.trainer_state(step)
+        if mesh is None:
+            mesh = _saved_mesh_if_it_fits(state.get("mesh"))
+        jmesh = as_mesh(mesh)
+        step = state.get("step", step) if step is None else step
+        saved = store.params_metadata(step)
+        has_opt = os.path.isdir(os.path.join(str(store.directory), str(step), "opt_state"))
+        opt = optim.get(state.get("optimizer", optim.DEFAULT)) if optimizer and has_opt else None
+        p = plan_for(state, saved, jmesh, config=config, optimizer=opt, indivisible="error" if strict_sharding else "replicate")
+        opt_targets = plan.with_saved_dtypes(p.opt_targets(), store.opt_state_metadata(step) if opt else None)
+        restored = store.restore(step, target_params=p.param_targets(saved), target_opt_state=opt_targets, **restore_kwargs)
+        restored = replace(restored, notes=p.notes)
+    if optimizer == "from-checkpoint":
+        restored = with_optimizer(restored, opt, state, directory)
+    elif not isinstance(optimizer, bool):
+        raise ValueError(f"optimizer={optimizer!r}: expected True, False or 'from-checkpoint'")
+    return model_config(state, config), restored
+
+
+def with_optimizer(restored: Restored, opt: optim.Optimizer | None, state: dict, directory: str) -> Restored:
+    """`restored` with `tx`, the optax optimizer rebuilt from the recorded hyper-parameters, and
+    its opt_state in that optimizer's structure (slots and step moved over, nothing recomputed)."""
+
+    from hybridckpt.errors import CheckpointError
+    from hybridckpt.optim import groups
+
+    if opt is None:
+        raise CheckpointError(f"{directory}: no optimizer state saved: nothing to rebuild")
+    hyper = state.get("optimizer_hyper")
+    if not hyper:
+        raise CheckpointError(f"{directory}: the import recorded no optimizer hyper-parameters (the source "
+                              f"stores none): build the optax optimizer yourself")
+    if state.get("optimizer_param_groups"):
+        raise CheckpointError(f"{directory}: the source's param groups differ in what one optax optimizer "
+                              f"cannot express (see trainer_state['optimizer_param_groups'])")
+    tx = groups.build(opt, hyper, state.get("weight_decay_mask"), restored.params)
+    slots, count = optim.slots_of(opt, restored.opt_state)
+    fresh = jax.eval_shape(tx.init, restored.params)
+    new = optim.state(opt, fresh, slots, count)
+    leftover = [x for x in jax.tree.leaves(new) if isinstance(x, jax.ShapeDtypeStruct)]
+    if leftover:
+        raise CheckpointError(f"{directory}: the rebuilt {opt.name} keeps state beyond its slots and step "
+                              f"({len(leftover)} arrays): not restorable from this checkpoint")
+    return replace(restored, opt_state=new, tx=tx)

@@ -104,9 +104,9 @@ def _steps_of(a: str | os.PathLike, b: str | os.PathLike, step: int | None) -> t
     """`step` for each of `a`, `b` that is a folder of several steps (None for the other)."""
     if step is None:
         return None, None
-    from hybridckpt import readers
+    from hybridckpt.formats import registry
 
-    held = [readers.step_folders(os.path.abspath(os.fspath(p))) is not None for p in (a, b)]
+    held = [registry.step_folders(os.path.abspath(os.fspath(p))) is not None for p in (a, b)]
     if not any(held):
         raise CheckpointError(
             f"step {step}: neither {os.fspath(a)} nor {os.fspath(b)} is a folder of several steps (ours, "
@@ -208,11 +208,11 @@ def verify_checksums(
     one recorded at import, and every config and tokenizer file it kept (rows `hf_files/<name>`);
     max_abs_diff is 0 (match) or inf (differs, or not recorded)."""
     from hybridckpt import checksum, optim
+    from hybridckpt.containers.orbax.reader import UnreadableArray, item_arrays
     from hybridckpt.errors import HybridCkptError
-    from hybridckpt.readers import require_store
-    from hybridckpt.store.as_source import resolve
-    from hybridckpt.store.reader import UnreadableArray, item_arrays
-    from hybridckpt.writers.ownership import given
+    from hybridckpt.formats.orbax_store import resolve
+    from hybridckpt.formats.registry import require_store
+    from hybridckpt.io.paths import given
 
     path = given(path, "the checkpoint")
     require_store(path)  # another format's checkpoint: named, with the import to run
@@ -274,7 +274,7 @@ def _carried_files(step_dir: str, state: dict) -> list[TensorDiff]:
     """One row per config or tokenizer file the import kept (`io.model_files`), read against the
     size and CRC-32 it recorded."""
     from hybridckpt.errors import HybridCkptError
-    from hybridckpt.store.as_source import stored_files
+    from hybridckpt.formats.orbax_store import stored_files
 
     try:
         files = stored_files(step_dir, state)

@@ -5,16 +5,11 @@
   mesh with a topology report).
 - `save.save_checkpoint`: one step written atomically (temporary sibling, then rename); leaves may
   be `stream.LazyLeaf`s, written tile by tile (`stream`).
-- `codec`: the arrays' zarr compressor of a streaming save (`--compression`; raw by default).
-- `chunk_files`: raw chunks written as plain files, one per chunk (a raw import's items are saved
-  without OCDBT; compressed ones and training-loop saves use OCDBT, Orbax's default).
-- `chunk_index`: where each stored chunk lies in the item's files (the OCDBT index, or the
-  folder of each array).
-- `reader`: any array of a saved item as a lazy tensor (a box read reads only its chunks; raw
-  chunks by pread, or copied file to file by an export).
-- `restore.restore`: a checkpoint onto a mesh in one call, with its optimizer state.
-- `source`: our checkpoint as a source for every job (HF-named lazy tensors + optimizer slots);
-  its `detect` needs no JAX, so this package's names load on first use.
+- Orbax's files below the Orbax API (the codec, raw chunk files, the chunk index, the lazy
+  reader, the declared-size bounds, the item keys) are `hybridckpt.containers.orbax`; our store
+  read as a source is the format `hybridckpt.formats.orbax_store`; `hybridckpt.restore` (a
+  checkpoint onto a mesh in one call) is `hybridckpt.jobs.restore`.
+This package's names load on first use (no JAX until one is asked for).
 """
 
 from __future__ import annotations
@@ -33,7 +28,6 @@ _WHERE = {
     "load_params_metadata": "orbax_io",
     "read_trainer_state": "orbax_io",
     "save_checkpoint": "save",
-    "restore": "restore",
 }
 
 __all__ = sorted(_WHERE)

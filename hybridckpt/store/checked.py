@@ -2,7 +2,7 @@
 
 An import records, per array, the CRC-32 of each chunk of its stored grid (`checksum.tile_crcs`,
 `trainer_state["chunk_crc32"]`: name -> base64 of uint32s in grid C order, the grid in
-`"checksum_chunks"`). `CheckedArray` wraps the lazy reader of an array (`store.reader`) so that
+`"checksum_chunks"`). `CheckedArray` wraps the lazy reader of an array (`containers.orbax.reader`) so that
 no byte of it reaches a caller unchecked:
 
 - `read_into(box, out)`: each grid chunk the box covers whole is read into `out` (or a scratch
@@ -344,9 +344,9 @@ def read_tree(step_dir: str, item: str, target, state: Mapping):
 
     import jax
 
+    from hybridckpt.containers.orbax.reader import item_arrays
     from hybridckpt.place import to_array
     from hybridckpt.store.layout import has_shape, leaf_key
-    from hybridckpt.store.reader import item_arrays
 
     folder = os.path.join(step_dir, item)
     found = item_arrays(folder)

@@ -27,7 +27,7 @@ metadata, and the saved global batch size against the new one.
 This module holds the names of the items, the JSON forms of trainer-state values, and the records
 `TopologyChange` / `Restored`; the Orbax plumbing is `store.orbax_io`, the store itself
 `store.manager`, the one-shot atomic save `store.save`, the streaming data path `store.stream`, the
-lazy reader `store.reader`.
+lazy reader `containers.orbax.reader`.
 """
 
 from __future__ import annotations

@@ -19,10 +19,11 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from hybridckpt.containers.orbax.declared import check_orbax_tree
 from hybridckpt.errors import CheckpointError
+from hybridckpt.io.paths import given
 from hybridckpt.mesh import MeshShape
 from hybridckpt.store.checked import CRC_TABLES, has_crc_tables, read_tree
-from hybridckpt.store.declared import check_orbax_tree
 from hybridckpt.store.layout import (
     HF_FILES,
     OPT_STATE,
@@ -45,7 +46,6 @@ from hybridckpt.store.orbax_io import (
     standard_save,
 )
 from hybridckpt.store.save_crcs import crc_record
-from hybridckpt.writers.ownership import given
 
 # what an import records about the arrays it wrote: a later save writes other arrays, so a
 # trainer state carried over from a restore must not bring them along
@@ -74,8 +74,8 @@ def _first_line(e: BaseException) -> str:
 
 
 def _check_keys(tree: Any, where: str) -> None:
-    """Every leaf's joined key is one safe folder name inside the item (`store.keys`)."""
-    from hybridckpt.store.keys import check_leaf_key
+    """Every leaf's joined key is one safe folder name inside the item (`containers.orbax.keys`)."""
+    from hybridckpt.containers.orbax.keys import check_leaf_key
     from hybridckpt.store.stream import LazyLeaf
 
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, LazyLeaf))

@@ -23,9 +23,9 @@ import orbax.checkpoint as ocp
 from hybridckpt.errors import CheckpointError
 from hybridckpt.io import model_files
 from hybridckpt.io.model_files import ModelFile
+from hybridckpt.io.paths import given
 from hybridckpt.store.layout import HF_FILES, TRAINER_STATE
 from hybridckpt.store.manager import CheckpointStore
-from hybridckpt.writers import ownership
 from hybridckpt.writers.destination import Destination, io_reason
 
 
@@ -57,7 +57,7 @@ def save_checkpoint(
     checkpoint into one temporary directory (its name agreed through a barrier) and process 0
     renames it. Returns the absolute path.
     """
-    dst = Path(ownership.given(directory, "the destination")).absolute()
+    dst = Path(given(directory, "the destination")).absolute()
     multi = jax.process_count() > 1
     primary = jax.process_index() == 0
     token = _shared_token() if multi else uuid.uuid4().hex[:8]

@@ -13,10 +13,10 @@ commit); only the data path differs (`store.stream_orbax`: the Orbax type handle
   `LazyTensor.read_into`: preads, casts, TP concatenation) and adds the tile's part of the leaf's
   checksum (`checksum.CHUNKS` on the chunk grid);
 - raw chunks (the default codec) go straight to their files from the reader thread
-  (`store.chunk_files`: the item is saved without OCDBT, one file per chunk, fsync'd);
+  (`containers.orbax.chunk_files`: the item is saved without OCDBT, one file per chunk, fsync'd);
   compressed ones are written by TensorStore into the item's OCDBT database.
 
-Codec: `StreamOptions.compression` (`store.codec`; "none" by default: raw chunks, in plain files;
+Codec: `StreamOptions.compression` (`containers.orbax.codec`; "none" by default: raw chunks, in plain files;
 "zstd": in OCDBT, as Orbax writes by default).
 
 Memory: tiles read but not yet written are bounded by `inflight_bytes` (`_Budget`; a tile larger
@@ -42,10 +42,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from hybridckpt import checksum
+from hybridckpt.containers.orbax.codec import COMPRESSION
 from hybridckpt.io.direct_io import aligned_empty
 from hybridckpt.lazy import Box, LazyTensor, box_shape
 from hybridckpt.plan import box_owners
-from hybridckpt.store.codec import COMPRESSION
 
 CHUNK_BYTES = 8 << 20  # zarr chunk target: small against any shard a resharding restore reads
 TILE_BYTES = 8 << 20  # bytes per read/write unit (whole chunks; at least one chunk). 8 MiB against
@@ -74,8 +74,8 @@ class StreamOptions:
     tile_bytes: int = TILE_BYTES
     inflight_bytes: int = INFLIGHT_BYTES
     chunk_bytes: int = CHUNK_BYTES
-    compression: str = COMPRESSION  # "none", "zstd", "zstd:LEVEL" (`store.codec`)
-    direct_io: bool = True  # raw chunk files of whole 4 KiB blocks with O_DIRECT (`store.chunk_files`)
+    compression: str = COMPRESSION  # "none", "zstd", "zstd:LEVEL" (`containers.orbax.codec`)
+    direct_io: bool = True  # raw chunk files of whole 4 KiB blocks with O_DIRECT (`containers.orbax.chunk_files`)
     on_leaf: Callable[[str, int], None] | None = None  # (leaf name, bytes) once written
     stats: StreamStats = field(default_factory=StreamStats)
     _budgets: dict = field(default_factory=dict, repr=False)

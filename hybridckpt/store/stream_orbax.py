@@ -6,12 +6,12 @@
 
 1. the TensorStore spec and ArrayMetadata come from Orbax's `build_array_write_spec` (write
    shape = the shard shape, chunk shape from `SaveArgs(chunk_byte_size, shard_axes)`), the codec
-   from `store.codec`;
+   from `containers.orbax.codec`;
 2. the primary process creates each zarr array (its `.zarray`); every process opens it with
    `assume_metadata` where TensorStore writes the chunks;
 3. the tiles of `stream.box_tiles` are read by the reader pool (`stream.read_tile`) under the
    save's byte budget and written: raw chunks to their files by the reader thread itself
-   (`store.chunk_files`, then each array folder fsync'd), compressed ones through TensorStore
+   (`containers.orbax.chunk_files`, then each array folder fsync'd), compressed ones through TensorStore
    (small tiles batched into shared OCDBT commits, `_SmallWrites`);
 4. the array metadata is appended to `array_metadatas/process_<i>`, shardings to `_sharding`.
 
@@ -38,10 +38,11 @@ from orbax.checkpoint._src.serialization import jax_array_handlers
 # build_array_write_spec: the zarr spec and ArrayMetadata (chunk shape from SaveArgs) Orbax's save records
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
+from hybridckpt.containers.orbax import chunk_files
+from hybridckpt.containers.orbax.codec import apply_codec, parse_compression
 from hybridckpt.io.writeback import fsync_folder
 from hybridckpt.lazy import Box, box_shape, parallel
-from hybridckpt.store import chunk_files, stream
-from hybridckpt.store.codec import apply_codec, parse_compression
+from hybridckpt.store import stream
 from hybridckpt.store.stream import LazyLeaf, StreamOptions, opts_of, owned_boxes
 
 
@@ -273,7 +274,7 @@ class StreamingCheckpointHandler(ocp.StandardCheckpointHandler):
     and its type string is the standard one, so `_CHECKPOINT_METADATA` is identical).
 
     A save whose lazy leaves are all raw (`compression` "none") is written without OCDBT, each
-    chunk a file (`store.chunk_files`); any other save (jax.Arrays from a training loop,
+    chunk a file (`containers.orbax.chunk_files`); any other save (jax.Arrays from a training loop,
     compressed imports) in OCDBT, Orbax's default. Restores read either: Orbax records which
     in the item's `_METADATA` (`use_ocdbt`)."""
 

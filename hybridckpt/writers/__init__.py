@@ -1,33 +1,17 @@
-"""Writers: every layout an export can produce, and the one destination helper they all use.
+"""What every format's writer is asked and answers, and the one destination helper they all use.
 
-`WRITERS` lists (name, "module:function") in the order `--to` offers them; each function takes
-an `ExportRequest` (the checkpoint under HF names with its optimizer slots and step, the model
-config, the options) and returns an `Written` (files, tensors, bytes). `write(to, request)` picks
-one. Every writer writes through `writers.destination.Destination`: checked against the sources,
-locked, written aside, swapped in. A new layout is one module here and one line in `WRITERS`
-(the CLI's `--to` choices come from `NAMES`, without importing any writer).
+A writer (`write` of a format in `formats.registry.FORMATS`) takes an `ExportRequest` (the
+checkpoint under HF names with its optimizer slots and step, the model config, the options) and
+returns a `Written` (files, tensors, bytes). Every writer writes through
+`writers.destination.Destination`: checked against the sources, locked, written aside, swapped in
+(`writers.ownership`: what may be replaced).
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-
-from hybridckpt.errors import ConfigError
-
-# (the `--to` name, "module:function"), the first the default
-WRITERS: tuple[tuple[str, str], ...] = (
-    ("hf", "hybridckpt.writers.hf_folder:write_export"),
-    ("paddlenlp-unified", "hybridckpt.writers.paddle_unified:write_export"),
-    ("paddleformers-unified", "hybridckpt.writers.paddle_unified:write_export"),
-    ("dcp", "hybridckpt.writers.torch_dcp:write_request"),
-    ("torchtitan", "hybridckpt.writers.torchtitan:write_request"),
-    ("megatron", "hybridckpt.writers.megatron_dist:write_request"),
-    ("maxtext", "hybridckpt.writers.maxtext:write_export"),
-)
-NAMES: tuple[str, ...] = tuple(name for name, _ in WRITERS)
 
 
 @dataclass(frozen=True)
@@ -36,13 +20,15 @@ class ExportRequest:
 
     out: the folder to create; named: `naming.Named` under HF names (the model's tensors when
     `config` is set, else the source's own names), with its slots and step; optimizer: write the
-    slots and step too; dtype: cast params on write (numpy dtype) or None; trainer: the source's
+    slots and step too; dtype: cast the floating params on write (a numpy dtype, or a `--dtype`
+    name made one: `lazy.dtypes.np_dtype`) or None; trainer: the source's
     trainer metadata (e.g. `adam_betas`); hyper: the optimizer's hyper-parameters with its param
     groups under the exported names ({} when unknown or not exported); sources: paths the output
     must not be, hold or lie in; files: the config, generation config and tokenizer files that
     travel with the source (name -> `io.model_files.ModelFile`);
-    extra: writer-specific options (`--to dcp|torchtitan`: `files`, the writer files; `--to megatron`:
-    `tp`, `pp`)."""
+    options: the writer's own options, those its `formats.registry.Format.options` names (`--to
+    dcp|torchtitan`: `files`, the writer files; `--to megatron`: `tp`, `pp`; `--to maxtext`:
+    `scan_layers`); `formats.registry.write` refuses any other."""
 
     layout: str
     out: str
@@ -59,7 +45,14 @@ class ExportRequest:
     trainer: Mapping[str, Any] = field(default_factory=dict)
     hyper: Mapping[str, Any] = field(default_factory=dict)  # optimizer hyper-parameters, exported names
     files: Mapping[str, Any] = field(default_factory=dict)  # carried config/tokenizer files (io.model_files)
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dtype, str):
+            from hybridckpt.lazy.dtypes import np_dtype
+
+            object.__setattr__(self, "dtype", np_dtype(self.dtype))
 
 
 @dataclass(frozen=True)
@@ -73,10 +66,19 @@ class Written:
     notes: tuple[str, ...] = ()
 
 
-def write(request: ExportRequest) -> Written:
-    """Write `request` with the writer its `layout` names."""
-    where = dict(WRITERS).get(request.layout)
-    if where is None:
-        raise ConfigError(f"--to {request.layout!r}: expected one of {', '.join(NAMES)}")
-    module, _, function = where.partition(":")
-    return getattr(importlib.import_module(module), function)(request)
+def cast_notes(request: ExportRequest) -> tuple[str, ...]:
+    """A writer's note on what `request.dtype` casts of its params (`lazy.dtypes.cast_floating`,
+    the helper every writer casts with), or () when nothing is cast."""
+    from hybridckpt.lazy.dtypes import cast_floating
+
+    note = cast_floating(request.named.params, request.dtype)[1].note()
+    return (note,) if note else ()
+
+
+def preflight(request: ExportRequest) -> None:
+    """The destination's checks (`writers.destination.Destination.preflight`: not a source, not a
+    home, nothing there we did not write unless replaceable), made by every writer first, before
+    it reads a byte."""
+    from hybridckpt.writers.destination import Destination
+
+    Destination(request.out, overwrite=request.overwrite, sources=list(request.sources)).preflight()

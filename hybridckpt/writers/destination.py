@@ -46,6 +46,7 @@ from collections.abc import Iterable
 
 from hybridckpt.errors import CheckpointError
 from hybridckpt.io import byte_source, interrupts
+from hybridckpt.io.paths import given
 from hybridckpt.io.writeback import fsync_folder
 from hybridckpt.writers import ownership
 
@@ -59,7 +60,7 @@ class Destination:
 
     def __init__(self, dst: str | os.PathLike, *, overwrite: bool = False, sources: Iterable = (),
                  primary: bool = True, token: str | None = None, marker: bool = False):
-        self.raw = ownership.given(dst, "the destination")
+        self.raw = given(dst, "the destination")
         self.dst = os.path.abspath(self.raw)
         self.overwrite = overwrite
         self.marker = marker

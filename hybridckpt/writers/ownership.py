@@ -44,15 +44,6 @@ _STEP = re.compile(r"\d+(\.orbax-checkpoint-tmp(-\d+)?)?")
 _ITEM_TMP = re.compile(r"[a-z_]+\.orbax-checkpoint-tmp(-\d+)?")
 
 
-def given(path: object, role: str) -> str:
-    """`path` as a string, or a CheckpointError when it is empty (`role`: "the source", "the
-    destination"): an empty path is never taken to mean the working directory."""
-    text = os.fspath(path) if isinstance(path, str | os.PathLike) else path
-    if not isinstance(text, str) or text == "":
-        raise CheckpointError(f"an empty path was given as {role}: name a folder or file")
-    return text
-
-
 def check_not_a_home(raw: str, dst: str) -> None:
     """A CheckpointError when the destination `dst` (absolute; `raw` as given) is `/`, the
     home folder, the working directory or one above it, or starts with an unexpanded `~`."""

@@ -3,7 +3,7 @@ biases and alternating sliding / full layers, yarn RoPE, a top-k mixture of clam
 experts with router and expert biases. `config.py` (GptOssConfig, HF form, rule variables; no
 JAX), `params.py` (the param table: transformers' runtime names, experts fused per layer),
 `module.py` (the Flax module). MXFP4 releases are dequantized by the HF reader
-(`hybridckpt.formats.hf_quant`) to the names this table reads."""
+(`hybridckpt.formats.hf.quant`) to the names this table reads."""
 
 from __future__ import annotations
 

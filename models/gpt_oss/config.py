@@ -23,7 +23,7 @@ config beside transformers' keys) is not read: transformers reads `num_experts_p
 `hidden_act` other than "silu" is refused (transformers ignores it: the experts' activation is
 the clamped SwiGLU above). Training options (`router_aux_loss_coef`, `output_router_logits`,
 `attention_dropout`) are not kept. `quantization_config` (MXFP4 releases) is consumed by the
-reader, which dequantizes (`hybridckpt.formats.hf_quant`).
+reader, which dequantizes (`hybridckpt.formats.hf.quant`).
 
 Params: `models.gpt_oss.params`.
 """

@@ -1,6 +1,6 @@
 """The GPT-OSS family's params (`models.table`): HF GptOssForCausalLM names (transformers'
 runtime names, which `save_pretrained` writes and which the MXFP4 reader gives its dequantized
-experts, `hybridckpt.formats.hf_quant`) -> the params tree (fp32, kernels `[in, out]`).
+experts, `hybridckpt.formats.hf.quant`) -> the params tree (fp32, kernels `[in, out]`).
 
 Per layer, under `layers` (stacked `[L]`): Llama's norms and q/k/v/o kernels, their biases
 (`q.bias [Q]` axes heads, `{k,v}.bias [KV]` kv_heads, `o.bias [E]` replicated; when

@@ -277,9 +277,9 @@ def open_path(container: str, path: str):
     detection (`readers.open_source`), bare torch files with `torch_save.load`. Every tensor
     is read, so lazily-checked storages are exercised too."""
     from hybridckpt.containers.pickle import torch_save
+    from hybridckpt.formats.registry import open_source
     from hybridckpt.io.byte_source import close_all
     from hybridckpt.lazy import LazyTensor
-    from hybridckpt.readers import open_source
 
     try:
         if container in ("torch-zip", "torch-legacy"):

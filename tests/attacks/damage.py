@@ -636,8 +636,8 @@ def prepare(case: Damage, sources: dict[str, str], workdir: str) -> str:
 
 def read_everything(path: str, fmt: str) -> None:
     """Open `path` as `fmt` and read every tensor, moment and master weight."""
+    from hybridckpt.formats.registry import open_source
     from hybridckpt.io.byte_source import close_all
-    from hybridckpt.readers import open_source
 
     try:
         src = open_source(path, fmt)

@@ -413,7 +413,7 @@ def _colossal_run(state, data: bytes) -> None:
 
 
 def _hf_index_setup(folder: str) -> dict:
-    from hybridckpt.writers.hf_folder import write_sharded
+    from hybridckpt.formats.hf.write import write_sharded
 
     out = os.path.join(folder, "hf")
     os.makedirs(out)

@@ -41,8 +41,8 @@ def _hf(root: str) -> None:
 
 
 def _hf_sharded(root: str) -> None:
-    from hybridckpt.readers import open_source
-    from hybridckpt.writers.hf_folder import write_sharded
+    from hybridckpt.formats.hf.write import write_sharded
+    from hybridckpt.formats.registry import open_source
 
     src = open_source(os.path.join(root, "hf"))
     out = os.path.join(root, "hf_sharded")

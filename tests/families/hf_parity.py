@@ -13,7 +13,7 @@ import pytest
 from e2e import roundtrip
 
 from hybridckpt import jobs, models, naming
-from hybridckpt.readers import open_source
+from hybridckpt.formats.registry import open_source
 
 # the test-only frameworks: a module that imports this one is skipped at collection without them
 torch = pytest.importorskip("torch")

@@ -39,9 +39,9 @@ from meshes import abstract_mesh, cases, fit, fit_pair
 from safetensors.torch import load_file, save_file
 
 from hybridckpt import jobs, models, naming, plan
+from hybridckpt.formats.registry import open_source
 from hybridckpt.models.deepseek_v3.config import DeepseekV3Config
 from hybridckpt.models.rope import rope_frequencies
-from hybridckpt.readers import open_source
 
 TOKENS = np.array([[1, 5, 9, 3, 7, 2, 8, 4, 10, 20], [0, 11, 42, 17, 6, 5, 60, 3, 33, 2]], np.int32)
 ATOL = 1e-4

@@ -29,13 +29,13 @@ from e2e import roundtrip
 from meshes import cases, fit
 
 from hybridckpt import jobs, models
+from hybridckpt.formats.registry import open_source
 from hybridckpt.models.common import zeros
 from hybridckpt.models.errors import ConfigError
 from hybridckpt.models.gemma2 import module as gemma2_module
 from hybridckpt.models.gemma2.config import FULL, SLIDING, Gemma2Config
 from hybridckpt.models.gemma3.config import Gemma3Config
 from hybridckpt.models.rope import rope_type
-from hybridckpt.readers import open_source
 
 ATOL = 1e-4
 MOVED = 100 * ATOL  # a dropped part must move some logit by more (observed 0.4 to 6)

@@ -27,8 +27,8 @@ from e2e import roundtrip
 from safetensors.numpy import save_file
 
 from hybridckpt import jobs, models, naming
+from hybridckpt.formats.registry import open_source
 from hybridckpt.models.gpt_oss.config import GptOssConfig
-from hybridckpt.readers import open_source
 
 TOKENS = np.random.default_rng(3).integers(0, 96, (2, 12), dtype=np.int32)
 ATOL = 1e-4
@@ -280,7 +280,7 @@ def test_bad_configs_are_one_line_errors(change, message):
 def test_a_tp_shard_keeps_each_gate_up_pair_with_its_down_row(hf_dirs, tmp_path):
     """On a mesh with tp, each device's columns of the interleaved gate_up are exactly the
     (gate j, up j) pairs of the down rows j it holds: the expert MLP needs no exchange."""
-    from hybridckpt.store.restore import restore
+    from hybridckpt.jobs.restore import restore
 
     mesh = next((m for m in meshes() if "tp=" in m), None) or "dp=1"
     jobs.import_checkpoint(hf_dirs["gpt_oss"][0], str(tmp_path / "store"), mesh=mesh)

@@ -24,9 +24,9 @@ from e2e import roundtrip
 from meshes import cases
 
 from hybridckpt import jobs, models, naming
+from hybridckpt.formats.registry import open_source
 from hybridckpt.models.errors import ConfigError
 from hybridckpt.models.mistral.config import MistralConfig
-from hybridckpt.readers import open_source
 
 TOKENS = np.random.default_rng(1).integers(0, 96, (2, 16), dtype=np.int32)
 ATOL = 1e-4

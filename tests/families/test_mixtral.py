@@ -22,10 +22,10 @@ from fixtures.hf_moe import randomize, write_adamw_moments
 from meshes import cases, fit, fit_pair, size, spec
 
 from hybridckpt import jobs, models, naming
+from hybridckpt.formats.registry import open_source
 from hybridckpt.io.byte_source import count_reads
+from hybridckpt.jobs.restore import restore
 from hybridckpt.models.mixtral.config import MixtralConfig
-from hybridckpt.readers import open_source
-from hybridckpt.store.restore import restore
 
 TOKENS = np.random.default_rng(1).integers(0, 96, (2, 12), dtype=np.int32)
 ATOL = 1e-4

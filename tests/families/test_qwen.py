@@ -22,10 +22,10 @@ from e2e import roundtrip
 from meshes import cases, fit
 
 from hybridckpt import jobs, models, naming
+from hybridckpt.formats.registry import open_source
 from hybridckpt.models.errors import ConfigError
 from hybridckpt.models.qwen2.config import Qwen2Config
 from hybridckpt.models.qwen3.config import Qwen3Config
-from hybridckpt.readers import open_source
 
 TOKENS = np.array([[1, 5, 9, 3, 7, 2, 8, 4], [0, 11, 42, 17, 6, 5, 90, 3]], dtype=np.int32)
 ATOL = 1e-4

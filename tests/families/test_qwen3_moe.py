@@ -24,10 +24,10 @@ from fixtures.hf_moe import hf_state, randomize, write_adamw_moments
 from meshes import cases, fit, fit_pair, size, spec
 
 from hybridckpt import jobs, models, naming
+from hybridckpt.formats.registry import open_source
+from hybridckpt.jobs.restore import restore
 from hybridckpt.models.errors import ConfigError
 from hybridckpt.models.qwen3_moe.config import Qwen3MoeConfig
-from hybridckpt.readers import open_source
-from hybridckpt.store.restore import restore
 
 TOKENS = np.random.default_rng(2).integers(0, 96, (2, 12), dtype=np.int32)
 ATOL = 1e-4

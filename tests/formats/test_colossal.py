@@ -16,9 +16,10 @@ import torch
 from fixtures import colossal_writer as cw
 from fixtures import paddle_writer as pw
 
-from hybridckpt import naming, readers
+from hybridckpt import naming
 from hybridckpt.errors import FormatError
 from hybridckpt.formats import colossal
+from hybridckpt.formats import registry as readers
 from hybridckpt.io.byte_source import count_reads
 
 LAYERS = 2

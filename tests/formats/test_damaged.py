@@ -59,7 +59,7 @@ def test_handwritten_dcp_is_what_torch_reads(sources):
     import torch.distributed.checkpoint as dcp
     from attacks.sources import _llama_ref
 
-    from hybridckpt.readers import open_source
+    from hybridckpt.formats.registry import open_source
 
     ref = _llama_ref(11)
     sd = {f"model.{k}": torch.empty(v.shape) for k, v in ref.params.items()}
@@ -84,7 +84,7 @@ def test_handwritten_zero2_matches_its_reference(sources, tmp_path):
     import numpy as np
     from attacks.sources import write_zero2
 
-    from hybridckpt.readers import open_source
+    from hybridckpt.formats.registry import open_source
 
     ref = write_zero2(str(tmp_path / "again"))  # the same seed: the reference values
     src = open_source(sources["deepspeed"], "deepspeed")

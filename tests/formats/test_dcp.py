@@ -28,8 +28,8 @@ from hybridckpt import naming
 from hybridckpt.containers.dcp_metadata import read_metadata
 from hybridckpt.errors import FormatError
 from hybridckpt.formats import dcp
+from hybridckpt.formats.registry import detect, open_source
 from hybridckpt.io.byte_source import close_all, count_reads
-from hybridckpt.readers import detect, open_source
 
 WRITER = os.path.join(FIXTURES, "dcp_writer.py")
 EMBED = "model.model.embed_tokens.weight"

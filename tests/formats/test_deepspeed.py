@@ -29,8 +29,8 @@ from meshes import fit
 from hybridckpt.containers.pickle import torch_save
 from hybridckpt.errors import FormatError
 from hybridckpt.formats import deepspeed as ds
+from hybridckpt.formats.registry import detect, open_source
 from hybridckpt.io.byte_source import close_all, count_reads
-from hybridckpt.readers import detect, open_source
 
 WRITER = os.path.join(FIXTURES, "ds_writer.py")
 VARIANTS = ["z1", "z2", "z3", "z2_bf16", "z3_bf16", "bf16opt"]

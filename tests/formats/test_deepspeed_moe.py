@@ -29,7 +29,7 @@ from hybridckpt.errors import FormatError
 from hybridckpt.formats import deepspeed as ds
 from hybridckpt.formats.deepspeed import experts
 from hybridckpt.formats.deepspeed.ranks import read_rank
-from hybridckpt.readers import detect
+from hybridckpt.formats.registry import detect
 from hybridckpt.rules import parse_rules
 
 WRITER = os.path.join(FIXTURES, "ds_moe_writer.py")

@@ -26,7 +26,7 @@ from fixtures.torch_common import load_reference, perturbed_model, reference_nam
 from meshes import fit
 
 from hybridckpt import jobs
-from hybridckpt.readers import detect, open_source
+from hybridckpt.formats.registry import detect, open_source
 
 # every dim divides by tp=2 and the 2 layers by pp=2
 SMALL = dict(

@@ -24,10 +24,11 @@ from fixtures import flex_writer as fw
 from fixtures import paddle_writer as pw
 from meshes import cases, fit
 
-from hybridckpt import models, naming, readers
+from hybridckpt import models, naming
 from hybridckpt.containers.pickle.machine import safe_load_file
 from hybridckpt.errors import FormatError, UnsafePickleError
 from hybridckpt.formats import flex_checkpoint
+from hybridckpt.formats import registry as readers
 from hybridckpt.formats.flex_checkpoint.metadata import FLEX_POLICY, read_metadata
 from hybridckpt.io.byte_source import close_all, count_reads
 from hybridckpt.rules import parse_rules

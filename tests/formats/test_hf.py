@@ -14,9 +14,9 @@ from meshes import device_count, fit, fit_mesh, size
 
 from hybridckpt import jobs, models, naming, optim, plan
 from hybridckpt.containers.safetensors_file import read_header
+from hybridckpt.formats.registry import open_source
 from hybridckpt.mesh import tree_shardings
 from hybridckpt.plan import abstract_tree
-from hybridckpt.readers import open_source
 from hybridckpt.store import CheckpointStore
 
 TOKENS = np.array([[1, 5, 9, 3, 7, 2, 8, 4], [0, 11, 42, 17, 6, 5, 90, 3]], dtype=np.int32)

@@ -24,9 +24,9 @@ from hybridckpt import models
 from hybridckpt.errors import ConfigError, FormatError, MappingError
 from hybridckpt.formats import megatron
 from hybridckpt.formats.megatron import optimizer as mo
+from hybridckpt.formats.registry import detect, open_source
 from hybridckpt.io.byte_source import count_reads
 from hybridckpt.lazy import ArrayTensor
-from hybridckpt.readers import detect, open_source
 from hybridckpt.rules import parse_rules
 
 LLAMA = dict(hidden=64, layers=4, heads=8, kv_heads=4, ffn=96, vocab=100)  # GQA, tp up to 4

@@ -22,8 +22,8 @@ from hybridckpt import models
 from hybridckpt.containers.dcp_metadata import read_metadata
 from hybridckpt.errors import ConfigError, FormatError
 from hybridckpt.formats.megatron_dist import buckets
+from hybridckpt.formats.registry import detect, open_source
 from hybridckpt.io.byte_source import count_reads
-from hybridckpt.readers import detect, open_source
 from hybridckpt.rules import parse_rules
 
 LLAMA = dict(hidden=64, layers=4, heads=8, kv_heads=4, ffn=96, vocab=100)  # GQA, tp up to 4

@@ -23,7 +23,7 @@ from fixtures.megatron_writer import make_llama, make_qwen
 from meshes import cases, fit
 
 from hybridckpt import jobs, models
-from hybridckpt.readers import open_source
+from hybridckpt.formats.registry import open_source
 
 SIZES = dict(hidden=64, layers=4, heads=8, kv_heads=4, ffn=96, vocab=100)
 

@@ -23,7 +23,7 @@ from fixtures.megatron_moe_writer import make_moe
 from meshes import fit
 
 from hybridckpt import jobs, models
-from hybridckpt.readers import open_source
+from hybridckpt.formats.registry import open_source
 
 
 @pytest.mark.parametrize(

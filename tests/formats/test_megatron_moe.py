@@ -27,7 +27,7 @@ from meshes import cases, fit
 from hybridckpt import jobs, models
 from hybridckpt.errors import FormatError, MappingError
 from hybridckpt.formats.megatron.reader import read_global
-from hybridckpt.readers import open_source
+from hybridckpt.formats.registry import open_source
 from hybridckpt.rules import parse_rules
 
 EMBEDDING = "embedding.word_embeddings.weight"

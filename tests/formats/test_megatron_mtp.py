@@ -29,8 +29,8 @@ from meshes import fit
 
 from hybridckpt import jobs, models
 from hybridckpt.errors import FormatError
+from hybridckpt.formats.registry import open_source
 from hybridckpt.naming import source_to_hf
-from hybridckpt.readers import open_source
 
 L = 4  # decoder layers (1 dense, 3 MoE): MTP module 0 is HF layer 4
 

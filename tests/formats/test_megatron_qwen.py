@@ -19,7 +19,7 @@ from meshes import cases, fit
 
 from hybridckpt import jobs, models
 from hybridckpt.errors import FormatError
-from hybridckpt.readers import open_source
+from hybridckpt.formats.registry import open_source
 
 SIZES = dict(hidden=64, layers=4, heads=8, kv_heads=4, ffn=96, vocab=100)  # GQA, tp up to 4
 QWEN3_HEAD_DIM = 12  # heads * head_dim = 96 != hidden 64, as Qwen3's explicit head_dim allows

@@ -21,7 +21,7 @@ from meshes import fit
 from hybridckpt import jobs, models
 from hybridckpt.errors import FormatError
 from hybridckpt.formats.megatron.config import hf_config
-from hybridckpt.readers import open_source
+from hybridckpt.formats.registry import open_source
 
 LLAMA3 = {
     "rope_type": "llama3",

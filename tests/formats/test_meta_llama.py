@@ -17,9 +17,9 @@ from meshes import fit
 
 from hybridckpt import models
 from hybridckpt.errors import ConfigError, FormatError
+from hybridckpt.formats.registry import detect, open_source
 from hybridckpt.io.byte_source import count_reads
 from hybridckpt.lazy import ArrayTensor
-from hybridckpt.readers import detect, open_source
 from hybridckpt.rules import parse_rules
 
 

@@ -23,8 +23,8 @@ from safetensors.torch import save_file
 from hybridckpt import jobs, naming
 from hybridckpt.errors import ConfigError, FormatError, UnknownModelError
 from hybridckpt.formats import meta_llama
+from hybridckpt.formats.registry import detect
 from hybridckpt.models.mistral.config import MistralConfig
-from hybridckpt.readers import detect
 
 TOKENS = np.random.default_rng(2).integers(0, 96, (2, 12), dtype=np.int32)
 SIZES = dict(

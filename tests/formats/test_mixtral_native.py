@@ -26,9 +26,9 @@ from test_mistral_native import unpermute_for_rope
 from hybridckpt import jobs, naming
 from hybridckpt.errors import UnknownModelError
 from hybridckpt.formats import meta_llama
+from hybridckpt.formats.registry import detect, open_source
 from hybridckpt.io.byte_source import count_reads
 from hybridckpt.models.mixtral.config import MixtralConfig
-from hybridckpt.readers import detect, open_source
 
 TOKENS = np.random.default_rng(3).integers(0, 96, (2, 12), dtype=np.int32)
 CONFIG = dict(

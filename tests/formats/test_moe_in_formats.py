@@ -27,7 +27,7 @@ from meshes import fit_pair
 from test_families_in_formats import TOKENS, _transformers_logits, _write
 
 from hybridckpt import jobs
-from hybridckpt.readers import detect, open_source
+from hybridckpt.formats.registry import detect, open_source
 
 MOE_FFN = 8
 

@@ -19,15 +19,16 @@ import pytest
 from fixtures import paddle_writer as pw
 from meshes import cases
 
-from hybridckpt import lazy, models, naming, readers
+from hybridckpt import lazy, models, naming
 from hybridckpt.containers.pickle import paddle_save
 from hybridckpt.errors import FormatError, MappingError, UnsafePickleError
 from hybridckpt.formats import paddle
+from hybridckpt.formats import registry as readers
 from hybridckpt.formats.paddle import unified as paddle_unified
+from hybridckpt.formats.paddle.write_unified import write_unified
 from hybridckpt.io.byte_source import count_reads
 from hybridckpt.models import config_from_hf
 from hybridckpt.rules import parse_rules
-from hybridckpt.writers.paddle_unified import write_unified
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 

@@ -1,5 +1,5 @@
 """Paddle AOA key-mapping configs as `--rules`: translated into hybridckpt's rules language
-(`hybridckpt.formats.flex_checkpoint.aoa`), applied stage by stage, and reversed.
+(`hybridckpt.rules.aoa`), applied stage by stage, and reversed.
 
 The statements of `PADDLE_TESTS` are copied from Paddle's own tests
 (PaddlePaddle/Paddle: test/flex_checkpoint/test_macros.py, test_aoa_engine.py,
@@ -26,11 +26,10 @@ from meshes import fit
 
 from hybridckpt import jobs, lazy
 from hybridckpt.errors import HybridCkptError, MappingError
-from hybridckpt.formats.flex_checkpoint import aoa
-from hybridckpt.formats.rules_files import load_user_rules
 from hybridckpt.io.byte_source import close_all
 from hybridckpt.lazy import tiled
-from hybridckpt.rules import parse_rules
+from hybridckpt.rules import aoa, parse_rules
+from hybridckpt.rules.user import load_user_rules
 
 PADDLE_TESTS = """\
 # test_macros.py TestFusedQKVMacro

@@ -23,12 +23,13 @@ from fixtures import paddle_writer as pw
 from fixtures.torch_common import perturbed_model
 from meshes import cases, fit
 
-from hybridckpt import jobs, readers
+from hybridckpt import jobs
 from hybridckpt.formats import paddle
+from hybridckpt.formats import registry as readers
 from hybridckpt.formats.paddle import unified as paddle_unified
+from hybridckpt.formats.paddle.write_unified import write_unified
 from hybridckpt.models import rule_variables
 from hybridckpt.rules import parse_rules
-from hybridckpt.writers.paddle_unified import write_unified
 
 SMALL = dict(
     vocab_size=64,

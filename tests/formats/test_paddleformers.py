@@ -23,10 +23,11 @@ from fixtures import paddle_writer as pw
 from fixtures.torch_common import perturbed_model
 from meshes import cases, fit
 
-from hybridckpt import jobs, readers
+from hybridckpt import jobs
 from hybridckpt.cli import main
 from hybridckpt.containers import safetensors_file
 from hybridckpt.errors import FormatError
+from hybridckpt.formats import registry as readers
 from hybridckpt.formats.paddle import unified as paddle_unified
 
 SMALL = dict(

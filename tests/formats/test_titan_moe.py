@@ -35,9 +35,9 @@ from hybridckpt.containers.dcp_metadata import read_metadata
 from hybridckpt.errors import FormatError
 from hybridckpt.formats import dcp
 from hybridckpt.formats.dcp import torchtitan
+from hybridckpt.formats.model_config import load_config_file
+from hybridckpt.formats.registry import detect
 from hybridckpt.io.byte_source import count_reads
-from hybridckpt.jobs.open import load_config_file
-from hybridckpt.readers import detect
 from hybridckpt.rules import parse_rules
 
 WRITER = os.path.join(FIXTURES, "titan_moe_writer.py")

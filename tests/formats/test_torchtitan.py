@@ -26,8 +26,8 @@ from hybridckpt import jobs, lazy, models, naming
 from hybridckpt.containers.dcp_metadata import read_metadata
 from hybridckpt.formats import dcp
 from hybridckpt.formats.dcp import torchtitan
-from hybridckpt.jobs.open import load_config_file
-from hybridckpt.readers import detect
+from hybridckpt.formats.model_config import load_config_file
+from hybridckpt.formats.registry import detect
 from hybridckpt.rules import parse_rules
 
 NAMES = ("llama3", "qwen3", "llama3_tied")

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from hybridckpt.errors import CheckpointError, FormatError
+from hybridckpt.formats.registry import detect, open_source
 from hybridckpt.optim import groups
-from hybridckpt.readers import detect, open_source
 
 REAL = os.path.join(os.path.dirname(os.path.dirname(__file__)), "real", "cases")
 

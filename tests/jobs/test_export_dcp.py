@@ -126,7 +126,7 @@ def test_without_optimizer_state_the_weights_export_with_a_note(run, tmp_path):
 
 def test_unknown_hyperparameters_are_torchs_defaults_and_said(tmp_path):
     """A source that recorded no param group gets torch's AdamW defaults, and the summary says so."""
-    from hybridckpt.writers.torch_dcp import adamw_group
+    from hybridckpt.formats.dcp.write import adamw_group
 
     group, notes = adamw_group({})
     assert (

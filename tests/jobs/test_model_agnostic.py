@@ -319,7 +319,7 @@ def _leaf(tree, name):
 
 
 def _restore(ckpt, mesh):
-    from hybridckpt.store.restore import restore
+    from hybridckpt.jobs.restore import restore
 
     cfg, r = restore(ckpt, mesh)
     assert cfg is None

@@ -19,11 +19,11 @@ from meshes import fit, fit_mesh
 
 from hybridckpt import jobs, models, naming
 from hybridckpt.cli import main
+from hybridckpt.formats.hf.write import write_hf
 from hybridckpt.lazy import ArrayTensor
 from hybridckpt.mesh import tree_shardings
 from hybridckpt.plan import abstract_tree
 from hybridckpt.store import CheckpointStore
-from hybridckpt.writers.hf_folder import write_hf
 
 WORKER = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
 

@@ -18,7 +18,7 @@ from meshes import fit
 
 from hybridckpt import lazy, models, naming
 from hybridckpt.demo import sample_path
-from hybridckpt.writers.hf_folder import write_hf
+from hybridckpt.formats.hf.write import write_hf
 
 CLI = [sys.executable, "-m", "hybridckpt.cli"]
 
@@ -223,12 +223,3 @@ def test_the_progress_bar_is_told_its_total_before_the_first_tensor(tmp_path):
         rec = Recorder()
         s = job(*args, progress=rec)
         assert rec.total == rec.seen >= s.bytes > 0, (job.__name__, rec.total, rec.seen, s.bytes)
-
-
-def test_every_readable_format_can_be_named_with_format():
-    """`--format` offers exactly the formats this installation reads (megatron-dist and
-    flex-checkpoint were once missing from the spelled-out list)."""
-    from hybridckpt import readers
-    from hybridckpt.cli.parser import FORMAT_CHOICES
-
-    assert sorted(FORMAT_CHOICES) == sorted(["auto", *readers.available()])

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from hybridckpt import lazy, models, naming
-from hybridckpt.writers.hf_folder import write_hf
+from hybridckpt.formats.hf.write import write_hf
 
 CLI = [sys.executable, "-m", "hybridckpt.cli"]
 INTERRUPTED = b"hybridckpt: interrupted; nothing was written (a checkpoint already at the destination is kept)"

@@ -226,7 +226,7 @@ def _flip_a_bit(item_dir, array: str, index: tuple[int, ...]) -> None:
     re-encoded: damage its zstd codec cannot see, as a bit flipped before compression would be)."""
     import tensorstore as ts
 
-    from hybridckpt.store.ts_spec import context, read_spec
+    from hybridckpt.containers.orbax.ts_spec import context, read_spec
 
     spec = {k: v for k, v in read_spec(str(item_dir), array, use_ocdbt=True).items()
             if k not in ("fill_missing_data_reads", "recheck_cached_data", "recheck_cached_metadata")}

@@ -24,8 +24,8 @@ from safetensors.torch import load_file
 
 from hybridckpt import jobs, models, naming
 from hybridckpt.cli import main
+from hybridckpt.jobs.restore import restore
 from hybridckpt.mesh import mesh_from_shape
-from hybridckpt.store.restore import restore
 
 ATOL = 1e-4
 TOKENS = np.array([[1, 5, 9, 3, 7, 2, 8, 4], [0, 11, 42, 17, 6, 5, 90, 3]], dtype=np.int32)

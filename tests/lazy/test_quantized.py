@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hybridckpt.errors import FormatError
-from hybridckpt.formats import hf_quant
+from hybridckpt.formats.hf import quant as hf_quant
 from hybridckpt.lazy import ArrayTensor
 from hybridckpt.lazy.quantized import BlockScaled, Mxfp4, e8m0
 

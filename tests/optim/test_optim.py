@@ -121,7 +121,7 @@ def test_sgd_momentum_imports_restores_steps_and_exports(sgd_dcp, capsys):
 
     from hybridckpt import jobs
     from hybridckpt.containers.safetensors_file import read_header
-    from hybridckpt.store.restore import restore
+    from hybridckpt.jobs.restore import restore
 
     src, ref, root = sgd_dcp
     info = jobs.inspect(src)

@@ -32,7 +32,7 @@ def import_export(src: str, workdir, *, optimizer: bool, config: str | None = No
     from e2e import roundtrip
 
     from hybridckpt import jobs
-    from hybridckpt.readers import open_source
+    from hybridckpt.formats.registry import open_source
 
     a, b = mesh_pair()
     if a != b:

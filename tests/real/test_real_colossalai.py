@@ -22,7 +22,7 @@ from roundtrip_real import bitwise_equal, import_export, mesh_pair
 from hybridckpt import jobs
 from hybridckpt.errors import FormatError
 from hybridckpt.formats import colossal
-from hybridckpt.readers import detect
+from hybridckpt.formats.registry import detect
 
 CASES = ["colossal_tp2_sharded_bin", "colossal_tp2_sharded_safetensors", "colossal_tp2_unsharded"]
 LOGITS_ATOL = 1e-5

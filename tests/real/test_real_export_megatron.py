@@ -52,7 +52,7 @@ def orbax(tmp_path_factory):
 @pytest.fixture(scope="module")
 def exported(orbax):
     s = jobs.export_checkpoint(str(orbax / "orbax"), str(orbax / "ours"), to="megatron", optimizer=True,
-                               layout={"tp": 2, "pp": 2})  # fmt: skip
+                               options={"tp": 2, "pp": 2})  # fmt: skip
     assert s.files == (
         *(f"{ITER}/__{r}_0.distcp" for r in range(4)),
         f"{ITER}/.metadata",
@@ -146,9 +146,9 @@ def test_layouts_the_model_cannot_take_are_refused(orbax):
     the fused q/k/v that cut a group would be no run's chunks): one line each, nothing left."""
     out = orbax / "refused"
     with pytest.raises(ConfigError, match="2 layers do not split into 3 equal stages"):
-        jobs.export_checkpoint(str(orbax / "orbax"), str(out), to="megatron", layout={"pp": 3})
+        jobs.export_checkpoint(str(orbax / "orbax"), str(out), to="megatron", options={"pp": 3})
     with pytest.raises(ConfigError, match=r"2 query groups do not split 4 ways"):
-        jobs.export_checkpoint(str(orbax / "orbax"), str(out), to="megatron", layout={"tp": 4})
+        jobs.export_checkpoint(str(orbax / "orbax"), str(out), to="megatron", options={"tp": 4})
     assert not out.exists() and not [p for p in os.listdir(orbax) if p.startswith(".refused")]
 
 
@@ -202,7 +202,7 @@ def test_groups_carry_the_schedule_megatron_pairs_them_by(tmp_path):
     config = os.path.join(case_dir(case), "config.json")
     jobs.import_checkpoint(ckpt(case), str(tmp_path / "orbax"), mesh=_mesh(), config=config)
     s = jobs.export_checkpoint(str(tmp_path / "orbax"), str(tmp_path / "ours"), to="megatron", optimizer=True,
-                               layout={"pp": 2})  # fmt: skip
+                               options={"pp": 2})  # fmt: skip
     (common,) = load_item(read_metadata(str(tmp_path / "ours" / ITER)), "common_state/shard_0_1")
     groups = common["optimizer"]["optimizer"]["param_groups"]
     assert [(g["max_lr"], g["min_lr"], g["wd_mult"]) for g in groups] == [(0.01, 0.0, 1.0), (0.01, 0.0, 0.0)]
@@ -217,8 +217,9 @@ def test_the_sources_metadata_is_checked_not_trusted(orbax):
     tokenizer type that is a number are not taken (Megatron's defaults, said in the notes).
     Through the registry entry (`write_request`) with the export job's request."""
     from hybridckpt import naming
+    from hybridckpt.formats.megatron_dist import write as megatron_dist
     from hybridckpt.jobs.open import open_checkpoint
-    from hybridckpt.writers import ExportRequest, megatron_dist
+    from hybridckpt.writers import ExportRequest
 
     opened = open_checkpoint(str(orbax / "orbax"), "auto")
     named = naming.model_hf(opened.named, opened.config)
@@ -226,7 +227,7 @@ def test_the_sources_metadata_is_checked_not_trusted(orbax):
            "consumed_train_samples": "12; rm -rf /", "tokenizer_type": 5}  # fmt: skip
     out = str(orbax / "untrusted")
     done = megatron_dist.write_request(ExportRequest("megatron", out, named, opened.config, optimizer=True, trainer=bad,
-                                                    hyper=opened.hyper, extra={"tp": 2}))  # fmt: skip
+                                                    hyper=opened.hyper, options={"tp": 2}))  # fmt: skip
     assert done.files[-1] == "latest_checkpointed_iteration.txt" and done.tensors == 3 * len(named.params)  # params and two moments
     meta = read_metadata(os.path.join(out, ITER))
     assert meta.tensors["embedding.word_embeddings.weight"].shape == (256, 16)  # 128 x tp 2

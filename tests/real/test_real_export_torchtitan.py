@@ -42,7 +42,7 @@ def exported(request, tmp_path_factory):
     config = os.path.join(case_dir(case), "config.json")
     jobs.import_checkpoint(ckpt(case), str(d / "orbax"), mesh=_mesh(), config=config)
     s = jobs.export_checkpoint(str(d / "orbax"), str(d / "ours"), to="torchtitan", optimizer=True,
-                               layout={"files": 2})  # fmt: skip
+                               options={"files": 2})  # fmt: skip
     assert s.files == ("step-3/__0_0.distcp", "step-3/__1_0.distcp", "step-3/.metadata")
     return case, str(d / "ours" / "step-3")
 

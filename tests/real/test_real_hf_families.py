@@ -18,7 +18,7 @@ from cases import ckpt, reference
 from roundtrip_real import bitwise_equal, import_export
 
 from hybridckpt import jobs
-from hybridckpt.readers import open_source
+from hybridckpt.formats.registry import open_source
 
 CASES = ["hf457_gemma3_mm", "hf457_phi3_longrope", "hf457_olmo2", "hf457_granite"]
 FAMILIES = {"hf457_gemma3_mm": "gemma3_mm", "hf457_phi3_longrope": "phi3", "hf457_olmo2": "olmo2",

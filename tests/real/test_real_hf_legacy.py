@@ -18,7 +18,7 @@ from roundtrip_real import bitwise_equal, import_export, mesh_pair
 
 from hybridckpt import jobs
 from hybridckpt.errors import FormatError
-from hybridckpt.readers import detect, open_source
+from hybridckpt.formats.registry import detect, open_source
 
 CASES = ["hf_bin_qwen2_tied", "hf_bin_llama_sharded"]
 LOGITS_ATOL = 1e-5

@@ -27,9 +27,9 @@ from cases import ckpt, reference
 from roundtrip_real import bitwise_equal, mesh_pair
 
 from hybridckpt import jobs
+from hybridckpt.formats.registry import open_source
 from hybridckpt.lazy.dtypes import exact
 from hybridckpt.lazy.quantized import BlockScaled
-from hybridckpt.readers import open_source
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 LOGITS_ATOL = 1e-5
@@ -212,7 +212,7 @@ def test_gpt_oss_release_imports_as_the_family_with_the_tools_logits(tmp_path):
     import jax
 
     from hybridckpt import models
-    from hybridckpt.store.restore import restore
+    from hybridckpt.jobs.restore import restore
 
     ref = reference("gpt_oss_mxfp4")
     a, b = mesh_pair()

@@ -23,10 +23,10 @@ from cases import case_dir, ckpt, manifest, reference
 
 import hybridckpt
 from hybridckpt import jobs
-from hybridckpt.formats import maxtext
+from hybridckpt.containers.orbax.reader import item_arrays
+from hybridckpt.formats.maxtext import layout as maxtext
+from hybridckpt.formats.registry import detect
 from hybridckpt.jobs.open import open_checkpoint
-from hybridckpt.readers import detect
-from hybridckpt.store.reader import item_arrays
 
 # case -> (the torchtitan case exported, query pre-scaled and q/k rows interleaved by MaxText)
 CASES = {"maxtext_llama3": ("torchtitan_llama3", True), "maxtext_qwen3": ("torchtitan_qwen3", False),

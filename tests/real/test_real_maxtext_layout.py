@@ -13,10 +13,10 @@ import pytest
 from cases import case_dir, ckpt
 
 from hybridckpt import jobs, lazy, models
+from hybridckpt.containers.orbax.reader import item_arrays
 from hybridckpt.errors import ConfigError, FormatError, MappingError
-from hybridckpt.formats import maxtext
+from hybridckpt.formats.maxtext import layout as maxtext
 from hybridckpt.rules import Op, parse_rules
-from hybridckpt.store.reader import item_arrays
 
 RNG = np.random.default_rng(0)
 
@@ -96,7 +96,7 @@ def test_llama_rules_round_trip_and_rope_choice():
 
 def test_unscanned_export_reads_back(tmp_path):
     out = tmp_path / "mt"
-    jobs.export_checkpoint(ckpt("torchtitan_llama3"), out, to="maxtext", config=_llama(), scan_layers=False)
+    jobs.export_checkpoint(ckpt("torchtitan_llama3"), out, to="maxtext", config=_llama(), options={"scan_layers": False})
     names = sorted(item_arrays(str(out / "3" / "items")))
     assert "params.params.decoder.layers_1.mlp.wo.kernel" in names and not any("decoder.layers." in n for n in names)
     hf = tmp_path / "hf"
@@ -172,7 +172,7 @@ def test_qwen3_moe_through_maxtext_to_hf_is_the_torchtitan_source_bit_for_bit(tm
 
     src, config = ckpt("torchtitan_qwen3_moe"), os.path.join(case_dir("torchtitan_qwen3_moe"), "config.json")
     mt = tmp_path / "mt"
-    jobs.export_checkpoint(src, mt, to="maxtext", optimizer=True, config=config, scan_layers=scan_layers)
+    jobs.export_checkpoint(src, mt, to="maxtext", optimizer=True, config=config, options={"scan_layers": scan_layers})
     via, direct = tmp_path / "via", tmp_path / "direct"
     jobs.export_checkpoint(mt, via, to="hf", optimizer=True, config=config)
     jobs.export_checkpoint(src, direct, to="hf", optimizer=True, config=config)

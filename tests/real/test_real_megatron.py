@@ -92,7 +92,7 @@ def test_bucket_masters_are_the_weights(case):
     masters the reader places in the dp_reshardable buckets equal the weights it reads from the
     model keys, bit for bit: a check of the bucket walk that needs no reference (the MoE local
     spec's pre-MLP norm placed after the router swapped their masters and moments)."""
-    from hybridckpt.readers import open_source
+    from hybridckpt.formats.registry import open_source
 
     src = open_source(cases.ckpt(case))
     master = src.optimizer.master
@@ -188,7 +188,7 @@ def test_hyper_parameters_and_the_rebuilt_optimizer(case, tmp_path):
     optimizer `restore(optimizer="from-checkpoint")` rebuilds from it takes Megatron's next step;
     without the no-decay mask it does not."""
     from hybridckpt import jobs, lazy, models, naming
-    from hybridckpt.store.restore import restore
+    from hybridckpt.jobs.restore import restore
 
     man = cases.manifest(CASES[case])
     ckpt = str(tmp_path / "orbax")

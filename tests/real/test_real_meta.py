@@ -19,7 +19,7 @@ from cases import ckpt, manifest, reference
 from roundtrip_real import bitwise_equal, import_export, mesh_pair
 
 from hybridckpt import jobs
-from hybridckpt.readers import detect, open_source
+from hybridckpt.formats.registry import detect, open_source
 from hybridckpt.rules import parse_rules
 
 CASES = ["meta_llama2_gqa_mp1", "meta_llama2_gqa_mp2", "meta_llama31_mp1", "meta_llama31_mp2"]

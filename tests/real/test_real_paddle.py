@@ -32,9 +32,9 @@ from cases import all_cases, case_dir, ckpt, manifest, reference
 from e2e import roundtrip
 
 import hybridckpt
-from hybridckpt import readers
 from hybridckpt.errors import FormatError
 from hybridckpt.formats import flex_checkpoint
+from hybridckpt.formats import registry as readers
 from hybridckpt.formats.paddle import unified as paddle_unified
 
 PADDLE = [c for c in all_cases() if c.startswith(("paddleformers_", "paddlenlp_"))]

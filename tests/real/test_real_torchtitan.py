@@ -24,8 +24,8 @@ from fixtures.ckpt_checks import optax_next
 from hybridckpt import jobs, lazy
 from hybridckpt.containers.dcp_metadata import read_metadata
 from hybridckpt.formats import dcp
-from hybridckpt.jobs.open import load_config_file
-from hybridckpt.readers import detect
+from hybridckpt.formats.model_config import load_config_file
+from hybridckpt.formats.registry import detect
 
 CASES = ("torchtitan_llama3", "torchtitan_qwen3", "torchtitan_qwen3_moe")
 STEP = 3

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from hybridckpt import jobs, naming
-from hybridckpt.readers import detect, open_source
+from hybridckpt.formats.registry import detect, open_source
+from hybridckpt.jobs.restore import restore
 from hybridckpt.store.manager import CheckpointStore
-from hybridckpt.store.restore import restore
 
 ZERO2 = "hf_trainer_deepspeed_zero2"
 CASES = {  # case -> (checkpoint folder inside ckpt/, the case holding its references, format)

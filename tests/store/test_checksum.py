@@ -19,8 +19,8 @@ from hybridckpt import checksum, jobs
 from hybridckpt.cli import main
 from hybridckpt.demo import sample_path
 from hybridckpt.errors import CheckpointError
+from hybridckpt.jobs.restore import restore
 from hybridckpt.store import CheckpointStore, read_trainer_state
-from hybridckpt.store.restore import restore
 
 
 def test_checksum_is_sharding_independent_and_sensitive():

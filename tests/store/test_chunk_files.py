@@ -1,4 +1,4 @@
-"""Raw chunk files written by `store.chunk_files`, read back by TensorStore's own zarr driver:
+"""Raw chunk files written by `containers.orbax.chunk_files`, read back by TensorStore's own zarr driver:
 edge chunks padded to whole chunks, 0-d arrays, tiles of several chunks, and the write specs
 that must stay with TensorStore (compressed, OCDBT, Fortran order)."""
 
@@ -12,9 +12,9 @@ import tensorstore as ts
 from fixtures.direct_probe import direct_supported
 from meshes import fit
 
+from hybridckpt.containers.orbax import chunk_files
 from hybridckpt.io import direct_io
 from hybridckpt.io.writeback import fsync_folder
-from hybridckpt.store import chunk_files
 
 
 def _create(path: str, shape, chunks, dtype: str) -> dict:

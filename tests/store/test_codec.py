@@ -16,12 +16,12 @@ from meshes import fit, fit_mesh, fit_pair
 
 from hybridckpt import jobs
 from hybridckpt.cli import main
+from hybridckpt.containers.orbax.chunk_index import read_index
+from hybridckpt.containers.orbax.reader import item_arrays
 from hybridckpt.demo import sample_path
 from hybridckpt.io.byte_source import count_reads
+from hybridckpt.jobs.restore import restore
 from hybridckpt.mesh import MeshShape
-from hybridckpt.store.chunk_index import read_index
-from hybridckpt.store.reader import item_arrays
-from hybridckpt.store.restore import restore
 
 MESH = fit("fsdp=2,tp=2,pp=2", keep="fsdp")  # fsdp splits the kernels' columns (the row runs below)
 
@@ -106,7 +106,7 @@ def test_raw_chunks_are_read_by_byte_range_and_only_the_box(imports):
 _MEASURE = """
 import sys, tensorstore as ts
 from hybridckpt.io.byte_source import count_reads
-from hybridckpt.store.restore import restore
+from hybridckpt.jobs.restore import restore
 
 def read():
     return sum(v["value"] for m in ts.experimental_collect_matching_metrics(
@@ -164,7 +164,7 @@ def test_a_bad_codec_is_one_line_before_anything_is_written(tmp_path, capsys):
 def test_our_store_is_exported_without_jax_or_orbax(imports, tmp_path):
     """Our store is read without JAX or Orbax (what keeps an export's memory in tens of MiB): a
     raw checkpoint through its chunk files alone, a zstd one through TensorStore's own API
-    (`store.ts_spec`); both exports write the same files."""
+    (`containers.orbax.ts_spec`); both exports write the same files."""
     code = (
         "import sys, json; from hybridckpt import jobs; jobs.export_checkpoint(sys.argv[1], sys.argv[2]); "
         "print(json.dumps(['jax' in sys.modules, 'orbax.checkpoint' in sys.modules]))"

@@ -1,5 +1,5 @@
 """An Orbax item whose metadata declares far more bytes than its files hold is refused when it is
-opened, before a plan, an allocation or a write (issue 38, `store.declared`).
+opened, before a plan, an allocation or a write (issue 38, `containers.orbax.declared`).
 
 Each hostile checkpoint is a real one edited as an attacker would: our own import (raw chunks,
 the default, and zstd-compressed), and MaxText's own save (`tests/real/cases/maxtext_llama3`,
@@ -23,8 +23,8 @@ from attacks.hostile import unknown_arch_folder
 from test_hostile import cli, one_line
 
 import hybridckpt
+from hybridckpt.formats import orbax_store as as_source
 from hybridckpt.io.byte_source import count_reads, tally
-from hybridckpt.store import as_source
 
 HUGE = [1 << 20, 1 << 20]
 HUGE_BYTES = 4 << 40
@@ -135,7 +135,7 @@ def test_a_maxtext_leaf_declaring_4_tib_is_refused_before_planning(tmp_path, cap
 
 @pytest.mark.parametrize("case", ["maxtext_llama3", "maxtext_mistral", "maxtext_qwen3", "maxtext_qwen3_moe"])
 def test_real_maxtext_checkpoints_still_open(case):
-    from hybridckpt.store.reader import item_arrays
+    from hybridckpt.containers.orbax.reader import item_arrays
 
     items = glob.glob(os.path.join(REAL, case, "ckpt", "*", "items"))[0]
     arrays = item_arrays(items)  # (every leaf's values are checked by tests/real/test_real_maxtext_layout.py)
@@ -167,7 +167,7 @@ def test_the_item_bound_is_zstds_most():
     import tempfile
     from types import SimpleNamespace
 
-    from hybridckpt.store.declared import GENEROUS_RATIO, check_item
+    from hybridckpt.containers.orbax.declared import GENEROUS_RATIO, check_item
 
     with tempfile.TemporaryDirectory() as item:
         os.makedirs(os.path.join(item, "mu"))

@@ -2,7 +2,7 @@
 changes any of it fails here, loudly, naming the symbol, instead of writing a checkpoint that
 Orbax itself would read differently. Everything else (reading arrays, contexts, process
 indices, the pytree handler) is on TensorStore's and Orbax's public API; the read spec that
-replaced Orbax's own (`store.ts_spec`) is compared with it here."""
+replaced Orbax's own (`containers.orbax.ts_spec`) is compared with it here."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def test_our_read_spec_is_orbaxs(tmp_path, use_ocdbt):
     from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
     from orbax.checkpoint._src.serialization import types as ts_types
 
-    from hybridckpt.store import ts_spec
+    from hybridckpt.containers.orbax import ts_spec
 
     info = ts_types.ParamInfo(name="layers.q.kernel", parent_dir=epath.Path(tmp_path), is_ocdbt_checkpoint=use_ocdbt,
                               use_zarr3=False)

@@ -1,4 +1,4 @@
-"""`hybridckpt.restore` (store.restore): one call puts a checkpoint on any mesh, config from the checkpoint."""
+"""`hybridckpt.restore` (jobs.restore): one call puts a checkpoint on any mesh, config from the checkpoint."""
 
 import jax
 import numpy as np
@@ -8,7 +8,7 @@ from meshes import cases, fit, size
 from hybridckpt import jobs, naming
 from hybridckpt.demo import sample_path
 from hybridckpt.errors import CheckpointError
-from hybridckpt.store.restore import restore
+from hybridckpt.jobs.restore import restore
 
 
 @pytest.fixture(scope="module")

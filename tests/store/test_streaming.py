@@ -23,12 +23,12 @@ from hybridckpt import checksum, jobs, lazy, models, naming, place
 from hybridckpt.containers.safetensors_file import read_header as read_safetensors
 from hybridckpt.demo import sample_path
 from hybridckpt.errors import ConfigError
+from hybridckpt.formats.hf.write import write_hf
 from hybridckpt.io.byte_source import ByteSource
 from hybridckpt.lazy import parallel
 from hybridckpt.mesh import mesh_from_shape, tree_shardings
 from hybridckpt.plan import abstract_tree
 from hybridckpt.store import CheckpointStore, save_checkpoint, stream
-from hybridckpt.writers.hf_folder import write_hf
 
 RNG = np.random.default_rng(0)
 
@@ -191,7 +191,7 @@ def test_streamed_save_matches_orbax_files_and_restores_on_other_meshes_bitwise(
         assert leaves[k].checksum == checksum_reference.chunks(v, leaves[k].checksum_chunk), k
     # the files Orbax writes for the same jax.Arrays and SaveArgs, raw and without OCDBT (what a
     # raw streaming save is): the same metadata, and every chunk file byte for byte (our own
-    # writes, `store.chunk_files`, against TensorStore's)
+    # writes, `containers.orbax.chunk_files`, against TensorStore's)
     arrays = {k: jax.device_put(v, shard[k]) for k, v in vals.items()}
     _reference_save(tmp_path / "ref", arrays, stream.save_args(leaves), use_ocdbt=False, use_compression=False)
     ours, ref = tmp_path / "lazy" / "3" / "params", tmp_path / "ref"
@@ -301,7 +301,7 @@ def test_export_of_an_orbax_checkpoint_streams_without_restoring_it(tmp_path, mo
 
 
 def test_orbax_array_reads_one_layer_box(tmp_path):
-    from hybridckpt.store.reader import item_arrays
+    from hybridckpt.containers.orbax.reader import item_arrays
 
     mesh = fit_mesh("fsdp=2,tp=2,pp=2")
     vals, shard = _tree(mesh)

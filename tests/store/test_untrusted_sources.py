@@ -24,7 +24,7 @@ from test_hostile import cli, one_line
 import hybridckpt
 from hybridckpt.containers.safetensors_file import read_header
 from hybridckpt.errors import HybridCkptError
-from hybridckpt.store import as_source
+from hybridckpt.formats import orbax_store as as_source
 
 SENTINEL = 12345.0  # the value of every element of the array planted outside the store
 ODD = "a/b"  # a source name that is not plain: stored under an escaped key
@@ -293,7 +293,7 @@ def test_an_index_naming_a_data_file_outside_is_not_handed_to_tensorstore(store,
     """An OCDBT index whose value reference leaves the item (`parse_location` refuses it) must
     stop the read: it was taken for an unreadable index and the array read through TensorStore,
     which follows the same reference."""
-    from hybridckpt.store import chunk_index, reader
+    from hybridckpt.containers.orbax import chunk_index, reader
 
     with pytest.raises(HybridCkptError, match="only a path inside"):
         chunk_index.parse_location(str(tmp_path), "value::../../outside/secret:0:16")

@@ -35,9 +35,9 @@ from hybridckpt.containers.dcp_metadata import (
 from hybridckpt.containers.pickle import torch_save
 from hybridckpt.containers.safetensors_file import read_header
 from hybridckpt.errors import FormatError
-from hybridckpt.formats.config_file import parse_json
 from hybridckpt.formats.dcp.chunk import TorchSaveChunk
 from hybridckpt.formats.dcp.chunked import Chunked
+from hybridckpt.io.config_file import parse_json
 from hybridckpt.lazy import LazyTensor, tiled
 
 _HF_SHARD = re.compile(r"^shard-\d+-model-\d+-of-\d+\.safetensors$")

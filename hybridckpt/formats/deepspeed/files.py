@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 from hybridckpt import lazy
 from hybridckpt.errors import FormatError
-from hybridckpt.formats.config_file import MAX_TEXT_BYTES, read_small_text
+from hybridckpt.io.config_file import MAX_TEXT_BYTES, read_small_text
 from hybridckpt.io.paths import inside
 from hybridckpt.io.step_folders import StepFolders, StepPattern, listing
 from hybridckpt.lazy import LazyTensor

@@ -22,7 +22,6 @@ from collections.abc import Mapping
 from hybridckpt.containers.pickle import torch_save
 from hybridckpt.errors import FormatError
 from hybridckpt.formats import torch_optim
-from hybridckpt.formats.config_file import config_beside
 from hybridckpt.formats.deepspeed import experts
 from hybridckpt.formats.deepspeed.files import (
     MODEL3_RE,
@@ -35,6 +34,7 @@ from hybridckpt.formats.deepspeed.files import (
 from hybridckpt.formats.deepspeed.partitions import frozen_params, zero3, zero12
 from hybridckpt.formats.deepspeed.ranks import check_ranks, read_rank
 from hybridckpt.formats.rules_files import rules_text
+from hybridckpt.io.config_file import config_beside
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 

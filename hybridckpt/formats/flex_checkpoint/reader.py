@@ -38,7 +38,6 @@ from hybridckpt import lazy, models
 from hybridckpt.containers.pickle.allow import Stub
 from hybridckpt.containers.pickle.machine import safe_load_file
 from hybridckpt.errors import FormatError, HybridCkptError
-from hybridckpt.formats.config_file import config_beside, read_json
 from hybridckpt.formats.flex_checkpoint.metadata import (
     DISTCP_RE,
     DTYPES,
@@ -54,6 +53,7 @@ from hybridckpt.formats.paddle.optimizer import (
     optimizer_step,
     scalar,
 )
+from hybridckpt.io.config_file import config_beside, read_json
 from hybridckpt.io.step_folders import StepFolders, StepPattern, listing
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint

@@ -22,7 +22,7 @@ from typing import Any
 
 from hybridckpt.containers.pickle import torch_save
 from hybridckpt.errors import FormatError, short_repr
-from hybridckpt.formats.config_file import read_small_text
+from hybridckpt.io.config_file import read_small_text
 from hybridckpt.io.step_folders import StepFolders, StepPattern, listing
 
 TRACKER = "latest_checkpointed_iteration.txt"

@@ -27,7 +27,7 @@ import os
 from collections.abc import Mapping
 
 from hybridckpt.errors import ConfigError, FormatError
-from hybridckpt.formats.config_file import read_bytes
+from hybridckpt.io.config_file import read_bytes
 
 MAX_YAML_BYTES = 16 << 20  # bytes: the largest run_config.yaml / model.yaml read (a config, not data)
 YAML_NODE_FLOOR = 200_000  # nodes a YAML config may expand to through aliases, whatever its size

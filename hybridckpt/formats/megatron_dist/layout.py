@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 from hybridckpt.containers.dcp_metadata import METADATA, metadata_files
 from hybridckpt.errors import FormatError
-from hybridckpt.formats.config_file import read_bytes
 from hybridckpt.formats.megatron.layout import ITER_DIRS, iteration_folders, tracked_folder
 from hybridckpt.io import json_text
+from hybridckpt.io.config_file import read_bytes
 from hybridckpt.io.step_folders import StepFolders
 
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM, Bridge

@@ -26,7 +26,7 @@ import numpy as np
 
 from hybridckpt.containers.pickle import paddle_save
 from hybridckpt.errors import FormatError
-from hybridckpt.formats.config_file import read_json
+from hybridckpt.io.config_file import read_json
 from hybridckpt.lazy import LazyTensor
 
 MODEL_META = "model_meta.json"

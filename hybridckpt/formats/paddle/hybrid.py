@@ -25,7 +25,6 @@ import numpy as np
 from hybridckpt import lazy
 from hybridckpt.containers.pickle import paddle_save
 from hybridckpt.errors import FormatError, MappingError
-from hybridckpt.formats.config_file import read_json
 from hybridckpt.formats.paddle.files import MODEL_RE, OPT_RE, as_model_dtype, config_dtype, scan
 from hybridckpt.formats.paddle.groups import (
     Group,
@@ -42,6 +41,7 @@ from hybridckpt.formats.paddle.optimizer import (
     scalar,
 )
 from hybridckpt.formats.paddle.rules import family, hf_rule_vars, load_config, tp_rules
+from hybridckpt.io.config_file import read_json
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 

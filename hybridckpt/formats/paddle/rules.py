@@ -31,7 +31,7 @@ from typing import Any
 
 from hybridckpt import models
 from hybridckpt.errors import FormatError
-from hybridckpt.formats.config_file import config_beside
+from hybridckpt.io.config_file import config_beside
 from hybridckpt.rules import RuleSet, parse_rules
 
 DIALECT = "paddlenlp"  # models/<family>/dialects/paddlenlp.{py,rules}

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from hybridckpt.containers.pickle import torch_save
 from hybridckpt.containers.pickle.allow import Policy, Stub
 from hybridckpt.errors import FormatError, HybridCkptError
-from hybridckpt.formats.config_file import read_json
+from hybridckpt.io.config_file import read_json
 from hybridckpt.io.step_folders import StepFolders, StepPattern, listing
 
 TRAINER_STATE = "trainer_state.json"

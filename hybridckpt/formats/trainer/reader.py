@@ -15,9 +15,9 @@ import os
 from dataclasses import replace
 
 from hybridckpt.errors import FormatError, UnknownModelError
-from hybridckpt.formats.config_file import read_json
 from hybridckpt.formats.trainer import folder as files
 from hybridckpt.formats.trainer import fsdp
+from hybridckpt.io.config_file import read_json
 from hybridckpt.io.step_folders import StepFolders
 from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 

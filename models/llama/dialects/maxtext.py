@@ -1,8 +1,8 @@
 """MaxText's Llama (AI-Hypercomputer/maxtext 0.2.5, decoder_block "llama2"; Mistral shares it):
 names and layouts in `maxtext.rules` (MaxText names -> HF names; the writer inverts them), the
 config facts MaxText needs (`variables`) and the overrides that make MaxText build the same model
-(`overrides`). Facts and citations: docs/maxtext.md. Reader and writer: formats/maxtext.py,
-writers/maxtext.py."""
+(`overrides`). Facts and citations: docs/maxtext.md. Reader and writer: formats/maxtext/layout.py,
+formats/maxtext/write.py."""
 
 from __future__ import annotations
 

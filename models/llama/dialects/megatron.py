@@ -26,6 +26,6 @@ HF_KEYS = {
     "max_positions": "max_position_embeddings",
 }
 
-# `export --to megatron` writes this family (writers/megatron_dist.py: dense, checked by
+# `export --to megatron` writes this family (formats/megatron_dist/write.py: dense, checked by
 # megatron-core's own load_checkpoint)
 EXPORTED = True

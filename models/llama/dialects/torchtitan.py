@@ -4,5 +4,5 @@ family's marks; its names map by `torchtitan.rules`, wq/wk rows permuted from Me
 MARKERS: tuple[str, ...] = ()  # substrings some tensor name holds: none beyond torchtitan's own
 NOTE = "wq/wk RoPE rows permuted"
 
-# torchtitan 0.3 trains this family dense: `export --to torchtitan` writes it (writers/torchtitan.py)
+# torchtitan 0.3 trains this family dense: `export --to torchtitan` writes it (formats/dcp/write_torchtitan.py)
 EXPORTED = True

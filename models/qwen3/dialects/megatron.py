@@ -16,6 +16,6 @@ MATCH = {
 }
 HF_KEYS = LLAMA_HF_KEYS  # the same config.json keys
 
-# `export --to megatron` writes this family (writers/megatron_dist.py: dense, checked by
+# `export --to megatron` writes this family (formats/megatron_dist/write.py: dense, checked by
 # megatron-core's own load_checkpoint)
 EXPORTED = True

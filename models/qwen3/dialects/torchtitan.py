@@ -5,5 +5,5 @@
 MARKERS = (".attention.k_norm.",)  # substrings some tensor name holds
 NOTE = "no RoPE permutation"
 
-# torchtitan 0.3 trains this family dense: `export --to torchtitan` writes it (writers/torchtitan.py)
+# torchtitan 0.3 trains this family dense: `export --to torchtitan` writes it (formats/dcp/write_torchtitan.py)
 EXPORTED = True

@@ -3,7 +3,7 @@
 - `emit.dumps` is CPython's pickler byte for byte (memo, batches of 1000, 64 KiB frames);
 - `torch_save_write` archives are `torch.save`'s byte for byte (every dtype we write, 0-d and
   empty tensors, plain values), the serialization id included;
-- a DCP folder written by `writers.dcp_files` from the tensors of a torch state dict is the
+- a DCP folder written by `formats.dcp.write_files` from the tensors of a torch state dict is the
   folder `dcp.save` writes: the `.distcp` bytes identical, the `.metadata` objects equal (the
   pickle differs only in which equal strings share a memo slot), and torch loads it.
 """
@@ -28,8 +28,8 @@ from hybridckpt.containers.pickle.machine import safe_loads
 from hybridckpt.containers.pickle.torch_policy import TORCH_POLICY
 from hybridckpt.containers.torch_save_write import TensorArchive, object_archive
 from hybridckpt.errors import FormatError
+from hybridckpt.formats.dcp.write_files import Item, row_blocks, write_folder
 from hybridckpt.lazy import ArrayTensor
-from hybridckpt.writers.dcp_files import Item, row_blocks, write_folder
 
 # -- emit ------------------------------------------------------------------------------------------
 

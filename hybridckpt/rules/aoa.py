@@ -51,7 +51,9 @@ import numpy as np
 
 from hybridckpt import lazy
 from hybridckpt.errors import MappingError
-from hybridckpt.formats.flex_checkpoint.aoa_syntax import (
+from hybridckpt.lazy import LazyTensor
+from hybridckpt.rules import MappingResult, RuleSet, parse_rules
+from hybridckpt.rules.aoa_syntax import (
     TAGS,
     Statement,
     is_aoa_file,
@@ -59,8 +61,6 @@ from hybridckpt.formats.flex_checkpoint.aoa_syntax import (
     read_statements,
     tokens,
 )
-from hybridckpt.lazy import LazyTensor
-from hybridckpt.rules import MappingResult, RuleSet, parse_rules
 
 __all__ = ["RuleChain", "Statement", "is_aoa_file", "load", "read_statements", "translate"]
 

@@ -19,7 +19,7 @@ so the state dict written is `get_state_dict`'s, flattened as `dcp.save` flatten
   copies these values into the optimizer's group: the source's hyperparameters when it
   recorded them (`lr` is the one for the next step), else torch's AdamW defaults (noted).
 
-The files are torch's own (`writers.dcp_files`): `__R_0.distcp` for each of `files` writers,
+The files are torch's own (`formats.dcp.write_files`): `__R_0.distcp` for each of `files` writers,
 each tensor one chunk or row blocks, `.metadata`. Every value is the source's, bit for bit.
 """
 
@@ -32,11 +32,12 @@ import numpy as np
 
 from hybridckpt import lazy
 from hybridckpt.errors import CheckpointError, short_repr
+from hybridckpt.formats.dcp import write_request as torch_request
 from hybridckpt.formats.dcp.structure import state_split
+from hybridckpt.formats.dcp.write_files import Item
+from hybridckpt.formats.dcp.write_request import TorchExport
 from hybridckpt.lazy import LazyTensor
-from hybridckpt.writers import ExportRequest, Written, torch_request
-from hybridckpt.writers.dcp_files import Item
-from hybridckpt.writers.torch_request import TorchExport
+from hybridckpt.writers import ExportRequest, Written
 
 TIED_HEAD = "lm_head.weight"  # transformers' causal LMs: the head's FQN, tied or not
 # torch.optim.AdamW's param group in torch 2.13 (torch/optim/adamw.py, adam.py), in its order
@@ -168,5 +169,5 @@ def write_export(job: TorchExport, *, files: int = 1) -> tuple[list[str], list[s
 
 
 def write_request(request: ExportRequest) -> Written:
-    """A writers-registry entry: `request` (writers/torch_request.py) through `write_export`."""
+    """A writers-registry entry: `request` (formats/dcp/write_request.py) through `write_export`."""
     return torch_request.run(request, write_export)

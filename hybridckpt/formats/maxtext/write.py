@@ -1,11 +1,11 @@
 """Export into MaxText's checkpoint: `hybridckpt export SRC OUT --to maxtext [--optimizer]
 [--scan-layers/--no-scan-layers]`.
 
-What is written (`formats/maxtext.py` has the layout, docs/maxtext.md the facts and how to point
+What is written (`formats/maxtext/layout.py` has the layout, docs/maxtext.md the facts and how to point
 MaxText at it): `OUT/<step>/items/`, an Orbax pytree checkpoint of MaxText's train state, with
 `OUT/<step>/_CHECKPOINT_METADATA` naming Orbax's v1 PyTreeHandler for `items` as MaxText's own
 Checkpointer does (maxtext 0.2.5 common/checkpointing.py `save_checkpoint`; the save itself is
-`store.maxtext.save_state`, handed in as `request.extra["save_state"]`), so MaxText 0.2.5
+`formats.maxtext.save_state`, the store's streaming Orbax save), so MaxText 0.2.5
 restores it with `load_parameters_path=OUT/<step>/items` (weights) or
 `load_full_state_path=OUT/<step>/items` (with `--optimizer`: weights, Adam's moments, step).
 
@@ -34,14 +34,14 @@ import numpy as np
 
 from hybridckpt import lazy
 from hybridckpt.errors import ConfigError, MappingError
-from hybridckpt.formats import maxtext
+from hybridckpt.formats.maxtext import layout as maxtext
 from hybridckpt.lazy.dtypes import cast_floating
 from hybridckpt.naming import nest
 from hybridckpt.writers.destination import Destination
 
 
 def maxtext_tensors(named, cfg, *, optimizer: bool, scan_layers: bool = True, dtype=None) -> dict[str, Any]:
-    """The flat MaxText train state (dotted item paths, `formats.maxtext`) of `named` (HF names:
+    """The flat MaxText train state (dotted item paths, `formats.maxtext.layout`) of `named` (HF names:
     params, slots, step) for the model `cfg`: lazy tensors, and ints for the counts."""
     inverse = maxtext.rules(cfg).invert()
     res = inverse.apply(cast_floating(named.params, dtype)[0], strict=False)  # (None: as stored)
@@ -85,29 +85,27 @@ def _tree(flat: dict[str, Any], optimizer: bool) -> dict[str, Any]:
 
 
 def write_export(request) -> Any:
-    """`writers.write`'s `maxtext` layout (see the module doc). `request.extra`: `save_state`
-    (required: `store.maxtext.save_state`, the streaming Orbax save, handed in by the job since
-    the store sits above the writers), `scan_layers` (default True), `mesh` (a jax Mesh the arrays
-    are placed on; default every device, replicated)."""
-    from hybridckpt.writers import Written
+    """The `maxtext` format's writer (see the module doc). `request.options`: `scan_layers`
+    (default True)."""
+    from hybridckpt.formats.maxtext import save_state
+    from hybridckpt.writers import Written, cast_notes, preflight
+
+    preflight(request)
 
     cfg, named = request.config, request.named
     if cfg is None:
         raise ConfigError("export --to maxtext: needs a model config (the source has none; pass --config)")
-    scan_layers = bool(request.extra.get("scan_layers", True))
-    save_state = request.extra.get("save_state")
-    if save_state is None:
-        raise ConfigError("export --to maxtext: request.extra needs save_state (hybridckpt.store.maxtext.save_state)")
+    scan_layers = bool(request.options.get("scan_layers", True))
     flat = maxtext_tensors(named, cfg, optimizer=request.optimizer, scan_layers=scan_layers, dtype=request.dtype)
     step = int(flat[maxtext.STEP])
     tree = _tree(flat, request.optimizer)
     dest = Destination(request.out, overwrite=request.overwrite, sources=request.sources, marker=True)
     with dest as tmp:
-        save_state(tmp, step, tree, scan_layers=scan_layers, mesh=request.extra.get("mesh"))
+        save_state(tmp, step, tree, scan_layers=scan_layers)
         (Path(tmp) / "maxtext_overrides.json").write_text(
             json.dumps({"overrides": maxtext.overrides(cfg), "notes": maxtext.notes(cfg)}, indent=1, default=str)
         )
         dest.commit()
     tensors = [v for v in flat.values() if isinstance(v, lazy.LazyTensor)]
     files = (f"{step}/{maxtext.ITEM}", f"{step}/_CHECKPOINT_METADATA", "maxtext_overrides.json")
-    return Written(files, len(tensors), sum(t.nbytes for t in tensors))
+    return Written(files, len(tensors), sum(t.nbytes for t in tensors), cast_notes(request))

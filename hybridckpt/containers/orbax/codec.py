@@ -13,7 +13,7 @@ per-row scales) zstd level 1 saves about 21% of bf16 bytes and 7% of fp32 bytes 
 barely more) while its encoding takes most of an import's write time on 2 cores and its decoding
 most of an export's read time; a converter's output is read back soon and whole, so the disk's
 speed wins. Uncompressed C-order chunks are also what lets an export copy their byte ranges file
-to file (`store.reader`, `store.chunk_index`).
+to file (`containers.orbax.reader`, `containers.orbax.chunk_index`).
 """
 
 from __future__ import annotations

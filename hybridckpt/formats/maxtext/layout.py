@@ -1,6 +1,6 @@
 """MaxText checkpoints (AI-Hypercomputer/maxtext 0.2.5): the on-disk layout, its mapping to HF
 names, and its detection (the reader, which reads the arrays with our Orbax reader, is
-`store/maxtext.py`; the writer `writers/maxtext.py`).
+`formats/maxtext/__init__.py`; the writer `formats/maxtext/write.py`).
 
 Layout (docs/maxtext.md, with citations): a checkpoint root holds one folder per step,
 `<root>/<step>/`, with `_CHECKPOINT_METADATA` and one Orbax pytree item `items/` (zarr arrays and
@@ -24,7 +24,7 @@ stacked parameter has its layer axis first (`STACK`), as our rules stack; `to_di
 
 The names and value ops per family are the family's `maxtext` dialect (`models/<family>/
 dialects/maxtext.{rules,py}`): MaxText names -> HF names; `rules(cfg)` parses them, the writer
-inverts them (writers/maxtext.py).
+inverts them (formats/maxtext/write.py).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """One export to a torch trainer's checkpoint (`--to dcp|torchtitan|megatron`), as its writer sees it.
 
-Each of those writers (`writers.torch_dcp`, `writers.torchtitan`, `writers.megatron_dist`) keeps
+Each of those writers (`formats.dcp.write`, `formats.dcp.write_torchtitan`, `formats.megatron_dist.write`) keeps
 `write_export(job, **options)` over a `TorchExport` and exposes `write_request(request)`: its
-entry in `writers.WRITERS` ("dcp", "hybridckpt.writers.torch_dcp:write_request"). `request` is a
+format's `write` in `formats.registry.FORMATS` ("hybridckpt.formats.dcp.write:write_request"). `request` is a
 `writers.ExportRequest`: `named` the checkpoint under HF names with its slots and step, `config`
 the model config, `optimizer`, `dtype` (params cast on write; the fp32 values still go to the
-targets that keep masters as `masters`), `extra` the target's own options (`files`, `tp`, `pp`).
+targets that keep masters as `masters`), `options` the target's own options (`files`, `tp`, `pp`).
 `run` turns it into a `TorchExport` and the writer's call and returns a `writers.Written` (with
 the writer's notes).
 """
@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridckpt.errors import CheckpointError
+from hybridckpt.formats.dcp.write_files import DEFAULT_CHUNK_BYTES, Item, write_folder
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.lazy.dtypes import cast_floating
-from hybridckpt.writers.dcp_files import DEFAULT_CHUNK_BYTES, Item, write_folder
 from hybridckpt.writers.destination import Destination
 
 
@@ -67,6 +67,9 @@ class TorchExport:
 
 def run(request: Any, write_export: Callable[..., tuple[list[str], list[str]]]) -> Any:
     """Call a torch writer's `write_export` for `request` (module doc)."""
+    from hybridckpt.writers import preflight
+
+    preflight(request)
     named = request.named
     params = dict(named.params)
     params, _ = cast_floating(params, request.dtype)  # (None: every tensor as stored)
@@ -82,7 +85,7 @@ def run(request: Any, write_export: Callable[..., tuple[list[str], list[str]]]) 
         trainer=dict(request.trainer or {}), masters=dict(named.params),
         **({"max_chunk_bytes": request.max_shard_bytes} if request.max_shard_bytes else {}),
     )  # fmt: skip
-    files, notes = write_export(job, **dict(request.extra or {}))
-    from hybridckpt.writers import Written
+    files, notes = write_export(job, **dict(request.options or {}))
+    from hybridckpt.writers import Written, cast_notes
 
-    return Written(tuple(files), len(every), sum(t.nbytes for t in every), tuple(notes))
+    return Written(tuple(files), len(every), sum(t.nbytes for t in every), (*notes, *cast_notes(request)))

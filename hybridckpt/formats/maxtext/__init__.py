@@ -2,11 +2,11 @@
 (`hybridckpt inspect/import/export` of `<root>/<step>/items`) and the streaming save of
 `export --to maxtext`.
 
-The layout and the mapping are `formats/maxtext.py` (and the family's `maxtext` dialect); what
+The layout and the mapping are `formats/maxtext/layout.py` (and the family's `maxtext` dialect); what
 this module adds is the Orbax side, which lives with our store: the arrays are read lazily by
-`store.reader.item_arrays` (a box read reads only its chunks; zarr v2/v3, OCDBT or not, as MaxText
+`containers.orbax.reader.item_arrays` (a box read reads only its chunks; zarr v2/v3, OCDBT or not, as MaxText
 writes them), and written by the store's streaming handler (`store.stream`, `store.stream_orbax`:
-tile by tile from the lazy source tensors). `writers/maxtext.py` maps and lays out the train state;
+tile by tile from the lazy source tensors). `formats/maxtext/write.py` maps and lays out the train state;
 the job hands it `save_state` (the writers sit below the store).
 """
 
@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from hybridckpt.errors import CheckpointError, FormatError
-from hybridckpt.formats import maxtext
-from hybridckpt.formats.maxtext import NAME, detect, steps  # noqa: F401  (the reader registry's entry points)
+from hybridckpt.formats.maxtext import layout as maxtext
+from hybridckpt.formats.maxtext.layout import NAME, detect, steps  # noqa: F401  (the reader registry's entry points)
 from hybridckpt.lazy import LazyTensor
 
 V1_PYTREE_HANDLER = "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler"
@@ -31,8 +31,8 @@ def open(path: str, *, config: Any = None, step: int | None = None):  # noqa: A0
     saves no model config: with `config` (`--config`, an HF config.json) it is read as that model;
     without, its tensors are listed and converted under MaxText's names (layer axis first), as
     any source without a config."""
+    from hybridckpt.containers.orbax.reader import item_arrays, scalar_int
     from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
-    from hybridckpt.store.reader import item_arrays, scalar_int
 
     item_dir, dir_step = maxtext.item_dir(path, step)
     leaves = item_arrays(item_dir)

@@ -58,11 +58,13 @@ SIXTEEN_BIT = (np.dtype(np.float16), BF16)
 
 
 def write_export(request) -> Any:
-    """`writers.write`'s Paddle unified layouts (`request.layout`, a key of `LAYOUTS`): the HF-named
+    """The Paddle unified formats' writer (`request.layout`, a key of `LAYOUTS`): the HF-named
     params (and slots, step) of a model config, never at or around one of the request's sources.
     AdamW's beta pows come from the source's `adam_betas` when it recorded them, else Paddle's
     defaults."""
-    from hybridckpt.writers import Written
+    from hybridckpt.writers import Written, cast_notes, preflight
+
+    preflight(request)
 
     layout, cfg, named = request.layout, request.config, request.named
     params, dtype = named.params, request.dtype
@@ -96,7 +98,7 @@ def write_export(request) -> Any:
             flavour=LAYOUTS[layout],
         )
         dest.commit()
-    return Written(tuple(files), len(params), sum(t.nbytes for t in params.values()))
+    return Written(tuple(files), len(params), sum(t.nbytes for t in params.values()), cast_notes(request))
 
 
 def _storable(t: LazyTensor) -> LazyTensor:

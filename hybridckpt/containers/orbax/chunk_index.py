@@ -16,7 +16,7 @@ read): `ItemIndex.locations` maps each value stored by reference to its `ChunkLo
 `ItemIndex.inline` the other inline values (chunks of at most 1024 bytes) as bytes.
 Only tensorstore is imported (no JAX, no Orbax): an export of our store runs in tens of MiB.
 
-An item saved without OCDBT (no `manifest.ocdbt`; a raw `hybridckpt import`, `store.chunk_files`)
+An item saved without OCDBT (no `manifest.ocdbt`; a raw `hybridckpt import`, `containers.orbax.chunk_files`)
 keeps each array in its own folder `<item>/<array>/`: its `.zarray` and one file per chunk. The
 same `ItemIndex` is then read by listing those folders: each chunk file is a location at offset
 0 of its whole length; nothing is inline.

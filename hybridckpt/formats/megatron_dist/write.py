@@ -5,7 +5,7 @@ with `--ckpt-format torch_dist --dist-ckpt-optim-fully-reshardable` (pinned by
 tests/real/cases/megatron_core_dense_fully_reshardable), and what `load_checkpoint` reads back
 at ANY tp/pp (it reshards on load):
 - `OUT/latest_checkpointed_iteration.txt` (the iteration, no newline) and `OUT/iter_{N:07d}/`:
-  torch's DCP files (`writers.dcp_files`; no planner data, the checkpoint id a string, as
+  torch's DCP files (`formats.dcp.write_files`; no planner data, the checkpoint id a string, as
   Megatron's planner saves them), then `metadata.json` `{"sharded_backend": "torch_dist",
   "sharded_backend_version": 1}`, written last (a folder without it is an unfinished save);
 - model keys under megatron-core's GLOBAL names, from HF names by the INVERSE of the reader's
@@ -24,7 +24,7 @@ at ANY tp/pp (it reshards on load):
 - `fully_reshardable` optimizer state: `optimizer.state.param.<key>` (the fp32 master),
   `optimizer.state.exp_avg.<key>`, `optimizer.state.exp_avg_sq.<key>`, each chunked like its
   model key (distrib_optimizer.py `sharded_param_state_fully_reshardable`);
-- the common state (`writers.megatron_common`).
+- the common state (`formats.megatron_dist.write_common`).
 Dense Llama, Qwen2 and Qwen3. Every value is the source's, bit for bit.
 """
 
@@ -40,15 +40,16 @@ import numpy as np
 
 from hybridckpt import lazy
 from hybridckpt.errors import ConfigError
+from hybridckpt.formats.dcp import write_request as torch_request
+from hybridckpt.formats.dcp.write_files import Item
+from hybridckpt.formats.dcp.write_request import TorchExport
 from hybridckpt.formats.megatron.config import family_architecture
+from hybridckpt.formats.megatron_dist import write_common as mc
 from hybridckpt.formats.megatron_dist.model import LAYERS_RULES
 from hybridckpt.formats.rules_files import load_rules
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.rules import parse_rules
-from hybridckpt.writers import ExportRequest, Written, torch_request
-from hybridckpt.writers import megatron_common as mc
-from hybridckpt.writers.dcp_files import Item
-from hybridckpt.writers.torch_request import TorchExport
+from hybridckpt.writers import ExportRequest, Written
 
 VOCAB_MULTIPLE = 128  # Megatron's --make-vocab-size-divisible-by default
 MAX_VOCAB_MULTIPLE = 1 << 16  # a source's larger value is not taken (it would pad that many zero rows)
@@ -276,5 +277,5 @@ def write_export(job: TorchExport, *, tp: int = 1, pp: int = 1) -> tuple[list[st
 
 
 def write_request(request: ExportRequest) -> Written:
-    """A writers-registry entry: `request` (writers/torch_request.py) through `write_export`."""
+    """A writers-registry entry: `request` (formats/dcp/write_request.py) through `write_export`."""
     return torch_request.run(request, write_export)

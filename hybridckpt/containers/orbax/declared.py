@@ -2,7 +2,7 @@
 
 A `.zarray` (or `zarr.json`) of a few hundred bytes can declare any shape: 2^40 elements with
 no chunk behind them read as the fill value, so a plan of it is made and an import writes it
-until the disk is full. `check_item` runs when the item is opened (`store.reader.item_arrays`:
+until the disk is full. `check_item` runs when the item is opened (`containers.orbax.reader.item_arrays`:
 every reader of our store and of MaxText checkpoints), before a plan, an allocation or a write,
 and refuses in one line naming the item, the leaf, the bytes declared and the bytes present:
 
@@ -31,8 +31,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from hybridckpt.containers.orbax.chunk_index import OCDBT_MANIFEST, ItemIndex
 from hybridckpt.errors import CheckpointError
-from hybridckpt.store.chunk_index import OCDBT_MANIFEST, ItemIndex
 
 GENEROUS_FLOOR = 1 << 30  # bytes an item may declare whatever its files hold
 GENEROUS_RATIO = 1 << 15  # declared : present past which an item is refused (zstd's most: module doc)
@@ -85,7 +85,7 @@ def check_item(item_dir: str, arrays: Mapping, index: ItemIndex | None, ocdbt: b
 
     index: the item's `ItemIndex` when it could be read (an OCDBT item's per-array bytes come
     from it); ocdbt: whether the item is one OCDBT database (else a folder per array);
-    raw_layouts: `name -> store.reader.raw_layout(...)` of the raw leaves not read as whole
+    raw_layouts: `name -> containers.orbax.reader.raw_layout(...)` of the raw leaves not read as whole
     stored chunks."""
     files = file_bytes(item_dir)
     per_leaf = index_bytes(index) if ocdbt and index is not None else files
@@ -116,7 +116,7 @@ def check_item(item_dir: str, arrays: Mapping, index: ItemIndex | None, ocdbt: b
 
 
 def _index_bytes_or_none(item_dir: str) -> dict[str, int] | None:
-    from hybridckpt.store.chunk_index import read_index
+    from hybridckpt.containers.orbax.chunk_index import read_index
 
     try:
         return index_bytes(read_index(item_dir))
@@ -130,8 +130,6 @@ def check_orbax_tree(item_dir: str, tree) -> None:
     `dtype`), checked before Orbax allocates the restored arrays."""
     import jax
 
-    from hybridckpt.store.layout import leaf_key
-
     leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
-    arrays = {leaf_key(path): leaf for path, leaf in leaves if hasattr(leaf, "shape") and hasattr(leaf, "dtype")}
+    arrays = {jax.tree_util.keystr(path, simple=True, separator="."): leaf for path, leaf in leaves if hasattr(leaf, "shape") and hasattr(leaf, "dtype")}
     check_item(item_dir, arrays, None, os.path.isfile(os.path.join(item_dir, OCDBT_MANIFEST)))

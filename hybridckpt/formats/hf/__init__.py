@@ -9,11 +9,11 @@ Layout (huggingface/transformers:src/transformers/modeling_utils.py, `save_pretr
   `exp_avg`, `exp_avg_sq`; any optimizer's slot names, `hybridckpt.optim`) and a 0-d `step`,
   plus `hybridckpt.json` with trainer metadata.
 - Legacy torch shards (`pytorch_model.bin`, `pytorch_model-0000i-of-0000N.bin` with or without
-  `pytorch_model.bin.index.json`) when there is no safetensors file: `formats.hf_bin`.
+  `pytorch_model.bin.index.json`) when there is no safetensors file: `formats.hf.bin`.
 - Quantized releases (`quantization_config` FP8 blocks or MXFP4) are dequantized on import:
-  `formats.hf_quant` (the config read on is the source's without `quantization_config`).
+  `formats.hf.quant` (the config read on is the source's without `quantization_config`).
 - An architecture no family implements is read under its own names; its `config.json` is kept
-  (trainer `"hf_config"`) so that an export writes it back (`writers.hf_folder`).
+  (trainer `"hf_config"`) so that an export writes it back (`formats.hf.write`).
 Tensor names are HF names already, so `hf_rules` is empty (GPT-2 files without the
 `transformer.` prefix get a one-line rename).
 """
@@ -25,9 +25,10 @@ import os
 from hybridckpt import models
 from hybridckpt.containers.safetensors_file import read_header
 from hybridckpt.errors import ConfigError, FormatError, UnknownModelError, short_repr
-from hybridckpt.formats import hf_bin, hf_quant
-from hybridckpt.formats.config_file import read_json
+from hybridckpt.formats.hf import bin as hf_bin
+from hybridckpt.formats.hf import quant as hf_quant
 from hybridckpt.formats.torch_optim import check_complete
+from hybridckpt.io.config_file import read_json
 from hybridckpt.io.paths import check_relative
 from hybridckpt.lazy import LazyTensor, scalar_value
 from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint

@@ -3,7 +3,7 @@
 What `CheckpointManager.load` reads (pytorch/torchtitan 0.3.0: components/checkpointer/dcp.py
 `_states_to_load`, `dcp_load`; components/optimizer/utils.py `get_flat_optim_state_dict`), and
 what its own save writes (pinned by tests/real/cases/torchtitan_*):
-- `OUT/step-{step}/`, a DCP folder (`writers.dcp_files`: torch's own files), OUT being the
+- `OUT/step-{step}/`, a DCP folder (`formats.dcp.write_files`: torch's own files), OUT being the
   trainer's `checkpoint.folder` (the latest `step-N` is what a resume loads);
 - the model's own FQNs at the top level: torchtitan's names (`tok_embeddings.weight`,
   `layers.N.attention.qkv_linear.wq.weight`, ..., `lm_head.weight`), from HF names by the
@@ -33,12 +33,13 @@ import numpy as np
 from hybridckpt import lazy
 from hybridckpt.errors import CheckpointError, ConfigError
 from hybridckpt.formats.dcp import torchtitan
+from hybridckpt.formats.dcp import write_request as torch_request
+from hybridckpt.formats.dcp.write import ADAMW_DEFAULTS, adamw_group
+from hybridckpt.formats.dcp.write_files import Item
+from hybridckpt.formats.dcp.write_request import TorchExport
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.rules import parse_rules
-from hybridckpt.writers import ExportRequest, Written, torch_request
-from hybridckpt.writers.dcp_files import Item
-from hybridckpt.writers.torch_dcp import ADAMW_DEFAULTS, adamw_group
-from hybridckpt.writers.torch_request import TorchExport
+from hybridckpt.writers import ExportRequest, Written
 
 # torchtitan 0.3's AdamW (components/optimizer/optimizer.py `default_adamw`, implementation
 # "fused"): its defaults where the source recorded none
@@ -144,5 +145,5 @@ def write_export(job: TorchExport, *, files: int = 1) -> tuple[list[str], list[s
 
 
 def write_request(request: ExportRequest) -> Written:
-    """A writers-registry entry: `request` (writers/torch_request.py) through `write_export`."""
+    """A writers-registry entry: `request` (formats/dcp/write_request.py) through `write_export`."""
     return torch_request.run(request, write_export)

@@ -2,19 +2,19 @@
 
 Layout read (see `hybridckpt.store.layout`): `DIR/<step>/<item>/` is one Orbax pytree item
 (`params`, `opt_state`) in OCDBT format or, for a raw import, a folder per array
-(`store.chunk_files`); its `_METADATA` names every leaf (the dotted key path,
+(`containers.orbax.chunk_files`); its `_METADATA` names every leaf (the dotted key path,
 e.g. `layers.q.kernel`, `0.mu.layers.q.kernel`) and says whether arrays are zarr v2 or v3. Each
 array is a zarr array at that name inside the item's OCDBT database, opened with the read spec
-Orbax builds, written on TensorStore's public API (`store.ts_spec`), so a box read
+Orbax builds, written on TensorStore's public API (`containers.orbax.ts_spec`), so a box read
 fetches and decompresses only the chunks it overlaps (a stacked `[layers, ...]` leaf saved by
 `hybridckpt import` is chunked per layer: one layer read = one layer's chunks).
 
-This is how every job reads our store (`store.as_source`): `export` streams: one HF tensor in memory at a time,
+This is how every job reads our store (`formats.orbax_store`): `export` streams: one HF tensor in memory at a time,
 instead of restoring the whole tree onto one device.
 
 Raw chunks: where an array is stored uncompressed (zarr v2 `compressor: null`, no filters, C order,
-little-endian; `hybridckpt import`'s default, see `store.codec`) and every chunk lies in a data
-file (`store.chunk_index`, the OCDBT index, which also holds each `.zarray` and the chunks of up to
+little-endian; `hybridckpt import`'s default, see `containers.orbax.codec`) and every chunk lies in a data
+file (`containers.orbax.chunk_index`, the OCDBT index, which also holds each `.zarray` and the chunks of up to
 1024 bytes), the array is its chunks as `StoredTensor`s tiled at their grid offsets (zarr v2 stores edge chunks whole, padded):
 a box read is one pread per contiguous run straight into the caller's buffer (no TensorStore, no
 cache, no copy), counted by `io.byte_source.count_reads`, and `file_runs` gives an export the
@@ -33,20 +33,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hybridckpt.errors import CheckpointError
-from hybridckpt.formats.config_file import read_json
-from hybridckpt.io.byte_source import ByteSource
-from hybridckpt.lazy import ArrayTensor, Box, FileRun, LazyTensor, StoredTensor, tiled
-from hybridckpt.store import ts_spec
-from hybridckpt.store.chunk_index import (
+from hybridckpt.containers.orbax import ts_spec
+from hybridckpt.containers.orbax.chunk_index import (
     OCDBT_MANIFEST,
     ItemIndex,
     UnsafeItem,
     no_special_files,
     read_index,
 )
-from hybridckpt.store.declared import check_item
-from hybridckpt.store.keys import metadata_leaf_names
+from hybridckpt.containers.orbax.declared import check_item
+from hybridckpt.containers.orbax.keys import metadata_leaf_names
+from hybridckpt.errors import CheckpointError
+from hybridckpt.io.byte_source import ByteSource
+from hybridckpt.io.config_file import read_json
+from hybridckpt.lazy import ArrayTensor, Box, FileRun, LazyTensor, StoredTensor, tiled
 
 
 class _Item:
@@ -74,7 +74,7 @@ class _Item:
 
     @property
     def use_ocdbt(self) -> bool:
-        """Whether the item is one OCDBT database (else a folder per array: `store.chunk_files`)."""
+        """Whether the item is one OCDBT database (else a folder per array: `containers.orbax.chunk_files`)."""
         return os.path.isfile(os.path.join(self.item_dir, OCDBT_MANIFEST))
 
     def context(self):

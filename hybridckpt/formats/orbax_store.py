@@ -1,6 +1,6 @@
 """Our own checkpoint as a source: what every job sees of `DIR/<step>/{params,opt_state,...}`.
 
-`open` gives a `SourceCheckpoint` like any format's, read lazily (`store.reader`: a box read
+`open` gives a `SourceCheckpoint` like any format's, read lazily (`containers.orbax.reader`: a box read
 fetches only the chunks it overlaps; nothing is restored whole):
 - with a model config (`trainer_state["model_config"]`, or `config=`): the params under single-card
   HF names (the inverse of the family's rules) and each optimizer slot under the same names;
@@ -115,7 +115,7 @@ def _trainer_state_file(root: str, step: int) -> dict | None:
     """The trainer state JSON object of `step` read from its file, or None when there is no such
     file (Orbax's reader then decides); a file there that is not a JSON object is a FormatError
     naming it."""
-    from hybridckpt.formats.config_file import read_json
+    from hybridckpt.io.config_file import read_json
 
     path = os.path.join(root, str(step), "trainer_state", "metadata")
     if not os.path.lexists(path):
@@ -154,10 +154,10 @@ def open(path: str, *, config: Any = None, step: int | None = None, verify_reads
     array is read through the CRC-32s its import recorded (`store.checked`) unless
     `verify_reads=False`."""
     from hybridckpt import naming, optim
+    from hybridckpt.containers.orbax.keys import NAMES_KEY, original_names
+    from hybridckpt.containers.orbax.reader import item_arrays, scalar_int
     from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
     from hybridckpt.store.checked import checked_arrays
-    from hybridckpt.store.keys import NAMES_KEY, original_names
-    from hybridckpt.store.reader import item_arrays, scalar_int
 
     root, step, state = resolve(path, step)
     cfg = model_config(state, config)
@@ -230,9 +230,9 @@ def describe(path: str, step: int | None = None) -> dict:
     optimizer by its slots, the carried files, and the arrays as stored (Flax tree names, one
     piece each); reads metadata only."""
     from hybridckpt import optim
-    from hybridckpt.store.keys import NAMES_KEY, original_names
+    from hybridckpt.containers.orbax.keys import NAMES_KEY, original_names
+    from hybridckpt.containers.orbax.reader import item_arrays
     from hybridckpt.store.orbax_io import list_steps
-    from hybridckpt.store.reader import item_arrays
 
     root, step, state = resolve(path, step)
     step_dir = os.path.join(root, str(step))

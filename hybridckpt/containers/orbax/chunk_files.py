@@ -19,7 +19,7 @@ written buffered. fsync follows either way.
 Against TensorStore's write path (OCDBT: an encode copy into a fresh buffer per chunk, a B-tree
 commit and fsync per tile, its own thread pool), this is one copy into the page cache per byte;
 `benchmarks/orbax_speed.py` rows (f) measure the difference. Plain `orbax.checkpoint` restores
-the result (its `_METADATA` says `use_ocdbt: false`), and `store.chunk_index` finds these chunks
+the result (its `_METADATA` says `use_ocdbt: false`), and `containers.orbax.chunk_index` finds these chunks
 by listing the folder instead of walking an OCDBT index.
 """
 

@@ -131,7 +131,7 @@ def source_config_json(trainer: Mapping | None) -> dict | None:
 
 
 def write_export(request) -> Any:
-    """`writers.write`'s HF layout: the request's params (cast to its dtype) as `model*.safetensors`
+    """The hf format's writer: the request's params (cast to its dtype) as `model*.safetensors`
     with the model's `config.json`, its slots and step as `optimizer*.safetensors` when asked.
 
     Read ahead in the order `write_hf` writes (model tensors by name, then optimizer tensors by
@@ -141,8 +141,9 @@ def write_export(request) -> Any:
     from hybridckpt import lazy
     from hybridckpt.containers.safetensors_file import WRITE_BLOCK_BYTES
     from hybridckpt.lazy import parallel
-    from hybridckpt.writers import Written
+    from hybridckpt.writers import Written, cast_notes, preflight
 
+    preflight(request)
     named, cfg = request.named, request.config
     params = dict(named.params)
     params, _ = cast_floating(params, request.dtype)  # (None: every tensor as stored)
@@ -160,9 +161,9 @@ def write_export(request) -> Any:
     set_total = getattr(request.progress, "set_total", None)
     if set_total is not None:
         set_total(sum(t.nbytes for t in every))
-    from hybridckpt.writers.hf_files import export_files
+    from hybridckpt.formats.hf.files import export_files
 
-    # config.json, generation_config.json, tokenizer files (writers/hf_files.py)
+    # config.json, generation_config.json, tokenizer files (formats/hf/files.py)
     beside = export_files(cfg, request.files, params, source_config=source_config_json(request.trainer))
     trainer = {"step": named.step, "source_format": request.source_format}
     if slots:
@@ -175,4 +176,4 @@ def write_export(request) -> Any:
         max_shard_bytes=request.max_shard_bytes or DEFAULT_SHARD_BYTES, overwrite=request.overwrite,
         on_tensor=request.progress, direct_io=request.direct_io, sources=request.sources,
     )
-    return Written(tuple(files), len(every), sum(t.nbytes for t in every))
+    return Written(tuple(files), len(every), sum(t.nbytes for t in every), cast_notes(request))
