@@ -22,6 +22,11 @@ through the model's own `StateDictAdapter.to_hf`):
   negative control).
 Rank 0 prints one line per check and the verdict (exit 1 on a failure); `--record F` writes them,
 the versions and the command as JSON (committed under tests/real/export_checks/).
+
+A record (`--record`, with `--export-commands`: the two command lines above as JSON) also pins
+the export it is about: those command lines and the folder's digest (`export_digest.py`), taken
+before the tool opens it; the tests rerun the command lines and fail while the digest differs.
+`python tests/real/rerun_export_checks.py NAME` does all of it for `export_checks/NAME.json`.
 """
 
 from __future__ import annotations
