@@ -19,6 +19,7 @@ import json
 import os
 import warnings
 
+import export_digest
 import jax
 import numpy as np
 import pytest
@@ -32,7 +33,6 @@ from hybridckpt.formats.dcp.storage import entry_tensor, load_item
 CASE = "megatron_core_dense_fully_reshardable"
 ITER = "iter_0000003"
 VOCAB = 60  # the run's --vocab-size (padded to 64 in Megatron's tensors)
-CHECKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "export_checks")
 NOT_WRITTEN = ("rng_state/", "rerun_state_machine_state/")  # the run's own, not the model's
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -128,17 +128,31 @@ def test_torch_loads_ours_into_the_real_state_dict(exported):
         assert np.array_equal(got, want), k
 
 
-def test_megatron_itself_loaded_ours():
-    """The recorded run of generators/_megatron_core_check_export.py: Megatron-LM's
-    load_checkpoint loaded our tp2 pp2 export at tp1 pp1 and stepped exactly."""
-    with open(os.path.join(CHECKS, "megatron_core_dense_tp2pp2.json")) as f:
-        doc = json.load(f)
+@pytest.fixture(scope="module")
+def today(tmp_path_factory):
+    """The exports the records' commands make with today's code (the CLI, in this process)."""
+    from hybridckpt.cli import main
+
+    return export_digest.Exports(main, str(tmp_path_factory.mktemp("records")))
+
+
+def _check_dense_record(exports: export_digest.Exports) -> None:
+    ((name, doc),) = export_digest.records("megatron_core_dense_")
     assert doc["ok"] and doc["versions"]["megatron-core"] == "0.19.2"
-    assert doc["exported_with"] == "--tp 2 --pp 2" and doc["loaded_at"] == {"tp": 1, "pp": 1}
+    assert doc["exported_with"] == "--to megatron --optimizer --tp 2 --pp 2" and doc["loaded_at"] == {"tp": 1, "pp": 1}
+    assert doc["export"]["commands"][0][1] == f"tests/real/cases/{CASE}/ckpt"
     lines = doc["lines"]
     assert sum("15/15 bitwise" in x for x in lines) == 3
     assert any(x.startswith("Megatron's optimizer step") and "difference 0 " in x for x in lines)
     assert any(x.startswith("GPTModel's logits") and "difference 0 " in x for x in lines)
+    export_digest.assert_current(name, doc, exports)  # the export it loaded is today's
+
+
+def test_megatron_itself_loaded_ours(today):
+    """The recorded run of generators/_megatron_core_check_export.py: Megatron-LM's
+    load_checkpoint loaded our tp2 pp2 export at tp1 pp1 and stepped exactly; the record's
+    export digest is that of today's export by the same commands (else it is stale)."""
+    _check_dense_record(today)
 
 
 def test_layouts_the_model_cannot_take_are_refused(orbax):
@@ -171,24 +185,39 @@ def test_one_rank_layout_reads_back(orbax):
         assert np.array_equal(a[k].materialize(), b[k].materialize()), k
 
 
-def test_megatron_itself_loaded_ours_from_torchtitan():
-    """The recorded runs of generators/_megatron_core_check_foreign.py: Megatron-LM's
-    load_checkpoint loaded our export of torchtitan's own Qwen3 run (tied head, q/k norms;
-    exported for tp1 pp2 and tp2 pp1, the latter with 256 vocabulary rows where the loading
-    run has 128) at tp1 pp1: params, fp32 masters and moments bitwise torchtitan's, its step,
-    and GPTModel's logits equal to torchtitan's forward."""
+def _check_foreign_records(exports: export_digest.Exports) -> None:
     seen = set()
-    for name in sorted(os.listdir(CHECKS)):
-        if not name.startswith("megatron_core_from_torchtitan_"):
-            continue
-        with open(os.path.join(CHECKS, name)) as f:
-            doc = json.load(f)
+    for name, doc in export_digest.records("megatron_core_from_torchtitan_"):
         assert doc["ok"] and doc["case"] == "torchtitan_qwen3", name
         assert doc["versions"]["megatron-core"] == "0.19.2" and doc["loaded_at"] == {"tp": 1, "pp": 1}
         assert sum("24/24 bitwise" in x for x in doc["lines"]) == 4, name
         assert any("iteration 3 (torchtitan: 3.0)" in x for x in doc["lines"]), name
+        export_digest.assert_current(name, doc, exports)  # the export it loaded is today's
         seen.add(doc["exported_with"])
-    assert seen == {"--pp 2", "--tp 2"}
+    assert seen == {"--to megatron --optimizer --pp 2", "--to megatron --optimizer --tp 2"}
+
+
+def test_megatron_itself_loaded_ours_from_torchtitan(today):
+    """The recorded runs of generators/_megatron_core_check_foreign.py: Megatron-LM's
+    load_checkpoint loaded our export of torchtitan's own Qwen3 run (tied head, q/k norms;
+    exported for tp1 pp2 and tp2 pp1, the latter with 256 vocabulary rows where the loading
+    run has 128) at tp1 pp1: params, fp32 masters and moments bitwise torchtitan's, its step,
+    and GPTModel's logits equal to torchtitan's forward; each record's export digest is that of
+    today's export by the same commands (else it is stale)."""
+    _check_foreign_records(today)
+
+
+@pytest.mark.parametrize("check", [_check_dense_record, _check_foreign_records], ids=["dense", "foreign"])
+@pytest.mark.parametrize("mutation", [export_digest.flip_after, export_digest.dropping("--optimizer")],
+                         ids=["one-byte", "no-optimizer"])  # fmt: skip
+def test_the_records_go_stale_when_the_export_changes(today, check, mutation):
+    """A mutation of the export (one byte of one tensor flipped after it is written, or the
+    weights alone) fails the record checks above, naming
+    the command that writes the record again."""
+    from hybridckpt.cli import main
+
+    with pytest.raises(AssertionError, match=r"is stale: .* rerun the check: python tests/real/rerun_export_checks.py "):
+        check(today.with_run(mutation(main)))
 
 
 def test_groups_carry_the_schedule_megatron_pairs_them_by(tmp_path):

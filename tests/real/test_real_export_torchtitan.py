@@ -13,10 +13,10 @@ generators/_torchtitan_check_export.py; its recorded results (export_checks/) ar
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 
+import export_digest
 import jax
 import numpy as np
 import pytest
@@ -27,7 +27,6 @@ from hybridckpt.containers.dcp_metadata import read_metadata
 from hybridckpt.formats.dcp.storage import entry_tensor, load_item
 
 CASES = ["torchtitan_llama3", "torchtitan_qwen3"]
-CHECKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "export_checks")
 
 
 def _mesh() -> str:
@@ -93,18 +92,39 @@ def test_torch_loads_ours_into_the_real_state_dict(exported):
     assert sd["train_state.step"] == 3 and sd["lr_scheduler.last_epoch"] == 3
 
 
-def test_torchtitan_itself_resumed_ours():
-    """The recorded runs of generators/_torchtitan_check_export.py: torchtitan's CheckpointManager
-    resumed our export on another number of ranks than the run's 2, exactly."""
+@pytest.fixture(scope="module")
+def today(tmp_path_factory):
+    """The exports the records' commands make with today's code (the CLI, in this process)."""
+    from hybridckpt.cli import main
+
+    return export_digest.Exports(main, str(tmp_path_factory.mktemp("records")))
+
+
+def _check_records(exports: export_digest.Exports) -> None:
     seen = set()
-    for name in sorted(os.listdir(CHECKS)):
-        if not name.startswith("torchtitan_"):
-            continue
-        with open(os.path.join(CHECKS, name)) as f:
-            doc = json.load(f)
+    for name, doc in export_digest.records("torchtitan_"):
         assert doc["ok"] and doc["versions"]["torchtitan"] == "0.3.0", name
         assert doc["world"] != 2 and any("max relative difference 0 " in x for x in doc["lines"]), (
             name
         )
+        export_digest.assert_current(name, doc, exports)  # the export it loaded is today's
         seen.add((doc["case"], doc["world"]))
     assert {("torchtitan_llama3", 1), ("torchtitan_llama3", 4), ("torchtitan_qwen3", 1)} <= seen
+
+
+def test_torchtitan_itself_resumed_ours(today):
+    """The recorded runs of generators/_torchtitan_check_export.py: torchtitan's CheckpointManager
+    resumed our export on another number of ranks than the run's 2, exactly; each record's
+    export digest is that of today's export by the same commands (else it is stale)."""
+    _check_records(today)
+
+
+@pytest.mark.parametrize("mutation", [export_digest.flip_after, export_digest.dropping("--optimizer")],
+                         ids=["one-byte", "no-optimizer"])  # fmt: skip
+def test_the_records_go_stale_when_the_export_changes(today, mutation):
+    """A mutation of the export (one byte of one tensor flipped after it is written, or the
+    weights alone) fails the record check above, naming the command that writes the record again."""
+    from hybridckpt.cli import main
+
+    with pytest.raises(AssertionError, match=r"is stale: .* rerun the check: python tests/real/rerun_export_checks.py "):
+        _check_records(today.with_run(mutation(main)))

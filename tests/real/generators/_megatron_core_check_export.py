@@ -27,6 +27,11 @@ megatron_core_dense_dp_reshardable, megatron-core names):
   it differs from the run's by that much (printed, not a pass condition).
 Prints one line per check and the verdict (exit 1 on a failure); `--record F` writes them as
 JSON (committed under tests/real/export_checks/).
+
+A record (`--record`, with `--export-commands`: the two command lines above as JSON) also pins
+the export it is about: those command lines and the folder's digest (`export_digest.py`), taken
+before the tool opens it; the tests rerun the command lines and fail while the digest differs.
+`python tests/real/rerun_export_checks.py NAME` does all of it for `export_checks/NAME.json`.
 """
 
 from __future__ import annotations
@@ -155,8 +160,11 @@ def main(argv=None) -> int:
     ap.add_argument("--ours", required=True, help="our export --to megatron (a folder holding iter_N/)")
     ap.add_argument("--record", help="write the result as JSON here")
     ap.add_argument("--exported-with", default="", help="the export's options, for the record (e.g. '--tp 2 --pp 2')")
+    ap.add_argument("--export-commands", help="the hybridckpt command lines that made OURS (JSON), for the record")
     ap.add_argument("--under-torchrun", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.record and not a.export_commands and not a.under_torchrun:
+        ap.error("--record needs --export-commands (tests/real/rerun_export_checks.py passes them)")
     if a.under_torchrun:
         import _megatron_core_shims as shims
 
@@ -169,6 +177,9 @@ def main(argv=None) -> int:
         return 0
     import tempfile
 
+    import export_digest
+
+    before = export_digest.digest(a.ours)  # the export as we wrote it, before Megatron opens it
     result = os.path.join(tempfile.mkdtemp(prefix="megatron-check-"), "result.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--master-port=29519",
            os.path.abspath(__file__), "--ours", a.ours, "--under-torchrun", result]  # fmt: skip
@@ -181,11 +192,15 @@ def main(argv=None) -> int:
     for line in res["lines"]:
         print(f"{CASE} (loaded at tp1 pp1): {line}")
     print("LOADED AND STEPPED EXACTLY" if res["ok"] else "DIFFERENT")
+    if export_digest.digest(a.ours) != before:
+        print(f"{a.ours} changed while Megatron loaded it: no record")
+        return 1
     if a.record:
         import tools
 
         doc = {"check": "Megatron-LM load_checkpoint of export --to megatron --optimizer, then its optimizer step",
                "case": CASE, "loaded_at": {"tp": 1, "pp": 1}, "exported_with": a.exported_with, "ok": res["ok"],
+               "export": export_digest.record(json.loads(a.export_commands), a.ours),
                "lines": res["lines"],
                "versions": tools.versions("megatron-core", "torch"),
                "command": "python tests/real/generators/_megatron_core_check_export.py --ours OURS"}  # fmt: skip

@@ -25,6 +25,11 @@ warms its LR up; Megatron's default groups exempt norms from weight decay and it
 is the run's own: a different training recipe, not a different state.)
 Prints one line per check and the verdict (exit 1 on a failure); `--record F` writes them as
 JSON (committed under tests/real/export_checks/).
+
+A record (`--record`, with `--export-commands`: the two command lines above as JSON) also pins
+the export it is about: those command lines and the folder's digest (`export_digest.py`), taken
+before the tool opens it; the tests rerun the command lines and fail while the digest differs.
+`python tests/real/rerun_export_checks.py NAME` does all of it for `export_checks/NAME.json`.
 """
 
 from __future__ import annotations
@@ -179,8 +184,11 @@ def main(argv=None) -> int:
     ap.add_argument("--ours", required=True, help="our export --to megatron of torchtitan_qwen3")
     ap.add_argument("--record", help="write the result as JSON here")
     ap.add_argument("--exported-with", default="", help="the export's options, for the record (e.g. '--pp 2')")
+    ap.add_argument("--export-commands", help="the hybridckpt command lines that made OURS (JSON), for the record")
     ap.add_argument("--under-torchrun", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.record and not a.export_commands and not a.under_torchrun:
+        ap.error("--record needs --export-commands (tests/real/rerun_export_checks.py passes them)")
     if a.under_torchrun:
         import _megatron_core_shims as shims
 
@@ -193,6 +201,9 @@ def main(argv=None) -> int:
         return 0
     import tempfile
 
+    import export_digest
+
+    before = export_digest.digest(a.ours)  # the export as we wrote it, before Megatron opens it
     result = os.path.join(tempfile.mkdtemp(prefix="megatron-foreign-"), "result.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--master-port=29521",
            os.path.abspath(__file__), "--ours", a.ours, "--under-torchrun", result]  # fmt: skip
@@ -205,11 +216,15 @@ def main(argv=None) -> int:
     for line in res["lines"]:
         print(f"{CASE} (Megatron, loaded at tp1 pp1): {line}")
     print("LOADED EXACTLY" if res["ok"] else "DIFFERENT")
+    if export_digest.digest(a.ours) != before:
+        print(f"{a.ours} changed while Megatron loaded it: no record")
+        return 1
     if a.record:
         import tools
 
         doc = {"check": "Megatron-LM load_checkpoint of export --to megatron --optimizer of a torchtitan run",
                "case": CASE, "loaded_at": {"tp": 1, "pp": 1}, "exported_with": a.exported_with, "ok": res["ok"],
+               "export": export_digest.record(json.loads(a.export_commands), a.ours),
                "lines": res["lines"], "versions": tools.versions("megatron-core", "torch"),
                "command": "python tests/real/generators/_megatron_core_check_foreign.py --ours OURS"}  # fmt: skip
         with open(a.record, "w") as f:

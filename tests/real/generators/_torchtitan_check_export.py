@@ -22,6 +22,11 @@ through the model's own `StateDictAdapter.to_hf`):
   negative control).
 Rank 0 prints one line per check and the verdict (exit 1 on a failure); `--record F` writes them,
 the versions and the command as JSON (committed under tests/real/export_checks/).
+
+A record (`--record`, with `--export-commands`: the two command lines above as JSON) also pins
+the export it is about: those command lines and the folder's digest (`export_digest.py`), taken
+before the tool opens it; the tests rerun the command lines and fail while the digest differs.
+`python tests/real/rerun_export_checks.py NAME` does all of it for `export_checks/NAME.json`.
 """
 
 from __future__ import annotations
@@ -209,9 +214,16 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--record", help="write the result as JSON here")
+    ap.add_argument("--exported-with", default="", help="the export's options, for the record")
+    ap.add_argument("--export-commands", help="the hybridckpt command lines that made OURS (JSON), for the record")
     a = ap.parse_args(argv)
+    if a.record and not a.export_commands:
+        ap.error("--record needs --export-commands (tests/real/rerun_export_checks.py passes them)")
     import tempfile
 
+    import export_digest
+
+    before = export_digest.digest(a.ours)  # the export as we wrote it, before the tool opens it
     titan_shims.install()
     work = tempfile.mkdtemp(prefix="titan-check-")
     os.symlink(
@@ -225,11 +237,16 @@ def main(argv=None) -> int:
     for line in res["lines"]:
         print(f"{a.case} (world {a.world}): {line}")
     print("RESUMED EXACTLY" if res["ok"] else "DIFFERENT")
+    if export_digest.digest(a.ours) != before:
+        print(f"{a.ours} changed while torchtitan loaded it: no record")
+        return 1
     if a.record:
         import tools
 
         doc = {"check": "torchtitan CheckpointManager.load of export --to torchtitan --optimizer",
                "case": a.case, "world": a.world, "ok": res["ok"], "lines": res["lines"],
+               "exported_with": a.exported_with,
+               "export": export_digest.record(json.loads(a.export_commands), a.ours),
                "versions": tools.versions("torchtitan", "torch"),
                "command": f"python tests/real/generators/_torchtitan_check_export.py --case {a.case} --ours OURS "
                           f"--world {a.world}"}  # fmt: skip

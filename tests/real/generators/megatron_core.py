@@ -90,8 +90,8 @@ def ensure_megatron() -> None:
     import importlib.util
     import sysconfig
 
-    if importlib.util.find_spec("megatron.core") is not None:
-        return
+    if importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None:
+        return  # (find_spec of "megatron.core" alone raises while "megatron" is missing)
 
     site = sysconfig.get_paths()["purelib"]
     subprocess.run(
