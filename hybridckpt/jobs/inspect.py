@@ -59,10 +59,12 @@ def _pieces(t: LazyTensor) -> int:
     return sum(_pieces(k) for k in kids) if kids else 1
 
 
-def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, step: int | None = None) -> dict:
+def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, step: int | None = None,
+            param_order: Any = None) -> dict:
     """What a checkpoint holds, as a JSON-able dict of one schema for every format (`SCHEMA`;
     docs/cli.md "inspect --json"); reads metadata only."""
     from hybridckpt import readers
+    from hybridckpt.jobs import index_optimizer
     from hybridckpt.jobs.open import _config_arg, model_files_of
     from hybridckpt.store import as_source as store_source
     from hybridckpt.writers.ownership import given
@@ -79,6 +81,7 @@ def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, s
     src = readers.open_source(path, fmt, config=cfg, step=step)
     held = readers.step_folders(path, fmt)
     cfg = cfg or src.config
+    src = index_optimizer.resolve(src, cfg, param_order)  # (its decision and why: a note)
     files, skipped = model_files_of(src, path, config)
     info: dict[str, Any] = {
         "format": src.format,

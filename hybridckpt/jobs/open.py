@@ -20,6 +20,7 @@ from hybridckpt.errors import ConfigError, FormatError
 from hybridckpt.formats.config_file import read_json
 from hybridckpt.io import model_files
 from hybridckpt.io.model_files import ModelFile
+from hybridckpt.jobs import index_optimizer
 from hybridckpt.naming import Named
 from hybridckpt.optim.groups import checked_hyper
 
@@ -101,6 +102,7 @@ def open_checkpoint(
     step: int | None = None,
     strict: bool = True,
     verify_reads: bool = True,
+    param_order: Any = None,
 ) -> Opened:
     """Open `path` (any supported format, our Orbax checkpoints included) without reading it.
 
@@ -112,6 +114,9 @@ def open_checkpoint(
       only its own step. A step not there is a FormatError listing those that are.
     verify_reads: every read of our Orbax checkpoint is checked against the CRC-32s its import
       recorded (`store.checked`); False reads it unchecked.
+    param_order: the parameter names in index order (a sequence, or a file of one name a line)
+      of an optimizer state keyed by index (HF Trainer, accelerate, a plain torch loop), instead
+      of the order the model and the writing tool give (`jobs.index_optimizer`).
     """
     from hybridckpt import readers
     from hybridckpt.writers.ownership import given
@@ -120,6 +125,8 @@ def open_checkpoint(
     cfg = _config_arg(config)
     fmt = readers.detect(path) if fmt == "auto" else fmt
     src = readers.open_source(path, fmt, config=cfg, step=step, verify_reads=verify_reads)
+    src = index_optimizer.resolve(src, cfg or src.config, param_order,
+                                  user_rules=naming.user_rules(src, cfg or src.config, rules) if rules else None)
     named, cfg = naming.named_for_model(src, cfg or src.config, rules=rules, strict=strict)
     user = naming.user_rules(src, cfg, rules) if rules else None
     hyper = checked_hyper(src.optimizer.hyper, path) if src.optimizer is not None else {}  # (any source's: typed)
