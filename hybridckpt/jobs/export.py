@@ -76,6 +76,7 @@ def export_checkpoint(
     step: int | None = None,
     optimizer: bool = False,
     config: Any = None,
+    param_order: Any = None,
     rules: str | os.PathLike | None = None,
     dtype: str | None = None,
     max_shard_bytes: int | None = None,
@@ -116,7 +117,8 @@ def export_checkpoint(
     t0 = time.perf_counter()
     if io_threads is not None:
         parallel.set_io_threads(io_threads)
-    opened = open_checkpoint(src, fmt, config=config, rules=rules, step=step, verify_reads=verify_reads)
+    opened = open_checkpoint(src, fmt, config=config, rules=rules, step=step, verify_reads=verify_reads,
+                             param_order=param_order)
     Destination(out, overwrite=overwrite, sources=[opened.path]).preflight()  # before any read
     named = naming.model_hf(opened.named, opened.config) if opened.config is not None else opened.named
     _, cast = cast_floating(named.params, dtype)  # what the writer casts (through the same helper)

@@ -45,11 +45,23 @@ def read_order_file(path: str | os.PathLike) -> list[str]:
     return names
 
 
+class IfIndexKeyed(tuple):
+    """Parameter names in index order for whichever checkpoint holds an index-keyed optimizer
+    state (`verify`'s two sides), not refused by one that holds none; `source` names them."""
+
+    def __new__(cls, names: Sequence[str], source: str):
+        self = super().__new__(cls, names)
+        self.source = source
+        return self
+
+
 def order_arg(param_order: Any) -> tuple[list[str] | None, str]:
     """(names, how to name their source in messages) of `param_order=`: a sequence of names, a
     file path (`read_order_file`), or None."""
     if param_order is None:
         return None, ""
+    if isinstance(param_order, IfIndexKeyed):
+        return list(param_order), param_order.source
     if isinstance(param_order, str | os.PathLike):
         return read_order_file(param_order), f"--param-order {os.fspath(param_order)}"
     if isinstance(param_order, Sequence) and all(isinstance(n, str) for n in param_order):
@@ -64,7 +76,7 @@ def resolve(src: SourceCheckpoint, cfg: Any, param_order: Any = None, *, user_ru
     names, source = order_arg(param_order)
     ko = src.index_optimizer
     if ko is None:
-        if names is not None:
+        if names is not None and not isinstance(param_order, IfIndexKeyed):
             raise ConfigError(f"{source}: {src.path} holds no optimizer state keyed by parameter index "
                               f"(the {src.format} reader names its optimizer itself): nothing to order")
         return src

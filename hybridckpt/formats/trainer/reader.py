@@ -125,8 +125,7 @@ def _fsdp_or_plain(folder: str, kind: str, notes: list[str]) -> SourceCheckpoint
             orphans = sorted(set(next(iter(slots.values()))) - set(tensors))
             if orphans:
                 raise FormatError(f"{optim_path}: optimizer state for {orphans[:3]}, which the model files do not hold")
-        elif hyper:
-            optimizer = None
+        elif hyper and by_index is None:  # (an index-keyed state is named in jobs.open)
             notes.append(f"{os.path.basename(optim_path)}: hyper-parameters only")
     return SourceCheckpoint(NAME, folder, tensors, optimizer=optimizer, topology=topology,
                             trainer={"_hyper_only": hyper} if optimizer is None and optim_path is not None and hyper else {},
