@@ -84,8 +84,8 @@ def given(ko: IndexKeyedOptimizer, names: Sequence[str], known: Mapping[str, tup
         seen.add(n)
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise ConfigError(f"{source}: {unknown[:3]} {'is' if len(unknown) == 1 else 'are'} not parameters of the model "
-                          f"(it has e.g. {sorted(known)[:3]})")
+        raise ConfigError(f"{source}: names no parameter of the model has: {unknown[:3]} (it has e.g. "
+                          f"{sorted(known)[:3]})")
     sizes = _sizes(ko)
     if len(names) != sum(sizes):
         raise ConfigError(f"{source}: {len(names)} names, but {os.path.basename(ko.path)} holds {sum(sizes)} parameters "
