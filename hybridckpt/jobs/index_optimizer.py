@@ -87,16 +87,9 @@ def resolve(src: SourceCheckpoint, cfg: Any, param_order: Any = None, *, user_ru
         return replace(src, notes=(*src.notes, note))
     shapes, rename = _params(src, cfg, user_rules)
     if names is not None:
-        naming = index_names.given(ko, names, shapes, source)
+        opt, notes = index_names.named(ko, index_names.given(ko, names, shapes, source), shapes, rename)
     else:
-        from hybridckpt.optim.param_order import named_parameters
-
-        try:
-            order = named_parameters(cfg, list(shapes))
-        except MappingError as e:
-            raise FormatError(f"{ko.path}: an optimizer state keyed by index: {e}; {index_names.HINT}") from None
-        naming = index_names.by_rule(ko, order)
-    opt, notes = index_names.named(ko, naming, shapes, rename)
+        opt, notes = _by_rule(src, ko, cfg, shapes, rename)
     step = src.step if src.step is not None else opt.step
     return replace(src, optimizer=opt, step=step, notes=(*notes, *src.notes))
 
@@ -111,10 +104,78 @@ def _params(src: SourceCheckpoint, cfg: Any, user_rules) -> tuple[dict[str, tupl
 
     hf_of = naming.leaf_namer(src, cfg, user_rules=user_rules, tree=False)
     to_src: dict[str, str] = {}
-    for n in src.tensors:
+    hf_names: dict[str, None] = {}
+    for n, t in src.tensors.items():
         hf = hf_of(n)
-        if len(hf) == 1:
+        if not hf:  # a stacked source (fused experts): its names by the renames themselves, on a placeholder
+            one = replace(src, tensors={n: _placeholder(tuple(t.shape))}, optimizer=None, index_optimizer=None)
+            hf = list(naming.source_to_hf(one, cfg, user_rules=user_rules, strict=False).params)
+        hf_names.update(dict.fromkeys(hf))
+        if len(hf) == 1:  # (a tensor the source's rules split, as fused experts, keeps its own name)
             to_src[hf[0]] = n
-    model = naming.model_hf_shapes(models.fit_to_hf_names(cfg, list(to_src)))
-    shapes = {h: tuple(model[h]) for h in to_src if h in model}
+    model = naming.model_hf_shapes(models.fit_to_hf_names(cfg, list(hf_names)))
+    shapes = {h: tuple(model[h]) for h in hf_names if h in model}
     return shapes, {h: s for h, s in to_src.items() if h in shapes and h != s}
+
+
+def _by_rule(src: SourceCheckpoint, ko, cfg: Any, shapes: dict, rename: dict):
+    """(state, notes) named by the tool's rule over the model's `named_parameters()`: under the
+    HF names, or, for a family whose live transformers model holds its params otherwise than its
+    HF files name them (transformers 5's fused MoE experts, `mlp.experts.gate_up_proj` [X, 2M, E]:
+    the family's `hf_name_fixes`), under those names, the moments then taken to the source's
+    names by the same rules (each expert a lazy slice of the fused moment)."""
+    from hybridckpt.optim.param_order import named_parameters
+
+    try:
+        return index_names.named(ko, index_names.by_rule(ko, named_parameters(cfg, list(shapes))), shapes, rename)
+    except MappingError as e:
+        live = _live_names(cfg, shapes)
+        if live is None:
+            raise FormatError(f"{ko.path}: an optimizer state keyed by index: {e}; {index_names.HINT}") from None
+    live_shapes, rules = live
+    try:
+        order = named_parameters(cfg, list(live_shapes))
+    except MappingError as e:
+        raise FormatError(f"{ko.path}: an optimizer state keyed by index: {e}; {index_names.HINT}") from None
+    opt, notes = index_names.named(ko, index_names.by_rule(ko, order), live_shapes)
+    if all(n in src.tensors for n in live_shapes):  # the source holds the live names: its rules split them
+        return opt, notes
+    slots = {s: {rename.get(h, h): t for h, t in rules.for_slot(s).apply_unstack(dict(v), strict=False).tensors.items()}
+             for s, v in opt.slots.items()}
+    hyper = dict(opt.hyper)
+
+    def targets(n: str) -> list[str]:  # (a fused name's per-expert names: the rules on a placeholder)
+        return [rename.get(h, h) for h in rules.apply_unstack({n: _placeholder(live_shapes[n])}, strict=False).tensors]
+
+    if "groups" in hyper:
+        hyper["groups"] = [{**g, "params": [h for n in g["params"] for h in targets(n)]} for g in hyper["groups"]]
+    return replace(opt, slots=slots, hyper=hyper), notes
+
+
+def _placeholder(shape: tuple[int, ...]):
+    """A tensor of `shape` that owns no memory (a broadcast zero): for planning names only."""
+    import numpy as np
+
+    from hybridckpt import lazy
+
+    return lazy.ArrayTensor(np.broadcast_to(np.zeros((), np.float32), shape))
+
+
+def _live_names(cfg: Any, shapes: dict) -> tuple[dict[str, tuple[int, ...]], Any] | None:
+    """(the params `shapes` (HF names) under the names a live transformers model holds them by
+    -> shape, the rules from those to the HF names), or None when the family names them alike."""
+    from hybridckpt import models
+    from hybridckpt.optim.param_order import declared_order
+    from hybridckpt.rules import parse_rules
+
+    probe = [t.replace("$", "0") for t in declared_order(cfg)]
+    fixes = models.hf_name_fixes(cfg, probe)
+    if not fixes.strip():
+        return None
+    rules = parse_rules(fixes, models.rule_variables(cfg), origin=f"{models.family_of(cfg).name} name fixes")
+    flat = {k: _placeholder(s) for k, s in shapes.items()}
+    try:
+        live = rules.invert().apply(flat, strict=True).tensors
+    except MappingError:
+        return None
+    return {k: tuple(t.shape) for k, t in live.items()}, rules

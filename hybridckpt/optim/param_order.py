@@ -59,6 +59,11 @@ def _declared(cfg: Any) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
     return fam.name, tuple(fill(t) for t in fam.table.hf_order()), tuple(fill(t) for t in fam.table.layernorms)
 
 
+def declared_order(cfg: Any) -> tuple[str, ...]:
+    """`cfg`'s family's declared order (HF names, numbers `$`, `{var}` filled)."""
+    return _declared(cfg)[1]
+
+
 def _pattern(name: str) -> tuple[str, ...]:
     """A name's components with every number written `$`."""
     return tuple(NUMBER if c.isdigit() else c for c in name.split("."))

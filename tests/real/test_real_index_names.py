@@ -167,8 +167,13 @@ def test_a_bad_param_order_is_refused(tmp_path):
         with pytest.raises(ConfigError, match="--param-order .*order.txt: ") as e:
             jobs.open_checkpoint(src, param_order=path)
         assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+    fsdp = cases.ckpt("hf_trainer_fsdp2_full", "checkpoint-3")  # keyed by name: nothing to order
     with pytest.raises(ConfigError, match="holds no optimizer state keyed by parameter index"):
-        jobs.open_checkpoint(cases.ckpt("hf_trainer_fsdp2_full", "checkpoint-3"), param_order=order)
+        jobs.open_checkpoint(fsdp, param_order=order)
+    with pytest.raises(ConfigError, match="neither .* nor .* holds an optimizer state keyed by parameter index"):
+        jobs.verify(fsdp, fsdp, param_order=order)
+    rows, only_a, only_b = jobs.verify(src, src, param_order=order)  # (both sides named by it)
+    assert not only_a and not only_b and all(r.ok for r in rows) and sum(r.kind == "slot" for r in rows) == 42
 
 
 def test_cli_param_order_and_refusal(tmp_path, capsys):
@@ -234,3 +239,82 @@ def test_a_plain_torch_loop_file(tmp_path):
         jobs.open_checkpoint(str(folder))
     assert "\n" not in str(e.value)
     assert os.path.isfile(folder / "last.pt")
+
+
+def _hub(fused: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """transformers 5 Mixtral's live (fused) names -> the Hub's per-expert files' names: expert e
+    of `mlp.experts.gate_up_proj` [X, 2M, E] is `w1` (its first M rows) and `w3`, of `down_proj` `w2`."""
+    out = {}
+    for n, v in fused.items():
+        pre, _, rest = n.partition(".mlp.")
+        if rest == "gate.weight":
+            out[f"{pre}.block_sparse_moe.gate.weight"] = v
+        elif rest == "experts.gate_up_proj":
+            m = v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out[f"{pre}.block_sparse_moe.experts.{e}.w1.weight"] = v[e, :m]
+                out[f"{pre}.block_sparse_moe.experts.{e}.w3.weight"] = v[e, m:]
+        elif rest == "experts.down_proj":
+            out.update({f"{pre}.block_sparse_moe.experts.{e}.w2.weight": v[e] for e in range(v.shape[0])})
+        else:
+            out[n] = v
+    return out
+
+
+def test_a_moe_models_fused_experts(tmp_path):
+    """transformers 5 holds Mixtral's experts fused (`mlp.experts.gate_up_proj` [X, 2M, E]): the
+    optimizer's indices name those, while `save_pretrained` writes the Hub's per-expert tensors.
+    A Trainer-grouped AdamW (`Trainer.get_decay_parameter_names`) of 3 steps: each expert's
+    moments are its slice of the fused moment, and one optax step equals torch's 4th; a loop's
+    `torch.save` of the live state dict (fused names) is read the same."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=32, hidden_size=8, intermediate_size=12, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2)  # fmt: skip
+    model = transformers.MixtralForCausalLM(cfg).float()
+    decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
+    opt = torch.optim.AdamW([{"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": 0.1},
+                             {"params": [p for n, p in model.named_parameters() if n not in decay], "weight_decay": 0.0}],
+                            lr=1e-2, betas=(0.9, 0.95))  # fmt: skip
+    tokens = torch.randint(0, 32, (2, 8))
+
+    def step() -> dict[str, np.ndarray]:
+        opt.zero_grad()
+        model(tokens, labels=tokens).loss.backward()
+        grads = {n: p.grad.detach().numpy().copy() for n, p in model.named_parameters()}
+        opt.step()
+        return grads
+
+    for _ in range(3):
+        step()
+    trainer, loop = tmp_path / "checkpoint-3", tmp_path / "loop"
+    model.save_pretrained(trainer)
+    torch.save(opt.state_dict(), trainer / "optimizer.pt")
+    (trainer / "trainer_state.json").write_text(json.dumps({"global_step": 3}))
+    loop.mkdir()
+    cfg.save_pretrained(loop)
+    osd, names = opt.state_dict(), [n for n, _ in model.named_parameters()]
+    torch.save({"model": model.state_dict(), "optimizer": osd}, loop / "model.pt")
+    with pytest.raises(FormatError, match=r"model.pt \['optimizer'\]: .*2 groups taking the named_parameters\(\) order "
+                       r"of mixtral in turn \(16 / 5\) does not fit: state\[8\] exp_avg has shape \(8, 8\), but "
+                       r"model.layers.0.input_layernorm.weight \(group 0\) needs \(8,\); pass --param-order"):
+        jobs.open_checkpoint(str(loop))  # a loop's file is not the Trainer's: its grouping is caught by a shape
+    param_of = dict(model.named_parameters())
+    index = [n for g in opt.param_groups for p in g["params"] for n in names if param_of[n] is p]  # names by index
+    osd["state"] = {names.index(n): osd["state"][i] for i, n in enumerate(index)}  # one group, named_parameters() order
+    osd["param_groups"] = [{**osd["param_groups"][0], "params": list(range(len(names)))}]
+    torch.save({"model": model.state_dict(), "optimizer": osd}, loop / "model.pt")
+    mu = _hub({n: opt.state[p]["exp_avg"].numpy().copy() for n, p in model.named_parameters()})
+    grads = _hub(step())
+    after = _hub({n: p.detach().numpy().copy() for n, p in model.named_parameters()})
+    for folder, rule in ((trainer, "the Trainer's grouping (16 decay / 5 no-decay, named_parameters() order of mixtral)"),
+                         (loop, "one group in the named_parameters() order of mixtral")):
+        opened = jobs.open_checkpoint(str(folder))
+        assert any(n.endswith(f"keyed by index: named by {rule}") for n in opened.notes), opened.notes
+        got = opened.named.slots["exp_avg"]
+        assert sorted(got) == sorted(mu) and "model.layers.1.block_sparse_moe.experts.3.w3.weight" in got
+        for n, m in mu.items():
+            assert np.array_equal(got[n].materialize(), m), (folder.name, n)
+    assert _close(_optax_step(jobs.open_checkpoint(str(trainer)), grads), after)
