@@ -90,8 +90,16 @@ def test_named_parameters_order_is_transformers(name):
     cfg = VARIANTS[name]
     model = _hf_model(cfg)
     theirs = [n for n, _ in model.named_parameters()]
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     if cfg.family not in FUSED_IN_MEMORY:  # the table's HF names are the module's names
-        assert set(naming.model_hf_shapes(cfg)) == set(theirs)
+        assert naming.model_hf_shapes(cfg) == shapes
+    else:  # the live (fused) names and shapes, read back from the Hub's by the family's name fixes
+        from hybridckpt.jobs.index_optimizer import _live_names
+
+        live = _live_names(cfg, naming.model_hf_shapes(cfg))[0]
+        # (DeepSeek V3's router bias is a param of the table but a buffer of transformers' module:
+        # not in named_parameters(), so an index-keyed DeepSeek state is refused, not guessed)
+        assert {k: v for k, v in live.items() if not k.endswith(".e_score_correction_bias")} == shapes
     shuffled = list(theirs)
     random.Random(0).shuffle(shuffled)
     assert shuffled != theirs
