@@ -160,6 +160,14 @@ class ParamTable:
     dims: Callable[[Any], Mapping[str, int | None]]
     rows: tuple[Row, ...] = field(default=())
     groups: Callable[[Any], Mapping[str, Groups]] = field(default=lambda cfg: {})  # none grouped
+    # transformers' `named_parameters()` order of the HF model (its module definition order), as
+    # HF names with every number `$` (`model.layers.$.self_attn.q_proj.weight`), where the rows'
+    # order is not it; () derives it from the rows (`hf_order`); `hybridckpt.optim.param_order`
+    # sorts a checkpoint's names by it
+    named_parameters: tuple[str, ...] = ()
+    # the params of `nn.LayerNorm` modules among those (same spelling), which the HF Trainer keeps
+    # out of weight decay whatever their names (GPT-2's `transformer.h.$.ln_1.weight`)
+    layernorms: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         where = self.source
@@ -188,6 +196,18 @@ class ParamTable:
         """How rules errors and reports name the generated text ("models/llama/params.py
         table", then `:N`, N the row)."""
         return f"{self.source} table"
+
+    def hf_order(self) -> tuple[str, ...]:
+        """`named_parameters` when declared, else the rows' HF names in row order (every `$X`
+        capture written `$`): the module-definition order of the HF model's params."""
+        if self.named_parameters:
+            return self.named_parameters
+        out: list[str] = []
+        for r in self.rows:
+            name = re.sub(r"\$[A-Za-z_]\w*", "$", r.hf) if isinstance(r, Param) else None
+            if name is not None and name not in out:
+                out.append(name)
+        return tuple(out)
 
     def rules_text(self) -> str:
         """The rules from HF names to the params tree: one line per row, in table order."""

@@ -19,7 +19,7 @@ def cmd_inspect(a) -> int:
         if not (a.plan and a.mesh):
             raise ConfigError("inspect --plan needs --mesh (the target mesh), and --mesh is only for --plan")
         return _print_plan(a, params_only=False, dtype=None, rules=None, strict_sharding=False)
-    info = inspect(a.src, a.format, config=a.config, step=a.step)
+    info = inspect(a.src, a.format, config=a.config, step=a.step, param_order=a.param_order)
     if a.json:
         print(json.dumps(info, indent=2, default=str))
         return 0
@@ -84,7 +84,7 @@ def cmd_import(a) -> int:
                            strict_sharding=a.strict_sharding)
     with Progress("import", a.quiet) as prog:
         s = import_checkpoint(
-            a.src, a.dst, fmt=a.format, mesh=a.mesh, config=a.config, rules=a.rules,
+            a.src, a.dst, fmt=a.format, mesh=a.mesh, config=a.config, rules=a.rules, param_order=a.param_order,
             params_only=a.params_only, dtype=a.dtype, strict_sharding=a.strict_sharding,
             overwrite=a.overwrite, progress=prog, io_threads=a.io_threads, compression=a.compression,
             direct_io=not a.buffered_writes, verify_reads=not a.no_verify_reads, step=a.step,
@@ -106,6 +106,7 @@ def _print_plan(a, **options) -> int:
     from hybridckpt.jobs.plan_report import plan_import
 
     plan = plan_import(a.src, fmt=a.format, mesh=a.mesh, config=a.config, step=a.step, process=a.process,
+                       param_order=a.param_order,
                        processes=a.processes, **options)
     if a.json:
         print(json.dumps(plan.to_json(), indent=2))
@@ -156,7 +157,7 @@ def cmd_export(a) -> int:
 
     with Progress("export", a.quiet) as prog:
         s = export_checkpoint(
-            a.src, a.out, fmt=a.format, step=a.step, optimizer=a.optimizer, config=a.config,
+            a.src, a.out, fmt=a.format, step=a.step, optimizer=a.optimizer, config=a.config, param_order=a.param_order,
             rules=a.rules, dtype=a.dtype,
             max_shard_bytes=int(a.max_shard_gb * 1024**3) if a.max_shard_gb else None,
             overwrite=a.overwrite, progress=prog, io_threads=a.io_threads, to=a.to,
@@ -177,6 +178,9 @@ def cmd_verify(a) -> int:
     t0 = time.perf_counter()
     with Progress("verify", a.quiet) as prog:
         if a.b is None:
+            if a.param_order is not None:
+                raise ConfigError("--param-order: only for comparing two checkpoints (verify A B), whose "
+                                  "optimizer state it names")
             rows = verify_checksums(a.a, step=a.step, progress=prog)
             bad = [r for r in rows if not r.ok]
             for r in bad:
@@ -187,7 +191,7 @@ def cmd_verify(a) -> int:
             print(f"{arrays - sum(r.kind != 'file' for r in bad)}/{arrays} arrays match their import checksums{kept}; "
                   f"{time.perf_counter() - t0:.2f} s")
             return 1 if bad else 0
-        rows, only_a, only_b = verify(a.a, a.b, atol=a.atol, config=a.config, progress=prog, step=a.step,
+        rows, only_a, only_b = verify(a.a, a.b, atol=a.atol, config=a.config, progress=prog, step=a.step, param_order=a.param_order,
                                       params_only=a.params_only, verify_reads=not a.no_verify_reads)
     width = max((len(r.name) for r in rows), default=10)
     bad = 0
@@ -222,7 +226,7 @@ def cmd_logits(a) -> int:
         raise HybridCkptError(f"--tokens: expected comma-separated integers, found {a.tokens!r}") from None
     if not tokens:
         raise HybridCkptError(f"--tokens: expected at least one token id, found {a.tokens!r}")
-    out = logits(a.src, tokens, mesh=a.mesh, config=a.config, fmt=a.format, step=a.step,
+    out = logits(a.src, tokens, mesh=a.mesh, config=a.config, fmt=a.format, step=a.step, param_order=a.param_order,
                  compute_dtype=a.compute_dtype, verify_reads=not a.no_verify_reads)
     if a.out is not None:
         print(f"logits {out.shape} float32 written to {save(a.out, out)}")

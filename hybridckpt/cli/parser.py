@@ -75,6 +75,10 @@ def _common(sp, *, fmt=True, config=True, io=False, progress=True, step=True) ->
                         help="parallel byte-range readers (default: $HYBRIDCKPT_IO_THREADS, else 2 x cores, 4..16)")
     if config:
         sp.add_argument("--config", help="HF config.json or Meta params.json (or a folder holding one), for sources that carry no model config")
+        sp.add_argument("--param-order", metavar="FILE",
+                        help="an optimizer state keyed by parameter index (HF Trainer optimizer.pt, accelerate "
+                        "optimizer.bin, torch.save of opt.state_dict()): its parameter names in index order, one a "
+                        "line (default: the model's named_parameters() order, grouped as the writing tool does)")
     if progress:
         sp.add_argument("--quiet", action="store_true", help="no progress bar")
 

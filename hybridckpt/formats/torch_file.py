@@ -8,8 +8,11 @@ read through the restricted unpickler, no code runs, tensor bytes are byte range
   told apart from every other file by their first bytes (`torch_save.is_torch_zip`, `is_torch_legacy`);
 - the object is a flat state dict `{name: tensor}` (`formats.hf.bin.tensors_of` checks it), or a
   dict holding one under `"model"`, `"state_dict"` or `"module"` (the common training-script
-  wrappers `{"model": sd, "optimizer": ..., "epoch": ...}`): those tensors are read, the other
-  entries named in a note and left alone.
+  wrappers `{"model": sd, "optimizer": ..., "epoch": ...}`): those tensors are read; beside them
+  an optimizer state keyed by parameter index (torch's `opt.state_dict()` under one of
+  `OPTIMIZER_KEYS`) is read as an `IndexKeyedOptimizer` (`formats.index_optim`, named in
+  `jobs.open` from the model's `named_parameters()` order, one group or several in turn), the
+  other entries named in a note and left alone.
 Names are kept as the file has them. The model config: `--config`, else a `config.json` beside
 the file in a folder given as the source (an architecture no family implements, or no config at
 all: the tensors under their own names, as any model-agnostic source). `detect` reads a few bytes
@@ -24,13 +27,15 @@ from collections.abc import Mapping
 from hybridckpt import models
 from hybridckpt.containers.pickle import torch_save
 from hybridckpt.errors import FormatError, UnknownModelError, short_repr
+from hybridckpt.formats import index_optim
 from hybridckpt.formats.hf import bin as hf_bin
 from hybridckpt.io.config_file import read_json
-from hybridckpt.source_checkpoint import SourceCheckpoint
+from hybridckpt.source_checkpoint import IndexKeyedOptimizer, SourceCheckpoint
 
 NAME = "torch"
 WRAPPERS = ("model", "state_dict", "module")  # keys a training script saves its state dict under
 MAX_FILES = 64  # a folder with more entries is not "a folder holding one torch file"
+OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optim", "opt")  # where a loop saves opt.state_dict()
 
 
 def is_torch_file(path: str) -> bool:
@@ -56,18 +61,21 @@ def detect(path: str) -> bool:
     return os.path.isdir(path) and _folder_file(path) is not None
 
 
-def _weights(path: str) -> tuple[dict, list[str]]:
-    """(the state dict's tensors, notes) of the torch file `path`."""
+def _weights(path: str) -> tuple[dict, list[str], IndexKeyedOptimizer | None]:
+    """(the state dict's tensors, notes, an index-keyed optimizer state beside them or None) of
+    the torch file `path`."""
     obj = torch_save.load(path)
     if isinstance(obj, Mapping) and not any(isinstance(v, Mapping) for v in obj.values()):
-        return hf_bin.tensors_of(obj, path), []
+        return hf_bin.tensors_of(obj, path), [], None
     if isinstance(obj, Mapping):
         for key in WRAPPERS:
             if isinstance(obj.get(key), Mapping):
-                others = [short_repr(k, 40) for k in obj if k != key]
+                opt_key = next((k for k in OPTIMIZER_KEYS if index_optim.is_index_keyed(obj.get(k))), None)
+                by_index = None if opt_key is None else index_optim.read(obj[opt_key], f"{path} [{opt_key!r}]", "torch")
+                others = [short_repr(k, 40) for k in obj if k not in (key, opt_key)]
                 note = f"{os.path.basename(path)}: the state dict under {key!r}" + (
                     f"; its other entries are not read: {', '.join(others[:8])}" if others else "")
-                return hf_bin.tensors_of(obj[key], f"{path}: [{key!r}]"), [note]
+                return hf_bin.tensors_of(obj[key], f"{path}: [{key!r}]"), [note], by_index
         raise FormatError(f"{path}: expected a state dict (name -> tensor) or one under "
                           f"{' / '.join(map(repr, WRAPPERS))}, found a dict of {short_repr(list(obj)[:8])}")
     raise FormatError(f"{path}: expected a state dict (name -> tensor), found {type(obj).__name__}")
@@ -91,7 +99,7 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         raise FormatError(f"{path}: expected a torch.save file, or a folder holding exactly one")
     if not is_torch_file(file):
         raise FormatError(f"{file}: not a torch.save file (neither its zip archive nor the legacy format)")
-    tensors, notes = _weights(file)
+    tensors, notes, by_index = _weights(file)
     if not tensors:
         raise FormatError(f"{file}: the state dict holds no tensors")
     cfg, raw = _config(path if os.path.isdir(path) else None, config)
@@ -114,4 +122,5 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         step=None,
         trainer=trainer,
         notes=tuple(notes),
+        index_optimizer=by_index,
     )

@@ -41,7 +41,9 @@ class ExportJob:
 
     fmt: the source's format ("auto" detects it); step: which step of a folder of several
       (`open_checkpoint`); config: a config path or model config for sources that carry none
-      (omit it to consolidate under the source's own names); rules: a user rules file.
+      (omit it to consolidate under the source's own names); rules: a user rules file;
+      param_order: the parameter names in index order of an optimizer state keyed by index
+      (a sequence, or a file of one name a line: `open_checkpoint`).
     optimizer: also write the optimizer slots and step (a source without any: the weights alone,
       with a note saying so). dtype: cast the floating params on write (the summary's notes say
       what was cast); default: every tensor as stored.
@@ -61,6 +63,7 @@ class ExportJob:
     step: int | None = None
     optimizer: bool = False
     config: Any = None
+    param_order: Any = None
     rules: str | os.PathLike | None = None
     dtype: str | None = None
     to: str = "hf"
@@ -105,7 +108,7 @@ def run(src: str | os.PathLike, out: str | os.PathLike, job: ExportJob) -> Expor
     if job.io_threads is not None:
         parallel.set_io_threads(job.io_threads)
     opened = open_checkpoint(src, job.fmt, config=job.config, rules=job.rules, step=job.step,
-                             verify_reads=job.verify_reads, model_only=True)
+                             verify_reads=job.verify_reads, model_only=True, param_order=job.param_order)
     named = opened.named
     optimizer = job.optimizer and bool(named.slots)  # the weights alone, and said: the flag had nothing to write
     notes = () if optimizer == job.optimizer else (

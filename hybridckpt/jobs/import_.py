@@ -181,6 +181,7 @@ def import_checkpoint(
     compression: str | None = None,
     direct_io: bool | None = None,
     verify_reads: bool = True,
+    param_order: Any = None,
 ) -> ImportSummary:
     """Import any supported checkpoint into an Orbax checkpoint at `dst` on `mesh`, streaming.
 
@@ -196,6 +197,7 @@ def import_checkpoint(
     direct_io: raw chunk files of whole 4 KiB blocks written with O_DIRECT, bypassing the page
       cache (default True; False: buffered writes); see `containers.orbax.chunk_files`.
     verify_reads: a hybridckpt (Orbax) source's chunks checked against their import's CRC-32s.
+    param_order: an index-keyed optimizer state's parameter names in index order (names, or a file of one a line; `open_checkpoint`).
     """
     import jax
 
@@ -211,7 +213,8 @@ def import_checkpoint(
     t0 = time.perf_counter()
     if io_threads is not None:
         parallel.set_io_threads(io_threads)
-    opened = open_checkpoint(src, fmt, config=config, rules=rules, step=step, verify_reads=verify_reads)
+    opened = open_checkpoint(src, fmt, config=config, rules=rules, step=step, verify_reads=verify_reads,
+                             param_order=param_order)
     if jax.process_index() == 0:  # before any read: the same checks as the save's
         Destination(dst, overwrite=overwrite, sources=[opened.path]).preflight()
     lt = lazy_targets(opened, mesh=mesh, params_only=params_only, dtype=dtype, strict_sharding=strict_sharding,

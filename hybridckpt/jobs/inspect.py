@@ -59,12 +59,14 @@ def _pieces(t: LazyTensor) -> int:
     return sum(_pieces(k) for k in kids) if kids else 1
 
 
-def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, step: int | None = None) -> dict:
+def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, step: int | None = None,
+            param_order: Any = None) -> dict:
     """What a checkpoint holds, as a JSON-able dict of one schema for every format (`SCHEMA`;
     docs/cli.md "inspect --json"); reads metadata only."""
     from hybridckpt.formats import orbax_store as store_source
     from hybridckpt.formats import registry
     from hybridckpt.io.paths import given
+    from hybridckpt.jobs import index_optimizer
 
     path = os.path.abspath(given(path, "the source"))
     fmt = registry.detect(path) if fmt == "auto" else fmt
@@ -77,6 +79,7 @@ def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, s
     src = registry.open_source(path, fmt, config=config, step=step)
     held = registry.step_folders(path, fmt)
     cfg, files = src.config, src.files
+    src = index_optimizer.resolve(src, cfg, param_order)  # (its decision and why: a note)
     info: dict[str, Any] = {
         "format": src.format,
         "path": path,

@@ -26,6 +26,7 @@ def logits(
     step: int | None = None,
     compute_dtype: str = "float32",
     verify_reads: bool = True,
+    param_order: Any = None,
 ) -> np.ndarray:
     """The model's logits `[batch, seq, vocab]` (fp32) for int `tokens` `[seq]` or `[batch, seq]`
     (`verify_reads`: a hybridckpt source's chunks checked against their import's CRC-32s)."""
@@ -38,7 +39,7 @@ def logits(
     from hybridckpt.mesh import as_mesh
     from hybridckpt.place import assemble
 
-    opened = open_checkpoint(src, fmt, config=config, step=step, verify_reads=verify_reads)
+    opened = open_checkpoint(src, fmt, config=config, step=step, verify_reads=verify_reads, param_order=param_order)
     cfg = require_config(opened, "logits")
     toks = np.asarray(tokens, dtype=np.int32)
     if toks.ndim == 1:

@@ -188,6 +188,7 @@ def plan_import(
     process: int | None = None,
     processes: int | None = None,
     stream_options: Any = None,
+    param_order: Any = None,
 ) -> ImportPlan:
     """The plan of `import_checkpoint(src, ..., mesh=mesh)` with the same arguments; `process`:
     only that process's devices (None: all); `processes`: the devices split over that many
@@ -200,7 +201,7 @@ def plan_import(
     from hybridckpt.store import stream
 
     t0 = time.perf_counter()
-    opened = open_checkpoint(src, fmt, config=config, rules=rules, step=step)
+    opened = open_checkpoint(src, fmt, config=config, rules=rules, step=step, param_order=param_order)
     lt = lazy_targets(opened, mesh=mesh, params_only=params_only, dtype=dtype, strict_sharding=strict_sharding,
                       stream_options=stream_options)
     written = [x for x in jax.tree.leaves((lt.params, lt.opt_state), is_leaf=lambda x: isinstance(x, stream.LazyLeaf))

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from hybridckpt.errors import CheckpointError
+from hybridckpt.errors import CheckpointError, ConfigError
 from hybridckpt.io import byte_source
 from hybridckpt.lazy import LazyTensor
 
@@ -125,6 +125,7 @@ def verify(
     params_only: bool = False,
     verify_reads: bool = True,
     step: int | None = None,
+    param_order: Any = None,
 ) -> tuple[list[TensorDiff], list[str], list[str]]:
     """Compare two checkpoints of any formats (under HF names when a model config is known):
     every param, and unless `params_only` every optimizer slot's tensor (`name [slot]`), the
@@ -133,20 +134,27 @@ def verify(
     is one entry, `[optimizer state: ...]`, in the other's list. `step` picks that step of each
     side that is a folder of several steps (ours, `step-N/`, `checkpoint-N/`, ...); a side of one
     step is read as it is; neither being one is a CheckpointError. A file of either that changed
-    while it was read is a FormatError (`io.byte_source.watch`): the verdict would be of neither."""
+    while it was read is a FormatError (`io.byte_source.watch`): the verdict would be of neither.
+    `param_order` names an index-keyed optimizer state of either side (`open_checkpoint`)."""
     with byte_source.watch() as watched:
         out = _verify(a, b, atol=atol, config=config, progress=progress, params_only=params_only,
-                      verify_reads=verify_reads, step=step)
+                      verify_reads=verify_reads, step=step, param_order=param_order)
         watched.check()
     return out
 
 
-def _verify(a, b, *, atol, config, progress, params_only, verify_reads, step):
+def _verify(a, b, *, atol, config, progress, params_only, verify_reads, step, param_order=None):
+    from hybridckpt.jobs.index_optimizer import IfIndexKeyed, order_arg
     from hybridckpt.jobs.open import open_checkpoint
 
     step_a, step_b = _steps_of(a, b, step)
-    oa = open_checkpoint(a, config=config, verify_reads=verify_reads, step=step_a)
-    ob = open_checkpoint(b, config=config, verify_reads=verify_reads, step=step_b)
+    names, source = order_arg(param_order)
+    if names is not None:  # (the side whose optimizer state is keyed by index takes it)
+        param_order = IfIndexKeyed(names, source)
+    oa, ob = (open_checkpoint(p, config=config, verify_reads=verify_reads, step=s, param_order=param_order)
+              for p, s in ((a, step_a), (b, step_b)))
+    if names is not None and not any(param_order.source in n for o in (oa, ob) for n in o.notes):
+        raise ConfigError(f"{source}: neither {a} nor {b} holds an optimizer state keyed by parameter index: nothing to order")
     na, nb = _model_named(oa), _model_named(ob)
     rows, only_a, only_b = compare_tensors(na.params, nb.params, atol, progress)
     if params_only:

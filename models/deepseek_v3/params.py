@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybridckpt.models import mlp_table
+from hybridckpt.models.llama.params import hf_order as _hf_order
 from hybridckpt.models.table import Drop, Groups, Param, ParamTable, Row, stack, under
 
 
@@ -92,6 +93,33 @@ def mtp(i: str) -> tuple[Row, ...]:
     return (*own, *under("layers", decoder(i)), *under("moe", moe(i)))
 
 
+# transformers 5 DeepseekV3DecoderLayer: attention (with or without the q LoRA), mlp (a dense layer's
+# gate/up/down; a sparse layer's fused experts, gate, shared experts), norms; in-memory names
+NAMED_PARAMETERS = _hf_order((
+    'self_attn.q_a_proj.weight',
+    'self_attn.q_a_proj.bias',
+    'self_attn.q_a_layernorm.weight',
+    'self_attn.q_b_proj.weight',
+    'self_attn.q_proj.weight',
+    'self_attn.kv_a_proj_with_mqa.weight',
+    'self_attn.kv_a_proj_with_mqa.bias',
+    'self_attn.kv_a_layernorm.weight',
+    'self_attn.kv_b_proj.weight',
+    'self_attn.o_proj.weight',
+    'self_attn.o_proj.bias',
+    'mlp.gate_proj.weight',
+    'mlp.up_proj.weight',
+    'mlp.down_proj.weight',
+    'mlp.experts.gate_up_proj',
+    'mlp.experts.down_proj',
+    'mlp.gate.weight',
+    'mlp.shared_experts.gate_proj.weight',
+    'mlp.shared_experts.up_proj.weight',
+    'mlp.shared_experts.down_proj.weight',
+    'input_layernorm.weight',
+    'post_attention_layernorm.weight',
+))
+
 TABLE = ParamTable(
     __name__,
     dims,
@@ -110,4 +138,5 @@ TABLE = ParamTable(
         Drop("model.layers.$L.self_attn.rotary_emb.inv_freq"),
     ),
     groups,
+    named_parameters=NAMED_PARAMETERS,
 )

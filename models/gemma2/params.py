@@ -18,6 +18,7 @@ from hybridckpt.models.llama.params import (
     dims,
     groups,
 )
+from hybridckpt.models.llama.params import hf_order as _hf_order
 from hybridckpt.models.table import Param, ParamTable, stack
 
 
@@ -34,9 +35,25 @@ NORMS = (
 )
 FINAL_NORM = norm("final_norm", "model.norm.weight")
 
+# Gemma2DecoderLayer: attention, mlp, then its four norms
+NAMED_PARAMETERS = _hf_order((
+    'self_attn.q_proj.weight',
+    'self_attn.k_proj.weight',
+    'self_attn.v_proj.weight',
+    'self_attn.o_proj.weight',
+    'mlp.gate_proj.weight',
+    'mlp.up_proj.weight',
+    'mlp.down_proj.weight',
+    'input_layernorm.weight',
+    'post_attention_layernorm.weight',
+    'pre_feedforward_layernorm.weight',
+    'post_feedforward_layernorm.weight',
+))
+
 TABLE = ParamTable(
     __name__,
     dims,
     (EMBED, *stack("layers", (*NORMS, *ATTENTION, *MLP)), FINAL_NORM, LM_HEAD, TIED_HEAD),
     groups,
+    named_parameters=NAMED_PARAMETERS,
 )

@@ -84,6 +84,33 @@ PROJECTOR = (
     _carried("norm.weight", ("VE",), "{projector}mm_soft_emb_norm.weight", "zeros"),
 )
 
+
+def _named_parameters() -> tuple[str, ...]:
+    """transformers 5 Gemma3ForConditionalGeneration's `named_parameters()` order (`ParamTable.
+    named_parameters`): the SigLIP tower (its attention defines k, v, q, out), the projector, the
+    text model (Gemma 3's order under `{text}`), the head `{head}`."""
+    def lin(hf: str) -> tuple[str, str]:
+        return f"{hf}.weight", f"{hf}.bias"
+
+    layer = f"{V}encoder.layers.$."
+    vision = (
+        *lin(f"{V}embeddings.patch_embedding"), f"{V}embeddings.position_embedding.weight",
+        *lin(f"{layer}layer_norm1"), *(n for p in "kvq" for n in lin(f"{layer}self_attn.{p}_proj")),
+        *lin(f"{layer}self_attn.out_proj"), *lin(f"{layer}layer_norm2"), *lin(f"{layer}mlp.fc1"), *lin(f"{layer}mlp.fc2"),
+        *lin(f"{V}post_layernorm"), f"{V}head.probe", f"{V}head.attention.in_proj_weight",
+        f"{V}head.attention.in_proj_bias", *lin(f"{V}head.attention.out_proj"), *lin(f"{V}head.layernorm"),
+        *lin(f"{V}head.mlp.fc1"), *lin(f"{V}head.mlp.fc2"),
+    )
+    projector = ("{projector}mm_input_projection_weight", "{projector}mm_soft_emb_norm.weight")
+    text = tuple("{head}" if n == "lm_head.weight" else "{text}" + n.removeprefix("model.") for n in TEXT.named_parameters)
+    return (*vision, *projector, *text)
+
+
+# the tower's nn.LayerNorm params (the HF Trainer does not decay them; their names say no "norm" the
+# Trainer's patterns know)
+LAYERNORMS = tuple(f"{hf}.{p}" for hf in (f"{V}encoder.layers.$.layer_norm1", f"{V}encoder.layers.$.layer_norm2",
+                                          f"{V}post_layernorm", f"{V}head.layernorm") for p in ("weight", "bias"))
+
 TABLE = ParamTable(
     __name__,
     dims,
@@ -96,4 +123,6 @@ TABLE = ParamTable(
         *under("projector", PROJECTOR),
     ),
     TEXT.groups,
+    named_parameters=_named_parameters(),
+    layernorms=LAYERNORMS,
 )

@@ -49,6 +49,10 @@ LAYER = (
     Param("proj.bias", ("E",), (None,), f"{H}.mlp.c_proj.bias", init="zeros"),
 )
 
+# GPT-2's nn.LayerNorm params (the HF Trainer does not decay them: `ln_1` matches no name pattern)
+LAYERNORMS = tuple(f"{hf}.{p}" for hf in ("transformer.h.$.ln_1", "transformer.h.$.ln_2", "transformer.ln_f")
+                   for p in ("weight", "bias"))
+
 TABLE = ParamTable(
     __name__,
     dims,
@@ -63,4 +67,5 @@ TABLE = ParamTable(
         Drop(f"{H}.attn.masked_bias"),
     ),
     groups,
+    layernorms=LAYERNORMS,
 )

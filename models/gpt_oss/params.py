@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybridckpt.models.llama import params as llama
+from hybridckpt.models.llama.params import hf_order as _hf_order
 from hybridckpt.models.qwen2.params import K_BIAS, O_BIAS, Q_BIAS, V_BIAS
 from hybridckpt.models.table import Groups, Param, ParamTable, stack, when
 
@@ -72,6 +73,27 @@ EXPERT_ROWS = (
     Param("experts.down.bias", ("X", "E"), ("experts", None), f"{EXPERTS}.down_proj_bias", init="zeros"),
 )  # fmt: skip
 
+# GptOssDecoderLayer: attention (sinks first, each bias after its weight), mlp (router, experts), norms
+NAMED_PARAMETERS = _hf_order((
+    'self_attn.sinks',
+    'self_attn.q_proj.weight',
+    'self_attn.q_proj.bias',
+    'self_attn.k_proj.weight',
+    'self_attn.k_proj.bias',
+    'self_attn.v_proj.weight',
+    'self_attn.v_proj.bias',
+    'self_attn.o_proj.weight',
+    'self_attn.o_proj.bias',
+    'mlp.router.weight',
+    'mlp.router.bias',
+    'mlp.experts.gate_up_proj',
+    'mlp.experts.gate_up_proj_bias',
+    'mlp.experts.down_proj',
+    'mlp.experts.down_proj_bias',
+    'input_layernorm.weight',
+    'post_attention_layernorm.weight',
+))
+
 TABLE = ParamTable(
     __name__,
     dims,
@@ -84,4 +106,5 @@ TABLE = ParamTable(
         llama.TIED_HEAD,
     ),
     groups,
+    named_parameters=NAMED_PARAMETERS,
 )

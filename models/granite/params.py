@@ -7,4 +7,4 @@ from __future__ import annotations
 from hybridckpt.models.llama.params import TABLE as LLAMA
 from hybridckpt.models.table import ParamTable
 
-TABLE = ParamTable(__name__, LLAMA.dims, LLAMA.rows, LLAMA.groups)
+TABLE = ParamTable(__name__, LLAMA.dims, LLAMA.rows, LLAMA.groups, named_parameters=LLAMA.named_parameters)

@@ -58,6 +58,21 @@ TIED_HEAD = Drop("lm_head.weight", when="tied")
 # a buffer some writers keep; not a parameter
 INV_FREQ = Drop(f"{ATTN}.rotary_emb.inv_freq")
 
+
+
+def hf_order(layer: tuple[str, ...], prefix: str = "model.", head: str = "lm_head.weight") -> tuple[str, ...]:
+    """transformers' `named_parameters()` order of a decoder-only model (`ParamTable.
+    named_parameters`): `{prefix}embed_tokens.weight`, each layer's `layer` names (after
+    `{prefix}layers.$.`, in the layer module's definition order), `{prefix}norm.weight`, the head."""
+    return (f"{prefix}embed_tokens.weight", *(f"{prefix}layers.$.{n}" for n in layer), f"{prefix}norm.weight", head)
+
+
+ATTENTION_ORDER = tuple(f"self_attn.{p}_proj.weight" for p in "qkvo")
+MLP_ORDER = tuple(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))
+NORMS_ORDER = ("input_layernorm.weight", "post_attention_layernorm.weight")
+# LlamaDecoderLayer: self_attn (q, k, v, o), mlp (gate, up, down), input_layernorm, post_attention_layernorm
+NAMED_PARAMETERS = hf_order((*ATTENTION_ORDER, *MLP_ORDER, *NORMS_ORDER))
+
 TABLE = ParamTable(
     __name__,
     dims,
@@ -70,4 +85,5 @@ TABLE = ParamTable(
         INV_FREQ,
     ),
     groups,
+    named_parameters=NAMED_PARAMETERS,
 )

@@ -15,6 +15,7 @@ from typing import Any
 
 from hybridckpt.models import mlp_table
 from hybridckpt.models.llama import params as llama
+from hybridckpt.models.llama.params import hf_order as _hf_order
 from hybridckpt.models.table import Groups, ParamTable, stack
 
 MOE = f"{llama.LAYER}.block_sparse_moe"
@@ -38,6 +39,20 @@ def groups(cfg: Any) -> dict[str, Groups]:
 ATTENTION = (llama.ATTN_NORM, *llama.ATTENTION, llama.MLP_NORM)
 EXPERTS = (*mlp_table.router(f"{MOE}.gate"), *mlp_table.experts(f"{MOE}.experts", "MX", ("w1", "w3", "w2")))
 
+# transformers 5 MixtralDecoderLayer: attention, mlp (gate, then the fused experts), norms; the
+# names are the in-memory ones (`mlp.experts.gate_up_proj`), not the Hub's per-expert files'
+NAMED_PARAMETERS = _hf_order((
+    'self_attn.q_proj.weight',
+    'self_attn.k_proj.weight',
+    'self_attn.v_proj.weight',
+    'self_attn.o_proj.weight',
+    'mlp.gate.weight',
+    'mlp.experts.gate_up_proj',
+    'mlp.experts.down_proj',
+    'input_layernorm.weight',
+    'post_attention_layernorm.weight',
+))
+
 TABLE = ParamTable(
     __name__,
     dims,
@@ -51,4 +66,5 @@ TABLE = ParamTable(
         llama.INV_FREQ,
     ),
     groups,
+    named_parameters=NAMED_PARAMETERS,
 )

@@ -22,6 +22,7 @@ from hybridckpt.models.llama.params import (
     dims,
     groups,
 )
+from hybridckpt.models.llama.params import hf_order as _hf_order
 from hybridckpt.models.table import Param, ParamTable, stack
 
 Q_NORM = Param("q_norm.scale", ("Q",), ("heads",), f"{ATTN}.q_norm.weight", init="ones")
@@ -37,6 +38,21 @@ POST_MLP_NORM = Param(
     init="ones",
 )
 
+# Olmo2DecoderLayer: attention (q, k, v, o, q_norm, k_norm), mlp, post-attention and post-feedforward norms
+NAMED_PARAMETERS = _hf_order((
+    'self_attn.q_proj.weight',
+    'self_attn.k_proj.weight',
+    'self_attn.v_proj.weight',
+    'self_attn.o_proj.weight',
+    'self_attn.q_norm.weight',
+    'self_attn.k_norm.weight',
+    'mlp.gate_proj.weight',
+    'mlp.up_proj.weight',
+    'mlp.down_proj.weight',
+    'post_attention_layernorm.weight',
+    'post_feedforward_layernorm.weight',
+))
+
 TABLE = ParamTable(
     __name__,
     dims,
@@ -49,4 +65,5 @@ TABLE = ParamTable(
         INV_FREQ,
     ),
     groups,
+    named_parameters=NAMED_PARAMETERS,
 )

@@ -28,6 +28,7 @@ from hybridckpt.models.llama.params import (
 )
 from hybridckpt.models.llama.params import dims as llama_dims
 from hybridckpt.models.llama.params import groups as llama_groups
+from hybridckpt.models.llama.params import hf_order as _hf_order
 from hybridckpt.models.table import Groups, Param, ParamTable, stack
 
 
@@ -49,6 +50,16 @@ DOWN = Param(
     "down.kernel", ("M", "E"), ("mlp", "embed"), f"{LAYER}.mlp.down_proj.weight", "transpose"
 )
 
+# Phi3Attention defines o_proj before qkv_proj
+NAMED_PARAMETERS = _hf_order((
+    'self_attn.o_proj.weight',
+    'self_attn.qkv_proj.weight',
+    'mlp.gate_up_proj.weight',
+    'mlp.down_proj.weight',
+    'input_layernorm.weight',
+    'post_attention_layernorm.weight',
+))
+
 TABLE = ParamTable(
     __name__,
     dims,
@@ -61,4 +72,5 @@ TABLE = ParamTable(
         INV_FREQ,
     ),
     groups,
+    named_parameters=NAMED_PARAMETERS,
 )

@@ -24,12 +24,29 @@ from hybridckpt.models.llama.params import (
     dims,
     groups,
 )
+from hybridckpt.models.llama.params import hf_order as _hf_order
 from hybridckpt.models.table import Param, ParamTable, stack
 
 Q_BIAS = Param("q.bias", ("Q",), ("heads",), f"{ATTN}.q_proj.bias", init="zeros")
 K_BIAS = Param("k.bias", ("KV",), ("kv_heads",), f"{ATTN}.k_proj.bias", init="zeros")
 V_BIAS = Param("v.bias", ("KV",), ("kv_heads",), f"{ATTN}.v_proj.bias", init="zeros")
 O_BIAS = Param("o.bias", ("E",), (None,), f"{ATTN}.o_proj.bias", init="zeros")  # Qwen3's
+
+# Qwen2DecoderLayer: Llama's, with q/k/v biases after their weights
+NAMED_PARAMETERS = _hf_order((
+    'self_attn.q_proj.weight',
+    'self_attn.q_proj.bias',
+    'self_attn.k_proj.weight',
+    'self_attn.k_proj.bias',
+    'self_attn.v_proj.weight',
+    'self_attn.v_proj.bias',
+    'self_attn.o_proj.weight',
+    'mlp.gate_proj.weight',
+    'mlp.up_proj.weight',
+    'mlp.down_proj.weight',
+    'input_layernorm.weight',
+    'post_attention_layernorm.weight',
+))
 
 TABLE = ParamTable(
     __name__,
@@ -43,4 +60,5 @@ TABLE = ParamTable(
         INV_FREQ,
     ),
     groups,
+    named_parameters=NAMED_PARAMETERS,
 )

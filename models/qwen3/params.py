@@ -20,12 +20,32 @@ from hybridckpt.models.llama.params import (
     dims,
     groups,
 )
+from hybridckpt.models.llama.params import hf_order as _hf_order
 from hybridckpt.models.qwen2.params import K_BIAS, O_BIAS, Q_BIAS, V_BIAS
 from hybridckpt.models.table import Param, ParamTable, stack, when
 
 Q_NORM = Param("q_norm.scale", ("D",), (None,), f"{ATTN}.q_norm.weight", init="ones")
 K_NORM = Param("k_norm.scale", ("D",), (None,), f"{ATTN}.k_norm.weight", init="ones")
 BIASES = when("attention_bias", (Q_BIAS, K_BIAS, V_BIAS, O_BIAS))
+
+# Qwen3Attention: q, k, v, o (each bias after its weight), then q_norm, k_norm
+NAMED_PARAMETERS = _hf_order((
+    'self_attn.q_proj.weight',
+    'self_attn.q_proj.bias',
+    'self_attn.k_proj.weight',
+    'self_attn.k_proj.bias',
+    'self_attn.v_proj.weight',
+    'self_attn.v_proj.bias',
+    'self_attn.o_proj.weight',
+    'self_attn.o_proj.bias',
+    'self_attn.q_norm.weight',
+    'self_attn.k_norm.weight',
+    'mlp.gate_proj.weight',
+    'mlp.up_proj.weight',
+    'mlp.down_proj.weight',
+    'input_layernorm.weight',
+    'post_attention_layernorm.weight',
+))
 
 TABLE = ParamTable(
     __name__,
@@ -39,4 +59,5 @@ TABLE = ParamTable(
         INV_FREQ,
     ),
     groups,
+    named_parameters=NAMED_PARAMETERS,
 )

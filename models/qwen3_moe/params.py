@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from hybridckpt.models import mlp_table
 from hybridckpt.models.llama import params as llama
+from hybridckpt.models.llama.params import hf_order as _hf_order
 from hybridckpt.models.mixtral.params import dims, groups
 from hybridckpt.models.qwen3.params import K_NORM, Q_NORM
 from hybridckpt.models.table import ParamTable, stack, when
@@ -18,6 +19,25 @@ from hybridckpt.models.table import ParamTable, stack, when
 MLP = f"{llama.LAYER}.mlp"
 ATTENTION = (llama.ATTN_NORM, *llama.ATTENTION, Q_NORM, K_NORM, llama.MLP_NORM)
 EXPERTS = (*mlp_table.router(f"{MLP}.gate"), *mlp_table.experts(f"{MLP}.experts", "MX"))
+
+# transformers 5 Qwen3MoeDecoderLayer: attention (q, k, v, o, q_norm, k_norm), mlp (a dense layer's
+# gate/up/down, a sparse layer's fused experts, then its gate), norms; in-memory names
+NAMED_PARAMETERS = _hf_order((
+    'self_attn.q_proj.weight',
+    'self_attn.k_proj.weight',
+    'self_attn.v_proj.weight',
+    'self_attn.o_proj.weight',
+    'self_attn.q_norm.weight',
+    'self_attn.k_norm.weight',
+    'mlp.gate_proj.weight',
+    'mlp.up_proj.weight',
+    'mlp.down_proj.weight',
+    'mlp.experts.gate_up_proj',
+    'mlp.experts.down_proj',
+    'mlp.gate.weight',
+    'input_layernorm.weight',
+    'post_attention_layernorm.weight',
+))
 
 TABLE = ParamTable(
     __name__,
@@ -33,4 +53,5 @@ TABLE = ParamTable(
         llama.INV_FREQ,
     ),
     groups,
+    named_parameters=NAMED_PARAMETERS,
 )

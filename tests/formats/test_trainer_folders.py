@@ -63,9 +63,18 @@ def test_plain_folder_with_torch_optimizer(tmp_path, named):
     assert src.step == 2 and src.trainer["lr"] == 0.01
     for n, p in params.items():
         assert np.array_equal(src.tensors[n].materialize(), p)
-    if not named:  # index-keyed without names: weights only, said
-        assert src.optimizer is None
-        assert any("keyed by parameter index" in n for n in src.notes)
+    if not named:  # index-keyed without names: read by index, named where a model order is known
+        assert src.optimizer is None and src.index_optimizer.tool == "trainer"
+        assert [len(g["params"]) for g in src.index_optimizer.groups] == [1, 3]
+        assert np.array_equal(src.index_optimizer.state[0]["exp_avg"].materialize(), moments["0.weight"])
+        from hybridckpt.jobs import open_checkpoint
+
+        opened = open_checkpoint(folder)  # no model config, no --param-order: weights only, said
+        assert not opened.named.slots
+        assert any("keyed by parameter index: not imported" in n for n in opened.notes)
+        opened = open_checkpoint(folder, param_order=list(params))  # named_parameters() order, given
+        for n, m in moments.items():
+            assert np.array_equal(opened.named.slots["exp_avg"][n].materialize(), m), n
         return
     slots = src.optimizer.slots["exp_avg"]
     for n, m in moments.items():

@@ -17,7 +17,6 @@ from dataclasses import replace
 
 from hybridckpt.containers.dcp_metadata import metadata_files, read_metadata
 from hybridckpt.errors import FormatError
-from hybridckpt.formats import torch_optim
 from hybridckpt.formats.dcp import torchtitan
 from hybridckpt.formats.dcp.storage import (
     check_files,
@@ -28,9 +27,10 @@ from hybridckpt.formats.dcp.storage import (
 )
 from hybridckpt.formats.dcp.storage import detect as storage_detect
 from hybridckpt.formats.dcp.structure import find_structure, param_groups
-from hybridckpt.formats.torch_optim import STEP, check_complete
 from hybridckpt.io.config_file import config_beside
 from hybridckpt.lazy import LazyTensor
+from hybridckpt.optim import torch_optim
+from hybridckpt.optim.torch_optim import STEP, check_complete
 from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
 NAME = "dcp"

@@ -21,9 +21,9 @@ from hybridckpt import values
 from hybridckpt.containers.pickle import torch_save
 from hybridckpt.containers.pickle.allow import Stub
 from hybridckpt.errors import FormatError
-from hybridckpt.formats import torch_optim
 from hybridckpt.formats.deepspeed.files import flat, get_key
 from hybridckpt.lazy import LazyTensor
+from hybridckpt.optim import torch_optim
 
 OSD = "optimizer_state_dict"
 

@@ -21,7 +21,6 @@ from collections.abc import Mapping
 
 from hybridckpt.containers.pickle import torch_save
 from hybridckpt.errors import FormatError
-from hybridckpt.formats import torch_optim
 from hybridckpt.formats.deepspeed import experts
 from hybridckpt.formats.deepspeed.files import (
     MODEL3_RE,
@@ -36,6 +35,7 @@ from hybridckpt.formats.deepspeed.ranks import check_ranks, read_rank
 from hybridckpt.formats.rules_files import rules_text
 from hybridckpt.io.config_file import config_beside
 from hybridckpt.lazy import LazyTensor
+from hybridckpt.optim import torch_optim
 from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
 NAME = "deepspeed"

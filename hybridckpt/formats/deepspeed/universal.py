@@ -28,12 +28,12 @@ from collections.abc import Mapping
 
 from hybridckpt.containers.pickle import torch_save
 from hybridckpt.errors import FormatError, short_repr
-from hybridckpt.formats import torch_optim
 from hybridckpt.formats.deepspeed.files import file_names, tag_steps
 from hybridckpt.io.config_file import config_beside, read_small_text
 from hybridckpt.io.paths import inside
 from hybridckpt.io.step_folders import StepFolders, StepPattern
 from hybridckpt.lazy import LazyTensor
+from hybridckpt.optim import torch_optim
 from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
 NAME = "deepspeed-universal"

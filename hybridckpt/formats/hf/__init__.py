@@ -27,10 +27,10 @@ from hybridckpt.containers.safetensors_file import read_header
 from hybridckpt.errors import ConfigError, FormatError, UnknownModelError, short_repr
 from hybridckpt.formats.hf import bin as hf_bin
 from hybridckpt.formats.hf import quant as hf_quant
-from hybridckpt.formats.torch_optim import check_complete
 from hybridckpt.io.config_file import read_json
 from hybridckpt.io.paths import check_relative
 from hybridckpt.lazy import LazyTensor, scalar_value
+from hybridckpt.optim.torch_optim import check_complete
 from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
 NAME = "hf"

@@ -44,8 +44,8 @@ from dataclasses import dataclass
 
 from hybridckpt import lazy
 from hybridckpt.errors import FormatError
-from hybridckpt.formats import torch_optim
 from hybridckpt.lazy import LazyTensor
+from hybridckpt.optim import torch_optim
 
 MASTER = "master"  # the fp32 master weight, beside the optimizer's slots
 _MASTER_KEY = "param"  # its key in a distrib_optim.pt buffer

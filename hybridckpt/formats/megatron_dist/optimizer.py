@@ -118,7 +118,7 @@ def step_and_hyper(groups, where: str, tensors=None) -> tuple[int | None, dict]:
              if k in ("lr", "eps", "weight_decay", "betas", "decoupled_weight_decay")}
     split = decay_groups(groups, tensors) if tensors is not None else None
     if split is not None:
-        from hybridckpt.formats.torch_optim import hyper as torch_hyper
+        from hybridckpt.optim.torch_optim import hyper as torch_hyper
 
         hyper = {**hyper, "groups": torch_hyper(split, [g["params"] for g in split], where)["groups"]}
     return step, hyper

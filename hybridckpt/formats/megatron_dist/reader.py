@@ -31,7 +31,7 @@ from hybridckpt.formats.megatron_dist import buckets, common, model, optimizer
 from hybridckpt.formats.megatron_dist import config as mconfig
 from hybridckpt.formats.megatron_dist.layout import Location, check_backend, locate
 from hybridckpt.formats.rules_files import load_rules
-from hybridckpt.formats.torch_optim import check_complete
+from hybridckpt.optim.torch_optim import check_complete
 from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
 NAME = "megatron-dist"

@@ -12,8 +12,9 @@
 - `optimizer.pt` / `optimizer.bin` (no FSDP, no DeepSpeed): torch's `Optimizer.state_dict()`,
   state keyed by parameter INDEX in the order the params were given to the optimizer; names
   only when the optimizer was built from named parameters (torch >= 2.6: `param_names` in each
-  group). Without them the order of the model's `named_parameters()` would be needed, which no
-  file records: the optimizer state is then left out, with a note.
+  group). Without them it is read as an `IndexKeyedOptimizer` (`formats.index_optim`), named
+  where the model config is known (`optim.index_names`, from the model's `named_parameters()`
+  order and the tool's grouping).
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from collections.abc import Mapping
 from hybridckpt.containers.dcp_metadata import read_metadata
 from hybridckpt.containers.pickle import torch_save
 from hybridckpt.errors import FormatError, short_repr
-from hybridckpt.formats import torch_optim
+from hybridckpt.formats import index_optim
 from hybridckpt.formats.dcp.storage import check_files, entry_tensor, safetensors_blobs
 from hybridckpt.formats.dcp.structure import param_groups
 from hybridckpt.lazy import LazyTensor
+from hybridckpt.optim import torch_optim
+from hybridckpt.source_checkpoint import IndexKeyedOptimizer
 
 MODEL_KEY = "model."  # accelerate's `{"model": state_dict}`
 OPTIM_KEY = "optimizer."  # accelerate's `{"optimizer": optim_state}`
@@ -95,10 +98,12 @@ def full_model(path: str) -> dict[str, LazyTensor]:
     return out
 
 
-def torch_optimizer(path: str, params: Mapping[str, LazyTensor]) -> tuple[dict, int | None, dict, list[str]]:
-    """(slots, step, hyper, notes) of a torch.save'd optimizer state dict: keyed by fqn
+def torch_optimizer(path: str, params: Mapping[str, LazyTensor], tool: str = "trainer"
+                    ) -> tuple[dict, int | None, dict, list[str], IndexKeyedOptimizer | None]:
+    """(slots, step, hyper, notes, by_index) of a torch.save'd optimizer state dict: keyed by fqn
     (`optimizer_K.bin` of FSDP FULL_STATE_DICT), or by index with `param_names` in its groups;
-    an index-keyed one without names gives no slots (see the module doc), with a note."""
+    an index-keyed one without names gives no slots but `by_index`, written by `tool` (see the
+    module doc)."""
     sd = torch_save.load(path)
     if not isinstance(sd, Mapping) or not isinstance(sd.get("state"), Mapping):
         raise FormatError(f"{path}: expected a torch optimizer state dict with 'state'")
@@ -115,10 +120,7 @@ def torch_optimizer(path: str, params: Mapping[str, LazyTensor]) -> tuple[dict, 
                    for n, g in enumerate(groups)]
     keys = list(state)
     if keys and not all(isinstance(k, str) for k in keys) and not all(k in by_index for k in keys):
-        return {}, None, torch_optim.hyper(groups, [[] for _ in groups], path), [
-            f"{path}: optimizer state keyed by parameter index with no parameter names (the order of the "
-            f"model's named_parameters() is recorded nowhere): not imported, weights only"
-        ]
+        return {}, None, torch_optim.hyper(groups, [[] for _ in groups], path), [], index_optim.read(sd, path, tool)
     slots: dict[str, dict[str, LazyTensor]] = {}
     steps: dict[str, float] = {}
     for key, entry in state.items():
@@ -135,7 +137,7 @@ def torch_optimizer(path: str, params: Mapping[str, LazyTensor]) -> tuple[dict, 
     unknown = sorted(n for g in names for n in g if n not in params)
     notes = [f"{path}: param_groups name {unknown[:3]}, which the model does not hold"] if unknown else []
     step, more = _one_step(steps, path)
-    return slots, step, torch_optim.hyper(groups, names, path), notes + more
+    return slots, step, torch_optim.hyper(groups, names, path), notes + more, None
 
 
 def optimizer_file(folder: str, names: list[str]) -> str | None:

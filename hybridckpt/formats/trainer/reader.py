@@ -112,12 +112,12 @@ def _fsdp_or_plain(folder: str, kind: str, notes: list[str]) -> SourceCheckpoint
     else:
         tensors = _hf_weights(folder)
     optim_path = os.path.join(folder, optims[0]) if optims else fsdp.optimizer_file(folder, list(files.PLAIN_OPTIMIZERS))
-    optimizer = None
+    optimizer = by_index = None
     if optim_path is not None:
         if os.path.isdir(optim_path):
             slots, step, more, hyper = fsdp.dcp_optimizer(optim_path)
         else:
-            slots, step, hyper, more = fsdp.torch_optimizer(optim_path, tensors)
+            slots, step, hyper, more, by_index = fsdp.torch_optimizer(optim_path, tensors, _tool(have))
         notes += more
         if slots:
             optimizer = OptimizerState(slots, step, hyper=hyper)
@@ -125,11 +125,18 @@ def _fsdp_or_plain(folder: str, kind: str, notes: list[str]) -> SourceCheckpoint
             orphans = sorted(set(next(iter(slots.values()))) - set(tensors))
             if orphans:
                 raise FormatError(f"{optim_path}: optimizer state for {orphans[:3]}, which the model files do not hold")
-        elif hyper:
-            optimizer = None
+        elif hyper and by_index is None:  # (an index-keyed state is named in jobs.open)
             notes.append(f"{os.path.basename(optim_path)}: hyper-parameters only")
     return SourceCheckpoint(NAME, folder, tensors, optimizer=optimizer, topology=topology,
-                            trainer={"_hyper_only": hyper} if optimizer is None and optim_path is not None and hyper else {})
+                            trainer={"_hyper_only": hyper} if optimizer is None and optim_path is not None and hyper else {},
+                            index_optimizer=by_index)
+
+
+def _tool(have: list[str]) -> str:
+    """Who wrote a plain folder's index-keyed optimizer: the Trainer (its `trainer_state.json` /
+    `training_args.bin` beside it) or accelerate's `save_state` alone (`optim.index_names` groups
+    the parameters by that tool's rule)."""
+    return "trainer" if files.TRAINER_STATE in have or files.TRAINING_ARGS in have else "accelerate"
 
 
 def _hf_weights(folder: str) -> dict:
