@@ -33,6 +33,7 @@ READERS: tuple[tuple[str, str], ...] = (
     ("megatron-dist", "hybridckpt.formats.megatron_dist"),  # before dcp: a torch_dist folder is a DCP folder too
     ("flex-checkpoint", "hybridckpt.formats.flex_checkpoint"),  # Paddle's {id}.metadata + {rank}_{id}.distcp
     ("hf-trainer", "hybridckpt.formats.trainer"),  # before dcp, deepspeed and hf: a layer over their files
+    ("lightning", "hybridckpt.formats.lightning"),  # before dcp and torch: a .ckpt/ folder is DCP, a .ckpt file torch
     ("dcp", "hybridckpt.formats.dcp"),
     ("deepspeed-universal", "hybridckpt.formats.deepspeed.universal"),  # before deepspeed: its tag holds mp_rank_00_model_states.pt
     ("deepspeed", "hybridckpt.formats.deepspeed"),
