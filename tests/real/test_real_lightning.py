@@ -225,8 +225,8 @@ def test_file_import_carries_the_moments(tmp_path):
     """Passes once `jobs.open` names `index_optimizer` (issue 40's `--param-order` work): until
     then the import carries the weights alone and `roundtrip` says so first."""
     import optax
-
     from e2e import roundtrip
+
     from hybridckpt import lazy
     from hybridckpt.store.restore import restore
 
