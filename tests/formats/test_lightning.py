@@ -156,6 +156,31 @@ def test_damaged_lightning_entries(tmp_path, capsys, change, must):
     one_line(*cli(capsys, "inspect", _variant(tmp_path, change)), "step=3.ckpt", must)
 
 
+def test_scheduler_metadata_is_bounded_json(tmp_path):
+    """`lr_schedulers` is the file's to shape: kept as JSON no deeper, longer or larger than the
+    bounds (`state.plain`), a tensor as its shape."""
+    import json
+
+    import torch
+
+    from hybridckpt.formats.lightning import state
+
+    deep: list = []
+    for _ in range(30):
+        deep = [deep]
+    sched = {"deep": deep, "text": "x" * 100_000, "t": torch.zeros(3), "inf": float("inf"), "obj": {1: b"raw"},
+             "many": list(range(100_000))}
+    src = open_source(_variant(tmp_path, lambda o: o.__setitem__("lr_schedulers", [sched])))
+    (got,) = src.trainer["lr_schedulers"]
+    text = json.dumps(got, allow_nan=False)
+    assert len(text) < 64_000 and got["text"] == "x" * state.MAX_TEXT and got["t"] == "tensor[3]"
+    assert got["inf"] == "inf" and got["obj"] == {"1": "bytes"} and len(got["many"]) < state.MAX_ITEMS
+    depth, node = 0, got["deep"]
+    while isinstance(node, list) and node:
+        depth, node = depth + 1, node[0]
+    assert depth <= state.MAX_DEPTH and node == "..."
+
+
 def _sharded_copy(tmp_path) -> str:
     out = tmp_path / "step=3.ckpt"
     shutil.copytree(os.path.join(SHARDED, "step=3.ckpt"), out)
