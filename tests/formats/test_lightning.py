@@ -83,6 +83,23 @@ def test_without_a_config_the_longest_common_prefix_is_taken_and_said(tmp_path):
     assert any("longest common prefix 'model.'" in n and "--config" in n for n in src.notes)
 
 
+def test_a_config_no_family_implements_is_kept_and_said(tmp_path):
+    import json
+
+    path = _variant(tmp_path, lambda o: None, config=False)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"], "hidden_size": 8}))
+    src = open_source(path)
+    assert src.config is None and src.trainer["hf_config"]["architectures"] == ["NoSuchForCausalLM"]
+    assert src.trainer["attribute_prefix"] == "model."
+    assert any("NoSuchForCausalLM: no model family implements it" in n for n in src.notes)
+
+
+def test_a_name_whose_step_is_not_the_global_step_is_said(tmp_path):
+    shutil.copy(os.path.join(FILE, "step=3.ckpt"), tmp_path / "step=7.ckpt")
+    src = open_source(str(tmp_path / "step=7.ckpt"))
+    assert src.step == 3 and any("the name says step 7, its global_step 3" in n for n in src.notes)
+
+
 def test_a_family_alternate_spelling_is_not_a_second_prefix():
     """GPT-2's bare `h.0...` names are `transformer.h.0...` after the family's fixes: a module
     holding a GPT2Model as `self.transformer` fits under '' and 'transformer.', the same names."""

@@ -21,7 +21,7 @@ from dataclasses import replace
 from hybridckpt.containers.dcp_metadata import read_metadata
 from hybridckpt.errors import FormatError, short_repr
 from hybridckpt.formats import dcp, hf_bin
-from hybridckpt.formats.config_file import config_beside
+from hybridckpt.formats.config_file import config_beside, read_json
 from hybridckpt.formats.lightning import files, prefix, state
 from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
@@ -30,9 +30,36 @@ detect = files.detect
 steps = files.steps
 
 
-def _config(path: str, config):
+def _config(path: str, config) -> tuple[object, dict]:
+    """(the model config or None, trainer entries): `--config`, else the first `config.json`
+    beside the checkpoint or in the folder above; one of an architecture no family implements
+    is kept as `hf_config` (the checkpoint is then read under its own names)."""
     folder = path if os.path.isdir(path) else os.path.dirname(path)
-    return config_beside(folder, os.path.dirname(folder), config=config)
+    folders = (folder, os.path.dirname(folder))
+    cfg = config_beside(*folders, config=config)
+    if cfg is not None or config is not None:
+        return cfg, {}
+    for f in folders:
+        if os.path.isfile(os.path.join(f, "config.json")):
+            return None, {"hf_config": read_json(os.path.join(f, "config.json"))}
+    return None, {}
+
+
+def _unknown(raw: dict) -> list[str]:
+    if "hf_config" not in raw:
+        return []
+    from hybridckpt.formats.hf import architecture
+
+    return [f"{architecture(raw['hf_config'])}: no model family implements it; read under its own names"]
+
+
+def _name_step(path: str, trainer: dict) -> list[str]:
+    """A note when the checkpoint's name (`step=N`) and its `global_step` differ."""
+    named = files.CkptNames().number(os.path.basename(path))
+    step = trainer.get("global_step")
+    if named is None or step is None or named == step:
+        return []
+    return [f"{os.path.basename(path)}: the name says step {named}, its global_step {step} (the step read)"]
 
 
 def _prefix(names: list[str], cfg, where: str) -> prefix.Prefix:
@@ -63,13 +90,14 @@ def _open_file(path: str, config) -> SourceCheckpoint:
         raise FormatError(f"{path}: expected a Lightning checkpoint dict ({files.STATE!r} and one of "
                           f"{', '.join(map(repr, files.MARKS))}), found keys {short_repr(list(obj)[:8])}")
     tensors = hf_bin.tensors_of(obj[files.STATE], f"{path}: [{files.STATE!r}]")
-    cfg = _config(path, config)
+    cfg, raw = _config(path, config)
     chosen = _prefix(list(tensors), cfg, path)
     tensors = prefix.strip_mapping(tensors, chosen.prefix, path, "tensor")
     opt, notes = state.index_optimizer(obj, path)
     ties = hf_bin.tied_copies(tensors)
     notes += [f"{k} is a view of {v}'s storage (a tied copy, read once)" for k, v in ties.items()]
-    trainer = state.trainer_of(obj, path)
+    trainer = {**raw, **state.trainer_of(obj, path)}
+    notes += _name_step(path, trainer) + _unknown(raw)
     return SourceCheckpoint(
         format=NAME,
         path=path,
@@ -91,11 +119,12 @@ def _open_sharded(path: str, config) -> SourceCheckpoint:
         raise FormatError(f"{path}: the state of {len(optimizers)} optimizers ({', '.join(optimizers[:4])}): each "
                           f"holds its own parameters' state; one optimizer's state is what an import carries (--format dcp "
                           f"reads the folder under its own names)")
-    cfg = _config(path, config)
+    cfg, raw = _config(path, config)
     src = dcp.open(path, config=cfg)
     chosen = _prefix(list(src.tensors), cfg, path)
     tensors = prefix.strip_mapping(src.tensors, chosen.prefix, path, "tensor")
-    notes = [chosen.note]
+    notes = [chosen.note, *_name_step(path, trainer), *_unknown(raw)]
+    trainer = {**raw, **trainer}
     opt = src.optimizer
     if opt is not None:
         opt = _stripped_optimizer(opt, chosen.prefix, path)
