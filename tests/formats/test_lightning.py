@@ -225,3 +225,17 @@ def test_meta_pt_garbage(tmp_path, capsys, meta, must):
     assert detect(folder) == "lightning"
     one_line(*cli(capsys, "inspect", folder), must)
     assert sys.exc_info() == (None, None, None)
+
+
+def test_step_from_the_cli(tmp_path, capsys):
+    """`--step` on a folder of `.ckpt`: a step not there, or in two names, is one line; on one
+    `.ckpt` only its own step."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    shutil.copy(os.path.join(FILE, "step=3.ckpt"), folder / "epoch=0-step=3.ckpt")
+    code, err = cli(capsys, "inspect", folder, "--step", "3")
+    assert code == 0, err
+    one_line(*cli(capsys, "inspect", folder, "--step", "4"), "no step 4", "*step=N*.ckpt", "steps 3")
+    one_line(*cli(capsys, "inspect", folder / "epoch=0-step=3.ckpt", "--step", "4"), "no step 4", "(step 3)")
+    shutil.copy(os.path.join(FILE, "step=3.ckpt"), folder / "step=3-v1.ckpt")
+    one_line(*cli(capsys, "inspect", folder, "--step", "3"), "step 3 is in several", "step=3-v1.ckpt")
