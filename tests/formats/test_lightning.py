@@ -114,6 +114,39 @@ def test_a_family_alternate_spelling_is_not_a_second_prefix():
     assert fit(["model.embed_tokens.weight"]) is None
 
 
+def _by_name(obj: dict, param_names: bool) -> None:
+    """Lightning's optimizer state as FSDPStrategy(state_dict_type="full") saves it (keyed by the
+    LightningModule's names), or index-keyed with torch >= 2.6's `param_names` in its group."""
+    sd = obj["optimizer_states"][0]
+    names = list(obj["state_dict"])  # `model.<HF name>`, named_parameters() order
+    (group,) = sd["param_groups"]
+    if param_names:
+        group["param_names"] = [names[i] for i in group["params"]]
+    else:
+        sd["state"] = {names[i]: st for i, st in sd["state"].items()}
+        group["params"] = [names[i] for i in group["params"]]
+
+
+@pytest.mark.parametrize("param_names", [False, True], ids=["keyed-by-name", "param_names"])
+def test_an_optimizer_keyed_by_name_is_read_by_name(tmp_path, param_names):
+    import json
+
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    src = open_source(_variant(tmp_path, lambda o: _by_name(o, param_names)))
+    ref = load_file(os.path.join(REAL, "lightning_ckpt_index", "reference.safetensors"))
+    with open(os.path.join(REAL, "lightning_ckpt_index", "manifest.json")) as f:
+        names = json.load(f)["hyper"][0]["names"]
+    assert src.index_optimizer is None and src.optimizer.step == 3
+    assert src.optimizer.hyper["lr"] == 0.0025 and src.optimizer.groups[0]["params"] == len(names)
+    for slot in ("exp_avg", "exp_avg_sq"):
+        got = src.optimizer.slots[slot]
+        assert sorted(got) == sorted(names)  # the attribute prefix cut from the moments too
+        for n in names:
+            assert np.array_equal(got[n].materialize(), ref[f"{slot}/{n}"]), (slot, n)
+
+
 # -- detection ------------------------------------------------------------------------------------
 
 
@@ -163,7 +196,8 @@ def test_two_optimizers_refused(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("change, must", [
-    (lambda o: o["optimizer_states"][0].__setitem__("state", {"a": {}}), "a parameter index"),
+    (lambda o: o["optimizer_states"][0]["state"].__setitem__("a", {}), "a parameter index"),
+    (lambda o: o["optimizer_states"][0].__setitem__("state", {"a": {}}), "['param_names'][0]: expected a parameter name"),
     (lambda o: o["optimizer_states"][0]["param_groups"][0].__setitem__("params", [0, 0]), "listed twice"),
     (lambda o: o["optimizer_states"][0]["state"].__setitem__(99, {}), "no param group lists index 99"),
     (lambda o: o.__setitem__("global_step", "three"), "'global_step': expected an integer"),

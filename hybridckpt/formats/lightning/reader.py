@@ -2,8 +2,9 @@
 
 - A `.ckpt` FILE: the `state_dict`'s tensors (through the torch-file reader's checks,
   `hf_bin.tensors_of`), the LightningModule's attribute prefix cut (`prefix`), the index-keyed
-  `optimizer_states[0]` handed over as `SourceCheckpoint.index_optimizer` (`state`), the step from
-  `global_step`.
+  `optimizer_states[0]` handed over as `SourceCheckpoint.index_optimizer` (`state`; one keyed by
+  name, as `FSDPStrategy(state_dict_type="full")` saves it, is read by name, the prefix cut), the
+  step from `global_step`.
 - A sharded `.ckpt/` FOLDER: the DCP reader's tensors, moments and param groups (all by name,
   after the DCP's `model.` / `optimizer_0.` keys), the same prefix cut from all three, the step
   from `meta.pt`'s `global_step` (the optimizer's own step kept by the optimizer).
@@ -93,7 +94,9 @@ def _open_file(path: str, config) -> SourceCheckpoint:
     cfg, raw = _config(path, config)
     chosen = _prefix(list(tensors), cfg, path)
     tensors = prefix.strip_mapping(tensors, chosen.prefix, path, "tensor")
-    opt, notes = state.index_optimizer(obj, path)
+    index_opt, opt, notes = state.optimizer_of(obj, path)
+    if opt is not None:
+        opt = _stripped_optimizer(opt, chosen.prefix, path)
     ties = hf_bin.tied_copies(tensors)
     notes += [f"{k} is a view of {v}'s storage (a tied copy, read once)" for k, v in ties.items()]
     trainer = {**raw, **state.trainer_of(obj, path)}
@@ -102,11 +105,12 @@ def _open_file(path: str, config) -> SourceCheckpoint:
         format=NAME,
         path=path,
         tensors=tensors,
+        optimizer=opt,
         config=cfg,
         step=trainer.get("global_step"),
         trainer={"lightning_layout": "file", "attribute_prefix": chosen.prefix, **trainer},
         notes=(chosen.note, *notes),
-        index_optimizer=opt,
+        index_optimizer=index_opt,
     )
 
 
