@@ -147,6 +147,26 @@ def test_an_optimizer_keyed_by_name_is_read_by_name(tmp_path, param_names):
             assert np.array_equal(got[n].materialize(), ref[f"{slot}/{n}"]), (slot, n)
 
 
+def test_saved_hyperparameters_of_framework_classes_are_inert(tmp_path, capsys):
+    """`save_hyperparameters()` of a module built from an HF config pickles the config object:
+    a stub (nothing imported or run), the checkpoint read; a class of the user's own stays refused."""
+    import collections
+
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=8, num_attention_heads=2, num_key_value_heads=2)
+    src = open_source(_variant(tmp_path, lambda o: o.__setitem__("hyper_parameters", {"config": cfg, "lr": 0.01})))
+    assert src.format == "lightning" and src.step == 3 and "lm_head.weight" in src.tensors
+    other = tmp_path / "other"
+    other.mkdir()
+    path = _variant(other, lambda o: o.__setitem__("hyper_parameters", {"x": collections.OrderedDict.__new__(_Mine)}))
+    one_line(*cli(capsys, "inspect", path), "test_lightning._Mine", "not on the allow-list")
+
+
+class _Mine(dict):
+    pass
+
+
 # -- detection ------------------------------------------------------------------------------------
 
 

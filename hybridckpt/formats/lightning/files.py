@@ -21,6 +21,7 @@ import re
 from collections.abc import Mapping
 
 from hybridckpt.containers.pickle import torch_save
+from hybridckpt.containers.pickle.allow import Policy
 from hybridckpt.errors import FormatError, HybridCkptError, short_repr
 from hybridckpt.formats.dcp.storage import detect as dcp_detect
 from hybridckpt.io.step_folders import MAX_DIGITS, StepFolders, StepPattern
@@ -31,6 +32,12 @@ STATE = "state_dict"
 MARKS = (VERSION, "optimizer_states", "global_step")  # with STATE, the keys of a Lightning dict
 SUFFIX = ".ckpt"
 MAX_ENTRIES = 4096  # a folder with more entries is not listed as a folder of checkpoints
+# What a Lightning dict pickles beside tensors and plain values: `hyper_parameters` (the
+# LightningModule's `save_hyperparameters()`: an HF config object, an omegaconf `DictConfig` and
+# its type), callback and loop state of Lightning's and torchmetrics' classes. They become inert
+# stubs (nothing imported or run; none of them is read); any other class stays refused.
+POLICY = Policy(stub_prefixes=("lightning.", "pytorch_lightning.", "lightning_fabric.", "omegaconf.", "transformers.",
+                               "torchmetrics."))
 
 _STEP = re.compile(rf"(?:^|[-_])step=(\d{{1,{MAX_DIGITS}}})(?=$|[-_.])")
 
@@ -66,7 +73,7 @@ def is_lightning_file(path: str) -> bool:
         pkl = torch_save.zip_pickle(path)
         if pkl is None or STATE.encode() not in pkl or not any(k.encode() in pkl for k in MARKS):
             return False
-        return looks_lightning(torch_save.load(path))
+        return looks_lightning(torch_save.load(path, policy_extra=POLICY))
     except HybridCkptError:
         return False
 
@@ -119,7 +126,7 @@ def load_dict(path: str, what: str) -> Mapping:
     naming the file when it is not a torch file or not a dict."""
     if not os.path.isfile(path):
         raise FormatError(f"{path}: missing ({what})")
-    obj = torch_save.load(path)  # (a FormatError naming the file when it is not a torch.save file)
+    obj = torch_save.load(path, policy_extra=POLICY)  # (a FormatError naming the file when it is not a torch.save file)
     if not isinstance(obj, Mapping):
         raise FormatError(f"{path}: expected a dict ({what}), found {type(obj).__name__}")
     for k in obj:
