@@ -170,6 +170,16 @@ class _Mine(dict):
 # -- detection ------------------------------------------------------------------------------------
 
 
+def test_checkpoint_names_give_steps_as_modelcheckpoint_writes_them():
+    from hybridckpt.formats.lightning.files import CkptNames
+
+    n = CkptNames()
+    assert [n.number(x) for x in ("step=3.ckpt", "epoch=0-step=3.ckpt", "step=3-v1.ckpt", "a_step=12.ckpt")] == [3, 3, 3, 12]
+    for name in ("last.ckpt", "laststep=3.ckpt", "step=3.ckpt.tmp", "step=\u0663.ckpt".encode().decode("unicode_escape"),
+                 "step=-3.ckpt", "step=" + "9" * 19 + ".ckpt", "step=3"):
+        assert n.number(name) is None, name
+
+
 def test_plain_torch_files_stay_torch(tmp_path):
     import torch
 
