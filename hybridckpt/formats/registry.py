@@ -75,6 +75,7 @@ FORMATS: tuple[Format, ...] = (
                  "(docs/torch-export.md)"),  # before dcp: a torch_dist folder is a DCP folder too
     _reads("flex-checkpoint", f"{F}.flex_checkpoint"),  # Paddle's {id}.metadata + {rank}_{id}.distcp
     _reads("hf-trainer", f"{F}.trainer"),  # before dcp, deepspeed and hf: a layer over their files
+    _reads("lightning", f"{F}.lightning"),  # before dcp and torch: a .ckpt/ folder is DCP, a .ckpt file torch
     _reads("dcp", f"{F}.dcp", write=f"{F}.dcp.write:write_request", options={"files": "--writers"},
            about="a torch Distributed Checkpoint FSDP2 resumes on any number of ranks (get_state_dict + "
                  "dcp.load + set_state_dict)"),

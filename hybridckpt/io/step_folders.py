@@ -98,9 +98,9 @@ class StepFolders:
 
     def note(self, step: int) -> str:
         """What a reader says of the step it read."""
-        name = os.path.basename(self.folders[step])
+        name = os.path.basename(self.folders[step]) + ("/" if os.path.isdir(self.folders[step]) else "")
         asked = "" if step == self.default else " (asked for)"
-        return f"read step {step}{asked}, {name}/, of {self.described()}"
+        return f"read step {step}{asked}, {name}, of {self.described()}"
 
 
 def listing(

@@ -36,10 +36,6 @@ from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 NAME = "dcp"
 
 
-def _strip(name: str, prefix: str) -> str:
-    return name[len(prefix) :] if name.startswith(prefix) else name
-
-
 def _config(folder: str, config):
     """The given config, else a config.json in the folder (or, for a torchtitan `step-N`
     folder, in the CheckpointManager folder above it)."""
@@ -152,7 +148,7 @@ def _open_metadata(path: str, folder: str, config) -> SourceCheckpoint:
                 )
         groups = param_groups(md, st.optim)
         names = [
-            [_strip(p, st.model) for p in torch_optim.group_params(g, md.files[0], i) if isinstance(p, str)]
+            [p for p in torch_optim.group_params(g, md.files[0], i) if isinstance(p, str)]  # fqns, as the state's
             for i, g in enumerate(groups)
         ]
         optimizer = OptimizerState(slots, step, hyper=torch_optim.hyper(groups, names, md.files[0]),
