@@ -163,7 +163,7 @@ def cmd_export(a) -> int:
             max_shard_bytes=int(a.max_shard_gb * 1024**3) if a.max_shard_gb else None,
             overwrite=a.overwrite, progress=prog, io_threads=a.io_threads, to=a.to,
             direct_io=not a.buffered_writes, verify_reads=not a.no_verify_reads,
-            layout=_torch_layout(a), scan_layers=a.scan_layers,
+            layout=_torch_layout(a), scan_layers=a.scan_layers, optimizer_layout=a.optimizer_layout,
         )
     job_finished()
     print(f"exported {s.source_format} checkpoint to {s.destination}: {', '.join(s.files)}")

@@ -67,6 +67,23 @@ def _writer_extra(to: str, scan_layers: bool) -> dict:
     return {"scan_layers": scan_layers, "save_state": save_state}
 
 
+def _optimizer_layout(layout: str | None, to: str, optimizer: bool) -> dict:
+    """The writer option of `optimizer_layout`, checked before anything is read: only with
+    `optimizer` and `to="hf"`."""
+    if layout is None:
+        return {}
+    from hybridckpt.errors import ConfigError
+    from hybridckpt.formats.trainer.write import LAYOUTS
+
+    if layout not in LAYOUTS:
+        raise ConfigError(f"--optimizer-layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
+    if to != "hf":
+        raise ConfigError(f"--optimizer-layout: only for --to hf (not --to {to})")
+    if not optimizer:
+        raise ConfigError(f"--optimizer-layout {layout}: only with --optimizer (it says how the optimizer state is written)")
+    return {"optimizer_layout": layout}
+
+
 @byte_source.watch()  # every source file read is checked unchanged before the commit
 def export_checkpoint(
     src: str | os.PathLike,
@@ -87,6 +104,7 @@ def export_checkpoint(
     verify_reads: bool = True,
     layout: Mapping[str, int] | None = None,
     scan_layers: bool = True,
+    optimizer_layout: str | None = None,
 ) -> ExportSummary:
     """Any supported checkpoint (Orbax included) -> one safetensors folder at `out`.
 
@@ -105,6 +123,9 @@ def export_checkpoint(
       False: through the page cache, runs copied file to file by the kernel): `io.sequential_file`.
     verify_reads: a hybridckpt (Orbax) source's chunks checked against their import's CRC-32s.
     scan_layers: `to="maxtext"`: layers stacked on MaxText's scan axis (default) or one per layer.
+    optimizer_layout: `to="hf"` with `optimizer`: "safetensors" (default: `optimizer*.safetensors`)
+      or "trainer" (the HF Trainer's `optimizer.pt`, `scheduler.pt`, `trainer_state.json`:
+      `formats.trainer.write`); refused otherwise.
     """
     from hybridckpt import naming, writers
     from hybridckpt.jobs.import_ import np_dtype
@@ -114,6 +135,7 @@ def export_checkpoint(
     from hybridckpt.writers.destination import Destination
 
     t0 = time.perf_counter()
+    extra = _optimizer_layout(optimizer_layout, to, optimizer)
     if io_threads is not None:
         parallel.set_io_threads(io_threads)
     opened = open_checkpoint(src, fmt, config=config, rules=rules, step=step, verify_reads=verify_reads)
@@ -128,7 +150,7 @@ def export_checkpoint(
         to, os.fspath(out), named, opened.config, optimizer=optimizer, dtype=np_dtype(dtype) if dtype else None,
         max_shard_bytes=max_shard_bytes, overwrite=overwrite, progress=progress, direct_io=direct_io,
         sources=(opened.path,), source_format=opened.format, trainer=dict(opened.trainer), files=dict(opened.files),
-        hyper=exported_hyper(opened, set(named.params)) if opened.hyper else {}, extra={**dict(layout or {}), **_writer_extra(to, scan_layers)},
+        hyper=exported_hyper(opened, set(named.params)) if opened.hyper else {}, extra={**dict(layout or {}), **_writer_extra(to, scan_layers), **extra},
     ))
     cast_note = (cast.note(),) if cast.note() else ()
     return ExportSummary(opened.format, os.path.abspath(out), done.files, done.tensors, done.nbytes,
