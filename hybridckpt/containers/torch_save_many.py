@@ -7,8 +7,8 @@ miniz `mz_zip_writer_add_mem_ex_v2`), the single-tensor layout of `torch_save_wr
 
 - records under the folder `<name>/` (torch names it after the file: `optimizer.pt` ->
   `optimizer/`): `data.pkl` (protocol 2), `.format_version`, `.storage_alignment`, `byteorder`,
-  then one `data/<key>` per storage in the string order of the keys (`"0"`, `"1"`, `"10"`, ...,
-  `"2"`: torch sorts them), then `version` and `.data/serialization_id`;
+  then one `data/<key>` per storage in the order of the keys (`"0"`, `"1"`, ..., `"10"`: the
+  order torch 2.13 met them in), then `version` and `.data/serialization_id`;
 - storage keys are `"0"`, `"1"`, ... in the order the pickle first meets each tensor (torch's
   `persistent_id`); each tensor here has its own storage (offset 0, C strides);
 - records and offsets past 4 GiB take zip64 fields as miniz writes them: the local header's
@@ -188,7 +188,7 @@ def write_archive(out, value, tensors: Tensors, *, name: str = "archive",
     z = _Records(out, name)
     done = [("data.pkl", z.record("data.pkl", pickled))]
     done += [(n, z.record(n, data)) for n, data in _FIXED]
-    for s in sorted(tensors.stored, key=lambda s: s.key):
+    for s in tensors.stored:
         nbytes = int(s.tensor.nbytes)
         z.open(f"data/{s.key}", nbytes)
         crc = [0]

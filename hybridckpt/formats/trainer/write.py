@@ -166,8 +166,8 @@ def plan(cfg: Any, names: Sequence[str], hyper: Mapping[str, Any], step: int | N
     lr, wd = float(hyper["lr"]), float(hyper["weight_decay"])
     initial = float(hyper.get("initial_lr", lr))
     flags = {k: hyper[k] for k in TRAINER_ADAMW if k in hyper and k != "amsgrad"}
-    base = {"lr": lr, "betas": (float(betas[0]), float(betas[1])), "eps": float(hyper["eps"])}
-    groups = tuple({"weight_decay": w, **base, **TRAINER_ADAMW, **flags, "initial_lr": initial}
+    groups = tuple({"weight_decay": w, "lr": lr, "betas": (float(betas[0]), float(betas[1])),  # (a tuple each:
+                    "eps": float(hyper["eps"]), **TRAINER_ADAMW, **flags, "initial_lr": initial}  # as torch's pickle)
                    for w in (wd, 0.0))
     return TrainerPlan(tuple(decay), tuple(no_decay), groups, int(step), lr, initial,
                        _group_notes(hyper, decay, no_decay, wd))

@@ -1,0 +1,215 @@
+"""`export --to hf --optimizer --optimizer-layout trainer` (issue 40, export side): the folder the
+HF Trainer resumes from, checked with transformers' and torch's own code.
+
+The source is the Trainer's own state after step 3 of `hf_trainer_index` (its parameters and
+AdamW moments by name, `reference.safetensors`, written by the Trainer's run) in our HF layout,
+and the torchtitan run `torchtitan_llama3` (one group, its moments from its DCP files). The check
+does what `Trainer.train(resume_from_checkpoint=OUT)` does on one CPU process (transformers 5.24
+trainer.py: `_load_from_checkpoint`, `create_optimizer`, `_load_optimizer_and_scheduler`,
+`TrainerState.load_from_json`) with the same functions: the model from OUT's safetensors, the
+optimizer as `create_optimizer` builds it (`Trainer.get_decay_parameter_names`, the default
+`adamw_torch_fused`), `load_state_dict(torch.load(optimizer.pt, weights_only=True))`, the
+default linear schedule's `load_state_dict`; then the moments are compared bitwise per parameter
+NAME and the next step, with the gradient the run's fourth step consumed, is compared bitwise
+with the run's own fourth step. (The `Trainer` object itself needs accelerate, which this venv
+does not hold.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from cases import case_dir, ckpt, manifest, reference
+
+from hybridckpt.errors import CheckpointError, ConfigError
+from hybridckpt.formats.trainer import write as trainer_write
+from hybridckpt.jobs.export import export_checkpoint
+from hybridckpt.lazy import ArrayTensor
+from hybridckpt.writers.hf_folder import write_hf
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+CASE = "hf_trainer_index"
+SLOTS = ("exp_avg", "exp_avg_sq")
+
+
+def _trainer_source(tmp_path) -> str:
+    """hf_trainer_index's state after step 3 (the Trainer's runtime values) as our HF export."""
+    ref, (g0, _) = reference(CASE), manifest(CASE)["hyper"]
+    names = manifest(CASE)["named_parameters"]
+    hyper = {k: g0[k] for k in ("lr", "betas", "eps", "weight_decay", "initial_lr", "fused", "foreach")}
+    with open(ckpt(CASE, "checkpoint-3", "config.json")) as f:
+        config = json.load(f)
+    src = str(tmp_path / "src")
+    write_hf(src, {n: ArrayTensor(ref[f"param/{n}"]) for n in names}, config,
+             slots={s: {n: ArrayTensor(ref[f"{s}/{n}"]) for n in names} for s in SLOTS}, step=3,
+             trainer={"step": 3, "source_format": "hf-trainer", "optimizer_name": "adamw", "optimizer": hyper})
+    return src
+
+
+def _resume(out: str, weight_decay: float):
+    """What the Trainer holds after resuming from `out`: (model, optimizer, scheduler, state)."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, get_linear_schedule_with_warmup
+    from transformers.trainer_callback import TrainerState
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig.from_pretrained(out))
+    model.load_state_dict(load_file(os.path.join(out, "model.safetensors")), strict=False)  # _load_from_checkpoint
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
+              {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=0.01, fused=True)  # create_optimizer, optim="adamw_torch_fused"
+    sched = get_linear_schedule_with_warmup(opt, 0, 4)
+    opt.load_state_dict(torch.load(os.path.join(out, "optimizer.pt"), map_location="cpu", weights_only=True))
+    sched.load_state_dict(torch.load(os.path.join(out, "scheduler.pt"), weights_only=True))
+    state = TrainerState.load_from_json(os.path.join(out, "trainer_state.json"))
+    return model, opt, sched, state
+
+
+def _moment_mismatches(model, opt, ref: dict) -> list[str]:
+    return [f"{n}.{s}" for n, p in model.named_parameters() for s in SLOTS
+            if not np.array_equal(opt.state[p][s].numpy(), ref[f"{s}/{n}"])]
+
+
+def test_the_trainer_resumes_our_export_with_the_runs_moments_and_steps_as_the_run(tmp_path):
+    out = str(tmp_path / "out")
+    s = export_checkpoint(_trainer_source(tmp_path), out, optimizer=True, optimizer_layout="trainer")
+    assert {"optimizer.pt", "scheduler.pt", "trainer_state.json", "model.safetensors"} <= set(s.files)
+    assert not any(f.startswith("optimizer") and f.endswith(".safetensors") for f in s.files)
+    ref = reference(CASE)
+    model, opt, sched, state = _resume(out, 0.1)
+    assert _moment_mismatches(model, opt, ref) == []
+    assert state.global_step == 3 and [float(opt.state[p]["step"]) for p in model.parameters()] == [3.0] * 21
+    assert [g["lr"] for g in opt.param_groups] == [0.0025] * 2 and sched.last_epoch == 3
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    for n, p in model.named_parameters():
+        assert np.array_equal(p.detach().numpy(), ref[f"param/{n}"]), n
+        p.grad = torch.from_numpy(ref[f"grad/{n}"].copy())
+    opt.step()
+    sched.step()
+    wrong = [n for n, p in model.named_parameters() if not np.array_equal(p.detach().numpy(), ref[f"param_next/{n}"])]
+    assert wrong == []  # the run's own fourth step, bitwise
+    assert sched.get_last_lr() == [0.0, 0.0]  # the linear schedule at step 4 of 4
+
+
+def _id_free(blob: bytes) -> bytes:
+    """An archive with the first 20 digits of its serialization id (a hash of the record names in
+    the iteration order of a C++ unordered_set: not reproduced, never read by torch.load) and
+    that record's CRC-32 (in its data descriptor and its central directory entry) zeroed."""
+    import io
+    import zipfile
+
+    with zipfile.ZipFile(io.BytesIO(blob)) as z:
+        last = z.infolist()[-1]
+    assert last.filename.endswith("/.data/serialization_id") and last.file_size == 40
+    at = last.header_offset
+    start = at + 30 + int.from_bytes(blob[at + 26 : at + 28], "little") + int.from_bytes(blob[at + 28 : at + 30], "little")
+    out = bytearray(blob)
+    out[start : start + 20] = b"0" * 20
+    out[start + 44 : start + 48] = bytes(4)  # the descriptor's CRC (after its signature)
+    entry = blob.rindex(b"PK\x01\x02")  # the last central directory entry: this record's
+    out[entry + 16 : entry + 20] = bytes(4)
+    return bytes(out)
+
+
+def test_our_optimizer_pt_is_the_trainers_own_file(tmp_path):
+    """The Trainer's save of the same state and ours: the same bytes (but the name hash), and
+    torch.save of what torch.load gives back from ours: ours."""
+    out = str(tmp_path / "out")
+    export_checkpoint(_trainer_source(tmp_path), out, optimizer=True, optimizer_layout="trainer")
+    ours = open(os.path.join(out, "optimizer.pt"), "rb").read()
+    theirs = open(ckpt(CASE, "checkpoint-3", "optimizer.pt"), "rb").read()
+    assert _id_free(ours) == _id_free(theirs)
+    again = str(tmp_path / "again" / "optimizer.pt")
+    os.makedirs(os.path.dirname(again))
+    torch.save(torch.load(os.path.join(out, "optimizer.pt"), weights_only=True), again)
+    assert _id_free(open(again, "rb").read()) == _id_free(ours)
+    sched = torch.load(os.path.join(out, "scheduler.pt"), weights_only=True)
+    assert sched == torch.load(ckpt(CASE, "checkpoint-3", "scheduler.pt"), weights_only=True)
+
+
+def test_a_wrong_order_or_swapped_groups_are_caught(tmp_path, monkeypatch):
+    """The checks can fail: q_proj of layers 0 and 1 swapped (same shapes: torch loads it without a
+    word) gives those moments to the wrong parameters; the groups swapped, torch refuses."""
+    src, ref = _trainer_source(tmp_path), reference(CASE)
+    real = trainer_write.named_parameters_order
+
+    def swapped(cfg, names):
+        order = real(cfg, names)
+        a, b = (order.index(f"model.layers.{i}.self_attn.q_proj.weight") for i in (0, 1))
+        order[a], order[b] = order[b], order[a]
+        return order
+
+    monkeypatch.setattr(trainer_write, "named_parameters_order", swapped)
+    export_checkpoint(src, str(tmp_path / "o1"), optimizer=True, optimizer_layout="trainer")
+    model, opt, _, _ = _resume(str(tmp_path / "o1"), 0.1)
+    assert sorted(_moment_mismatches(model, opt, ref)) == sorted(
+        f"model.layers.{i}.self_attn.q_proj.weight.{s}" for i in (0, 1) for s in SLOTS)
+    monkeypatch.setattr(trainer_write, "named_parameters_order", real)
+    monkeypatch.setattr(trainer_write, "trainer_groups", lambda names, ln=(): reversed_groups(names))
+    export_checkpoint(src, str(tmp_path / "o2"), optimizer=True, optimizer_layout="trainer")
+    with pytest.raises(ValueError, match="doesn't match the size"):
+        _resume(str(tmp_path / "o2"), 0.1)
+
+
+def reversed_groups(names):
+    from hybridckpt.optim.trainer_groups import trainer_groups
+
+    decay, rest = trainer_groups(names)
+    return rest, decay
+
+
+def test_the_order_is_named_parameters_order():
+    """`named_parameters_order` of the model's names in any order: transformers' module order
+    (the manifest's record of `LlamaForCausalLM.named_parameters()`)."""
+    from hybridckpt.jobs.open import open_checkpoint
+
+    want = manifest(CASE)["named_parameters"]
+    cfg = open_checkpoint(ckpt(CASE), "auto").config
+    assert trainer_write.named_parameters_order(cfg, sorted(want)) == want
+    assert trainer_write.named_parameters_order(cfg, want[::-1]) == want
+
+
+def test_torchtitans_moments_land_on_the_trainers_parameters(tmp_path):
+    """A torchtitan run (one group, every parameter decayed) exported for the Trainer: its moments
+    on the Trainer's parameters by name, its norms in the no-decay group (said in a note)."""
+    case = "torchtitan_llama3"
+    out = str(tmp_path / "out")
+    s = export_checkpoint(ckpt(case), out, config=os.path.join(case_dir(case), "config.json"), optimizer=True,
+                          optimizer_layout="trainer")
+    assert any("no-decay group" in n for n in s.notes)
+    model, opt, sched, state = _resume(out, 0.1)
+    assert _moment_mismatches(model, opt, reference(case)) == []
+    assert state.global_step == 3 and sched.last_epoch == 3
+    assert [g["betas"] for g in opt.param_groups] == [(0.9, 0.95)] * 2
+
+
+@pytest.mark.parametrize("flags, error", [
+    ({"to": "dcp"}, "only for --to hf"),
+    ({"optimizer": False}, "only with --optimizer"),
+    ({"optimizer_layout": "deepspeed"}, "expected one of safetensors, trainer"),
+])
+def test_the_flag_is_refused_where_it_cannot_be_honoured(tmp_path, flags, error):
+    kw = {"optimizer": True, "optimizer_layout": "trainer", **flags}
+    with pytest.raises(ConfigError, match=error):
+        export_checkpoint(ckpt(CASE), str(tmp_path / "out"), **kw)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_source_without_the_hyper_parameters_is_refused_before_anything_is_written(tmp_path):
+    ref, names = reference(CASE), manifest(CASE)["named_parameters"]
+    with open(ckpt(CASE, "checkpoint-3", "config.json")) as f:
+        config = json.load(f)
+    src = str(tmp_path / "src")
+    write_hf(src, {n: ArrayTensor(ref[f"param/{n}"]) for n in names}, config,
+             slots={s: {n: ArrayTensor(ref[f"{s}/{n}"]) for n in names} for s in SLOTS}, step=3,
+             trainer={"step": 3, "optimizer_name": "adamw", "optimizer": {"lr": 0.0025, "betas": [0.9, 0.999]}})
+    with pytest.raises(CheckpointError, match="records no eps/weight_decay"):
+        export_checkpoint(src, str(tmp_path / "out"), optimizer=True, optimizer_layout="trainer")
+    assert sorted(os.listdir(tmp_path)) == ["src"]
