@@ -40,7 +40,8 @@ from hybridckpt.containers.torch_save_write import (
     _VERSION,
     ALIGN,
     STORAGE_CLASSES,
-    _serialization_id,
+    _combine,
+    _std_hash,
 )
 from hybridckpt.errors import FormatError
 from hybridckpt.lazy import LazyTensor
@@ -82,6 +83,86 @@ class Tensors:
         self.stored.append(_Stored(key, t))
         pid = emit.PersistentId((_STORAGE, storage, key, _CPU, numel))
         return emit.Reduce(_REBUILD, (pid, 0, shape, strides, False, emit.Reduce(_ORDERED, ())))
+
+
+# libstdc++'s unordered_set growth (`_Prime_rehash_policy`, max load 1): (size reached, buckets
+# after); measured with g++ 12 inserting into a default-constructed std::unordered_set<string>
+_REHASH = ((1, 13), (14, 29), (30, 59), (60, 127), (128, 257), (258, 541), (542, 1109), (1110, 2357),
+           (2358, 5087), (5088, 10273), (10274, 20753), (20754, 42043), (42044, 85229), (85230, 172933),
+           (172934, 351061), (351062, 712697), (712698, 1447153), (1447154, 2938679), (2938680, 5967347),
+           (5967348, 12117689))  # fmt: skip
+
+
+def set_order(names: list[str]) -> list[str]:
+    """The order a libstdc++ `std::unordered_set<std::string>` iterates `names` inserted in
+    order (bits/hashtable.h `_M_insert_bucket_begin`, `_M_rehash_aux`): a new node goes to the
+    front of its bucket's run, or to the front of the list when its bucket is empty; a rehash
+    relinks the nodes in list order the same way."""
+    if len(names) > _REHASH[-1][0]:
+        raise FormatError(f"a torch.save archive of {len(names)} records: more than this writer orders")
+    codes = [_std_hash(n.encode()) for n in names]
+    nxt: list[int | None] = [None] * len(names)
+    state = {"head": None}
+    before = -1  # the list's head sentinel (`_M_before_begin`)
+
+    def after(node: int) -> int | None:
+        return state["head"] if node == before else nxt[node]
+
+    def link(prev: int, node: int) -> None:
+        if prev == before:
+            state["head"] = node
+        else:
+            nxt[prev] = node
+
+    buckets: dict[int, int] = {}
+    count = 1
+    growth = iter(_REHASH)
+    pending = next(growth)
+    for i in range(len(names)):
+        if i + 1 == pending[0]:
+            count = pending[1]
+            pending = next(growth, (0, 0))
+            p, state["head"], buckets, first = state["head"], None, {}, 0
+            while p is not None:
+                following, b = nxt[p], codes[p] % count
+                if b not in buckets:
+                    nxt[p], state["head"] = state["head"], p
+                    buckets[b] = before
+                    if nxt[p] is not None:
+                        buckets[first] = p
+                    first = b
+                else:
+                    nxt[p] = after(buckets[b])
+                    link(buckets[b], p)
+                p = following
+        b = codes[i] % count
+        if b in buckets:
+            nxt[i] = after(buckets[b])
+            link(buckets[b], i)
+        else:
+            nxt[i], state["head"] = state["head"], i
+            if nxt[i] is not None:
+                buckets[codes[nxt[i]] % count] = i
+            buckets[b] = before
+    out, p = [], state["head"]
+    while p is not None:
+        out.append(names[p])
+        p = nxt[p]
+    return out
+
+
+def serialization_id(names: list[str], crcs: list[int | None]) -> bytes:
+    """`PyTorchStreamWriter::writeSerializationId`: 20 digits of the record names' hashes folded
+    in the order its `files_written_` set iterates them (`set_order`), 20 of the non-empty
+    records' CRC-32s folded in order."""
+    name_hash = 0
+    for name in set_order(names):
+        name_hash = _combine(name_hash, _std_hash(name.encode()))
+    crc_hash = 0
+    for crc in crcs:
+        if crc is not None:
+            crc_hash = _combine(crc_hash, crc)
+    return b"%020d%020d" % (name_hash, crc_hash)
 
 
 def _zip64_extra(size: int, at: int, big: bool, far: bool) -> bytes:
@@ -200,6 +281,6 @@ def write_archive(out, value, tensors: Tensors, *, name: str = "archive",
             on_tensor(s.tensor)
     crc_v = z.record(*_VERSION)
     names = [n for n, _ in done] + [_VERSION[0]]
-    z.record(_SID, _serialization_id(names, [c for _, c in done] + [crc_v]))
+    z.record(_SID, serialization_id(names, [c for _, c in done] + [crc_v]))
     z.end()
     return out.position
