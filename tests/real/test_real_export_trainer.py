@@ -11,8 +11,10 @@ optimizer as `create_optimizer` builds it (`Trainer.get_decay_parameter_names`, 
 `adamw_torch_fused`), `load_state_dict(torch.load(optimizer.pt, weights_only=True))`, the
 default linear schedule's `load_state_dict`; then the moments are compared bitwise per parameter
 NAME and the next step, with the gradient the run's fourth step consumed, is compared bitwise
-with the run's own fourth step. (The `Trainer` object itself needs accelerate, which this venv
-does not hold.)
+with the run's own fourth step. The `Trainer` object itself needs accelerate, which this venv
+does not hold: `generators/_trainer_check_export.py` ran `Trainer.train(resume_from_checkpoint=)`
+on our export in the generator's side venv; its record (export_checks/) is checked here against
+the files this code writes.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 import numpy as np
 import pytest
 from cases import case_dir, ckpt, manifest, reference
+from generators._trainer_check_export import digests, source_folder
 
 from hybridckpt.errors import CheckpointError, ConfigError
 from hybridckpt.formats.trainer import write as trainer_write
@@ -39,15 +42,8 @@ SLOTS = ("exp_avg", "exp_avg_sq")
 
 def _trainer_source(tmp_path) -> str:
     """hf_trainer_index's state after step 3 (the Trainer's runtime values) as our HF export."""
-    ref, (g0, _) = reference(CASE), manifest(CASE)["hyper"]
-    names = manifest(CASE)["named_parameters"]
-    hyper = {k: g0[k] for k in ("lr", "betas", "eps", "weight_decay", "initial_lr", "fused", "foreach")}
-    with open(ckpt(CASE, "checkpoint-3", "config.json")) as f:
-        config = json.load(f)
     src = str(tmp_path / "src")
-    write_hf(src, {n: ArrayTensor(ref[f"param/{n}"]) for n in names}, config,
-             slots={s: {n: ArrayTensor(ref[f"{s}/{n}"]) for n in names} for s in SLOTS}, step=3,
-             trainer={"step": 3, "source_format": "hf-trainer", "optimizer_name": "adamw", "optimizer": hyper})
+    source_folder(src)
     return src
 
 
@@ -193,3 +189,58 @@ def test_a_source_without_the_hyper_parameters_is_refused_before_anything_is_wri
     with pytest.raises(CheckpointError, match="records no eps/weight_decay"):
         export_checkpoint(src, str(tmp_path / "out"), optimizer=True, optimizer_layout="trainer")
     assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+def test_the_trainer_itself_resumed_ours(tmp_path):
+    """The recorded run of generators/_trainer_check_export.py: transformers 5.24's Trainer resumed
+    these very files (their SHA-256) with the run's moments, and its next step was the run's."""
+    with open(os.path.join(os.path.dirname(case_dir(CASE)), "..", "export_checks",
+                           "hf_trainer_index_trainer_resume.json")) as f:
+        doc = json.load(f)
+    assert doc["ok"] and doc["versions"]["transformers"] == "5.24.0", doc["lines"]
+    for kind in ("param", "exp_avg", "exp_avg_sq", "grad", "param_next"):
+        assert f"{kind}: 21/21 bitwise the run's" in doc["lines"]
+    out = str(tmp_path / "out")
+    export_checkpoint(_trainer_source(tmp_path), out, optimizer=True, optimizer_layout="trainer")
+    assert digests(out) == doc["files"]  # (a change to what we write needs the check run again)
+
+
+def _plan():
+    return trainer_write.plan(None, ["a.weight", "a.bias"], {"lr": 0.5, "betas": [0.9, 0.99], "eps": 1e-6,
+                                                            "weight_decay": 0.1}, 7, "adamw")
+
+
+def test_trainer_state_takes_a_trainer_sources_fields_and_refuses_what_the_trainer_cannot_use():
+    """A Trainer source's recorded fields (numbers, or numbers as text, as the trainer reader
+    keeps them) are carried; a bool, a negative, NaN, text or an interval of 0 falls back to the
+    default, and the note names what the resumed run acts on that was defaulted."""
+    src = {"trainer_state.train_batch_size": "2", "trainer_state.logging_steps": 1, "trainer_state.epoch": "0.1875",
+           "trainer_state.save_steps": 0, "trainer_state.eval_steps": True, "trainer_state.max_steps": float("nan"),
+           "trainer_state.total_flos": "x"}
+    st = trainer_write.trainer_state(_plan(), src)
+    assert (st["global_step"], st["train_batch_size"], st["logging_steps"], st["epoch"]) == (7, 2, 1, 0.1875)
+    assert (st["save_steps"], st["eval_steps"], st["max_steps"], st["total_flos"]) == (500, 500, 0, 0)
+    (note,) = trainer_write.state_note(src)
+    assert "eval_steps 500, save_steps 500:" in note and "train_batch_size" not in note
+    whole = {f"trainer_state.{k}": 4 for k in trainer_write.ACTED_ON}
+    assert trainer_write.state_note(whole) == ()
+
+
+@pytest.mark.parametrize("hyper, name, step, error", [
+    ({"lr": 1, "betas": [0.9, 0.9], "eps": 1e-8, "weight_decay": 0}, "sgd", 3, "optimizer is 'sgd'"),
+    ({"lr": 1, "betas": [0.9, 0.9], "eps": 1e-8, "weight_decay": 0}, "adamw", None, "records no step"),
+    ({"lr": 1, "betas": [0.9], "eps": 1e-8, "weight_decay": 0}, "adamw", 3, "betas is \\[0.9\\]; expected two"),
+    ({"lr": 1, "betas": [0.9, 0.9], "eps": 1e-8, "weight_decay": 0, "amsgrad": True}, "adamw", 3, "amsgrad"),
+])
+def test_what_the_trainer_would_resume_wrongly_is_refused(hyper, name, step, error):
+    with pytest.raises(CheckpointError, match=error):
+        trainer_write.plan(None, ["w"], hyper, step, name)
+
+
+def test_a_parameter_without_its_moments_is_refused():
+    p = _plan()
+    slots = {"exp_avg": {n: ArrayTensor(np.zeros(2, np.float32)) for n in p.order},
+             "exp_avg_sq": {"a.weight": ArrayTensor(np.zeros(2, np.float32))}}
+    with pytest.raises(CheckpointError, match="no exp_avg_sq for a.bias \\(1 parameter"):
+        trainer_write.check(p, slots)
+    assert (p.decay, p.no_decay) == (("a.weight",), ("a.bias",))

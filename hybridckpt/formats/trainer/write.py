@@ -24,7 +24,9 @@ What transformers 5.24 reads on resume (src/transformers/trainer.py `_load_from_
   fields transformers has had since 4.3x are written): `global_step` = the step (the data loader
   skips that many batches), the source's `epoch`, `max_steps`, `train_batch_size`,
   `logging_steps`/`eval_steps`/`save_steps`, `total_flos` where a Trainer source recorded
-  them, else TrainerState's defaults;
+  them, else TrainerState's defaults (`train_batch_size` 1): the resumed Trainer logs, evaluates
+  and saves on the file's intervals, not its arguments' (as for its own checkpoints; it warns
+  where they differ), so the export says which it defaulted;
 - not written: `rng_state.pth` (the Trainer resumes without it and logs that reproducibility is
   not guaranteed: we do not know the run's RNG state), `scaler.pt` (read only when present), and
   `training_args.bin` (a pickle of `TrainingArguments`, a class whose fields change between
@@ -62,11 +64,15 @@ TRAINER_ADAMW: dict[str, Any] = {
     "amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
     "fused": True, "decoupled_weight_decay": True,
 }  # fmt: skip
-# TrainerState fields written (all in transformers since 4.3x) and their dataclass defaults
+# TrainerState fields written (all in transformers since 4.3x) and their dataclass defaults, but
+# train_batch_size: 1 (None breaks 5.24's `compare_trainer_and_checkpoint_args`, which divides it)
 STATE_DEFAULTS: dict[str, Any] = {
     "epoch": 0, "max_steps": 0, "logging_steps": 500, "eval_steps": 500, "save_steps": 500,
-    "train_batch_size": None, "num_train_epochs": 0, "total_flos": 0,
+    "train_batch_size": 1, "num_train_epochs": 0, "total_flos": 0,
 }  # fmt: skip
+# the fields the resumed run acts on (its logging, evaluation and save intervals; its batch size
+# under `auto_find_batch_size`): a default written for one is said
+ACTED_ON = ("logging_steps", "eval_steps", "save_steps", "train_batch_size")
 
 
 def named_parameters_order(cfg: Any, names: Sequence[str]) -> list[str]:
@@ -179,9 +185,9 @@ def _group_notes(hyper: Mapping[str, Any], decay: Sequence[str], no_decay: Seque
     groups = hyper.get("groups")
     if not groups:
         if wd and no_decay:
-            return (f"the source decays every parameter by {wd}; the Trainer's groups put {len(no_decay)} of them "
-                    f"(biases, norms: {no_decay[0]}, ...) in its no-decay group (weight_decay 0.0), as a Trainer run "
-                    f"would",)
+            return (f"the source records one weight_decay ({wd}) and no param groups; the Trainer's rule puts "
+                    f"{len(no_decay)} parameters (biases, norms: {no_decay[0]}, ...) in its no-decay group "
+                    f"(weight_decay 0.0), as a Trainer run would",)
         return ()
     decayed = {str(n) for g in groups if float(g.get("weight_decay") or 0.0) for n in g.get("params") or []}
     moved = [n for n in no_decay if n in decayed] + [n for n in decay if n not in decayed and wd]
@@ -216,7 +222,23 @@ def scheduler_state(p: TrainerPlan) -> dict:
 def trainer_state(p: TrainerPlan, trainer: Mapping[str, Any]) -> dict:
     """trainer_state.json: `global_step` = the step, the fields a Trainer source recorded
     (`trainer_state.<field>` in its trainer metadata, numbers only), else the defaults."""
-    out: dict[str, Any] = {"global_step": p.step}
+    return _trainer_state(p, trainer)[0]
+
+
+def state_note(trainer: Mapping[str, Any]) -> tuple[str, ...]:
+    """What trainer_state.json holds by default that the resumed run acts on (module doc)."""
+    fallback = [k for k in ACTED_ON if k not in _trainer_state(None, trainer)[1]]
+    if not fallback:
+        return ()
+    shown = ", ".join(f"{k} {STATE_DEFAULTS[k]}" for k in fallback)
+    return (f"trainer_state.json: {shown}: TrainerState's defaults, the source records none; the resumed "
+            f"Trainer logs, evaluates and saves on these, not on its arguments (it warns where they differ)",)
+
+
+def _trainer_state(p: TrainerPlan | None, trainer: Mapping[str, Any]) -> tuple[dict, set[str]]:
+    """(trainer_state.json's object, the fields taken from the source)."""
+    out: dict[str, Any] = {"global_step": p.step if p is not None else 0}
+    known = set()
     for k, default in STATE_DEFAULTS.items():
         v = trainer.get(f"trainer_state.{k}")
         if isinstance(v, str):  # (the trainer layer keeps some as text)
@@ -225,8 +247,12 @@ def trainer_state(p: TrainerPlan, trainer: Mapping[str, Any]) -> dict:
             except ValueError:
                 v = None
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v) and v >= 0
+        if ok and k in ACTED_ON and not v >= 1:
+            ok = False  # (an interval or batch size of 0: the Trainer divides by it)
         out[k] = (int(v) if k != "epoch" and k != "total_flos" else float(v)) if ok else default
-    return {**out, "log_history": [], "best_metric": None, "best_model_checkpoint": None}
+        if ok:
+            known.add(k)
+    return {**out, "log_history": [], "best_metric": None, "best_model_checkpoint": None}, known
 
 
 def check(p: TrainerPlan, slots: Mapping[str, Mapping[str, LazyTensor]]) -> None:
@@ -273,4 +299,4 @@ def hf_hook(request, params: Mapping[str, LazyTensor], slots: Mapping[str, Mappi
         return write_files(tmp, p, slots, request.trainer, direct_io=request.direct_io, on_tensor=request.progress)
 
     tensors = [slots[s][n] for n in p.order for s in SLOTS]
-    return more, p.notes, tensors
+    return more, p.notes + state_note(request.trainer), tensors
