@@ -27,7 +27,7 @@ import pytest
 from cases import case_dir, ckpt, manifest, reference
 from generators._trainer_check_export import digests, source_folder
 
-from hybridckpt.errors import CheckpointError, ConfigError
+from hybridckpt.errors import CheckpointError, ConfigError, FormatError
 from hybridckpt.formats.trainer import write as trainer_write
 from hybridckpt.jobs.export import export_checkpoint
 from hybridckpt.lazy import ArrayTensor
@@ -205,9 +205,19 @@ def test_the_trainer_itself_resumed_ours(tmp_path):
     assert digests(out) == doc["files"]  # (a change to what we write needs the check run again)
 
 
+def _config():
+    from hybridckpt.models import config_from_hf
+
+    with open(ckpt(CASE, "checkpoint-3", "config.json")) as f:
+        return config_from_hf(json.load(f))
+
+
+HYPER = {"lr": 0.5, "betas": [0.9, 0.99], "eps": 1e-6, "weight_decay": 0.1}
+NORM, Q = "model.norm.weight", "model.layers.0.self_attn.q_proj.weight"
+
+
 def _plan():
-    return trainer_write.plan(None, ["a.weight", "a.bias"], {"lr": 0.5, "betas": [0.9, 0.99], "eps": 1e-6,
-                                                            "weight_decay": 0.1}, 7, "adamw")
+    return trainer_write.plan(_config(), [NORM, Q], HYPER, 7, "adamw")
 
 
 def test_trainer_state_takes_a_trainer_sources_fields_and_refuses_what_the_trainer_cannot_use():
@@ -227,20 +237,61 @@ def test_trainer_state_takes_a_trainer_sources_fields_and_refuses_what_the_train
 
 
 @pytest.mark.parametrize("hyper, name, step, error", [
-    ({"lr": 1, "betas": [0.9, 0.9], "eps": 1e-8, "weight_decay": 0}, "sgd", 3, "optimizer is 'sgd'"),
-    ({"lr": 1, "betas": [0.9, 0.9], "eps": 1e-8, "weight_decay": 0}, "adamw", None, "records no step"),
-    ({"lr": 1, "betas": [0.9], "eps": 1e-8, "weight_decay": 0}, "adamw", 3, "betas is \\[0.9\\]; expected two"),
-    ({"lr": 1, "betas": [0.9, 0.9], "eps": 1e-8, "weight_decay": 0, "amsgrad": True}, "adamw", 3, "amsgrad"),
+    (HYPER, "sgd", 3, "optimizer is 'sgd'"),
+    (HYPER, "adamw", None, "records no step"),
+    ({**HYPER, "eps": None}, "adamw", 3, "records no eps"),
+    ({**HYPER, "betas": [0.9]}, "adamw", 3, "betas is \\[0.9\\]; expected two"),
+    ({**HYPER, "amsgrad": True}, "adamw", 3, "amsgrad on"),
 ])
 def test_what_the_trainer_would_resume_wrongly_is_refused(hyper, name, step, error):
     with pytest.raises(CheckpointError, match=error):
-        trainer_write.plan(None, ["w"], hyper, step, name)
+        trainer_write.plan(_config(), [Q], hyper, step, name)
+    with pytest.raises(CheckpointError, match="no model config \\(give --config\\)"):
+        trainer_write.plan(None, [Q], HYPER, 3, "adamw")
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("lr", "0.1", "a number"), ("betas", ["0.9", 0.99], "a list of numbers"), ("fused", "yes", "true or false"),
+    ("weight_decay", True, "a number"), ("initial_lr", [1], "a number"), ("amsgrad", 1, "true or false"),
+])
+def test_a_hyper_parameter_of_the_wrong_type_is_one_line_naming_it(key, value, expected):
+    """The hyper-parameters come from the source's files: a string where a number belongs is a
+    FormatError naming the key and what was found, never a traceback or a pickled string."""
+    with pytest.raises(FormatError, match=f"{key}: expected {expected}, found"):
+        trainer_write.plan(_config(), [Q], {**HYPER, key: value}, 3, "adamw")
 
 
 def test_a_parameter_without_its_moments_is_refused():
     p = _plan()
     slots = {"exp_avg": {n: ArrayTensor(np.zeros(2, np.float32)) for n in p.order},
-             "exp_avg_sq": {"a.weight": ArrayTensor(np.zeros(2, np.float32))}}
-    with pytest.raises(CheckpointError, match="no exp_avg_sq for a.bias \\(1 parameter"):
+             "exp_avg_sq": {Q: ArrayTensor(np.zeros(2, np.float32))}}
+    with pytest.raises(CheckpointError, match=f"no exp_avg_sq for {NORM} \\(1 parameter"):
         trainer_write.check(p, slots)
-    assert (p.decay, p.no_decay) == (("a.weight",), ("a.bias",))
+    assert (p.decay, p.no_decay) == ((Q,), (NORM,))
+
+
+@pytest.mark.parametrize("args, must", [
+    (["--optimizer-layout", "trainer"], "only with --optimizer"),
+    (["--optimizer", "--optimizer-layout", "trainer", "--to", "torchtitan"], "only for --to hf (not --to torchtitan)"),
+])
+def test_the_cli_refuses_in_one_line_and_writes_nothing(tmp_path, capsys, args, must):
+    from hybridckpt.cli import main
+    from hybridckpt.io.byte_source import close_all
+
+    capsys.readouterr()
+    code = main(["export", ckpt(CASE), str(tmp_path / "out"), *args])
+    close_all()
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("hybridckpt: error:") and must in err, err
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_cli_writes_the_trainer_layout(tmp_path, capsys):
+    from hybridckpt.cli import main
+
+    case = "torchtitan_llama3"
+    code = main(["export", ckpt(case), str(tmp_path / "out"), "--config", os.path.join(case_dir(case), "config.json"),
+                 "--optimizer", "--optimizer-layout", "trainer", "--quiet"])
+    out = capsys.readouterr().out
+    assert code == 0 and "optimizer.pt, scheduler.pt, trainer_state.json" in out and "note: trainer_state.json:" in out
+    assert not [f for f in os.listdir(tmp_path / "out") if f.startswith("optimizer") and f.endswith(".safetensors")]

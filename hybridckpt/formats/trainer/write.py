@@ -50,7 +50,8 @@ from typing import Any
 
 import numpy as np
 
-from hybridckpt.errors import CheckpointError
+from hybridckpt import values
+from hybridckpt.errors import CheckpointError, short_repr
 from hybridckpt.lazy import ArrayTensor, LazyTensor
 from hybridckpt.optim.trainer_groups import trainer_groups
 
@@ -147,9 +148,13 @@ class TrainerPlan:
 def plan(cfg: Any, names: Sequence[str], hyper: Mapping[str, Any], step: int | None,
          optimizer_name: str | None) -> TrainerPlan:
     """The Trainer's view of the exported params `names` (pure: nothing read). Refused (one
-    CheckpointError line) when the source's optimizer is not AdamW, has no step, or records no
-    lr/betas/eps/weight_decay."""
+    CheckpointError line) without a model config, when the source's optimizer is not AdamW, has
+    no step, or records no lr/betas/eps/weight_decay; a value of the wrong type is a FormatError
+    naming it (`values`)."""
     where = "export --optimizer-layout trainer"
+    if cfg is None:
+        raise CheckpointError(f"{where}: no model config (give --config): optimizer.pt is keyed by the index of "
+                              f"each parameter in the model's named_parameters(), which only the model tells")
     if optimizer_name != "adamw":
         raise CheckpointError(f"{where}: the source's optimizer is {optimizer_name!r}; the Trainer's "
                               f"optimizer.pt is written for AdamW (its default) only")
@@ -161,19 +166,24 @@ def plan(cfg: Any, names: Sequence[str], hyper: Mapping[str, Any], step: int | N
         raise CheckpointError(f"{where}: the source records no {'/'.join(missing)}; expected all of "
                               f"{', '.join(NEEDED)} (the Trainer resumes with optimizer.pt's values, so "
                               f"torch's defaults would silently replace the run's)")
+    at = "the source's optimizer hyper-parameters"
     betas = hyper["betas"]
     if not isinstance(betas, (list, tuple)) or len(betas) != 2:
-        raise CheckpointError(f"{where}: the source's betas is {betas!r}; expected two numbers")
-    if hyper.get("amsgrad"):
+        raise CheckpointError(f"{where}: the source's betas is {short_repr(betas, 60)}; expected two numbers")
+    betas = values.numbers(betas, at, "betas", 2)
+    if hyper.get("amsgrad") is not None and values.flag(hyper["amsgrad"], at, "amsgrad"):
         raise CheckpointError(f"{where}: the source's AdamW has amsgrad on; expected off (its max_exp_avg_sq "
                               f"is not carried)")
+    flags = {}
+    for k in TRAINER_ADAMW:
+        if k != "amsgrad" and hyper.get(k) is not None:
+            flags[k] = values.flag(hyper[k], at, k)
+    lr, wd, eps = (values.number(hyper[k], at, k) for k in ("lr", "weight_decay", "eps"))
+    initial = values.number(hyper["initial_lr"], at, "initial_lr") if hyper.get("initial_lr") is not None else lr
     order = named_parameters_order(cfg, names)
     decay, no_decay = trainer_groups(order, layernorm_params(order))
-    lr, wd = float(hyper["lr"]), float(hyper["weight_decay"])
-    initial = float(hyper.get("initial_lr", lr))
-    flags = {k: hyper[k] for k in TRAINER_ADAMW if k in hyper and k != "amsgrad"}
-    groups = tuple({"weight_decay": w, "lr": lr, "betas": (float(betas[0]), float(betas[1])),  # (a tuple each:
-                    "eps": float(hyper["eps"]), **TRAINER_ADAMW, **flags, "initial_lr": initial}  # as torch's pickle)
+    groups = tuple({"weight_decay": w, "lr": lr, "betas": (betas[0], betas[1]),  # (a tuple each, as torch's pickle)
+                    "eps": eps, **TRAINER_ADAMW, **flags, "initial_lr": initial}
                    for w in (wd, 0.0))
     return TrainerPlan(tuple(decay), tuple(no_decay), groups, int(step), lr, initial,
                        _group_notes(hyper, decay, no_decay, wd))
