@@ -141,6 +141,40 @@ def reversed_groups(names):
     return rest, decay
 
 
+FAMILIES = {  # family: (transformers config, model, extra config) of a tiny model
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 4}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 4}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 4}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {"pad_token_id": 0, "eos_token_id": 1}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 2, "num_experts_per_tok": 1}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_order_is_transformers_named_parameters_or_refused(family):
+    """Each family the order is known for: transformers 5.24's own module's `named_parameters()`
+    (built on the meta device) from its names in any order; Mixtral's differs (the router before
+    the experts, gate_up before down), so it is refused rather than guessed."""
+    from hybridckpt.models import config_from_hf
+
+    config_cls, model_cls, extra = FAMILIES[family]
+    hf_cfg = getattr(transformers, config_cls)(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2, **extra)
+    with torch.device("meta"):
+        want = [n for n, _ in getattr(transformers, model_cls)(hf_cfg).named_parameters()]
+    cfg = config_from_hf(hf_cfg.to_dict())
+    if family not in trainer_write.ORDER_KNOWN:
+        with pytest.raises(CheckpointError, match=f"order of the {family} family is not known yet"):
+            trainer_write.named_parameters_order(cfg, want)
+        return
+    assert trainer_write.named_parameters_order(cfg, sorted(want)) == want
+    assert trainer_write.named_parameters_order(cfg, want[::-1]) == want
+
+
 def test_the_order_is_named_parameters_order():
     """`named_parameters_order` of the model's names in any order: transformers' module order
     (the manifest's record of `LlamaForCausalLM.named_parameters()`)."""

@@ -76,6 +76,12 @@ STATE_DEFAULTS: dict[str, Any] = {
 ACTED_ON = ("logging_steps", "eval_steps", "save_steps", "train_batch_size")
 
 
+# the families whose `named_parameters()` order the interim rule below gives: checked against
+# transformers 5.24's own modules (tests/real/test_real_export_trainer.py); the others differ
+# (GPT-2 interleaves its norms, Phi-3, GPT-OSS, the MoE families order their experts otherwise)
+ORDER_KNOWN = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "granite")
+
+
 def named_parameters_order(cfg: Any, names: Sequence[str]) -> list[str]:
     """The model's `named_parameters()` order of `names` (HF names, the model's trainable
     parameters): THE one place that decides it (the index order of `optimizer.pt`).
@@ -83,18 +89,23 @@ def named_parameters_order(cfg: Any, names: Sequence[str]) -> list[str]:
     Interim rule until the families record their module order: the model table's order
     (`naming.model_hf_shapes`: embedding, per-layer rows, final norm, head), with each layer's
     parameters gathered at its first row in layer order and, within a layer, attention
-    (`self_attn`/`attn`) first, then the MLP or experts (`mlp`, `block_sparse_moe`), then the
-    rest (the norms), each kind in table order: transformers' order for Llama, Mistral, Qwen2,
-    Qwen3, Mixtral (module definition order; checked against `LlamaForCausalLM` in the tests).
-    Names the table does not list (a config-less export) keep their given order, last."""
-    table = []
-    if cfg is not None:
-        from hybridckpt.naming import model_hf_shapes
+    (`self_attn`/`attn`) first, then the MLP (`mlp`, `block_sparse_moe`), then the rest (the
+    norms), each kind in table order: transformers' module order for the `ORDER_KNOWN`
+    families; another family is refused (a wrong order loads without a word and steps every
+    moment on the wrong parameter)."""
+    from hybridckpt.models import family_of
+    from hybridckpt.naming import model_hf_shapes
 
-        table = list(model_hf_shapes(cfg))
+    family = family_of(cfg).name
+    if family not in ORDER_KNOWN:
+        raise CheckpointError(f"export --optimizer-layout trainer: the named_parameters() order of the {family} "
+                              f"family is not known yet (expected one of {', '.join(ORDER_KNOWN)}); optimizer.pt "
+                              f"is keyed by it")
+    table = list(model_hf_shapes(cfg))
     given = set(names)
     ordered = [n for n in table if n in given]
-    ordered += [n for n in names if n not in set(ordered)]
+    listed = set(ordered)
+    ordered += [n for n in names if n not in listed]
     layer = re.compile(r"^(.*?\.(?:layers|h|blocks)\.)(\d+)\.")
 
     def kind(name: str) -> int:
