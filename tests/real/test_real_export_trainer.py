@@ -329,3 +329,35 @@ def test_the_cli_writes_the_trainer_layout(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0 and "optimizer.pt, scheduler.pt, trainer_state.json" in out and "note: trainer_state.json:" in out
     assert not [f for f in os.listdir(tmp_path / "out") if f.startswith("optimizer") and f.endswith(".safetensors")]
+
+
+def test_through_our_orbax_store_the_trainers_own_file_comes_back(tmp_path, capsys):
+    """The run moved into JAX (import: our Orbax store, layers stacked) and exported for the
+    Trainer: its optimizer.pt is the Trainer's own, byte for byte."""
+    from hybridckpt.cli import main
+
+    store, out = str(tmp_path / "store"), str(tmp_path / "out")
+    assert main(["import", _trainer_source(tmp_path), store, "--quiet"]) == 0
+    assert main(["export", store, out, "--optimizer", "--optimizer-layout", "trainer", "--quiet"]) == 0
+    with open(os.path.join(out, "optimizer.pt"), "rb") as a, open(ckpt(CASE, "checkpoint-3", "optimizer.pt"), "rb") as b:
+        assert a.read() == b.read()
+
+
+def test_a_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
+    """optimizer.pt half written when the write fails: no OUT, nothing beside it."""
+    from hybridckpt.containers import torch_save_many
+
+    src = _trainer_source(tmp_path)
+    real = torch_save_many._stream
+    calls = []
+
+    def failing(out, t, crc):
+        calls.append(1)
+        if len(calls) == 5:
+            raise OSError(28, "No space left on device")
+        real(out, t, crc)
+
+    monkeypatch.setattr(torch_save_many, "_stream", failing)
+    with pytest.raises(Exception, match="No space left"):
+        export_checkpoint(src, str(tmp_path / "out"), optimizer=True, optimizer_layout="trainer")
+    assert sorted(os.listdir(tmp_path)) == ["src"] and len(calls) == 5
