@@ -260,10 +260,11 @@ def test_trainer_state_takes_a_trainer_sources_fields_and_refuses_what_the_train
     default, and the note names what the resumed run acts on that was defaulted."""
     src = {"trainer_state.train_batch_size": "2", "trainer_state.logging_steps": 1, "trainer_state.epoch": "0.1875",
            "trainer_state.save_steps": 0, "trainer_state.eval_steps": True, "trainer_state.max_steps": float("nan"),
-           "trainer_state.total_flos": "x"}
+           "trainer_state.total_flos": "x", "trainer_state.num_train_epochs": 10**400}
     st = trainer_write.trainer_state(_plan(), src)
     assert (st["global_step"], st["train_batch_size"], st["logging_steps"], st["epoch"]) == (7, 2, 1, 0.1875)
     assert (st["save_steps"], st["eval_steps"], st["max_steps"], st["total_flos"]) == (500, 500, 0, 0)
+    assert st["num_train_epochs"] == 0
     (note,) = trainer_write.state_note(src)
     assert "eval_steps 500, save_steps 500:" in note and "train_batch_size" not in note
     whole = {f"trainer_state.{k}": 4 for k in trainer_write.ACTED_ON}
@@ -361,3 +362,24 @@ def test_a_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(Exception, match="No space left"):
         export_checkpoint(src, str(tmp_path / "out"), optimizer=True, optimizer_layout="trainer")
     assert sorted(os.listdir(tmp_path)) == ["src"] and len(calls) == 5
+
+
+@pytest.mark.parametrize("groups, note", [
+    ([{"weight_decay": 0.1, "params": [Q]}, {"weight_decay": 0.0, "params": [NORM]}], None),
+    ([{"weight_decay": 0.1, "params": [Q, NORM]}], f"decay 1 parameter(s) otherwise than the Trainer's rule ({NORM}"),
+    ([{"weight_decay": 0.0, "params": [Q, NORM]}], f"decay 1 parameter(s) otherwise than the Trainer's rule ({Q}"),
+])
+def test_a_source_grouped_otherwise_is_said(groups, note):
+    p = trainer_write.plan(_config(), [NORM, Q], {**HYPER, "groups": groups}, 3, "adamw")
+    assert (p.decay, p.no_decay) == ((Q,), (NORM,))
+    assert [n for n in p.notes if note in n] if note else p.notes == ()
+
+
+@pytest.mark.parametrize("groups, expected", [
+    ("x", "groups: expected a list"), ([7], "group 0: expected a dict"),
+    ([{"weight_decay": "0.1", "params": [Q]}], "group 0 weight_decay: expected a number"),
+    ([{"weight_decay": 0.1, "params": 5}], "group 0 params: expected a list"),
+])
+def test_hostile_source_groups_are_one_line(groups, expected):
+    with pytest.raises(FormatError, match=expected):
+        trainer_write.plan(_config(), [NORM, Q], {**HYPER, "groups": groups}, 3, "adamw")

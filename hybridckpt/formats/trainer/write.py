@@ -42,6 +42,7 @@ would resume with torch's defaults in their place, silently. Tensors are streame
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -210,7 +211,12 @@ def _group_notes(hyper: Mapping[str, Any], decay: Sequence[str], no_decay: Seque
                     f"{len(no_decay)} parameters (biases, norms: {no_decay[0]}, ...) in its no-decay group "
                     f"(weight_decay 0.0), as a Trainer run would",)
         return ()
-    decayed = {str(n) for g in groups if float(g.get("weight_decay") or 0.0) for n in g.get("params") or []}
+    at = "the source's param groups"
+    decayed = set()
+    for i, g in enumerate(values.sequence(groups, at, "groups")):
+        g = values.mapping(g, at, f"group {i}")
+        if g.get("weight_decay") is not None and values.number(g["weight_decay"], at, f"group {i} weight_decay"):
+            decayed |= {str(n) for n in values.sequence(g.get("params") or [], at, f"group {i} params")}
     moved = [n for n in no_decay if n in decayed] + [n for n in decay if n not in decayed and wd]
     return (f"the source's param groups decay {len(moved)} parameter(s) otherwise than the Trainer's rule "
             f"({moved[0]}, ...): written in the Trainer's groups",) if moved else ()
@@ -267,7 +273,10 @@ def _trainer_state(p: TrainerPlan | None, trainer: Mapping[str, Any]) -> tuple[d
                 v = float(v) if "." in v or "e" in v else int(v)
             except ValueError:
                 v = None
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v) and v >= 0
+        try:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+        except OverflowError:  # (an int of 400 digits)
+            ok = False
         if ok and k in ACTED_ON and not v >= 1:
             ok = False  # (an interval or batch size of 0: the Trainer divides by it)
         out[k] = (int(v) if k != "epoch" and k != "total_flos" else float(v)) if ok else default
@@ -277,8 +286,8 @@ def _trainer_state(p: TrainerPlan | None, trainer: Mapping[str, Any]) -> tuple[d
 
 
 def check(p: TrainerPlan, slots: Mapping[str, Mapping[str, LazyTensor]]) -> None:
-    """Every parameter has both moments, each of its shape... as far as the slots tell: a
-    CheckpointError naming the first that has not."""
+    """Every parameter has both moments (their shapes are the model's: `naming.model_hf` checked
+    them): a CheckpointError naming the first that has not."""
     for s in SLOTS:
         have = slots.get(s) or {}
         lost = [n for n in p.order if n not in have]
