@@ -47,6 +47,14 @@ def _trainer_source(tmp_path) -> str:
     return src
 
 
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(source, our export of it with --optimizer-layout trainer, its summary): made once."""
+    tmp = tmp_path_factory.mktemp("trainer")
+    src, out = _trainer_source(tmp), str(tmp / "out")
+    return src, out, export_checkpoint(src, out, optimizer=True, optimizer_layout="trainer")
+
+
 def _resume(out: str, weight_decay: float):
     """What the Trainer holds after resuming from `out`: (model, optimizer, scheduler, state)."""
     from safetensors.torch import load_file
@@ -73,9 +81,8 @@ def _moment_mismatches(model, opt, ref: dict) -> list[str]:
             if not np.array_equal(opt.state[p][s].numpy(), ref[f"{s}/{n}"])]
 
 
-def test_the_trainer_resumes_our_export_with_the_runs_moments_and_steps_as_the_run(tmp_path):
-    out = str(tmp_path / "out")
-    s = export_checkpoint(_trainer_source(tmp_path), out, optimizer=True, optimizer_layout="trainer")
+def test_the_trainer_resumes_our_export_with_the_runs_moments_and_steps_as_the_run(exported):
+    _, out, s = exported
     assert {"optimizer.pt", "scheduler.pt", "trainer_state.json", "model.safetensors"} <= set(s.files)
     assert not any(f.startswith("optimizer") and f.endswith(".safetensors") for f in s.files)
     ref = reference(CASE)
@@ -94,11 +101,10 @@ def test_the_trainer_resumes_our_export_with_the_runs_moments_and_steps_as_the_r
     assert sched.get_last_lr() == [0.0, 0.0]  # the linear schedule at step 4 of 4
 
 
-def test_our_optimizer_pt_is_the_trainers_own_file(tmp_path):
+def test_our_optimizer_pt_is_the_trainers_own_file(exported, tmp_path):
     """The Trainer's save of the same state and ours: the same bytes (the serialization id
     included), and torch.save of what torch.load gives back from ours: ours."""
-    out = str(tmp_path / "out")
-    export_checkpoint(_trainer_source(tmp_path), out, optimizer=True, optimizer_layout="trainer")
+    out = exported[1]
     ours = open(os.path.join(out, "optimizer.pt"), "rb").read()
     theirs = open(ckpt(CASE, "checkpoint-3", "optimizer.pt"), "rb").read()
     assert ours == theirs
@@ -110,10 +116,10 @@ def test_our_optimizer_pt_is_the_trainers_own_file(tmp_path):
     assert sched == torch.load(ckpt(CASE, "checkpoint-3", "scheduler.pt"), weights_only=True)
 
 
-def test_a_wrong_order_or_swapped_groups_are_caught(tmp_path, monkeypatch):
+def test_a_wrong_order_or_swapped_groups_are_caught(exported, tmp_path, monkeypatch):
     """The checks can fail: q_proj of layers 0 and 1 swapped (same shapes: torch loads it without a
     word) gives those moments to the wrong parameters; the groups swapped, torch refuses."""
-    src, ref = _trainer_source(tmp_path), reference(CASE)
+    src, ref = exported[0], reference(CASE)
     real = trainer_write.named_parameters_order
 
     def swapped(cfg, names):
@@ -225,7 +231,7 @@ def test_a_source_without_the_hyper_parameters_is_refused_before_anything_is_wri
     assert sorted(os.listdir(tmp_path)) == ["src"]
 
 
-def test_the_trainer_itself_resumed_ours(tmp_path):
+def test_the_trainer_itself_resumed_ours(exported):
     """The recorded run of generators/_trainer_check_export.py: transformers 5.24's Trainer resumed
     these very files (their SHA-256) with the run's moments, and its next step was the run's."""
     with open(os.path.join(os.path.dirname(case_dir(CASE)), "..", "export_checks",
@@ -234,9 +240,7 @@ def test_the_trainer_itself_resumed_ours(tmp_path):
     assert doc["ok"] and doc["versions"]["transformers"] == "5.24.0", doc["lines"]
     for kind in ("param", "exp_avg", "exp_avg_sq", "grad", "param_next"):
         assert f"{kind}: 21/21 bitwise the run's" in doc["lines"]
-    out = str(tmp_path / "out")
-    export_checkpoint(_trainer_source(tmp_path), out, optimizer=True, optimizer_layout="trainer")
-    assert digests(out) == doc["files"]  # (a change to what we write needs the check run again)
+    assert digests(exported[1]) == doc["files"]  # (a change to what we write needs the check run again)
 
 
 def _config():
@@ -332,23 +336,23 @@ def test_the_cli_writes_the_trainer_layout(tmp_path, capsys):
     assert not [f for f in os.listdir(tmp_path / "out") if f.startswith("optimizer") and f.endswith(".safetensors")]
 
 
-def test_through_our_orbax_store_the_trainers_own_file_comes_back(tmp_path, capsys):
+def test_through_our_orbax_store_the_trainers_own_file_comes_back(exported, tmp_path, capsys):
     """The run moved into JAX (import: our Orbax store, layers stacked) and exported for the
     Trainer: its optimizer.pt is the Trainer's own, byte for byte."""
     from hybridckpt.cli import main
 
     store, out = str(tmp_path / "store"), str(tmp_path / "out")
-    assert main(["import", _trainer_source(tmp_path), store, "--quiet"]) == 0
+    assert main(["import", exported[0], store, "--quiet"]) == 0
     assert main(["export", store, out, "--optimizer", "--optimizer-layout", "trainer", "--quiet"]) == 0
     with open(os.path.join(out, "optimizer.pt"), "rb") as a, open(ckpt(CASE, "checkpoint-3", "optimizer.pt"), "rb") as b:
         assert a.read() == b.read()
 
 
-def test_a_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
+def test_a_failure_while_writing_leaves_nothing(exported, tmp_path, monkeypatch):
     """optimizer.pt half written when the write fails: no OUT, nothing beside it."""
     from hybridckpt.containers import torch_save_many
 
-    src = _trainer_source(tmp_path)
+    src = exported[0]
     real = torch_save_many._stream
     calls = []
 
@@ -361,7 +365,7 @@ def test_a_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(torch_save_many, "_stream", failing)
     with pytest.raises(Exception, match="No space left"):
         export_checkpoint(src, str(tmp_path / "out"), optimizer=True, optimizer_layout="trainer")
-    assert sorted(os.listdir(tmp_path)) == ["src"] and len(calls) == 5
+    assert os.listdir(tmp_path) == [] and len(calls) == 5
 
 
 @pytest.mark.parametrize("groups, note", [
