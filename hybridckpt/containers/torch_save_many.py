@@ -223,7 +223,8 @@ class _Records:
 
 def _stream(out, t: LazyTensor, crc: list[int]) -> None:
     """`t`'s C-order little-endian bytes appended to `out`: copied file to file where they lie in
-    order in the source (`lazy.copy_runs`), else read in row blocks of `WRITE_BLOCK_BYTES`; their
+    order in the source (`lazy.copy_runs`), else read whole (`materialize`: a read-ahead view
+    gives its prefetched array) up to `WRITE_BLOCK_BYTES`, in row blocks of that size above; their
     CRC-32 folded into `crc[0]`."""
 
     class _Fold:
@@ -243,14 +244,15 @@ def _stream(out, t: LazyTensor, crc: list[int]) -> None:
     from hybridckpt.lazy.parallel import read_box_parallel
 
     shape = tuple(t.shape)
-    if not shape:
-        blocks = [()]
+    row = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(t.dtype).itemsize if shape else 0
+    if t.nbytes <= WRITE_BLOCK_BYTES or row == 0:  # whole (a read-ahead view takes its prefetched array)
+        pieces = [t.materialize]
     else:
-        row = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(t.dtype).itemsize
-        step = max(1, WRITE_BLOCK_BYTES // max(row, 1))
-        blocks = [((a, min(shape[0], a + step)), *((0, n) for n in shape[1:])) for a in range(0, shape[0], step)]
-    for box in blocks:
-        arr = np.ascontiguousarray(read_box_parallel(t, box) if box else t.read())
+        step = max(1, WRITE_BLOCK_BYTES // row)
+        rest = tuple((0, n) for n in shape[1:])
+        pieces = ((lambda a=a: read_box_parallel(t, ((a, min(shape[0], a + step)), *rest))) for a in range(0, shape[0], step))
+    for read in pieces:
+        arr = np.ascontiguousarray(read())
         if arr.dtype.byteorder == ">":
             arr = arr.astype(arr.dtype.newbyteorder("<"))
         raw = arr.reshape(-1).view(np.uint8)

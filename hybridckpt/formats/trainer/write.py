@@ -296,6 +296,23 @@ def check(p: TrainerPlan, slots: Mapping[str, Mapping[str, LazyTensor]]) -> None
                                   f"parameter(s)); expected AdamW's {' and '.join(SLOTS)} for every parameter")
 
 
+def _read_ahead(p: TrainerPlan, slots: Mapping[str, Mapping[str, LazyTensor]]) -> dict:
+    """The moments read ahead by the reader pool in the order optimizer.pt takes them (index
+    order, `exp_avg` then `exp_avg_sq`), within a window of the largest one staged, as the HF
+    writer reads its own (`lazy.parallel.Prefetcher`); those copied file to file or read in row
+    blocks (over `WRITE_BLOCK_BYTES`) are not read ahead."""
+    from hybridckpt import lazy
+    from hybridckpt.containers.safetensors_file import WRITE_BLOCK_BYTES
+    from hybridckpt.lazy import parallel
+
+    order = [(s, n) for n in p.order for s in SLOTS]
+    staged = {k: slots[k[0]][k[1]] for k in order}
+    staged = {k: t for k, t in staged.items() if t.nbytes <= WRITE_BLOCK_BYTES and lazy.copy_runs(t) is None}
+    window = max((t.nbytes for t in staged.values()), default=0)
+    ahead = parallel.Prefetcher(staged, [k for k in order if k in staged], window).tensors()
+    return {s: {n: ahead.get((s, n), slots[s][n]) for n in p.order} for s in SLOTS}
+
+
 def write_files(folder: str, p: TrainerPlan, slots: Mapping[str, Mapping[str, LazyTensor]], trainer: Mapping,
                 *, direct_io: bool = True, on_tensor: Callable[[str, int], None] | None = None) -> list[str]:
     """Write optimizer.pt, scheduler.pt, trainer_state.json into `folder` (the export's
@@ -304,6 +321,7 @@ def write_files(folder: str, p: TrainerPlan, slots: Mapping[str, Mapping[str, La
     from hybridckpt.io.sequential_file import SequentialFile
 
     check(p, slots)
+    slots = _read_ahead(p, slots)
     value, refs = _optimizer_value(p, slots)
     names = {id(t): n for s in SLOTS for n, t in slots[s].items()}
     tell = (lambda t: on_tensor(names.get(id(t), "step"), int(t.nbytes))) if on_tensor else None
