@@ -140,7 +140,8 @@ def _devices_used(mesh: str) -> str:
 
 def writer_options(a) -> dict:
     """The `--to` format's own options from the flags given (`--writers`, `--tp`, `--pp`,
-    `--no-scan-layers`; `formats.registry.write` refuses those the format does not take)."""
+    `--no-scan-layers`, `--optimizer-layout`; `formats.registry.write` refuses those the format
+    does not take)."""
     options = {}
     for flag, key, value in (("--writers", "files", a.writers), ("--tp", "tp", a.tp), ("--pp", "pp", a.pp)):
         if value is not None and value < 1:
@@ -149,6 +150,8 @@ def writer_options(a) -> dict:
             options[key] = value
     if a.scan_layers is not None:
         options["scan_layers"] = a.scan_layers
+    if a.optimizer_layout is not None:
+        options["optimizer_layout"] = a.optimizer_layout
     return options
 
 

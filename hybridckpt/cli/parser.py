@@ -163,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("out", help="folder to create (model*.safetensors, config.json, optimizer*.safetensors)")
     s.add_argument("--optimizer", action="store_true",
                    help="also write optimizer*.safetensors (<name>.<slot>, e.g. exp_avg / exp_avg_sq, and step)")
+    s.add_argument("--optimizer-layout", choices=["safetensors", "trainer"], default=None,
+                   help="with --optimizer and --to hf: safetensors (default: optimizer*.safetensors) or trainer: the "
+                   "HF Trainer's optimizer.pt (AdamW keyed by index, its decay / no-decay groups), scheduler.pt and "
+                   "trainer_state.json, so Trainer.train(resume_from_checkpoint=OUT) resumes with the moments")
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="cast the floating params on write, saying what was cast (default: each tensor as stored)")
     s.add_argument("--rules", help="a rules file applied before the format's own rules")

@@ -34,7 +34,8 @@ class Format:
     `detect` and `open` and of its writer (None: not read / not written); to: its `--to` name when
     that is not `name` (Megatron's torch_dist layout is `--to megatron`); options: the writer
     options it takes (`ExportRequest.options` keys) -> the CLI flag that sets each, for messages;
-    about: one line on what its writer writes (the CLI's help)."""
+    about: one line on what its writer writes (the CLI's help); check: "module:function" that
+    checks its options' values (with whether the optimizer is asked for) before anything is read."""
 
     name: str
     detect: str | None = None
@@ -43,6 +44,7 @@ class Format:
     to: str | None = None
     options: Mapping[str, str] = field(default_factory=dict)
     about: str = ""  # what its writer writes, for `--to`'s help
+    check: str | None = None  # "module:function(options, optimizer)": its options checked before any read
 
     @property
     def reader(self):
@@ -91,7 +93,8 @@ FORMATS: tuple[Format, ...] = (
     Format("paddleformers-unified", write=f"{F}.paddle.write_unified:write_export",
            about="a PaddleFormers unified checkpoint (HF names, [out, in] weights, optimizer state [in, out])"),
     _reads("colossal", f"{F}.colossal"),
-    _reads("hf", f"{F}.hf", write=f"{F}.hf.write:write_export",
+    _reads("hf", f"{F}.hf", write=f"{F}.hf.write:write_export", check=f"{F}.hf.write:check_options",
+           options={"optimizer_layout": "--optimizer-layout"},
            about="an HF single-card safetensors folder (the default; with --optimizer the slots as "
                  "optimizer*.safetensors)"),
     _reads("torch", f"{F}.torch_file"),  # last: any torch.save file of a state dict, by its bytes
@@ -116,9 +119,10 @@ def reading(name: str) -> Format:
     raise FormatError(f"unknown format {name!r} (known: {', '.join(NAMES)})")
 
 
-def writing(to: str, options: Mapping[str, object] = {}) -> Format:  # noqa: B006 - read only
+def writing(to: str, options: Mapping[str, object] = {}, optimizer: bool | None = None) -> Format:  # noqa: B006 - read only
     """The format `--to to` writes, or a ConfigError listing them; a ConfigError too for any of
-    `options` (writer options) it does not take (a flag honoured or refused, never ignored)."""
+    `options` (writer options) it does not take or, given `optimizer` (whether the optimizer state
+    is asked for), its `check` refuses: a flag honoured or refused, never ignored."""
     if to not in WRITABLE:
         raise ConfigError(f"--to {to!r}: expected one of {', '.join(TO_NAMES)}")
     fmt = WRITABLE[to]
@@ -126,6 +130,8 @@ def writing(to: str, options: Mapping[str, object] = {}) -> Format:  # noqa: B00
         if key not in fmt.options:
             flag = next((f.options[key] for f in WRITABLE.values() if key in f.options), key)
             raise ConfigError(f"{flag}: only for --to {takers(key) or '(none)'} (not --to {to})")
+    if fmt.check is not None and optimizer is not None:
+        fmt.call("check", options, optimizer)
     return fmt
 
 

@@ -104,7 +104,7 @@ def run(src: str | os.PathLike, out: str | os.PathLike, job: ExportJob) -> Expor
     from hybridckpt.writers import ExportRequest
 
     t0 = time.perf_counter()
-    registry.writing(job.to, job.options)  # a target or option it does not take: refused before anything is read
+    registry.writing(job.to, job.options, job.optimizer)  # a target or option it does not take: refused before anything is read
     if job.io_threads is not None:
         parallel.set_io_threads(job.io_threads)
     opened = open_checkpoint(src, job.fmt, config=job.config, rules=job.rules, step=job.step,

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from hybridckpt.containers import safetensors_file as sf
-from hybridckpt.errors import CheckpointError
+from hybridckpt.errors import CheckpointError, ConfigError
 from hybridckpt.io import model_files
 from hybridckpt.io.model_files import CONFIG, ModelFile
 from hybridckpt.lazy import ArrayTensor, LazyTensor
@@ -75,6 +75,7 @@ def write_hf(
     direct_io: bool = True,
     sources: Iterable[str] = (),
     files: Mapping[str, bytes | ModelFile] | None = None,
+    more: Callable[[str], list[str]] | None = None,
 ) -> list[str]:
     """Write an HF folder at `dst` atomically (never at or around one of `sources`).
 
@@ -86,6 +87,8 @@ def write_hf(
     (`io.sequential_file`; False: through the page cache). files: more files by plain name
     (`io.model_files`: config, generation config, tokenizer), bytes or a carried file to copy
     (read and checked); a `config.json` among them is written unless `hf_config` is given.
+    more: writes further files into the temporary folder it is given, returns their names (the
+    Trainer's resume files: `formats.trainer.write`).
     """
     files_in = files
     if RESERVED in params:  # (the optimizer's `<name>.<slot>` and `step` cannot be it)
@@ -114,6 +117,8 @@ def write_hf(
                 state["step"] = ArrayTensor(np.asarray(step or 0, dtype=np.int64))
             files += write_sharded(tmp, state, stem="optimizer", max_shard_bytes=max_shard_bytes,
                                    on_tensor=on_tensor, direct_io=direct_io)
+        if more is not None:
+            files += more(tmp)
         if trainer:
             with open(os.path.join(tmp, "hybridckpt.json"), "w") as f:
                 json.dump(dict(trainer), f, indent=2, sort_keys=True, default=str)
@@ -148,10 +153,16 @@ def write_export(request) -> Any:
     params = dict(named.params)
     params, _ = cast_floating(params, request.dtype)  # (None: every tensor as stored)
     slots = {s: dict(t) for s, t in named.slots.items()} if request.optimizer else {}
+    more, notes, hooked = None, (), []
+    if slots and request.options.get("optimizer_layout", "safetensors") == "trainer":  # formats/trainer/write.py
+        from hybridckpt.formats.trainer.write import hf_hook
+
+        more, notes, hooked = hf_hook(request, params, slots)
+        slots = {}  # (written by the hook, read as it writes them: not read ahead)
     staged: dict[tuple[str, str], LazyTensor] = {("model", k): v for k, v in params.items()}
     for slot, tensors in slots.items():
         staged |= {("optimizer", f"{k}.{slot}"): v for k, v in tensors.items()}
-    every = list(staged.values())
+    every = list(staged.values()) + hooked
     staged = {k: v for k, v in staged.items() if v.nbytes <= WRITE_BLOCK_BYTES and lazy.copy_runs(v) is None}
     order = sorted(k for k in staged if k[0] == "model") + sorted(k for k in staged if k[0] == "optimizer")
     window = max((t.nbytes for t in staged.values()), default=0)
@@ -166,7 +177,7 @@ def write_export(request) -> Any:
     # config.json, generation_config.json, tokenizer files (formats/hf/files.py)
     beside = export_files(cfg, request.files, params, source_config=source_config_json(request.trainer))
     trainer = {"step": named.step, "source_format": request.source_format}
-    if slots:
+    if slots or more:
         trainer["optimizer_name"] = named.optimizer.name
         if request.hyper:  # read back by the hf reader as the hyper-parameters (formats/hf.py)
             trainer["optimizer"] = dict(request.hyper)
@@ -174,6 +185,20 @@ def write_export(request) -> Any:
         request.out, params, None, files=beside, slots=slots or None, step=named.step,
         with_step=bool(slots) and named.optimizer.has_step, trainer=trainer,
         max_shard_bytes=request.max_shard_bytes or DEFAULT_SHARD_BYTES, overwrite=request.overwrite,
-        on_tensor=request.progress, direct_io=request.direct_io, sources=request.sources,
+        on_tensor=request.progress, direct_io=request.direct_io, sources=request.sources, more=more,
     )
-    return Written(tuple(files), len(every), sum(t.nbytes for t in every), cast_notes(request))
+    return Written(tuple(files), len(every), sum(t.nbytes for t in every), (*cast_notes(request), *notes))
+
+
+def check_options(options, optimizer: bool) -> None:
+    """The hf writer's options, before anything is read: `optimizer_layout` ("safetensors" or
+    "trainer": `formats.trainer.write`) only with the optimizer asked for."""
+    layout = options.get("optimizer_layout")
+    if layout is None:
+        return
+    from hybridckpt.formats.trainer.write import LAYOUTS
+
+    if layout not in LAYOUTS:
+        raise ConfigError(f"--optimizer-layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
+    if not optimizer:
+        raise ConfigError(f"--optimizer-layout {layout}: only with --optimizer (it says how the optimizer state is written)")
