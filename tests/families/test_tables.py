@@ -35,6 +35,7 @@ from hybridckpt.models.phi3.config import Phi3Config
 from hybridckpt.models.qwen2.config import Qwen2Config
 from hybridckpt.models.qwen3.config import Qwen3Config
 from hybridckpt.models.qwen3_moe.config import Qwen3MoeConfig
+from hybridckpt.models.smollm3.config import SmolLM3Config
 from hybridckpt.models.table import Drop, Param, ParamTable, stack
 
 _LLAMA = dict(vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
@@ -93,6 +94,9 @@ VARIANTS = {
     "phi3_tied_partial_longrope_window": Phi3Config(**_LLAMA, tie_word_embeddings=True, partial_rotary_factor=0.5,
                                                     longrope={"short_factor": [1, 2], "long_factor": [3, 4]},
                                                     sliding_window=3),
+    "smollm3": SmolLM3Config(**{**_LLAMA, "num_layers": 4}),
+    "smollm3_untied_head_dim_list": SmolLM3Config(**_LLAMA, tie_word_embeddings=False, head_dim=12,
+                                                  no_rope_layers=(0, 1)),
 }  # fmt: skip
 
 
