@@ -34,6 +34,7 @@ from hybridckpt.models.olmo2.config import Olmo2Config
 from hybridckpt.models.phi3.config import Phi3Config
 from hybridckpt.models.qwen2.config import Qwen2Config
 from hybridckpt.models.qwen3.config import Qwen3Config
+from hybridckpt.models.qwen2_moe.config import Qwen2MoeConfig
 from hybridckpt.models.qwen3_moe.config import Qwen3MoeConfig
 from hybridckpt.models.smollm3.config import SmolLM3Config
 from hybridckpt.models.table import Drop, Param, ParamTable, stack
@@ -94,6 +95,9 @@ VARIANTS = {
     "phi3_tied_partial_longrope_window": Phi3Config(**_LLAMA, tie_word_embeddings=True, partial_rotary_factor=0.5,
                                                     longrope={"short_factor": [1, 2], "long_factor": [3, 4]},
                                                     sliding_window=3),
+    "qwen2_moe": Qwen2MoeConfig(**{**_MOE, "num_layers": 2}, shared_expert_intermediate_size=24),
+    "qwen2_moe_dense_no_bias_tied": Qwen2MoeConfig(**_MOE, mlp_only_layers=(0,), decoder_sparse_step=2, qkv_bias=False,
+                                                   tie_word_embeddings=True),
     "smollm3": SmolLM3Config(**{**_LLAMA, "num_layers": 4}),
     "smollm3_untied_head_dim_list": SmolLM3Config(**_LLAMA, tie_word_embeddings=False, head_dim=12,
                                                   no_rope_layers=(0, 1)),

@@ -17,7 +17,7 @@ from roundtrip_real import bitwise_equal
 from hybridckpt import jobs
 from hybridckpt.readers import open_source
 
-FAMILIES = {"hf524_smollm3": "smollm3"}
+FAMILIES = {"hf524_smollm3": "smollm3", "hf524_qwen2_moe": "qwen2_moe"}
 CASES = list(FAMILIES)
 LOGITS_ATOL = 1e-4
 # the import mesh (issue 41's) and a restore mesh unlike it, fitted to the devices present
@@ -45,6 +45,8 @@ def test_config_is_read_as_the_family(case):
     assert cfg.tie_word_embeddings == manifest(case)["tied_after_load"]
     if case == "hf524_smollm3":
         assert cfg.use_rope_layers == (True, True, True, False)
+    if case == "hf524_qwen2_moe":
+        assert (cfg.moe_layers, cfg.dense_layers, cfg.norm_topk_prob, cfg.qkv_bias) == ((0, 2), (1, 3), False, True)
 
 
 @pytest.mark.parametrize("case", CASES)

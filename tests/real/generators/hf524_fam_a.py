@@ -6,8 +6,8 @@
 (the pins are index_optim's: its venv serves). Cases, each tiny (hidden 16, vocab 64, < 100 KB):
 - `hf524_smollm3`: a SmolLM3ForCausalLM of 4 layers as released (tied; `no_rope_layer_interval`
   4, so layer 3 is a NoPE layer).
-- `hf524_qwen2_moe`: a Qwen2MoeForCausalLM of 3 layers: layer 1 dense (`mlp_only_layers`), 0
-  and 2 MoE (4 experts, top-2, `norm_topk_prob` false) with the shared expert and its sigmoid
+- `hf524_qwen2_moe`: a Qwen2MoeForCausalLM of 4 layers: layers 1 and 3 dense (`mlp_only_layers`),
+  0 and 2 MoE (4 experts, top-2, `norm_topk_prob` false) with the shared expert and its sigmoid
   `shared_expert_gate`; q/k/v biases.
 - `hf524_mistral3`: a Mistral3ForConditionalGeneration (Mistral text model with head_dim 12 !=
   hidden / heads, rope theta 1e9; a Pixtral tower and the projector with its patch merger)
@@ -55,6 +55,23 @@ def _randomize(model) -> None:
             p.copy_(centre + scale * torch.randn(p.shape, generator=g))
 
 
+def _per_expert(name: str, v: torch.Tensor) -> dict[str, torch.Tensor]:
+    """transformers 5's fused in-memory experts under the Hub's per-expert names it saves them
+    as: `mlp.experts.gate_up_proj` [E, 2I, H] (each expert's rows [gate | up]) and
+    `mlp.experts.down_proj` [E, H, I] (conversion_mapping's qwen2_moe entry, reversed)."""
+    stem, _, kind = name.rpartition(".")
+    if not stem.endswith("mlp.experts") or kind not in ("gate_up_proj", "down_proj"):
+        return {name: v}
+    out = {}
+    for e in range(v.shape[0]):
+        if kind == "down_proj":
+            out[f"{stem}.{e}.down_proj.weight"] = v[e]
+        else:
+            gate, up = v[e].chunk(2, dim=0)
+            out[f"{stem}.{e}.gate_proj.weight"], out[f"{stem}.{e}.up_proj.weight"] = gate, up
+    return out
+
+
 def _case(out: str, name: str, model, *, original: bool = True, drop_keys: tuple[str, ...] = (),
           notes: tuple[str, ...] = ()) -> None:
     import transformers
@@ -83,7 +100,7 @@ def _case(out: str, name: str, model, *, original: bool = True, drop_keys: tuple
             if k.startswith(held):
                 k = saved + k[len(held):]
                 break
-        refs[k] = v.detach().float().numpy()
+        refs |= {n: t.detach().float().numpy() for n, t in _per_expert(k, v).items()}
     tied = back.config.tie_word_embeddings and "lm_head.weight" not in names and "language_model.lm_head.weight" not in names
     if tied:
         refs = {k: v for k, v in refs.items() if not k.endswith("lm_head.weight")}
@@ -113,7 +130,23 @@ def smollm3(out: str) -> None:
     _case(out, "hf524_smollm3", t.SmolLM3ForCausalLM(cfg))
 
 
-CASES = {"smollm3": smollm3}
+def qwen2_moe(out: str) -> None:
+    import transformers as t
+
+    cfg = t.Qwen2MoeConfig(**TEXT, num_hidden_layers=4, mlp_only_layers=[1, 3], num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=4, shared_expert_intermediate_size=4, norm_topk_prob=False,
+                           rope_parameters={"rope_type": "default", "rope_theta": 5000.0}, **NO_IDS)
+    assert cfg.qkv_bias and not cfg.tie_word_embeddings
+    model = t.Qwen2MoeForCausalLM(cfg)
+    _case(out, "hf524_qwen2_moe", model)
+    # the routers choose more than one pair of experts across the tokens (else top-k is untested)
+    with torch.no_grad():
+        routed = model(input_ids=torch.from_numpy(TOKENS), output_router_logits=True).router_logits
+    for layer in routed:
+        assert len({tuple(sorted(r)) for r in torch.topk(layer, 2, dim=-1).indices.tolist()}) >= 3
+
+
+CASES = {"smollm3": smollm3, "qwen2_moe": qwen2_moe}
 
 
 def main() -> int:
