@@ -1,5 +1,7 @@
 """Qwen2-MoE, SmolLM3 and Mistral 3 as transformers 5.24's `save_pretrained` wrote them
-(`generators/hf524_fam_a.py`): each read as its family, params bit for bit from the reader and
+(`generators/hf524_fam_a.py`; Mistral 3 under the Hub's names, untied, and the module tree's,
+tied, both config.json without the top-level `tie_word_embeddings`): each read as its family
+(tied as transformers read it back), params bit for bit from the reader and
 after import onto a mesh with fsdp, tp and pp (dp=1,fsdp=2,tp=2,pp=2 on 8 devices; the largest
 of that form on fewer), restore on another and export (a wrapper's vision tower and projector
 under the names read); logits on that mesh against transformers' own forward (fp32, atol 1e-4).
@@ -17,7 +19,8 @@ from roundtrip_real import bitwise_equal
 from hybridckpt import jobs
 from hybridckpt.readers import open_source
 
-FAMILIES = {"hf524_smollm3": "smollm3", "hf524_qwen2_moe": "qwen2_moe"}
+FAMILIES = {"hf524_smollm3": "smollm3", "hf524_qwen2_moe": "qwen2_moe", "hf524_mistral3": "mistral3",
+            "hf524_mistral3_tied_module_names": "mistral3"}  # fmt: skip
 CASES = list(FAMILIES)
 LOGITS_ATOL = 1e-4
 # the import mesh (issue 41's) and a restore mesh unlike it, fitted to the devices present
@@ -47,6 +50,13 @@ def test_config_is_read_as_the_family(case):
         assert cfg.use_rope_layers == (True, True, True, False)
     if case == "hf524_qwen2_moe":
         assert (cfg.moe_layers, cfg.dense_layers, cfg.norm_topk_prob, cfg.qkv_bias) == ((0, 2), (1, 3), False, True)
+    if case.startswith("hf524_mistral3"):  # no top-level tie_word_embeddings in either config.json
+        assert (cfg.head_dim, cfg.hidden_size // cfg.num_heads, cfg.rope_theta) == (12, 8, 1e9)
+        legacy = case == "hf524_mistral3"
+        assert (cfg.text_prefix, cfg.vision_prefix, cfg.projector_prefix, cfg.head_name) == (
+            ("language_model.model.", "vision_tower.", "multi_modal_projector.", "language_model.lm_head.weight")
+            if legacy else ("model.language_model.", "model.vision_tower.", "model.multi_modal_projector.", "lm_head.weight"))
+        assert cfg.projector_bias is not legacy
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -10,14 +10,15 @@
   0 and 2 MoE (4 experts, top-2, `norm_topk_prob` false) with the shared expert and its sigmoid
   `shared_expert_gate`; q/k/v biases.
 - `hf524_mistral3`: a Mistral3ForConditionalGeneration (Mistral text model with head_dim 12 !=
-  hidden / heads, rope theta 1e9; a Pixtral tower and the projector with its patch merger)
-  under the names the Hub's releases use and 5.24 writes by default (`language_model.model.*`,
-  `vision_tower.*`, `multi_modal_projector.*`), tied, its config.json's `tie_word_embeddings`
-  key removed as the Hub's Mistral-Small-3.1 config.json has none (transformers reads it tied:
-  Mistral3Config's default).
-- `hf524_mistral3_module_names`: the same wrapper untied, saved with
+  hidden / heads, rope theta 1e9; a Pixtral tower and the projector with its patch merger) as
+  the Hub's Mistral-Small-3.1 is: the names 5.24 writes by default (`language_model.model.*`,
+  `language_model.lm_head.weight`, `vision_tower.*`, `multi_modal_projector.*`), untied, the
+  config.json's top-level `tie_word_embeddings` removed after the save (the Hub's has none:
+  Mistral3Config's default, true, applies; transformers keeps the differing head it finds).
+- `hf524_mistral3_tied_module_names`: the same wrapper tied, projector biases on, saved with
   `save_original_format=False` (the module tree's names: `model.language_model.*`,
-  `model.vision_tower.*`, `model.multi_modal_projector.*`, `lm_head.weight`).
+  `model.vision_tower.*`, `model.multi_modal_projector.*`), no head in the file, the key
+  removed too (so tied by the default).
 
 Weights are moved off their init (seeded normal; routers wide, so the top-k differs across
 tokens) before saving. References: every parameter as transformers holds it after
@@ -146,7 +147,31 @@ def qwen2_moe(out: str) -> None:
         assert len({tuple(sorted(r)) for r in torch.topk(layer, 2, dim=-1).indices.tolist()}) >= 3
 
 
-CASES = {"smollm3": smollm3, "qwen2_moe": qwen2_moe}
+def _mistral3_config(**kwargs):
+    import transformers as t
+
+    text = dict(TEXT, model_type="mistral", num_hidden_layers=2, head_dim=12, sliding_window=None,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e9}, **NO_IDS)
+    vision = dict(model_type="pixtral", hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                  head_dim=4, image_size=8, patch_size=4)
+    return t.Mistral3Config(text_config=text, vision_config=vision, image_token_index=63, **kwargs)
+
+
+def mistral3(out: str) -> None:
+    import transformers as t
+
+    note = ("config.json's top-level tie_word_embeddings removed after save_pretrained, as the Hub's "
+            "Mistral-Small-3.1 config.json has none; from_pretrained read the folder so (Mistral3Config's default "
+            "is true: {})")
+    untied = _mistral3_config(tie_word_embeddings=False)
+    _case(out, "hf524_mistral3", t.Mistral3ForConditionalGeneration(untied), drop_keys=("tie_word_embeddings",),
+          notes=(note.format("the head the file holds differs from the embedding, so transformers keeps it untied"),))
+    tied = _mistral3_config(multimodal_projector_bias=True)
+    _case(out, "hf524_mistral3_tied_module_names", t.Mistral3ForConditionalGeneration(tied), original=False,
+          drop_keys=("tie_word_embeddings",), notes=(note.format("no head in the file: tied"),))
+
+
+CASES = {"smollm3": smollm3, "qwen2_moe": qwen2_moe, "mistral3": mistral3}
 
 
 def main() -> int:
