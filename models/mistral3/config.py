@@ -99,18 +99,24 @@ class Mistral3Config(text.MistralConfig):
         for name in _SIZES:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 20:
-                raise ConfigError(f"{where}.{name}: expected a positive int of at most {1 << 20}, found {v!r:.60}")
+                raise ConfigError(
+                    f"{where}.{name}: expected a positive int of at most {1 << 20}, found {v!r:.60}"
+                )
         object.__setattr__(self, "projector_bias", bool(self.projector_bias))
         for name, allowed in (("text_prefix", TEXT_PREFIXES), ("vision_prefix", VISION_PREFIXES),
                               ("projector_prefix", PROJECTOR_PREFIXES), ("head_name", HEAD_NAMES)):  # fmt: skip
             if getattr(self, name) not in allowed:
-                raise ConfigError(f"{where}.{name}: {getattr(self, name)!r:.80}; expected one of {list(allowed)}")
+                raise ConfigError(
+                    f"{where}.{name}: {getattr(self, name)!r:.80}; expected one of {list(allowed)}"
+                )
         try:
             rest = json.loads(self.hf_rest)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{where}.hf_rest: not a JSON object ({e})") from None
         if not isinstance(rest, dict):
-            raise ConfigError(f"{where}.hf_rest: expected a JSON object, found {type(rest).__name__}")
+            raise ConfigError(
+                f"{where}.hf_rest: expected a JSON object, found {type(rest).__name__}"
+            )
 
     @property
     def family(self) -> str:
@@ -127,7 +133,9 @@ def _sub(d: Mapping[str, Any], key: str, kind: str, init: dict, source: str) -> 
         raise ConfigError(f"{source}: {key} must be an object or null, found {sub!r:.60}")
     found = sub.get("model_type", kind)
     if found != kind:
-        raise ConfigError(f"{source}: {key}.model_type {found!r:.60} is not supported for {ARCHITECTURE}; expected {kind!r}")
+        raise ConfigError(
+            f"{source}: {key}.model_type {found!r:.60} is not supported for {ARCHITECTURE}; expected {kind!r}"
+        )
     return dict(sub)
 
 
@@ -136,14 +144,17 @@ def _feature_layers(v: Any, source: str) -> int:
         return 1
     if isinstance(v, list) and v and all(isinstance(i, int) and not isinstance(i, bool) for i in v):
         return len(v)
-    raise ConfigError(f"{source}: vision_feature_layer: expected an int or a list of ints, found {v!r:.60}")
+    raise ConfigError(
+        f"{source}: vision_feature_layer: expected an int or a list of ints, found {v!r:.60}"
+    )
 
 
 def from_hf(d: Mapping[str, Any], source: str) -> Mistral3Config:
     """A Mistral3Config from an HF `config.json` dict; `source` names the file in errors."""
     tc = _sub(d, "text_config", "mistral", TEXT_INIT, source)
     vc = _sub(d, "vision_config", "pixtral", VISION_INIT, source)
-    tc["tie_word_embeddings"] = d.get("tie_word_embeddings", True)  # the top-level key ties (docstring)
+    # the top-level key ties the head, true when absent (module docstring)
+    tc["tie_word_embeddings"] = d.get("tie_word_embeddings", True)
     cfg = text.from_hf(tc, f"{source}: text_config")
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     got = {k: vc.get(k, VISION_DEFAULTS[k]) for k in VISION_DEFAULTS}

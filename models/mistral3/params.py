@@ -44,7 +44,10 @@ def _carried(path: str, shape: tuple, hf: str, init: str = "normal") -> Param:
 V = "{vision}transformer.layers.$V"
 _LAYER = (
     _carried("attention_norm.weight", ("VE",), f"{V}.attention_norm.weight", "ones"),
-    *(_carried(f"{p}.weight", ("VE", "VE"), f"{V}.attention.{p}.weight") for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
+    *(
+        _carried(f"{p}.weight", ("VE", "VE"), f"{V}.attention.{p}.weight")
+        for p in ("q_proj", "k_proj", "v_proj", "o_proj")
+    ),
     _carried("ffn_norm.weight", ("VE",), f"{V}.ffn_norm.weight", "ones"),
     _carried("gate_proj.weight", ("VI", "VE"), f"{V}.feed_forward.gate_proj.weight"),
     _carried("up_proj.weight", ("VI", "VE"), f"{V}.feed_forward.up_proj.weight"),
@@ -69,7 +72,10 @@ TABLE = ParamTable(
     __name__,
     dims,
     (
-        *(r if isinstance(r, Drop) and not r.hf.startswith(("model.", "lm_head")) else _text(r) for r in TEXT.rows),
+        *(
+            r if isinstance(r, Drop) and not r.hf.startswith(("model.", "lm_head")) else _text(r)
+            for r in TEXT.rows
+        ),
         *under("vision", VISION),
         *under("projector", PROJECTOR),
     ),

@@ -58,14 +58,23 @@ class Qwen2MoeConfig(Qwen3MoeConfig):
     def __post_init__(self) -> None:
         mixtral.MixtralConfig.__post_init__(self)
         where = type(self).__name__
-        check_positive(self, ("moe_intermediate_size", "decoder_sparse_step", "shared_expert_intermediate_size"))
+        check_positive(
+            self,
+            ("moe_intermediate_size", "decoder_sparse_step", "shared_expert_intermediate_size"),
+        )
         object.__setattr__(self, "norm_topk_prob", bool(self.norm_topk_prob))
         object.__setattr__(self, "qkv_bias", bool(self.qkv_bias))
         if self.sliding_window is not None:
-            raise ConfigError(f"{where}.sliding_window: expected None (no window), found {self.sliding_window!r}")
+            raise ConfigError(
+                f"{where}.sliding_window: expected None (no window), found {self.sliding_window!r}"
+            )
         layers = self.mlp_only_layers
-        if not isinstance(layers, list | tuple) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
-            raise ConfigError(f"{where}.mlp_only_layers: expected a list of ints, found {layers!r:.80}")
+        if not isinstance(layers, list | tuple) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in layers
+        ):
+            raise ConfigError(
+                f"{where}.mlp_only_layers: expected a list of ints, found {layers!r:.80}"
+            )
         object.__setattr__(self, "mlp_only_layers", tuple(sorted(set(layers))))
         if not self.moe_layers:
             raise ConfigError(
@@ -98,7 +107,9 @@ def from_hf(d: Mapping[str, Any], source: str) -> Qwen2MoeConfig:
     refuse_sliding_window(d, source)
     view = {**HF_DEFAULTS, **d}
     if not view["num_experts"]:
-        raise ConfigError(f"{source}: num_experts is {view['num_experts']!r}: a dense model (a Qwen2); expected > 0")
+        raise ConfigError(
+            f"{source}: num_experts is {view['num_experts']!r}: a dense model (a Qwen2); expected > 0"
+        )
     cfg = llama.from_hf({k: v for k, v in view.items() if k != "attention_bias"}, source)
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     try:
@@ -138,7 +149,9 @@ def to_hf(cfg: Qwen2MoeConfig) -> dict[str, Any]:
 def hf_name_fixes(names: Collection[str]) -> str:
     """transformers 5's fused expert tensors under Qwen2-MoE's per-expert HF names (the shared
     expert and its gate are not fused)."""
-    return mixtral.fused_expert_fixes(names, "mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj")
+    return mixtral.fused_expert_fixes(
+        names, "mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj"
+    )
 
 
 def rule_variables(cfg: Qwen2MoeConfig) -> dict[str, Any]:

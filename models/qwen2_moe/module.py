@@ -64,4 +64,6 @@ class Qwen2Moe(Mixtral):
     """tokens `[batch, seq]` int -> logits `[batch, seq, vocab]` float32 (cfg: Qwen2MoeConfig)."""
 
     def block(self) -> nn.Module:
-        return stacked(Qwen2MoeBlock, self.cfg.num_layers, 4, 2)(self.cfg, self.dtype, name="layers")
+        return stacked(Qwen2MoeBlock, self.cfg.num_layers, 4, 2)(
+            self.cfg, self.dtype, name="layers"
+        )

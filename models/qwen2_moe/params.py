@@ -42,7 +42,9 @@ ATTENTION = (
     llama.O_PROJ,
     llama.MLP_NORM,
 )
-SHARED_GATE = Param("shared_gate.kernel", ("E", 1), ("embed", None), f"{MLP}.shared_expert_gate.weight", "transpose")
+SHARED_GATE = Param(
+    "shared_gate.kernel", ("E", 1), ("embed", None), f"{MLP}.shared_expert_gate.weight", "transpose"
+)
 EXPERTS = (
     *mlp_table.router(f"{MLP}.gate"),
     *mlp_table.experts(f"{MLP}.experts", "MX"),
@@ -57,7 +59,10 @@ TABLE = ParamTable(
         llama.EMBED,
         *stack("layers", ATTENTION),
         *stack("moe", EXPERTS, dim="Lm", index="$L in {moe_layers}"),
-        *when("has_dense_layers", stack("mlp", mlp_table.swiglu(MLP, "M"), dim="Ld", index="$L in {dense_layers}")),
+        *when(
+            "has_dense_layers",
+            stack("mlp", mlp_table.swiglu(MLP, "M"), dim="Ld", index="$L in {dense_layers}"),
+        ),
         llama.FINAL_NORM,
         llama.LM_HEAD,
         llama.TIED_HEAD,

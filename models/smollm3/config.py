@@ -53,10 +53,16 @@ class SmolLM3Config(llama.LlamaConfig):
         where = type(self).__name__
         check_positive(self, ("no_rope_layer_interval",))
         flags = self.no_rope_layers
-        if not isinstance(flags, list | tuple) or any(isinstance(f, bool) or f not in (0, 1) for f in flags):
-            raise ConfigError(f"{where}.no_rope_layers: expected a list of 0 and 1, found {flags!r:.80}")
+        if not isinstance(flags, list | tuple) or any(
+            isinstance(f, bool) or f not in (0, 1) for f in flags
+        ):
+            raise ConfigError(
+                f"{where}.no_rope_layers: expected a list of 0 and 1, found {flags!r:.80}"
+            )
         if not flags:
-            flags = [int((i + 1) % self.no_rope_layer_interval != 0) for i in range(self.num_layers)]
+            flags = [
+                int((i + 1) % self.no_rope_layer_interval != 0) for i in range(self.num_layers)
+            ]
         if len(flags) < self.num_layers:
             raise ConfigError(
                 f"{where}.no_rope_layers: {len(flags)} entries for {self.num_layers} layers; expected one per layer"

@@ -49,6 +49,8 @@ class SmolLM3(Llama):
     `SmolLM3Block` layers, each given its RoPE flag."""
 
     def block(self) -> nn.Module:
-        layers = stacked(SmolLM3Block, self.cfg.num_layers, 2, 1)(self.cfg, self.dtype, name="layers")
+        layers = stacked(SmolLM3Block, self.cfg.num_layers, 2, 1)(
+            self.cfg, self.dtype, name="layers"
+        )
         flags = jnp.array(self.cfg.use_rope_layers)
         return lambda x, cos, sin: layers(x, cos, sin, flags)

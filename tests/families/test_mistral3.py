@@ -55,7 +55,6 @@ MODELS = {
 }  # fmt: skip
 
 
-
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     """name -> (folder written by transformers' save_pretrained, its model)."""
@@ -76,8 +75,12 @@ def test_the_fixtures_use_both_spellings(hf_dirs):
     """What the tool wrote (pinned: the prefixes are read off these names)."""
     a, b = _names(hf_dirs["hf_names_tied"][0]), _names(hf_dirs["module_names_untied"][0])
     assert "language_model.model.embed_tokens.weight" in a and "vision_tower.patch_conv.weight" in a
-    assert "multi_modal_projector.patch_merger.merging_layer.weight" in a and not any("lm_head" in n for n in a)
-    assert "model.language_model.embed_tokens.weight" in b and "model.vision_tower.ln_pre.weight" in b
+    assert "multi_modal_projector.patch_merger.merging_layer.weight" in a and not any(
+        "lm_head" in n for n in a
+    )
+    assert (
+        "model.language_model.embed_tokens.weight" in b and "model.vision_tower.ln_pre.weight" in b
+    )
     assert "lm_head.weight" in b and "model.multi_modal_projector.linear_2.bias" in b
 
 
@@ -113,7 +116,9 @@ def test_the_top_level_key_ties(hf_dirs, tmp_path):
     assert d["tie_word_embeddings"] is True and d["text_config"]["tie_word_embeddings"] is False
     no_key = {k: v for k, v in d.items() if k != "tie_word_embeddings"}
     assert models.config_from_hf(no_key).tie_word_embeddings
-    assert transformers.Mistral3Config(**{k: v for k, v in no_key.items() if k != "architectures"}).tie_word_embeddings
+    assert transformers.Mistral3Config(
+        **{k: v for k, v in no_key.items() if k != "architectures"}
+    ).tie_word_embeddings
     # the untied model's folder with the top-level key removed: transformers keeps its lm_head
     src, um = hf_dirs["module_names_untied"]
     work = tmp_path / "no_key"
@@ -133,7 +138,9 @@ def test_the_top_level_key_ties(hf_dirs, tmp_path):
 def test_the_text_model_is_the_mistral_family(hf_dirs):
     folder, m = hf_dirs["module_names_untied"]
     cfg, params = read_params(folder)
-    text_cfg = models.config_from_hf(m.config.text_config.to_dict() | {"architectures": ["MistralForCausalLM"]})
+    text_cfg = models.config_from_hf(
+        m.config.text_config.to_dict() | {"architectures": ["MistralForCausalLM"]}
+    )
     assert models.family_of(text_cfg).name == "mistral"
     text_tree = models.param_shape_tree(text_cfg)
     assert {k: v for k, v in models.param_shape_tree(cfg).items() if k in text_tree} == text_tree
@@ -172,16 +179,26 @@ def test_config_read_and_written(hf_dirs):
     assert models.config_from_dict(models.config_to_dict(cfg)) == cfg
     back = models.config_to_hf(cfg)
     assert models.config_from_hf(back) == cfg
-    assert {k: v for k, v in back.items() if k != "text_config"} == {k: v for k, v in d.items() if k != "text_config"}
+    assert {k: v for k, v in back.items() if k != "text_config"} == {
+        k: v for k, v in d.items() if k != "text_config"
+    }
     # sub-configs absent: Mistral3Config's init_kwargs (Mistral-Small-3.1's sizes)
-    bare = models.config_from_hf({"architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3"})
+    bare = models.config_from_hf(
+        {"architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3"}
+    )
     theirs = transformers.Mistral3Config()
     assert (bare.hidden_size, bare.head_dim, bare.rope_theta, bare.vision_hidden_size, bare.vision_patch_size) == (
         theirs.text_config.hidden_size, theirs.text_config.head_dim, 1e9, theirs.vision_config.hidden_size,
         theirs.vision_config.patch_size)  # fmt: skip
-    with pytest.raises(ConfigError, match="c.json: text_config.model_type 'llama' is not supported"):
-        models.config_from_hf({**d, "text_config": {**d["text_config"], "model_type": "llama"}}, source="c.json")
-    with pytest.raises(ConfigError, match="c.json: vision_feature_layer: expected an int or a list of ints"):
+    with pytest.raises(
+        ConfigError, match="c.json: text_config.model_type 'llama' is not supported"
+    ):
+        models.config_from_hf(
+            {**d, "text_config": {**d["text_config"], "model_type": "llama"}}, source="c.json"
+        )
+    with pytest.raises(
+        ConfigError, match="c.json: vision_feature_layer: expected an int or a list of ints"
+    ):
         models.config_from_hf({**d, "vision_feature_layer": "last"}, source="c.json")
     with pytest.raises(ConfigError, match="text_prefix: 'lm.'; expected one of"):
         models.config_from_dict({**models.config_to_dict(cfg), "text_prefix": "lm."})

@@ -69,14 +69,25 @@ def test_saved_names_and_the_groups(hf_dirs):
     and where the MoE and dense layers land in the tree."""
     folder, m = hf_dirs["qwen2_moe_mixed"]
     src = {k: v.materialize() for k, v in open_source(folder).tensors.items()}
-    assert "model.layers.3.mlp.experts.2.up_proj.weight" in src and "model.layers.2.mlp.gate_proj.weight" in src
+    assert (
+        "model.layers.3.mlp.experts.2.up_proj.weight" in src
+        and "model.layers.2.mlp.gate_proj.weight" in src
+    )
     assert src["model.layers.1.mlp.shared_expert_gate.weight"].shape == (1, 32)
     assert not any(k.endswith("q_proj.bias") for k in src)
     cfg, params = read_params(folder)
     assert (cfg.moe_layers, cfg.dense_layers) == ((1, 3), (0, 2))
-    np.testing.assert_array_equal(params["moe"]["shared_gate"]["kernel"][1], src["model.layers.3.mlp.shared_expert_gate.weight"].T)
-    np.testing.assert_array_equal(params["moe"]["shared"]["down"]["kernel"][0], src["model.layers.1.mlp.shared_expert.down_proj.weight"].T)
-    np.testing.assert_array_equal(params["mlp"]["up"]["kernel"][1], src["model.layers.2.mlp.up_proj.weight"].T)
+    np.testing.assert_array_equal(
+        params["moe"]["shared_gate"]["kernel"][1],
+        src["model.layers.3.mlp.shared_expert_gate.weight"].T,
+    )
+    np.testing.assert_array_equal(
+        params["moe"]["shared"]["down"]["kernel"][0],
+        src["model.layers.1.mlp.shared_expert.down_proj.weight"].T,
+    )
+    np.testing.assert_array_equal(
+        params["mlp"]["up"]["kernel"][1], src["model.layers.2.mlp.up_proj.weight"].T
+    )
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -89,7 +100,9 @@ def test_top_k_choices_differ_across_tokens(hf_dirs, name):
         assert len(chosen) >= 3, chosen
 
 
-@pytest.mark.parametrize("name, mesh", [("qwen2_moe", None), ("qwen2_moe", "dp=4,pp=2"), ("qwen2_moe_mixed", None)])
+@pytest.mark.parametrize(
+    "name, mesh", [("qwen2_moe", None), ("qwen2_moe", "dp=4,pp=2"), ("qwen2_moe_mixed", None)]
+)
 def test_logits_equal_transformers(hf_dirs, name, mesh):
     folder, m = hf_dirs[name]
     assert_logits(folder, torch_logits(m), mesh=fit(mesh, keep="dp") if mesh else pp_tp_mesh())
@@ -97,10 +110,12 @@ def test_logits_equal_transformers(hf_dirs, name, mesh):
 
 def _zeroed(params: dict, group: str, *path: str) -> dict:
     """`params` with the leaf `group.path...` set to zeros (the rest shared)."""
+
     def put(node, keys):
         if not keys:
             return np.zeros_like(node)
         return node | {keys[0]: put(node[keys[0]], keys[1:])}
+
     return params | {group: put(params[group], list(path))}
 
 
@@ -112,7 +127,12 @@ def test_each_qwen2_moe_part_matters(hf_dirs, monkeypatch):
     cfg, params = read_params(folder)
     run = jax.jit(lambda p: models.forward(cfg, p, TOKENS))  # one trace for every params variant
     np.testing.assert_allclose(np.asarray(run(params)), want, atol=1e-4, rtol=0)
-    no_bias = _zeroed(_zeroed(_zeroed(params, "layers", "q", "bias"), "layers", "k", "bias"), "layers", "v", "bias")
+    no_bias = _zeroed(
+        _zeroed(_zeroed(params, "layers", "q", "bias"), "layers", "k", "bias"),
+        "layers",
+        "v",
+        "bias",
+    )
     assert_far(np.asarray(run(no_bias)), want)
     for part in ("shared_expert", "shared_expert_gated"):
         with monkeypatch.context() as mp:
@@ -167,10 +187,16 @@ def test_config_read_and_written(hf_dirs):
         assert models.config_from_hf(models.config_to_hf(cfg)) == cfg
         assert models.config_from_dict(models.config_to_dict(cfg)) == cfg
     # transformers' defaults where the keys are absent
-    bare = {k: v for k, v in d.items() if k not in ("qkv_bias", "norm_topk_prob", "shared_expert_intermediate_size")}
+    bare = {
+        k: v
+        for k, v in d.items()
+        if k not in ("qkv_bias", "norm_topk_prob", "shared_expert_intermediate_size")
+    }
     cfg = models.config_from_hf(bare)
     assert cfg.qkv_bias and not cfg.norm_topk_prob and cfg.shared_expert_intermediate_size == 5632
-    with pytest.raises(ConfigError, match="c.json: Qwen2MoeConfig: no layer is a mixture of experts"):
+    with pytest.raises(
+        ConfigError, match="c.json: Qwen2MoeConfig: no layer is a mixture of experts"
+    ):
         models.config_from_hf({**d, "mlp_only_layers": [0, 1]}, source="c.json")
     with pytest.raises(ConfigError, match="c.json: num_experts is 0"):
         models.config_from_hf({**d, "num_experts": 0}, source="c.json")

@@ -38,7 +38,9 @@ SIZES = dict(
 )  # fmt: skip
 MODELS = {
     "smollm3": dict(SIZES),
-    "smollm3_untied_list": dict(SIZES, tie_word_embeddings=False, no_rope_layers=[0, 1, 0, 1], head_dim=12),
+    "smollm3_untied_list": dict(
+        SIZES, tie_word_embeddings=False, no_rope_layers=[0, 1, 0, 1], head_dim=12
+    ),
 }
 
 
@@ -68,7 +70,9 @@ def test_the_nope_layers_matter(hf_dirs):
     assert cfg.use_rope_layers == tuple(bool(f) for f in m.config.no_rope_layers)
     assert False in cfg.use_rope_layers
     np.testing.assert_allclose(forward(cfg, params), want, atol=1e-4, rtol=0)
-    assert_far(forward(dataclasses.replace(cfg, no_rope_layers=(1,) * cfg.num_layers), params), want)
+    assert_far(
+        forward(dataclasses.replace(cfg, no_rope_layers=(1,) * cfg.num_layers), params), want
+    )
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -77,7 +81,13 @@ def test_import_restore_export_is_bitwise_and_loads_in_transformers(hf_dirs, tmp
     out = roundtrip_bitwise(folder, tmp_path)
     back = load_fp32(out)
     assert type(back) is type(m)
-    for key in ("tie_word_embeddings", "no_rope_layers", "num_key_value_heads", "rope_parameters", "layer_types"):
+    for key in (
+        "tie_word_embeddings",
+        "no_rope_layers",
+        "num_key_value_heads",
+        "rope_parameters",
+        "layer_types",
+    ):
         assert getattr(back.config, key) == getattr(m.config, key), key
     assert getattr(back.config, "head_dim", 8) == getattr(m.config, "head_dim", 8)
     np.testing.assert_array_equal(torch_logits(back), torch_logits(m))
@@ -92,7 +102,11 @@ def test_config_read_and_written(hf_dirs):
     assert models.config_from_hf(models.config_to_hf(cfg)) == cfg
     assert models.config_from_dict(models.config_to_dict(cfg)) == cfg
     # transformers' defaults where the keys are absent: tied, NoPE from the interval, theta 2e6
-    sparse = {k: v for k, v in d.items() if k not in ("tie_word_embeddings", "no_rope_layers", "rope_parameters")}
+    sparse = {
+        k: v
+        for k, v in d.items()
+        if k not in ("tie_word_embeddings", "no_rope_layers", "rope_parameters")
+    }
     cfg = models.config_from_hf(dict(sparse, num_hidden_layers=8, no_rope_layer_interval=3))
     assert cfg.tie_word_embeddings and cfg.rope_theta == 2e6
     assert [i for i, r in enumerate(cfg.use_rope_layers) if not r] == [2, 5]
@@ -101,4 +115,6 @@ def test_config_read_and_written(hf_dirs):
     with pytest.raises(ConfigError, match="no_rope_layers: expected a list of 0 and 1"):
         models.config_from_hf({**d, "no_rope_layers": [1, 2, 1, 1]}, source="c.json")
     with pytest.raises(ConfigError, match="c.json: use_sliding_window=true"):
-        models.config_from_hf({**d, "use_sliding_window": True, "sliding_window": 4}, source="c.json")
+        models.config_from_hf(
+            {**d, "use_sliding_window": True, "sliding_window": 4}, source="c.json"
+        )

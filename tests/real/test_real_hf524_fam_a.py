@@ -49,19 +49,38 @@ def test_config_is_read_as_the_family(case):
     if case == "hf524_smollm3":
         assert cfg.use_rope_layers == (True, True, True, False)
     if case == "hf524_qwen2_moe":
-        assert (cfg.moe_layers, cfg.dense_layers, cfg.norm_topk_prob, cfg.qkv_bias) == ((0, 2), (1, 3), False, True)
+        assert (cfg.moe_layers, cfg.dense_layers, cfg.norm_topk_prob, cfg.qkv_bias) == (
+            (0, 2),
+            (1, 3),
+            False,
+            True,
+        )
     if case.startswith("hf524_mistral3"):  # no top-level tie_word_embeddings in either config.json
         assert (cfg.head_dim, cfg.hidden_size // cfg.num_heads, cfg.rope_theta) == (12, 8, 1e9)
         legacy = case == "hf524_mistral3"
         assert (cfg.text_prefix, cfg.vision_prefix, cfg.projector_prefix, cfg.head_name) == (
-            ("language_model.model.", "vision_tower.", "multi_modal_projector.", "language_model.lm_head.weight")
-            if legacy else ("model.language_model.", "model.vision_tower.", "model.multi_modal_projector.", "lm_head.weight"))
+            (
+                "language_model.model.",
+                "vision_tower.",
+                "multi_modal_projector.",
+                "language_model.lm_head.weight",
+            )
+            if legacy
+            else (
+                "model.language_model.",
+                "model.vision_tower.",
+                "model.multi_modal_projector.",
+                "lm_head.weight",
+            )
+        )
         assert cfg.projector_bias is not legacy
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_import_restore_export_bitwise(case, tmp_path):
-    params, _, _, _ = roundtrip(ckpt(case), str(tmp_path), mesh_a=MESH_A, mesh_b=MESH_B, optimizer=False)
+    params, _, _, _ = roundtrip(
+        ckpt(case), str(tmp_path), mesh_a=MESH_A, mesh_b=MESH_B, optimizer=False
+    )
     want = _weights(reference(case))
     assert sorted(params) == sorted(want)
     for k, v in want.items():
