@@ -13,7 +13,7 @@ HF `config.json` (`from_hf` / `to_hf`): architectures `SmolLM3ForCausalLM` (or, 
 take transformers' SmolLM3Config defaults: `tie_word_embeddings` true (Llama's is false),
 `rope_theta` 2e6 (its `default_theta`), `max_position_embeddings` 32768, `rms_norm_eps` 1e-6.
 `no_rope_layers` is kept as read (a list of 0/1, at least one entry per layer, as transformers
-indexes it) with `no_rope_layer_interval`, and written back. Refused: `use_sliding_window: true`
+indexes it) with `no_rope_layer_interval`, and written back (null when absent). Refused: `use_sliding_window: true`
 (transformers then windows the NoPE layers; SmolLM3-3B leaves it off) and
 `attention_bias` / `mlp_bias` true (no release has them; Llama's reader refuses them).
 
@@ -41,8 +41,9 @@ HF_DEFAULTS = {"tie_word_embeddings": True, "max_position_embeddings": 32768, "r
 
 @dataclasses.dataclass(frozen=True)
 class SmolLM3Config(llama.LlamaConfig):
-    """SmolLM3: LlamaConfig's fields plus `no_rope_layers` (per layer 1: RoPE, 0: NoPE; empty:
-    made from `no_rope_layer_interval`, as transformers does) and `no_rope_layer_interval`."""
+    """SmolLM3: LlamaConfig's fields plus `no_rope_layers` (per layer 1: RoPE, 0: NoPE, as read;
+    empty: `use_rope_layers` makes it from `no_rope_layer_interval`, as transformers does, only
+    when asked, so a config of 2**31 layers builds no list) and `no_rope_layer_interval`."""
 
     tie_word_embeddings: bool = True
     no_rope_layers: tuple[int, ...] = ()
@@ -59,11 +60,7 @@ class SmolLM3Config(llama.LlamaConfig):
             raise ConfigError(
                 f"{where}.no_rope_layers: expected a list of 0 and 1, found {flags!r:.80}"
             )
-        if not flags:
-            flags = [
-                int((i + 1) % self.no_rope_layer_interval != 0) for i in range(self.num_layers)
-            ]
-        if len(flags) < self.num_layers:
+        if flags and len(flags) < self.num_layers:
             raise ConfigError(
                 f"{where}.no_rope_layers: {len(flags)} entries for {self.num_layers} layers; expected one per layer"
             )
@@ -76,6 +73,9 @@ class SmolLM3Config(llama.LlamaConfig):
     @property
     def use_rope_layers(self) -> tuple[bool, ...]:
         """Per layer: RoPE applied to q and k (False: a NoPE layer)."""
+        if not self.no_rope_layers:
+            every = self.no_rope_layer_interval
+            return tuple((i + 1) % every != 0 for i in range(self.num_layers))
         return tuple(bool(f) for f in self.no_rope_layers[: self.num_layers])
 
 
@@ -103,7 +103,7 @@ def to_hf(cfg: SmolLM3Config) -> dict[str, Any]:
     d = llama.to_hf(cfg) | {
         "architectures": [ARCHITECTURE],
         "model_type": MODEL_TYPE,
-        "no_rope_layers": list(cfg.no_rope_layers),
+        "no_rope_layers": list(cfg.no_rope_layers) or None,  # None: transformers makes it
         "no_rope_layer_interval": cfg.no_rope_layer_interval,
         "use_sliding_window": False,
         "sliding_window": None,

@@ -110,6 +110,10 @@ def test_config_read_and_written(hf_dirs):
     cfg = models.config_from_hf(dict(sparse, num_hidden_layers=8, no_rope_layer_interval=3))
     assert cfg.tie_word_embeddings and cfg.rope_theta == 2e6
     assert [i for i, r in enumerate(cfg.use_rope_layers) if not r] == [2, 5]
+    assert models.config_from_hf(models.config_to_hf(cfg)) == cfg
+    # the flags are made when asked, not when read: 2**31 layers build no list (a config is data)
+    huge = models.config_from_hf(dict(sparse, num_hidden_layers=2**31), source="c.json")
+    assert huge.no_rope_layers == () and huge.num_layers == 2**31
     with pytest.raises(ConfigError, match="c.json: .*no_rope_layers: 3 entries for 4 layers"):
         models.config_from_hf({**d, "no_rope_layers": [1, 1, 0]}, source="c.json")
     with pytest.raises(ConfigError, match="no_rope_layers: expected a list of 0 and 1"):
