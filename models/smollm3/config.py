@@ -13,9 +13,9 @@ HF `config.json` (`from_hf` / `to_hf`): architectures `SmolLM3ForCausalLM` (or, 
 take transformers' SmolLM3Config defaults: `tie_word_embeddings` true (Llama's is false),
 `rope_theta` 2e6 (its `default_theta`), `max_position_embeddings` 32768, `rms_norm_eps` 1e-6.
 `no_rope_layers` is kept as read (a list of 0/1, at least one entry per layer, as transformers
-indexes it) with `no_rope_layer_interval`, and written back (null when absent). Refused: `use_sliding_window: true`
-(transformers then windows the NoPE layers; SmolLM3-3B leaves it off) and
-`attention_bias` / `mlp_bias` true (no release has them; Llama's reader refuses them).
+indexes it) with `no_rope_layer_interval`, and written back (null when absent). Refused:
+`use_sliding_window: true` (transformers then windows the NoPE layers; SmolLM3-3B leaves it
+off) and `attention_bias` / `mlp_bias` true (no release has them; Llama's reader refuses them).
 
 `use_rope_layers` is the family's fact (a property): a test turns it into "every layer" to show
 the NoPE layers matter.
