@@ -29,12 +29,15 @@ from hybridckpt.models.gpt_oss.config import GptOssConfig
 from hybridckpt.models.granite.config import GraniteConfig
 from hybridckpt.models.llama.config import LlamaConfig
 from hybridckpt.models.mistral.config import MistralConfig
+from hybridckpt.models.mistral3.config import Mistral3Config
 from hybridckpt.models.mixtral.config import MixtralConfig
 from hybridckpt.models.olmo2.config import Olmo2Config
 from hybridckpt.models.phi3.config import Phi3Config
 from hybridckpt.models.qwen2.config import Qwen2Config
+from hybridckpt.models.qwen2_moe.config import Qwen2MoeConfig
 from hybridckpt.models.qwen3.config import Qwen3Config
 from hybridckpt.models.qwen3_moe.config import Qwen3MoeConfig
+from hybridckpt.models.smollm3.config import SmolLM3Config
 from hybridckpt.models.table import Drop, Param, ParamTable, stack
 
 _LLAMA = dict(vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
@@ -93,6 +96,18 @@ VARIANTS = {
     "phi3_tied_partial_longrope_window": Phi3Config(**_LLAMA, tie_word_embeddings=True, partial_rotary_factor=0.5,
                                                     longrope={"short_factor": [1, 2], "long_factor": [3, 4]},
                                                     sliding_window=3),
+    "qwen2_moe": Qwen2MoeConfig(**{**_MOE, "num_layers": 2}, shared_expert_intermediate_size=24),
+    "qwen2_moe_dense_no_bias_tied": Qwen2MoeConfig(**_MOE, mlp_only_layers=(0,), decoder_sparse_step=2, qkv_bias=False,
+                                                   tie_word_embeddings=True),
+    "mistral3": Mistral3Config(**_LLAMA, head_dim=12, vision_hidden_size=8, vision_intermediate_size=16,
+                               vision_num_layers=2, vision_patch_size=4),
+    "mistral3_untied_bias_module_names": Mistral3Config(
+        **_LLAMA, tie_word_embeddings=False, vision_hidden_size=8, vision_intermediate_size=16, vision_num_layers=1,
+        vision_patch_size=2, num_feature_layers=2, projector_bias=True, text_prefix="model.language_model.",
+        vision_prefix="model.vision_tower.", projector_prefix="model.multi_modal_projector.", head_name="lm_head.weight"),
+    "smollm3": SmolLM3Config(**{**_LLAMA, "num_layers": 4}),
+    "smollm3_untied_head_dim_list": SmolLM3Config(**_LLAMA, tie_word_embeddings=False, head_dim=12,
+                                                  no_rope_layers=(0, 1)),
 }  # fmt: skip
 
 
