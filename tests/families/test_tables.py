@@ -24,6 +24,7 @@ from hybridckpt.models.family import _discover
 from hybridckpt.models.gemma2.config import Gemma2Config
 from hybridckpt.models.gemma3.config import Gemma3Config
 from hybridckpt.models.gemma3_mm.config import Gemma3MMConfig
+from hybridckpt.models.glm4_moe.config import Glm4MoeConfig
 from hybridckpt.models.gpt2.config import GPT2Config
 from hybridckpt.models.gpt_oss.config import GptOssConfig
 from hybridckpt.models.granite.config import GraniteConfig
@@ -45,6 +46,8 @@ _MOE = dict(_LLAMA, num_layers=4, num_experts=4, moe_intermediate_size=16)
 _DS = dict(vocab_size=40, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
            num_layers=3, num_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
            v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2)  # fmt: skip
+_GLM = dict(vocab_size=40, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_layers=3,
+            num_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2)  # fmt: skip
 
 # every family, and each option that changes its tree: tied / untied heads, head_dim apart from
 # hidden / heads, biases, q/k norms, sliding windows, MoE with and without dense layers, MTP
@@ -93,6 +96,10 @@ VARIANTS = {
     "phi3_tied_partial_longrope_window": Phi3Config(**_LLAMA, tie_word_embeddings=True, partial_rotary_factor=0.5,
                                                     longrope={"short_factor": [1, 2], "long_factor": [3, 4]},
                                                     sliding_window=3),
+    "glm4_moe_qk_norm_bias_mtp": Glm4MoeConfig(**{**_GLM, "num_layers": 4}, num_kv_heads=2, use_qk_norm=True,
+                                               attention_bias=True, first_k_dense_replace=2, num_nextn_predict_layers=1),
+    "glm4_moe_air_tied_all_moe": Glm4MoeConfig(**_GLM, num_kv_heads=4, head_dim=12, tie_word_embeddings=True,
+                                               first_k_dense_replace=0, partial_rotary_factor=1.0),
 }  # fmt: skip
 
 
