@@ -21,6 +21,8 @@ from hybridckpt.models.common import axes_of, unboxed
 from hybridckpt.models.deepseek_v3.config import DeepseekV3Config
 from hybridckpt.models.errors import ConfigError
 from hybridckpt.models.family import _discover
+from hybridckpt.models.ernie4_5.config import Ernie45Config
+from hybridckpt.models.ernie4_5_moe.config import Ernie45MoeConfig
 from hybridckpt.models.gemma2.config import Gemma2Config
 from hybridckpt.models.gemma3.config import Gemma3Config
 from hybridckpt.models.gemma3_mm.config import Gemma3MMConfig
@@ -100,6 +102,13 @@ VARIANTS = {
                                                attention_bias=True, first_k_dense_replace=2, num_nextn_predict_layers=1),
     "glm4_moe_air_tied_all_moe": Glm4MoeConfig(**_GLM, num_kv_heads=4, head_dim=12, tie_word_embeddings=True,
                                                first_k_dense_replace=0, partial_rotary_factor=1.0),
+    "ernie4_5_bias_tied": Ernie45Config(**_LLAMA, use_bias=True, tie_word_embeddings=True, head_dim=12),
+    "ernie4_5_untied": Ernie45Config(**_LLAMA),
+    "ernie4_5_moe_bias_tied_shared": Ernie45MoeConfig(**{**_LLAMA, "num_layers": 4}, use_bias=True, tie_word_embeddings=True,
+                                                      moe_num_experts=4, moe_k=2, moe_intermediate_size=16,
+                                                      moe_num_shared_experts=2, moe_layer_start_index=1),
+    "ernie4_5_moe_all_moe_no_shared": Ernie45MoeConfig(**_LLAMA, moe_num_experts=4, moe_k=2, moe_intermediate_size=16,
+                                                       moe_num_shared_experts=0, moe_layer_start_index=0),
 }  # fmt: skip
 
 
