@@ -1,5 +1,7 @@
 """GLM-4.5 and ERNIE 4.5 as transformers 5.24's `save_pretrained` wrote them
-(`generators/hf524_fam_b.py`): GLM-4.5 in bf16 with its router weight and correction bias in fp32.
+(`generators/hf524_fam_b.py`), in bf16 as the releases: GLM-4.5 and ERNIE 4.5 MoE with their router
+weight and correction bias in fp32 (ERNIE's `[1, E]` under its stored name `mlp.moe_statics.*`),
+ERNIE 4.5 dense with head_dim apart from hidden / heads.
 
 The reader gives every tensor in its stored dtype, bit for bit what transformers held; import onto
 dp=1,fsdp=2,tp=2,pp=2 (fewer devices: the largest mesh of that form), restore onto dp=2,tp=2,pp=2
@@ -22,7 +24,7 @@ from meshes import fit
 from hybridckpt import jobs
 from hybridckpt.readers import open_source
 
-CASES = {"hf524_glm4_moe": "glm4_moe"}
+CASES = {"hf524_glm4_moe": "glm4_moe", "hf524_ernie4_5_moe": "ernie4_5_moe", "hf524_ernie4_5": "ernie4_5"}
 MESH_A, MESH_B = "dp=1,fsdp=2,tp=2,pp=2", "dp=2,tp=2,pp=2"
 LOGITS_ATOL = 1e-4
 
@@ -68,6 +70,14 @@ def test_config_is_read_as_the_family(case):
         assert (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor, cfg.mtp_layers) == (2, 1, 2.5, 0)
         assert {k for k, v in manifest(case)["dtypes"].items() if v == "float32"} == {
             f"model.layers.{i}.mlp.gate.{w}" for i in (2, 3) for w in ("weight", "e_score_correction_bias")}
+    if case == "hf524_ernie4_5_moe":
+        assert (cfg.moe_layers, cfg.moe_num_shared_experts, cfg.tie_word_embeddings, cfg.use_bias) == ((2, 3), 2, True, False)
+        assert {k for k, v in manifest(case)["dtypes"].items() if v == "float32"} == {
+            f"model.layers.{i}.mlp.{w}" for i in (2, 3) for w in ("gate.weight", "moe_statics.e_score_correction_bias")}
+        assert reference(case)["model.layers.2.mlp.moe_statics.e_score_correction_bias"].shape == (1, 4)
+    if case == "hf524_ernie4_5":
+        assert (cfg.head_dim, cfg.num_heads, cfg.hidden_size, cfg.tie_word_embeddings) == (12, 2, 16, True)
+        assert set(manifest(case)["dtypes"].values()) == {"bfloat16"}
 
 
 @pytest.mark.parametrize("case", CASES)

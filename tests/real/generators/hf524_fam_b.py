@@ -9,6 +9,12 @@
   expert, routed_scaling_factor 2.5) saved in bf16 as the releases are: written in fp32, read back
   by `from_pretrained(dtype=bfloat16)`, which keeps the router's weight and
   `e_score_correction_bias` in fp32 (`_keep_in_fp32_modules_strict`), and saved again.
+- `hf524_ernie4_5_moe`: an Ernie4_5_MoeForCausalLM as ERNIE-4.5-21B-A3B (tied, no biases, 2 shared
+  experts, dense layers below `moe_layer_start_index`: 2 dense + 2 MoE layers), bf16 the same way
+  (the router weight and `moe_statics.e_score_correction_bias` `[1, E]` kept fp32), saved under
+  the stored names (transformers renames the bias back from its `mlp.gate.moe_statics.*`).
+- `hf524_ernie4_5`: an Ernie4_5ForCausalLM as ERNIE-4.5-0.3B (tied, head_dim apart from hidden /
+  heads), bf16.
 
 Weights are moved off their init (seeded normal; the routers' correction biases too) before
 saving. References: every tensor as transformers holds it after `from_pretrained` reads the
@@ -47,7 +53,8 @@ def _randomize(model) -> None:
 def _saved_names(state: dict) -> dict:
     """transformers' in-memory tensors under the names its save writes (the conversion it reverses
     on save: fused `mlp.experts.gate_up_proj` [X, 2M, E] -> `mlp.experts.N.{gate,up}_proj.weight`,
-    `mlp.experts.down_proj` [X, E, M] -> `mlp.experts.N.down_proj.weight`)."""
+    `mlp.experts.down_proj` [X, E, M] -> `mlp.experts.N.down_proj.weight`; ERNIE's
+    `mlp.gate.moe_statics.e_score_correction_bias` -> `mlp.moe_statics.e_score_correction_bias`)."""
     out = {}
     for name, t in state.items():
         if name.endswith("mlp.experts.gate_up_proj"):
@@ -58,8 +65,8 @@ def _saved_names(state: dict) -> dict:
             base = name[: -len("down_proj")]
             for e in range(t.shape[0]):
                 out[f"{base}{e}.down_proj.weight"] = t[e]
-        else:
-            out[name] = t
+        else:  # ERNIE's correction bias: stored beside the router, held under it
+            out[name.replace(".mlp.gate.moe_statics.", ".mlp.moe_statics.")] = t
     return out
 
 
@@ -115,6 +122,23 @@ def glm4_moe(t):
     return t.Glm4MoeForCausalLM(cfg)
 
 
+def ernie4_5_moe(t):
+    cfg = t.Ernie4_5_MoeConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=16, moe_intermediate_size=8, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1, moe_num_experts=4, moe_k=2, moe_num_shared_experts=2,
+        moe_layer_start_index=2, max_position_embeddings=64, pad_token_id=None, eos_token_id=None,
+        bos_token_id=None)
+    return t.Ernie4_5_MoeForCausalLM(cfg)
+
+
+def ernie4_5(t):
+    cfg = t.Ernie4_5Config(
+        vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=12, max_position_embeddings=64, pad_token_id=None, eos_token_id=None,
+        bos_token_id=None)
+    return t.Ernie4_5ForCausalLM(cfg)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -125,6 +149,9 @@ def main() -> int:
     _case(a.out, "hf524_glm4_moe", glm4_moe(t), bf16=True,
           notes=["transformers drops GLM's MTP layers on load and writes none: this case has none "
                  "(tests/families/test_glm4_moe.py appends one)"])
+    _case(a.out, "hf524_ernie4_5_moe", ernie4_5_moe(t), bf16=True,
+          notes=["transformers ignores ERNIE's MTP tensors on load and writes none: this case has none"])
+    _case(a.out, "hf524_ernie4_5", ernie4_5(t), bf16=True)
     return 0
 
 
