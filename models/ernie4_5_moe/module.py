@@ -19,7 +19,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from hybridckpt.models.common import Embed, TableGroup, has_param, output_logits, stacked, table_param
+from hybridckpt.models.common import (
+    Embed,
+    TableGroup,
+    has_param,
+    output_logits,
+    stacked,
+    table_param,
+)
 from hybridckpt.models.ernie4_5.module import attention
 from hybridckpt.models.ernie4_5_moe.config import Ernie45MoeConfig
 from hybridckpt.models.llama.module import RMSNorm

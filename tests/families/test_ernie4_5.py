@@ -25,7 +25,17 @@ import jax
 import numpy as np
 import pytest
 from e2e import roundtrip
-from hf_parity import ATOL, TOKENS, assert_far, build, load_fp32, other_mesh, pp_tp_mesh, read_params, torch_logits
+from hf_parity import (
+    ATOL,
+    TOKENS,
+    assert_far,
+    build,
+    load_fp32,
+    other_mesh,
+    pp_tp_mesh,
+    read_params,
+    torch_logits,
+)
 from meshes import abstract_mesh
 
 from hybridckpt import jobs, models, plan

@@ -25,7 +25,16 @@ import jax
 import numpy as np
 import pytest
 from e2e import roundtrip
-from hf_parity import ATOL, TOKENS, assert_far, load_fp32, other_mesh, pp_tp_mesh, read_params, torch_logits
+from hf_parity import (
+    ATOL,
+    TOKENS,
+    assert_far,
+    load_fp32,
+    other_mesh,
+    pp_tp_mesh,
+    read_params,
+    torch_logits,
+)
 from meshes import abstract_mesh
 
 from hybridckpt import jobs, models, naming, plan
@@ -216,7 +225,7 @@ def test_heads_over_tp_and_experts_over_their_axis():
 
 
 def test_config_read_and_written(hf_dirs):
-    for name, (folder, m) in hf_dirs.items():
+    for name, (_, m) in hf_dirs.items():
         cfg = models.config_from_hf(m.config.to_dict())
         assert type(cfg) is Glm4MoeConfig and cfg.family == "glm4_moe"
         assert cfg.rotary_dim == 8
@@ -246,3 +255,35 @@ def test_config_read_and_written(hf_dirs):
 def test_config_refusals(hf_dirs, change, words):
     with pytest.raises(ConfigError, match=f"c.json: .*{words}"):
         models.config_from_hf({**hf_dirs["glm45"][1].config.to_dict(), **change}, source="c.json")
+
+
+# zai-org/GLM-4.5's config.json as released (transformers 4.54's spelling: top-level rope_theta and
+# partial_rotary_factor, rope_scaling null)
+HUB_GLM45 = {
+    "architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338], "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 5120, "partial_rotary_factor": 0.5, "initializer_range": 0.02, "intermediate_size": 12288,
+    "max_position_embeddings": 131072, "model_type": "glm4_moe", "moe_intermediate_size": 1536,
+    "norm_topk_prob": True, "num_attention_heads": 96, "n_group": 1, "topk_group": 1, "n_routed_experts": 160,
+    "n_shared_experts": 1, "routed_scaling_factor": 2.5, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+    "num_hidden_layers": 92, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_scaling": None,
+    "rope_theta": 1000000, "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "use_cache": True, "use_qk_norm": True, "vocab_size": 151552,
+}  # fmt: skip
+
+
+def test_released_config_reads_as_transformers_does():
+    """GLM-4.5's own config.json: 3 dense + 89 MoE layers + 1 MTP module, RoPE over 64 of 128 dims
+    with transformers' frequencies (built from the file and from our written-back config alike)."""
+    from hybridckpt.models.rope import rope_frequencies
+
+    cfg = models.config_from_hf(HUB_GLM45)
+    assert (cfg.num_dense_layers, cfg.num_moe_layers, cfg.mtp_layers, cfg.rotary_dim) == (3, 89, 1, 64)
+    assert models.rule_variables(cfg)["mtp_layers"] == "92"
+    rope = transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeRotaryEmbedding
+    for d in (HUB_GLM45, models.config_to_hf(cfg)):
+        emb = rope(transformers.Glm4MoeConfig(**d))
+        inv_freq, factor = rope_frequencies(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling,
+                                            max_position_embeddings=cfg.max_position_embeddings)  # fmt: skip
+        np.testing.assert_array_equal(inv_freq, emb.inv_freq.numpy())
+        assert factor == emb.attention_scaling == 1.0

@@ -19,10 +19,10 @@ import pytest
 from hybridckpt import models, naming
 from hybridckpt.models.common import axes_of, unboxed
 from hybridckpt.models.deepseek_v3.config import DeepseekV3Config
-from hybridckpt.models.errors import ConfigError
-from hybridckpt.models.family import _discover
 from hybridckpt.models.ernie4_5.config import Ernie45Config
 from hybridckpt.models.ernie4_5_moe.config import Ernie45MoeConfig
+from hybridckpt.models.errors import ConfigError
+from hybridckpt.models.family import _discover
 from hybridckpt.models.gemma2.config import Gemma2Config
 from hybridckpt.models.gemma3.config import Gemma3Config
 from hybridckpt.models.gemma3_mm.config import Gemma3MMConfig
