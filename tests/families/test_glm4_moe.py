@@ -190,6 +190,17 @@ def test_import_restore_export_is_bitwise_and_loads_in_transformers(hf_dirs, tmp
     np.testing.assert_array_equal(torch_logits(back), torch_logits(m))
 
 
+def test_fused_expert_layout_reads_the_same(hf_dirs, read, tmp_path):
+    """`save_pretrained(save_original_format=False)` writes transformers 5's fused experts
+    (`mlp.experts.gate_up_proj`, `down_proj`): the same params as the per-expert file."""
+    folder, m = hf_dirs["air"]
+    fused = str(tmp_path / "fused")
+    m.save_pretrained(fused, save_original_format=False)
+    names = set(open_source(fused).tensors)
+    assert "model.layers.1.mlp.experts.gate_up_proj" in names and not any(".experts.0." in n for n in names)
+    jax.tree.map(np.testing.assert_array_equal, read_params(fused)[1], read["air"][1])
+
+
 def test_bf16_checkpoint_keeps_its_fp32_router(hf_dirs, tmp_path):
     """transformers loads GLM-4.5 in bf16 but keeps the router's weight and correction bias in
     fp32 (`_keep_in_fp32_modules_strict`) and saves them so, as the releases hold them: both
