@@ -7,6 +7,7 @@ The reader gives every tensor in its stored dtype, bit for bit what transformers
 dp=1,fsdp=2,tp=2,pp=2 (fewer devices: the largest mesh of that form), restore onto dp=2,tp=2,pp=2
 and export give every tensor back bit for bit in its stored dtype, and transformers loads the
 export to the recorded logits; our logits equal transformers' recorded fp32 forward (atol 1e-4).
+`export --to maxtext` is refused naming the family (MaxText 0.2.5 has none of them).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from e2e import roundtrip
 from meshes import fit
 
 from hybridckpt import jobs
+from hybridckpt.errors import ConfigError
 from hybridckpt.readers import open_source
 
 CASES = {"hf524_glm4_moe": "glm4_moe", "hf524_ernie4_5_moe": "ernie4_5_moe", "hf524_ernie4_5": "ernie4_5"}
@@ -108,3 +110,8 @@ def test_import_restore_export_bitwise_and_transformers_loads_it(case, tmp_path)
     with torch.no_grad():
         logits = back(torch.from_numpy(ref["tokens"].astype(np.int64))).logits.numpy()
     np.testing.assert_allclose(logits, ref["logits"], rtol=0, atol=1e-6)
+    # MaxText 0.2.5 has none of these families: the refusal names it, and nothing is written
+    refused = os.path.join(str(tmp_path), "maxtext")
+    with pytest.raises(ConfigError, match=f"MaxText: no mapping for family '{CASES[case]}'"):
+        jobs.export_checkpoint(os.path.join(str(tmp_path), "orbax"), refused, to="maxtext")
+    assert not os.path.exists(refused)
