@@ -19,4 +19,5 @@ FAMILY = Family(
     rule_variables=config.rule_variables,
     module="hybridckpt.models.ernie4_5_moe.module:Ernie45Moe",
     hf_name_fixes=config.hf_name_fixes,
+    fit_to_hf_names=config.fit_to_hf_names,
 )

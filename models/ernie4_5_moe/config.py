@@ -21,13 +21,21 @@ config.json carries keys transformers ignores (`moe_gate`, `moe_use_aux_free`, .
 transformers renames the stored `mlp.moe_statics.e_score_correction_bias` to
 `mlp.gate.moe_statics.e_score_correction_bias` on load (its conversion mapping) and back on save;
 a file holding the in-memory name is read under the stored one (`hf_name_fixes`), as a file with
-transformers' fused experts is. The releases' MTP tensors (`mtp*`, which transformers ignores on
-load) are not supported: a file holding them is refused, naming them.
+transformers' fused experts is.
+
+MTP: the releases carry `num_nextn_predict_layers` multi-token-prediction modules i = 0, 1, ...:
+`model.mtp_emb_norm.{i}.weight`, `model.mtp_hidden_norm.{i}.weight`, `model.mtp_linear_proj.{i}.weight`
+`[E, 2E]` and a decoder layer `model.mtp_block.{i}.*` (layer index num_layers + i, past
+`moe_layer_end_index` in the releases: a dense MLP). transformers ignores them on load
+(`_keys_to_ignore_on_load_unexpected = ["mtp"]`) and saves none; here they are params (`mtp`), kept
+bit for bit through import and export, unused by the forward pass. `mtp_layers` counts the modules
+a checkpoint carries (`fit_to_hf_names`); an MTP layer the config makes an MoE layer is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -42,6 +50,7 @@ MODEL_TYPE = "ernie4_5_moe"
 HF_DEFAULTS = {"moe_intermediate_size": 1536, "moe_k": 6, "moe_num_experts": 64, "moe_num_shared_experts": 2,
                "moe_layer_start_index": 1, "moe_layer_end_index": -1, "moe_layer_interval": 1,
                "moe_norm_min": 1e-12, "intermediate_size": 12288}  # fmt: skip
+_MTP_BLOCK = re.compile(r"model\.mtp_block\.(\d+)\.")
 STATICS = "mlp.moe_statics.e_score_correction_bias"  # the stored name
 STATICS_IN_MEMORY = "mlp.gate.moe_statics.e_score_correction_bias"  # transformers' module name
 
@@ -59,6 +68,8 @@ class Ernie45MoeConfig(dense.Ernie45Config):
     moe_layer_end_index: int = -1
     moe_layer_interval: int = 1
     moe_norm_min: float = 1e-12
+    num_nextn_predict_layers: int = 0
+    mtp_layers: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -76,6 +87,19 @@ class Ernie45MoeConfig(dense.Ernie45Config):
         if isinstance(m, bool) or not isinstance(m, int | float) or not 0 <= m < 1:
             raise ConfigError(f"{where}.moe_norm_min: expected a number in [0, 1), found {m!r:.60}")
         object.__setattr__(self, "moe_norm_min", float(m))
+        n = self.num_nextn_predict_layers
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= self.num_layers:
+            raise ConfigError(f"{where}.num_nextn_predict_layers: expected 0..num_layers, found {n!r:.60}")
+        if self.mtp_layers is None:
+            object.__setattr__(self, "mtp_layers", n)
+        if not isinstance(self.mtp_layers, int) or not 0 <= self.mtp_layers <= n:
+            raise ConfigError(f"{where}.mtp_layers: expected 0..num_nextn_predict_layers ({n}), "
+                              f"found {self.mtp_layers!r:.60}")  # fmt: skip
+        moe_mtp = [i for i in range(self.mtp_layers) if self._is_moe(self.num_layers + i)]
+        if moe_mtp:
+            raise ConfigError(f"{where}: MTP layer {moe_mtp[0]} (layer index {self.num_layers + moe_mtp[0]}) "
+                              f"would be a mixture of experts (moe_layer_end_index {self.moe_layer_end_index}); "
+                              f"only dense MTP layers (the releases') are supported")  # fmt: skip
         if not self.moe_layers:
             raise ConfigError(f"{where}: no layer is a mixture of experts (moe_layer_start_index "
                               f"{self.moe_layer_start_index}, end {self.moe_layer_end_index}, interval "
@@ -85,11 +109,14 @@ class Ernie45MoeConfig(dense.Ernie45Config):
     def family(self) -> str:
         return "ernie4_5_moe"
 
+    def _is_moe(self, i: int) -> bool:
+        """Layer i's MLP is the mixture (`Ernie4_5_MoeDecoderLayer.__init__`'s condition)."""
+        return (i + 1) % self.moe_layer_interval == 0 and self.moe_layer_start_index <= i <= self.moe_layer_end_index
+
     @property
     def moe_layers(self) -> tuple[int, ...]:
-        """Layers whose MLP is the mixture (`Ernie4_5_MoeDecoderLayer.__init__`'s condition)."""
-        return tuple(i for i in range(self.num_layers) if (i + 1) % self.moe_layer_interval == 0
-                     and self.moe_layer_start_index <= i <= self.moe_layer_end_index)  # fmt: skip
+        """Layers whose MLP is the mixture."""
+        return tuple(i for i in range(self.num_layers) if self._is_moe(i))
 
     @property
     def dense_layers(self) -> tuple[int, ...]:
@@ -115,6 +142,7 @@ def from_hf(d: Mapping[str, Any], source: str) -> Ernie45MoeConfig:
         return Ernie45MoeConfig(
             **fields, use_bias=view.get("use_bias") or False,
             **{k: view[k] for k in HF_DEFAULTS if k != "intermediate_size"},
+            num_nextn_predict_layers=view.get("num_nextn_predict_layers") or 0,
         )
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
@@ -126,7 +154,24 @@ def to_hf(cfg: Ernie45MoeConfig) -> dict[str, Any]:
     d = dense.to_hf(cfg) | {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE}
     if cfg.head_dim * cfg.num_heads == cfg.hidden_size:
         del d["head_dim"]
-    return d | {k: getattr(cfg, k) for k in HF_DEFAULTS if k != "intermediate_size"}
+    d |= {k: getattr(cfg, k) for k in HF_DEFAULTS if k != "intermediate_size"}
+    if cfg.num_nextn_predict_layers:
+        d["num_nextn_predict_layers"] = cfg.num_nextn_predict_layers
+    return d
+
+
+def fit_to_hf_names(cfg: Ernie45MoeConfig, names: Collection[str]) -> Ernie45MoeConfig:
+    """`cfg` with `mtp_layers` the MTP modules i = 0, 1, ... whose `model.mtp_block.{i}.` keys are
+    among the HF `names` (at most `num_nextn_predict_layers`)."""
+    present = set()
+    for name in names:
+        m = _MTP_BLOCK.match(name)
+        if m:
+            present.add(int(m.group(1)))
+    count = 0
+    while count in present and count < cfg.num_nextn_predict_layers:
+        count += 1
+    return cfg if count == cfg.mtp_layers else dataclasses.replace(cfg, mtp_layers=count)
 
 
 def hf_name_fixes(names: Collection[str]) -> str:
@@ -144,9 +189,10 @@ def hf_name_fixes(names: Collection[str]) -> str:
 
 def rule_variables(cfg: Ernie45MoeConfig) -> dict[str, Any]:
     """ERNIE's rule variables plus the layer lists `moe_layers` / `dense_layers` ("0,1,..."),
-    and `num_experts`."""
+    `mtp_layers` (the MTP modules' indices 0..mtp_layers-1) and `num_experts`."""
     return dense.rule_variables(cfg) | {
         "num_experts": cfg.moe_num_experts,
+        "mtp_layers": layer_list(tuple(range(cfg.mtp_layers))),
         "moe_layers": layer_list(cfg.moe_layers),
         "dense_layers": layer_list(cfg.dense_layers),
     }

@@ -8,7 +8,8 @@ SwiGLU), else the dense SwiGLU (`swiglu_with_biases`). With `use_bias` the logit
 `lm_head.bias`, after the tied or untied head.
 
 Params: the family's table (`models.ernie4_5_moe.params`): `layers` by the layer scan, the
-groups `moe` and `mlp` whole (`models.common.TableGroup`).
+groups `moe`, `mlp` and `mtp` whole (`models.common.TableGroup`; `mtp` only at init: the forward
+pass does not use MTP, neither does transformers').
 """
 
 from __future__ import annotations
@@ -107,6 +108,8 @@ class Ernie45Moe(nn.Module):
         mlp = jax.tree.map(jnp.asarray, TableGroup(name="mlp")()) if cfg.dense_layers else None
         is_moe, pos = layer_groups(cfg.moe_layers, cfg.num_layers)
         x, _ = stacked(MoeBlock, cfg.num_layers, 4, 2)(cfg, dt, name="layers")(x, cos, sin, moe, mlp, is_moe, pos)
+        if cfg.mtp_layers and self.is_initializing():  # the MTP modules' params: carried, not run
+            TableGroup(name="mtp")()
         x = RMSNorm(cfg.rms_norm_eps, dt, name="final_norm")(x)
         logits = output_logits(x, embed, cfg.tie_word_embeddings, dt)
         if cfg.tie_word_embeddings and has_param(self, "lm_head.bias"):  # untied: the Dense adds it

@@ -4,15 +4,19 @@ biases) in `mlp` ({dense_layers}); in `moe` ({moe_layers}, `models.moe`): the ro
 `[X, E]`, its correction bias `router.bias` `[1, X]` as stored (`mlp.moe_statics.
 e_score_correction_bias`, replicated), the experts per expert (the Hub's names, which transformers
 5.24 saves too; no biases) and, with shared experts, `moe.shared` (width MS, biases with
-`use_bias`); a group with no layer or no width (no dense layer, no shared expert) has no params
+`use_bias`); the MTP modules in `mtp` ({mtp_layers}: `emb_norm`, `hidden_norm`, `linear_proj`
+`[2E, E]` and a dense decoder layer `mtp.layers.*` from `model.mtp_block.$M.*`; on a leading axis
+with logical None, kept through import and export, unused by the forward pass); a group with no layer or no width (no dense layer, no shared expert) has no params
 (a dimension of size 0); `lm_head.bias` `[V]` with `use_bias` (tied or not).
 
 Dimensions: Llama's (`models.llama.params.dims`) plus X experts, MX an expert's width, MS the
-shared SwiGLU's (MX * moe_num_shared_experts), Lm / Ld the MoE / dense layers.
+shared SwiGLU's (MX * moe_num_shared_experts), Lm / Ld the MoE / dense layers, N the MTP modules,
+E2 = 2 E.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from hybridckpt.models import mlp_table
@@ -27,7 +31,7 @@ def dims(cfg: Any) -> dict[str, int]:
     return llama.dims(cfg) | {
         "X": cfg.moe_num_experts, "MX": cfg.moe_intermediate_size,
         "MS": cfg.moe_intermediate_size * cfg.moe_num_shared_experts,
-        "Lm": len(cfg.moe_layers), "Ld": len(cfg.dense_layers),
+        "Lm": len(cfg.moe_layers), "Ld": len(cfg.dense_layers), "N": cfg.mtp_layers, "E2": 2 * cfg.hidden_size,
     }  # fmt: skip
 
 
@@ -44,6 +48,13 @@ MOE = (
     *under("shared", (*mlp_table.swiglu(SHARED, "MS"), *mlp_biases(SHARED, "MS"))),
 )
 DENSE = (*mlp_table.swiglu(MLP, "M"), *mlp_biases(MLP, "M"))
+MTP_BLOCK = "model.mtp_block.$M"
+MTP = (  # one MTP module (config docstring): its own params, then a dense decoder layer
+    Param("emb_norm.scale", ("E",), (None,), "model.mtp_emb_norm.$M.weight", init="ones"),
+    Param("hidden_norm.scale", ("E",), (None,), "model.mtp_hidden_norm.$M.weight", init="ones"),
+    Param("linear_proj.kernel", ("E2", "E"), (None, "embed"), "model.mtp_linear_proj.$M.weight", "transpose"),
+    *(replace(r, path=f"layers.{r.path}", hf=r.hf.replace(llama.LAYER, MTP_BLOCK)) for r in (*ATTENTION, *DENSE)),
+)
 LM_HEAD_BIAS = Param("lm_head.bias", ("V",), ("vocab",), "lm_head.bias", when="use_bias", init="zeros")
 
 TABLE = ParamTable(
@@ -54,6 +65,7 @@ TABLE = ParamTable(
         *stack("layers", ATTENTION),
         *stack("moe", MOE, dim="Lm", index="$L in {moe_layers}"),
         *stack("mlp", DENSE, dim="Ld", index="$L in {dense_layers}"),
+        *stack("mtp", MTP, dim="N", axis=None, index="$M in {mtp_layers}"),
         llama.FINAL_NORM,
         llama.LM_HEAD,
         LM_HEAD_BIAS,

@@ -6,7 +6,9 @@ random (`hf_parity.build`), the routers' `moe_statics.e_score_correction_bias` t
 initialises it to 0, which would hide a dropped bias). Variants:
 - `dense`: Ernie4_5ForCausalLM with `use_bias` (q/k/v/o and MLP biases), tied, explicit head_dim;
 - `moe`: Ernie4_5_MoeForCausalLM with `use_bias` (the lm_head bias of a tied head included), one
-  shared expert, dense layers 0-1 and MoE layers 2-3 (`moe_layer_start_index` 2);
+  shared expert, dense layers 0-1 and MoE layers 2-3 (`moe_layer_start_index` 2), and one MTP
+  module appended as the releases carry it (`model.mtp_block.0.*`, `model.mtp_*_norm.0`,
+  `model.mtp_linear_proj.0`; transformers ignores them);
 - `moe_interval`: untied, no biases, no shared expert, MoE on every second layer
   (`moe_layer_interval` 2: layers 1 and 3).
 Logits: fp32 against transformers' fp32 forward, atol 1e-4, on a mesh with pp=2 and tp (fewer
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 
 import jax
@@ -46,6 +49,7 @@ from hybridckpt.readers import open_source
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
 
 BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
@@ -70,6 +74,26 @@ def _build(name: str, seed: int):
     return m
 
 
+def _add_mtp(folder: str, seed: int) -> None:
+    """One MTP module as the releases carry it (`model.mtp_{emb,hidden}_norm.0`, `mtp_linear_proj.0`
+    `[E, 2E]`, a dense decoder layer `model.mtp_block.0.*`: layer 0's keys with fresh values) and
+    `num_nextn_predict_layers: 1` in config.json; transformers ignores both."""
+    path = os.path.join(folder, "model.safetensors")
+    saved = safetensors_torch.load_file(path)
+    g = torch.Generator().manual_seed(seed)
+    mtp = {"model.mtp_block.0." + k[len("model.layers.0."):]: torch.randn(v.shape, generator=g)
+           for k, v in saved.items() if k.startswith("model.layers.0.")}  # fmt: skip
+    E = BASE["hidden_size"]
+    for k, shape in (("mtp_emb_norm.0.weight", (E,)), ("mtp_hidden_norm.0.weight", (E,)),
+                     ("mtp_linear_proj.0.weight", (E, 2 * E))):  # fmt: skip
+        mtp[f"model.{k}"] = torch.randn(shape, generator=g)
+    safetensors_torch.save_file({**saved, **mtp}, path, metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({**config, "num_nextn_predict_layers": 1}, f)
+
+
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     out = {}
@@ -77,6 +101,8 @@ def hf_dirs(tmp_path_factory):
         m = _build(name, seed)
         folder = str(tmp_path_factory.mktemp(name))
         m.save_pretrained(folder)
+        if name == "moe":
+            _add_mtp(folder, seed + 10)
         out[name] = (folder, m)
     return out
 
@@ -144,6 +170,18 @@ def test_each_ernie_part_matters(hf_dirs, read, monkeypatch, name, part):
     assert_far(got, want)
 
 
+def test_mtp_is_carried_but_not_used(read):
+    cfg, params = read["moe"]
+    assert (cfg.mtp_layers, cfg.num_nextn_predict_layers) == (1, 1)
+    assert params["mtp"]["linear_proj"]["kernel"].shape == (1, 64, 32)
+    assert params["mtp"]["layers"]["gate"]["bias"].shape == (1, 48)
+    noisy = {**params, "mtp": jax.tree.map(lambda a: a + 1.0, params["mtp"])}
+    np.testing.assert_array_equal(_forward(cfg, noisy), _forward(cfg, params))
+    assert read["moe_interval"][0].mtp_layers == 0 and "mtp" not in read["moe_interval"][1]
+    with pytest.raises(ConfigError, match="MTP layer 0 \\(layer index 4\\) would be a mixture of experts"):
+        dataclasses.replace(cfg, moe_layer_end_index=4)
+
+
 def test_routing_bias_changes_the_choice(hf_dirs, read, monkeypatch):
     """The correction bias enters only the choice: switched off in the router (the weights are
     the plain probabilities either way), the logits move."""
@@ -159,6 +197,8 @@ def test_import_restore_export_is_bitwise_and_loads_in_transformers(hf_dirs, tmp
     params, *_ = roundtrip(folder, str(tmp_path), mesh_a=pp_tp_mesh(), mesh_b=other_mesh(), optimizer=False)
     source = {k: v.materialize() for k, v in open_source(folder).tensors.items()}
     assert sorted(params) == sorted(source)
+    if name == "moe":
+        assert "model.mtp_linear_proj.0.weight" in params and "model.mtp_block.0.mlp.down_proj.bias" in params
     for k, want in source.items():
         assert params[k].dtype == want.dtype and params[k].shape == want.shape, k
         assert np.array_equal(params[k].view(np.uint8), want.view(np.uint8)), k
@@ -180,9 +220,10 @@ def test_transformers_in_memory_names_read_as_the_stored_ones(hf_dirs, read, tmp
     names = set(open_source(fused).tensors)
     assert "model.layers.2.mlp.gate.moe_statics.e_score_correction_bias" in names
     assert "model.layers.2.mlp.experts.gate_up_proj" in names
-    jax.tree.map(np.testing.assert_array_equal, read_params(fused)[1], read["moe"][1])
+    without_mtp = {k: v for k, v in read["moe"][1].items() if k != "mtp"}  # transformers saves none
+    jax.tree.map(np.testing.assert_array_equal, read_params(fused)[1], without_mtp)
     params, *_ = roundtrip(fused, str(tmp_path / "rt"), mesh_a=pp_tp_mesh(), mesh_b=other_mesh(), optimizer=False)
-    assert sorted(params) == sorted(open_source(folder).tensors)
+    assert sorted(params) == sorted(k for k in open_source(folder).tensors if "mtp" not in k)
 
 
 def test_heads_over_tp_and_experts_over_their_axis():

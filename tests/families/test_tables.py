@@ -104,9 +104,10 @@ VARIANTS = {
                                                first_k_dense_replace=0, partial_rotary_factor=1.0),
     "ernie4_5_bias_tied": Ernie45Config(**_LLAMA, use_bias=True, tie_word_embeddings=True, head_dim=12),
     "ernie4_5_untied": Ernie45Config(**_LLAMA),
-    "ernie4_5_moe_bias_tied_shared": Ernie45MoeConfig(**{**_LLAMA, "num_layers": 4}, use_bias=True, tie_word_embeddings=True,
+    "ernie4_5_moe_bias_tied_shared_mtp": Ernie45MoeConfig(**{**_LLAMA, "num_layers": 4}, use_bias=True, tie_word_embeddings=True,
                                                       moe_num_experts=4, moe_k=2, moe_intermediate_size=16,
-                                                      moe_num_shared_experts=2, moe_layer_start_index=1),
+                                                      moe_num_shared_experts=2, moe_layer_start_index=1,
+                                                      num_nextn_predict_layers=1),
     "ernie4_5_moe_all_moe_no_shared": Ernie45MoeConfig(**_LLAMA, moe_num_experts=4, moe_k=2, moe_intermediate_size=16,
                                                        moe_num_shared_experts=0, moe_layer_start_index=0),
 }  # fmt: skip
