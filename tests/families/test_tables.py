@@ -19,11 +19,14 @@ import pytest
 from hybridckpt import models, naming
 from hybridckpt.models.common import axes_of, unboxed
 from hybridckpt.models.deepseek_v3.config import DeepseekV3Config
+from hybridckpt.models.ernie4_5.config import Ernie45Config
+from hybridckpt.models.ernie4_5_moe.config import Ernie45MoeConfig
 from hybridckpt.models.errors import ConfigError
 from hybridckpt.models.family import _discover
 from hybridckpt.models.gemma2.config import Gemma2Config
 from hybridckpt.models.gemma3.config import Gemma3Config
 from hybridckpt.models.gemma3_mm.config import Gemma3MMConfig
+from hybridckpt.models.glm4_moe.config import Glm4MoeConfig
 from hybridckpt.models.gpt2.config import GPT2Config
 from hybridckpt.models.gpt_oss.config import GptOssConfig
 from hybridckpt.models.granite.config import GraniteConfig
@@ -48,6 +51,8 @@ _MOE = dict(_LLAMA, num_layers=4, num_experts=4, moe_intermediate_size=16)
 _DS = dict(vocab_size=40, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
            num_layers=3, num_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
            v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2)  # fmt: skip
+_GLM = dict(vocab_size=40, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_layers=3,
+            num_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2)  # fmt: skip
 
 # every family, and each option that changes its tree: tied / untied heads, head_dim apart from
 # hidden / heads, biases, q/k norms, sliding windows, MoE with and without dense layers, MTP
@@ -108,6 +113,18 @@ VARIANTS = {
     "smollm3": SmolLM3Config(**{**_LLAMA, "num_layers": 4}),
     "smollm3_untied_head_dim_list": SmolLM3Config(**_LLAMA, tie_word_embeddings=False, head_dim=12,
                                                   no_rope_layers=(0, 1)),
+    "glm4_moe_qk_norm_bias_mtp": Glm4MoeConfig(**{**_GLM, "num_layers": 4}, num_kv_heads=2, use_qk_norm=True,
+                                               attention_bias=True, first_k_dense_replace=2, num_nextn_predict_layers=1),
+    "glm4_moe_air_tied_all_moe": Glm4MoeConfig(**_GLM, num_kv_heads=4, head_dim=12, tie_word_embeddings=True,
+                                               first_k_dense_replace=0, partial_rotary_factor=1.0),
+    "ernie4_5_bias_tied": Ernie45Config(**_LLAMA, use_bias=True, tie_word_embeddings=True, head_dim=12),
+    "ernie4_5_untied": Ernie45Config(**_LLAMA),
+    "ernie4_5_moe_bias_tied_shared_mtp": Ernie45MoeConfig(**{**_LLAMA, "num_layers": 4}, use_bias=True, tie_word_embeddings=True,
+                                                      moe_num_experts=4, moe_k=2, moe_intermediate_size=16,
+                                                      moe_num_shared_experts=2, moe_layer_start_index=1,
+                                                      num_nextn_predict_layers=1),
+    "ernie4_5_moe_all_moe_no_shared": Ernie45MoeConfig(**_LLAMA, moe_num_experts=4, moe_k=2, moe_intermediate_size=16,
+                                                       moe_num_shared_experts=0, moe_layer_start_index=0),
 }  # fmt: skip
 
 
