@@ -244,6 +244,8 @@ def test_absent_keys_take_transformers_defaults():
         theirs.head_dim, theirs.num_key_value_heads, 500000.0, theirs.rms_norm_eps)  # fmt: skip
     assert list(cfg.moe_layers) == theirs.moe_layers and list(cfg.no_rope_layers) == theirs.no_rope_layers
     assert list(cfg.layer_types) == theirs.layer_types and cfg.attention_chunk_size == 8192
+    # Scout's and Maverick's config.json say `"attn_temperature_tuning": 4` (truthy, as transformers reads it)
+    assert models.config_from_hf({**d, "attn_temperature_tuning": 4}).attn_temperature_tuning is True
 
 
 @pytest.mark.parametrize("change, message", [
