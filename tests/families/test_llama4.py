@@ -98,6 +98,16 @@ def test_logits_equal_transformers(hf_dirs, name, mesh):
     np.testing.assert_allclose(jobs.logits(folder, TOKENS, mesh=mesh), _logits(m), atol=ATOL, rtol=0)
 
 
+def test_the_router_picks_different_experts_across_tokens(hf_dirs):
+    """The fixtures exercise the routing: transformers' own top-1 choice differs across tokens."""
+    _, m = hf_dirs["llama4"]
+    with torch.no_grad():
+        out = m(torch.tensor(TOKENS, dtype=torch.long), output_router_logits=True)
+    assert len(out.router_logits) == 2  # MoE layers 1 and 3
+    for layer in out.router_logits:
+        assert len(set(layer.argmax(-1).tolist())) >= 3
+
+
 def test_the_wrappers_forward_raises_in_transformers(hf_dirs):
     """Why `.language_model` is the reference: transformers 5.24's wrapper forward fails on a text
     prompt (its output class reads an `image_outputs` its text model does not give)."""
