@@ -29,7 +29,7 @@ Reference: huggingface/transformers:src/transformers/modeling_rope_utils.py (the
   below max_pos); this module is stateless: each forward uses its own seq_len.
 - `llama3` (`factor`, `low_freq_factor`, `high_freq_factor`, `original_max_position_embeddings`):
   wavelengths 2 pi / inv_freq above orig / low are divided by factor, below orig / high kept,
-  between smoothly interpolated; scaling 1.
+  between smoothly interpolated (none when high == low, as in Llama 4 Scout); scaling 1.
 - `yarn` (`factor`, `original_max_position_embeddings`, optional `attention_factor`, `beta_fast`
   32, `beta_slow` 1, `mscale`, `mscale_all_dim`, `truncate` true): a linear ramp over the
   correction range blends interpolated (inv / factor) and extrapolated frequencies; scaling =
@@ -171,9 +171,9 @@ def check_scaling(scaling: Scaling | Mapping | None, where: str) -> None:
                 raise ConfigError(f"{where}: truncate must be true or false, found {d[key]!r}")
         elif d.get(key) is not None or (key == "factor" and kind != "yarn"):
             _number(d, key, where)
-    if kind == "llama3" and d["high_freq_factor"] <= d["low_freq_factor"]:
+    if kind == "llama3" and d["high_freq_factor"] < d["low_freq_factor"]:
         raise ConfigError(
-            f"{where}: llama3 high_freq_factor must exceed low_freq_factor, found {d}"
+            f"{where}: llama3 high_freq_factor must be at least low_freq_factor, found {d}"
         )
 
 
@@ -287,8 +287,9 @@ def _llama3(inv_freq: np.ndarray, d: Mapping) -> np.ndarray:
     high_freq_wavelen = old_context_len / high
     wavelen = _rcp(inv_freq) * _f32(2 * math.pi)
     scaled = np.where(wavelen > low_freq_wavelen, inv_freq / _f32(factor), inv_freq)
-    smooth = (_rcp(wavelen) * _f32(old_context_len) - _f32(low)) / _f32(high - low)
-    smoothed = (_f32(1) - smooth) * scaled / _f32(factor) + smooth * scaled
+    with np.errstate(divide="ignore", invalid="ignore"):  # high == low (Llama 4 Scout): no medium band
+        smooth = (_rcp(wavelen) * _f32(old_context_len) - _f32(low)) / _f32(high - low)
+        smoothed = (_f32(1) - smooth) * scaled / _f32(factor) + smooth * scaled
     medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
     return np.where(medium, smoothed, scaled).astype(np.float32)
 

@@ -31,6 +31,8 @@ from hybridckpt.models.gpt2.config import GPT2Config
 from hybridckpt.models.gpt_oss.config import GptOssConfig
 from hybridckpt.models.granite.config import GraniteConfig
 from hybridckpt.models.llama.config import LlamaConfig
+from hybridckpt.models.llama4.config import Llama4Config
+from hybridckpt.models.llama4_mm.config import Llama4MMConfig
 from hybridckpt.models.mistral.config import MistralConfig
 from hybridckpt.models.mistral3.config import Mistral3Config
 from hybridckpt.models.mixtral.config import MixtralConfig
@@ -125,6 +127,14 @@ VARIANTS = {
                                                       num_nextn_predict_layers=1),
     "ernie4_5_moe_all_moe_no_shared": Ernie45MoeConfig(**_LLAMA, moe_num_experts=4, moe_k=2, moe_intermediate_size=16,
                                                        moe_num_shared_experts=0, moe_layer_start_index=0),
+    "llama4_interleaved": Llama4Config(**{**_LLAMA, "num_layers": 4}, head_dim=8, num_experts=4, intermediate_size_mlp=40,
+                                       interleave_moe_layer_step=2, attention_chunk_size=4),
+    "llama4_all_moe_tied": Llama4Config(**_LLAMA, num_experts=2, tie_word_embeddings=True),
+    "llama4_all_dense": Llama4Config(**_LLAMA, num_experts=2, moe_layers=()),
+    "llama4_mm_tied": Llama4MMConfig(**_LLAMA, num_experts=2, moe_layers=(1,), tie_word_embeddings=True, vision_hidden_size=16,
+                                vision_intermediate_size=64, vision_num_layers=2, vision_image_size=8,
+                                vision_patch_size=4, vision_output_dim=24, projector_input_dim=24,
+                                projector_output_dim=24),
 }  # fmt: skip
 
 
