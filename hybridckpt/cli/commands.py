@@ -184,6 +184,12 @@ def cmd_verify(a) -> int:
             if a.param_order is not None:
                 raise ConfigError("--param-order: only for comparing two checkpoints (verify A B), whose "
                                   "optimizer state it names")
+            given = [flag for flag, on in (("--config", a.config is not None), ("--atol", a.atol != 0.0),
+                                           ("--params-only", a.params_only),
+                                           ("--no-verify-reads", a.no_verify_reads)) if on]
+            if given:  # (re-reading one of ours against its CRC-32s takes none of them)
+                raise ConfigError(f"{given[0]}: only for comparing two checkpoints (verify A B); verify A alone "
+                                  f"re-reads every array of A against the checksums its import recorded")
             rows = verify_checksums(a.a, step=a.step, progress=prog)
             bad = [r for r in rows if not r.ok]
             for r in bad:

@@ -388,3 +388,17 @@ def test_inspect_shows_the_param_groups_a_dcp_checkpoint_records(tmp_path, capsy
         want = [{"lr": 1e-3, "weight_decay": g.get("weight_decay", 0.01), "params": len(g["params"])} for g in groups]
         assert [{k: g[k] for k in ("lr", "weight_decay", "params")} for g in shown] == want, (name, shown)
         assert all(g["betas"] == [0.9, 0.999] for g in shown)
+
+
+def test_verify_of_one_checkpoint_refuses_the_flags_it_cannot_honour(tmp_path, capsys):
+    """`verify A` alone re-reads A against its import's checksums: --config, --atol, --params-only
+    and --no-verify-reads were accepted and ignored there; now each is one line, exit 2, and the
+    plain `verify A` still passes."""
+    ck = str(tmp_path / "ck")
+    assert cli(capsys, "import", sample_path(), ck, "--quiet")[0] == 0
+    for flags in (["--config", os.path.join(sample_path(), "config.json")], ["--atol", "1e-3"], ["--params-only"],
+                  ["--no-verify-reads"]):
+        code, _, err = cli(capsys, "verify", ck, *flags)
+        assert code == 2 and f"{flags[0]}: only for comparing two checkpoints" in err, (flags, err)
+        assert len(err.strip().splitlines()) == 1
+    assert cli(capsys, "verify", ck)[0] == 0
