@@ -33,8 +33,10 @@ from hybridckpt.models.mixtral.config import MixtralConfig
 from hybridckpt.models.olmo2.config import Olmo2Config
 from hybridckpt.models.phi3.config import Phi3Config
 from hybridckpt.models.qwen2.config import Qwen2Config
+from hybridckpt.models.qwen2_5_vl.config import Qwen2_5_VLConfig
 from hybridckpt.models.qwen3.config import Qwen3Config
 from hybridckpt.models.qwen3_moe.config import Qwen3MoeConfig
+from hybridckpt.models.qwen3_vl.config import Qwen3VLConfig
 from hybridckpt.models.table import Drop, Param, ParamTable, stack
 
 _LLAMA = dict(vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
@@ -93,6 +95,19 @@ VARIANTS = {
     "phi3_tied_partial_longrope_window": Phi3Config(**_LLAMA, tie_word_embeddings=True, partial_rotary_factor=0.5,
                                                     longrope={"short_factor": [1, 2], "long_factor": [3, 4]},
                                                     sliding_window=3),
+    "qwen3_vl": Qwen3VLConfig(**_LLAMA, mrope_section=(2, 1, 1), vision_depth=2, vision_hidden_size=16,
+                              vision_intermediate_size=24, vision_patch_size=4, vision_out_hidden_size=32,
+                              vision_num_position_embeddings=16, vision_deepstack_layers=(0, 1)),
+    "qwen3_vl_tied_legacy_names_no_deepstack": Qwen3VLConfig(
+        **_LLAMA, tie_word_embeddings=True, mrope_section=(2, 1, 1), vision_depth=1, vision_hidden_size=8,
+        vision_intermediate_size=12, vision_patch_size=2, vision_out_hidden_size=32, vision_num_position_embeddings=4,
+        vision_deepstack_layers=(), text_prefix="model.", vision_prefix="visual."),
+    "qwen2_5_vl": Qwen2_5_VLConfig(**_LLAMA, mrope_section=(1, 1, 2), vision_depth=2, vision_hidden_size=16,
+                                   vision_intermediate_size=24, vision_patch_size=4, vision_out_hidden_size=32),
+    "qwen2_5_vl_tied_module_names": Qwen2_5_VLConfig(
+        **_LLAMA, tie_word_embeddings=True, mrope_section=(1, 1, 2), vision_depth=1, vision_hidden_size=8,
+        vision_intermediate_size=12, vision_patch_size=2, vision_out_hidden_size=32,
+        text_prefix="model.language_model.", vision_prefix="model.visual."),
 }  # fmt: skip
 
 
