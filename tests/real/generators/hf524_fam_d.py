@@ -1,4 +1,4 @@
-"""Qwen3-VL and Qwen2.5-VL (issue 41) as transformers 5.24's own `save_pretrained` writes them
+"""Qwen3-VL, Qwen2.5-VL and Qwen3-Next (issue 41) as transformers 5.24's own `save_pretrained` writes them
 (safetensors, its default `save_original_format=True`), bf16:
 
     python tests/real/make.py --venv ~/.cache/hybridckpt-real/index_optim hf524_fam_d
@@ -10,12 +10,17 @@ two-block vision tower of width 8):
   `model.visual.*` (5.24 saves the module names).
 - `hf524_qwen2_5_vl`: a Qwen2_5_VLForConditionalGeneration, untied, chunked M-RoPE [1, 1, 2];
   5.24 saves the released names (`model.*`, `visual.*`), not its module names.
+- `hf524_qwen3_next`: a Qwen3NextForCausalLM with transformers' default layer pattern (three
+  gated delta-net layers, then full attention; 4 layers), partial rotary 0.25 in `rope_parameters`, two
+  value heads per key head, 4 experts (top-2) and the gated shared expert; per-expert names.
 
 Weights are moved off their init (seeded normal) before saving. References: every parameter as
 transformers holds it after `from_pretrained` reads the folder back (its state dict, under the
-name it is saved as; float32; a tied head left out), the logits of that model's own forward (fp32,
-eager attention) on `tokens` with no position ids (text only), and `logits_mrope`, its logits
-given the 3-axis `position_ids` [3, batch, seq] (temporal / height / width apart).
+name it is saved as: Qwen3-Next's fused experts split per expert, as saved; float32; a tied head
+left out), the logits of that model's own forward (fp32,
+eager attention; Qwen3-Next's torch reference delta-rule kernels) on `tokens` with no position
+ids (text only), and for the VL models `logits_mrope`, its logits given the 3-axis
+`position_ids` [3, batch, seq] (temporal / height / width apart).
 """
 
 from __future__ import annotations
@@ -55,29 +60,43 @@ def _case(out: str, name: str, model) -> None:
     model.to(torch.bfloat16).save_pretrained(ckpt)
     back = type(model).from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
-        logits = back(torch.from_numpy(TOKENS)).logits.float().numpy()
-        mrope = back(torch.from_numpy(TOKENS), position_ids=torch.from_numpy(POSITIONS)).logits.float().numpy()
+        logits = back(torch.from_numpy(TOKENS), use_cache=False).logits.float().numpy()
+        mrope = None
+        if "VL" in type(model).__name__:
+            mrope = back(torch.from_numpy(TOKENS), position_ids=torch.from_numpy(POSITIONS)).logits.float().numpy()
     refs = {}
     for k, v in back.state_dict().items():
         for held, saved in SAVED_AS.get(name, ()):
             if k.startswith(held):
                 k = saved + k[len(held):]
                 break
-        refs[k] = v.detach().float().numpy()
+        v = v.detach().float().numpy()
+        if k.endswith(".experts.gate_up_proj"):  # held fused [X, 2I, E], saved per expert [I, E]
+            for e, w in enumerate(v):
+                half = w.shape[0] // 2
+                refs[f"{k[: -len('gate_up_proj')]}{e}.gate_proj.weight"] = w[:half]
+                refs[f"{k[: -len('gate_up_proj')]}{e}.up_proj.weight"] = w[half:]
+        elif k.endswith(".experts.down_proj"):  # held [X, E, I], saved per expert
+            for e, w in enumerate(v):
+                refs[f"{k[: -len('down_proj')]}{e}.down_proj.weight"] = w
+        else:
+            refs[k] = v
     with safe_open(os.path.join(ckpt, "model.safetensors"), "np") as f:
         names = set(f.keys())
     if model.config.tie_word_embeddings:
         refs = {k: v for k, v in refs.items() if not k.endswith("lm_head.weight")}
     assert set(refs) == names, sorted(set(refs) ^ names)[:5]
-    refs |= {"logits": logits, "tokens": TOKENS, "logits_mrope": mrope, "position_ids": POSITIONS}
+    refs |= {"logits": logits, "tokens": TOKENS}
+    if mrope is not None:
+        refs |= {"logits_mrope": mrope, "position_ids": POSITIONS}
     tools.write_reference(case, refs)
     tools.record_manifest(
         case, tool=f"transformers {transformers.__version__} save_pretrained (safetensors)",
         dists=["transformers", "torch", "safetensors", "numpy"],
         command=f"python tests/real/make.py --venv ~/.cache/hybridckpt-real/index_optim hf524_fam_d  ({' '.join(sys.argv[1:])})",
         references={"logits": "transformers' forward (fp32, eager) of the model from_pretrained read back, text only",
-                    "logits_mrope": "the same forward given position_ids",
-                    "position_ids": "3-axis (temporal, height, width) positions [3, batch, seq]",
+                    **({"logits_mrope": "the same forward given position_ids",
+                        "position_ids": "3-axis (temporal, height, width) positions [3, batch, seq]"} if mrope is not None else {}),
                     "tokens": "the input ids",
                     "<hf name>": "each tensor of the model read back (state_dict, under the name it is saved as)"},
         files=sorted(os.listdir(ckpt)), architecture=type(model).__name__,
@@ -105,6 +124,10 @@ def main() -> int:
     q25 = t.Qwen2_5_VLConfig(text_config=dict(TEXT, rope_parameters=rope25), vision_config=vision25,
                              image_token_id=63, video_token_id=62, vision_start_token_id=60, vision_end_token_id=61)
     _case(a.out, "hf524_qwen2_5_vl", t.Qwen2_5_VLForConditionalGeneration(q25))
+    nxt = t.Qwen3NextConfig(**{**TEXT, "num_hidden_layers": 4}, head_dim=8, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=4,
+                            linear_value_head_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                            shared_expert_intermediate_size=8)
+    _case(a.out, "hf524_qwen3_next", t.Qwen3NextForCausalLM(nxt))
     return 0
 
 
