@@ -41,6 +41,7 @@ from hybridckpt import jobs, models
 from hybridckpt.models.errors import ConfigError
 from hybridckpt.models.qwen3_next import delta, module
 from hybridckpt.models.qwen3_next.config import Qwen3NextConfig
+from hybridckpt.readers import open_source
 
 BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, linear_conv_kernel_dim=3, linear_key_head_dim=4, linear_value_head_dim=6,
@@ -237,3 +238,13 @@ def test_config_read_and_written(hf_dirs):
         models.config_from_hf(
             {**d, "layer_types": ["full_attention", "sliding_attention"]}, source="c.json"
         )
+
+
+def test_the_fused_expert_layout_reads_as_the_per_expert_one(hf_dirs, tmp_path):
+    """transformers 5.24's `save_original_format=False` keeps the experts fused
+    (`mlp.experts.gate_up_proj` [X, 2I, E], `down_proj` [X, E, I]): read into the same params."""
+    folder, m = hf_dirs["hybrid"]
+    m.save_pretrained(tmp_path, save_original_format=False)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in open_source(str(tmp_path)).tensors
+    fused, per_expert = read_params(str(tmp_path))[1], read_params(folder)[1]
+    jax.tree.map(np.testing.assert_array_equal, fused, per_expert)
