@@ -29,11 +29,13 @@ import json
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
+from hybridckpt.models.config_checks import MAX_SIZE, check_positive
 from hybridckpt.models.errors import ConfigError
 from hybridckpt.models.qwen3_vl.mrope import check_section
 
 ROPE_KEYS = ("rope_scaling", "rope_parameters")
 MROPE_KEYS = ("mrope_section", "mrope_interleaved")
+DEEPSTACK = "vision_deepstack_layers"  # Qwen3-VL's one list-valued tower field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,18 +68,15 @@ def check_fields(cfg: Any, w: Wrapper) -> None:
             )
     section = check_section(cfg.mrope_section, cfg.head_dim, w.interleaved, f"{where}")
     object.__setattr__(cfg, "mrope_section", section)
-    for field, _ in w.vision_keys.values():
-        v = getattr(cfg, field)
-        if field == "vision_deepstack_layers":
-            if not isinstance(v, list | tuple) or any(
-                isinstance(i, bool) or not isinstance(i, int) for i in v
-            ):
-                raise ConfigError(
-                    f"{where}.{field}: expected a list of layer indices, found {v!r:.60}"
-                )
-            object.__setattr__(cfg, field, tuple(v))
-        elif isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"{where}.{field}: expected a positive int, found {v!r:.60}")
+    check_positive(cfg, tuple(field for field, _ in w.vision_keys.values() if field != DEEPSTACK))
+    if any(field == DEEPSTACK for field, _ in w.vision_keys.values()):
+        v = getattr(cfg, DEEPSTACK)
+        if (not isinstance(v, list | tuple) or len(v) > MAX_SIZE
+                or any(isinstance(i, bool) or not isinstance(i, int) for i in v)):  # fmt: skip
+            raise ConfigError(
+                f"{where}.{DEEPSTACK}: expected a list of layer indices, found {v!r:.60}"
+            )
+        object.__setattr__(cfg, DEEPSTACK, tuple(v))
     if cfg.mrope_interleaved_key is not None:
         object.__setattr__(cfg, "mrope_interleaved_key", bool(cfg.mrope_interleaved_key))
     try:

@@ -189,6 +189,13 @@ def test_config_read_and_written(hf_dirs):
         ConfigError, match="c.json: Qwen3VLForConditionalGeneration needs a text_config"
     ):
         models.config_from_hf({**d, "text_config": None}, source="c.json")
+    for key, value, found in (
+        ("depth", 10**13, "10000000000000"),
+        ("deepstack_visual_indexes", "x", "'x'"),
+    ):
+        hostile = {**d, "vision_config": {**d["vision_config"], key: value}}
+        with pytest.raises(ConfigError, match=f"c.json: Qwen3VLConfig.vision_.*found {found}$"):
+            models.config_from_hf(hostile, source="c.json")
     bad = {
         **d,
         "text_config": {**d["text_config"], "rope_parameters": {**ROPE, "mrope_section": [2, 1]}},
