@@ -131,6 +131,10 @@ def from_hf(d: Mapping[str, Any], source: str) -> Qwen3NextConfig:
         raise ConfigError(
             f"{source}: hidden_act {view['hidden_act']!r} is not supported; expected 'silu'"
         )
+    if view.get("attention_bias"):
+        raise ConfigError(
+            f"{source}: attention_bias=true is not supported for {ARCHITECTURE}; expected false"
+        )
     partial = _take_partial(view, source)
     kinds = view.pop("layer_types", None)
     if kinds is None:

@@ -234,6 +234,10 @@ def test_config_read_and_written(hf_dirs):
         models.config_from_hf(
             {**d, "linear_num_key_heads": 2, "linear_num_value_heads": 3}, source="c.json"
         )
+    with pytest.raises(
+        ConfigError, match="c.json: attention_bias=true is not supported for Qwen3NextForCausalLM"
+    ):
+        models.config_from_hf({**d, "attention_bias": True}, source="c.json")
     with pytest.raises(ConfigError, match="layer_types: expected 2 of"):
         models.config_from_hf(
             {**d, "layer_types": ["full_attention", "sliding_attention"]}, source="c.json"
