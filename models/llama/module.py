@@ -61,11 +61,14 @@ def rope_tables(
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x `[batch, seq, heads, hd]`; cos/sin `[seq, hd]` cast to x's dtype (as HF does)."""
+    """x `[batch, seq, heads, hd]`; cos/sin `[seq, hd]`, or `[batch, seq, hd]` where positions
+    differ per sequence (Qwen-VL's M-RoPE), cast to x's dtype (as HF does)."""
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    cos = cos[None, :, None, :].astype(x.dtype)
-    sin = sin[None, :, None, :].astype(x.dtype)
+    if cos.ndim == 2:
+        cos, sin = cos[None], sin[None]
+    cos = cos[:, :, None, :].astype(x.dtype)
+    sin = sin[:, :, None, :].astype(x.dtype)
     return x * cos + rotated * sin
 
 

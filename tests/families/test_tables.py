@@ -43,6 +43,11 @@ from hybridckpt.models.qwen2_moe.config import Qwen2MoeConfig
 from hybridckpt.models.qwen3.config import Qwen3Config
 from hybridckpt.models.qwen3_moe.config import Qwen3MoeConfig
 from hybridckpt.models.smollm3.config import SmolLM3Config
+from hybridckpt.models.qwen2_5_vl.config import Qwen2_5_VLConfig
+from hybridckpt.models.qwen3.config import Qwen3Config
+from hybridckpt.models.qwen3_moe.config import Qwen3MoeConfig
+from hybridckpt.models.qwen3_next.config import Qwen3NextConfig
+from hybridckpt.models.qwen3_vl.config import Qwen3VLConfig
 from hybridckpt.models.table import Drop, Param, ParamTable, stack
 
 _LLAMA = dict(vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
@@ -135,6 +140,27 @@ VARIANTS = {
                                 vision_intermediate_size=64, vision_num_layers=2, vision_image_size=8,
                                 vision_patch_size=4, vision_output_dim=24, projector_input_dim=24,
                                 projector_output_dim=24),
+    "qwen3_vl": Qwen3VLConfig(**_LLAMA, mrope_section=(2, 1, 1), vision_depth=2, vision_hidden_size=16,
+                              vision_intermediate_size=24, vision_patch_size=4, vision_out_hidden_size=32,
+                              vision_num_position_embeddings=16, vision_deepstack_layers=(0, 1)),
+    "qwen3_vl_tied_legacy_names_no_deepstack": Qwen3VLConfig(
+        **_LLAMA, tie_word_embeddings=True, mrope_section=(2, 1, 1), vision_depth=1, vision_hidden_size=8,
+        vision_intermediate_size=12, vision_patch_size=2, vision_out_hidden_size=32, vision_num_position_embeddings=4,
+        vision_deepstack_layers=(), text_prefix="model.", vision_prefix="visual."),
+    "qwen3_next": Qwen3NextConfig(**{**_MOE, "num_layers": 4}, head_dim=8, shared_expert_intermediate_size=12,
+                                  linear_conv_kernel_dim=3, linear_key_head_dim=4, linear_value_head_dim=6,
+                                  linear_num_key_heads=2, linear_num_value_heads=4, partial_rotary_factor=0.5,
+                                  layer_types=("linear_attention",) * 3 + ("full_attention",)),
+    "qwen3_next_dense_layer_tied": Qwen3NextConfig(
+        **{**_MOE, "num_layers": 2}, mlp_only_layers=(1,), tie_word_embeddings=True, shared_expert_intermediate_size=8,
+        linear_conv_kernel_dim=2, linear_key_head_dim=4, linear_value_head_dim=4, linear_num_key_heads=1,
+        linear_num_value_heads=1, layer_types=("full_attention", "linear_attention")),
+    "qwen2_5_vl": Qwen2_5_VLConfig(**_LLAMA, mrope_section=(1, 1, 2), vision_depth=2, vision_hidden_size=16,
+                                   vision_intermediate_size=24, vision_patch_size=4, vision_out_hidden_size=32),
+    "qwen2_5_vl_tied_module_names": Qwen2_5_VLConfig(
+        **_LLAMA, tie_word_embeddings=True, mrope_section=(1, 1, 2), vision_depth=1, vision_hidden_size=8,
+        vision_intermediate_size=12, vision_patch_size=2, vision_out_hidden_size=32,
+        text_prefix="model.language_model.", vision_prefix="model.visual."),
 }  # fmt: skip
 
 
