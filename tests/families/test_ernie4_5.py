@@ -42,10 +42,10 @@ from hf_parity import (
 from meshes import abstract_mesh
 
 from hybridckpt import jobs, models, plan
+from hybridckpt.formats.registry import open_source
 from hybridckpt.models.ernie4_5.config import Ernie45Config
 from hybridckpt.models.ernie4_5_moe.config import Ernie45MoeConfig
 from hybridckpt.models.errors import ConfigError
-from hybridckpt.readers import open_source
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

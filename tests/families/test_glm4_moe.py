@@ -38,9 +38,9 @@ from hf_parity import (
 from meshes import abstract_mesh
 
 from hybridckpt import jobs, models, naming, plan
+from hybridckpt.formats.registry import open_source
 from hybridckpt.models.errors import ConfigError
 from hybridckpt.models.glm4_moe.config import Glm4MoeConfig
-from hybridckpt.readers import open_source
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -34,9 +34,9 @@ from hf_parity import (
 from meshes import fit
 
 from hybridckpt import models, naming
+from hybridckpt.formats.registry import open_source
 from hybridckpt.models.errors import ConfigError
 from hybridckpt.models.qwen2_moe.config import Qwen2MoeConfig
-from hybridckpt.readers import open_source
 
 SIZES = dict(
     vocab_size=96, hidden_size=32, intermediate_size=40, moe_intermediate_size=16,

@@ -38,10 +38,10 @@ from hf_parity import (
 from transformers.models.qwen3_next import modeling_qwen3_next as theirs
 
 from hybridckpt import jobs, models
+from hybridckpt.formats.registry import open_source
 from hybridckpt.models.errors import ConfigError
 from hybridckpt.models.qwen3_next import delta, module
 from hybridckpt.models.qwen3_next.config import Qwen3NextConfig
-from hybridckpt.readers import open_source
 
 BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, linear_conv_kernel_dim=3, linear_key_head_dim=4, linear_value_head_dim=6,

@@ -39,15 +39,13 @@ from hybridckpt.models.mixtral.config import MixtralConfig
 from hybridckpt.models.olmo2.config import Olmo2Config
 from hybridckpt.models.phi3.config import Phi3Config
 from hybridckpt.models.qwen2.config import Qwen2Config
-from hybridckpt.models.qwen2_moe.config import Qwen2MoeConfig
-from hybridckpt.models.qwen3.config import Qwen3Config
-from hybridckpt.models.qwen3_moe.config import Qwen3MoeConfig
-from hybridckpt.models.smollm3.config import SmolLM3Config
 from hybridckpt.models.qwen2_5_vl.config import Qwen2_5_VLConfig
+from hybridckpt.models.qwen2_moe.config import Qwen2MoeConfig
 from hybridckpt.models.qwen3.config import Qwen3Config
 from hybridckpt.models.qwen3_moe.config import Qwen3MoeConfig
 from hybridckpt.models.qwen3_next.config import Qwen3NextConfig
 from hybridckpt.models.qwen3_vl.config import Qwen3VLConfig
+from hybridckpt.models.smollm3.config import SmolLM3Config
 from hybridckpt.models.table import Drop, Param, ParamTable, stack
 
 _LLAMA = dict(vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,

@@ -17,7 +17,7 @@ from meshes import fit
 from roundtrip_real import bitwise_equal
 
 from hybridckpt import jobs
-from hybridckpt.readers import open_source
+from hybridckpt.formats.registry import open_source
 
 FAMILIES = {"hf524_smollm3": "smollm3", "hf524_qwen2_moe": "qwen2_moe", "hf524_mistral3": "mistral3",
             "hf524_mistral3_tied_module_names": "mistral3"}  # fmt: skip

@@ -24,7 +24,7 @@ from meshes import fit
 
 from hybridckpt import jobs
 from hybridckpt.errors import ConfigError
-from hybridckpt.readers import open_source
+from hybridckpt.formats.registry import open_source
 
 CASES = {"hf524_glm4_moe": "glm4_moe", "hf524_ernie4_5_moe": "ernie4_5_moe", "hf524_ernie4_5": "ernie4_5"}
 MESH_A, MESH_B = "dp=1,fsdp=2,tp=2,pp=2", "dp=2,tp=2,pp=2"

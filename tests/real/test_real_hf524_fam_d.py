@@ -22,7 +22,7 @@ from e2e import roundtrip
 from roundtrip_real import bitwise_equal
 
 from hybridckpt import jobs, models, naming
-from hybridckpt.readers import open_source
+from hybridckpt.formats.registry import open_source
 
 VL_CASES = {"hf524_qwen3_vl": "qwen3_vl", "hf524_qwen2_5_vl": "qwen2_5_vl"}
 CASES = {**VL_CASES, "hf524_qwen3_next": "qwen3_next"}

@@ -18,7 +18,7 @@ from cases import ckpt, reference
 from roundtrip_real import bitwise_equal, import_export
 
 from hybridckpt import jobs
-from hybridckpt.readers import open_source
+from hybridckpt.formats.registry import open_source
 
 CASES = {"hf524_llama4": "float32", "hf524_llama4_mm": "bfloat16"}  # case -> stored dtype
 LOGITS_ATOL = 1e-4

@@ -77,34 +77,22 @@ STATE_DEFAULTS: dict[str, Any] = {
 ACTED_ON = ("logging_steps", "eval_steps", "save_steps", "train_batch_size")
 
 
-# the families whose `named_parameters()` order the interim rule below gives: checked against
-# transformers 5.24's own modules (tests/real/test_real_export_trainer.py); the others differ
-# (GPT-2 interleaves its norms, Phi-3, GPT-OSS, the MoE families order their experts otherwise)
-ORDER_KNOWN = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "granite")
-
-
 def named_parameters_order(cfg: Any, names: Sequence[str]) -> list[str]:
     """The model's `named_parameters()` order of `names` (HF names, the model's trainable
-    parameters): THE one place that decides it (the index order of `optimizer.pt`).
-
-    The family's declared order (`optim.param_order.named_parameters`, checked against
-    transformers' own modules family by family), for the `ORDER_KNOWN` families, whose Trainer
-    resume is tested; another family is refused (a wrong order loads without a word and steps
-    every moment on the wrong parameter)."""
-    from hybridckpt.models import family_of
-
-    family = family_of(cfg).name
-    if family not in ORDER_KNOWN:
-        raise CheckpointError(f"export --optimizer-layout trainer: the named_parameters() order of the {family} "
-                              f"family is not known yet (expected one of {', '.join(ORDER_KNOWN)}); optimizer.pt "
-                              f"is keyed by it")
+    parameters): the index order of `optimizer.pt`. The family's declared order
+    (`optim.param_order.named_parameters`, checked against transformers' own modules family by
+    family in tests/optim/test_param_order.py); a name it does not cover (a transformers 5 MoE
+    model holds its experts fused, `mlp.experts.gate_up_proj`, not under the per-expert names of
+    its files; DeepSeek V3's router bias is a buffer there) is refused, never guessed: a wrong
+    order loads without a word and steps every moment on the wrong parameter."""
     from hybridckpt.errors import MappingError
     from hybridckpt.optim.param_order import named_parameters
 
     try:
         return list(named_parameters(cfg, names).names)
     except MappingError as e:
-        raise CheckpointError(f"export --optimizer-layout trainer: {e}") from None
+        raise CheckpointError(f"export --optimizer-layout trainer: the optimizer.pt index order is the model's "
+                              f"named_parameters() order, which does not place every exported name: {e}") from None
 
 
 def layernorm_params(names: Sequence[str]) -> set[str]:
