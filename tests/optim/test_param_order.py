@@ -215,3 +215,33 @@ def test_the_mtp_modules_transformers_does_not_build_are_refused(name, mtp):
     with pytest.raises(MappingError, match=rf"{cfg.family}'s named_parameters\(\) order .* does not place "
                                            rf"\[{re.escape(repr(mtp))[:-1]}"):
         param_order.named_parameters(cfg, live)
+
+
+@pytest.mark.parametrize("name", ["mistral3_untied_bias", "gemma3_mm_head"])
+def test_the_hubs_prefixes_sort_as_the_modules_names(name):
+    """A wrapper's checkpoint under the Hub's prefixes (`language_model.model.*`, `vision_tower.*`,
+    `language_model.lm_head.weight`, what `save_pretrained` writes by default) is ordered as
+    transformers' module holds it under its own (`model.language_model.*`, ...): the declared
+    order is written with the prefixes, filled from the config."""
+    import dataclasses
+    import importlib
+
+    module = VARIANTS[name]
+    prefixes = importlib.import_module(type(module).__module__)  # the family's config: its spellings
+    hub = dataclasses.replace(module, text_prefix=prefixes.TEXT_PREFIXES[0], vision_prefix=prefixes.VISION_PREFIXES[0],
+                              projector_prefix=prefixes.PROJECTOR_PREFIXES[0], head_name=prefixes.HEAD_NAMES[0])
+    to_module = {getattr(hub, f): getattr(module, f) for f in ("head_name", "text_prefix", "vision_prefix", "projector_prefix")}
+
+    def renamed(n: str) -> str:
+        for a, b in to_module.items():
+            if n.startswith(a):
+                return b + n[len(a):]
+        raise AssertionError(n)
+
+    names = list(naming.model_hf_shapes(hub))
+    assert names[0].startswith("language_model.model.")
+    random.Random(1).shuffle(names)
+    got = param_order.named_parameters(hub, names)
+    theirs = [n for n, _ in _hf_model(module).named_parameters()]
+    assert [renamed(n) for n in got.names] == theirs
+    assert {renamed(n) for n in got.layernorms} == param_order.named_parameters(module, theirs).layernorms
