@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from hybridckpt.models.llama.params import (
     ATTENTION,
+    ATTENTION_ORDER,
     ATTN_NORM,
     EMBED,
     FINAL_NORM,
@@ -16,9 +17,12 @@ from hybridckpt.models.llama.params import (
     LM_HEAD,
     MLP,
     MLP_NORM,
+    MLP_ORDER,
+    NORMS_ORDER,
     TIED_HEAD,
     dims,
     groups,
+    hf_order,
 )
 from hybridckpt.models.qwen2.params import K_BIAS, O_BIAS, Q_BIAS, V_BIAS
 from hybridckpt.models.table import Param, ParamTable, stack, when
@@ -36,6 +40,15 @@ def mlp_biases(hf: str, width: str) -> tuple[Param, ...]:
     ))  # fmt: skip
 
 
+def with_biases(names: tuple[str, ...]) -> tuple[str, ...]:
+    """`names` (`*.weight`), each followed by its `*.bias`: a Linear's `weight` then `bias`."""
+    return tuple(x for n in names for x in (n, n.removesuffix("weight") + "bias"))
+
+
+# transformers 5.24 Ernie4_5DecoderLayer: self_attn (q, k, v, o, each weight then bias), mlp
+# (gate, up, down, likewise), then the norms: NOT the rows' order (norms first)
+LAYER_ORDER = (*with_biases(ATTENTION_ORDER), *with_biases(MLP_ORDER), *NORMS_ORDER)
+
 TABLE = ParamTable(
     __name__,
     dims,
@@ -48,4 +61,5 @@ TABLE = ParamTable(
         INV_FREQ,
     ),
     groups,
+    named_parameters=hf_order(LAYER_ORDER),
 )

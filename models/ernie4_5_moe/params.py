@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from hybridckpt.models import mlp_table
-from hybridckpt.models.ernie4_5.params import ATTENTION_BIASES, mlp_biases
+from hybridckpt.models.ernie4_5.params import ATTENTION_BIASES, mlp_biases, with_biases
 from hybridckpt.models.llama import params as llama
 from hybridckpt.models.table import Groups, Param, ParamTable, stack, under
 
@@ -57,6 +57,25 @@ MTP = (  # one MTP module (config docstring): its own params, then a dense decod
 )
 LM_HEAD_BIAS = Param("lm_head.bias", ("V",), ("vocab",), "lm_head.bias", when="use_bias", init="zeros")
 
+# transformers 5.24 Ernie4_5_MoeDecoderLayer: self_attn (each Linear's weight then bias), mlp (a
+# dense layer's gate, up, down; a sparse layer's router `gate.weight`, the fused experts, the
+# shared experts), then the norms; in-memory names (`mlp.experts.gate_up_proj`, read back from the
+# Hub's per-expert names by `config.hf_name_fixes`); `lm_head.bias` after the head. Left out: the
+# router's `mlp.gate.moe_statics.e_score_correction_bias`, a parameter of transformers' module
+# that is frozen (requires_grad=False): the Trainer leaves it out of its optimizer, a plain
+# `AdamW(model.parameters())` puts it in, so no one rule numbers the others; an index-keyed state
+# naming it is refused (`optim.param_order`: not placed), as are the MTP modules transformers
+# does not build (`model.mtp_*`)
+NAMED_PARAMETERS = (*llama.hf_order((
+    *with_biases(llama.ATTENTION_ORDER),
+    *with_biases(llama.MLP_ORDER),
+    "mlp.gate.weight",
+    "mlp.experts.gate_up_proj",
+    "mlp.experts.down_proj",
+    *with_biases(tuple(n.replace("mlp.", "mlp.shared_experts.") for n in llama.MLP_ORDER)),
+    *llama.NORMS_ORDER,
+)), "lm_head.bias")
+
 TABLE = ParamTable(
     __name__,
     dims,
@@ -73,4 +92,5 @@ TABLE = ParamTable(
         llama.INV_FREQ,
     ),
     groups,
+    named_parameters=NAMED_PARAMETERS,
 )

@@ -24,6 +24,7 @@ from typing import Any
 
 from hybridckpt.models import mlp_table
 from hybridckpt.models.deepseek_v3 import params as deepseek
+from hybridckpt.models.llama.params import hf_order
 from hybridckpt.models.table import Drop, Groups, Param, ParamTable, Row, stack, under
 
 
@@ -77,6 +78,31 @@ def mtp(i: str) -> tuple[Row, ...]:
     return (*own, *under("layers", decoder(i)), *under("moe", moe(i)))
 
 
+# transformers 5.24 Glm4MoeDecoderLayer: self_attn (q, k, v with their biases, o, the q/k norms),
+# mlp (a dense layer's gate/up/down; a sparse layer's fused experts, router `gate`, shared
+# experts), then the norms; in-memory names (`mlp.experts.gate_up_proj`: DeepSeek V3's
+# `hf_name_fixes`). Left out, as DeepSeek V3's: the router's `e_score_correction_bias`, a BUFFER
+# of transformers' module (no index of an optimizer), and the MTP modules `model.layers.{L + i}`
+# transformers does not build: an index-keyed state of names holding them is refused
+# (`optim.param_order`: not placed), not guessed
+NAMED_PARAMETERS = hf_order((
+    *(f"self_attn.{p}_proj.{w}" for p in "qkv" for w in ("weight", "bias")),
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "mlp.experts.gate_up_proj",
+    "mlp.experts.down_proj",
+    "mlp.gate.weight",
+    "mlp.shared_experts.gate_proj.weight",
+    "mlp.shared_experts.up_proj.weight",
+    "mlp.shared_experts.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+))
+
 TABLE = ParamTable(
     __name__,
     dims,
@@ -94,4 +120,5 @@ TABLE = ParamTable(
         Drop("model.layers.$L.self_attn.rotary_emb.inv_freq"),
     ),
     groups,
+    named_parameters=NAMED_PARAMETERS,
 )

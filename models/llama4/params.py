@@ -63,4 +63,17 @@ ROWS = (
     llama.TIED_HEAD,
 )
 
-TABLE = ParamTable(__name__, dims, ROWS, groups)
+# transformers 5.24 Llama4TextDecoderLayer: self_attn (q, k, v, o; the L2 qk-norm has no params),
+# feed_forward (a dense layer's gate/up/down; a sparse layer's experts, as stored fused, its router,
+# its shared expert), then the norms: NOT the rows' order (norms first)
+NAMED_PARAMETERS = llama.hf_order((
+    *llama.ATTENTION_ORDER,
+    *(n.replace("mlp.", "feed_forward.") for n in llama.MLP_ORDER),
+    "feed_forward.experts.gate_up_proj",
+    "feed_forward.experts.down_proj",
+    "feed_forward.router.weight",
+    *(n.replace("mlp.", "feed_forward.shared_expert.") for n in llama.MLP_ORDER),
+    *llama.NORMS_ORDER,
+))
+
+TABLE = ParamTable(__name__, dims, ROWS, groups, named_parameters=NAMED_PARAMETERS)

@@ -67,6 +67,31 @@ VISION = (
 )
 PROJECTOR = (_carried("linear.weight", ("E", "VO"), "multi_modal_projector.linear_1.weight"),)
 
+
+def _named_parameters() -> tuple[str, ...]:
+    """transformers 5.24 Llama4ForConditionalGeneration's `named_parameters()` order
+    (`ParamTable.named_parameters`): the vision tower (class and position embeddings, the patch
+    embedding, the outer norms, each encoder layer's attention and MLP then its norms, the
+    adapter; each Linear's weight then bias), the projector, the text model (Llama 4's order)."""
+    layer = (*(f"self_attn.{p}_proj.{w}" for p in "qkvo" for w in ("weight", "bias")),
+             *(f"mlp.fc{i}.{w}" for i in (1, 2) for w in ("weight", "bias")),
+             *(f"{n}.{w}" for n in ("input_layernorm", "post_attention_layernorm") for w in ("weight", "bias")))  # fmt: skip
+    vision = (
+        f"{V}.class_embedding", f"{V}.positional_embedding_vlm", f"{V}.patch_embedding.linear.weight",
+        *(f"{V}.layernorm_{n}.{w}" for n in ("pre", "post") for w in ("weight", "bias")),
+        *(f"{V}.model.layers.$.{n}" for n in layer),
+        f"{V}.vision_adapter.mlp.fc1.weight", f"{V}.vision_adapter.mlp.fc2.weight",
+    )  # fmt: skip
+    return (*vision, "multi_modal_projector.linear_1.weight", *("language_model." + n for n in TEXT.hf_order()))
+
+
+# the vision tower's `nn.LayerNorm` params (the Trainer keeps them out of weight decay)
+LAYERNORMS = tuple(
+    f"{V}.{n}.{w}"
+    for n in ("layernorm_pre", "layernorm_post", "model.layers.$.input_layernorm", "model.layers.$.post_attention_layernorm")
+    for w in ("weight", "bias")
+)
+
 TABLE = ParamTable(
     __name__,
     dims,
@@ -76,4 +101,6 @@ TABLE = ParamTable(
         *under("projector", PROJECTOR),
     ),
     TEXT.groups,
+    named_parameters=_named_parameters(),
+    layernorms=LAYERNORMS,
 )

@@ -68,6 +68,27 @@ PROJECTOR = (
     *when("projector_bias", (_carried("linear_2.bias", ("E",), f"{PR}linear_2.bias", "zeros"),)),
 )
 
+
+def _named_parameters() -> tuple[str, ...]:
+    """transformers 5.24 Mistral3ForConditionalGeneration's `named_parameters()` order
+    (`ParamTable.named_parameters`): the Pixtral tower (each layer's attention_norm, feed_forward,
+    attention defining k, v, q, o, ffn_norm), the projector (norm, patch merger, linear_1,
+    linear_2, each weight then bias), the text model (Llama's order), the head; written with the
+    checkpoint's prefixes, so the Hub's names (`language_model.model.*`) and the module's
+    (`model.language_model.*`) sort alike."""
+    layer = (
+        "attention_norm.weight",
+        *(f"feed_forward.{p}_proj.weight" for p in ("gate", "up", "down")),
+        *(f"attention.{p}_proj.weight" for p in "kvqo"),
+        "ffn_norm.weight",
+    )
+    vision = ("{vision}patch_conv.weight", "{vision}ln_pre.weight", *(f"{V}.{n}".replace("$V", "$") for n in layer))
+    projector = (f"{PR}norm.weight", f"{PR}patch_merger.merging_layer.weight",
+                 *(f"{PR}linear_{i}.{w}" for i in (1, 2) for w in ("weight", "bias")))  # fmt: skip
+    text = tuple("{head}" if n == "lm_head.weight" else "{text}" + n.removeprefix("model.") for n in TEXT.hf_order())
+    return (*vision, *projector, *text)
+
+
 TABLE = ParamTable(
     __name__,
     dims,
@@ -80,4 +101,5 @@ TABLE = ParamTable(
         *under("projector", PROJECTOR),
     ),
     TEXT.groups,
+    named_parameters=_named_parameters(),
 )

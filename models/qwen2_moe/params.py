@@ -52,6 +52,22 @@ EXPERTS = (
     SHARED_GATE,
 )
 
+# transformers 5.24 Qwen2MoeDecoderLayer: self_attn (q, k, v with their biases, o), mlp (a dense
+# layer's gate/up/down; a sparse layer's router `gate`, the fused experts, the shared expert and
+# its gate), then the norms; in-memory names (`mlp.experts.gate_up_proj`, read back from the Hub's
+# per-expert names by `config.hf_name_fixes`)
+NAMED_PARAMETERS = llama.hf_order((
+    *(f"self_attn.{p}_proj.{w}" for p in "qkv" for w in ("weight", "bias")),
+    "self_attn.o_proj.weight",
+    *llama.MLP_ORDER,
+    "mlp.gate.weight",
+    "mlp.experts.gate_up_proj",
+    "mlp.experts.down_proj",
+    *(n.replace("mlp.", "mlp.shared_expert.") for n in llama.MLP_ORDER),
+    "mlp.shared_expert_gate.weight",
+    *llama.NORMS_ORDER,
+))
+
 TABLE = ParamTable(
     __name__,
     dims,
@@ -69,4 +85,5 @@ TABLE = ParamTable(
         llama.INV_FREQ,
     ),
     mixtral.groups,
+    named_parameters=NAMED_PARAMETERS,
 )

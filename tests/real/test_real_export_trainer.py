@@ -158,6 +158,14 @@ FAMILIES = {  # family: (transformers config, model, extra config) of a tiny mod
     "granite": ("GraniteConfig", "GraniteForCausalLM", {}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 2, "num_experts_per_tok": 1}),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"tie_word_embeddings": False, "pad_token_id": 0}),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {"use_bias": True}),  # (its norms after the MLP)
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {}),
+    # (a wrapper: the text sizes in `text_config`; the module's names `model.language_model.*`)
+    "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration", {"vision_config": {
+        "model_type": "pixtral", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "patch_size": 4, "image_size": 16}, "multimodal_projector_bias": True}),
 }
 
 
@@ -166,14 +174,16 @@ def test_the_order_is_transformers_named_parameters_or_refused(family):
     """Each family: transformers 5.24's own module's `named_parameters()` (built on the meta
     device) from its names in any order; Mixtral's module holds its experts fused, so the
     per-expert names of its files (what an export holds) are refused rather than guessed."""
-    from hybridckpt.models import config_from_hf
+    from hybridckpt.models import config_from_hf, fit_to_hf_names
 
     config_cls, model_cls, extra = FAMILIES[family]
-    hf_cfg = getattr(transformers, config_cls)(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                                               num_attention_heads=4, num_key_value_heads=2, **extra)
+    text = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2)  # fmt: skip
+    kwargs = {"text_config": text, **extra} if "vision_config" in extra else {**text, **extra}
+    hf_cfg = getattr(transformers, config_cls)(**kwargs)
     with torch.device("meta"):
         want = [n for n, _ in getattr(transformers, model_cls)(hf_cfg).named_parameters()]
-    cfg = config_from_hf(hf_cfg.to_dict())
+    cfg = fit_to_hf_names(config_from_hf(hf_cfg.to_dict() | {"architectures": [model_cls]}), want)
     assert trainer_write.named_parameters_order(cfg, sorted(want)) == want
     assert trainer_write.named_parameters_order(cfg, want[::-1]) == want
     if family == "mixtral":

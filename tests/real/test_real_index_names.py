@@ -318,3 +318,92 @@ def test_a_moe_models_fused_experts(tmp_path):
         for n, m in mu.items():
             assert np.array_equal(got[n].materialize(), m), (folder.name, n)
     assert _close(_optax_step(jobs.open_checkpoint(str(trainer)), grads), after)
+
+
+_TINY = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=8)
+FAMILIES_OF_TODAY = {  # family: (transformers model, its config, the config's kwargs beyond _TINY)
+    "ernie4_5": ("Ernie4_5ForCausalLM", "Ernie4_5Config", dict(use_bias=True)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(_MOE, num_experts=4, shared_expert_intermediate_size=12,
+                                                                   mlp_only_layers=[0])),
+    "llama4": ("Llama4ForCausalLM", "Llama4TextConfig", dict(num_local_experts=2, num_experts_per_tok=1, head_dim=4,
+                                                             interleave_moe_layer_step=2, intermediate_size_mlp=20)),
+    "glm4_moe": ("Glm4MoeForCausalLM", "Glm4MoeConfig", dict(_MOE, n_routed_experts=4, first_k_dense_replace=1, n_group=1,
+                                                             topk_group=1)),
+    "ernie4_5_moe": ("Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeConfig", dict(_MOE, moe_num_experts=4, moe_k=2,
+                                                                            moe_layer_start_index=1)),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(_MOE, n_routed_experts=4, first_k_dense_replace=1,
+                                                                      n_group=1, topk_group=1, kv_lora_rank=8,
+                                                                      num_key_value_heads=4,
+                                                                      q_lora_rank=None, qk_nope_head_dim=4,
+                                                                      qk_rope_head_dim=4, v_head_dim=8)),
+}  # fmt: skip
+# a router bias transformers does not train (a buffer; ERNIE's a frozen parameter): refused
+REFUSED = {"glm4_moe": "model.layers.1.mlp.gate.e_score_correction_bias",
+           "ernie4_5_moe": "model.layers.1.mlp.moe_statics.e_score_correction_bias",
+           "deepseek_v3": "model.layers.1.mlp.gate.e_score_correction_bias"}  # fmt: skip
+
+
+def _trainer_checkpoint(folder, family: str):
+    """A Trainer checkpoint of a tiny `family` model after 2 steps (its `create_optimizer`: the
+    trainable params in two groups by `get_decay_parameter_names`): (model, its AdamW)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model_cls, config_cls, extra = FAMILIES_OF_TODAY[family]
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**_TINY, **extra})).float()
+    decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([{"params": [p for n, p in named if n in decay], "weight_decay": 0.1},
+                             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}], lr=1e-2)
+    tokens = torch.randint(3, 32, (2, 6))
+    for _ in range(2):
+        opt.zero_grad()
+        model(tokens, labels=tokens).loss.backward()
+        opt.step()
+    model.save_pretrained(folder)
+    torch.save(opt.state_dict(), folder / "optimizer.pt")
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
+    return model, opt
+
+
+def _per_expert(name: str, m: np.ndarray) -> dict[str, np.ndarray]:
+    """A live moment under the Hub's names: a fused expert tensor's per expert."""
+    pre, _, rest = name.rpartition(".experts.")
+    if not pre:
+        return {name: m}
+    if rest == "gate_up_proj":
+        half = m.shape[1] // 2
+        return {f"{pre}.experts.{e}.{p}.weight": x for e in range(m.shape[0])
+                for p, x in (("gate_proj", m[e, :half]), ("up_proj", m[e, half:]))}  # fmt: skip
+    return {f"{pre}.experts.{e}.down_proj.weight": m[e] for e in range(m.shape[0])}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES_OF_TODAY))
+def test_the_families_of_today_by_the_trainers_own_state(tmp_path, family):
+    """The families added with their named_parameters() order (issue 41): a Trainer state of
+    transformers' own tiny model is named right, every moment on its parameter (ERNIE's biases
+    after each weight, its norms after the MLP; Qwen2-MoE's fused experts, shared expert and its
+    gate; Llama 4's interleaved dense and MoE layers); where transformers does not train a router
+    bias the table holds, the state is refused in one line, not guessed."""
+    folder = tmp_path / "checkpoint-2"
+    model, opt = _trainer_checkpoint(folder, family)
+    if family in REFUSED:
+        with pytest.raises(FormatError) as e:
+            jobs.open_checkpoint(str(folder))
+        msg = str(e.value)
+        assert "\n" not in msg and "optimizer.pt" in msg and "--param-order" in msg, msg
+        assert f"{family}'s named_parameters() order (models/{family}/params.py) does not place ['{REFUSED[family]}'" in msg
+        return
+    opened = jobs.open_checkpoint(str(folder))
+    assert any("optimizer.pt keyed by index: named by the Trainer's grouping" in n and f"order of {family})" in n
+               for n in opened.notes), opened.notes  # fmt: skip
+    moments = {n: opt.state[p]["exp_avg"].numpy() for n, p in model.named_parameters()}
+    if family != "llama4":  # (Llama 4's files hold the experts fused, as its module does)
+        moments = {k: v for n, m in moments.items() for k, v in _per_expert(n, m).items()}
+    want = moments
+    got = opened.named.slots["exp_avg"]
+    assert sorted(got) == sorted(want)
+    for n, m in want.items():
+        assert np.array_equal(got[n].materialize(), m), n
