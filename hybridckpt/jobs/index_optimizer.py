@@ -123,9 +123,12 @@ def _by_rule(src: SourceCheckpoint, ko, cfg: Any, shapes: dict, rename: dict):
     HF names, or, for a family whose live transformers model holds its params otherwise than its
     HF files name them (transformers 5's fused MoE experts, `mlp.experts.gate_up_proj` [X, 2M, E]:
     the family's `hf_name_fixes`), under those names, the moments then taken to the source's
-    names by the same rules (each expert a lazy slice of the fused moment)."""
+    names by the same rules (each expert a lazy slice of the fused moment). The order is spelt
+    with the prefixes the names use (a wrapper's text and tower parts: `models.fit_to_hf_names`)."""
+    from hybridckpt import models
     from hybridckpt.optim.param_order import named_parameters
 
+    cfg = models.fit_to_hf_names(cfg, list(shapes))
     try:
         return index_names.named(ko, index_names.by_rule(ko, named_parameters(cfg, list(shapes))), shapes, rename)
     except MappingError as e:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybridckpt.models.qwen2.params import TABLE as TEXT
-from hybridckpt.models.qwen3_vl.params import carried, linear, text_row
+from hybridckpt.models.qwen3_vl.params import carried, linear, named_parameters, text_row
 from hybridckpt.models.table import ParamTable, stack, under
 
 
@@ -53,4 +53,6 @@ TABLE = ParamTable(
         *under("vision", VISION),
     ),
     TEXT.groups,
+    # (the tower's norms are RMSNorms: no nn.LayerNorm, no `layernorms`)
+    named_parameters=named_parameters(TEXT, VISION),
 )

@@ -28,6 +28,7 @@ from typing import Any
 
 from hybridckpt.models import mlp_table
 from hybridckpt.models.llama import params as llama
+from hybridckpt.models.llama.params import hf_order as _hf_order
 from hybridckpt.models.mixtral import params as mixtral
 from hybridckpt.models.table import Groups, Param, ParamTable, stack, when
 
@@ -96,6 +97,32 @@ MOE = (
     ),
 )
 
+# transformers 5 Qwen3NextDecoderLayer: its one attention (the gated delta net `linear_attn`, its own
+# dt_bias and A_log before its submodules', or `self_attn`), mlp (a dense layer's gate/up/down; a
+# sparse layer's router `gate` before the fused experts, then the shared expert and its gate),
+# norms; in-memory names (the experts fused: `hf_name_fixes`)
+NAMED_PARAMETERS = _hf_order((
+    'linear_attn.dt_bias',
+    'linear_attn.A_log',
+    'linear_attn.conv1d.weight',
+    'linear_attn.in_proj_qkvz.weight',
+    'linear_attn.in_proj_ba.weight',
+    'linear_attn.norm.weight',
+    'linear_attn.out_proj.weight',
+    *llama.ATTENTION_ORDER,
+    'self_attn.q_norm.weight',
+    'self_attn.k_norm.weight',
+    *llama.MLP_ORDER,
+    'mlp.gate.weight',
+    'mlp.experts.gate_up_proj',
+    'mlp.experts.down_proj',
+    'mlp.shared_expert.gate_proj.weight',
+    'mlp.shared_expert.up_proj.weight',
+    'mlp.shared_expert.down_proj.weight',
+    'mlp.shared_expert_gate.weight',
+    *llama.NORMS_ORDER,
+))
+
 TABLE = ParamTable(
     __name__,
     dims,
@@ -114,4 +141,5 @@ TABLE = ParamTable(
         llama.TIED_HEAD,
     ),
     groups,
+    named_parameters=NAMED_PARAMETERS,
 )

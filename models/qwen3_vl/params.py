@@ -83,6 +83,30 @@ VISION = (
     ),
 )
 
+
+def named_parameters(text: ParamTable, vision: tuple[Row, ...]) -> tuple[str, ...]:
+    """transformers 5's `named_parameters()` order of a Qwen-VL wrapper (`ParamTable.
+    named_parameters`): its model defines the tower `visual` before the `language_model`, so the
+    tower comes first, in the order of its `vision` rows (written in its modules' definition
+    order), then the `text` family's order under `{text}`, then the head. The Trainer optimizes
+    the tower too (it is no buffer), so an index-keyed state counts its params first. A number in
+    a tower name (a Sequential's `merger.mlp.0`) is written `$`, as every number of the order is."""
+    tower = tuple(
+        ".".join("$" if c.isdigit() else c for c in n.split("."))
+        for n in ParamTable(__name__, dims, vision).hf_order()
+    )
+    model = "model."
+    return (*tower, *("{text}" + n.removeprefix(model) if n.startswith(model) else n for n in text.hf_order()))
+
+
+# the tower's nn.LayerNorm params (the HF Trainer keeps them out of weight decay whatever their names:
+# `norm1` is none its name patterns know)
+LAYERNORMS = tuple(
+    f"{V}{m}.{p}"
+    for m in ("blocks.$.norm1", "blocks.$.norm2", "merger.norm", "deepstack_merger_list.$.norm")
+    for p in ("weight", "bias")
+)
+
 TABLE = ParamTable(
     __name__,
     dims,
@@ -91,4 +115,6 @@ TABLE = ParamTable(
         *under("vision", VISION),
     ),
     TEXT.groups,
+    named_parameters=named_parameters(TEXT, VISION),
+    layernorms=LAYERNORMS,
 )

@@ -4,6 +4,7 @@ decay / no-decay split of those names against `Trainer.get_decay_parameter_names
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 
@@ -33,6 +34,7 @@ from hybridckpt.models.qwen2.config import Qwen2Config
 from hybridckpt.models.qwen2_moe.config import Qwen2MoeConfig
 from hybridckpt.models.qwen3.config import Qwen3Config
 from hybridckpt.models.qwen3_moe.config import Qwen3MoeConfig
+from hybridckpt.models.qwen3_next.config import Qwen3NextConfig
 from hybridckpt.models.smollm3.config import SmolLM3Config
 from hybridckpt.optim import param_order
 from hybridckpt.optim.trainer_groups import trainer_groups
@@ -57,6 +59,23 @@ _ERNIE_MOE = dict(_L, num_layers=3, moe_num_experts=4, moe_k=2, moe_intermediate
 _PIXTRAL = dict(vision_hidden_size=8, vision_intermediate_size=16, vision_num_layers=2, vision_patch_size=4)
 _MODULE_NAMES = dict(text_prefix="model.language_model.", vision_prefix="model.vision_tower.",
                      projector_prefix="model.multi_modal_projector.", head_name="lm_head.weight")  # fmt: skip
+_NEXT = dict(_L, num_layers=3, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+             shared_expert_intermediate_size=12, linear_conv_kernel_dim=3, linear_key_head_dim=4,
+             linear_value_head_dim=6, linear_num_key_heads=2, linear_num_value_heads=4)  # fmt: skip
+_VL_TEXT = dict(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                                    "mrope_section": [2, 1, 1]})  # fmt: skip
+_VL_VISION = dict(depth=2, hidden_size=16, intermediate_size=24, num_heads=2, patch_size=4, out_hidden_size=32)
+# the prefixes a live wrapper holds its parts by (transformers 5's save writes others too: `_released`)
+_LIVE_PREFIXES = dict(text_prefix="model.language_model.", vision_prefix="model.visual.")
+
+
+def _vl(arch: str, model_type: str, vision: dict, **top):
+    """A Qwen-VL wrapper's config as read from its config.json (the tower's sizes travel in it),
+    under the live prefixes."""
+    d = {"architectures": [arch], "model_type": model_type, "text_config": _VL_TEXT, "vision_config": vision, **top}
+    return dataclasses.replace(models.config_from_hf(d), **_LIVE_PREFIXES)
+
 
 # every family; biases, tied heads, dense and sparse layers, the q LoRA: what changes the names
 VARIANTS = {
@@ -100,10 +119,21 @@ VARIANTS = {
     "mistral3_tied": Mistral3Config(**_L, head_dim=12, **_PIXTRAL, **_MODULE_NAMES),
     "mistral3_untied_bias": Mistral3Config(**_L, tie_word_embeddings=False, **_PIXTRAL, num_feature_layers=2,
                                            projector_bias=True, **_MODULE_NAMES),
+    "qwen3_vl_deepstack": _vl("Qwen3VLForConditionalGeneration", "qwen3_vl", dict(
+        _VL_VISION, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16,
+        deepstack_visual_indexes=[0, 1])),
+    "qwen3_vl_tied": _vl("Qwen3VLForConditionalGeneration", "qwen3_vl", dict(
+        _VL_VISION, num_position_embeddings=16, deepstack_visual_indexes=[1]), tie_word_embeddings=True),
+    "qwen2_5_vl": _vl("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", dict(
+        _VL_VISION, fullatt_block_indexes=[1], window_size=8)),
+    "qwen3_next_dense_layer": Qwen3NextConfig(**_NEXT, mlp_only_layers=(1,), layer_types=(
+        "linear_attention", "full_attention", "linear_attention")),
+    "qwen3_next_tied": Qwen3NextConfig(**{**_NEXT, "num_layers": 2}, tie_word_embeddings=True, layer_types=(
+        "full_attention", "linear_attention")),
 }  # fmt: skip
 # transformers 5 holds these MoE experts fused in memory (`mlp.experts.gate_up_proj`), under other
 # names than the Hub's per-expert files the table reads
-FUSED_IN_MEMORY = {"mixtral", "qwen3_moe", "deepseek_v3", "qwen2_moe", "glm4_moe", "ernie4_5_moe"}
+FUSED_IN_MEMORY = {"mixtral", "qwen3_moe", "deepseek_v3", "qwen2_moe", "glm4_moe", "ernie4_5_moe", "qwen3_next"}
 # a router bias transformers holds as a buffer (DeepSeek V3, GLM-4.5) or as a frozen parameter
 # (ERNIE 4.5's `moe_statics`): the declarations leave it out, so a state naming it is refused
 ROUTER_BIAS = "e_score_correction_bias"
