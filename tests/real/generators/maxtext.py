@@ -33,6 +33,8 @@ Steps (MaxText's own code wherever MaxText has code for it):
 Weights only (`_maxtext_weights_only.py`, case `maxtext_mistral`): our export of Mistral's reference
 checkpoint `mistral_swa` restored by `load_parameters_path` into MaxText's `mistral` block, its
 forward against transformers' MistralForCausalLM, saved as MaxText's converters save weights.
+Llama 4 (`_maxtext_llama4.py`, cases `maxtext_llama4`, weights, and `maxtext_llama4_adamw`, a torch
+FSDP2 AdamW run exported with `--optimizer`, restored and stepped by MaxText).
 
 Shims (recorded in the manifest): `to_maxtext` reads HF safetensors with `framework="pt"`, which
 needs torch (not installed here): the loader is called with `framework="np"`; the converter's HF
