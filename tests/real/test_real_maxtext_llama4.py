@@ -74,6 +74,15 @@ def test_maxtexts_save_reads_back_as_the_transformers_weights(tmp_path):
     assert any("original_max_position_embeddings=16" in n for n in opened.notes)
 
 
+def test_a_config_of_other_layers_is_refused_reading_maxtexts_save(tmp_path):
+    """MaxText's 4-layer save read with a 6-layer config: its blocks hold 2 layers where the config
+    wants 3 (one line naming the array and both counts), not a silent partial model."""
+    config = _config_file(tmp_path, num_hidden_layers=6, moe_layers=None, no_rope_layers=None, layer_types=None)
+    with pytest.raises(FormatError, match=r"items: decoder\.layers\.layers_0\.\S+: expected a block position < 2 "
+                                          r"holding 3 of the 6 layers on axis 1, found shape \(16, 2, "):
+        assert not open_checkpoint(ckpt(CASE), config=config).named.params
+
+
 def test_maxtexts_forward_is_transformers_with_maxtexts_constants():
     """The generator's record: MaxText's forward of our export (scanned, unscanned, sparse MoE
     path) is transformers' Llama4ForCausalLM of the same weights with MaxText's constants (rel
@@ -236,7 +245,7 @@ def test_cycle_layout_both_ways_and_its_refusals():
                             "decoder.layers.layers_1.moe.wo"]
     assert disk["decoder.layers.layers_1.moe.wo"].shape == (5, 2, 3)
     assert np.array_equal(disk["decoder.layers.layers_1.a.kernel"].materialize()[:, 1], layers["decoder.layers_3.a.kernel"].materialize())
-    back = maxtext.from_disk(disk, "t", 2)
+    back = maxtext.from_disk(disk, "t", 2, 4)
     assert sorted(back) == sorted(layers)
     for k, v in layers.items():
         assert np.array_equal(back[k].materialize(), v.materialize()), k
@@ -246,8 +255,12 @@ def test_cycle_layout_both_ways_and_its_refusals():
     with pytest.raises(MappingError, match=r"block position 1 needs layers \[1, 3\], found \[1\]"):
         maxtext.to_disk({k: v for k, v in layers.items() if k != "decoder.layers_3.moe.wo"}, True, 2)
     with pytest.raises(FormatError, match="expected a block position < 2"):
-        maxtext.from_disk({"decoder.layers.layers_2.a.kernel": _arr(3, 2, 2)}, "t", 2)
+        maxtext.from_disk({"decoder.layers.layers_2.a.kernel": _arr(3, 2, 2)}, "t", 2, 4)
+    # the scan axis is the file's word: more (or fewer) blocks than the config's layers are refused
+    with pytest.raises(FormatError, match=r"holding 2 of the 4 layers on axis 1, found shape \(3, 3, 2\)"):
+        maxtext.from_disk({"decoder.layers.layers_1.a.kernel": _arr(3, 3, 2)}, "t", 2, 4)
     with pytest.raises(FormatError, match="both scanned"):
-        maxtext.from_disk({"decoder.layers.layers_0.a.kernel": _arr(3, 1, 2), "decoder.layers_0.a.kernel": _arr(3, 2)}, "t", 2)
+        maxtext.from_disk({"decoder.layers.layers_0.a.kernel": _arr(3, 1, 2), "decoder.layers_0.a.kernel": _arr(3, 2)},
+                          "t", 2, 2)
     with pytest.raises(FormatError, match=r"expected decoder\.layers\.layers_<p>"):
-        maxtext.from_disk({"decoder.layers.a.kernel": _arr(3, 2, 2)}, "t", 2)
+        maxtext.from_disk({"decoder.layers.a.kernel": _arr(3, 2, 2)}, "t", 2, 4)

@@ -173,9 +173,10 @@ def _cycle_to_disk(tensors: Mapping[str, LazyTensor], scan_layers: bool, cycle: 
     return out
 
 
-def _cycle_from_disk(tensors: Mapping[str, LazyTensor], where: str, cycle: int) -> dict[str, LazyTensor]:
+def _cycle_from_disk(tensors: Mapping[str, LazyTensor], where: str, cycle: int, num_layers: int) -> dict[str, LazyTensor]:
     """`decoder.layers.layers_<p>.X` (b on `SCAN_AXIS`) -> `decoder.layers_<b * cycle + p>.X`;
-    unscanned names as they are."""
+    unscanned names as they are. A block position must hold exactly the layers p, p + cycle, ...
+    below `num_layers` (the config's): the scan axis is checked before any view is made."""
     out: dict[str, LazyTensor] = {}
     for name, t in tensors.items():
         m = _CYCLE_SCANNED.match(name)
@@ -186,11 +187,12 @@ def _cycle_from_disk(tensors: Mapping[str, LazyTensor], where: str, cycle: int) 
             out[name] = t
             continue
         p = int(m.group(1))
-        if p >= cycle or t.ndim <= SCAN_AXIS:
-            raise FormatError(f"{where}: {name}: expected a block position < {cycle} and a scan axis {SCAN_AXIS}, "
-                              f"found shape {t.shape}")  # fmt: skip
+        blocks = len(range(p, num_layers, cycle))
+        if p >= cycle or t.ndim <= SCAN_AXIS or t.shape[SCAN_AXIS] != blocks:
+            raise FormatError(f"{where}: {name}: expected a block position < {cycle} holding {blocks} of the "
+                              f"{num_layers} layers on axis {SCAN_AXIS}, found shape {t.shape}")  # fmt: skip
         first = lazy.transpose(t, [SCAN_AXIS] + [a for a in range(t.ndim) if a != SCAN_AXIS])
-        for b in range(t.shape[SCAN_AXIS]):
+        for b in range(blocks):
             layer = f"decoder.layers_{b * cycle + p}.{m.group(2)}"
             if layer in tensors:
                 raise FormatError(f"{where}: {layer} is both scanned ({name}) and unscanned")
@@ -198,15 +200,18 @@ def _cycle_from_disk(tensors: Mapping[str, LazyTensor], where: str, cycle: int) 
     return out
 
 
-def from_disk(tensors: Mapping[str, LazyTensor], where: str, cycle: int | None = None) -> dict[str, LazyTensor]:
+def from_disk(
+    tensors: Mapping[str, LazyTensor], where: str, cycle: int | None = None, num_layers: int = 0
+) -> dict[str, LazyTensor]:
     """MaxText's names -> the rules' source names, the layer axis first: a scanned array with
     its layer axis moved to 0, the unscanned `decoder.layers_<i>.X` of layers 0..n-1 stacked
     (lazily, `lazy.Stack`: its parts come back as they were) into `decoder.layers.X`, so that a
     rule stacked deeper than the layers (the experts' `[$L, $E]`) reads either alike. Unscanned
     layers that are not 0..n-1, or differ in shape or dtype, are a FormatError. With `cycle`
-    (a model scanned in blocks, module doc): per-layer names `decoder.layers_<i>.X` either way."""
+    (a model of `num_layers` layers scanned in blocks, module doc): per-layer names
+    `decoder.layers_<i>.X` either way."""
     if cycle is not None:
-        return _cycle_from_disk(tensors, where, cycle)
+        return _cycle_from_disk(tensors, where, cycle, num_layers)
     out: dict[str, LazyTensor] = {}
     per_layer: dict[str, dict[int, LazyTensor]] = {}
     for name, t in tensors.items():
