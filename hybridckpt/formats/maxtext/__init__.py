@@ -36,9 +36,12 @@ def open(path: str, *, config: Any = None, step: int | None = None):  # noqa: A0
 
     item_dir, dir_step = maxtext.item_dir(path, step)
     leaves = item_arrays(item_dir)
+    cycle = maxtext.layer_cycle(config) if config is not None else None
+    layers = int(config.num_layers) if cycle is not None else 0
 
     def under(prefix: str) -> dict[str, LazyTensor]:
-        return maxtext.from_disk({k[len(prefix):]: v for k, v in leaves.items() if k.startswith(prefix)}, item_dir)
+        return maxtext.from_disk({k[len(prefix):]: v for k, v in leaves.items() if k.startswith(prefix)}, item_dir,
+                                 cycle, layers)
 
     params = under(maxtext.PARAMS)
     if not params:

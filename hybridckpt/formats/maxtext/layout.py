@@ -22,6 +22,14 @@ kernel `[experts, layers, in, out]`. Unscanned ones are `decoder.layers_<i>.<pat
 stacked parameter has its layer axis first (`STACK`), as our rules stack; `to_disk` and
 `from_disk` move it.
 
+A decoder of several layer kinds (Llama 4: MoE and dense, NoPE and RoPE layers) is scanned in
+blocks of `inhomogeneous_layer_cycle_interval` (c, the dialect's `layer_cycle(cfg)`) layers: the
+scanned tree is `decoder.layers.layers_<p>.<path>` (p < c), holding layers p, p + c, p + 2c, ...
+on the scan axis (maxtext 0.2.5 layers/nnx_decoders.py `_init_scanned_generic`, models/llama4.py
+`Llama4ScannableBlock`). Such a family's rules name each layer by its unscanned name
+`decoder.layers_$L.<path>` (a layer's own tree, no stack); `to_disk` / `from_disk` with `cycle`
+move between that and the scanned form.
+
 The names and value ops per family are the family's `maxtext` dialect (`models/<family>/
 dialects/maxtext.{rules,py}`): MaxText names -> HF names; `rules(cfg)` parses them, the writer
 inverts them (formats/maxtext/write.py).
@@ -35,7 +43,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridckpt import lazy
-from hybridckpt.errors import ConfigError, FormatError
+from hybridckpt.errors import ConfigError, FormatError, MappingError
 from hybridckpt.io import json_text
 from hybridckpt.io.regular_file import NotRegular, open_regular_file
 from hybridckpt.io.step_folders import StepFolders, StepPattern, listing
@@ -54,6 +62,7 @@ SLOTS = {"exp_avg": MU, "exp_avg_sq": NU}  # our slot name -> its prefix in the 
 LAYERS = "decoder.layers."  # the scanned block: every name under it is stacked
 SCAN_AXIS = 1  # MaxText's param_scan_axis default (configs/base.yml)
 _UNSCANNED = re.compile(r"^decoder\.layers_(\d+)\.(.+)$")
+_CYCLE_SCANNED = re.compile(r"^decoder\.layers\.layers_(\d+)\.(.+)$")
 
 
 # -- the mapping ------------------------------------------------------------------------------------
@@ -97,20 +106,36 @@ def notes(cfg: Any) -> list[str]:
     return list(fn(cfg)) if fn is not None else []
 
 
+def layer_cycle(cfg: Any) -> int | None:
+    """The dialect's scan block (`layer_cycle(cfg)`, MaxText's `inhomogeneous_layer_cycle_interval`)
+    when its rules name layers `decoder.layers_$L.*`; None for a stacked (`decoder.layers.X[$L]`) one."""
+    fn = dialect(cfg).get("layer_cycle")
+    return int(fn(cfg)) if fn is not None else None
+
+
 # -- the layer axis ---------------------------------------------------------------------------------
 
 
-def to_disk(tensors: Mapping[str, LazyTensor], scan_layers: bool = True) -> dict[str, LazyTensor]:
+def _to_axis(t: LazyTensor) -> LazyTensor:
+    """`[layers, ...]` -> the layer axis at `SCAN_AXIS`."""
+    perm = list(range(1, t.ndim))
+    perm.insert(SCAN_AXIS, 0)
+    return lazy.transpose(t, perm)
+
+
+def to_disk(tensors: Mapping[str, LazyTensor], scan_layers: bool = True, cycle: int | None = None) -> dict[str, LazyTensor]:
     """Names with the layer axis first (`decoder.layers.X`, `[layers, ...]`) -> MaxText's: the
-    axis moved to `SCAN_AXIS` (scanned) or one `decoder.layers_<i>.X` per layer."""
+    axis moved to `SCAN_AXIS` (scanned) or one `decoder.layers_<i>.X` per layer. With `cycle`
+    (the names are per layer, `decoder.layers_<i>.X`): scanned, layers i = b * cycle + p become
+    `decoder.layers.layers_<p>.X` with b on `SCAN_AXIS` (lazily stacked); unscanned, as they are."""
+    if cycle is not None:
+        return _cycle_to_disk(tensors, scan_layers, cycle)
     out: dict[str, LazyTensor] = {}
     for name, t in tensors.items():
         if not name.startswith(LAYERS):
             out[name] = t
         elif scan_layers:
-            perm = list(range(1, t.ndim))
-            perm.insert(SCAN_AXIS, 0)
-            out[name] = lazy.transpose(t, perm)
+            out[name] = _to_axis(t)
         else:
             rest = name[len(LAYERS):]
             for i in range(t.shape[0]):
@@ -118,12 +143,75 @@ def to_disk(tensors: Mapping[str, LazyTensor], scan_layers: bool = True) -> dict
     return out
 
 
-def from_disk(tensors: Mapping[str, LazyTensor], where: str) -> dict[str, LazyTensor]:
+def _cycle_to_disk(tensors: Mapping[str, LazyTensor], scan_layers: bool, cycle: int) -> dict[str, LazyTensor]:
+    out: dict[str, LazyTensor] = {}
+    per_layer: dict[str, dict[int, LazyTensor]] = {}
+    for name, t in tensors.items():
+        m = _UNSCANNED.match(name)
+        if m is None or not scan_layers:
+            out[name] = t
+        else:
+            per_layer.setdefault(m.group(2), {})[int(m.group(1))] = t
+    if not per_layer:
+        return out
+    n = 1 + max(i for layers in per_layer.values() for i in layers)
+    if n % cycle:
+        raise ConfigError(
+            f"MaxText scans this model in blocks of {cycle} layers (inhomogeneous_layer_cycle_interval) and "
+            f"drops a remainder: {n} layers do not divide into them (--no-scan-layers writes them unscanned)"
+        )
+    for rest, layers in per_layer.items():
+        kinds = {i % cycle for i in layers}
+        for p in sorted(kinds):
+            want = list(range(p, n, cycle))
+            if sorted(i for i in layers if i % cycle == p) != want:
+                raise MappingError(
+                    f"export --to maxtext: decoder.layers_<i>.{rest}: a scanned block position {p} needs layers "
+                    f"{want}, found {sorted(i for i in layers if i % cycle == p)}"
+                )
+            out[f"{LAYERS}layers_{p}.{rest}"] = _to_axis(lazy.Stack(tuple(layers[i] for i in want)))
+    return out
+
+
+def _cycle_from_disk(tensors: Mapping[str, LazyTensor], where: str, cycle: int, num_layers: int) -> dict[str, LazyTensor]:
+    """`decoder.layers.layers_<p>.X` (b on `SCAN_AXIS`) -> `decoder.layers_<b * cycle + p>.X`;
+    unscanned names as they are. A block position must hold exactly the layers p, p + cycle, ...
+    below `num_layers` (the config's): the scan axis is checked before any view is made."""
+    out: dict[str, LazyTensor] = {}
+    for name, t in tensors.items():
+        m = _CYCLE_SCANNED.match(name)
+        if m is None:
+            if name.startswith(LAYERS):
+                raise FormatError(f"{where}: {name}: expected {LAYERS}layers_<p>.* (p < {cycle}) in a model scanned "
+                                  f"in blocks of {cycle} layers")  # fmt: skip
+            out[name] = t
+            continue
+        p = int(m.group(1))
+        blocks = len(range(p, num_layers, cycle))
+        if p >= cycle or t.ndim <= SCAN_AXIS or t.shape[SCAN_AXIS] != blocks:
+            raise FormatError(f"{where}: {name}: expected a block position < {cycle} holding {blocks} of the "
+                              f"{num_layers} layers on axis {SCAN_AXIS}, found shape {t.shape}")  # fmt: skip
+        first = lazy.transpose(t, [SCAN_AXIS] + [a for a in range(t.ndim) if a != SCAN_AXIS])
+        for b in range(blocks):
+            layer = f"decoder.layers_{b * cycle + p}.{m.group(2)}"
+            if layer in tensors:
+                raise FormatError(f"{where}: {layer} is both scanned ({name}) and unscanned")
+            out[layer] = lazy.index0(first, b)
+    return out
+
+
+def from_disk(
+    tensors: Mapping[str, LazyTensor], where: str, cycle: int | None = None, num_layers: int = 0
+) -> dict[str, LazyTensor]:
     """MaxText's names -> the rules' source names, the layer axis first: a scanned array with
     its layer axis moved to 0, the unscanned `decoder.layers_<i>.X` of layers 0..n-1 stacked
     (lazily, `lazy.Stack`: its parts come back as they were) into `decoder.layers.X`, so that a
     rule stacked deeper than the layers (the experts' `[$L, $E]`) reads either alike. Unscanned
-    layers that are not 0..n-1, or differ in shape or dtype, are a FormatError."""
+    layers that are not 0..n-1, or differ in shape or dtype, are a FormatError. With `cycle`
+    (a model of `num_layers` layers scanned in blocks, module doc): per-layer names
+    `decoder.layers_<i>.X` either way."""
+    if cycle is not None:
+        return _cycle_from_disk(tensors, where, cycle, num_layers)
     out: dict[str, LazyTensor] = {}
     per_layer: dict[str, dict[int, LazyTensor]] = {}
     for name, t in tensors.items():

@@ -33,6 +33,8 @@ Steps (MaxText's own code wherever MaxText has code for it):
 Weights only (`_maxtext_weights_only.py`, case `maxtext_mistral`): our export of Mistral's reference
 checkpoint `mistral_swa` restored by `load_parameters_path` into MaxText's `mistral` block, its
 forward against transformers' MistralForCausalLM, saved as MaxText's converters save weights.
+Llama 4 (`_maxtext_llama4.py`, cases `maxtext_llama4`, weights, and `maxtext_llama4_adamw`, a torch
+FSDP2 AdamW run exported with `--optimizer`, restored and stepped by MaxText).
 
 Shims (recorded in the manifest): `to_maxtext` reads HF safetensors with `framework="pt"`, which
 needs torch (not installed here): the loader is called with `framework="np"`; the converter's HF
@@ -164,7 +166,9 @@ def _convert(to_maxtext, work, hf, cfg, model_name):
     return flat
 
 
-def maxtext_setup(cfg: dict, model_name: str, extra: list[str]):
+def maxtext_setup(cfg: dict | None, model_name: str, extra: list[str]):
+    """MaxText's NNX train state and model for `model_name` resized by `sizes(cfg)` (None: by
+    `extra` alone, e.g. an export's maxtext_overrides.json) and `extra`, restored as `extra` says."""
     from flax import nnx
     from flax.linen import partitioning as nn_partitioning
     from maxtext.common import train_state_nnx
@@ -172,7 +176,7 @@ def maxtext_setup(cfg: dict, model_name: str, extra: list[str]):
     from maxtext.utils import maxtext_utils, model_creation_utils, train_utils
 
     config = pyconfig.initialize([
-        "gen", base_yml(), *sizes(cfg, model_name), "run_name=gen", "base_output_directory=/tmp/mx-gen",
+        "gen", base_yml(), *(sizes(cfg, model_name) if cfg is not None else ["hardware=cpu", "skip_jax_distributed_system=True"]), "run_name=gen", "base_output_directory=/tmp/mx-gen",
         "enable_checkpointing=True", "async_checkpointing=False", "dtype=float32", "weight_dtype=float32", "matmul_precision=highest",
         "per_device_batch_size=1", "max_target_length=16", "dataset_type=synthetic", "attention=dot_product",
         "adam_b1=0.9", "adam_b2=0.95", "adam_eps=1e-8", "adam_weight_decay=0.1", *extra])
