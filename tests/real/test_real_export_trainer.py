@@ -156,7 +156,6 @@ FAMILIES = {  # family: (transformers config, model, extra config) of a tiny mod
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 4}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {"pad_token_id": 0, "eos_token_id": 1}),
     "granite": ("GraniteConfig", "GraniteForCausalLM", {}),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 2, "num_experts_per_tok": 1}),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"tie_word_embeddings": False, "pad_token_id": 0}),
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {"use_bias": True}),  # (its norms after the MLP)
