@@ -31,13 +31,15 @@ measures the overhead).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-STAGES = ("open", "read", "cut", "checksum", "write", "sync", "metadata", "transfer")
-# open: the source's indexes and headers; read: source bytes into buffers (with the lazy tensor's
+STAGES = ("start", "open", "plan", "read", "cut", "checksum", "write", "sync", "metadata", "transfer")
+# start: modules loaded by a first job (JAX, Orbax); open: the source's indexes and headers; plan: names, shardings, tiles; read: source bytes into buffers (with the lazy tensor's
 # casts and joins); cut: tiles cut into chunks (copies, padding); checksum: CRC-32; write: bytes
 # into output files; sync: fsync; metadata: Orbax's own records and commit; transfer: to devices
 
@@ -181,6 +183,20 @@ class _Account:
         workers = tuple(WorkerTime(w, s, c[0], c[1], c[2])
                         for (w, s), c in sorted(self.cells.items(), key=lambda kv: (kv[0][0], order.get(kv[0][1], 99))))
         return Profile(self.last - self.t0, tuple(stages), workers, self.other)
+
+
+def accounted(job):
+    """Decorator: `job(..., profile=True)` runs inside an `account()` and returns its result (a
+    frozen dataclass with a `profile` field) with `profile` set to the `Profile`; without
+    `profile` (or False) nothing is recorded and the result is the job's own."""
+
+    @functools.wraps(job)
+    def run(*args, profile: bool = False, **kwargs):
+        with account(bool(profile)) as acc:
+            result = job(*args, **kwargs)
+        return result if acc is None else dataclasses.replace(result, profile=acc.result())
+
+    return run
 
 
 def enabled() -> bool:
