@@ -103,6 +103,12 @@ class Profile:
                          "calls": w.calls} for w in self.workers],
         }
 
+    @classmethod
+    def from_json(cls, doc: dict) -> Profile:
+        """The `Profile` of `to_json`'s output (a benchmark's child process reports it so)."""
+        return cls(float(doc["wall_s"]), tuple(StageTime(**s) for s in doc["stages"]),
+                   tuple(WorkerTime(**w) for w in doc["workers"]), float(doc["other_s"]))
+
 
 class _Account:
     """The accumulator of one `account()` block (see the module doc)."""
