@@ -155,7 +155,7 @@ class _Account:
                 if entry is not None:
                     name, fallback = entry
                     table = self.fallback if fallback else self.running
-                    table[name] = table.get(name, 0) + delta
+                    table[name] = max(0, table.get(name, 0) + delta)  # (a stage entered before this account: never below 0)
                     if fallback and delta > 0:
                         self.fallback_cells.setdefault((worker, name), self._cell(worker, name))
 
@@ -247,12 +247,13 @@ class _Stage:
             acc.switch(worker, None if old is None else (old[0], old[1]), (self.name, self.fallback), now)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, value, tb) -> None:
         stack = _stack()
         now = time.perf_counter()
         worker = threading.current_thread().name
         top = stack.pop()
-        top[3] += self.nbytes
+        if kind is None:  # (a write that failed moved no bytes)
+            top[3] += self.nbytes
         _close(worker, top, now, self.accounts, calls=1)
         outer = stack[-1] if stack else None
         if outer is not None:

@@ -170,3 +170,22 @@ def test_accounted_sets_the_profile_field_only_when_asked():
     p = job(3, profile=True).profile
     assert isinstance(p, timing.Profile) and p.stage("write").bytes == 3 and p.stage("write").calls == 1
     assert not timing.enabled()  # the account is closed after the job
+
+
+def test_a_failed_stage_moves_no_bytes_and_a_stage_older_than_the_account_counts_nothing(clock):
+    outer = timing.account()
+    outer.__enter__()
+    early = timing.stage("read", 50)
+    early.__enter__()  # entered under another account, left inside the next one
+    with timing.account() as acc:
+        clock[0] = 1.0
+        early.__exit__(None, None, None)
+        with pytest.raises(OSError), timing.stage("write", 100):
+            clock[0] = 2.0
+            raise OSError("disk full")
+        clock[0] = 3.0
+    outer.__exit__(None, None, None)
+    p = acc.result()
+    assert p.stage("write").bytes == 0 and p.stage("write").busy_s == 1.0
+    assert p.stage("read").share_s == 0.0  # never seen entering: no time shared to it, no count below 0
+    assert sum(s.share_s for s in p.stages) + p.other_s == p.wall_s == 3.0
