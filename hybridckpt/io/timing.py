@@ -145,11 +145,17 @@ class _Account:
                     cell[0] += dt
 
     def switch(self, worker: str, old: tuple[str, bool] | None, new: tuple[str, bool] | None,
-               now: float) -> None:
-        """A thread left stage `old` for `new` (either None: no stage) at `now`."""
+               now: float, closed: tuple[str, float, int, int] | None = None) -> None:
+        """A thread left stage `old` for `new` (either None: no stage) at `now`, adding `closed`
+        (stage, busy seconds, bytes, calls) to its cell: one lock a stage entered or left."""
         with self.lock:
             if self.result_ is not None:
                 return
+            if closed is not None:
+                cell = self._cell(worker, closed[0])
+                cell[0] += closed[1]
+                cell[1] += closed[2]
+                cell[2] += closed[3]
             self._advance(now)
             for entry, delta in ((old, -1), (new, 1)):
                 if entry is not None:
@@ -240,11 +246,10 @@ class _Stage:
         self.accounts = list(_accounts)
         worker = threading.current_thread().name
         old = stack[-1] if stack else None
-        if old is not None:  # the outer stage pauses in this thread
-            _close(worker, old, now, self.accounts)
+        closed = None if old is None else _close(old, now)  # the outer stage pauses in this thread
         stack.append([self.name, self.fallback, now, 0])
         for acc in self.accounts:
-            acc.switch(worker, None if old is None else (old[0], old[1]), (self.name, self.fallback), now)
+            acc.switch(worker, None if old is None else (old[0], old[1]), (self.name, self.fallback), now, closed)
         return self
 
     def __exit__(self, kind, value, tb) -> None:
@@ -254,22 +259,21 @@ class _Stage:
         top = stack.pop()
         if kind is None:  # (a write that failed moved no bytes)
             top[3] += self.nbytes
-        _close(worker, top, now, self.accounts, calls=1)
+        closed = _close(top, now, calls=1)
         outer = stack[-1] if stack else None
         if outer is not None:
             outer[2] = now  # resumes
         for acc in self.accounts:
-            acc.switch(worker, (self.name, self.fallback), None if outer is None else (outer[0], outer[1]), now)
+            acc.switch(worker, (self.name, self.fallback), None if outer is None else (outer[0], outer[1]), now,
+                       closed)
 
 
-def _close(worker: str, entry: list, now: float, accounts: list, calls: int = 0) -> None:
-    """Add `entry`'s time since it (re)started and its bytes to the accounts (fallback stages'
-    seconds come from the account's own attribution)."""
+def _close(entry: list, now: float, calls: int = 0) -> tuple[str, float, int, int]:
+    """(stage, seconds, bytes, calls) of `entry` since it (re)started, its bytes taken (fallback
+    stages' seconds come from the account's own attribution)."""
     name, fallback, since, nbytes = entry
-    seconds = 0.0 if fallback else now - since
-    for acc in accounts:
-        acc.add(worker, name, seconds, nbytes, calls)
     entry[3] = 0
+    return name, 0.0 if fallback else now - since, nbytes, calls
 
 
 def _stack() -> list:
