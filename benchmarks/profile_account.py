@@ -66,10 +66,10 @@ def child(kind: str, src: str, dst: str, profile: str) -> dict:
     else:
         import jax
 
-        import hybridckpt
+        from hybridckpt.jobs.restore import restore
 
         t1 = time.perf_counter()  # (the restore has no seconds of its own: from here, modules loaded)
-        _, r = hybridckpt.restore(src, RESTORE_MESH, profile=on)
+        _, r = restore(src, RESTORE_MESH, profile=on)
         jax.block_until_ready(r.params)
         job_s, prof = time.perf_counter() - t1, r.profile
     return {"wall_s": time.perf_counter() - t0, "job_s": job_s, "profile": prof.to_json() if prof else None}

@@ -127,9 +127,10 @@ class _Account:
 
     def _advance(self, now: float) -> None:
         """Attribute the time since the last event (call under `lock`)."""
-        dt, self.last = now - self.last, now
-        if dt <= 0:
+        dt = now - self.last
+        if dt <= 0:  # (a thread that read the clock before the last event took the lock: no time back)
             return
+        self.last = now
         running = self.running if any(self.running.values()) else self.fallback
         total = sum(running.values())
         if not total:

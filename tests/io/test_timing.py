@@ -189,3 +189,17 @@ def test_a_failed_stage_moves_no_bytes_and_a_stage_older_than_the_account_counts
     assert p.stage("write").bytes == 0 and p.stage("write").busy_s == 1.0
     assert p.stage("read").share_s == 0.0  # never seen entering: no time shared to it, no count below 0
     assert sum(s.share_s for s in p.stages) + p.other_s == p.wall_s == 3.0
+
+
+def test_a_clock_read_before_the_last_event_gives_no_time_twice(clock):
+    with timing.account() as acc:
+        clock[0] = 5.0
+        with timing.stage("write"):
+            # another thread read the clock at 3 s, then waited for the lock this thread took at 5 s
+            acc.switch("late", None, ("read", False), 3.0)
+            clock[0] = 6.0
+        acc.switch("late", ("read", False), None, 7.0)
+        clock[0] = 8.0
+    p = acc.result()
+    assert sum(s.share_s for s in p.stages) + p.other_s == p.wall_s == 8.0
+    assert (p.stage("write").share_s, p.stage("read").share_s, p.other_s) == (0.5, 1.5, 6.0)
