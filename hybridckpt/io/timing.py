@@ -38,10 +38,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-STAGES = ("start", "open", "plan", "read", "cut", "checksum", "write", "sync", "metadata", "transfer")
-# start: modules loaded by a first job (JAX, Orbax); open: the source's indexes and headers; plan: names, shardings, tiles; read: source bytes into buffers (with the lazy tensor's
-# casts and joins); cut: tiles cut into chunks (copies, padding); checksum: CRC-32; write: bytes
-# into output files; sync: fsync; metadata: Orbax's own records and commit; transfer: to devices
+STAGES = ("start", "open", "plan", "read", "cut", "checksum", "write", "sync", "metadata", "transfer", "remove")
+# start: modules loaded by a first job (JAX, Orbax); open: the source's indexes and headers;
+# plan: names, shardings, tiles; read: source bytes into buffers (with the lazy tensor's casts and
+# joins); cut: tiles cut into chunks, pieces of chunks copied out (copies, padding); checksum:
+# CRC-32; write: bytes into output files; sync: fsync; metadata: Orbax's own records and commit;
+# transfer: to devices; remove: the output an overwrite replaced, deleted once the new one is in place
 
 _accounts: list[_Account] = []
 _local = threading.local()  # .stack: the stages this thread is in, innermost last

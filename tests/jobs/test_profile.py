@@ -125,9 +125,10 @@ def test_cli_profile_table_and_json(src, tmp_path, capsys):
         doc["profile"]["wall_s"], abs=1e-5)
     assert {w["worker"] for w in doc["profile"]["workers"]} >= {"MainThread"}
 
-    assert main(["import", src, str(tmp_path / "ck2"), "--mesh", fit("fsdp=2"), "--json", "--quiet"]) == 0
-    doc = json.loads(capsys.readouterr().out)
-    assert doc["bytes"] > 0 and {s["stage"] for s in doc["profile"]["stages"]} == IMPORT_STAGES
+    assert main(["import", src, ck, "--mesh", fit("fsdp=2"), "--json", "--overwrite", "--quiet"]) == 0
+    doc = json.loads(capsys.readouterr().out)  # the replaced import deleted: a stage of its own
+    assert doc["bytes"] > 0 and {s["stage"] for s in doc["profile"]["stages"]} == IMPORT_STAGES | {"remove"}
+    assert next(s for s in doc["profile"]["stages"] if s["stage"] == "remove")["calls"] == 1
 
     assert main(["import", src, str(tmp_path / "ck3"), "--plan", "--profile"]) == 2  # --plan imports nothing
     assert "--profile" in capsys.readouterr().err
