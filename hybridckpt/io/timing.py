@@ -22,10 +22,11 @@ What is counted where:
   "open" are the source's metadata); `stage(name, nbytes)` adds `nbytes` to its own stage.
 
 Cost: with no account open, `stage()` is one global test and returns a shared no-op context,
-and `add_bytes` one test (tests/io/test_timing.py counts that nothing else runs);
-with one open, each stage is two lock-held updates of a few counters (microseconds), entered once
-per tile, chunk file or write buffer, never per small read (`benchmarks/profile_account.py`
-measures the overhead).
+and `add_bytes` one test (tests/io/test_timing.py and tests/jobs/test_profile.py count that
+nothing else runs); with one open, a stage is entered and left under one lock each (a few
+counters: microseconds), once per tile, chunk file or write buffer, never per read, and
+`add_bytes` (per read) adds to this thread's own stage entry, no lock
+(`benchmarks/profile_account.py` measures the overhead).
 """
 
 from __future__ import annotations
