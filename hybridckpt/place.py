@@ -12,6 +12,7 @@ from typing import Any
 import jax
 
 from hybridckpt import checksum, lazy
+from hybridckpt.io import timing
 from hybridckpt.lazy import LazyTensor, parallel
 from hybridckpt.naming import flatten, nest
 from hybridckpt.plan import box_holders, box_owners
@@ -37,16 +38,20 @@ def to_array(t: LazyTensor, sharding: jax.sharding.Sharding, dtype=None, *, with
 
     def read(box):
         buf = parallel.read_box_parallel(t, box)
-        part = checksum.box_part(shape, box, buf) if with_checksum and owner[box].process_index == me else 0
-        return box, buf, part
+        if not with_checksum or owner[box].process_index != me:
+            return box, buf, 0
+        with timing.stage("checksum", buf.nbytes):
+            return box, buf, checksum.box_part(shape, box, buf)
 
     shards: list[jax.Array] = []
     parts: list[int] = []
     for box, buf, part in parallel.imap_bounded(read, list(holders), parallel.io_threads()):
         parts.append(part)
-        shards.extend(jax.device_put(buf, dev) for dev in holders[box])
+        with timing.stage("transfer", buf.nbytes * len(holders[box])):
+            shards.extend(jax.device_put(buf, dev) for dev in holders[box])
         del buf
-    arr = jax.make_array_from_single_device_arrays(shape, sharding, shards)
+    with timing.stage("transfer"):
+        arr = jax.make_array_from_single_device_arrays(shape, sharding, shards)
     return arr, checksum.combine(parts)
 
 

@@ -7,6 +7,7 @@ import json
 import time
 
 from hybridckpt.cli.output import Progress, compact_json, job_finished, peak_rss_gib, size, summary
+from hybridckpt.cli.profile import print_profile, summary_json
 from hybridckpt.errors import ConfigError, HybridCkptError
 
 
@@ -75,8 +76,8 @@ def _nbytes(t: dict) -> int:
 def cmd_import(a) -> int:
     from hybridckpt.jobs.import_ import import_checkpoint
 
-    if a.json and not a.plan:
-        raise ConfigError("import --json prints a plan: it needs --plan")
+    if a.profile and a.plan:
+        raise ConfigError("--profile accounts for an import's time: --plan imports nothing")
     if (a.process is not None or a.processes) and not a.plan:
         raise ConfigError("--process and --processes are only for --plan")
     if a.plan:
@@ -88,8 +89,12 @@ def cmd_import(a) -> int:
             params_only=a.params_only, dtype=a.dtype, strict_sharding=a.strict_sharding,
             overwrite=a.overwrite, progress=prog, io_threads=a.io_threads, compression=a.compression,
             direct_io=not a.buffered_writes, verify_reads=not a.no_verify_reads, step=a.step,
+            profile=a.profile or a.json,
         )
     job_finished()
+    if a.json:
+        print(json.dumps(summary_json(s), indent=2))
+        return 0
     print(f"imported {s.source_format} checkpoint into {s.destination} at step {s.step} on mesh {s.mesh}"
           f" ({_devices_used(s.mesh)}; {'with' if s.with_optimizer else 'without'} optimizer state)")
     for n in s.notes:
@@ -98,6 +103,8 @@ def cmd_import(a) -> int:
           f"{' (layers stacked)' if s.param_arrays < s.source_tensors else ''}"
           f", {s.tensors - s.param_arrays} optimizer arrays")
     print(summary("arrays", s.tensors, s.bytes, s.seconds))
+    if s.profile is not None:
+        print_profile(s.profile)
     return 0
 
 
@@ -165,13 +172,18 @@ def cmd_export(a) -> int:
             max_shard_bytes=int(a.max_shard_gb * 1024**3) if a.max_shard_gb else None,
             overwrite=a.overwrite, progress=prog, io_threads=a.io_threads, to=a.to,
             direct_io=not a.buffered_writes, verify_reads=not a.no_verify_reads,
-            options=writer_options(a),
+            options=writer_options(a), profile=a.profile or a.json,
         )
     job_finished()
+    if a.json:
+        print(json.dumps(summary_json(s), indent=2))
+        return 0
     print(f"exported {s.source_format} checkpoint to {s.destination}: {', '.join(s.files)}")
     for n in s.notes:
         print(f"note: {n}")
     print(summary("tensors", s.tensors, s.bytes, s.seconds))
+    if s.profile is not None:
+        print_profile(s.profile)
     return 0
 
 

@@ -83,6 +83,12 @@ def _common(sp, *, fmt=True, config=True, io=False, progress=True, step=True) ->
         sp.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def _profile(sp) -> None:
+    sp.add_argument("--profile", action="store_true",
+                    help="account for the time: print seconds, bytes and MB/s per stage (open, plan, read, cut, "
+                    "checksum, write, sync, metadata) and per worker thread, summing to the wall time")
+
+
 def _plan_processes(sp) -> None:
     sp.add_argument("--processes", type=_thread_count, metavar="N",
                     help="with --plan: split the devices over N processes in order, as N hosts of a "
@@ -142,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "leaves what the machine has cached alone)")
     s.add_argument("--no-verify-reads", action="store_true", help=NO_VERIFY_HELP)
     s.add_argument("--plan", action="store_true", help=PLAN_HELP + "; DST is not touched")
-    s.add_argument("--json", action="store_true", help="with --plan: print the plan as JSON")
+    s.add_argument("--json", action="store_true", help="print the plan (with --plan), else the import's summary "
+                   "with its account of the time (profile), as JSON")
+    _profile(s)
     _plan_processes(s)
     _common(s, io=True)
     s.set_defaults(fn=commands.cmd_import)
@@ -187,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--buffered-writes", action="store_true",
                    help="write the safetensors files through the page cache, stored runs copied file to file by "
                    "the kernel (default: O_DIRECT where the filesystem allows it: no copy into the page cache)")
+    s.add_argument("--json", action="store_true",
+                   help="print the export's summary with its account of the time (profile) as JSON")
+    _profile(s)
     _common(s, io=True)
     s.set_defaults(fn=commands.cmd_export)
 

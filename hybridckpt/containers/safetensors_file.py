@@ -29,6 +29,7 @@ import ml_dtypes
 import numpy as np
 
 from hybridckpt.errors import FormatError, short_repr
+from hybridckpt.io import timing
 from hybridckpt.io.byte_source import ByteSource
 from hybridckpt.io.sequential_file import SequentialFile
 from hybridckpt.lazy import LazyTensor, StoredTensor, copy_runs, shape_problem
@@ -229,7 +230,9 @@ def _row_blocks(t):
 
     row = math.prod(t.shape[1:]) * np.dtype(t.dtype).itemsize
     if t.nbytes <= WRITE_BLOCK_BYTES or not t.shape or row == 0:
-        yield t.materialize()
+        with timing.stage("read"):  # (a tensor read ahead by the pool: this thread waits for it here)
+            whole = t.materialize()
+        yield whole
         return
     step = max(1, WRITE_BLOCK_BYTES // row)
     rest = tuple((0, n) for n in t.shape[1:])

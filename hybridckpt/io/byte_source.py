@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridckpt.errors import FormatError
+from hybridckpt.io import timing
 from hybridckpt.io.regular_file import open_regular_stat
 from hybridckpt.io.unchanged import Seen, changed_error, check_fd
 
@@ -209,6 +210,8 @@ _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, er
 
 
 def _count(path: str, nbytes: int) -> None:
+    if timing.enabled() and not planned():  # a profiled job: the bytes go to this thread's stage
+        timing.add_bytes(nbytes)
     if _counters or getattr(_thread, "counters", None):
         with _lock:
             for c in _all_counters():
@@ -265,6 +268,8 @@ class ByteSource:
                 if got != run_bytes:  # a short read: the general loop finishes it or names the truncation
                     self._pread_into(off + got, piece[got:])
                 at += run_bytes
+            if timing.enabled():
+                timing.add_bytes(n * run_bytes)
         if _counters or getattr(_thread, "counters", None):
             with _lock:
                 for c in _all_counters():

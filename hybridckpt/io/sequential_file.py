@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from hybridckpt.io import timing
 from hybridckpt.io.byte_source import ByteSource
 from hybridckpt.io.direct_io import DIRECT_ALIGN, aligned_empty, open_direct, refused
 from hybridckpt.io.writeback import start_writeback
@@ -65,7 +66,8 @@ class SequentialFile:
         view = memoryview(data).cast("B")
         while len(view):
             n = min(len(view), len(self._bufs[self._cur]) - self._fill)
-            self._bufs[self._cur][self._fill : self._fill + n] = view[:n]
+            with timing.stage("write"):  # the copy into the write buffer (its bytes: at `_write_out`)
+                self._bufs[self._cur][self._fill : self._fill + n] = view[:n]
             self._fill += n
             view = view[n:]
             if self._fill == len(self._bufs[self._cur]):
@@ -80,7 +82,8 @@ class SequentialFile:
             self._drain()
             self._write_out(self._bufs[self._cur][: self._fill], self._base)  # what is buffered
             at = self.position
-            source.copy_to(offset, nbytes, self._fd, at)
+            with timing.stage("read"):  # the kernel's copy: counted as the read of its bytes
+                source.copy_to(offset, nbytes, self._fd, at)
             start_writeback(self._fd, at, nbytes)
             self._base, self._fill = at + nbytes, 0
             if check is not None:
@@ -89,9 +92,11 @@ class SequentialFile:
         while nbytes:
             n = min(nbytes, len(self._bufs[self._cur]) - self._fill)
             piece = self._bufs[self._cur][self._fill : self._fill + n]
-            source.read_into(offset, piece)
+            with timing.stage("read"):
+                source.read_into(offset, piece)
             if check is not None:
-                check.feed(piece)
+                with timing.stage("checksum", n):
+                    check.feed(piece)
             self._fill += n
             offset, nbytes = offset + n, nbytes - n
             if self._fill == len(self._bufs[self._cur]):
@@ -105,7 +110,8 @@ class SequentialFile:
             whole = len(rest) - len(rest) % DIRECT_ALIGN
             self._write_out(rest[:whole], self._base)
             self._write_out(rest[whole:], self._base + whole, buffered=True)  # the last partial block
-            os.fsync(self._fd)
+            with timing.stage("sync"):
+                os.fsync(self._fd)
             return self.position
         finally:
             self.abort()
@@ -142,7 +148,8 @@ class SequentialFile:
             got = os.preadv(self._fd_read(), [scratch[:n]], at)
             if got <= 0:
                 raise OSError(f"{self.path}: cannot read back bytes at {at}")
-            check.feed(scratch[:got])
+            with timing.stage("checksum", got):
+                check.feed(scratch[:got])
             at, nbytes = at + got, nbytes - got
 
     def _fd_read(self) -> int:
@@ -167,6 +174,10 @@ class SequentialFile:
         """`view` at `offset`: with O_DIRECT where on and aligned, else through the page cache."""
         if not len(view):
             return
+        with timing.stage("write", len(view)):
+            self._write_view(view, offset, buffered)
+
+    def _write_view(self, view: memoryview, offset: int, buffered: bool) -> None:
         if self._dfd is not None and not buffered:
             try:
                 _pwrite_all(self._dfd, view, offset)

@@ -14,6 +14,8 @@ import ctypes.util
 import os
 import sys
 
+from hybridckpt.io import timing
+
 SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h
 
 _sync_file_range = None
@@ -35,8 +37,9 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
 
 def fsync_folder(path: str) -> None:
     """fsync a folder, so the names of the files created or renamed in it are durable too."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with timing.stage("sync"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

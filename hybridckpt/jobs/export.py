@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridckpt.io import byte_source
+from hybridckpt.io import byte_source, timing
 
 Progress = Callable[[str, int], None]  # (tensor name, bytes) after each tensor
 
@@ -57,6 +57,8 @@ class ExportJob:
       the page cache, runs copied file to file by the kernel): `io.sequential_file`.
     verify_reads: a hybridckpt (Orbax) source's chunks checked against their import's CRC-32s.
     io_threads: parallel byte-range readers; progress: called (tensor name, bytes) per tensor.
+    profile: also account for the time (`ExportSummary.profile`: seconds, bytes and calls per
+      stage and per worker, `io.timing.Profile`); off by default (nothing recorded).
     """
 
     fmt: str = "auto"
@@ -74,6 +76,7 @@ class ExportJob:
     verify_reads: bool = True
     io_threads: int | None = None
     progress: Progress | None = None
+    profile: bool = False
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ class ExportSummary:
     seconds: float
     with_optimizer: bool
     notes: tuple[str, ...] = ()
+    profile: Any = None  # with ExportJob.profile: where the time went (`io.timing.Profile`)
 
 
 def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, **fields: Any) -> ExportSummary:
@@ -97,18 +101,26 @@ def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, **fields: 
 @byte_source.watch()  # every source file read is checked unchanged before the commit
 def run(src: str | os.PathLike, out: str | os.PathLike, job: ExportJob) -> ExportSummary:
     """Open `src` (names decided once: only the model's tensors with a config), then write `out`
-    with the format's writer (`formats.registry.write`: the destination checked before any read)."""
-    from hybridckpt.formats import registry
-    from hybridckpt.jobs.open import open_checkpoint
-    from hybridckpt.lazy import parallel
-    from hybridckpt.writers import ExportRequest
+    with the format's writer (`formats.registry.write`: the destination checked before any read);
+    with `job.profile`, the summary's `profile` accounts for the time (`io.timing`)."""
+    return _run(src, out, job, profile=job.profile)
+
+
+@timing.accounted
+def _run(src: str | os.PathLike, out: str | os.PathLike, job: ExportJob) -> ExportSummary:
+    with timing.stage("start"):  # the modules a first job loads
+        from hybridckpt.formats import registry
+        from hybridckpt.jobs.open import open_checkpoint
+        from hybridckpt.lazy import parallel
+        from hybridckpt.writers import ExportRequest
 
     t0 = time.perf_counter()
     registry.writing(job.to, job.options, job.optimizer)  # a target or option it does not take: refused before anything is read
     if job.io_threads is not None:
         parallel.set_io_threads(job.io_threads)
-    opened = open_checkpoint(src, job.fmt, config=job.config, rules=job.rules, step=job.step,
-                             verify_reads=job.verify_reads, model_only=True, param_order=job.param_order)
+    with timing.stage("open"):
+        opened = open_checkpoint(src, job.fmt, config=job.config, rules=job.rules, step=job.step,
+                                 verify_reads=job.verify_reads, model_only=True, param_order=job.param_order)
     named = opened.named
     optimizer = job.optimizer and bool(named.slots)  # the weights alone, and said: the flag had nothing to write
     notes = () if optimizer == job.optimizer else (

@@ -24,7 +24,7 @@ import numpy as np
 
 from hybridckpt import lazy
 from hybridckpt.containers.orbax.keys import NAMES_KEY
-from hybridckpt.io import byte_source
+from hybridckpt.io import byte_source, timing
 from hybridckpt.naming import flatten, nest
 
 Progress = Callable[[str, int], None]  # (tensor name, bytes) after each tensor
@@ -47,6 +47,7 @@ class ImportSummary:
     notes: tuple[str, ...] = ()
     param_arrays: int = 0  # of `tensors` (all arrays written), those of the params
     source_tensors: int = 0  # the source's param tensors they came from (layers stacked)
+    profile: Any = None  # with profile=True: where the time went (`io.timing.Profile`)
 
 
 def np_dtype(name: str) -> np.dtype:
@@ -162,6 +163,7 @@ def lazy_targets(
 
 
 @byte_source.watch()  # every source file read is checked unchanged before the commit
+@timing.accounted  # profile=True: the summary's `profile` says where the time went (`io.timing`)
 def import_checkpoint(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -198,27 +200,32 @@ def import_checkpoint(
       cache (default True; False: buffered writes); see `containers.orbax.chunk_files`.
     verify_reads: a hybridckpt (Orbax) source's chunks checked against their import's CRC-32s.
     param_order: an index-keyed optimizer state's parameter names in index order (names, or a file of one a line; `open_checkpoint`).
+    profile: also account for the time (`ImportSummary.profile`: seconds, bytes and calls per stage
+      and per worker, `io.timing.Profile`); off by default (nothing recorded).
     """
-    import jax
+    with timing.stage("start"):  # the modules a first job loads (JAX, Orbax, TensorStore)
+        import jax
 
-    from hybridckpt import models
-    from hybridckpt.jobs.open import open_checkpoint
-    from hybridckpt.lazy import parallel
-    from hybridckpt.mesh import MeshShape
-    from hybridckpt.store import stream
-    from hybridckpt.store.layout import HF_FILES
-    from hybridckpt.store.save import save_checkpoint
-    from hybridckpt.writers.destination import Destination
+        from hybridckpt import models
+        from hybridckpt.jobs.open import open_checkpoint
+        from hybridckpt.lazy import parallel
+        from hybridckpt.mesh import MeshShape
+        from hybridckpt.store import stream
+        from hybridckpt.store.layout import HF_FILES
+        from hybridckpt.store.save import save_checkpoint
+        from hybridckpt.writers.destination import Destination
 
     t0 = time.perf_counter()
     if io_threads is not None:
         parallel.set_io_threads(io_threads)
-    opened = open_checkpoint(src, fmt, config=config, rules=rules, step=step, verify_reads=verify_reads,
-                             param_order=param_order)
+    with timing.stage("open"):
+        opened = open_checkpoint(src, fmt, config=config, rules=rules, step=step, verify_reads=verify_reads,
+                                 param_order=param_order)
     if jax.process_index() == 0:  # before any read: the same checks as the save's
         Destination(dst, overwrite=overwrite, sources=[opened.path]).preflight()
-    lt = lazy_targets(opened, mesh=mesh, params_only=params_only, dtype=dtype, strict_sharding=strict_sharding,
-                      progress=progress, stream_options=stream_options, compression=compression, direct_io=direct_io)
+    with timing.stage("plan"):
+        lt = lazy_targets(opened, mesh=mesh, params_only=params_only, dtype=dtype, strict_sharding=strict_sharding,
+                          progress=progress, stream_options=stream_options, compression=compression, direct_io=direct_io)
     cfg, named, p, opt, jmesh, escaped = lt.config, lt.named, lt.plan, lt.optimizer, lt.mesh, lt.escaped
     params, opt_state, leaves, counted = lt.params, lt.opt_state, lt.leaves, lt.counted
     out_step = int(opened.step or 0)

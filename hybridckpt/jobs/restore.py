@@ -19,6 +19,7 @@ from typing import Any
 import jax
 
 from hybridckpt import optim, plan
+from hybridckpt.io import timing
 from hybridckpt.mesh import MeshShape, as_mesh
 from hybridckpt.naming import flatten
 from hybridckpt.store.layout import Restored
@@ -56,6 +57,7 @@ def restore(
     optimizer: bool | str = True,
     config: Any = None,
     strict_sharding: bool = False,
+    profile: bool = False,
     **restore_kwargs: Any,
 ) -> tuple[Any, Restored]:
     """(model config or None, Restored) of `directory` (step: latest) on `mesh`.
@@ -72,7 +74,16 @@ def restore(
     the mesh cannot divide is an error (default: replicated on that axis, with a line in
     `restored.notes`; a dim made of heads or experts splits only between them). Other keyword arguments go
     to `CheckpointStore.restore` (global_batch_size, allow_batch_size_change, strict).
+    profile: also account for the time (`restored.profile`: seconds, bytes and calls per stage
+    and per worker, `io.timing.Profile`); off by default (nothing recorded).
     """
+    with timing.account(profile) as acc:
+        cfg, restored = _restore(directory, mesh, step=step, optimizer=optimizer, config=config,
+                                 strict_sharding=strict_sharding, **restore_kwargs)
+    return cfg, (restored if acc is None else replace(restored, profile=acc.result()))
+
+
+def _restore(directory, mesh, *, step, optimizer, config, strict_sharding, **restore_kwargs) -> tuple[Any, Restored]:
     from hybridckpt.errors import CheckpointError
     from hybridckpt.formats.orbax_store import model_config
     from hybridckpt.formats.registry import require_store
@@ -82,16 +93,22 @@ def restore(
     if not os.path.isdir(directory):  # (the store would create it)
         raise CheckpointError(f"{directory}: no such folder (expected one of our checkpoints)")
     with CheckpointStore(os.path.abspath(directory)) as store:
-        state = store.trainer_state(step)
+        with timing.stage("metadata"):
+            state = store.trainer_state(step)
         if mesh is None:
             mesh = _saved_mesh_if_it_fits(state.get("mesh"))
         jmesh = as_mesh(mesh)
         step = state.get("step", step) if step is None else step
-        saved = store.params_metadata(step)
+        with timing.stage("metadata"):
+            saved = store.params_metadata(step)
         has_opt = os.path.isdir(os.path.join(str(store.directory), str(step), "opt_state"))
         opt = optim.get(state.get("optimizer", optim.DEFAULT)) if optimizer and has_opt else None
-        p = plan_for(state, saved, jmesh, config=config, optimizer=opt, indivisible="error" if strict_sharding else "replicate")
-        opt_targets = plan.with_saved_dtypes(p.opt_targets(), store.opt_state_metadata(step) if opt else None)
+        with timing.stage("plan"):
+            p = plan_for(state, saved, jmesh, config=config, optimizer=opt,
+                         indivisible="error" if strict_sharding else "replicate")
+        with timing.stage("metadata"):
+            opt_meta = store.opt_state_metadata(step) if opt else None
+        opt_targets = plan.with_saved_dtypes(p.opt_targets(), opt_meta)
         restored = store.restore(step, target_params=p.param_targets(saved), target_opt_state=opt_targets, **restore_kwargs)
         restored = replace(restored, notes=p.notes)
     if optimizer == "from-checkpoint":

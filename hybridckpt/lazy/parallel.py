@@ -26,6 +26,7 @@ from typing import TypeVar
 import numpy as np
 
 from hybridckpt.errors import ConfigError
+from hybridckpt.io import timing
 from hybridckpt.lazy import Box, LazyTensor, box_shape, full_box
 
 ENV = "HYBRIDCKPT_IO_THREADS"
@@ -115,13 +116,15 @@ def read_box_parallel(t: LazyTensor, box: Box | None = None, out: np.ndarray | N
         out = np.empty(box_shape(box), dtype=t.dtype)
     parts = [] if in_worker() else split_box(box, np.dtype(t.dtype).itemsize, io_threads())
     if len(parts) <= 1:
-        t.read_into(box, out)
+        with timing.stage("read"):
+            t.read_into(box, out)
         return out
     origin = [a for a, _ in box]
 
     def piece(sub: Box) -> None:
         where = tuple(slice(s - o, e - o) for (s, e), o in zip(sub, origin, strict=True))
-        t.read_into(sub, out[where])
+        with timing.stage("read"):
+            t.read_into(sub, out[where])
 
     for f in [pool().submit(piece, sub) for sub in parts]:
         f.result()

@@ -32,6 +32,7 @@ import numpy as np
 
 from hybridckpt import checksum
 from hybridckpt.errors import CheckpointError
+from hybridckpt.io import timing
 from hybridckpt.io.byte_source import planned
 from hybridckpt.lazy import Box, FileRun, LazyTensor, box_shape, copy_into
 
@@ -193,22 +194,25 @@ class CheckedArray(LazyTensor):
             if sub == cbox:  # the whole chunk: read once, checked on the way
                 if dst.flags.c_contiguous and dst.dtype == self.dtype:
                     self.inner.read_into(cbox, dst)
-                    self.compare(pos, checksum.crc32_of(dst))
+                    self.compare(pos, _crc(dst))
                 else:
                     tmp = self.inner.read_box(cbox)
-                    self.compare(pos, checksum.crc32_of(tmp))
-                    copy_into(dst, tmp)
+                    self.compare(pos, _crc(tmp))
+                    with timing.stage("cut"):
+                        copy_into(dst, tmp)
             else:
                 piece = tuple(slice(s - a, e - a) for (s, e), (a, _) in zip(sub, cbox, strict=True)) or ...
                 held = self._held.take(pos, int(np.prod(box_shape(sub))))
                 if held is not None:  # read whole for an earlier piece: the rest comes from memory
-                    copy_into(dst, held[piece])
+                    with timing.stage("cut"):
+                        copy_into(dst, held[piece])
                 elif pos in self._checked:
                     self.inner.read_into(sub, dst)
                 else:  # a piece of a chunk not checked yet: the chunk whole, once, its rest kept
                     tmp = self.inner.read_box(cbox)
-                    self.compare(pos, checksum.crc32_of(tmp))
-                    copy_into(dst, tmp[piece])
+                    self.compare(pos, _crc(tmp))
+                    with timing.stage("cut"):
+                        copy_into(dst, tmp[piece])
                     self._held.keep(pos, tmp, tmp.size - int(np.prod(box_shape(sub))))
 
     def file_runs(self, box: Box, limit: int) -> list[FileRun] | None:
@@ -224,6 +228,12 @@ class CheckedArray(LazyTensor):
         # the runs of `box` in C order; each chunk's bytes form runs in its own C order, which
         # `_assign` walks by following the box's C order chunk boundary by chunk boundary
         return _assign(self, box, chunks, inner)
+
+
+def _crc(data: np.ndarray) -> int:
+    """`checksum.crc32_of(data)`, timed as the stage "checksum" of a profiled job (`io.timing`)."""
+    with timing.stage("checksum", data.nbytes):
+        return checksum.crc32_of(data)
 
 
 def _assign(array: CheckedArray, box: Box, chunks, runs: list[FileRun]) -> list[FileRun] | None:

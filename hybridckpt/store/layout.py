@@ -174,3 +174,4 @@ class Restored:
     unexpected_keys: tuple[str, ...] = ()
     tx: Any = None  # the optax optimizer rebuilt from the checkpoint (`restore(optimizer="from-checkpoint")`)
     notes: tuple[str, ...] = ()
+    profile: Any = None  # `hybridckpt.restore(profile=True)`: where the time went (`io.timing.Profile`)

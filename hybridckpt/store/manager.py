@@ -21,6 +21,7 @@ import orbax.checkpoint as ocp
 
 from hybridckpt.containers.orbax.declared import check_orbax_tree
 from hybridckpt.errors import CheckpointError
+from hybridckpt.io import timing
 from hybridckpt.io.paths import given
 from hybridckpt.mesh import MeshShape
 from hybridckpt.store.checked import CRC_TABLES, has_crc_tables, read_tree
@@ -298,7 +299,8 @@ class CheckpointStore:
         manager.wait_until_finished()  # a pending async save must be on disk before reading
         step = resolve_step(manager, step)
         where = f"{self.directory}/{step}"
-        state = _unwrapped(where, "its trainer state", lambda: read_json(manager, step))
+        with timing.stage("metadata"):
+            state = _unwrapped(where, "its trainer state", lambda: read_json(manager, step))
 
         saved_gbs = state.get("global_batch_size")
         if (
@@ -328,13 +330,15 @@ class CheckpointStore:
             targets[OPT_STATE] = target_opt_state
         metas, missing, unexpected = {}, set(), set()
         for item, target in targets.items():
-            meta = _unwrapped(where, f"the metadata of {item}", lambda item=item: item_metadata(manager, step, item))
+            with timing.stage("metadata"):
+                meta = _unwrapped(where, f"the metadata of {item}", lambda item=item: item_metadata(manager, step, item))
             if meta is None:
                 raise CheckpointError(
                     f"{where}: has no {item} (saved without it); restore with target_{item}=None"
                 )
             miss, extra = check_tree(f"{where}/{item}", meta, target, strict)
-            check_orbax_tree(str(self.directory / str(step) / item), meta)  # before Orbax allocates what it declares
+            with timing.stage("metadata"):  # before Orbax allocates what it declares
+                check_orbax_tree(str(self.directory / str(step) / item), meta)
             metas[item] = meta
             missing |= {f"{item}.{k}" for k in miss}
             unexpected |= {f"{item}.{k}" for k in extra}
@@ -347,7 +351,8 @@ class CheckpointStore:
                 out = {k: restore_partial(step_dir, k, metas[k], t) for k, t in targets.items()}
             else:
                 args = {k: ocp.args.StandardRestore(t) for k, t in targets.items()}
-                out = manager.restore(step, args=ocp.args.Composite(**args))
+                with timing.stage("read", fallback=True):  # TensorStore's reads, in its own threads
+                    out = manager.restore(step, args=ocp.args.Composite(**args))
         except (ValueError, RuntimeError, OSError, KeyError) as e:  # Orbax's and TensorStore's own
             raise CheckpointError(f"{where}: cannot restore: {_first_line(e)}") from e
         return Restored(

@@ -21,7 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from hybridckpt.errors import CheckpointError
-from hybridckpt.io import model_files
+from hybridckpt.io import model_files, timing
 from hybridckpt.io.model_files import ModelFile
 from hybridckpt.io.paths import given
 from hybridckpt.store.layout import HF_FILES, TRAINER_STATE
@@ -66,16 +66,20 @@ def save_checkpoint(
         with dest as tmp_name:
             tmp = Path(tmp_name)
             _barrier(f"hybridckpt-save-start-{token}")
-            with CheckpointStore(tmp, async_save=False) as store, _no_cyclic_gc():
+            # Orbax's records and commit: the moments of the save no worker's stage covers (`io.timing`)
+            with timing.stage("metadata", fallback=True), CheckpointStore(tmp, async_save=False) as store, \
+                    _no_cyclic_gc():
                 store.save(step, params, opt_state, trainer_state, force=True)
-            extra = dict(trainer_state_after()) if trainer_state_after is not None else {}
+            with timing.stage("checksum"):  # the tables of the chunks' CRC-32s (gathered across processes)
+                extra = dict(trainer_state_after()) if trainer_state_after is not None else {}
             files = list(files)
             if primary and files:
                 folder = tmp / str(step) / HF_FILES
                 folder.mkdir()
                 extra[HF_FILES] = model_files.write(str(folder), files)
             if primary and extra:
-                _add_to_trainer_state(tmp / str(step), extra)
+                with timing.stage("metadata"):
+                    _add_to_trainer_state(tmp / str(step), extra)
             _barrier(f"hybridckpt-save-done-{token}")
             dest.commit()
             _barrier(f"hybridckpt-save-renamed-{token}")

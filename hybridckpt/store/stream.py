@@ -43,6 +43,7 @@ import orbax.checkpoint as ocp
 
 from hybridckpt import checksum
 from hybridckpt.containers.orbax.codec import COMPRESSION
+from hybridckpt.io import timing
 from hybridckpt.io.direct_io import aligned_empty
 from hybridckpt.lazy import Box, LazyTensor, box_shape
 from hybridckpt.plan import box_owners
@@ -331,7 +332,10 @@ class _Budget:
 def read_tile(leaf: LazyLeaf, box: Box, chunk: tuple[int, ...]) -> np.ndarray:
     """One tile (whole chunks of shape `chunk`) into a fresh buffer, adding its checksum part
     (runs in a reader thread)."""
-    buf = aligned_empty(box_shape(box), leaf.dtype)  # (O_DIRECT writes it from here)
-    leaf.tensor.read_into(box, buf)
-    leaf.add_crcs(checksum.tile_crcs(leaf.shape, chunk, box, buf))
+    with timing.stage("read"):  # (the bytes: those the source's files gave, `io.byte_source`)
+        buf = aligned_empty(box_shape(box), leaf.dtype)  # (O_DIRECT writes it from here)
+        leaf.tensor.read_into(box, buf)
+    with timing.stage("checksum", buf.nbytes):
+        crcs = checksum.tile_crcs(leaf.shape, chunk, box, buf)
+    leaf.add_crcs(crcs)
     return buf

@@ -45,7 +45,7 @@ import uuid
 from collections.abc import Iterable
 
 from hybridckpt.errors import CheckpointError
-from hybridckpt.io import byte_source, interrupts
+from hybridckpt.io import byte_source, interrupts, timing
 from hybridckpt.io.paths import given
 from hybridckpt.io.writeback import fsync_folder
 from hybridckpt.writers import ownership
@@ -203,7 +203,8 @@ class Destination:
             interrupts.discard_temporary(self.tmp)
             fsync_folder(os.path.dirname(self.dst))
             if moved_aside:
-                interrupts.remove(self.old)
+                with timing.stage("remove"):  # the output --overwrite replaced (`io.timing`)
+                    interrupts.remove(self.old)
             self.committed = True
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hybridckpt.io import timing
 from hybridckpt.io.direct_io import DIRECT_ALIGN, aligned_empty, open_direct, refused
 from hybridckpt.lazy import Box, box_slices, grid_boxes
 
@@ -73,13 +74,15 @@ def write_tile(target: ChunkFiles, box: Box, data: np.ndarray) -> int:
     array's edge) to its file and fsync it; returns the bytes written."""
     written = 0
     for sub in grid_boxes(box, target.chunk):
-        piece = data[box_slices(sub, box)]
-        if piece.shape != target.chunk:  # an edge chunk: zarr v2 stores it whole, padded
-            full = aligned_empty(target.chunk, data.dtype)
-            full[...] = 0
-            full[tuple(slice(0, n) for n in piece.shape)] = piece
-            piece = full
-        written += _write_file(target.path(tuple(a for a, _ in sub)), np.ascontiguousarray(piece), target.direct)
+        with timing.stage("cut"):
+            piece = data[box_slices(sub, box)]
+            if piece.shape != target.chunk:  # an edge chunk: zarr v2 stores it whole, padded
+                full = aligned_empty(target.chunk, data.dtype)
+                full[...] = 0
+                full[tuple(slice(0, n) for n in piece.shape)] = piece
+                piece = full
+            piece = np.ascontiguousarray(piece)
+        written += _write_file(target.path(tuple(a for a, _ in sub)), piece, target.direct)
     return written
 
 
@@ -90,30 +93,40 @@ def _write_file(path: str, data: np.ndarray, direct: bool = False) -> int:
     if direct and len(view) and len(view) % DIRECT_ALIGN == 0 and data.ctypes.data % DIRECT_ALIGN == 0:
         if _write_direct(path, view):
             return len(view)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = None
     try:
-        _write_all(fd, view)
-        os.fsync(fd)
+        with timing.stage("write"):  # (its bytes: added once written)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            _write_all(fd, view)
+            timing.add_bytes(len(view))
+        with timing.stage("sync"):
+            os.fsync(fd)
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
     return len(view)
 
 
 def _write_direct(path: str, view: memoryview) -> bool:
     """Write `view` as the file `path` with O_DIRECT and fsync it; False (nothing kept) where the
     filesystem refuses O_DIRECT (`io.direct_io`)."""
-    fd = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    if fd is None:
-        return False
+    fd = None
     try:
-        _write_all(fd, view)
-        os.fsync(fd)
+        with timing.stage("write"):  # (its bytes: added once written)
+            fd = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            if fd is None:
+                return False
+            _write_all(fd, view)
+            timing.add_bytes(len(view))
+        with timing.stage("sync"):
+            os.fsync(fd)
     except OSError as e:
         if not refused(path, e):
             raise
         return False  # the caller rewrites the file buffered (O_TRUNC)
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
     return True
 
 

@@ -1,0 +1,311 @@
+"""Where a job's time goes: seconds, bytes and calls per stage and per worker thread.
+
+`with account() as acc: ...; acc.result()` records, while the block runs, every `stage(name)`
+block any thread enters (`with stage("write", nbytes): ...`) and every `add_bytes(n)`, and
+returns a `Profile` (frozen): per stage its busy seconds summed over threads, its wall-clock
+seconds (the time at least one thread was in it), its share of the wall time, bytes and calls;
+per worker (thread name, stage) the same busy seconds, bytes and calls.
+
+What is counted where:
+- A thread is in one stage at a time: a stage entered inside another (a read inside a stage of
+  the caller) pauses the outer one in that thread (exclusive time; the outer resumes after).
+- `share_s`: each moment of the account's wall time is split between the stages threads are in
+  at that moment, in proportion to how many threads are in each (3 readers and 1 writer: 3/4 of
+  that moment is "read"); a moment no thread is in any stage is `other_s` ("other/waiting": the
+  main thread waiting, Python between stages, what no stage covers). So the shares and
+  `other_s` sum to `wall_s` exactly, whatever overlaps.
+- A `fallback` stage (`stage("metadata", fallback=True)`: a caller that waits on workers while it
+  also does work of its own, as Orbax's save does) takes only the moments no ordinary stage is
+  running: its busy, wall and share seconds are those moments.
+- Bytes: `add_bytes(n)` adds to the stage this thread is in (`io.byte_source` adds every byte it
+  really reads, so a stage "read" counts the source bytes that arrived in it; the reads of
+  "open" are the source's metadata); `stage(name, nbytes)` adds `nbytes` to its own stage.
+
+Cost: with no account open, `stage()` is one global test and returns a shared no-op context,
+and `add_bytes` one test (tests/io/test_timing.py and tests/jobs/test_profile.py count that
+nothing else runs); with one open, a stage is entered and left under one lock each (a few
+counters: microseconds), once per tile, chunk file or write buffer, never per read, and
+`add_bytes` (per read) adds to this thread's own stage entry, no lock
+(`benchmarks/profile_account.py` measures the overhead).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+STAGES = ("start", "open", "plan", "read", "cut", "checksum", "write", "sync", "metadata", "transfer", "remove")
+# start: modules loaded by a first job (JAX, Orbax); open: the source's indexes and headers;
+# plan: names, shardings, tiles; read: source bytes into buffers (with the lazy tensor's casts and
+# joins); cut: tiles cut into chunks, pieces of chunks copied out (copies, padding); checksum:
+# CRC-32; write: bytes into output files; sync: fsync; metadata: Orbax's own records and commit;
+# transfer: to devices; remove: the output an overwrite replaced, deleted once the new one is in place
+
+_accounts: list[_Account] = []
+_local = threading.local()  # .stack: the stages this thread is in, innermost last
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """One stage of a `Profile`: busy seconds summed over threads, wall-clock seconds at least
+    one thread was in it, its share of the wall time (see the module doc), bytes, calls."""
+
+    stage: str
+    busy_s: float
+    wall_s: float
+    share_s: float
+    bytes: int
+    calls: int
+
+    @property
+    def mb_per_s(self) -> float:
+        """Bytes per busy second per worker, in MB/s (0 without bytes or time)."""
+        return self.bytes / self.busy_s / 1e6 if self.busy_s > 0 and self.bytes else 0.0
+
+
+@dataclass(frozen=True)
+class WorkerTime:
+    """One (thread, stage) of a `Profile`: that thread's busy seconds in the stage, its bytes, calls."""
+
+    worker: str
+    stage: str
+    busy_s: float
+    bytes: int
+    calls: int
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The account of one job: `wall_s` (the account's own wall time), `stages` (those entered,
+    in `STAGES` order), `workers` (by thread name), `other_s` (the wall time no stage covered):
+    `sum(s.share_s for s in stages) + other_s == wall_s`."""
+
+    wall_s: float
+    stages: tuple[StageTime, ...]
+    workers: tuple[WorkerTime, ...]
+    other_s: float
+
+    def stage(self, name: str) -> StageTime:
+        """The stage `name` (zeros when nothing entered it)."""
+        return next((s for s in self.stages if s.stage == name), StageTime(name, 0.0, 0.0, 0.0, 0, 0))
+
+    def to_json(self) -> dict:
+        """Plain JSON: seconds rounded to microseconds."""
+        r = lambda x: round(x, 6)  # noqa: E731
+        return {
+            "wall_s": r(self.wall_s),
+            "other_s": r(self.other_s),
+            "stages": [{"stage": s.stage, "busy_s": r(s.busy_s), "wall_s": r(s.wall_s), "share_s": r(s.share_s),
+                        "bytes": s.bytes, "calls": s.calls} for s in self.stages],
+            "workers": [{"worker": w.worker, "stage": w.stage, "busy_s": r(w.busy_s), "bytes": w.bytes,
+                         "calls": w.calls} for w in self.workers],
+        }
+
+    @classmethod
+    def from_json(cls, doc: dict) -> Profile:
+        """The `Profile` of `to_json`'s output (a benchmark's child process reports it so)."""
+        return cls(float(doc["wall_s"]), tuple(StageTime(**s) for s in doc["stages"]),
+                   tuple(WorkerTime(**w) for w in doc["workers"]), float(doc["other_s"]))
+
+
+class _Account:
+    """The accumulator of one `account()` block (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.t0 = self.last = time.perf_counter()
+        self.running: dict[str, int] = {}  # stage -> threads in it now (ordinary stages)
+        self.fallback: dict[str, int] = {}  # fallback stage -> threads in it now
+        self.share: dict[str, float] = {}
+        self.wall: dict[str, float] = {}
+        self.other = 0.0
+        self.cells: dict[tuple[str, str], list] = {}  # (worker, stage) -> [busy s, bytes, calls]
+        self.fallback_cells: dict[tuple[str, str], list] = {}  # the cells of fallback stages
+        self.result_: Profile | None = None
+
+    def _advance(self, now: float) -> None:
+        """Attribute the time since the last event (call under `lock`)."""
+        dt = now - self.last
+        if dt <= 0:  # (a thread that read the clock before the last event took the lock: no time back)
+            return
+        self.last = now
+        running = self.running if any(self.running.values()) else self.fallback
+        total = sum(running.values())
+        if not total:
+            self.other += dt
+            return
+        for s, n in running.items():
+            if n:
+                self.share[s] = self.share.get(s, 0.0) + dt * n / total
+                self.wall[s] = self.wall.get(s, 0.0) + dt
+        if running is self.fallback:  # the fallback stages' busy time: these moments, per thread in them
+            for (_w, s), cell in self.fallback_cells.items():
+                if self.fallback.get(s):
+                    cell[0] += dt
+
+    def switch(self, worker: str, old: tuple[str, bool] | None, new: tuple[str, bool] | None,
+               now: float, closed: tuple[str, float, int, int] | None = None) -> None:
+        """A thread left stage `old` for `new` (either None: no stage) at `now`, adding `closed`
+        (stage, busy seconds, bytes, calls) to its cell: one lock a stage entered or left."""
+        with self.lock:
+            if self.result_ is not None:
+                return
+            if closed is not None:
+                cell = self._cell(worker, closed[0])
+                cell[0] += closed[1]
+                cell[1] += closed[2]
+                cell[2] += closed[3]
+            self._advance(now)
+            for entry, delta in ((old, -1), (new, 1)):
+                if entry is not None:
+                    name, fallback = entry
+                    table = self.fallback if fallback else self.running
+                    table[name] = max(0, table.get(name, 0) + delta)  # (a stage entered before this account: never below 0)
+                    if fallback and delta > 0:
+                        self.fallback_cells.setdefault((worker, name), self._cell(worker, name))
+
+    def _cell(self, worker: str, stage: str) -> list:
+        return self.cells.setdefault((worker, stage), [0.0, 0, 0])
+
+    def add(self, worker: str, stage: str, seconds: float, nbytes: int, calls: int) -> None:
+        with self.lock:
+            if self.result_ is not None:
+                return
+            cell = self._cell(worker, stage)
+            cell[0] += seconds
+            cell[1] += nbytes
+            cell[2] += calls
+
+    def result(self) -> Profile:
+        with self.lock:
+            if self.result_ is None:
+                self._advance(time.perf_counter())
+                self.result_ = self._freeze()
+            return self.result_
+
+    def _freeze(self) -> Profile:
+        order = {s: i for i, s in enumerate(STAGES)}
+        names = sorted({s for _, s in self.cells} | set(self.share), key=lambda s: (order.get(s, len(order)), s))
+        stages = []
+        for s in names:
+            cells = [c for (_, st), c in self.cells.items() if st == s]
+            stages.append(StageTime(s, sum(c[0] for c in cells), self.wall.get(s, 0.0), self.share.get(s, 0.0),
+                                    sum(c[1] for c in cells), sum(c[2] for c in cells)))
+        workers = tuple(WorkerTime(w, s, c[0], c[1], c[2])
+                        for (w, s), c in sorted(self.cells.items(), key=lambda kv: (kv[0][0], order.get(kv[0][1], 99))))
+        return Profile(self.last - self.t0, tuple(stages), workers, self.other)
+
+
+def accounted(job):
+    """Decorator: `job(..., profile=True)` runs inside an `account()` and returns its result (a
+    frozen dataclass with a `profile` field) with `profile` set to the `Profile`; without
+    `profile` (or False) nothing is recorded and the result is the job's own."""
+
+    @functools.wraps(job)
+    def run(*args, profile: bool = False, **kwargs):
+        with account(bool(profile)) as acc:
+            result = job(*args, **kwargs)
+        return result if acc is None else dataclasses.replace(result, profile=acc.result())
+
+    return run
+
+
+def enabled() -> bool:
+    """Whether an account is open (anything recorded at all)."""
+    return bool(_accounts)
+
+
+@contextlib.contextmanager
+def account(on: bool = True) -> Iterator[_Account | None]:
+    """Record every stage entered while the block runs (any thread); yields the accumulator
+    (`.result()`: the `Profile`, final once taken), or None with `on=False` (nothing recorded)."""
+    if not on:
+        yield None
+        return
+    acc = _Account()
+    _accounts.append(acc)
+    try:
+        yield acc
+    finally:
+        acc.result()
+        _accounts.remove(acc)
+
+
+class _Stage:
+    """The context manager of one `stage()` while an account is open."""
+
+    __slots__ = ("name", "nbytes", "fallback", "t0", "accounts")
+
+    def __init__(self, name: str, nbytes: int, fallback: bool):
+        self.name, self.nbytes, self.fallback = name, nbytes, fallback
+
+    def __enter__(self) -> _Stage:
+        stack = _stack()
+        now = time.perf_counter()
+        self.accounts = list(_accounts)
+        worker = threading.current_thread().name
+        old = stack[-1] if stack else None
+        closed = None if old is None else _close(old, now)  # the outer stage pauses in this thread
+        stack.append([self.name, self.fallback, now, 0])
+        for acc in self.accounts:
+            acc.switch(worker, None if old is None else (old[0], old[1]), (self.name, self.fallback), now, closed)
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        stack = _stack()
+        now = time.perf_counter()
+        worker = threading.current_thread().name
+        top = stack.pop()
+        if kind is None:  # (a write that failed moved no bytes)
+            top[3] += self.nbytes
+        closed = _close(top, now, calls=1)
+        outer = stack[-1] if stack else None
+        if outer is not None:
+            outer[2] = now  # resumes
+        for acc in self.accounts:
+            acc.switch(worker, (self.name, self.fallback), None if outer is None else (outer[0], outer[1]), now,
+                       closed)
+
+
+def _close(entry: list, now: float, calls: int = 0) -> tuple[str, float, int, int]:
+    """(stage, seconds, bytes, calls) of `entry` since it (re)started, its bytes taken (fallback
+    stages' seconds come from the account's own attribution)."""
+    name, fallback, since, nbytes = entry
+    entry[3] = 0
+    return name, 0.0 if fallback else now - since, nbytes, calls
+
+
+def _stack() -> list:
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+_NULL = contextlib.nullcontext()
+
+
+def stage(name: str, nbytes: int = 0, *, fallback: bool = False):
+    """A context manager timing its block as stage `name` of this thread, adding `nbytes`
+    (see the module doc); a shared no-op when no account is open."""
+    if not _accounts:
+        return _NULL
+    return _Stage(name, int(nbytes), fallback)
+
+
+def add_bytes(nbytes: int, default: str = "read") -> None:
+    """Add `nbytes` to the stage this thread is in (`default` when none): no-op with no account."""
+    if not _accounts:
+        return
+    stack = _stack()
+    if stack:
+        stack[-1][3] += int(nbytes)
+    else:
+        worker = threading.current_thread().name
+        for acc in list(_accounts):
+            acc.add(worker, default, 0.0, int(nbytes), 0)
