@@ -127,10 +127,12 @@ def table(
     more_dims: Callable[[Any], dict[str, int | None]] | None = None,
     more_groups: Callable[[Any], dict[str, Groups]] | None = None,
     named_parameters: tuple[str, ...] = NAMED_PARAMETERS,
+    layernorms: tuple[str, ...] = (),
 ) -> ParamTable:
     """The table of a DeepSeek V3 model whose decoder layers (and MTP modules' layers) have
     `layer(i)`'s rows; `more_dims` / `more_groups` add the symbols those rows use (DeepSeek
-    V3.2's indexer, `models.deepseek_v32.params`). `source` names the table in errors."""
+    V3.2's indexer, `models.deepseek_v32.params`), `layernorms` the `nn.LayerNorm` params among
+    them (`ParamTable.layernorms`). `source` names the table in errors."""
 
     def all_dims(cfg: Any) -> dict[str, int | None]:
         return {**dims(cfg), **(more_dims(cfg) if more_dims else {})}
@@ -138,7 +140,8 @@ def table(
     def all_groups(cfg: Any) -> dict[str, Groups]:
         return {**groups(cfg), **(more_groups(cfg) if more_groups else {})}
 
-    return ParamTable(source, all_dims, rows(layer), all_groups, named_parameters=named_parameters)
+    return ParamTable(source, all_dims, rows(layer), all_groups, named_parameters=named_parameters,
+                      layernorms=layernorms)
 
 
 def rows(layer: Callable[[str], tuple[Param, ...]] = decoder) -> tuple[Row, ...]:

@@ -79,4 +79,7 @@ NAMED_PARAMETERS = hf_order((
     'post_attention_layernorm.weight',
 ))
 
-TABLE = v3.table(__name__, decoder, dims, groups, NAMED_PARAMETERS)
+# the indexer's k_norm is an nn.LayerNorm: the HF Trainer keeps it out of weight decay
+LAYERNORMS = tuple(f"model.layers.$.self_attn.indexer.k_norm.{p}" for p in ("weight", "bias"))
+
+TABLE = v3.table(__name__, decoder, dims, groups, NAMED_PARAMETERS, LAYERNORMS)

@@ -11,6 +11,7 @@ import pytest
 from hybridckpt import models, naming
 from hybridckpt.errors import MappingError
 from hybridckpt.models.deepseek_v3.config import DeepseekV3Config
+from hybridckpt.models.deepseek_v32.config import DeepseekV32Config
 from hybridckpt.models.gemma2.config import Gemma2Config
 from hybridckpt.models.gemma3.config import Gemma3Config
 from hybridckpt.models.gemma3_mm.config import Gemma3MMConfig
@@ -61,11 +62,13 @@ VARIANTS = {
     "qwen3_moe_dense_layer": Qwen3MoeConfig(**_MOE, mlp_only_layers=(0,)),
     "deepseek_v3_lora_bias": DeepseekV3Config(**_DS, q_lora_rank=24, attention_bias=True, first_k_dense_replace=2),
     "deepseek_v3_no_lora": DeepseekV3Config(**{**_DS, "num_layers": 3}, first_k_dense_replace=1),
+    "deepseek_v32_bias": DeepseekV32Config(**_DS, q_lora_rank=24, attention_bias=True, first_k_dense_replace=1,
+                                           index_topk=2, index_head_dim=12, index_n_heads=4),
     "gpt_oss": GptOssConfig(**_L, head_dim=12, num_experts=4, num_experts_per_tok=2, sliding_window=3),
 }  # fmt: skip
 # transformers 5 holds these MoE experts fused in memory (`mlp.experts.gate_up_proj`), under other
 # names than the Hub's per-expert files the table reads
-FUSED_IN_MEMORY = {"mixtral", "qwen3_moe", "deepseek_v3"}
+FUSED_IN_MEMORY = {"mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v32"}
 
 
 def _hf_model(cfg):
