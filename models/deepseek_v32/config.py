@@ -62,7 +62,9 @@ class DeepseekV32Config(v3.DeepseekV3Config):
             raise ConfigError(f"{where}: q_lora_rank is None; the indexer's q needs the q latent "
                               f"(expected a positive int)")  # fmt: skip
         if not self.rope_interleave:
-            raise ConfigError(f"{where}: rope_interleave False; DeepSeek V3.2's MLA RoPE is interleaved")
+            raise ConfigError(
+                f"{where}: rope_interleave False; DeepSeek V3.2's MLA RoPE is interleaved"
+            )
         super().__post_init__()
         check_positive(self, ("index_topk", "index_head_dim", "index_n_heads"))
         if self.index_head_dim < self.qk_rope_head_dim:
@@ -83,7 +85,11 @@ def _dense_layers(d: Mapping[str, Any], source: str) -> dict[str, Any]:
     layers = d["num_hidden_layers"]
     kinds = d.get("mlp_layer_types")
     if kinds is not None:
-        ok = isinstance(kinds, list) and len(kinds) == layers and all(k in ("dense", "sparse") for k in kinds)
+        ok = (
+            isinstance(kinds, list)
+            and len(kinds) == layers
+            and all(k in ("dense", "sparse") for k in kinds)
+        )
         dense = kinds.index("sparse") if ok and "sparse" in kinds else len(kinds) if ok else 0
         if not ok or any(k != "sparse" for k in kinds[dense:]):
             raise ConfigError(
@@ -92,8 +98,12 @@ def _dense_layers(d: Mapping[str, Any], source: str) -> dict[str, Any]:
             )
         out["first_k_dense_replace"] = dense
     types = d.get("layer_types")
-    if types is not None and (not isinstance(types, list) or set(types) - {LAYER_TYPE} or len(types) != layers):
-        raise ConfigError(f"{source}: layer_types {types!r}: expected {layers} times {LAYER_TYPE!r}")
+    if types is not None and (
+        not isinstance(types, list) or set(types) - {LAYER_TYPE} or len(types) != layers
+    ):
+        raise ConfigError(
+            f"{source}: layer_types {types!r}: expected {layers} times {LAYER_TYPE!r}"
+        )
     return out
 
 

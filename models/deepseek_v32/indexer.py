@@ -44,7 +44,9 @@ class Indexer(nn.Module):
     dtype: Any
 
     @nn.compact
-    def __call__(self, x: jax.Array, q_latent: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, q_latent: jax.Array, cos: jax.Array, sin: jax.Array
+    ) -> jax.Array:
         cfg, dt = self.cfg, self.dtype
         b, s, _ = x.shape
         IH, ID, R = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
@@ -60,5 +62,7 @@ class Indexer(nn.Module):
         index = jnp.where(causal, index, -jnp.inf)
         chosen = jax.lax.top_k(index, min(cfg.index_topk, s))[1]  # [b, s, k]
         selected = jnp.zeros((b, s, s), dtype=bool)
-        selected = selected.at[jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None], chosen].set(True)
+        selected = selected.at[
+            jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None], chosen
+        ].set(True)
         return selected & causal

@@ -33,7 +33,13 @@ from hybridckpt import jobs
 from hybridckpt.formats.registry import open_source
 
 BLOCK = 16
-UNQUANTIZED = ("norm.weight", "layernorm.weight", "k_norm.bias", "mlp.gate.weight", "weights_proj.weight")
+UNQUANTIZED = (
+    "norm.weight",
+    "layernorm.weight",
+    "k_norm.bias",
+    "mlp.gate.weight",
+    "weights_proj.weight",
+)
 
 
 def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +52,9 @@ def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         for j in range(gn):
             tile = w[i * BLOCK : (i + 1) * BLOCK, j * BLOCK : (j + 1) * BLOCK].float()
             s[i, j] = tile.abs().max().clamp(min=1e-12) / 448.0
-            q[i * BLOCK : (i + 1) * BLOCK, j * BLOCK : (j + 1) * BLOCK] = (tile / s[i, j]).to(torch.float8_e4m3fn)
+            q[i * BLOCK : (i + 1) * BLOCK, j * BLOCK : (j + 1) * BLOCK] = (tile / s[i, j]).to(
+                torch.float8_e4m3fn
+            )
     return q, s
 
 
@@ -78,9 +86,17 @@ def fp8_dirs(tmp_path_factory):
             keep = k.endswith(("weights_proj.weight", "e_score_correction_bias", "mlp.gate.weight"))
             fp8[k] = plain[k] = exact[k] = t if keep else t.to(torch.bfloat16)
     folders = []
-    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]}
-    for name, tensors, cfg in (("fp8", fp8, {**config, "quantization_config": qc}), ("deq", plain, config),
-                               ("exact", exact, config)):
+    qc = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [BLOCK, BLOCK],
+    }
+    for name, tensors, cfg in (
+        ("fp8", fp8, {**config, "quantization_config": qc}),
+        ("deq", plain, config),
+        ("exact", exact, config),
+    ):
         folder = str(tmp_path_factory.mktemp(name))
         save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(folder, "config.json"), "w") as f:
@@ -97,9 +113,14 @@ def test_fp8_weights_read_as_deepseeks_weight_dequant(fp8_dirs):
     got = open_source(fp8).tensors
     want = open_source(deq_folder).tensors
     assert sorted(got) == sorted(want)
-    assert "model.layers.1.self_attn.indexer.wq_b.weight" in deq and "model.layers.3.self_attn.indexer.wk.weight" in deq
+    assert (
+        "model.layers.1.self_attn.indexer.wq_b.weight" in deq
+        and "model.layers.3.self_attn.indexer.wk.weight" in deq
+    )
     partial = [k for k, t in deq.items() if t.shape[0] % BLOCK or t.shape[1] % BLOCK]
-    assert "model.layers.0.self_attn.indexer.wk.weight" in partial  # [12, 32]: rows in one partial block
+    assert (
+        "model.layers.0.self_attn.indexer.wk.weight" in partial
+    )  # [12, 32]: rows in one partial block
     for k, t in deq.items():
         a = got[k].materialize()
         assert a.dtype == np.dtype(ml_dtypes.bfloat16), k
@@ -107,7 +128,10 @@ def test_fp8_weights_read_as_deepseeks_weight_dequant(fp8_dirs):
     for k in set(got) - set(deq):
         a, b = got[k].materialize(), want[k].materialize()
         assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8)), k
-    assert got["model.layers.0.self_attn.indexer.weights_proj.weight"].materialize().dtype == np.float32
+    assert (
+        got["model.layers.0.self_attn.indexer.weights_proj.weight"].materialize().dtype
+        == np.float32
+    )
 
 
 def test_fp8_logits_equal_transformers_on_the_dequantized_weights(fp8_dirs):
@@ -116,5 +140,10 @@ def test_fp8_logits_equal_transformers_on_the_dequantized_weights(fp8_dirs):
     those values (fp32)."""
     fp8, _, exact, _ = fp8_dirs
     ref = load_fp32(exact)
-    assert type(ref) is transformers.DeepseekV32ForCausalLM and ref.config.index_topk == SIZES["index_topk"]
-    np.testing.assert_allclose(jobs.logits(fp8, TOKENS, mesh=fit(MESH)), _torch_logits(ref), atol=1e-4, rtol=0)
+    assert (
+        type(ref) is transformers.DeepseekV32ForCausalLM
+        and ref.config.index_topk == SIZES["index_topk"]
+    )
+    np.testing.assert_allclose(
+        jobs.logits(fp8, TOKENS, mesh=fit(MESH)), _torch_logits(ref), atol=1e-4, rtol=0
+    )

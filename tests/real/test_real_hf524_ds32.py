@@ -51,7 +51,12 @@ def test_config_is_read_as_the_family():
     cfg = jobs.open_checkpoint(ckpt(CASE)).config
     assert cfg.family == "deepseek_v32"
     assert (cfg.index_topk, cfg.index_head_dim, cfg.index_n_heads) == (4, 8, 4)
-    assert (cfg.num_dense_layers, cfg.num_moe_layers, cfg.q_lora_rank, cfg.mtp_layers) == (2, 2, 8, 0)
+    assert (cfg.num_dense_layers, cfg.num_moe_layers, cfg.q_lora_rank, cfg.mtp_layers) == (
+        2,
+        2,
+        8,
+        0,
+    )
     assert dict(cfg.rope_scaling)["rope_type"] == "yarn"
 
 
@@ -63,7 +68,10 @@ def test_import_restore_export_bitwise(tmp_path):
     for k, v in want.items():
         assert bitwise_equal(params[k], src.tensors[k].materialize()), k
         assert bitwise_equal(_as_reference(params[k], k), v), k
-    assert jobs.open_checkpoint(str(tmp_path / "exported")).config == jobs.open_checkpoint(ckpt(CASE)).config
+    assert (
+        jobs.open_checkpoint(str(tmp_path / "exported")).config
+        == jobs.open_checkpoint(ckpt(CASE)).config
+    )
 
 
 def test_logits_equal_transformers():

@@ -32,15 +32,47 @@ import tools
 import torch
 
 TOKENS = np.random.default_rng(12).integers(0, 48, size=(2, 12)).astype(np.int64)
-COMMAND = "python tests/real/make.py --venv ~/.cache/hybridckpt-real/index_optim --no-install hf524_ds32"
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0,
-        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
-CONFIG = dict(vocab_size=48, hidden_size=16, intermediate_size=24, moe_intermediate_size=8, num_hidden_layers=4,
-              num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4,
-              kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, v_head_dim=4, qk_nope_head_dim=4, n_group=2,
-              topk_group=1, num_experts_per_tok=2, first_k_dense_replace=2, max_position_embeddings=64,
-              rope_parameters=YARN, index_topk=4, index_head_dim=8, index_n_heads=4, pad_token_id=None,
-              bos_token_id=None, eos_token_id=None)
+COMMAND = (
+    "python tests/real/make.py --venv ~/.cache/hybridckpt-real/index_optim --no-install hf524_ds32"
+)
+YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "rope_theta": 10000.0,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+CONFIG = dict(
+    vocab_size=48,
+    hidden_size=16,
+    intermediate_size=24,
+    moe_intermediate_size=8,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    n_shared_experts=1,
+    n_routed_experts=4,
+    kv_lora_rank=8,
+    q_lora_rank=8,
+    qk_rope_head_dim=4,
+    v_head_dim=4,
+    qk_nope_head_dim=4,
+    n_group=2,
+    topk_group=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=2,
+    max_position_embeddings=64,
+    rope_parameters=YARN,
+    index_topk=4,
+    index_head_dim=8,
+    index_n_heads=4,
+    pad_token_id=None,
+    bos_token_id=None,
+    eos_token_id=None,
+)
 CASE = "hf524_deepseek_v32"
 
 
@@ -88,8 +120,11 @@ def _per_expert(name: str, x: np.ndarray) -> dict[str, np.ndarray]:
     `mlp.experts.{e}.{gate,up,down}_proj.weight`."""
     if name.endswith("mlp.experts.gate_up_proj"):
         base, m = name[: -len("gate_up_proj")], x.shape[1] // 2
-        return {f"{base}{e}.{p}.weight": part for e in range(x.shape[0])
-                for p, part in (("gate_proj", x[e, :m]), ("up_proj", x[e, m:]))}
+        return {
+            f"{base}{e}.{p}.weight": part
+            for e in range(x.shape[0])
+            for p, part in (("gate_proj", x[e, :m]), ("up_proj", x[e, m:]))
+        }
     if name.endswith("mlp.experts.down_proj"):
         return {f"{name[: -len('down_proj')]}{e}.down_proj.weight": x[e] for e in range(x.shape[0])}
     return {name: x}
@@ -109,30 +144,48 @@ def main() -> int:
         if _tie_free(_forward(model)[1], CONFIG["index_topk"]):
             break
     else:
-        raise SystemExit("hf524_ds32: no seed below 50 without ties at the edge of the indexer's top k")
+        raise SystemExit(
+            "hf524_ds32: no seed below 50 without ties at the edge of the indexer's top k"
+        )
     case = tools.fresh_case(a.out, CASE)
     ckpt = os.path.join(case, "ckpt")
     model.to(torch.bfloat16).save_pretrained(ckpt)
-    back = t.DeepseekV32ForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
+    back = t.DeepseekV32ForCausalLM.from_pretrained(
+        ckpt, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     logits, scores = _forward(back)
-    assert _tie_free(scores, CONFIG["index_topk"]), "the bf16 weights tie where the fp32 ones did not"
-    held = t.DeepseekV32ForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).state_dict()  # as stored
-    refs = {k: v for name, x in held.items() for k, v in _per_expert(name, x.detach().float().numpy()).items()}
+    assert _tie_free(scores, CONFIG["index_topk"]), (
+        "the bf16 weights tie where the fp32 ones did not"
+    )
+    held = t.DeepseekV32ForCausalLM.from_pretrained(
+        ckpt, dtype=torch.bfloat16
+    ).state_dict()  # as stored
+    refs = {
+        k: v
+        for name, x in held.items()
+        for k, v in _per_expert(name, x.detach().float().numpy()).items()
+    }
     with safe_open(os.path.join(ckpt, "model.safetensors"), "np") as f:
         names = set(f.keys())
     assert set(refs) == names, sorted(set(refs) ^ names)[:5]
     refs |= {"logits": logits, "tokens": TOKENS}
     tools.write_reference(case, refs)
     tools.record_manifest(
-        case, tool=f"transformers {t.__version__} save_pretrained (safetensors, bfloat16)",
+        case,
+        tool=f"transformers {t.__version__} save_pretrained (safetensors, bfloat16)",
         dists=["transformers", "torch", "safetensors", "numpy"],
         command=f"{COMMAND}  ({' '.join(sys.argv[1:])})",
-        references={"logits": "transformers' forward (fp32, eager) of the model from_pretrained read back",
-                    "tokens": "the input ids",
-                    "<hf name>": "each tensor of the model read back in its stored dtype (state_dict, the "
-                                 "fused experts split under the names saved; bf16 as float32, exactly)"},
-        files=sorted(os.listdir(ckpt)), architecture="DeepseekV32ForCausalLM",
-        notes=[f"seed {seed}: the first without a tie at the edge of the indexer's top {CONFIG['index_topk']}"],
+        references={
+            "logits": "transformers' forward (fp32, eager) of the model from_pretrained read back",
+            "tokens": "the input ids",
+            "<hf name>": "each tensor of the model read back in its stored dtype (state_dict, the "
+            "fused experts split under the names saved; bf16 as float32, exactly)",
+        },
+        files=sorted(os.listdir(ckpt)),
+        architecture="DeepseekV32ForCausalLM",
+        notes=[
+            f"seed {seed}: the first without a tie at the edge of the indexer's top {CONFIG['index_topk']}"
+        ],
     )
     print(CASE, sorted(os.listdir(ckpt)))
     return 0
