@@ -304,3 +304,26 @@ def test_config_read_written_and_the_tree(hf_dir, read):
 def test_config_refusals(change, words):
     with pytest.raises(ConfigError, match=f"c.json: .*{words}"):
         models.config_from_hf(_hf_config(**change), source="c.json")
+
+
+def test_released_config_reads_as_transformers_does():
+    """deepseek-ai/DeepSeek-V3.2-Exp's config.json (its quantization_config aside, which the HF
+    reader takes off: `hybridckpt/formats/hf/quant.py`): 3 dense + 58 MoE layers and the MTP
+    module `model.layers.61.*`, the indexer's sizes, and the softmax scale transformers computes."""
+    from test_deepseek_v3 import HUB_V3
+
+    hub = {**HUB_V3, "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
+           "index_head_dim": 128, "index_n_heads": 64, "index_topk": 2048}  # fmt: skip
+    cfg = models.config_from_hf(hub)
+    assert cfg.family == "deepseek_v32"
+    assert (cfg.num_dense_layers, cfg.num_moe_layers, cfg.mtp_layers) == (3, 58, 1)
+    assert (cfg.index_topk, cfg.index_head_dim, cfg.index_n_heads) == (2048, 128, 64)
+    assert models.rule_variables(cfg)["mtp_layers"] == "61"
+    theirs = transformers.DeepseekV32Config(**models.config_to_hf(cfg))
+    scale = transformers.models.deepseek_v32.modeling_deepseek_v32.yarn_apply_mscale(
+        theirs.rope_parameters, theirs.qk_head_dim**-0.5
+    )
+    assert cfg.softmax_scale == scale
+    names = naming.model_hf_shapes(cfg)
+    assert names["model.layers.61.self_attn.indexer.wq_b.weight"] == (64 * 128, 1536)
+    assert names["model.layers.0.self_attn.indexer.weights_proj.weight"] == (64, 7168)
