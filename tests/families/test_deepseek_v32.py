@@ -27,10 +27,10 @@ import torch
 import transformers
 from e2e import roundtrip
 from hf_parity import load_fp32, read_params
-from meshes import fit, fit_pair
+from meshes import abstract_mesh, fit, fit_pair
 from safetensors.torch import load_file, save_file
 
-from hybridckpt import jobs, models, naming
+from hybridckpt import jobs, models, naming, plan
 from hybridckpt.formats.registry import open_source
 from hybridckpt.models.deepseek_v3.module import apply_rope_interleaved
 from hybridckpt.models.deepseek_v32 import indexer as indexer_mod
@@ -327,3 +327,26 @@ def test_released_config_reads_as_transformers_does():
     names = naming.model_hf_shapes(cfg)
     assert names["model.layers.61.self_attn.indexer.wq_b.weight"] == (64 * 128, 1536)
     assert names["model.layers.0.self_attn.indexer.weights_proj.weight"] == (64, 7168)
+
+
+def test_index_heads_split_over_tp_on_head_boundaries():
+    """On tp=4 (8 devices, the plan alone) `wq_b`'s 8 index heads of 12 split 2 per device and
+    MLA's q_b heads too; `wk`, `k_norm` and `weights_proj` stay whole over tp; 6 index heads
+    (72 values: divisible by 4, the heads not) are not split inside a head."""
+    cfg = models.config_from_hf(_hf_config())
+    p = plan.for_model(cfg, abstract_mesh("dp=2,tp=4"), indivisible="replicate").param_shardings[
+        "layers"
+    ]
+    assert p["indexer"]["wq_b"]["kernel"].spec[2] == "tp"
+    assert p["q_b"]["kernel"].spec[2] == "tp"
+    for leaf in (
+        p["indexer"]["wk"]["kernel"],
+        p["indexer"]["weights_proj"]["kernel"],
+        p["indexer"]["k_norm"]["scale"],
+    ):
+        assert "tp" not in jax.tree.leaves(tuple(leaf.spec)), leaf.spec
+    odd = dataclasses.replace(cfg, index_n_heads=6)
+    q = plan.for_model(odd, abstract_mesh("dp=2,tp=4"), indivisible="replicate").param_shardings[
+        "layers"
+    ]
+    assert "tp" not in jax.tree.leaves(tuple(q["indexer"]["wq_b"]["kernel"].spec))
