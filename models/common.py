@@ -209,6 +209,7 @@ def causal_attention(
     *,
     softcap: float | None = None,
     window: jax.Array | int | None = None,
+    keep: jax.Array | None = None,
 ) -> jax.Array:
     """Causal softmax attention. q, k, v: `[batch, seq, heads, head_dim]` (same head count).
 
@@ -219,6 +220,8 @@ def causal_attention(
     (Gemma 2's `attn_logit_softcapping`, transformers' `eager_attention_forward`).
     window: query i sees keys j with `i - window < j <= i` (transformers' masking_utils
     `sliding_window_overlay`); may be a traced scalar, so the window can be per-layer data.
+    keep: bool `[batch, seq, seq]`, the keys each query may also see beyond the causal mask
+    (DeepSeek V3.2's indexer selection); masked keys get fp32 min, as the causal ones.
     """
     seq = q.shape[1]
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
@@ -228,6 +231,8 @@ def causal_attention(
     if window is not None:
         pos = jnp.arange(seq)
         mask = mask & (pos[None, :] > pos[:, None] - window)
+    if keep is not None:
+        mask = mask[None, None] & keep[:, None]
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)

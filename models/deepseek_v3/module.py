@@ -27,6 +27,7 @@ are created by the layer scan, the other groups whole (`models.common.TableGroup
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -62,16 +63,29 @@ def apply_rope_interleaved(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def mla(cfg: DeepseekV3Config, dt: Any, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+def mla(
+    cfg: DeepseekV3Config,
+    dt: Any,
+    x: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    select: Callable[[jax.Array], jax.Array] | None = None,
+) -> jax.Array:
     """Multi-head latent attention of the normed `x` `[b, s, embed]` (inside a compact module:
-    the params are its own)."""
+    the params are its own). `select(q_latent)`, given the normed q latent `[b, s, q_lora_rank]`,
+    returns bool `[b, s, s]`: the keys each query may see beyond the causal mask (DeepSeek V3.2's
+    indexer, `models.deepseek_v32.indexer`); None: all of them."""
     b, s, _ = x.shape
     H, nope, rope, vd = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    if select is not None and cfg.q_lora_rank is None:
+        raise ValueError("mla: an indexer's selection needs the q latent (q_lora_rank)")
+    keep = None
     if cfg.q_lora_rank is None:
         q = Dense(dt, name="q")(x)
     else:
         q = Dense(dt, name="q_a")(x)
         q = RMSNorm(LATENT_NORM_EPS, dt, name="q_a_norm")(q)
+        keep = None if select is None else select(q)
         q = Dense(dt, name="q_b")(q)
     q = q.reshape(b, s, H, cfg.qk_head_dim)
     q_pass, q_rot = q[..., :nope], q[..., nope:]
@@ -87,7 +101,7 @@ def mla(cfg: DeepseekV3Config, dt: Any, x: jax.Array, cos: jax.Array, sin: jax.A
     k_nope, v = kv[..., :nope], kv[..., nope:]
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot, (b, s, H, rope))], axis=-1)
     q = jnp.concatenate([q_pass, q_rot], axis=-1)
-    attn = causal_attention(q, k, v, cfg.softmax_scale).reshape(b, s, H * vd)
+    attn = causal_attention(q, k, v, cfg.softmax_scale, keep=keep).reshape(b, s, H * vd)
     return Dense(dt, name="o")(attn)
 
 
@@ -108,12 +122,14 @@ class DecoderLayer(nn.Module):
 
     cfg: DeepseekV3Config
     dtype: Any
+    # the attention of the normed input, `attend(cfg, dt, h, cos, sin)` (a subclass's own: V3.2)
+    attend = staticmethod(mla)
 
     @nn.compact
     def __call__(self, x, cos, sin, moe, mlp, is_moe, pos):
         cfg, dt = self.cfg, self.dtype
         h = RMSNorm(cfg.rms_norm_eps, dt, name="attn_norm")(x)
-        x = x + mla(cfg, dt, h, cos, sin)
+        x = x + self.attend(cfg, dt, h, cos, sin)
         h = RMSNorm(cfg.rms_norm_eps, dt, name="mlp_norm")(x)
         y = group_mlp(
             h,
@@ -135,13 +151,14 @@ class MTP(nn.Module):
 
     cfg: DeepseekV3Config
     dtype: Any
+    layer_cls = DecoderLayer  # a class attribute (Flax wraps no class): V3.2 gives its own
 
     @nn.compact
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> None:
         cfg, n = self.cfg, self.cfg.mtp_layers
         table_params(self, skip=("layers", "moe"))  # embed, enorm, hnorm, eh_proj, head_norm, head
         moe = TableGroup(name="moe")()
-        block = stacked(DecoderLayer, n, 4, 2, axis=None)(cfg, self.dtype, name="layers")
+        block = stacked(self.layer_cls, n, 4, 2, axis=None)(cfg, self.dtype, name="layers")
         is_moe, pos = jnp.ones((n,), bool), jnp.arange(n, dtype=jnp.int32)
         block(x, cos, sin, moe, None, is_moe, pos)
 
@@ -151,6 +168,8 @@ class DeepseekV3(nn.Module):
 
     cfg: DeepseekV3Config
     dtype: Any = jnp.float32
+    layer_cls = DecoderLayer  # class attributes: V3.2 gives its own
+    mtp_cls = MTP
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -171,10 +190,10 @@ class DeepseekV3(nn.Module):
         if dense_layers:
             mlp = jax.tree.map(jnp.asarray, TableGroup(name="mlp")())
         is_moe, pos = layer_groups(tuple(range(dense_layers, L)), L)
-        layers = stacked(DecoderLayer, L, 4, 2)(cfg, dt, name="layers")
+        layers = stacked(self.layer_cls, L, 4, 2)(cfg, dt, name="layers")
         x, _ = layers(x, cos, sin, moe, mlp, is_moe, pos)
         if cfg.mtp_layers and self.is_initializing():
-            MTP(cfg, dt, name="mtp")(x, cos, sin)
+            self.mtp_cls(cfg, dt, name="mtp")(x, cos, sin)
         x = RMSNorm(cfg.rms_norm_eps, dt, name="final_norm")(x)
         logits = output_logits(x, embed, cfg.tie_word_embeddings, dt)
         return logits.astype(jnp.float32)

@@ -22,6 +22,7 @@ MX an expert's width, MS the shared experts' (MX * n_shared_experts), E2 = 2 * E
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from hybridckpt.models import mlp_table
@@ -78,9 +79,9 @@ def moe(i: str) -> tuple[Param, ...]:
     return (*mlp_table.router(f"{hf}.gate", bias=True), *mlp_table.experts(f"{hf}.experts", "MX"), *shared)
 
 
-def mtp(i: str) -> tuple[Row, ...]:
+def mtp(i: str, layer: Callable[[str], tuple[Param, ...]] = decoder) -> tuple[Row, ...]:
     """One MTP module (deepseek-ai/DeepSeek-V3:README_WEIGHTS.md): its own params, then an MoE
-    decoder layer (`layers`, `moe`)."""
+    decoder layer (`layers`: `layer(i)`'s rows, `moe`)."""
     hf = f"model.layers.{i}"
     own = (
         Param("embed.embedding", ("V", "E"), ("vocab", "embed"), f"{hf}.embed_tokens.weight"),
@@ -90,7 +91,7 @@ def mtp(i: str) -> tuple[Row, ...]:
         Param("head_norm.scale", ("E",), (None,), f"{hf}.shared_head.norm.weight", init="ones"),
         Param("head.kernel", ("E", "V"), ("embed", "vocab"), f"{hf}.shared_head.head.weight", "transpose"),
     )
-    return (*own, *under("layers", decoder(i)), *under("moe", moe(i)))
+    return (*own, *under("layers", layer(i)), *under("moe", moe(i)))
 
 
 # transformers 5 DeepseekV3DecoderLayer: attention (with or without the q LoRA), mlp (a dense layer's
@@ -120,23 +121,45 @@ NAMED_PARAMETERS = _hf_order((
     'post_attention_layernorm.weight',
 ))
 
-TABLE = ParamTable(
-    __name__,
-    dims,
-    (
+def table(
+    source: str,
+    layer: Callable[[str], tuple[Param, ...]] = decoder,
+    more_dims: Callable[[Any], dict[str, int | None]] | None = None,
+    more_groups: Callable[[Any], dict[str, Groups]] | None = None,
+    named_parameters: tuple[str, ...] = NAMED_PARAMETERS,
+    layernorms: tuple[str, ...] = (),
+) -> ParamTable:
+    """The table of a DeepSeek V3 model whose decoder layers (and MTP modules' layers) have
+    `layer(i)`'s rows; `more_dims` / `more_groups` add the symbols those rows use (DeepSeek
+    V3.2's indexer, `models.deepseek_v32.params`), `layernorms` the `nn.LayerNorm` params among
+    them (`ParamTable.layernorms`). `source` names the table in errors."""
+
+    def all_dims(cfg: Any) -> dict[str, int | None]:
+        return {**dims(cfg), **(more_dims(cfg) if more_dims else {})}
+
+    def all_groups(cfg: Any) -> dict[str, Groups]:
+        return {**groups(cfg), **(more_groups(cfg) if more_groups else {})}
+
+    return ParamTable(source, all_dims, rows(layer), all_groups, named_parameters=named_parameters,
+                      layernorms=layernorms)
+
+
+def rows(layer: Callable[[str], tuple[Param, ...]] = decoder) -> tuple[Row, ...]:
+    """Every row of the table (`table`)."""
+    return (
         Param("embed.embedding", ("V", "E"), ("vocab", "embed"), "model.embed_tokens.weight"),
         Param("final_norm.scale", ("E",), (None,), "model.norm.weight", init="ones"),
         Param("lm_head.kernel", ("E", "V"), ("embed", "vocab"), "lm_head.weight", "transpose", when="not tied"),
         # a tied model's copy of the embedding (DeepSpeed's shared_params, a DCP state dict):
         # dropped, as transformers ties it on load
         Drop("lm_head.weight", when="tied"),
-        *stack("layers", decoder("$L"), index="$L in {decoder_layers}"),
+        *stack("layers", layer("$L"), index="$L in {decoder_layers}"),
         *stack("mlp", mlp_table.swiglu("model.layers.$L.mlp", "M"), dim="Ld", index="$L in {dense_layers}"),
         *stack("moe", moe("$L"), dim="Lm", index="$L in {moe_layers}"),
-        *stack("mtp", mtp("$M"), dim="N", axis=None, index="$M in {mtp_layers}"),
+        *stack("mtp", mtp("$M", layer), dim="N", axis=None, index="$M in {mtp_layers}"),
         # a buffer some writers keep; not a parameter
         Drop("model.layers.$L.self_attn.rotary_emb.inv_freq"),
-    ),
-    groups,
-    named_parameters=NAMED_PARAMETERS,
-)
+    )
+
+
+TABLE = table(__name__)

@@ -19,6 +19,7 @@ import pytest
 from hybridckpt import models, naming
 from hybridckpt.models.common import axes_of, unboxed
 from hybridckpt.models.deepseek_v3.config import DeepseekV3Config
+from hybridckpt.models.deepseek_v32.config import DeepseekV32Config
 from hybridckpt.models.ernie4_5.config import Ernie45Config
 from hybridckpt.models.ernie4_5_moe.config import Ernie45MoeConfig
 from hybridckpt.models.errors import ConfigError
@@ -88,6 +89,9 @@ VARIANTS = {
     "deepseek_v3_all_moe_tied_mtp": DeepseekV3Config(**_DS, tie_word_embeddings=True, num_nextn_predict_layers=1),
     "deepseek_v3_lora_no_bias": DeepseekV3Config(**_DS, q_lora_rank=24, first_k_dense_replace=1),
     "deepseek_v3_all_dense": DeepseekV3Config(**_DS, first_k_dense_replace=3),
+    "deepseek_v32_bias_mtp": DeepseekV32Config(**_DS, q_lora_rank=24, first_k_dense_replace=1, attention_bias=True,
+                                               num_nextn_predict_layers=1, index_topk=2, index_head_dim=12,
+                                               index_n_heads=4),
     "gpt_oss": GptOssConfig(**_LLAMA, head_dim=12, num_experts=4, num_experts_per_tok=2, sliding_window=3),
     "gpt_oss_no_bias_tied_full": GptOssConfig(**{**_LLAMA, "num_layers": 3}, num_experts=2, num_experts_per_tok=1,
                                               attention_bias=False, tie_word_embeddings=True,

@@ -13,6 +13,7 @@ import pytest
 from hybridckpt import models, naming
 from hybridckpt.errors import MappingError
 from hybridckpt.models.deepseek_v3.config import DeepseekV3Config
+from hybridckpt.models.deepseek_v32.config import DeepseekV32Config
 from hybridckpt.models.ernie4_5.config import Ernie45Config
 from hybridckpt.models.ernie4_5_moe.config import Ernie45MoeConfig
 from hybridckpt.models.gemma2.config import Gemma2Config
@@ -95,6 +96,8 @@ VARIANTS = {
     "qwen3_moe_dense_layer": Qwen3MoeConfig(**_MOE, mlp_only_layers=(0,)),
     "deepseek_v3_lora_bias": DeepseekV3Config(**_DS, q_lora_rank=24, attention_bias=True, first_k_dense_replace=2),
     "deepseek_v3_no_lora": DeepseekV3Config(**{**_DS, "num_layers": 3}, first_k_dense_replace=1),
+    "deepseek_v32_bias": DeepseekV32Config(**_DS, q_lora_rank=24, attention_bias=True, first_k_dense_replace=1,
+                                           index_topk=2, index_head_dim=12, index_n_heads=4),
     "gpt_oss": GptOssConfig(**_L, head_dim=12, num_experts=4, num_experts_per_tok=2, sliding_window=3),
     "smollm3_untied": SmolLM3Config(**_L, tie_word_embeddings=False, no_rope_layers=(0, 1)),
     "ernie4_5_bias_tied": Ernie45Config(**_L, use_bias=True, tie_word_embeddings=True, head_dim=12),
@@ -133,7 +136,7 @@ VARIANTS = {
 }  # fmt: skip
 # transformers 5 holds these MoE experts fused in memory (`mlp.experts.gate_up_proj`), under other
 # names than the Hub's per-expert files the table reads
-FUSED_IN_MEMORY = {"mixtral", "qwen3_moe", "deepseek_v3", "qwen2_moe", "glm4_moe", "ernie4_5_moe", "qwen3_next"}
+FUSED_IN_MEMORY = {"mixtral", "qwen3_moe", "deepseek_v3", "qwen2_moe", "glm4_moe", "ernie4_5_moe", "qwen3_next", "deepseek_v32"}
 # a router bias transformers holds as a buffer (DeepSeek V3, GLM-4.5) or as a frozen parameter
 # (ERNIE 4.5's `moe_statics`): the declarations leave it out, so a state naming it is refused
 ROUTER_BIAS = "e_score_correction_bias"
