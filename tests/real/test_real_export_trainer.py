@@ -165,6 +165,11 @@ FAMILIES = {  # family: (transformers config, model, extra config) of a tiny mod
     "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration", {"vision_config": {
         "model_type": "pixtral", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
         "num_attention_heads": 2, "patch_size": 4, "image_size": 16}, "multimodal_projector_bias": True}),
+    # (its SigLIP tower's LayerNorms `layer_norm1`/`layer_norm2`/`post_layernorm`: no name pattern of
+    # the Trainer's catches the first two; the family declares them)
+    "gemma3_mm": ("Gemma3Config", "Gemma3ForConditionalGeneration", {"vision_config": {
+        "model_type": "siglip_vision_model", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "patch_size": 4, "image_size": 16}, "mm_tokens_per_image": 16}),
 }
 
 
@@ -185,6 +190,16 @@ def test_the_order_is_transformers_named_parameters_or_refused(family):
     cfg = fit_to_hf_names(config_from_hf(hf_cfg.to_dict() | {"architectures": [model_cls]}), want)
     assert trainer_write.named_parameters_order(cfg, sorted(want)) == want
     assert trainer_write.named_parameters_order(cfg, want[::-1]) == want
+    # the two groups the export writes are the Trainer's own (`get_decay_parameter_names`' rule:
+    # its name patterns and the params of `nn.LayerNorm` modules)
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    from hybridckpt.optim.trainer_groups import FORBIDDEN, trainer_groups
+
+    with torch.device("meta"):
+        decayed = set(get_parameter_names(getattr(transformers, model_cls)(hf_cfg), [torch.nn.LayerNorm], list(FORBIDDEN)))
+    found = trainer_write.parameter_order(cfg, want)
+    assert trainer_groups(list(found.names), found.layernorms)[0] == [n for n in want if n in decayed]
     if family == "mixtral":
         from hybridckpt.naming import model_hf_shapes
 

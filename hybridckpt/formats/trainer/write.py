@@ -44,7 +44,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -77,28 +76,28 @@ STATE_DEFAULTS: dict[str, Any] = {
 ACTED_ON = ("logging_steps", "eval_steps", "save_steps", "train_batch_size")
 
 
-def named_parameters_order(cfg: Any, names: Sequence[str]) -> list[str]:
+def parameter_order(cfg: Any, names: Sequence[str]):
     """The model's `named_parameters()` order of `names` (HF names, the model's trainable
-    parameters): the index order of `optimizer.pt`. The family's declared order
-    (`optim.param_order.named_parameters`, checked against transformers' own modules family by
-    family in tests/optim/test_param_order.py); a name it does not cover (a transformers 5 MoE
-    model holds its experts fused, `mlp.experts.gate_up_proj`, not under the per-expert names of
-    its files; DeepSeek V3's router bias is a buffer there) is refused, never guessed: a wrong
-    order loads without a word and steps every moment on the wrong parameter."""
+    parameters), with those of its `nn.LayerNorm` modules (`optim.param_order.ParamOrder`): the
+    index order of `optimizer.pt` and the Trainer's no-decay rule. The family's declared order,
+    checked against transformers' own modules family by family in tests/optim/test_param_order.py;
+    a name it does not place (a transformers 5 MoE model holds its experts fused,
+    `mlp.experts.gate_up_proj`, not under the per-expert names of its files; DeepSeek V3's router
+    bias is a buffer there) is refused, never guessed: a wrong order loads without a word and steps
+    every moment on the wrong parameter."""
     from hybridckpt.errors import MappingError
     from hybridckpt.optim.param_order import named_parameters
 
     try:
-        return list(named_parameters(cfg, names).names)
+        return named_parameters(cfg, names)
     except MappingError as e:
         raise CheckpointError(f"export --optimizer-layout trainer: the optimizer.pt index order is the model's "
                               f"named_parameters() order, which does not place every exported name: {e}") from None
 
 
-def layernorm_params(names: Sequence[str]) -> set[str]:
-    """The parameters of `nn.LayerNorm` modules the Trainer's name patterns miss: GPT-2's
-    `ln_1`, `ln_2`, `ln_f` (`transformer.h.0.ln_1.weight`)."""
-    return {n for n in names if re.search(r"(?:^|\.)ln_[^.]*\.(?:weight|bias)$", n)}
+def named_parameters_order(cfg: Any, names: Sequence[str]) -> list[str]:
+    """`parameter_order`'s names."""
+    return list(parameter_order(cfg, names).names)
 
 
 @dataclass(frozen=True)
@@ -154,8 +153,9 @@ def plan(cfg: Any, names: Sequence[str], hyper: Mapping[str, Any], step: int | N
             flags[k] = values.flag(hyper[k], at, k)
     lr, wd, eps = (values.number(hyper[k], at, k) for k in ("lr", "weight_decay", "eps"))
     initial = values.number(hyper["initial_lr"], at, "initial_lr") if hyper.get("initial_lr") is not None else lr
-    order = named_parameters_order(cfg, names)
-    decay, no_decay = trainer_groups(order, layernorm_params(order))
+    found = parameter_order(cfg, names)
+    order = list(found.names)
+    decay, no_decay = trainer_groups(order, found.layernorms)  # (the family's declared nn.LayerNorm params)
     groups = tuple({"weight_decay": w, "lr": lr, "betas": (betas[0], betas[1]),  # (a tuple each, as torch's pickle)
                     "eps": eps, **TRAINER_ADAMW, **flags, "initial_lr": initial}
                    for w in (wd, 0.0))
