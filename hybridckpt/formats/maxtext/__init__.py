@@ -38,10 +38,11 @@ def open(path: str, *, config: Any = None, step: int | None = None):  # noqa: A0
     leaves = item_arrays(item_dir)
     cycle = maxtext.layer_cycle(config) if config is not None else None
     layers = int(config.num_layers) if cycle is not None else 0
+    groups = maxtext.scan_groups(config) if cycle is not None else None
 
     def under(prefix: str) -> dict[str, LazyTensor]:
         return maxtext.from_disk({k[len(prefix):]: v for k, v in leaves.items() if k.startswith(prefix)}, item_dir,
-                                 cycle, layers)
+                                 cycle, layers, groups)
 
     params = under(maxtext.PARAMS)
     if not params:

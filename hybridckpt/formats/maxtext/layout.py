@@ -28,7 +28,8 @@ scanned tree is `decoder.layers.layers_<p>.<path>` (p < c), holding layers p, p 
 on the scan axis (maxtext 0.2.5 layers/nnx_decoders.py `_init_scanned_generic`, models/llama4.py
 `Llama4ScannableBlock`). Such a family's rules name each layer by its unscanned name
 `decoder.layers_$L.<path>` (a layer's own tree, no stack); `to_disk` / `from_disk` with `cycle`
-move between that and the scanned form.
+move between that and the scanned form. A block of nested groups (Qwen3-Next: `local_layers` /
+`global_layer`, the dialect's `scan_groups(cfg)`) is `formats/maxtext/scan_groups.py`'s.
 
 The names and value ops per family are the family's `maxtext` dialect (`models/<family>/
 dialects/maxtext.{rules,py}`): MaxText names -> HF names; `rules(cfg)` parses them, the writer
@@ -44,6 +45,8 @@ from typing import Any
 
 from hybridckpt import lazy
 from hybridckpt.errors import ConfigError, FormatError, MappingError
+from hybridckpt.formats.maxtext import scan_groups as scan_groups_io
+from hybridckpt.formats.maxtext.scan_groups import ScanGroup, groups_of
 from hybridckpt.io import json_text
 from hybridckpt.io.regular_file import NotRegular, open_regular_file
 from hybridckpt.io.step_folders import StepFolders, StepPattern, listing
@@ -113,6 +116,13 @@ def layer_cycle(cfg: Any) -> int | None:
     return int(fn(cfg)) if fn is not None else None
 
 
+def scan_groups(cfg: Any) -> tuple[ScanGroup, ...] | None:
+    """The dialect's nested scan groups of a block (`scan_groups(cfg)`, formats/maxtext/
+    scan_groups.py), or None: the block scanned as `decoder.layers.layers_<p>`."""
+    fn = dialect(cfg).get("scan_groups")
+    return groups_of(fn(cfg), layer_cycle(cfg)) if fn is not None else None
+
+
 # -- the layer axis ---------------------------------------------------------------------------------
 
 
@@ -123,11 +133,18 @@ def _to_axis(t: LazyTensor) -> LazyTensor:
     return lazy.transpose(t, perm)
 
 
-def to_disk(tensors: Mapping[str, LazyTensor], scan_layers: bool = True, cycle: int | None = None) -> dict[str, LazyTensor]:
+def to_disk(
+    tensors: Mapping[str, LazyTensor], scan_layers: bool = True, cycle: int | None = None,
+    groups: tuple[ScanGroup, ...] | None = None,
+) -> dict[str, LazyTensor]:
     """Names with the layer axis first (`decoder.layers.X`, `[layers, ...]`) -> MaxText's: the
     axis moved to `SCAN_AXIS` (scanned) or one `decoder.layers_<i>.X` per layer. With `cycle`
     (the names are per layer, `decoder.layers_<i>.X`): scanned, layers i = b * cycle + p become
-    `decoder.layers.layers_<p>.X` with b on `SCAN_AXIS` (lazily stacked); unscanned, as they are."""
+    `decoder.layers.layers_<p>.X` with b on `SCAN_AXIS` (lazily stacked), or into `groups`
+    (scan_groups.py); unscanned, as they are."""
+    if cycle is not None and groups is not None and scan_layers:
+        _check_blocks(tensors, cycle)
+        return scan_groups_io.to_disk(tensors, cycle, groups)
     if cycle is not None:
         return _cycle_to_disk(tensors, scan_layers, cycle)
     out: dict[str, LazyTensor] = {}
@@ -143,6 +160,16 @@ def to_disk(tensors: Mapping[str, LazyTensor], scan_layers: bool = True, cycle: 
     return out
 
 
+def _check_blocks(tensors: Mapping[str, LazyTensor], cycle: int) -> None:
+    layers = [int(m.group(1)) for m in map(_UNSCANNED.match, tensors) if m is not None]
+    n = 1 + max(layers) if layers else 0
+    if n % cycle:
+        raise ConfigError(
+            f"MaxText scans this model in blocks of {cycle} layers (inhomogeneous_layer_cycle_interval) and "
+            f"drops a remainder: {n} layers do not divide into them (--no-scan-layers writes them unscanned)"
+        )
+
+
 def _cycle_to_disk(tensors: Mapping[str, LazyTensor], scan_layers: bool, cycle: int) -> dict[str, LazyTensor]:
     out: dict[str, LazyTensor] = {}
     per_layer: dict[str, dict[int, LazyTensor]] = {}
@@ -154,12 +181,8 @@ def _cycle_to_disk(tensors: Mapping[str, LazyTensor], scan_layers: bool, cycle: 
             per_layer.setdefault(m.group(2), {})[int(m.group(1))] = t
     if not per_layer:
         return out
+    _check_blocks(tensors, cycle)
     n = 1 + max(i for layers in per_layer.values() for i in layers)
-    if n % cycle:
-        raise ConfigError(
-            f"MaxText scans this model in blocks of {cycle} layers (inhomogeneous_layer_cycle_interval) and "
-            f"drops a remainder: {n} layers do not divide into them (--no-scan-layers writes them unscanned)"
-        )
     for rest, layers in per_layer.items():
         kinds = {i % cycle for i in layers}
         for p in sorted(kinds):
@@ -201,7 +224,8 @@ def _cycle_from_disk(tensors: Mapping[str, LazyTensor], where: str, cycle: int, 
 
 
 def from_disk(
-    tensors: Mapping[str, LazyTensor], where: str, cycle: int | None = None, num_layers: int = 0
+    tensors: Mapping[str, LazyTensor], where: str, cycle: int | None = None, num_layers: int = 0,
+    groups: tuple[ScanGroup, ...] | None = None,
 ) -> dict[str, LazyTensor]:
     """MaxText's names -> the rules' source names, the layer axis first: a scanned array with
     its layer axis moved to 0, the unscanned `decoder.layers_<i>.X` of layers 0..n-1 stacked
@@ -209,7 +233,9 @@ def from_disk(
     rule stacked deeper than the layers (the experts' `[$L, $E]`) reads either alike. Unscanned
     layers that are not 0..n-1, or differ in shape or dtype, are a FormatError. With `cycle`
     (a model of `num_layers` layers scanned in blocks, module doc): per-layer names
-    `decoder.layers_<i>.X` either way."""
+    `decoder.layers_<i>.X` either way, from `groups` when the block nests them (scan_groups.py)."""
+    if cycle is not None and groups is not None:
+        return scan_groups_io.from_disk(tensors, where, cycle, groups, num_layers)
     if cycle is not None:
         return _cycle_from_disk(tensors, where, cycle, num_layers)
     out: dict[str, LazyTensor] = {}

@@ -19,15 +19,17 @@ gen = None  # the maxtext generator module (set by it)
 # weights-only cases: case -> (the source case, MaxText model name); Llama 4's generator is
 # `_maxtext_llama4.py` (loaded by `llama4()`)
 CASES = {"maxtext_mistral": ("mistral_swa", "mistral-7b"), "maxtext_llama4": ("hf524_llama4", "llama4-17b-16e"),
-         "maxtext_llama4_adamw": ("hf524_llama4", "llama4-17b-16e")}
+         "maxtext_llama4_adamw": ("hf524_llama4", "llama4-17b-16e"),
+         "maxtext_qwen3_next": ("hf524_qwen3_next", "qwen3-next-80b-a3b")}
 
 
-def llama4():
-    """`_maxtext_llama4.py` (loaded by path, as this file is), bound to the maxtext generator."""
+def llama4(name: str = "_maxtext_llama4"):
+    """`_maxtext_llama4.py` (or `name`, `_maxtext_qwen3_next`; loaded by path, as this file is),
+    bound to the maxtext generator."""
     import importlib.util
     import pathlib
 
-    spec = importlib.util.spec_from_file_location("_maxtext_llama4", pathlib.Path(__file__).parent / "_maxtext_llama4.py")
+    spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).parent / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     mod.gen = gen
@@ -55,6 +57,8 @@ def generate(CASE: str, out: str, host_python: str) -> None:  # noqa: N803
     (`TrainState(step=0, params, opt_state={})` through `checkpointing.save_checkpoint`)."""
     if CASE.startswith("maxtext_llama4"):
         return llama4().generate(CASE, out, host_python)
+    if CASE == "maxtext_qwen3_next":
+        return llama4("_maxtext_qwen3_next").generate(CASE, out, host_python)
     from flax.training import train_state
     from maxtext.common import checkpointing
     from safetensors.numpy import load_file
