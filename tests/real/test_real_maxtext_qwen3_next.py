@@ -66,6 +66,25 @@ def test_maxtexts_save_reads_back_as_the_transformers_weights(tmp_path):
     assert got.step == 0 and not got.slots and not opened.notes
 
 
+def test_a_config_of_other_layers_is_refused_reading_maxtexts_save(tmp_path):
+    """MaxText's one-block save read with an 8-layer config: its scan axis holds 1 block where the
+    config wants 2 (one line naming the array and both), not a silent partial model."""
+    config = _config_file(tmp_path, num_hidden_layers=8, layer_types=None, full_attention_interval=4)
+    with pytest.raises(FormatError, match=r"items: decoder\.layers\.(local_layers|global_layer)\.\S+: expected "
+                                          r"\(2(, 3)?,?\) \(blocks.* of the 8 layers\) on axes from 1, found shape"):
+        assert not open_checkpoint(ckpt(CASE), config=config).named.params
+
+
+def test_what_maxtext_computes_differently_is_noted_in_the_export(tmp_path):
+    """`norm_topk_prob: false` is written (the weights are right) with the note in
+    maxtext_overrides.json, and the override MaxText would otherwise not know."""
+    out = tmp_path / "out"
+    jobs.export_checkpoint(ckpt(SOURCE), out, to="maxtext", config=_config_file(tmp_path, norm_topk_prob=False))
+    written = json.loads((out / "maxtext_overrides.json").read_text())
+    assert written["overrides"]["norm_topk_prob"] is False
+    assert [n for n in written["notes"] if "norm_topk_prob=false" in n]
+
+
 def test_maxtexts_forward_is_transformers():
     """The generator's record: MaxText's forward of our export, scanned and unscanned, is
     transformers' Qwen3NextForCausalLM of the same weights (rel 1e-5; it was 3.6e-6)."""
