@@ -34,7 +34,9 @@ Weights only (`_maxtext_weights_only.py`, case `maxtext_mistral`): our export of
 checkpoint `mistral_swa` restored by `load_parameters_path` into MaxText's `mistral` block, its
 forward against transformers' MistralForCausalLM, saved as MaxText's converters save weights.
 Llama 4 (`_maxtext_llama4.py`, cases `maxtext_llama4`, weights, and `maxtext_llama4_adamw`, a torch
-FSDP2 AdamW run exported with `--optimizer`, restored and stepped by MaxText).
+FSDP2 AdamW run exported with `--optimizer`, restored and stepped by MaxText). Qwen3-Next
+(`_maxtext_qwen3_next.py`, case `maxtext_qwen3_next`, weights: MaxText's `qwen3_next` block ran our
+export of hf524_qwen3_next, scanned as `local_layers` / `global_layer` and unscanned).
 
 Shims (recorded in the manifest): `to_maxtext` reads HF safetensors with `framework="pt"`, which
 needs torch (not installed here): the loader is called with `framework="np"`; the converter's HF
