@@ -19,7 +19,20 @@ gen = None  # the maxtext generator module (set by it)
 # weights-only cases: case -> (the source case, MaxText model name); Llama 4's generator is
 # `_maxtext_llama4.py` (loaded by `llama4()`)
 CASES = {"maxtext_mistral": ("mistral_swa", "mistral-7b"), "maxtext_llama4": ("hf524_llama4", "llama4-17b-16e"),
-         "maxtext_llama4_adamw": ("hf524_llama4", "llama4-17b-16e")}
+         "maxtext_llama4_adamw": ("hf524_llama4", "llama4-17b-16e"),
+         "maxtext_deepseek_v32": ("hf524_deepseek_v32", "deepseek3.2-671b")}
+
+
+def _part(name: str):
+    """A sibling generator file (loaded by path, as this file is), bound to the maxtext generator."""
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).parent / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.gen = gen
+    return mod
 
 
 def llama4():
@@ -55,6 +68,8 @@ def generate(CASE: str, out: str, host_python: str) -> None:  # noqa: N803
     (`TrainState(step=0, params, opt_state={})` through `checkpointing.save_checkpoint`)."""
     if CASE.startswith("maxtext_llama4"):
         return llama4().generate(CASE, out, host_python)
+    if CASE == "maxtext_deepseek_v32":
+        return _part("_maxtext_deepseek_v32").generate(CASE, out, host_python)
     from flax.training import train_state
     from maxtext.common import checkpointing
     from safetensors.numpy import load_file
