@@ -23,7 +23,7 @@ from cases import case_dir, ckpt, manifest, reference
 
 from hybridckpt import jobs, lazy, models
 from hybridckpt.containers.orbax.reader import item_arrays
-from hybridckpt.errors import ConfigError, FormatError
+from hybridckpt.errors import ConfigError, FormatError, MappingError
 from hybridckpt.formats.maxtext import layout as maxtext
 from hybridckpt.formats.registry import detect
 from hybridckpt.jobs.open import open_checkpoint
@@ -204,3 +204,13 @@ def test_two_stacks_and_the_axis_0_variable_both_ways_and_hostile_ones():
     gap = {k: v for k, v in unscanned.items() if not k.startswith("decoder.moe_layers_0.b.kernel")}
     with pytest.raises(FormatError, match=r"ckpt: decoder\.moe_layers_<i>\.b\.kernel: expected layers 0\.\.0, found \[1\]"):
         maxtext.from_disk(gap, "ckpt", None, 0, axis0)
+
+
+def test_a_config_of_other_layers_is_refused_reading_maxtexts_save(tmp_path):
+    """MaxText's 4-layer save (2 MoE layers on the moe_layers scan axis) read with a 6-layer config:
+    one line naming the missing layers, not a partial model."""
+    config = _config_file(tmp_path, num_hidden_layers=6, layer_types=None, mlp_layer_types=None)
+    out = tmp_path / "out"
+    with pytest.raises(MappingError, match=r"cannot stack \S+: indices \[4, 5\] are missing"):
+        jobs.export_checkpoint(ckpt(CASE), out, config=config)
+    assert not out.exists()

@@ -22,6 +22,11 @@ kernel `[experts, layers, in, out]`. Unscanned ones are `decoder.layers_<i>.<pat
 stacked parameter has its layer axis first (`STACK`), as our rules stack; `to_disk` and
 `from_disk` move it.
 
+DeepSeek's decoder scans two stacks (`STACKS`): `decoder.dense_layers.*` and `decoder.moe_layers.*`
+(unscanned `decoder.dense_layers_<i>.*`, `decoder.moe_layers_<i>.*`, each counted from 0); its
+router bias is a MaxText variable, not a param, stacked on axis 0 by the scan: the dialect's
+`LAYER_AXIS_0` names keep their layer axis first on disk.
+
 A decoder of several layer kinds (Llama 4: MoE and dense, NoPE and RoPE layers) is scanned in
 blocks of `inhomogeneous_layer_cycle_interval` (c, the dialect's `layer_cycle(cfg)`) layers: the
 scanned tree is `decoder.layers.layers_<p>.<path>` (p < c), holding layers p, p + c, p + 2c, ...

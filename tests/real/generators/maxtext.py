@@ -35,6 +35,8 @@ checkpoint `mistral_swa` restored by `load_parameters_path` into MaxText's `mist
 forward against transformers' MistralForCausalLM, saved as MaxText's converters save weights.
 Llama 4 (`_maxtext_llama4.py`, cases `maxtext_llama4`, weights, and `maxtext_llama4_adamw`, a torch
 FSDP2 AdamW run exported with `--optimizer`, restored and stepped by MaxText).
+DeepSeek V3.2 (`_maxtext_deepseek_v32.py`, case `maxtext_deepseek_v32`, weights: our export of
+`hf524_deepseek_v32` in MaxText's `deepseek` block, its forward against the case's transformers logits).
 
 Shims (recorded in the manifest): `to_maxtext` reads HF safetensors with `framework="pt"`, which
 needs torch (not installed here): the loader is called with `framework="np"`; the converter's HF
