@@ -214,3 +214,17 @@ def test_a_config_of_other_layers_is_refused_reading_maxtexts_save(tmp_path):
     with pytest.raises(MappingError, match=r"cannot stack \S+: indices \[4, 5\] are missing"):
         jobs.export_checkpoint(ckpt(CASE), out, config=config)
     assert not out.exists()
+
+
+def test_the_optimizer_is_refused_for_deepseek():
+    """`--optimizer` (MaxText's DeepSeek Adam state: none for the router bias, which it keeps under
+    nnx_aux) is refused in one line, rather than a train state MaxText would not restore as ours."""
+    from types import SimpleNamespace
+
+    from hybridckpt.formats.maxtext.write import maxtext_tensors
+
+    params = {k: lazy.as_lazy(v) for k, v in _weights().items()}
+    named = SimpleNamespace(params=params, slots={"exp_avg": params, "exp_avg_sq": params}, step=3)
+    with pytest.raises(ConfigError, match=r"--optimizer: MaxText's DeepSeek train state keeps the router bias"):
+        maxtext_tensors(named, _cfg(), optimizer=True)
+    assert maxtext_tensors(named, _cfg(), optimizer=False)["step"] == 3  # the weights alone are written

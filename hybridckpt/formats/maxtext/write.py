@@ -56,6 +56,9 @@ def maxtext_tensors(named, cfg, *, optimizer: bool, scan_layers: bool = True, dt
     step = int(named.step or 0)
     flat[maxtext.STEP] = step
     if optimizer:
+        weights_only = maxtext.dialect(cfg).get("WEIGHTS_ONLY")
+        if weights_only:
+            raise ConfigError(f"export --to maxtext --optimizer: {weights_only}")
         if named.step is None:
             raise ConfigError("export --to maxtext --optimizer: the source records no optimizer step")
         missing = [s for s in maxtext.SLOTS if s not in named.slots]

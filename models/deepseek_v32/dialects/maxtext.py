@@ -34,6 +34,13 @@ MODEL_NAME = "deepseek3.2-671b"  # a MaxText model of this decoder block (overri
 # names whose layer axis stays first when scanned: the router's bias is a MoEBiasVar, stacked on
 # axis 0 by MaxText's scan (layers/nnx_decoders.py), not on param_scan_axis
 LAYER_AXIS_0 = ("DeepSeekMoeBlock_0.MoeBlock_0.gate.bias",)
+# MaxText's optimizer state for DeepSeek is not written: its AdamW runs over nnx.Param only (no
+# moments for the router bias, a MoEBiasVar that a train save keeps under `nnx_aux`), which this
+# writer's Linen opt_state layout does not express and MaxText 0.2.5 has not checked
+WEIGHTS_ONLY = (
+    "MaxText's DeepSeek train state keeps the router bias (a MoEBiasVar) under nnx_aux with no Adam moments; "
+    "only the weights are written for deepseek_v32 (export without --optimizer)"
+)
 
 
 def _yarn(cfg) -> dict[str, Any]:
