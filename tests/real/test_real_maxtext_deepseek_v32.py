@@ -185,25 +185,25 @@ def test_two_stacks_and_the_axis_0_variable_both_ways_and_hostile_ones():
     axis0 = ("gate.bias",)
     flat = {"decoder.dense_layers.a.kernel": _arr(2, 3, 5), "decoder.moe_layers.b.gate.bias": _arr(2, 4),
             "decoder.moe_layers.b.kernel": _arr(2, 3, 5)}
-    disk = maxtext.to_disk(flat, True, None, axis0)
+    disk = maxtext.to_disk(flat, True, axis0=axis0)
     assert disk["decoder.dense_layers.a.kernel"].shape == (3, 2, 5)
     assert np.array_equal(disk["decoder.moe_layers.b.gate.bias"].materialize(), flat["decoder.moe_layers.b.gate.bias"].materialize())
-    back = maxtext.from_disk(disk, "x", None, 0, axis0)
+    back = maxtext.from_disk(disk, "x", axis0=axis0)
     for k, v in flat.items():
         assert np.array_equal(back[k].materialize(), v.materialize()), k
-    unscanned = maxtext.to_disk(flat, False, None, axis0)
+    unscanned = maxtext.to_disk(flat, False, axis0=axis0)
     assert sorted(unscanned) == ["decoder.dense_layers_0.a.kernel", "decoder.dense_layers_1.a.kernel",
                                  "decoder.moe_layers_0.b.gate.bias", "decoder.moe_layers_0.b.kernel",
                                  "decoder.moe_layers_1.b.gate.bias", "decoder.moe_layers_1.b.kernel"]
-    read = maxtext.from_disk(unscanned, "x", None, 0, axis0)
+    read = maxtext.from_disk(unscanned, "x", axis0=axis0)
     for k, v in flat.items():
         assert np.array_equal(read[k].materialize(), v.materialize()), k
     with pytest.raises(FormatError, match=r"ckpt: decoder\.moe_layers\.b\.gate\.bias: a scanned array has a layer "
                                           r"axis 0, found shape \(\)"):
-        maxtext.from_disk({"decoder.moe_layers.b.gate.bias": lazy.as_lazy(np.float32(1))}, "ckpt", None, 0, axis0)
+        maxtext.from_disk({"decoder.moe_layers.b.gate.bias": lazy.as_lazy(np.float32(1))}, "ckpt", axis0=axis0)
     gap = {k: v for k, v in unscanned.items() if not k.startswith("decoder.moe_layers_0.b.kernel")}
     with pytest.raises(FormatError, match=r"ckpt: decoder\.moe_layers_<i>\.b\.kernel: expected layers 0\.\.0, found \[1\]"):
-        maxtext.from_disk(gap, "ckpt", None, 0, axis0)
+        maxtext.from_disk(gap, "ckpt", axis0=axis0)
 
 
 def test_a_config_of_other_layers_is_refused_reading_maxtexts_save(tmp_path):

@@ -42,7 +42,7 @@ def open(path: str, *, config: Any = None, step: int | None = None):  # noqa: A0
 
     def under(prefix: str) -> dict[str, LazyTensor]:
         return maxtext.from_disk({k[len(prefix):]: v for k, v in leaves.items() if k.startswith(prefix)}, item_dir,
-                                 cycle, layers, axis0)
+                                 cycle, layers, axis0=axis0)
 
     params = under(maxtext.PARAMS)
     if not params:

@@ -143,7 +143,7 @@ def _to_axis(t: LazyTensor) -> LazyTensor:
     return lazy.transpose(t, perm)
 
 
-def to_disk(tensors: Mapping[str, LazyTensor], scan_layers: bool = True, cycle: int | None = None,
+def to_disk(tensors: Mapping[str, LazyTensor], scan_layers: bool = True, cycle: int | None = None, *,
             axis0: tuple[str, ...] = ()) -> dict[str, LazyTensor]:
     """Names with the layer axis first (`decoder.layers.X`, `[layers, ...]`; any of `STACKS`) ->
     MaxText's: the axis moved to `SCAN_AXIS` (scanned; kept at 0 for a name ending in one of
@@ -224,7 +224,7 @@ def _cycle_from_disk(tensors: Mapping[str, LazyTensor], where: str, cycle: int, 
 
 
 def from_disk(
-    tensors: Mapping[str, LazyTensor], where: str, cycle: int | None = None, num_layers: int = 0,
+    tensors: Mapping[str, LazyTensor], where: str, cycle: int | None = None, num_layers: int = 0, *,
     axis0: tuple[str, ...] = (),
 ) -> dict[str, LazyTensor]:
     """MaxText's names -> the rules' source names, the layer axis first: a scanned array with

@@ -52,7 +52,7 @@ def maxtext_tensors(named, cfg, *, optimizer: bool, scan_layers: bool = True, dt
         )
     params = res.tensors
     cycle, axis0 = maxtext.layer_cycle(cfg), maxtext.layer_axis_0(cfg)
-    flat: dict[str, Any] = {maxtext.PARAMS + k: t for k, t in maxtext.to_disk(params, scan_layers, cycle, axis0).items()}
+    flat: dict[str, Any] = {maxtext.PARAMS + k: t for k, t in maxtext.to_disk(params, scan_layers, cycle, axis0=axis0).items()}
     step = int(named.step or 0)
     flat[maxtext.STEP] = step
     if optimizer:
@@ -73,7 +73,7 @@ def maxtext_tensors(named, cfg, *, optimizer: bool, scan_layers: bool = True, dt
             if lacking:
                 raise MappingError(f"export --to maxtext --optimizer: no {slot} for {lacking[:10]}")
             got = {k: lazy.cast(got[k], np.float32) for k in params}
-            flat.update({prefix + k: t for k, t in maxtext.to_disk(got, scan_layers, cycle, axis0).items()})
+            flat.update({prefix + k: t for k, t in maxtext.to_disk(got, scan_layers, cycle, axis0=axis0).items()})
         flat[maxtext.ADAM_COUNT] = step
         flat[maxtext.SCHEDULE_COUNT] = step
     return flat
