@@ -228,3 +228,15 @@ def test_the_optimizer_is_refused_for_deepseek():
     with pytest.raises(ConfigError, match=r"--optimizer: MaxText's DeepSeek train state keeps the router bias"):
         maxtext_tensors(named, _cfg(), optimizer=True)
     assert maxtext_tensors(named, _cfg(), optimizer=False)["step"] == 3  # the weights alone are written
+
+
+def test_a_config_of_fewer_layers_is_refused_reading_maxtexts_save(tmp_path):
+    """The save's moe_layers stack holds 2 layers where a 3-layer config wants 1: refused in one
+    line (its tensors are not that model's), not the first layer taken and the rest dropped."""
+    from hybridckpt.errors import HybridCkptError
+
+    config = _config_file(tmp_path, num_hidden_layers=3, layer_types=None, mlp_layer_types=None)
+    out = tmp_path / "out"
+    with pytest.raises(HybridCkptError, match=r"this maxtext checkpoint's tensors are not that model's"):
+        jobs.export_checkpoint(ckpt(CASE), out, config=config)
+    assert not out.exists()
