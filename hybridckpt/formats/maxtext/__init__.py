@@ -39,10 +39,11 @@ def open(path: str, *, config: Any = None, step: int | None = None):  # noqa: A0
     cycle = maxtext.layer_cycle(config) if config is not None else None
     layers = int(config.num_layers) if cycle is not None else 0
     groups = maxtext.scan_groups(config) if cycle is not None else None
+    axis0 = maxtext.layer_axis_0(config) if config is not None else ()
 
     def under(prefix: str) -> dict[str, LazyTensor]:
         return maxtext.from_disk({k[len(prefix):]: v for k, v in leaves.items() if k.startswith(prefix)}, item_dir,
-                                 cycle, layers, groups)
+                                 cycle, layers, groups, axis0=axis0)
 
     params = under(maxtext.PARAMS)
     if not params:
@@ -86,7 +87,7 @@ def _leaves(tree: Any, mesh) -> Any:
         if isinstance(x, int):
             return jax.device_put(jnp.asarray(x, jnp.int32), sharding)
         name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-        stacked = f".{maxtext.LAYERS}" in f".{name}" and x.ndim > maxtext.SCAN_AXIS
+        stacked = any(f".{s}" in f".{name}" for s in maxtext.STACKS) and x.ndim > maxtext.SCAN_AXIS
         return LazyLeaf(x, sharding, name=name, chunk_axes=(maxtext.SCAN_AXIS,) if stacked else (), options=opts)
 
     return jax.tree_util.tree_map_with_path(one, tree, is_leaf=lambda x: isinstance(x, (int, LazyTensor)))

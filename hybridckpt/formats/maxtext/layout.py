@@ -22,6 +22,11 @@ kernel `[experts, layers, in, out]`. Unscanned ones are `decoder.layers_<i>.<pat
 stacked parameter has its layer axis first (`STACK`), as our rules stack; `to_disk` and
 `from_disk` move it.
 
+DeepSeek's decoder scans two stacks (`STACKS`): `decoder.dense_layers.*` and `decoder.moe_layers.*`
+(unscanned `decoder.dense_layers_<i>.*`, `decoder.moe_layers_<i>.*`, each counted from 0); its
+router bias is a MaxText variable, not a param, stacked on axis 0 by the scan: the dialect's
+`LAYER_AXIS_0` names keep their layer axis first on disk.
+
 A decoder of several layer kinds (Llama 4: MoE and dense, NoPE and RoPE layers) is scanned in
 blocks of `inhomogeneous_layer_cycle_interval` (c, the dialect's `layer_cycle(cfg)`) layers: the
 scanned tree is `decoder.layers.layers_<p>.<path>` (p < c), holding layers p, p + c, p + 2c, ...
@@ -63,8 +68,11 @@ SCHEDULE_COUNT = "opt_state.2.count"
 STEP = "step"
 SLOTS = {"exp_avg": MU, "exp_avg_sq": NU}  # our slot name -> its prefix in the item
 LAYERS = "decoder.layers."  # the scanned block: every name under it is stacked
+# every scanned stack: DeepSeek's decoder scans its dense and MoE layers apart (models/deepseek.py)
+STACKS = (LAYERS, "decoder.dense_layers.", "decoder.moe_layers.")
 SCAN_AXIS = 1  # MaxText's param_scan_axis default (configs/base.yml)
 _UNSCANNED = re.compile(r"^decoder\.layers_(\d+)\.(.+)$")
+_UNSCANNED_ANY = re.compile(r"^(decoder\.(?:layers|dense_layers|moe_layers))_(\d+)\.(.+)$")
 _CYCLE_SCANNED = re.compile(r"^decoder\.layers\.layers_(\d+)\.(.+)$")
 
 
@@ -109,6 +117,18 @@ def notes(cfg: Any) -> list[str]:
     return list(fn(cfg)) if fn is not None else []
 
 
+def layer_axis_0(cfg: Any) -> tuple[str, ...]:
+    """Name endings (the dialect's `LAYER_AXIS_0`) of stacked arrays whose layer axis stays at 0
+    when scanned: MaxText's non-Param variables (DeepSeek's router bias, a `MoEBiasVar`) are
+    stacked on axis 0 by its scan, not on `param_scan_axis`."""
+    return tuple(dialect(cfg).get("LAYER_AXIS_0", ()))
+
+
+def stack_of(name: str) -> str | None:
+    """The scanned stack (`STACKS`) `name` lies under, or None."""
+    return next((s for s in STACKS if name.startswith(s)), None)
+
+
 def layer_cycle(cfg: Any) -> int | None:
     """The dialect's scan block (`layer_cycle(cfg)`, MaxText's `inhomogeneous_layer_cycle_interval`)
     when its rules name layers `decoder.layers_$L.*`; None for a stacked (`decoder.layers.X[$L]`) one."""
@@ -135,10 +155,11 @@ def _to_axis(t: LazyTensor) -> LazyTensor:
 
 def to_disk(
     tensors: Mapping[str, LazyTensor], scan_layers: bool = True, cycle: int | None = None,
-    groups: tuple[ScanGroup, ...] | None = None,
+    groups: tuple[ScanGroup, ...] | None = None, *, axis0: tuple[str, ...] = (),
 ) -> dict[str, LazyTensor]:
-    """Names with the layer axis first (`decoder.layers.X`, `[layers, ...]`) -> MaxText's: the
-    axis moved to `SCAN_AXIS` (scanned) or one `decoder.layers_<i>.X` per layer. With `cycle`
+    """Names with the layer axis first (`decoder.layers.X`, `[layers, ...]`; any of `STACKS`) ->
+    MaxText's: the axis moved to `SCAN_AXIS` (scanned; kept at 0 for a name ending in one of
+    `axis0`) or one `decoder.layers_<i>.X` (`decoder.moe_layers_<i>.X`, ...) per layer. With `cycle`
     (the names are per layer, `decoder.layers_<i>.X`): scanned, layers i = b * cycle + p become
     `decoder.layers.layers_<p>.X` with b on `SCAN_AXIS` (lazily stacked), or into `groups`
     (scan_groups.py); unscanned, as they are."""
@@ -149,14 +170,15 @@ def to_disk(
         return _cycle_to_disk(tensors, scan_layers, cycle)
     out: dict[str, LazyTensor] = {}
     for name, t in tensors.items():
-        if not name.startswith(LAYERS):
+        stack = stack_of(name)
+        if stack is None:
             out[name] = t
         elif scan_layers:
-            out[name] = _to_axis(t)
+            out[name] = t if name.endswith(axis0) and axis0 else _to_axis(t)
         else:
-            rest = name[len(LAYERS):]
+            rest = name[len(stack):]
             for i in range(t.shape[0]):
-                out[f"decoder.layers_{i}.{rest}"] = lazy.index0(t, i)
+                out[f"{stack[:-1]}_{i}.{rest}"] = lazy.index0(t, i)
     return out
 
 
@@ -225,7 +247,7 @@ def _cycle_from_disk(tensors: Mapping[str, LazyTensor], where: str, cycle: int, 
 
 def from_disk(
     tensors: Mapping[str, LazyTensor], where: str, cycle: int | None = None, num_layers: int = 0,
-    groups: tuple[ScanGroup, ...] | None = None,
+    groups: tuple[ScanGroup, ...] | None = None, *, axis0: tuple[str, ...] = (),
 ) -> dict[str, LazyTensor]:
     """MaxText's names -> the rules' source names, the layer axis first: a scanned array with
     its layer axis moved to 0, the unscanned `decoder.layers_<i>.X` of layers 0..n-1 stacked
@@ -233,7 +255,9 @@ def from_disk(
     rule stacked deeper than the layers (the experts' `[$L, $E]`) reads either alike. Unscanned
     layers that are not 0..n-1, or differ in shape or dtype, are a FormatError. With `cycle`
     (a model of `num_layers` layers scanned in blocks, module doc): per-layer names
-    `decoder.layers_<i>.X` either way, from `groups` when the block nests them (scan_groups.py)."""
+    `decoder.layers_<i>.X` either way, from `groups` when the block nests them (scan_groups.py). Any
+    of `STACKS` alike (`decoder.moe_layers_<i>.X` -> `decoder.moe_layers.X`); a scanned name ending
+    in one of `axis0` has its layer axis at 0."""
     if cycle is not None and groups is not None:
         return scan_groups_io.from_disk(tensors, where, cycle, groups, num_layers)
     if cycle is not None:
@@ -241,28 +265,34 @@ def from_disk(
     out: dict[str, LazyTensor] = {}
     per_layer: dict[str, dict[int, LazyTensor]] = {}
     for name, t in tensors.items():
-        m = _UNSCANNED.match(name)
+        m = _UNSCANNED_ANY.match(name)
         if m:
-            per_layer.setdefault(m.group(2), {})[int(m.group(1))] = t
-        elif name.startswith(LAYERS):
+            per_layer.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = t
+        elif stack_of(name) is not None:
+            if name.endswith(axis0) and axis0:
+                if t.ndim < 1:
+                    raise FormatError(f"{where}: {name}: a scanned array has a layer axis 0, found shape {t.shape}")
+                out[name] = t
+                continue
             if t.ndim <= SCAN_AXIS:
                 raise FormatError(f"{where}: {name}: a scanned array has a layer axis {SCAN_AXIS}, found shape {t.shape}")
             perm = [SCAN_AXIS] + [a for a in range(t.ndim) if a != SCAN_AXIS]
             out[name] = lazy.transpose(t, perm)
         else:
             out[name] = t
-    for rest, layers in per_layer.items():
-        name = LAYERS + rest
+    for name, layers in per_layer.items():
+        stack = stack_of(name)
+        each = f"{stack[:-1]}_<i>.{name[len(stack):]}"
         if name in out:
-            raise FormatError(f"{where}: {name} is both scanned and unscanned (decoder.layers_<i>.{rest})")
+            raise FormatError(f"{where}: {name} is both scanned and unscanned ({each})")
         if sorted(layers) != list(range(len(layers))):
             raise FormatError(
-                f"{where}: decoder.layers_<i>.{rest}: expected layers 0..{len(layers) - 1}, found {sorted(layers)}"
+                f"{where}: {each}: expected layers 0..{len(layers) - 1}, found {sorted(layers)}"
             )
         parts = [layers[i] for i in range(len(layers))]
         if len({(p.shape, str(p.dtype)) for p in parts}) != 1:
             raise FormatError(
-                f"{where}: decoder.layers_<i>.{rest}: layers differ in shape or dtype "
+                f"{where}: {each}: layers differ in shape or dtype "
                 f"({sorted({(p.shape, str(p.dtype)) for p in parts})})"
             )
         out[name] = lazy.Stack(tuple(parts))

@@ -51,11 +51,15 @@ def maxtext_tensors(named, cfg, *, optimizer: bool, scan_layers: bool = True, dt
             f"(family {maxtext.dialect(cfg).family!r}, {maxtext.dialect(cfg).rules()[1]})"
         )
     params = res.tensors
-    cycle, groups = maxtext.layer_cycle(cfg), maxtext.scan_groups(cfg)
-    flat: dict[str, Any] = {maxtext.PARAMS + k: t for k, t in maxtext.to_disk(params, scan_layers, cycle, groups).items()}
+    cycle, groups, axis0 = maxtext.layer_cycle(cfg), maxtext.scan_groups(cfg), maxtext.layer_axis_0(cfg)
+    flat: dict[str, Any] = {maxtext.PARAMS + k: t
+                            for k, t in maxtext.to_disk(params, scan_layers, cycle, groups, axis0=axis0).items()}
     step = int(named.step or 0)
     flat[maxtext.STEP] = step
     if optimizer:
+        weights_only = maxtext.dialect(cfg).get("WEIGHTS_ONLY")
+        if weights_only:
+            raise ConfigError(f"export --to maxtext --optimizer: {weights_only}")
         if named.step is None:
             raise ConfigError("export --to maxtext --optimizer: the source records no optimizer step")
         missing = [s for s in maxtext.SLOTS if s not in named.slots]
@@ -70,7 +74,7 @@ def maxtext_tensors(named, cfg, *, optimizer: bool, scan_layers: bool = True, dt
             if lacking:
                 raise MappingError(f"export --to maxtext --optimizer: no {slot} for {lacking[:10]}")
             got = {k: lazy.cast(got[k], np.float32) for k in params}
-            flat.update({prefix + k: t for k, t in maxtext.to_disk(got, scan_layers, cycle, groups).items()})
+            flat.update({prefix + k: t for k, t in maxtext.to_disk(got, scan_layers, cycle, groups, axis0=axis0).items()})
         flat[maxtext.ADAM_COUNT] = step
         flat[maxtext.SCHEDULE_COUNT] = step
     return flat

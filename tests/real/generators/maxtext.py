@@ -37,6 +37,8 @@ Llama 4 (`_maxtext_llama4.py`, cases `maxtext_llama4`, weights, and `maxtext_lla
 FSDP2 AdamW run exported with `--optimizer`, restored and stepped by MaxText). Qwen3-Next
 (`_maxtext_qwen3_next.py`, case `maxtext_qwen3_next`, weights: MaxText's `qwen3_next` block ran our
 export of hf524_qwen3_next, scanned as `local_layers` / `global_layer` and unscanned).
+DeepSeek V3.2 (`_maxtext_deepseek_v32.py`, case `maxtext_deepseek_v32`, weights: our export of
+`hf524_deepseek_v32` in MaxText's `deepseek` block, its forward against the case's transformers logits).
 
 Shims (recorded in the manifest): `to_maxtext` reads HF safetensors with `framework="pt"`, which
 needs torch (not installed here): the loader is called with `framework="np"`; the converter's HF
