@@ -6,7 +6,7 @@ import os
 
 from cases import CASES, all_cases, manifest
 
-BUDGET_BYTES = 18 << 20  # the whole committed corpus (tests/real/README.md): 16 MiB until the MaxText cases
+BUDGET_BYTES = 37 << 19  # 18.5 MiB, the whole committed corpus (tests/real/README.md): 16 MiB until the MaxText cases, 18 MiB until maxtext_gpt_oss
 
 
 def _size(path: str) -> int:

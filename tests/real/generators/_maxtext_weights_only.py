@@ -21,7 +21,8 @@ gen = None  # the maxtext generator module (set by it)
 CASES = {"maxtext_mistral": ("mistral_swa", "mistral-7b"), "maxtext_llama4": ("hf524_llama4", "llama4-17b-16e"),
          "maxtext_llama4_adamw": ("hf524_llama4", "llama4-17b-16e"),
          "maxtext_qwen3_next": ("hf524_qwen3_next", "qwen3-next-80b-a3b"),
-         "maxtext_deepseek_v32": ("hf524_deepseek_v32", "deepseek3.2-671b")}
+         "maxtext_deepseek_v32": ("hf524_deepseek_v32", "deepseek3.2-671b"),
+         "maxtext_gpt_oss": ("gpt_oss_mxfp4", "gpt-oss-20b")}
 
 
 def llama4(name: str = "_maxtext_llama4"):
@@ -62,6 +63,8 @@ def generate(CASE: str, out: str, host_python: str) -> None:  # noqa: N803
         return llama4("_maxtext_qwen3_next").generate(CASE, out, host_python)
     if CASE == "maxtext_deepseek_v32":
         return llama4("_maxtext_deepseek_v32").generate(CASE, out, host_python)
+    if CASE == "maxtext_gpt_oss":
+        return llama4("_maxtext_gpt_oss").generate(CASE, out, host_python)
     from flax.training import train_state
     from maxtext.common import checkpointing
     from safetensors.numpy import load_file
