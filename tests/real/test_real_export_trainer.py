@@ -119,21 +119,24 @@ def test_our_optimizer_pt_is_the_trainers_own_file(exported, tmp_path):
 def test_a_wrong_order_or_swapped_groups_are_caught(exported, tmp_path, monkeypatch):
     """The checks can fail: q_proj of layers 0 and 1 swapped (same shapes: torch loads it without a
     word) gives those moments to the wrong parameters; the groups swapped, torch refuses."""
+    import dataclasses
+
     src, ref = exported[0], reference(CASE)
-    real = trainer_write.named_parameters_order
+    real = trainer_write.parameter_order
 
     def swapped(cfg, names):
-        order = real(cfg, names)
+        found = real(cfg, names)
+        order = list(found.names)
         a, b = (order.index(f"model.layers.{i}.self_attn.q_proj.weight") for i in (0, 1))
         order[a], order[b] = order[b], order[a]
-        return order
+        return dataclasses.replace(found, names=tuple(order))
 
-    monkeypatch.setattr(trainer_write, "named_parameters_order", swapped)
+    monkeypatch.setattr(trainer_write, "parameter_order", swapped)
     export_checkpoint(src, str(tmp_path / "o1"), optimizer=True, options={"optimizer_layout": "trainer"})
     model, opt, _, _ = _resume(str(tmp_path / "o1"), 0.1)
     assert sorted(_moment_mismatches(model, opt, ref)) == sorted(
         f"model.layers.{i}.self_attn.q_proj.weight.{s}" for i in (0, 1) for s in SLOTS)
-    monkeypatch.setattr(trainer_write, "named_parameters_order", real)
+    monkeypatch.setattr(trainer_write, "parameter_order", real)
     monkeypatch.setattr(trainer_write, "trainer_groups", lambda names, ln=(): reversed_groups(names))
     export_checkpoint(src, str(tmp_path / "o2"), optimizer=True, options={"optimizer_layout": "trainer"})
     with pytest.raises(ValueError, match="doesn't match the size"):
