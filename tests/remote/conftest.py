@@ -1,0 +1,30 @@
+"""Fixtures for the object-storage tests: an S3-compatible server started and stopped here."""
+
+from __future__ import annotations
+
+import pytest
+from fixtures import s3_server
+
+
+@pytest.fixture(scope="session")
+def s3_shared():
+    """One moto server for the session (tests that do not kill it)."""
+    server = s3_server.start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def s3(s3_shared, monkeypatch):
+    """The session's server, with this test's environment pointing S3 clients at it."""
+    s3_server.apply_env(monkeypatch, s3_shared)
+    return s3_shared
+
+
+@pytest.fixture
+def s3_killable(monkeypatch):
+    """A server of this test's own, which the test may kill mid-transfer."""
+    server = s3_server.start()
+    s3_server.apply_env(monkeypatch, server)
+    yield server
+    server.kill()
