@@ -35,7 +35,10 @@ class Format:
     that is not `name` (Megatron's torch_dist layout is `--to megatron`); options: the writer
     options it takes (`ExportRequest.options` keys) -> the CLI flag that sets each, for messages;
     about: one line on what its writer writes (the CLI's help); check: "module:function" that
-    checks its options' values (with whether the optimizer is asked for) before anything is read."""
+    checks its options' values (with whether the optimizer is asked for) before anything is read;
+    names: "module:function(src, config, param_order, rules=) -> SourceCheckpoint" that names
+    what its reader leaves unnamed until the model config is known (an optimizer state keyed by
+    parameter index: `formats.index_naming`), run by `open_source` right after the reader."""
 
     name: str
     detect: str | None = None
@@ -45,6 +48,7 @@ class Format:
     options: Mapping[str, str] = field(default_factory=dict)
     about: str = ""  # what its writer writes, for `--to`'s help
     check: str | None = None  # "module:function(options, optimizer)": its options checked before any read
+    names: str | None = None  # "module:function": names its reader's index-keyed optimizer state
 
     @property
     def reader(self):
@@ -62,6 +66,7 @@ def _reads(name: str, module: str, **more) -> Format:
 
 
 F = "hybridckpt.formats"
+BY_INDEX = f"{F}.index_naming:name_index_keyed"  # readers that may find an optimizer state keyed by index
 # in detection order, most specific first
 FORMATS: tuple[Format, ...] = (
     _reads("orbax", f"{F}.orbax_store"),  # ours: written by `hybridckpt import` / CheckpointStore
@@ -76,8 +81,8 @@ FORMATS: tuple[Format, ...] = (
            about="a Megatron-Core torch_dist checkpoint (iter_N/) Megatron-LM loads at any tp/pp "
                  "(docs/torch-export.md)"),  # before dcp: a torch_dist folder is a DCP folder too
     _reads("flex-checkpoint", f"{F}.flex_checkpoint"),  # Paddle's {id}.metadata + {rank}_{id}.distcp
-    _reads("hf-trainer", f"{F}.trainer"),  # before dcp, deepspeed and hf: a layer over their files
-    _reads("lightning", f"{F}.lightning"),  # before dcp and torch: a .ckpt/ folder is DCP, a .ckpt file torch
+    _reads("hf-trainer", f"{F}.trainer", names=BY_INDEX),  # before dcp, deepspeed and hf: a layer over their files
+    _reads("lightning", f"{F}.lightning", names=BY_INDEX),  # before dcp and torch: a .ckpt/ folder is DCP, a .ckpt file torch
     _reads("dcp", f"{F}.dcp", write=f"{F}.dcp.write:write_request", options={"files": "--writers"},
            about="a torch Distributed Checkpoint FSDP2 resumes on any number of ranks (get_state_dict + "
                  "dcp.load + set_state_dict)"),
@@ -97,7 +102,7 @@ FORMATS: tuple[Format, ...] = (
            options={"optimizer_layout": "--optimizer-layout"},
            about="an HF single-card safetensors folder (the default; with --optimizer the slots as "
                  "optimizer*.safetensors)"),
-    _reads("torch", f"{F}.torch_file"),  # last: any torch.save file of a state dict, by its bytes
+    _reads("torch", f"{F}.torch_file", names=BY_INDEX),  # last: any torch.save file of a state dict, by its bytes
 )
 READABLE: tuple[Format, ...] = tuple(f for f in FORMATS if f.open is not None)
 NAMES: tuple[str, ...] = tuple(f.name for f in READABLE)  # what `--format` accepts
@@ -187,7 +192,7 @@ def require_store(path: str) -> None:
 
 
 def open_source(path: str, fmt: str = "auto", *, config=None, step: int | None = None,
-                verify_reads: bool = True) -> SourceCheckpoint:
+                verify_reads: bool = True, param_order=None, rules=None) -> SourceCheckpoint:
     """Open `path` (made absolute; an empty one is an error, never the working directory) as
     format `fmt` ("auto" detects it); `config` is a model config, or the path of one
     (`model_config.load_config_file`), for sources that carry none or to override theirs (the
@@ -195,8 +200,11 @@ def open_source(path: str, fmt: str = "auto", *, config=None, step: int | None =
     those skipped in `notes`); `step` picks a step of a source that holds several (default: the format's:
     the latest, or the one its tracker names), a FormatError listing the steps there when it is
     not one of them; our checkpoint's reads are checked against the CRC-32s of its import unless
-    `verify_reads=False`. Its step, its optimizer's step and hyper-parameters come back typed
-    (`checked_steps`)."""
+    `verify_reads=False`. An optimizer state its reader found keyed by parameter index is named
+    by the format's `names` hook, in the order `param_order` gives (names, or a file of them) or
+    the model's (`formats.index_naming`; `rules` is the user's rules file); `param_order` for a
+    format whose optimizer is never keyed by index is a ConfigError. Its step, its optimizer's
+    step and hyper-parameters come back typed (`checked_steps`)."""
     if not isinstance(path, str | os.PathLike) or os.fspath(path) == "":  # (`io.paths.given`'s check)
         raise CheckpointError("an empty path was given as the source: name a folder or file")
     path = os.path.abspath(path)
@@ -220,9 +228,22 @@ def open_source(path: str, fmt: str = "auto", *, config=None, step: int | None =
                 f"{path}: no step {step}: this {fmt} checkpoint holds one step ({held}); a step is picked "
                 f"from a folder of several (step-N/, checkpoint-N/, iter_N/, global_stepN/, N/)"
             )
+    reader = reading(fmt)
+    if reader.names is not None:
+        src = reader.call("names", src, cfg or src.config, param_order, rules=rules)
+    elif param_order is not None and not getattr(param_order, "either_side", False):
+        raise ConfigError(f"{_order_flag(param_order)}: {path} holds no optimizer state keyed by parameter "
+                          f"index (the {fmt} reader names its optimizer itself): nothing to order")
     check_shapes(src)
     files, skipped = model_files_of(src, path, config)
     return checked_steps(replace(src, config=cfg or src.config, files=files, notes=(*src.notes, *skipped)))
+
+
+def _order_flag(param_order) -> str:
+    """How a `param_order` was given, for a message (`--param-order FILE` or `param_order=`)."""
+    if isinstance(param_order, str | os.PathLike):
+        return f"--param-order {os.fspath(param_order)}"
+    return "param_order="
 
 
 def checked_steps(src: SourceCheckpoint) -> SourceCheckpoint:

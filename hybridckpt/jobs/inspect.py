@@ -66,7 +66,6 @@ def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, s
     from hybridckpt.formats import orbax_store as store_source
     from hybridckpt.formats import registry
     from hybridckpt.io.paths import given
-    from hybridckpt.jobs import index_optimizer
 
     path = os.path.abspath(given(path, "the source"))
     fmt = registry.detect(path) if fmt == "auto" else fmt
@@ -76,10 +75,9 @@ def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, s
         notes = [held.note(step)] if step is not None and held is not None and held.folders else []
         return _in_order({**info, "notes": notes + info["notes"], "default_step": max(info["steps"]) if info["steps"]
                           and store_source.root_and_step(path)[1] is None else info["step"]})
-    src = registry.open_source(path, fmt, config=config, step=step)
-    held = registry.step_folders(path, fmt)
+    src = registry.open_source(path, fmt, config=config, step=step, param_order=param_order)
+    held = registry.step_folders(path, fmt)  # (an index-keyed optimizer's naming and why: a note)
     cfg, files = src.config, src.files
-    src = index_optimizer.resolve(src, cfg, param_order)  # (its decision and why: a note)
     info: dict[str, Any] = {
         "format": src.format,
         "path": path,

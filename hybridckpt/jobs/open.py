@@ -18,7 +18,6 @@ from typing import Any
 from hybridckpt import naming
 from hybridckpt.errors import ConfigError
 from hybridckpt.io.model_files import ModelFile
-from hybridckpt.jobs import index_optimizer
 from hybridckpt.naming import Named
 
 
@@ -83,13 +82,12 @@ def open_checkpoint(
       copies dropped, every name and shape checked: `naming.model_hf`), as an export writes them.
     param_order: the parameter names in index order (a sequence, or a file of one name a line)
       of an optimizer state keyed by index (HF Trainer, accelerate, a plain torch loop), instead
-      of the order the model and the writing tool give (`jobs.index_optimizer`).
+      of the order the model and the writing tool give (`formats.index_naming`).
     """
     from hybridckpt.formats import registry
 
-    src = registry.open_source(path, fmt, config=config, step=step, verify_reads=verify_reads)
-    src = index_optimizer.resolve(src, src.config, param_order,
-                                  user_rules=naming.user_rules(src, src.config, rules) if rules else None)
+    src = registry.open_source(path, fmt, config=config, step=step, verify_reads=verify_reads,
+                               param_order=param_order, rules=rules)
     names = naming.names_of(src, src.config, rules=rules, strict=strict, model_only=model_only)
     return Opened(src.format, os.path.abspath(os.fspath(path)), names.config, names.named, dict(src.trainer),
                   dict(src.topology), names.named.notes, names.hyper, names.leaf_of, names.hf_of, dict(src.files))

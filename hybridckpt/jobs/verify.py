@@ -144,7 +144,7 @@ def verify(
 
 
 def _verify(a, b, *, atol, config, progress, params_only, verify_reads, step, param_order=None):
-    from hybridckpt.jobs.index_optimizer import IfIndexKeyed, order_arg
+    from hybridckpt.formats.index_naming import IfIndexKeyed, order_arg
     from hybridckpt.jobs.open import open_checkpoint
 
     step_a, step_b = _steps_of(a, b, step)

@@ -1,5 +1,5 @@
 """An index-keyed optimizer state of Qwen2.5-VL, Qwen3-VL and Qwen3-Next named by the model
-(`jobs.index_optimizer`, the families' `named_parameters()` order), against transformers' own run.
+(`formats.index_naming`, the families' `named_parameters()` order), against transformers' own run.
 
 Each case: a tiny model built by transformers 5.24, one AdamW step over the HF Trainer's two
 groups (`Trainer.get_decay_parameter_names`: decay names, then the rest, each in
@@ -21,7 +21,6 @@ import pytest
 from safetensors.numpy import load_file
 
 from hybridckpt.formats.registry import open_source
-from hybridckpt.jobs import index_optimizer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -86,9 +85,9 @@ def _trainer_folder(tmp_path, arch: str, kwargs: dict, original: bool):
 @pytest.mark.parametrize("case", CASES)
 def test_every_moment_under_its_saved_name(tmp_path, case):
     folder, truth = _trainer_folder(tmp_path, *CASES[case])
-    src = open_source(folder)
-    assert src.optimizer is None and src.index_optimizer is not None
-    got = index_optimizer.resolve(src, src.config)
+    got = open_source(folder)  # (read keyed by index, named by the registry's `names` hook)
+    assert got.index_optimizer is not None and got.optimizer is not None
+    src = got
     family = src.config.family
     assert any(f"named_parameters() order of {family}" in n for n in got.notes), got.notes
     for slot, want in truth.items():

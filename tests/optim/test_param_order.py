@@ -184,7 +184,7 @@ def test_named_parameters_order_is_transformers(name):
     if cfg.family not in FUSED_IN_MEMORY:  # the table's HF names are the module's names
         assert hub == shapes
     else:  # the live (fused) names and shapes, read back from the Hub's by the family's name fixes
-        from hybridckpt.jobs.index_optimizer import _live_names
+        from hybridckpt.formats.index_naming import _live_names
 
         live = _live_names(cfg, hub)[0]
         # (DeepSeek V3's and GLM-4.5's router bias is a param of the table but a buffer of
@@ -217,7 +217,7 @@ def test_a_router_bias_transformers_does_not_train_is_refused(name):
     (no optimizer index), ERNIE 4.5's a frozen parameter (`requires_grad=False`: the Trainer
     leaves it out, `AdamW(model.parameters())` puts it in): no rule numbers the params around
     it, so names holding it (as the checkpoint's live names or the Hub's) are refused."""
-    from hybridckpt.jobs.index_optimizer import _live_names
+    from hybridckpt.formats.index_naming import _live_names
 
     cfg = VARIANTS[name]
     model = _hf_model(cfg)
@@ -239,7 +239,7 @@ def test_the_mtp_modules_transformers_does_not_build_are_refused(name, mtp):
     """A checkpoint holding the MTP modules (GLM-4.5's `model.layers.{L}`, ERNIE's `model.mtp_*`)
     has params transformers' module does not build: its optimizer's indices are not theirs,
     refused (the variant's test above orders the same config's names without them)."""
-    from hybridckpt.jobs.index_optimizer import _live_names
+    from hybridckpt.formats.index_naming import _live_names
 
     cfg = VARIANTS[name]
     hub = naming.model_hf_shapes(cfg)

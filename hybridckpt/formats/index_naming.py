@@ -1,8 +1,11 @@
 """Where an index-keyed optimizer state gets its names: once the model config is known.
 
 A reader that finds a torch optimizer state keyed by parameter index (`formats.index_optim`)
-sets `SourceCheckpoint.index_optimizer` and no `optimizer`. `resolve` names it, before the
-renames of `naming` run, so the slots travel under the source's names like any other format's:
+sets `SourceCheckpoint.index_optimizer` and no `optimizer`; its registry line declares
+`names="...index_naming:name_index_keyed"`, which `formats.registry.open_source` runs right after
+the reader, so the source leaves the registry with its optimizer named like any other format's
+(a reader that names its optimizer itself, DeepSpeed's or Megatron's, needs no such line).
+`resolve` names it, before the renames of `naming` run, so the slots travel under the source's names like any other format's:
 the model's params (the source's tensors under HF names, `naming.leaf_namer`, those the model
 has, `naming.model_hf_shapes`) in `named_parameters()` order (`optim.param_order`), grouped by
 the writing tool's rule, or the names given (`--param-order FILE` / `param_order=`), checked
@@ -49,6 +52,8 @@ class IfIndexKeyed(tuple):
     """Parameter names in index order for whichever checkpoint holds an index-keyed optimizer
     state (`verify`'s two sides), not refused by one that holds none; `source` names them."""
 
+    either_side = True  # (`registry.open_source` refuses any other param_order a format cannot use)
+
     def __new__(cls, names: Sequence[str], source: str):
         self = super().__new__(cls, names)
         self.source = source
@@ -68,6 +73,16 @@ def order_arg(param_order: Any) -> tuple[list[str] | None, str]:
         return list(param_order), "param_order="
     raise ConfigError(f"param_order=: expected a sequence of parameter names or a file path, "
                       f"found {type(param_order).__name__}")
+
+
+def name_index_keyed(src: SourceCheckpoint, cfg: Any, param_order: Any = None, *,
+                     rules: str | os.PathLike | None = None) -> SourceCheckpoint:
+    """The registry's `names` hook (module doc): `resolve` with the user's `--rules` file, if
+    any, read against the source (`naming.user_rules`)."""
+    from hybridckpt import naming
+
+    user_rules = naming.user_rules(src, cfg, rules) if rules else None
+    return resolve(src, cfg, param_order, user_rules=user_rules)
 
 
 def resolve(src: SourceCheckpoint, cfg: Any, param_order: Any = None, *, user_rules=None) -> SourceCheckpoint:
