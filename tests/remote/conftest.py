@@ -28,3 +28,22 @@ def s3_killable(monkeypatch):
     s3_server.apply_env(monkeypatch, server)
     yield server
     server.kill()
+
+
+@pytest.fixture(scope="session")
+def gcs_shared():
+    """One GCS emulator for the session (tests that do not kill it)."""
+    from fixtures import gcs_server
+
+    server = gcs_server.start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def gcs(gcs_shared, monkeypatch):
+    """The session's GCS emulator, with this test's environment pointing GCS clients at it."""
+    from fixtures import gcs_server
+
+    gcs_server.apply_env(monkeypatch, gcs_shared)
+    return gcs_shared

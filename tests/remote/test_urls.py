@@ -47,3 +47,11 @@ def test_endpoint_from_environment(s3):
 def test_unknown_scheme_is_one_line():
     with pytest.raises(ConfigError, match="no fsspec backend"):
         urls.filesystem(urls.parse("nosuchscheme://b/x"))
+
+
+def test_gcs_emulator_serves_byte_ranges(gcs):
+    fs = urls.filesystem(urls.parse("gs://probe-gcs/x"))
+    fs.mkdir("probe-gcs")
+    fs.pipe("probe-gcs/x", bytes(range(256)) * 4)
+    assert fs.cat_file("probe-gcs/x", start=10, end=20) == bytes(range(10, 20))
+    assert fs.size("probe-gcs/x") == 1024

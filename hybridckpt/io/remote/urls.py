@@ -6,7 +6,9 @@ is imported only here and only when a URL asks for it, so a user of local paths 
 fsspec nor s3fs/gcsfs; a missing backend is one ConfigError naming the extra that installs it.
 Credentials are the backend's own business (environment, config files, instance metadata): they
 are never read, printed or logged here. `AWS_ENDPOINT_URL` / `AWS_ENDPOINT_URL_S3` (an
-S3-compatible server) are honoured for `s3://` by passing them to s3fs explicitly.
+S3-compatible server) are honoured for `s3://` by passing them to s3fs explicitly; under
+`STORAGE_EMULATOR_HOST` (a GCS emulator, which serves the JSON API only) `gs://` takes gcsfs's
+plain filesystem, not the extended one that first asks a gRPC control API for each bucket's type.
 """
 
 from __future__ import annotations
@@ -78,6 +80,10 @@ def filesystem(url: RemoteUrl):
         if endpoint:
             options["client_kwargs"] = {"endpoint_url": endpoint}
     try:
+        if url.scheme in ("gs", "gcs") and os.environ.get("STORAGE_EMULATOR_HOST"):
+            from gcsfs.core import GCSFileSystem
+
+            return GCSFileSystem(**options)
         return fsspec.filesystem(url.scheme, **options)
     except (ImportError, ValueError) as e:
         extra = EXTRAS.get(url.scheme)
