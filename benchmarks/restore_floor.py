@@ -9,7 +9,9 @@ raw chunk files, a CRC-32 per chunk). Then, `--repeat` rounds, the order of the 
 swapped each round:
 
 - warm (page cache holds the chunk files, as after an import that read them back or a restore
-  before): the floor is `cat` of exactly the chunk files the restore needs to /dev/null; the row
+  before): two floors, `cat` of exactly the chunk files the restore needs to /dev/null, and the
+  same files pread into fresh buffers all held to the end (`fresh_read_floor`: the memory a
+  restore's arrays are, faulted in, which `cat` never touches); the row
   is `hybridckpt.restore(ck, "fsdp=4", profile=True)` in a fresh process, from the call until
   every array is on its devices (JAX, Orbax and hybridckpt's modules loaded before it: the
   process's wall, with them, is reported beside it);
@@ -19,7 +21,8 @@ swapped each round:
 
 fsdp=2,tp=2 -> fsdp=4 cuts every stored chunk in two (each device needs half the rows of two
 chunks), the case where a CRC-checked read could read a chunk more than once. Prints per kind the
-medians, the ratio to the floor, the bytes the restore read (`io.byte_source.count_reads`, in the
+medians (also of the account's own wall time, which leaves out what precedes and follows
+`timing.account`), the ratio to the floor, the bytes the restore read (`io.byte_source.count_reads`, in the
 child) over the bytes of the chunk files, the peak RSS, and the account of the median run (the
 `--profile` table, `io.timing`). Records: docs/benchmarks.md "Restore onto another mesh at the
 read floor".
@@ -99,6 +102,32 @@ def direct_read_floor(paths: list[str]) -> float:
     return time.perf_counter() - t0
 
 
+def fresh_read_floor(paths: list[str]) -> float:
+    """Seconds to pread `paths` into fresh buffers of their sizes, all kept until the last is
+    read (page cache warm): the bytes in memory the process owns, as a restore's arrays are
+    (`cat` reads into one small buffer the CPU cache holds, and touches no new page)."""
+    import numpy as np
+
+    t0 = time.perf_counter()
+    held = []
+    for p in paths:
+        buf = np.empty(os.path.getsize(p), dtype=np.uint8)
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            done = 0
+            while done < len(buf):
+                got = os.preadv(fd, [memoryview(buf)[done:]], done)
+                if got == 0:
+                    raise OSError(f"{p}: short read at {done}")
+                done += got
+        finally:
+            os.close(fd)
+        held.append(buf)
+    dt = time.perf_counter() - t0
+    del held
+    return dt
+
+
 def child(ck: str) -> dict:
     """One restore in this process: its seconds (modules loaded before), the process's wall,
     the bytes it read from chunk files, its peak RSS and its account."""
@@ -141,6 +170,7 @@ def report(kind: str, runs: list[dict], floor_runs: list[float], floor_name: str
         "floor": floor_name,
         "floor_s": round(floor, 3),
         "over_floor": round(job / floor, 2),
+        "account_wall_s": round(statistics.median(Profile.from_json(r["profile"]).wall_s for r in runs), 3),
         "process_wall_s": round(statistics.median(r["wall_s"] for r in runs), 3),
         "read_over_stored": round(med["read_bytes"] / stored, 4),
         "placed_bytes": med["placed_bytes"],
@@ -177,13 +207,14 @@ def main() -> None:
                                                              JAX_PLATFORMS="cpu"))
         files = chunk_files(ck)
         stored = sum(os.path.getsize(p) for p in files)
-        runs: dict[str, list] = {"warm": [], "cold": [], "warm_floor": [], "cold_floor": []}
+        runs: dict[str, list] = {"warm": [], "cold": [], "warm_floor": [], "fresh_floor": [], "cold_floor": []}
         _child(ck)  # a warm-up, not counted: the modules' files cached
         for i in range(a.repeat):
             for kind in ("warm", "cold") if i % 2 == 0 else ("cold", "warm"):
                 if kind == "warm":
                     floors.read_floor(files)  # (pages in)
                     runs["warm_floor"].append(floors.read_floor(files))
+                    runs["fresh_floor"].append(fresh_read_floor(files))
                     runs["warm"].append(_child(ck))
                 else:
                     drop_pages(files)
@@ -193,6 +224,7 @@ def main() -> None:
         print(f"{len(files)} chunk files, {stored / 1e6:.0f} MB; {os.cpu_count()} CPUs; load average "
               f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
         rows = [report("warm", runs["warm"], runs["warm_floor"], "cat to /dev/null, page cache warm", stored),
+                report("warm", runs["warm"], runs["fresh_floor"], "pread into fresh buffers, page cache warm", stored),
                 report("cold", runs["cold"], runs["cold_floor"], "O_DIRECT reads, pages dropped", stored)]
         print(json.dumps({"gib": a.gib, "repeat": a.repeat, "stored_bytes": stored, "rows": rows}, indent=1))
     finally:
