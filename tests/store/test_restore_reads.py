@@ -152,3 +152,31 @@ def test_a_damaged_chunk_the_target_cuts_is_still_caught(store, tmp_path, many_r
         f.write(bytes([b[0] ^ 0x10]))
     with pytest.raises(CheckpointError, match=r"layers\.up\.kernel: chunk 0\.0\.0 .*CRC-32"):
         hybridckpt.restore(bad, fit_pair(fit(SAVED), TARGETS[0])[1])
+
+
+def test_the_rest_kept_for_another_process_is_given_back(store):
+    """A process whose devices need one piece of a cut chunk (the rest is another host's) keeps
+    the rest within the shared budget while its boxes are read, and gives it back after
+    (`CheckedArray.release`, called by `read_tree` once an array is placed)."""
+    src, ck = store
+    step = next(d for d in os.listdir(ck) if d.isdigit())
+    folder = os.path.join(ck, step, "params")
+    from hybridckpt.containers.orbax.reader import item_arrays
+
+    state = read_trainer_state(ck)
+    arrays = checked.checked_arrays({"params.layers.up.kernel": item_arrays(folder)["layers.up.kernel"]},
+                                    state, "", folder)
+    t = arrays["params.layers.up.kernel"]
+    chunk = t.chunk
+    assert chunk[1] > 1  # (rows of a chunk to cut)
+    box = tuple((0, c) for c in chunk[:1]) + ((0, chunk[1] // 2),) + tuple((0, c) for c in chunk[2:])
+    before = checked._HeldChunks.budget_used[0]  # noqa: SLF001
+    out = np.empty([b - a for a, b in box], dtype=t.dtype)
+    with count_reads() as counter:
+        t.read_into(box, out)
+    assert tally(counter)[0] == int(np.prod(chunk)) * t.dtype.itemsize  # the chunk whole, to check it
+    assert checked._HeldChunks.budget_used[0] - before == 2 * out.nbytes  # noqa: SLF001  (kept for its other half)
+    t.release()
+    assert checked._HeldChunks.budget_used[0] == before  # noqa: SLF001
+    up0 = load_file(os.path.join(src, "model.safetensors"))["model.layers.0.mlp.up_proj.weight"].T  # (a kernel)
+    assert out[0].tobytes() == np.ascontiguousarray(up0[box[1][0]:box[1][1], box[2][0]:box[2][1]]).tobytes()
