@@ -119,7 +119,7 @@ def test_a_chunk_cut_by_the_target_mesh_is_read_once(store, target, many_readers
     for _ in range(3):  # (the threads meet differently from run to run)
         cfg, r, read = restore_counted(ck, mesh)
         needed, cut = needed_bytes(ck, r.params)
-        assert cut > 0 or mesh == fit(SAVED)  # the mesh cuts chunks (but on one device)
+        assert cut > 0 or jax.device_count() < 4  # the mesh cuts chunks (on 2 devices it may not)
         assert read <= 1.05 * needed, (mesh, read / needed)
         assert read >= needed  # every chunk touched, read
         assert r.profile.stage("checksum").bytes == needed  # ... and checked, each once
