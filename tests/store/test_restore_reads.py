@@ -180,3 +180,65 @@ def test_the_rest_kept_for_another_process_is_given_back(store):
     assert checked._HeldChunks.budget_used[0] == before  # noqa: SLF001
     up0 = load_file(os.path.join(src, "model.safetensors"))["model.layers.0.mlp.up_proj.weight"].T  # (a kernel)
     assert out[0].tobytes() == np.ascontiguousarray(up0[box[1][0]:box[1][1], box[2][0]:box[2][1]]).tobytes()
+
+
+def _up_kernel(ck: str) -> checked.CheckedArray:
+    from hybridckpt.containers.orbax.reader import item_arrays
+
+    step = next(d for d in os.listdir(ck) if d.isdigit())
+    folder = os.path.join(ck, step, "params")
+    return checked.checked_arrays({"params.layers.up.kernel": item_arrays(folder)["layers.up.kernel"]},
+                                  read_trainer_state(ck), "", folder)["params.layers.up.kernel"]
+
+
+def _halves(t: checked.CheckedArray) -> list[tuple]:
+    """The two halves (rows) of the array's first chunk."""
+    c = t.chunk
+    return [((0, 1), (a, b), (0, c[2])) for a, b in ((0, c[1] // 2), (c[1] // 2, c[1]))]
+
+
+def _dry(t: checked.CheckedArray, boxes) -> int:
+    from hybridckpt.io.byte_source import planning
+
+    with count_reads(this_thread=True) as plan, planning(), np.errstate(all="ignore"):
+        for box in boxes:
+            t.read_into(box, np.zeros([b - a for a, b in box], dtype=t.dtype))
+    return tally(plan)[0]
+
+
+def test_a_dry_read_leaves_nothing_a_real_read_would_take(store):
+    """A read plan (`io.byte_source.planning`: an import sizing its tiles reads the first one dry,
+    `store.stream.leaf_tile_bytes`) of a box that cuts a chunk is counted as the real read would
+    be, and leaves no state behind: before, it kept its unread buffer as the chunk's rest and
+    marked the chunk checked, so a real read that followed took the plan's garbage for its
+    values, or read the chunk unchecked."""
+    src, ck = store
+    t = _up_kernel(ck)
+    halves = _halves(t)
+    chunk_bytes = int(np.prod(t.chunk)) * t.dtype.itemsize
+    assert _dry(t, halves[:1]) == chunk_bytes  # the chunk whole, as the real read below
+    up0 = load_file(os.path.join(src, "model.safetensors"))["model.layers.0.mlp.up_proj.weight"].T
+    with count_reads() as real:
+        for box in halves:
+            out = np.empty([b - a for a, b in box], dtype=t.dtype)
+            t.read_into(box, out)
+            assert out[0].tobytes() == np.ascontiguousarray(up0[box[1][0]:box[1][1], : t.chunk[2]]).tobytes()
+    assert tally(real)[0] == chunk_bytes
+
+
+def test_a_dry_read_does_not_mark_a_chunk_checked(store, tmp_path):
+    _, ck = store
+    bad = str(tmp_path / "ck")
+    shutil.copytree(ck, bad)
+    step = next(d for d in os.listdir(bad) if d.isdigit())
+    with open(os.path.join(bad, step, "params", "layers.up.kernel", "0.0.0"), "r+b") as f:
+        f.seek(8)
+        b = f.read(1)
+        f.seek(8)
+        f.write(bytes([b[0] ^ 0x01]))
+    t = _up_kernel(bad)
+    halves = _halves(t)
+    _dry(t, halves)
+    with pytest.raises(CheckpointError, match=r"chunk 0\.0\.0 .*CRC-32"):
+        for box in halves:
+            t.read_into(box, np.empty([b - a for a, b in box], dtype=t.dtype))
