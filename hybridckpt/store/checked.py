@@ -7,8 +7,13 @@ no byte of it reaches a caller unchecked:
 
 - `read_into(box, out)`: each grid chunk the box covers whole is read into `out` (or a scratch
   buffer when `out` is strided or cast) and its CRC compared; a chunk the box cuts is read whole
-  once, checked, and remembered as checked (later pieces of it are read as they are). So a box
-  reads at most the chunks it touches, as TensorStore itself does.
+  once, by one thread (`_reading`; another box's thread that needs it meanwhile reads its other
+  chunks first, then waits), checked, its piece cut out and its rest kept (`_HeldChunks`) for the
+  boxes that need the rest, which cut their pieces from memory. So a restore onto a mesh that cuts
+  chunks reads each chunk it touches once (`tests/store/test_restore_reads.py` counts it); only
+  past the budget of kept bytes is a later piece read again from the file, that piece alone.
+  A dry read (`io.byte_source.planning`: an import sizing its tiles) is counted as the real one
+  would be and leaves nothing behind: no buffer kept, no chunk marked checked.
 - `file_runs(box, limit)`: an export that copies stored bytes file to file gets runs that carry
   a `RunCheck` per chunk; the copier feeds it the bytes as they pass (into its write buffer, or
   read back where the kernel copied them) and the CRC is compared when a chunk's last byte has
@@ -111,6 +116,12 @@ class _HeldChunks:
             self._held[pos] = [data, left]
             self._bytes[0] += data.nbytes
 
+    def clear(self) -> None:
+        """Drop every chunk kept, giving their bytes back to the budget."""
+        with self._lock:
+            self._held.clear()
+            _HeldChunks._give_back(self._bytes)
+
     def take(self, pos: int, elements: int) -> np.ndarray | None:
         with self._lock:
             entry = self._held.get(pos)
@@ -139,6 +150,9 @@ class CheckedArray(LazyTensor):
         self._grid = tuple(-(-n // c) if n else 0 for n, c in zip(self.shape, self.chunk, strict=True))
         self._checked: set[int] = set()
         self._held = _HeldChunks()
+        self._lock = threading.Lock()
+        self._reading: dict[int, threading.Event] = {}  # chunks being read whole now, by one thread
+        self._planned: set[int] = set()  # chunks a dry read (`io.byte_source.planning`) counted whole
 
     # -- the grid --------------------------------------------------------------------------------
     def _chunks(self, box: Box):
@@ -153,8 +167,10 @@ class CheckedArray(LazyTensor):
 
     def compare(self, pos: int, crc: int) -> None:
         """Raise unless chunk `pos` has the CRC-32 recorded at import."""
+        if planned():  # a read plan's buffers hold no file bytes: nothing checked, nothing marked
+            return
         want = int(self.crcs[pos])
-        if crc != want and not planned():  # (a read plan's buffers hold no file bytes)
+        if crc != want:
             raise CheckpointError(
                 f"{self.where}: array {self.name}: chunk {self._position(pos)} ({self._describe(pos)}"
                 f"{self._file(pos)}) has CRC-32 {crc:08x}, {want:08x} was recorded at import: the stored "
@@ -188,6 +204,7 @@ class CheckedArray(LazyTensor):
     def read_into(self, box: Box, out: np.ndarray) -> None:
         if out.size == 0:
             return
+        later = []  # pieces of chunks another thread is reading whole now: taken after the rest
         for pos, cbox in self._chunks(box):
             sub = tuple((max(a, ca), min(b, cb)) for (a, b), (ca, cb) in zip(box, cbox, strict=True))
             dst = out[tuple(slice(s - a, e - a) for (s, e), (a, _) in zip(sub, box, strict=True)) or ...]
@@ -200,20 +217,64 @@ class CheckedArray(LazyTensor):
                     self.compare(pos, _crc(tmp))
                     with timing.stage("cut"):
                         copy_into(dst, tmp)
-            else:
-                piece = tuple(slice(s - a, e - a) for (s, e), (a, _) in zip(sub, cbox, strict=True)) or ...
-                held = self._held.take(pos, int(np.prod(box_shape(sub))))
-                if held is not None:  # read whole for an earlier piece: the rest comes from memory
-                    with timing.stage("cut"):
-                        copy_into(dst, held[piece])
-                elif pos in self._checked:
-                    self.inner.read_into(sub, dst)
-                else:  # a piece of a chunk not checked yet: the chunk whole, once, its rest kept
-                    tmp = self.inner.read_box(cbox)
-                    self.compare(pos, _crc(tmp))
-                    with timing.stage("cut"):
-                        copy_into(dst, tmp[piece])
-                    self._held.keep(pos, tmp, tmp.size - int(np.prod(box_shape(sub))))
+            elif not self._piece(pos, cbox, sub, dst, wait=False):
+                later.append((pos, cbox, sub, dst))
+        for pos, cbox, sub, dst in later:
+            self._piece(pos, cbox, sub, dst, wait=True)
+
+    def _piece(self, pos: int, cbox: Box, sub: Box, dst: np.ndarray, *, wait: bool) -> bool:
+        """Read `sub`, a piece of chunk `pos` (box `cbox`), into `dst`; False (nothing done)
+        when another thread is reading that chunk whole now and `wait` is False.
+
+        A chunk is read from its file once: the first piece of it reads it whole (one thread
+        at a time, `_reading`), checks it and keeps the rest (`_HeldChunks`); the other pieces
+        are cut from what is kept, or wait for the read under way. Only where the kept bytes
+        were past their budget is a later piece read again, that piece alone (the chunk was
+        checked)."""
+        if planned():  # a dry read: counted as the real one reads, no buffer kept, nothing marked
+            with self._lock:
+                first = pos not in self._planned
+                self._planned.add(pos)
+            if first:
+                self.inner.read_box(cbox)
+            return True
+        piece = tuple(slice(s - a, e - a) for (s, e), (a, _) in zip(sub, cbox, strict=True)) or ...
+        elements = int(np.prod(box_shape(sub)))
+        while True:
+            with self._lock:
+                held = self._held.take(pos, elements)
+                reading = None if held is not None else self._reading.get(pos)
+                mine = None
+                if held is None and reading is None and pos not in self._checked:
+                    self._reading[pos] = mine = threading.Event()
+            if held is not None:  # read whole for an earlier piece: the rest comes from memory
+                with timing.stage("cut"):
+                    copy_into(dst, held[piece])
+                return True
+            if reading is not None:  # another thread reads it whole now
+                if not wait:
+                    return False
+                reading.wait()
+                continue
+            if mine is None:  # checked, but not kept (over the budget): this piece alone
+                self.inner.read_into(sub, dst)
+                return True
+            try:  # a piece of a chunk not checked yet: the chunk whole, once, its rest kept
+                tmp = self.inner.read_box(cbox)
+                self.compare(pos, _crc(tmp))
+                with timing.stage("cut"):
+                    copy_into(dst, tmp[piece])
+                self._held.keep(pos, tmp, tmp.size - elements)
+            finally:
+                with self._lock:
+                    del self._reading[pos]
+                mine.set()
+            return True
+
+    def release(self) -> None:
+        """Give back the chunk bytes kept for pieces not read (another process's devices hold
+        them): call when every box of this process has been read."""
+        self._held.clear()
 
     def file_runs(self, box: Box, limit: int) -> list[FileRun] | None:
         """The inner runs of a box of whole chunks, each carrying its chunk's `RunCheck`; None
@@ -374,5 +435,7 @@ def read_tree(step_dir: str, item: str, target, state: Mapping):
         t.name = key
         arr, _ = to_array(t, leaf.sharding, np.dtype(leaf.dtype) if np.dtype(leaf.dtype) != t.dtype else None,
                           with_checksum=False)
+        if isinstance(t, CheckedArray):
+            t.release()  # (the rest of chunks cut for another process's devices)
         leaves.append(arr)
     return jax.tree_util.tree_unflatten(treedef, leaves)

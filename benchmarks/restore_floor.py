@@ -1,0 +1,236 @@
+"""Benchmark: a restore of our store onto another mesh against the read floor of the bytes it
+needs, measured in the same run (issue 42).
+
+    python benchmarks/restore_floor.py [--gib 0.25] [--repeat 3] [--dir DIR]
+
+Writes an HF Llama folder (fp32 safetensors, trained-like values: `orbax_speed.write_hf`) of
+about `--gib` GiB and imports it once onto fsdp=2,tp=2 (8 simulated CPU devices, default flags:
+raw chunk files, a CRC-32 per chunk). Then, `--repeat` rounds, the order of the two kinds of run
+swapped each round:
+
+- warm (page cache holds the chunk files, as after an import that read them back or a restore
+  before): two floors, `cat` of exactly the chunk files the restore needs to /dev/null, and the
+  same files pread into fresh buffers all held to the end (`fresh_read_floor`: the memory a
+  restore's arrays are, faulted in, which `cat` never touches); the row
+  is `hybridckpt.restore(ck, "fsdp=4", profile=True)` in a fresh process, from the call until
+  every array is on its devices (JAX, Orbax and hybridckpt's modules loaded before it: the
+  process's wall, with them, is reported beside it);
+- cold (those files' pages dropped with `posix_fadvise(POSIX_FADV_DONTNEED)`, which needs no root
+  and touches no other file): the floor is the same bytes read with `O_DIRECT` into 4 KiB-aligned
+  8 MiB buffers, file after file; the row the same restore after the pages are dropped again.
+
+fsdp=2,tp=2 -> fsdp=4 cuts every stored chunk in two (each device needs half the rows of two
+chunks), the case where a CRC-checked read could read a chunk more than once. Prints per kind the
+medians (also of the account's own wall time, which leaves out what precedes and follows
+`timing.account`), the ratio to the floor, the bytes the restore read (`io.byte_source.count_reads`, in the
+child) over the bytes of the chunk files, the peak RSS, and the account of the median run (the
+`--profile` table, `io.timing`). Records: docs/benchmarks.md "Restore onto another mesh at the
+read floor".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.abspath(__file__)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import floors  # noqa: E402
+from orbax_speed import hf_layers  # noqa: E402
+
+IMPORT_MESH, RESTORE_MESH = "fsdp=2,tp=2", "fsdp=4"
+CHUNK_FILE = re.compile(r"^\d+(\.\d+)*$")  # a raw chunk file: its grid position
+BLOCK = 8 << 20
+
+
+def _devices() -> None:
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def chunk_files(ck: str) -> list[str]:
+    """The chunk files of every step's params and opt_state (what a restore of it reads)."""
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(ck) for f in fs if CHUNK_FILE.match(f))
+
+
+def drop_pages(paths: list[str]) -> None:
+    """Evict these files' clean pages from the page cache (theirs only: no root, no other file)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def direct_read_floor(paths: list[str]) -> float:
+    """Seconds to read `paths` with O_DIRECT (bypassing the page cache) into aligned buffers,
+    file after file; the unaligned tail of a file through the page cache."""
+    from hybridckpt.io import direct_io
+
+    buf = direct_io.aligned_empty((BLOCK,), "uint8")
+    t0 = time.perf_counter()
+    for p in paths:
+        n = os.path.getsize(p)
+        whole = n - n % direct_io.DIRECT_ALIGN
+        fd = direct_io.open_direct(p, os.O_RDONLY)
+        if fd is None:
+            raise SystemExit(f"{p}: the filesystem refused O_DIRECT")
+        try:
+            done = 0
+            while done < whole:
+                want = min(BLOCK, whole - done)
+                if os.preadv(fd, [memoryview(buf)[:want]], done) != want:
+                    raise OSError(f"{p}: short read at {done}")
+                done += want
+        finally:
+            os.close(fd)
+        if n > whole:
+            with open(p, "rb") as f:
+                f.seek(whole)
+                f.read()
+    return time.perf_counter() - t0
+
+
+def fresh_read_floor(paths: list[str]) -> float:
+    """Seconds to pread `paths` into fresh buffers of their sizes, all kept until the last is
+    read (page cache warm): the bytes in memory the process owns, as a restore's arrays are
+    (`cat` reads into one small buffer the CPU cache holds, and touches no new page)."""
+    import numpy as np
+
+    t0 = time.perf_counter()
+    held = []
+    for p in paths:
+        buf = np.empty(os.path.getsize(p), dtype=np.uint8)
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            done = 0
+            while done < len(buf):
+                got = os.preadv(fd, [memoryview(buf)[done:]], done)
+                if got == 0:
+                    raise OSError(f"{p}: short read at {done}")
+                done += got
+        finally:
+            os.close(fd)
+        held.append(buf)
+    dt = time.perf_counter() - t0
+    del held
+    return dt
+
+
+def child(ck: str) -> dict:
+    """One restore in this process: its seconds (modules loaded before), the process's wall,
+    the bytes it read from chunk files, its peak RSS and its account."""
+    t0 = time.perf_counter()
+    _devices()
+    import jax
+
+    import hybridckpt
+    import hybridckpt.formats.orbax_store
+    import hybridckpt.formats.registry
+    import hybridckpt.jobs.restore
+    import hybridckpt.place  # noqa: F401  (what a restore loads on first use: not its seconds)
+    from hybridckpt.io.byte_source import count_reads, tally
+
+    t1 = time.perf_counter()
+    with count_reads() as counter:
+        _, r = hybridckpt.restore(ck, RESTORE_MESH, profile=True)
+        jax.block_until_ready(r.params)
+    job = time.perf_counter() - t1
+    placed = sum(a.nbytes for a in jax.tree.leaves(r.params))
+    return {"job_s": job, "wall_s": time.perf_counter() - t0, "read_bytes": tally(counter)[0],
+            "placed_bytes": placed, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "profile": r.profile.to_json()}
+
+
+def _child(ck: str) -> dict:
+    out = subprocess.run([sys.executable, HERE, "--_child", ck], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def report(kind: str, runs: list[dict], floor_runs: list[float], floor_name: str, stored: int) -> dict:
+    from hybridckpt.cli.profile import profile_lines
+    from hybridckpt.io.timing import Profile
+
+    med = sorted(runs, key=lambda r: r["job_s"])[len(runs) // 2]
+    job, floor = statistics.median(r["job_s"] for r in runs), statistics.median(floor_runs)
+    row = {
+        "kind": kind,
+        "restore_s": round(job, 3),
+        "floor": floor_name,
+        "floor_s": round(floor, 3),
+        "over_floor": round(job / floor, 2),
+        "account_wall_s": round(statistics.median(Profile.from_json(r["profile"]).wall_s for r in runs), 3),
+        "process_wall_s": round(statistics.median(r["wall_s"] for r in runs), 3),
+        "read_over_stored": round(med["read_bytes"] / stored, 4),
+        "placed_bytes": med["placed_bytes"],
+        "peak_rss_mb": round(max(r["peak_rss_mb"] for r in runs)),
+        "restore_runs_s": [round(r["job_s"], 3) for r in runs],
+        "floor_runs_s": [round(f, 3) for f in floor_runs],
+    }
+    print(f"\n== restore onto {RESTORE_MESH}, {kind}: account of the median run ==")
+    print("\n".join(profile_lines(Profile.from_json(med["profile"]))))
+    print(json.dumps(row))
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gib", type=float, default=0.25)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--_child", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a._child:
+        print(json.dumps(child(a._child)))
+        return
+    base = a.dir or tempfile.mkdtemp(prefix="hybridckpt-bench-", dir="/tmp")
+    floors.cached_bytecode(base)
+    src, ck = os.path.join(base, "hf_src"), os.path.join(base, "orbax")
+    try:
+        if not os.path.isdir(src):
+            subprocess.run([sys.executable, os.path.join(os.path.dirname(HERE), "orbax_speed.py"), "--_write", "hf",
+                            src, str(hf_layers(a.gib))], check=True)
+        if not os.path.isdir(ck):
+            subprocess.run([sys.executable, "-m", "hybridckpt.cli", "import", src, ck, "--mesh", IMPORT_MESH,
+                            "--quiet"], check=True, env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+                                                             JAX_PLATFORMS="cpu"))
+        files = chunk_files(ck)
+        stored = sum(os.path.getsize(p) for p in files)
+        runs: dict[str, list] = {"warm": [], "cold": [], "warm_floor": [], "fresh_floor": [], "cold_floor": []}
+        _child(ck)  # a warm-up, not counted: the modules' files cached
+        for i in range(a.repeat):
+            for kind in ("warm", "cold") if i % 2 == 0 else ("cold", "warm"):
+                if kind == "warm":
+                    floors.read_floor(files)  # (pages in)
+                    runs["warm_floor"].append(floors.read_floor(files))
+                    runs["fresh_floor"].append(fresh_read_floor(files))
+                    runs["warm"].append(_child(ck))
+                else:
+                    drop_pages(files)
+                    runs["cold_floor"].append(direct_read_floor(files))
+                    drop_pages(files)
+                    runs["cold"].append(_child(ck))
+        print(f"{len(files)} chunk files, {stored / 1e6:.0f} MB; {os.cpu_count()} CPUs; load average "
+              f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+        rows = [report("warm", runs["warm"], runs["warm_floor"], "cat to /dev/null, page cache warm", stored),
+                report("warm", runs["warm"], runs["fresh_floor"], "pread into fresh buffers, page cache warm", stored),
+                report("cold", runs["cold"], runs["cold_floor"], "O_DIRECT reads, pages dropped", stored)]
+        print(json.dumps({"gib": a.gib, "repeat": a.repeat, "stored_bytes": stored, "rows": rows}, indent=1))
+    finally:
+        if a.dir is None:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
