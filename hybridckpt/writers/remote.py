@@ -2,19 +2,23 @@
 that appears complete or not at all, and replaces only what hybridckpt wrote.
 
 `writers.destination.Destination(url, ...)` is one of these. The writer writes as it does locally,
-into a spool folder (`tempfile`'s folder, `TMPDIR`: never beside the destination); `commit()`
-uploads it:
+into a spool folder (`tempfile`'s folder, `TMPDIR`: never beside the destination). Each file a
+writer closes through `io.sequential_file` (safetensors shards, DCP `.distcp` files, torch.save
+archives: the bulk of every export but MaxText's) is uploaded as soon as it is closed and removed
+from the spool, so the spool holds the files being written, not the export; the rest (JSON files,
+indexes, DCP `.metadata`, Orbax's chunk files) goes up at `commit()`:
 
 1. **Checked.** The prefix is refused when it is a source's URL, lies in one or holds one; when it
    holds objects, unless `overwrite` and every one is ours (listed by our commit marker, or by
    the staging marker of an export cut short: `io.remote.commit`); anything else is named and
    never replaced, as for a local folder (`writers.ownership`).
-2. **Staging marker first.** `<prefix>/.hybridckpt-staging` names the job and lists every object
-   it will write and every old object of ours it will remove, before any of them is touched. From
+2. **Staging marker first.** `<prefix>/.hybridckpt-staging` names the job and lists every old
+   object of ours it will remove and, rewritten before each upload, every object it writes:
+   nothing is touched that it does not list first. From
    now on readers refuse the prefix (`io.remote.commit.check_complete`) and the objects are
    recognisable as ours, even after a crash.
 3. **Old export out, new one in place.** The old commit marker goes first, then the old objects
-   the new export does not have; each spooled file is streamed up (`upload_file`: a multipart
+   (before the first new object goes up); each spooled file is streamed up (`upload_file`: a multipart
    upload of `PART_BYTES` parts, one part in memory; aborted on error) under its own name.
    Objects are written in place, not under a staging prefix copied afterwards: a store has no
    rename, and a server-side copy would cost the export's bytes again.
@@ -35,11 +39,12 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Iterable
 
 from hybridckpt.errors import CheckpointError, ConfigError
-from hybridckpt.io import byte_source, interrupts
+from hybridckpt.io import byte_source, interrupts, sequential_file
 from hybridckpt.io.remote import commit as markers
 from hybridckpt.io.remote import urls
 from hybridckpt.io.remote.urls import RemoteUrl
@@ -65,6 +70,13 @@ class RemoteDestination:
         self.tmp: str | None = None
         self.committed = False
         self._fs = None
+        self._lock = threading.Lock()  # (writers close files from their threads: `--writers N`)
+        self._begun = self._failed = False
+        self._old: set[str] = set()  # the old export's objects this job removes
+        self._planned: set[str] = set()  # what the staging marker says this job writes
+        self._written: list[str] = []  # what this job wrote (or began to), in order
+        self._sizes: dict[str, int] = {}  # uploaded object -> bytes
+        self._job: dict = {}
 
     @property
     def fs(self):
@@ -104,46 +116,86 @@ class RemoteDestination:
         self.preflight()
         self.tmp = tempfile.mkdtemp(prefix=f"hybridckpt-spool-{self.token}-")
         interrupts.add_temporary(self.tmp)
+        sequential_file.CLOSED.append(self._closed)
         return self.tmp
+
+    # -- uploading -------------------------------------------------------------------------------
+    def _closed(self, path: str) -> None:
+        """A writer closed `path` complete (`io.sequential_file.CLOSED`): upload it now when it is
+        in this spool, and remove the local copy (the spool holds the files being written)."""
+        if self.tmp is None or not path.startswith(self.tmp + os.sep) or self._failed:
+            return
+        self._guarded(lambda: self._upload(os.path.relpath(path, self.tmp).replace(os.sep, "/")))
+
+    def _guarded(self, step) -> None:
+        """Run an upload step; any failure deletes what this job wrote and is one CheckpointError."""
+        try:
+            step()
+        except BaseException as e:
+            self._failed = True
+            self._clean()
+            if not isinstance(e, Exception):  # Ctrl-C, SIGTERM: cleaned, then as usual (`io.interrupts`)
+                raise
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"{self.dst}: upload failed, nothing committed: {_reason(e)}") from None
+
+    def _upload(self, name: str) -> None:
+        """Step 2 (on the first file) and 3 of the module doc for one spooled file `name`."""
+        local = os.path.join(self.tmp, *name.split("/"))
+        with self._lock:
+            if not self._begun:
+                self._begin()
+            self._planned.add(name)
+            self._put(markers.STAGING, markers.body(self._planned | self._old, job=self._job))
+            self._written.append(name)
+        size = upload_file(self.fs, local, self.url.child(name).path)
+        with self._lock:
+            self._sizes[name] = size
+        os.remove(local)
+
+    def _begin(self) -> None:
+        """Check the prefix again, write the staging marker, remove the old export of ours."""
+        listing = self._check_existing()  # again: what is there may have changed meanwhile
+        self._old = set(listing.objects)
+        self._job = {"id": self.token, "pid": os.getpid(), "host": socket.gethostname(),
+                     "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        self._put(markers.STAGING, markers.body(self._old, job=self._job))
+        self._begun = True
+        if listing.has_marker_object:
+            self.fs.rm_file(self.url.child(markers.MARKER).path)
+        for name in sorted(self._old):
+            self.fs.rm_file(self.url.child(name).path)
 
     # -- closing ---------------------------------------------------------------------------------
     def commit(self) -> None:
-        """Upload the spool (steps 2-4 of the module doc)."""
-        byte_source.check_watches()
-        files = _spooled(self.tmp)
-        listing = self._check_existing()  # again: what is there may have changed while the job ran
-        old = set(listing.objects)
-        written: list[str] = []
-        try:
-            job = {"id": self.token, "pid": os.getpid(), "host": socket.gethostname(),
-                   "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-            self._put(markers.STAGING, markers.body(set(files) | old, job=job))
-            if listing.has_marker_object:
-                self.fs.rm_file(self.url.child(markers.MARKER).path)
-            for name in sorted(old - set(files)):
-                self.fs.rm_file(self.url.child(name).path)
-            for name in files:
-                written.append(name)
-                upload_file(self.fs, os.path.join(self.tmp, *name.split("/")), self.url.child(name).path)
-            sizes = {n: os.path.getsize(os.path.join(self.tmp, *n.split("/"))) for n in files}
-            self._put(markers.MARKER, markers.body(files, sizes=sizes))
-            written.append(markers.MARKER)
+        """Upload what is left of the spool, then the commit marker (steps 3-4 of the module doc)."""
+        byte_source.check_watches()  # after the last read: a source that changed is not committed
+        if self._failed:
+            raise CheckpointError(f"{self.dst}: upload failed, nothing committed")
+
+        def finish() -> None:
+            for name in _spooled(self.tmp):
+                self._upload(name)
+            if not self._begun:  # (an export of no files at all)
+                self._begin()
+            self._put(markers.MARKER, markers.body(self._sizes, sizes=self._sizes))
+            self._written.append(markers.MARKER)
             self.fs.rm_file(self.url.child(markers.STAGING).path)
-        except BaseException as e:
-            self._clean(written)
-            if not isinstance(e, Exception):  # Ctrl-C, SIGTERM: cleaned, then as usual (`io.interrupts`)
-                raise
-            raise CheckpointError(f"{self.dst}: upload failed, nothing committed: {_reason(e)}") from None
+
+        self._guarded(finish)
         self.committed = True
 
     def _put(self, name: str, data: bytes) -> None:
         self.fs.pipe_file(self.url.child(name).path, data)
 
-    def _clean(self, written: list[str]) -> None:
+    def _clean(self) -> None:
         """Delete what this job wrote (best effort), the staging marker last: kept when an object
         could not be deleted, so what is left is still recognisable as ours."""
+        if not self._begun:
+            return
         left = False
-        for name in reversed(written):
+        for name in reversed(self._written):
             try:
                 self.fs.rm_file(self.url.child(name).path)
             except FileNotFoundError:
@@ -157,6 +209,11 @@ class RemoteDestination:
                 pass
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if self._closed in sequential_file.CLOSED:
+            sequential_file.CLOSED.remove(self._closed)
+        if not self.committed and not self._failed:
+            self._failed = True
+            self._clean()  # (a writer's own error after some files went up)
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             interrupts.discard_temporary(self.tmp)

@@ -135,7 +135,7 @@ def test_leftovers_of_a_crash_are_ours_refused_by_readers_and_replaced(bucket, t
     dst = f"s3://{b}/out"
     real_upload, real_clean = remote.upload_file, remote.RemoteDestination._clean
     monkeypatch.setattr(remote, "upload_file", _failing_after(2))
-    monkeypatch.setattr(remote.RemoteDestination, "_clean", lambda self, written: None)  # as if killed
+    monkeypatch.setattr(remote.RemoteDestination, "_clean", lambda self: None)  # as if killed
     refused(cli(capsys, "export", sample_path(), dst), "upload failed")
     left = download(fs, f"{b}/out")
     assert markers.STAGING in left and ownership.MARKER not in left and len(left) == 3
@@ -244,3 +244,25 @@ def test_the_destination_is_never_the_source_url():
     with pytest.raises(CheckpointError, match="holds the source"):
         remote.check_not_over_sources(urls.parse("s3://b"), ["s3://b/ckpt/model.safetensors"])
     remote.check_not_over_sources(url, ["s3://b/ckpt2", "gs://b/ckpt", "/local/ckpt"])
+
+
+def test_each_shard_goes_up_when_closed_the_spool_holds_one(bucket, monkeypatch):
+    fs, b = bucket
+    real = remote.upload_file
+    spooled = []  # bytes in the spool folder as each object goes up
+
+    def upload(fs_, local, path, part_bytes=None):
+        parts = local.split(os.sep)
+        spool = os.sep.join(parts[:1 + next(i for i, p in enumerate(parts) if p.startswith("hybridckpt-spool-"))])
+        spooled.append(sum(os.path.getsize(os.path.join(r, f)) for r, _, names in os.walk(spool) for f in names))
+        return real(fs_, local, path, part_bytes)
+
+    monkeypatch.setattr(remote, "upload_file", upload)
+    hybridckpt.export_checkpoint(sample_path(), f"s3://{b}/out", max_shard_bytes=20_000)
+    close_all()
+    got = download(fs, f"{b}/out")
+    shards = [n for n in got if n.startswith("model-") and n.endswith(".safetensors")]
+    largest = max(len(got[n]) for n in shards)
+    total = sum(len(got[n]) for n in shards)
+    assert len(shards) >= 4 and total > 3 * largest
+    assert max(spooled) <= largest + 64 * 1024  # one shard (and the small JSON files), never the export
