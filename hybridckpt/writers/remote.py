@@ -28,7 +28,9 @@ indexes, DCP `.metadata`, Orbax's chunk files) goes up at `commit()`:
 A failure in 2-4 deletes what this job wrote (the objects it listed as it wrote them, then the
 staging marker) and raises one CheckpointError naming the URL and the reason; where even that
 fails (the server gone), the staging marker stays and names what is ours: the next export with
-`--overwrite` removes it. An `--overwrite` that fails after step 3 has removed the old export (no
+`--overwrite` removes it; so does an interrupt of the CLI (Ctrl-C, SIGTERM: the spool is removed
+and the process exits at once, `io.interrupts`), held only while the commit marker is written.
+An `--overwrite` that fails after step 3 has removed the old export (no
 rename puts it back). No lock: two jobs writing one prefix at once are not detected (the second
 sees the first's staging marker only if it starts after it).
 """
@@ -132,6 +134,8 @@ class RemoteDestination:
         try:
             step()
         except BaseException as e:
+            if self.committed:
+                raise
             self._failed = True
             self._clean()
             if not isinstance(e, Exception):  # Ctrl-C, SIGTERM: cleaned, then as usual (`io.interrupts`)
@@ -179,12 +183,13 @@ class RemoteDestination:
                 self._upload(name)
             if not self._begun:  # (an export of no files at all)
                 self._begin()
-            self._put(markers.MARKER, markers.body(self._sizes, sizes=self._sizes))
-            self._written.append(markers.MARKER)
-            self.fs.rm_file(self.url.child(markers.STAGING).path)
+            with interrupts.committing():  # (an interrupt waits for the marker and the staging's removal)
+                self._written.append(markers.MARKER)
+                self._put(markers.MARKER, markers.body(self._sizes, sizes=self._sizes))
+                self.fs.rm_file(self.url.child(markers.STAGING).path)
+                self.committed = True  # (an interrupt held meanwhile is raised after: nothing to clean)
 
         self._guarded(finish)
-        self.committed = True
 
     def _put(self, name: str, data: bytes) -> None:
         self.fs.pipe_file(self.url.child(name).path, data)
@@ -205,6 +210,7 @@ class RemoteDestination:
         if not left:
             try:
                 self.fs.rm_file(self.url.child(markers.STAGING).path)
+                self.committed = True  # (an interrupt held meanwhile is raised after: nothing to clean)
             except Exception:
                 pass
 
