@@ -233,6 +233,12 @@ def test_our_store_is_refused_in_one_line_never_a_local_s3_folder(s3, tmp_path, 
     refused(cli(capsys, "import", sample_path(), "s3://bkt/ck"), "cannot be written to object storage")
     with pytest.raises(ConfigError, match="cannot be written to object storage"):
         hybridckpt.import_checkpoint(sample_path(), "s3://bkt/ck")
+    import jax.numpy as jnp
+
+    from hybridckpt.store.save import save_checkpoint
+
+    with pytest.raises(ConfigError, match="cannot be written to object storage"):
+        save_checkpoint("gs://bkt/ck", 1, {"w": jnp.ones(4)}, overwrite=True)
     assert os.listdir(tmp_path) == []
 
 
