@@ -29,6 +29,7 @@ from hybridckpt.io.direct_io import DIRECT_ALIGN, aligned_empty, open_direct, re
 from hybridckpt.io.writeback import start_writeback
 
 BUFFER_BYTES = 8 << 20  # each of the two write buffers (a multiple of DIRECT_ALIGN)
+CLOSED: list = []  # callables given the path of each file closed complete (`writers.remote`)
 
 
 class SequentialFile:
@@ -112,9 +113,12 @@ class SequentialFile:
             self._write_out(rest[whole:], self._base + whole, buffered=True)  # the last partial block
             with timing.stage("sync"):
                 os.fsync(self._fd)
-            return self.position
+            size = self.position
         finally:
             self.abort()
+        for hook in tuple(CLOSED):  # (writers.remote: a file spooled for a bucket goes up now)
+            hook(self.path)
+        return size
 
     def abort(self) -> None:
         """Stop: wait for the write in flight, close the file (its content is undefined)."""

@@ -131,5 +131,13 @@ def _run(src: str | os.PathLike, out: str | os.PathLike, job: ExportJob) -> Expo
         sources=(opened.path,), source_format=opened.format, trainer=dict(opened.trainer), files=dict(opened.files),
         hyper=dict(opened.hyper), options=dict(job.options),
     ))  # fmt: skip
-    return ExportSummary(opened.format, os.path.abspath(out), done.files, done.tensors, done.nbytes,
+    return ExportSummary(opened.format, _shown(out), done.files, done.tensors, done.nbytes,
                          time.perf_counter() - t0, optimizer, notes + tuple(opened.notes) + done.notes)
+
+
+def _shown(out: str | os.PathLike) -> str:
+    """The destination as the summary names it: a URL as given, a local path made absolute."""
+    from hybridckpt.io.remote.urls import parse
+
+    url = parse(out)
+    return str(url) if url is not None else os.path.abspath(out)

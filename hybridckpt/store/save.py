@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from hybridckpt.errors import CheckpointError
+from hybridckpt.errors import CheckpointError, ConfigError
 from hybridckpt.io import model_files, timing
 from hybridckpt.io.model_files import ModelFile
 from hybridckpt.io.paths import given
@@ -57,6 +57,7 @@ def save_checkpoint(
     checkpoint into one temporary directory (its name agreed through a barrier) and process 0
     renames it. Returns the absolute path.
     """
+    refuse_url(directory)
     dst = Path(given(directory, "the destination")).absolute()
     multi = jax.process_count() > 1
     primary = jax.process_index() == 0
@@ -89,6 +90,18 @@ def save_checkpoint(
             raise CheckpointError(f"{dst}: cannot write the checkpoint: {reason}") from e
         raise
     return dst
+
+
+def refuse_url(directory: object) -> None:
+    """A ConfigError when `directory` is an object-storage URL: our store is written to a local
+    (or mounted) folder only, for now (docs/cli.md "Object storage"), never to a folder named
+    `s3:` in the working directory."""
+    from hybridckpt.io.remote.urls import parse
+
+    url = parse(directory)
+    if url is not None:
+        raise ConfigError(f"{url}: our checkpoint store cannot be written to object storage yet; import to a local "
+                          f"folder and copy it up, or export to {url.scheme}:// (--to hf, dcp, megatron, ...)")
 
 
 @contextlib.contextmanager

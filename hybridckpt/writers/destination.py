@@ -26,6 +26,9 @@ Every writer (our Orbax store, HF folders, Paddle unified folders) goes through 
    cleaned up by the next job that takes the lock: its temporary removed, a checkpoint it had
    moved aside put back.
 
+A URL (`s3://bucket/prefix`, any fsspec URL) is written by `writers.remote.RemoteDestination`:
+spooled locally, uploaded in place, a commit marker last.
+
 Under `jax.distributed` the primary process checks, locks and commits; the others write into the
 same temporary folder (its token agreed by the caller).
 """
@@ -57,6 +60,17 @@ class Destination:
     """A folder a job writes (see the module doc). Use as `with Destination(dst, ...) as tmp:`,
     write into `tmp`, then `commit()` inside the block; leaving the block without a commit (an
     error) removes the temporary and keeps what was at `dst`."""
+
+    def __new__(cls, dst: str | os.PathLike, **kw):
+        """A URL destination (`s3://bucket/prefix`, ...) is a `writers.remote.RemoteDestination`."""
+        from hybridckpt.io.remote.urls import parse
+
+        url = parse(dst)
+        if url is not None:
+            from hybridckpt.writers.remote import RemoteDestination
+
+            return RemoteDestination(url, **kw)
+        return super().__new__(cls)
 
     def __init__(self, dst: str | os.PathLike, *, overwrite: bool = False, sources: Iterable = (),
                  primary: bool = True, token: str | None = None, marker: bool = False):
