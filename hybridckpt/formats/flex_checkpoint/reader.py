@@ -260,6 +260,29 @@ def retie(
     )
 
 
+def zero_state_for_frozen(
+    tensors: dict[str, LazyTensor], slots: dict[str, dict[str, LazyTensor]], notes: list[str]
+) -> None:
+    """Model params no slot has state for (frozen in Paddle, `stop_gradient`: ERNIE 4.5's
+    `moe_statics.e_score_correction_bias`, which only chooses experts; the Trainer's optimizer
+    never holds them) get zero moments in every slot, in place: AdamW's state of a param it never
+    stepped. A param some slots hold and others do not is left for the import to refuse."""
+    if not slots:
+        return
+    held = set().union(*(set(d) for d in slots.values()))
+    frozen = sorted(n for n in tensors if n not in held)
+    for n in frozen:
+        t = tensors[n]
+        zeros = lazy.ArrayTensor(np.zeros(t.shape, np.dtype(t.dtype)))
+        for d in slots.values():
+            d[n] = zeros
+    if frozen:
+        notes.append(
+            f"{len(frozen)} params without optimizer state (frozen: stop_gradient), e.g. "
+            f"{frozen[0]!r}, given zero moments"
+        )
+
+
 def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the format contract
     """A FlexCheckpoint step folder (or one bare FlexCheckpoint folder, or an output folder's
     latest `checkpoint-N/`) as lazy global tensors."""
@@ -314,6 +337,7 @@ def _open_step(path: str, config) -> SourceCheckpoint:
                 raise FormatError(f"{md.path}: {key!r} is not a master weight (<name>.w_0)")
             master[key[: -len(".w_0")]] = t
     retie(tensors, slots, master, notes)
+    zero_state_for_frozen(tensors, slots, notes)
     missing = sorted(set(master) - set(tensors))
     if missing:
         dt = _config_dtype(folders) or _model_dtype(cfg, tensors)
