@@ -147,3 +147,50 @@ def hf_state(runtime: str, spec: dict):
                 d[emb] = head
     assert all(len(v) == 1 for v in pows.values()), pows
     return out, (pows["beta1_pow"].pop(), pows["beta2_pow"].pop()), meta
+
+
+def make_case(gen, out_root: str, case: str, run: dict, tmp: str) -> None:
+    """An ERNIE 4.5 case: the FlexCheckpoint, the runtime digests by HF name in HF layout,
+    Paddle's logits (`gen`: the generator module, paddleformers.py, for its run helpers and
+    hyperparameters)."""
+    import shutil
+
+    import tools
+    out, runtime = os.path.join(tmp, case, "flex"), os.path.join(tmp, case, "flex.runtime")
+    os.makedirs(runtime, exist_ok=True)
+    spec = {**run, "format": "flex_checkpoint", "out": out, "runtime": runtime}
+    gen._run(spec, os.path.join(tmp, case, "flex.log"), 1)
+    state, pows, meta = hf_state(runtime, run)
+    case_dir = tools.fresh_case(out_root, case)
+    shutil.copytree(out, os.path.join(case_dir, "ckpt", "flex"))
+    logits = np.load(os.path.join(runtime, "logits.npy"))
+    tools.write_reference(case_dir, {"tokens": gen.TOKENS.astype(np.int32), "logits": logits})
+    digests = {kind: {k: {"sha256": gen._digest(arr), "dtype": dt, "shape": list(arr.shape)}
+                      for k, (arr, dt) in d.items()} for kind, d in state.items()}
+    arch = {"ernie4_5_moe": "Ernie4_5_MoeForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM"}[run["family"]]
+    tools.record_manifest(
+        case_dir,
+        tool="PaddleFormers Trainer (paddleformers.trainer.Trainer) on paddlepaddle (CPU)",
+        dists=gen.DISTS,
+        command=f"python tests/real/make.py paddleformers --only {case}",
+        references={
+            "tokens": "[1, seq] int32 ids for the logits",
+            "logits": f"[1, seq, vocab] fp32: the trained PaddleFormers {arch}'s own eval forward of tokens",
+        },
+        notes=[*meta["notes"],
+               "runtime state gathered from model.sharded_state_dict() and optimizer.sharded_state_dict() "
+               "after the save; digests are of HF names and layouts: qkv_proj split per kv group "
+               "[q heads | k | v], up_gate_proj split [gate | up], every Linear (and the router "
+               "mlp.gate.weight) transposed from Paddle's [in, out] (_paddleformers_ernie.split_param)",
+               "the flex output folder's config.json is model.config.save_pretrained's"],
+        what=f"tied {arch}, fp32, 1 rank, FlexCheckpoint",
+        formats={"flex": f"ckpt/flex/checkpoint-{gen.STEPS}"},
+        run=run,
+        steps=gen.STEPS,
+        hyper={"lr": gen.LR, "weight_decay": gen.WD, "betas": list(gen.BETAS), "eps": gen.EPS, "lr_scheduler": "constant"},
+        beta_pows=list(pows),
+        digests=digests,
+        architecture=arch,
+        stop_gradient=meta["stop_gradient"],
+        transpose_weight_keys=meta["transpose_weight_keys"],
+    )

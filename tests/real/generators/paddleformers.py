@@ -5,7 +5,7 @@
 (`_paddleformers_check_export.py`: does PaddleFormers itself load our `export --to
 paddleformers-unified`? Its docstring says how to run it.)
 
-Each case is one training run of a tiny Llama (`paddleformers.transformers.LlamaForCausalLM`, fp32
+(ERNIE 4.5 runs, `ERNIE_RUNS`: `_paddleformers_ernie.py`.) Each case is one training run of a tiny Llama (`paddleformers.transformers.LlamaForCausalLM`, fp32
 weights moved off their init) by `paddleformers.trainer.Trainer` on CPU: AdamW (betas 0.9 / 0.95,
 weight decay 0.01 but not on norms, constant lr 1e-2, no grad clipping), `STEPS` steps, then the
 Trainer's own save at step `STEPS`. The run is made twice, identically, once per
@@ -238,18 +238,13 @@ def _load(name: str):
     return mod
 
 
-def _shims():
-    return _load("_paddleformers_shims")
-
-
 def worker(spec: dict) -> None:
     import paddle
 
-    shims = _shims()
+    shims = _load("_paddleformers_shims")
     if spec.get("family"):  # an ERNIE 4.5 run (_paddleformers_ernie.py)
         _load("_paddleformers_ernie").worker(spec, shims, _training_args, _pieces, _assemble, TOKENS)
         return
-
     if spec["prec"] == "bf16":
         shims.bf16_on_cpu()
     if spec["par"] == "tp2":
@@ -380,8 +375,8 @@ def _digest(arr: np.ndarray) -> str:
 def make_case(out_root: str, case: str, run: dict, tmp: str) -> None:
     import tools
 
-    if run.get("family"):
-        return make_ernie_case(out_root, case, run, tmp)
+    if run.get("family"):  # an ERNIE 4.5 run (_paddleformers_ernie.py)
+        return _load("_paddleformers_ernie").make_case(sys.modules[__name__], out_root, case, run, tmp)
     ranks = 1 if run["par"] == "1rank" else 2
     states = {}
     for short in run["formats"]:
@@ -469,52 +464,6 @@ def make_case(out_root: str, case: str, run: dict, tmp: str) -> None:
         next_loss=loss,
         digests=digests,
         transposed=list(meta["transposed"]),
-    )
-
-
-def make_ernie_case(out_root: str, case: str, run: dict, tmp: str) -> None:
-    """An ERNIE 4.5 case (_paddleformers_ernie.py): the FlexCheckpoint, the runtime digests by HF
-    name in HF layout, Paddle's logits."""
-    import tools
-
-    ernie = _load("_paddleformers_ernie")
-    out, runtime = os.path.join(tmp, case, "flex"), os.path.join(tmp, case, "flex.runtime")
-    os.makedirs(runtime, exist_ok=True)
-    spec = {**run, "format": "flex_checkpoint", "out": out, "runtime": runtime}
-    _run(spec, os.path.join(tmp, case, "flex.log"), 1)
-    state, pows, meta = ernie.hf_state(runtime, run)
-    case_dir = tools.fresh_case(out_root, case)
-    shutil.copytree(out, os.path.join(case_dir, "ckpt", "flex"))
-    logits = np.load(os.path.join(runtime, "logits.npy"))
-    tools.write_reference(case_dir, {"tokens": TOKENS.astype(np.int32), "logits": logits})
-    digests = {kind: {k: {"sha256": _digest(arr), "dtype": dt, "shape": list(arr.shape)}
-                      for k, (arr, dt) in d.items()} for kind, d in state.items()}
-    arch = {"ernie4_5_moe": "Ernie4_5_MoeForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM"}[run["family"]]
-    tools.record_manifest(
-        case_dir,
-        tool="PaddleFormers Trainer (paddleformers.trainer.Trainer) on paddlepaddle (CPU)",
-        dists=DISTS,
-        command=f"python tests/real/make.py paddleformers --only {case}",
-        references={
-            "tokens": "[1, seq] int32 ids for the logits",
-            "logits": f"[1, seq, vocab] fp32: the trained PaddleFormers {arch}'s own eval forward of tokens",
-        },
-        notes=[*meta["notes"],
-               "runtime state gathered from model.sharded_state_dict() and optimizer.sharded_state_dict() "
-               "after the save; digests are of HF names and layouts: qkv_proj split per kv group "
-               "[q heads | k | v], up_gate_proj split [gate | up], every Linear (and the router "
-               "mlp.gate.weight) transposed from Paddle's [in, out] (_paddleformers_ernie.split_param)",
-               "the flex output folder's config.json is model.config.save_pretrained's"],
-        what=f"tied {arch}, fp32, 1 rank, FlexCheckpoint",
-        formats={"flex": f"ckpt/flex/checkpoint-{STEPS}"},
-        run=run,
-        steps=STEPS,
-        hyper={"lr": LR, "weight_decay": WD, "betas": list(BETAS), "eps": EPS, "lr_scheduler": "constant"},
-        beta_pows=list(pows),
-        digests=digests,
-        architecture=arch,
-        stop_gradient=meta["stop_gradient"],
-        transpose_weight_keys=meta["transpose_weight_keys"],
     )
 
 
