@@ -266,16 +266,19 @@ def zero_state_for_frozen(
     """Model params no slot has state for (frozen in Paddle, `stop_gradient`: ERNIE 4.5's
     `moe_statics.e_score_correction_bias`, which only chooses experts; the Trainer's optimizer
     never holds them) get zero moments in every slot, in place: AdamW's state of a param it never
-    stepped. A param some slots hold and others do not is left for the import to refuse."""
+    stepped, in the slot's dtype (Paddle's moments are fp32 whatever the param's), a broadcast
+    view (no memory beyond the boxes read: the shape is the file's word). A param some slots
+    hold and others do not is left for the import to refuse."""
     if not slots:
         return
     held = set().union(*(set(d) for d in slots.values()))
     frozen = sorted(n for n in tensors if n not in held)
-    for n in frozen:
-        t = tensors[n]
-        zeros = lazy.ArrayTensor(np.zeros(t.shape, np.dtype(t.dtype)))
-        for d in slots.values():
-            d[n] = zeros
+    for d in slots.values():
+        dt = np.dtype(next(iter(d.values())).dtype) if d else None
+        for n in frozen:
+            t = tensors[n]
+            zero = np.zeros((), dt or np.dtype(t.dtype))
+            d[n] = lazy.ArrayTensor(np.broadcast_to(zero, tuple(t.shape)))
     if frozen:
         notes.append(
             f"{len(frozen)} params without optimizer state (frozen: stop_gradient), e.g. "
