@@ -260,6 +260,32 @@ def retie(
     )
 
 
+def zero_state_for_frozen(
+    tensors: dict[str, LazyTensor], slots: dict[str, dict[str, LazyTensor]], notes: list[str]
+) -> None:
+    """Model params no slot has state for (frozen in Paddle, `stop_gradient`: ERNIE 4.5's
+    `moe_statics.e_score_correction_bias`, which only chooses experts; the Trainer's optimizer
+    never holds them) get zero moments in every slot, in place: AdamW's state of a param it never
+    stepped, in the slot's dtype (Paddle's moments are fp32 whatever the param's), a broadcast
+    view (no memory beyond the boxes read: the shape is the file's word). A param some slots
+    hold and others do not is left for the import to refuse."""
+    if not slots:
+        return
+    held = set().union(*(set(d) for d in slots.values()))
+    frozen = sorted(n for n in tensors if n not in held)
+    for d in slots.values():
+        dt = np.dtype(next(iter(d.values())).dtype) if d else None
+        for n in frozen:
+            t = tensors[n]
+            zero = np.zeros((), dt or np.dtype(t.dtype))
+            d[n] = lazy.ArrayTensor(np.broadcast_to(zero, tuple(t.shape)))
+    if frozen:
+        notes.append(
+            f"{len(frozen)} params without optimizer state (frozen: stop_gradient), e.g. "
+            f"{frozen[0]!r}, given zero moments"
+        )
+
+
 def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the format contract
     """A FlexCheckpoint step folder (or one bare FlexCheckpoint folder, or an output folder's
     latest `checkpoint-N/`) as lazy global tensors."""
@@ -314,6 +340,7 @@ def _open_step(path: str, config) -> SourceCheckpoint:
                 raise FormatError(f"{md.path}: {key!r} is not a master weight (<name>.w_0)")
             master[key[: -len(".w_0")]] = t
     retie(tensors, slots, master, notes)
+    zero_state_for_frozen(tensors, slots, notes)
     missing = sorted(set(master) - set(tensors))
     if missing:
         dt = _config_dtype(folders) or _model_dtype(cfg, tensors)

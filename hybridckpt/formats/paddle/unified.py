@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from hybridckpt import models
 from hybridckpt.errors import FormatError
 from hybridckpt.formats import hf
 from hybridckpt.formats.paddle import paddleformers
@@ -44,7 +45,7 @@ from hybridckpt.formats.paddle.optimizer import (
     adam_step,
     scalar,
 )
-from hybridckpt.formats.paddle.rules import family, hf_rule_vars, load_config
+from hybridckpt.formats.paddle.rules import families, family, hf_rule_vars, load_config
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
@@ -105,6 +106,25 @@ def _whole_tensors(where: str, weights: Mapping[str, LazyTensor], state: Mapping
             )
 
 
+def refuse_own_names(cfg, path: str, tensors: Mapping[str, LazyTensor]) -> None:
+    """A FormatError for a PaddleFormers unified checkpoint of a family PaddleNLP never had
+    (no paddlenlp dialect: ERNIE 4.5), whose Linear weights look PaddleNLP's `[in, out]`: PaddleFormers
+    saved the model's own module names (ERNIE's fused `qkv_proj` / `up_gate_proj`, left `[in,
+    out]` while its other Linears are transposed to HF's), which only its FlexCheckpoint is read
+    under (models/<family>/dialects/flex_checkpoint.rules)."""
+    if cfg is None or getattr(cfg, "family", None) in families():
+        return
+    fam = models.family_of(cfg)
+    fused = sorted(n for n in tensors if n.endswith((".qkv_proj.weight", ".up_gate_proj.weight")))
+    flex = fam is not None and fam.dialect("flex_checkpoint") is not None
+    raise FormatError(
+        f"{path}: a PaddleFormers unified checkpoint of {getattr(cfg, 'family', '?')} under the model's "
+        f"own names and layouts ({(fused or sorted(tensors))[0]!r}, stored [in, out]) is not read"
+        + ("; its FlexCheckpoint is (save_checkpoint_format='flex_checkpoint', the Trainer's default)"
+           if flex else "")
+    )
+
+
 def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the format contract
     """A unified checkpoint folder as lazy tensors (bf16 restored from U16): PaddleNLP's under
     Paddle names with the family's rules, PaddleFormers' under HF names in HF layouts."""
@@ -160,6 +180,8 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
     )
     if from_masters and not paddlenlp_names:
         kind = paddleformers.PADDLEFORMERS  # HF names: the masters were put in HF layout above
+    if kind == paddleformers.PADDLENLP and not paddlenlp_names:
+        refuse_own_names(cfg, path, tensors)
     if kind == paddleformers.PADDLEFORMERS:
         if optimizer is not None:  # moments and masters of Linear weights are [in, out]
             where = os.path.join(path, OPT_INDEX)

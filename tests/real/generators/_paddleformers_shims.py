@@ -195,3 +195,43 @@ def sharding_v2_on_cpu() -> None:
         "take the 256-byte alignment of a GPU run; ProcessGroup*.reduce_scatter_tensor (gloo has "
         "none) is a synchronous all_reduce keeping this rank's equal slice"
     )
+
+
+def moe_on_cpu() -> None:
+    """ERNIE 4.5 MoE's sparse block without its GPU-only kernels (see `MOE_NOTE`)."""
+    from paddleformers.transformers.ernie4_5_moe import modeling
+
+    def forward(self, input, token_type_ids=None, use_dense_expert=False):
+        shape = input.shape
+        x = input.reshape([-1, shape[-1]])
+        logits, _, router_loss = self.gate(x, transform_weight=False)  # PaddleFormers' TopKGate, fp32
+        prob = self.gate.act(logits)
+        choice = prob + self.moe_statics.e_score_correction_bias[0].detach() if self.use_correction_bias else prob
+        _, expert_id = choice.topk(k=self.k, axis=-1)
+        weight = paddle.take_along_axis(prob, expert_id, axis=-1)  # the plain probabilities
+        if self.gate.norm_gate_logits:
+            weight = weight / paddle.clip(weight.sum(-1, keepdim=True), min=1e-12)
+        weight = weight.cast(x.dtype)
+        out = paddle.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            w = (weight * (expert_id == e).cast(weight.dtype)).sum(-1, keepdim=True)
+            out = out + w * expert(x)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.reshape(shape), weight, router_loss, logits
+
+    modeling.Ernie4_5_MoeSparseMoeBlock.forward = forward
+    NOTES.append(MOE_NOTE)
+
+
+MOE_NOTE = (
+    "ERNIE 4.5 MoE on CPU (_paddleformers_shims.moe_on_cpu): MOEAllGatherLayerV2.forward needs "
+    "kernels the CPU wheel lacks (expand_modality_expert_id, moe_gate_dispatch_partial_"
+    "nosoftmaxtopk, build_src_rank_and_local_expert_id: 'kernel ... is not registered'); "
+    "Ernie4_5_MoeSparseMoeBlock.forward is replaced by the same routing in plain Paddle ops, the "
+    "block's own modules: its TopKGate's fp32 logits, gate.act (softmax), top-moe_k of prob + "
+    "moe_statics.e_score_correction_bias[0] (fused_gate_logits_process_fused), the plain "
+    "probabilities of the chosen experts divided by clip(sum, 1e-12) (norm_gate_logits, "
+    "fused_gate_and_dispatch), every chosen expert's MLP, plus the shared experts; no capacity "
+    "(no token dropped) and router loss 0 (the aux / z / orthogonal loss lambdas are 0)"
+)

@@ -5,7 +5,7 @@
 (`_paddleformers_check_export.py`: does PaddleFormers itself load our `export --to
 paddleformers-unified`? Its docstring says how to run it.)
 
-Each case is one training run of a tiny Llama (`paddleformers.transformers.LlamaForCausalLM`, fp32
+(ERNIE 4.5 runs, `ERNIE_RUNS`: `_paddleformers_ernie.py`.) Each case is one training run of a tiny Llama (`paddleformers.transformers.LlamaForCausalLM`, fp32
 weights moved off their init) by `paddleformers.trainer.Trainer` on CPU: AdamW (betas 0.9 / 0.95,
 weight decay 0.01 but not on norms, constant lr 1e-2, no grad clipping), `STEPS` steps, then the
 Trainer's own save at step `STEPS`. The run is made twice, identically, once per
@@ -229,10 +229,10 @@ def _next_step(spec, weights, moments, pows, decay):
     return logits, grads, {k: p.numpy().copy() for k, p in params.items()}, float(loss)
 
 
-def _shims():
+def _load(name: str):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("_paddleformers_shims", os.path.join(HERE, "_paddleformers_shims.py"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -241,8 +241,10 @@ def _shims():
 def worker(spec: dict) -> None:
     import paddle
 
-    shims = _shims()
-
+    shims = _load("_paddleformers_shims")
+    if spec.get("family"):  # an ERNIE 4.5 run (_paddleformers_ernie.py)
+        _load("_paddleformers_ernie").worker(spec, shims, _training_args, _pieces, _assemble, TOKENS)
+        return
     if spec["prec"] == "bf16":
         shims.bf16_on_cpu()
     if spec["par"] == "tp2":
@@ -373,6 +375,8 @@ def _digest(arr: np.ndarray) -> str:
 def make_case(out_root: str, case: str, run: dict, tmp: str) -> None:
     import tools
 
+    if run.get("family"):  # an ERNIE 4.5 run (_paddleformers_ernie.py)
+        return _load("_paddleformers_ernie").make_case(sys.modules[__name__], out_root, case, run, tmp)
     ranks = 1 if run["par"] == "1rank" else 2
     states = {}
     for short in run["formats"]:
@@ -479,7 +483,7 @@ def main(argv=None) -> int:
         return 0
     tmp = tempfile.mkdtemp(prefix="paddleformers-real-")
     try:
-        for case, run in RUNS.items():
+        for case, run in {**RUNS, **_load("_paddleformers_ernie").ERNIE_RUNS}.items():
             if a.only and case not in a.only:
                 continue
             print("case", case, flush=True)

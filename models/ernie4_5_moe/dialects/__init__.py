@@ -1,0 +1,1 @@
+"""How other frameworks name and describe ERNIE 4.5 MoE checkpoints (`models.dialect`)."""
