@@ -72,3 +72,44 @@ def _layer(at: str, rest: str, a: np.ndarray, heads: int, groups: int) -> dict[s
         return {e + "w2.weight": a}
     f = a.shape[0] // 2
     return {e + "w1.weight": a[:f], e + "w3.weight": a[f:]}
+
+
+def glm45_to_hf(ref: dict[str, np.ndarray], *, vocab: int, heads: int, groups: int) -> dict[str, np.ndarray]:
+    """A GLM-4.5-like reference (`param/<name>`, `buffer/<name>`) under HF Glm4MoeForCausalLM's
+    per-expert names: the layouts above, plus `linear_qkv.bias` split per query group like the
+    weight's rows, `q_layernorm` / `k_layernorm` (HF q_norm / k_norm), the shared expert's fc1
+    [gate; up] / fc2, and the router's `expert_bias` buffer (HF `e_score_correction_bias`)."""
+    out: dict[str, np.ndarray] = {}
+    for key, a in ref.items():
+        kind, _, name = key.partition("/")
+        if kind not in ("param", "buffer"):
+            continue
+        m = _LAYER.match(name)
+        if m is None:
+            out.update(to_hf({key: a}, kind, vocab=vocab, heads=heads, groups=groups))
+            continue
+        at, rest = f"model.layers.{m[1]}.", m[2]
+        per = heads // groups
+        if rest == "self_attention.linear_qkv.bias":
+            g = a.reshape(groups, per + 2, -1)
+            out[at + "self_attn.q_proj.bias"] = np.ascontiguousarray(g[:, :per].reshape(-1))
+            out[at + "self_attn.k_proj.bias"] = np.ascontiguousarray(g[:, per].reshape(-1))
+            out[at + "self_attn.v_proj.bias"] = np.ascontiguousarray(g[:, per + 1].reshape(-1))
+        elif rest in ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"):
+            out[f"{at}self_attn.{rest.split('.')[1][0]}_norm.weight"] = a
+        elif rest == "mlp.router.weight":
+            out[at + "mlp.gate.weight"] = a
+        elif rest == "mlp.router.expert_bias":
+            out[at + "mlp.gate.e_score_correction_bias"] = a
+        elif rest.startswith(("mlp.shared_experts.", "mlp.experts.")):
+            e = re.match(r"^mlp\.(shared_experts|experts\.local_experts\.(\d+))\.linear_fc([12])\.weight$", rest)
+            assert e, rest
+            base = at + ("mlp.shared_experts." if e[2] is None else f"mlp.experts.{e[2]}.")
+            if e[3] == "2":
+                out[base + "down_proj.weight"] = a
+            else:
+                f = a.shape[0] // 2
+                out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = a[:f], a[f:]
+        else:
+            out.update(_layer(at, rest, a, heads, groups))
+    return out
