@@ -74,15 +74,33 @@ def _layer(at: str, rest: str, a: np.ndarray, heads: int, groups: int) -> dict[s
     return {e + "w1.weight": a[:f], e + "w3.weight": a[f:]}
 
 
-def glm45_to_hf(ref: dict[str, np.ndarray], *, vocab: int, heads: int, groups: int) -> dict[str, np.ndarray]:
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(?:transformer_layer|mtp_model_layer)\.(.+)$")
+_MTP_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+            "final_layernorm.weight": "shared_head.norm.weight"}  # fmt: skip
+
+
+def glm45_to_hf(ref: dict[str, np.ndarray], *, vocab: int, heads: int, groups: int, layers: int) -> dict[str, np.ndarray]:
     """A GLM-4.5-like reference (`param/<name>`, `buffer/<name>`) under HF Glm4MoeForCausalLM's
     per-expert names: the layouts above, plus `linear_qkv.bias` split per query group like the
     weight's rows, `q_layernorm` / `k_layernorm` (HF q_norm / k_norm), the shared expert's fc1
-    [gate; up] / fc2, and the router's `expert_bias` buffer (HF `e_score_correction_bias`)."""
+    [gate; up] / fc2, the router's `expert_bias` buffer (HF `e_score_correction_bias`), and MTP
+    layer i (`mtp.layers.{i}.*`, its decoder layer `transformer_layer`) as HF's
+    `model.layers.{layers + i}.*` with its own copies of the embedding and the output layer
+    (`embed_tokens`, `shared_head.head`; DeepSeek V3's layout)."""
     out: dict[str, np.ndarray] = {}
     for key, a in ref.items():
         kind, _, name = key.partition("/")
         if kind not in ("param", "buffer"):
+            continue
+        mtp = _MTP_LAYER.match(name)
+        if mtp:
+            name = f"decoder.layers.{layers + int(mtp[1])}.{mtp[2]}"
+        own = re.match(r"^mtp\.layers\.(\d+)\.(.+)$", name)
+        if own:
+            at = f"model.layers.{layers + int(own[1])}."
+            out[at + _MTP_OWN[own[2]]] = a
+            out[at + "embed_tokens.weight"] = ref["param/embedding.word_embeddings.weight"][:vocab]
+            out[at + "shared_head.head.weight"] = ref["param/output_layer.weight"][:vocab]
             continue
         m = _LAYER.match(name)
         if m is None:

@@ -7,7 +7,8 @@ What the save holds, and what makes it GLM-4.5 rather than DeepSeek V3 or Qwen3-
 layer (`--moe-layer-freq [0,1]`), q/k/v biases (`--add-qkv-bias`, linear_qkv.bias per query group),
 per-head q/k RMSNorm (`--qk-layernorm`), half of each head's 8 dims rotated (`--rotary-percent 0.5`),
 a sigmoid router whose `expert_bias` (trained by Megatron's own update, nonzero) picks the experts,
-top-k weights renormalised and scaled by 2.5, and one shared expert.
+top-k weights renormalised and scaled by 2.5, one shared expert, and one MTP layer (HF's
+`model.layers.4.*`, carried bitwise, unused by the forward).
 Checked: the config the args give; every param (and the router bias) bitwise against the params a
 tp = pp = 1 Megatron model holds after loading the save (Megatron's own resharding), through
 import on a tp/pp mesh, restore on another, export; the logits of the imported model against
@@ -26,6 +27,7 @@ from megatron_reference import glm45_to_hf
 TORCH_DIST = "megatron_core_glm45_torch_dist"
 TORCH = "megatron_lm_glm45_torch"  # the same trained state, legacy `--ckpt-format torch`
 DIMS = {"vocab": 60, "heads": 4, "groups": 2}
+LAYERS = 4  # decoder layers; the MTP layer is HF's model.layers.4
 MESH_A, MESH_B = "fsdp=2,tp=2,pp=2", "dp=2,tp=2,pp=2"
 
 
@@ -48,14 +50,14 @@ def test_config_from_megatron_args():
             "num_heads", "num_kv_heads", "head_dim", "n_routed_experts", "num_experts_per_tok",
             "n_shared_experts", "first_k_dense_replace", "norm_topk_prob", "routed_scaling_factor",
             "partial_rotary_factor", "rope_theta", "attention_bias", "use_qk_norm",
-            "tie_word_embeddings", "n_group", "num_nextn_predict_layers")}  # fmt: skip
+            "tie_word_embeddings", "n_group", "num_nextn_predict_layers", "mtp_layers")}  # fmt: skip
         assert got == {
             "vocab_size": 60, "hidden_size": 16, "intermediate_size": 24, "moe_intermediate_size": 8,
             "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "n_routed_experts": 4,
             "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 2,
             "norm_topk_prob": True, "routed_scaling_factor": 2.5, "partial_rotary_factor": 0.5,
             "rope_theta": 1e6, "attention_bias": True, "use_qk_norm": True,
-            "tie_word_embeddings": False, "n_group": 1, "num_nextn_predict_layers": 0,
+            "tie_word_embeddings": False, "n_group": 1, "num_nextn_predict_layers": 1, "mtp_layers": 1,
         }, case  # fmt: skip
 
 
@@ -73,7 +75,8 @@ def test_params_bitwise_through_import_restore_export(case, tmp_path):
     from e2e import roundtrip
 
     params, _, _, _ = roundtrip(cases.ckpt(case), str(tmp_path), mesh_a=MESH_A, mesh_b=MESH_B, optimizer=False)
-    want = glm45_to_hf(cases.reference(TORCH_DIST), **DIMS)
+    want = glm45_to_hf(cases.reference(TORCH_DIST), **DIMS, layers=LAYERS)
+    assert "model.layers.4.eh_proj.weight" in want and "model.layers.4.mlp.gate.e_score_correction_bias" in want
     assert sorted(params) == sorted(want), sorted(set(params) ^ set(want))[:6]
     for k, w in want.items():
         g = np.asarray(params[k])
@@ -116,7 +119,7 @@ def test_glm_air_and_bias_free_args_give_their_flags():
     "change, match",
     [
         (dict(moe_shared_expert_gate=True), "moe_shared_expert_gate=True"),
-        (dict(mtp_num_layers=1), "mtp_num_layers=1"),
+        (dict(mtp_num_layers=2, mtp_use_repeated_layer=True), "mtp_use_repeated_layer"),
         (dict(moe_layer_freq=[0, 1, 0, 1]), r"dense layers \[0, 2\]"),
         (dict(moe_router_enable_expert_bias=False), "expert_bias=False.*neither"),
         (dict(add_bias_linear=True), "linear_bias=True.*neither"),

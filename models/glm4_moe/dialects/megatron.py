@@ -17,7 +17,8 @@ Partial RoPE: Megatron's `RotaryEmbedding(kv_channels, rotary_percent)` builds f
 `int(kv_channels * rotary_percent)` dims and `_apply_rotary_pos_emb_bshd` turns the first that
 many dims of each head half-split (rotate_half), the rest passed through: HF GLM-4.5's
 `partial_rotary_factor` over `int(head_dim * factor)` dims, the same (`ROTARY_PERCENT`).
-MTP (`--mtp-num-layers`) is refused for now: no Megatron-written GLM save with MTP was checked.
+MTP layers (`--mtp-num-layers`, Bridge's GLM-4.5 trains one) are HF's `num_nextn_predict_layers`
+modules `model.layers.{L+i}.*` (DeepSeek V3's layout; formats/megatron/mtp.py numbers them).
 The names map by `megatron.rules`; what the facts mean: formats/megatron/config.py.
 """
 
@@ -51,14 +52,14 @@ def hf_extra(arg: Callable[..., Any], values: Mapping[str, Any], file: str) -> d
     """The GLM-4.5 `config.json` keys beyond Llama's: the router's (`router_hf`), q/k biases
     and norms; `arg(name, default=None)` reads the args."""
     mtp = arg("mtp_num_layers") or 0
-    if mtp:
+    if arg("mtp_use_repeated_layer") and mtp > 1:
         raise FormatError(
-            f"{file}: args.mtp_num_layers={mtp}: GLM-4.5's MTP layers are not read from a "
-            f"Megatron checkpoint yet"
-        )
+            f"{file}: args.mtp_use_repeated_layer with mtp_num_layers={mtp}: one stored MTP "
+            f"layer applied at every depth, which HF GLM-4.5 has no name for"
+        )  # multi_token_prediction.py `_build_layers`
     return {
         **router_hf(arg, values, file),
         "attention_bias": bool(arg("add_qkv_bias") or arg("add_bias_linear")),
         "use_qk_norm": bool(arg("qk_layernorm")),
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": mtp,
     }

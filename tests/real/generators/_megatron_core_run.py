@@ -66,8 +66,21 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
             config.multi_latent_attention, config.experimental_attention_variant,
             normalization=config.normalization,
         )  # fmt: skip
+    mtp_spec = None
+    if args.mtp_num_layers:  # megatron/training/models/gpt.py `mtp_block_spec`: the last decoder layer's spec
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_decoder_layer_specs,
+            get_gpt_mtp_block_spec,
+        )
+
+        last = get_gpt_decoder_layer_specs(
+            config, use_transformer_engine=use_te, normalization=args.normalization,
+            qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage,
+        )[-1]  # fmt: skip
+        mtp_spec = get_gpt_mtp_block_spec(config, last, use_transformer_engine=use_te, vp_stage=vp_stage)
     return GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+        mtp_block_spec=mtp_spec,
         max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
         post_process=post_process, fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
         parallel_output=True,

@@ -32,7 +32,7 @@ Cases (tests/real/cases/<case>/):
   dp2 with ep1: one unchained optimizer, the experts in the dense buffers, with its references.
 - `megatron_core_glm45_torch_dist`, `megatron_lm_glm45_torch`: a GLM-4.5-like MoE (4 layers,
   2 dense then 2 MoE of 4 experts top-2, sigmoid router with its trained expert bias, scaling
-  2.5, one shared expert, q/k/v biases, q/k norms, `--rotary-percent 0.5`) on tp2 x pp2, model
+  2.5, one shared expert, q/k/v biases, q/k norms, `--rotary-percent 0.5`, one MTP layer) on tp2 x pp2, model
   only (`--no-save-optim`), as torch_dist and the legacy torch format; its reference run
   (`_megatron_core_run.py forward`, tp = pp = 1) records the params, the routers' expert_bias and
   the logits. Its training installs `finalize_model_grads` as Megatron-LM's `train()` does (the
@@ -84,7 +84,8 @@ MOE_EP1[MOE_EP1.index("--num-experts") + 1] = "2"
 # router with the expert bias (updated by Megatron's own rule in finalize_model_grads), the top-k
 # scaling factor, one shared expert (no router groups: with 4 experts, groups of 2 and top-2 a
 # group's choice would fix both experts), q/k/v biases (`--add-qkv-bias`), per-head q/k RMSNorm,
-# half the head dims rotated (`--rotary-percent 0.5`, kv_channels 8: 4 rotated dims);
+# half the head dims rotated (`--rotary-percent 0.5`, kv_channels 8: 4 rotated dims), one MTP
+# layer (Bridge's GLM-4.5 trains one; scaling 0.3 as its provider);
 # SequentialMLP on ep 1. The model only (`--no-save-optim`): the optimizer paths are the cases above.
 GLM = """
 --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 8 --moe-token-dispatcher-type allgather
@@ -93,6 +94,7 @@ GLM = """
 --moe-router-topk-scaling-factor 2.5 --moe-shared-expert-intermediate-size 8
 --moe-aux-loss-coeff 0 --expert-model-parallel-size 1
 --add-qkv-bias --qk-layernorm --rotary-percent 0.5 --kv-channels 8 --rotary-base 1000000
+--mtp-num-layers 1 --mtp-loss-scaling-factor 0.3
 --no-save-optim --no-save-rng --no-load-optim --no-load-rng
 """.split()
 PARALLEL = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
