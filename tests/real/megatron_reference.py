@@ -131,3 +131,44 @@ def glm45_to_hf(ref: dict[str, np.ndarray], *, vocab: int, heads: int, groups: i
         else:
             out.update(_layer(at, rest, a, heads, groups))
     return out
+
+
+def llama4_to_hf(ref: dict[str, np.ndarray], *, vocab: int, heads: int, groups: int) -> dict[str, np.ndarray]:
+    """A Llama-4-like reference (`param/<name>`) under HF Llama4ForCausalLM's names: the layouts
+    above under `feed_forward.*`, the router `[E, hidden]`, the shared expert's fc1 [gate; up] /
+    fc2, and each MoE layer's experts fused as HF stores them, [in, out]: `gate_up_proj`
+    `[E, hidden, 2 I]` (expert e's fc1 transposed) and `down_proj` `[E, I, hidden]` (fc2
+    transposed)."""
+    out: dict[str, np.ndarray] = {}
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for key, a in ref.items():
+        kind, _, name = key.partition("/")
+        if kind != "param":
+            continue
+        m = _LAYER.match(name)
+        if m is None:
+            out.update(to_hf({key: a}, kind, vocab=vocab, heads=heads, groups=groups))
+            continue
+        at, rest = f"model.layers.{m[1]}.", m[2]
+        e = re.match(r"^mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$", rest)
+        if e:
+            proj = "gate_up_proj" if e[2] == "1" else "down_proj"
+            experts.setdefault((at, proj), {})[int(e[1])] = a.T
+            continue
+        if rest.startswith("mlp.shared_experts."):
+            fc = rest.split(".")[2]
+            base = at + "feed_forward.shared_expert."
+            if fc == "linear_fc2":
+                out[base + "down_proj.weight"] = a
+            else:
+                f = a.shape[0] // 2
+                out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = a[:f], a[f:]
+        elif rest == "mlp.router.weight":
+            out[at + "feed_forward.router.weight"] = a
+        else:
+            for k, v in _layer(at, rest, a, heads, groups).items():
+                out[k.replace(".mlp.", ".feed_forward.")] = v
+    for (at, proj), per in experts.items():
+        assert sorted(per) == list(range(len(per))), (at, sorted(per))
+        out[f"{at}feed_forward.experts.{proj}"] = np.ascontiguousarray(np.stack([per[i] for i in range(len(per))]))
+    return out

@@ -36,12 +36,15 @@ semantics); each family's matcher says which facts are its own and where each va
   MLA and router); `arg(name, default=None)` reads the args;
 - `ROTARY_PERCENT` (optional): the config.json key taking `--rotary-percent` (partial RoPE:
   Megatron turns the first `int(kv_channels * rotary_percent)` dims of each head, half-split,
-  GLM-4.5's `partial_rotary_factor`); a family without it refuses rotary_percent != 1.
+  GLM-4.5's `partial_rotary_factor`); a family without it refuses rotary_percent != 1;
+- `ROTARY_INTERLEAVED` (optional, False): the family's own RoPE turns adjacent pairs, as
+  `--rotary-interleaved` does (Llama 4's complex pairs); a family without it refuses the flag.
 The HF dict is read by `models.config_from_hf`, so the model config is the family's own; the
 rule variables are the family's (`models.rule_variables`) plus Megatron's own (`padded_vocab`,
 `swiglu`, `tied`, `te_norms`). A family without a megatron dialect is a FormatError.
-Refused outright: interleaved (Meta-style) RoPE, `apply_layernorm_1p` norms; partial RoPE
-unless the family says where it goes (`ROTARY_PERCENT`).
+Refused outright: `apply_layernorm_1p` norms; partial RoPE unless the family says where it goes
+(`ROTARY_PERCENT`); interleaved (Meta-style) RoPE unless the family rotates pairs
+(`ROTARY_INTERLEAVED`).
 
 RoPE scaling (`_rope_scaling`, HF's `rope_scaling` dict), as Megatron's `RotaryEmbedding` computes
 it (megatron/core/models/common/embeddings/rotary_pos_embedding.py):
@@ -86,6 +89,8 @@ class Architecture:
     hf_extra:        more config.json keys, from args (`hf_extra(arg, values, file)`)
     rotary_percent:  the config.json key taking `args.rotary_percent` (partial RoPE), or None
                      (a family without it refuses a rotary_percent other than 1)
+    rotary_interleaved: the family's RoPE turns adjacent pairs (Meta's complex pairs), as
+                     `--rotary-interleaved` does (a family without it refuses that flag)
     notes:           `(when, text)` remarks for `inspect`
     dialect:         the registry's record (its rules: `dialect.rules()`)
     """
@@ -97,6 +102,7 @@ class Architecture:
     hf_keys: Mapping[str, str]
     hf_extra: Callable[..., dict] | None
     rotary_percent: str | None
+    rotary_interleaved: bool
     notes: tuple[tuple[Mapping[str, Any], str], ...]
     dialect: models.Dialect
 
@@ -143,6 +149,7 @@ def _architecture(family: str, d: models.Dialect) -> Architecture:
         hf_keys=dict(d.get("HF_KEYS")),
         hf_extra=d.get("hf_extra"),
         rotary_percent=d.get("ROTARY_PERCENT"),
+        rotary_interleaved=bool(d.get("ROTARY_INTERLEAVED", False)),
         notes=tuple(d.get("NOTES", ())),
         dialect=d,
     )
@@ -192,10 +199,6 @@ def facts(args, file: str) -> dict[str, Any]:
 
 def architecture(args, file: str) -> Architecture:
     """The family the args describe (FormatError naming them when none, or several alike)."""
-    if arg(args, "rotary_interleaved"):
-        raise FormatError(
-            f"{file}: args.rotary_interleaved=True (Meta-style RoPE pairs) is not supported"
-        )
     f = facts(args, file)
     if arg(args, "apply_layernorm_1p"):
         raise FormatError(
@@ -209,6 +212,12 @@ def architecture(args, file: str) -> Architecture:
     best = most_specific(scores)
     if len(best) == 1:
         a = next(a for a in known if a.family == best[0])
+        if arg(args, "rotary_interleaved") and not a.rotary_interleaved:
+            raise FormatError(
+                f"{file}: args.rotary_interleaved=True (Meta-style RoPE pairs) is not supported "
+                f"for {a.description} (read for the families "
+                f"{sorted(k.family for k in known if k.rotary_interleaved)})"
+            )
         if f["position_embedding"] == "rope" and _rotary_percent(args) != 1.0 and a.rotary_percent is None:
             raise FormatError(
                 f"{file}: args.rotary_percent={arg(args, 'rotary_percent')} (partial RoPE) is not "

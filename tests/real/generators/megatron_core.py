@@ -37,6 +37,9 @@ Cases (tests/real/cases/<case>/):
   (`_megatron_core_run.py forward`, tp = pp = 1) records the params, the routers' expert_bias and
   the logits. Its training installs `finalize_model_grads` as Megatron-LM's `train()` does (the
   expert-bias update lives there; the older runs above call `train_step` without it).
+- `megatron_core_llama4_torch_dist`: a Llama-4-like MoE (4 layers, MoE every other one, top-1
+  sigmoid router scaling the expert input, one shared expert, NoPE every 2nd layer, complex-pair
+  RoPE) on tp2 x pp2, model only, torch_dist; `forward` reference as above.
 The MoE runs save without RNG state (`--no-save-rng`; the dense saves keep it) to stay within the
 corpus budget: every parameter slice is a DCP chunk of its own, each a torch.save archive.
 Not made, and why (recorded in the manifests): TEGroupedMLP / the TE spec / `--moe-grouped-gemm`
@@ -95,6 +98,18 @@ GLM = """
 --moe-aux-loss-coeff 0 --expert-model-parallel-size 1
 --add-qkv-bias --qk-layernorm --rotary-percent 0.5 --kv-channels 8 --rotary-base 1000000
 --mtp-num-layers 1 --mtp-loss-scaling-factor 0.3
+--no-save-optim --no-save-rng --no-load-optim --no-load-rng
+""".split()
+# Llama-4-like (Megatron-Bridge's Llama 4 provider facts): 4 layers, MoE every other one
+# (`--moe-layer-freq [0,1,0,1]`, HF interleave step 2), top-1 sigmoid router scaling the expert
+# input, one shared expert of the experts' width, NoPE every 2nd layer (`--no-rope-freq 2`),
+# complex-pair RoPE (`--rotary-interleaved`); no `--qk-l2-norm` (the stock spec would normalize
+# the NoPE layers too, which HF Llama 4 does not; see models/llama4/dialects/megatron.py)
+LLAMA4 = """
+--num-layers 4 --num-experts 4 --moe-router-topk 1 --moe-ffn-hidden-size 8
+--moe-token-dispatcher-type allgather --moe-layer-freq [0,1,0,1] --moe-router-score-function sigmoid
+--moe-apply-probs-on-input --moe-shared-expert-intermediate-size 8 --moe-aux-loss-coeff 0
+--expert-model-parallel-size 1 --no-rope-freq 2 --rotary-interleaved
 --no-save-optim --no-save-rng --no-load-optim --no-load-rng
 """.split()
 PARALLEL = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
@@ -270,6 +285,13 @@ RUNS = {
         (*GLM, "--sequence-parallel", *PARALLEL), 4, {"tp": 2, "pp": 2, "dp": 1, "ep": 1}, ("torch",), (*GLM, *SINGLE), 1,
         (("megatron_core_glm45_torch_dist", "fully", "none (--no-save-optim)"),
          ("megatron_lm_glm45_torch", "torch", "none (--no-save-optim), legacy torch format")),
+        forward_only=True,
+    ),  # fmt: skip
+    # Llama-4-like MoE on tp2 pp2, model only, torch_dist
+    "llama4": Run(
+        (*LLAMA4, "--sequence-parallel", *PARALLEL), 4, {"tp": 2, "pp": 2, "dp": 1, "ep": 1}, (),
+        (*LLAMA4, *SINGLE), 1,
+        (("megatron_core_llama4_torch_dist", "fully", "none (--no-save-optim)"),),
         forward_only=True,
     ),  # fmt: skip
 }
