@@ -123,6 +123,8 @@ def test_glm_air_and_bias_free_args_give_their_flags():
         (dict(moe_layer_freq=[0, 1, 0, 1]), r"dense layers \[0, 2\]"),
         (dict(moe_router_enable_expert_bias=False), "expert_bias=False.*neither"),
         (dict(add_bias_linear=True), "linear_bias=True.*neither"),
+        (dict(moe_ffn_hidden_size=0, ffn_hidden_size=None), "moe_ffn_hidden_size=None: expected a positive int"),
+        (dict(moe_shared_expert_intermediate_size="8"), "moe_shared_expert_intermediate_size='8'"),
     ],
 )
 def test_what_glm_cannot_express_is_refused(change, match):

@@ -90,6 +90,8 @@ def _args():
         (dict(moe_shared_expert_intermediate_size=16), "moe_shared_expert_intermediate_size=16"),
         (dict(moe_router_topk_scaling_factor=2.5), "top-k scaling factor"),
         (dict(no_rope_freq=3), "no_rope_freq=3"),
+        (dict(no_rope_freq=[1, "x", 0, 1]), "no_rope_freq="),  # hostile values: one line
+        (dict(moe_ffn_hidden_size=0, ffn_hidden_size=None), "moe_ffn_hidden_size=None"),
         # Megatron's half-split RoPE on a Llama 4 is no HF Llama 4
         (dict(rotary_interleaved=False), "neither"),
     ],

@@ -71,6 +71,9 @@ def router_hf(arg: Callable[..., Any], values: Mapping[str, Any], file: str) -> 
         )
     moe_ffn = arg("moe_ffn_hidden_size") or arg("ffn_hidden_size")
     shared = arg("moe_shared_expert_intermediate_size")
+    for name, v in (("moe_ffn_hidden_size", moe_ffn), ("moe_shared_expert_intermediate_size", shared)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise FormatError(f"{file}: args.{name}={v!r:.40}: expected a positive int")
     if shared % moe_ffn:
         raise FormatError(
             f"{file}: args.moe_shared_expert_intermediate_size={shared} is no multiple of "

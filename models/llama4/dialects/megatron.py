@@ -64,10 +64,14 @@ def hf_extra(arg: Callable[..., Any], values: Mapping[str, Any], file: str) -> d
     """The Llama 4 `config.json` keys beyond Llama's (module docstring); `arg(name,
     default=None)` reads the args, `values` are the format's (`dense_layers`...)."""
     n = values["num_layers"]
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+        raise FormatError(f"{file}: args.num_layers={n!r:.40}: expected a positive int")
     topk = arg("moe_router_topk", 2)
     if topk != 1:
         raise FormatError(f"{file}: args.moe_router_topk={topk}: Llama 4 routes each token to 1 expert")
     width = values["moe_ffn_hidden_size"]
+    if not isinstance(width, int) or isinstance(width, bool) or width <= 0:
+        raise FormatError(f"{file}: args.moe_ffn_hidden_size={width!r:.40}: expected a positive int")
     shared = arg("moe_shared_expert_intermediate_size")
     if shared != width or arg("moe_shared_expert_gate"):
         raise FormatError(
