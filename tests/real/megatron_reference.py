@@ -72,3 +72,103 @@ def _layer(at: str, rest: str, a: np.ndarray, heads: int, groups: int) -> dict[s
         return {e + "w2.weight": a}
     f = a.shape[0] // 2
     return {e + "w1.weight": a[:f], e + "w3.weight": a[f:]}
+
+
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(?:transformer_layer|mtp_model_layer)\.(.+)$")
+_MTP_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+            "final_layernorm.weight": "shared_head.norm.weight"}  # fmt: skip
+
+
+def glm45_to_hf(ref: dict[str, np.ndarray], *, vocab: int, heads: int, groups: int, layers: int) -> dict[str, np.ndarray]:
+    """A GLM-4.5-like reference (`param/<name>`, `buffer/<name>`) under HF Glm4MoeForCausalLM's
+    per-expert names: the layouts above, plus `linear_qkv.bias` split per query group like the
+    weight's rows, `q_layernorm` / `k_layernorm` (HF q_norm / k_norm), the shared expert's fc1
+    [gate; up] / fc2, the router's `expert_bias` buffer (HF `e_score_correction_bias`), and MTP
+    layer i (`mtp.layers.{i}.*`, its decoder layer `transformer_layer`) as HF's
+    `model.layers.{layers + i}.*` with its own copies of the embedding and the output layer
+    (`embed_tokens`, `shared_head.head`; DeepSeek V3's layout)."""
+    out: dict[str, np.ndarray] = {}
+    for key, a in ref.items():
+        kind, _, name = key.partition("/")
+        if kind not in ("param", "buffer"):
+            continue
+        mtp = _MTP_LAYER.match(name)
+        if mtp:
+            name = f"decoder.layers.{layers + int(mtp[1])}.{mtp[2]}"
+        own = re.match(r"^mtp\.layers\.(\d+)\.(.+)$", name)
+        if own:
+            at = f"model.layers.{layers + int(own[1])}."
+            out[at + _MTP_OWN[own[2]]] = a
+            out[at + "embed_tokens.weight"] = ref["param/embedding.word_embeddings.weight"][:vocab]
+            out[at + "shared_head.head.weight"] = ref["param/output_layer.weight"][:vocab]
+            continue
+        m = _LAYER.match(name)
+        if m is None:
+            out.update(to_hf({key: a}, kind, vocab=vocab, heads=heads, groups=groups))
+            continue
+        at, rest = f"model.layers.{m[1]}.", m[2]
+        per = heads // groups
+        if rest == "self_attention.linear_qkv.bias":
+            g = a.reshape(groups, per + 2, -1)
+            out[at + "self_attn.q_proj.bias"] = np.ascontiguousarray(g[:, :per].reshape(-1))
+            out[at + "self_attn.k_proj.bias"] = np.ascontiguousarray(g[:, per].reshape(-1))
+            out[at + "self_attn.v_proj.bias"] = np.ascontiguousarray(g[:, per + 1].reshape(-1))
+        elif rest in ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"):
+            out[f"{at}self_attn.{rest.split('.')[1][0]}_norm.weight"] = a
+        elif rest == "mlp.router.weight":
+            out[at + "mlp.gate.weight"] = a
+        elif rest == "mlp.router.expert_bias":
+            out[at + "mlp.gate.e_score_correction_bias"] = a
+        elif rest.startswith(("mlp.shared_experts.", "mlp.experts.")):
+            e = re.match(r"^mlp\.(shared_experts|experts\.local_experts\.(\d+))\.linear_fc([12])\.weight$", rest)
+            assert e, rest
+            base = at + ("mlp.shared_experts." if e[2] is None else f"mlp.experts.{e[2]}.")
+            if e[3] == "2":
+                out[base + "down_proj.weight"] = a
+            else:
+                f = a.shape[0] // 2
+                out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = a[:f], a[f:]
+        else:
+            out.update(_layer(at, rest, a, heads, groups))
+    return out
+
+
+def llama4_to_hf(ref: dict[str, np.ndarray], *, vocab: int, heads: int, groups: int) -> dict[str, np.ndarray]:
+    """A Llama-4-like reference (`param/<name>`) under HF Llama4ForCausalLM's names: the layouts
+    above under `feed_forward.*`, the router `[E, hidden]`, the shared expert's fc1 [gate; up] /
+    fc2, and each MoE layer's experts fused as HF stores them, [in, out]: `gate_up_proj`
+    `[E, hidden, 2 I]` (expert e's fc1 transposed) and `down_proj` `[E, I, hidden]` (fc2
+    transposed)."""
+    out: dict[str, np.ndarray] = {}
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for key, a in ref.items():
+        kind, _, name = key.partition("/")
+        if kind != "param":
+            continue
+        m = _LAYER.match(name)
+        if m is None:
+            out.update(to_hf({key: a}, kind, vocab=vocab, heads=heads, groups=groups))
+            continue
+        at, rest = f"model.layers.{m[1]}.", m[2]
+        e = re.match(r"^mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$", rest)
+        if e:
+            proj = "gate_up_proj" if e[2] == "1" else "down_proj"
+            experts.setdefault((at, proj), {})[int(e[1])] = a.T
+            continue
+        if rest.startswith("mlp.shared_experts."):
+            fc = rest.split(".")[2]
+            base = at + "feed_forward.shared_expert."
+            if fc == "linear_fc2":
+                out[base + "down_proj.weight"] = a
+            else:
+                f = a.shape[0] // 2
+                out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = a[:f], a[f:]
+        elif rest == "mlp.router.weight":
+            out[at + "feed_forward.router.weight"] = a
+        else:
+            for k, v in _layer(at, rest, a, heads, groups).items():
+                out[k.replace(".mlp.", ".feed_forward.")] = v
+    for (at, proj), per in experts.items():
+        assert sorted(per) == list(range(len(per))), (at, sorted(per))
+        out[f"{at}feed_forward.experts.{proj}"] = np.ascontiguousarray(np.stack([per[i] for i in range(len(per))]))
+    return out

@@ -6,7 +6,7 @@ import os
 
 from cases import CASES, all_cases, manifest
 
-BUDGET_BYTES = 37 << 19  # 18.5 MiB, the whole committed corpus (tests/real/README.md): 16 MiB until the MaxText cases, 18 MiB until maxtext_gpt_oss
+BUDGET_BYTES = 40 << 19  # 20 MiB, the whole committed corpus (tests/real/README.md): 16 MiB until the MaxText cases, 18 MiB until maxtext_gpt_oss, 18.5 MiB until the Megatron GLM-4.5 and Llama 4 cases
 
 
 def _size(path: str) -> int:

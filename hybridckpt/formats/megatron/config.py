@@ -33,11 +33,18 @@ semantics); each family's matcher says which facts are its own and where each va
 - `NOTES` (optional): `(when, text)` remarks for `inspect`, made when every fact in `when` has
   the given value (facts: the rule variables plus `openai_gelu`);
 - `hf_extra(arg, values, file)` (optional): more config.json keys the args give (DeepSeek V3's
-  MLA and router); `arg(name, default=None)` reads the args.
+  MLA and router); `arg(name, default=None)` reads the args;
+- `ROTARY_PERCENT` (optional): the config.json key taking `--rotary-percent` (partial RoPE:
+  Megatron turns the first `int(kv_channels * rotary_percent)` dims of each head, half-split,
+  GLM-4.5's `partial_rotary_factor`); a family without it refuses rotary_percent != 1;
+- `ROTARY_INTERLEAVED` (optional, False): the family's own RoPE turns adjacent pairs, as
+  `--rotary-interleaved` does (Llama 4's complex pairs); a family without it refuses the flag.
 The HF dict is read by `models.config_from_hf`, so the model config is the family's own; the
 rule variables are the family's (`models.rule_variables`) plus Megatron's own (`padded_vocab`,
 `swiglu`, `tied`, `te_norms`). A family without a megatron dialect is a FormatError.
-Refused outright: interleaved (Meta-style) RoPE, partial RoPE, `apply_layernorm_1p` norms.
+Refused outright: `apply_layernorm_1p` norms; partial RoPE unless the family says where it goes
+(`ROTARY_PERCENT`); interleaved (Meta-style) RoPE unless the family rotates pairs
+(`ROTARY_INTERLEAVED`).
 
 RoPE scaling (`_rope_scaling`, HF's `rope_scaling` dict), as Megatron's `RotaryEmbedding` computes
 it (megatron/core/models/common/embeddings/rotary_pos_embedding.py):
@@ -80,6 +87,10 @@ class Architecture:
     match:           fact -> value the args must show (`FACT_DEFAULTS` filled in)
     hf_keys:         a value read from args (`_values`) -> its config.json key
     hf_extra:        more config.json keys, from args (`hf_extra(arg, values, file)`)
+    rotary_percent:  the config.json key taking `args.rotary_percent` (partial RoPE), or None
+                     (a family without it refuses a rotary_percent other than 1)
+    rotary_interleaved: the family's RoPE turns adjacent pairs (Meta's complex pairs), as
+                     `--rotary-interleaved` does (a family without it refuses that flag)
     notes:           `(when, text)` remarks for `inspect`
     dialect:         the registry's record (its rules: `dialect.rules()`)
     """
@@ -90,6 +101,8 @@ class Architecture:
     match: Mapping[str, Any]
     hf_keys: Mapping[str, str]
     hf_extra: Callable[..., dict] | None
+    rotary_percent: str | None
+    rotary_interleaved: bool
     notes: tuple[tuple[Mapping[str, Any], str], ...]
     dialect: models.Dialect
 
@@ -135,6 +148,8 @@ def _architecture(family: str, d: models.Dialect) -> Architecture:
         match=match,
         hf_keys=dict(d.get("HF_KEYS")),
         hf_extra=d.get("hf_extra"),
+        rotary_percent=d.get("ROTARY_PERCENT"),
+        rotary_interleaved=bool(d.get("ROTARY_INTERLEAVED", False)),
         notes=tuple(d.get("NOTES", ())),
         dialect=d,
     )
@@ -184,15 +199,7 @@ def facts(args, file: str) -> dict[str, Any]:
 
 def architecture(args, file: str) -> Architecture:
     """The family the args describe (FormatError naming them when none, or several alike)."""
-    if arg(args, "rotary_interleaved"):
-        raise FormatError(
-            f"{file}: args.rotary_interleaved=True (Meta-style RoPE pairs) is not supported"
-        )
     f = facts(args, file)
-    if f["position_embedding"] == "rope" and (arg(args, "rotary_percent", 1.0) or 1.0) != 1.0:
-        raise FormatError(
-            f"{file}: args.rotary_percent={arg(args, 'rotary_percent')} (partial RoPE) is not supported"
-        )
     if arg(args, "apply_layernorm_1p"):
         raise FormatError(
             f"{file}: args.apply_layernorm_1p=True (norm weights stored minus 1) is not supported"
@@ -204,7 +211,20 @@ def architecture(args, file: str) -> Architecture:
         scores[a.family] = a.score({**f, **extra})
     best = most_specific(scores)
     if len(best) == 1:
-        return next(a for a in known if a.family == best[0])
+        a = next(a for a in known if a.family == best[0])
+        if arg(args, "rotary_interleaved") and not a.rotary_interleaved:
+            raise FormatError(
+                f"{file}: args.rotary_interleaved=True (Meta-style RoPE pairs) is not supported "
+                f"for {a.description} (read for the families "
+                f"{sorted(k.family for k in known if k.rotary_interleaved)})"
+            )
+        if f["position_embedding"] == "rope" and _rotary_percent(args) != 1.0 and a.rotary_percent is None:
+            raise FormatError(
+                f"{file}: args.rotary_percent={arg(args, 'rotary_percent')} (partial RoPE) is not "
+                f"supported for {a.description} (read for the families "
+                f"{sorted(k.family for k in known if k.rotary_percent)})"
+            )
+        return a
     routing = {k: v for k, v in f.items() if k not in (*_BASE, *_ATTENTION, "moe", "mla")}
     recorded = "".join(f", {k}={f[k]}" for k in _ATTENTION if f[k] is not None)
     recorded += f", num_experts={arg(args, 'num_experts')}" if f["moe"] else ""
@@ -217,6 +237,10 @@ def architecture(args, file: str) -> Architecture:
     if best:
         raise FormatError(f"{described}: the families {best} fit alike")
     raise FormatError(f"{described}: neither {' nor '.join(a.summary() for a in known)}")
+
+
+def _rotary_percent(args) -> float:
+    return float(arg(args, "rotary_percent", 1.0) or 1.0)
 
 
 def _attention_facts(args) -> dict[str, bool | None]:
@@ -319,6 +343,8 @@ def hf_config(args, config, file: str) -> dict[str, Any]:
     out = {"architectures": [a.hf_architecture], **{k: values[v] for v, k in a.hf_keys.items()}}
     if a.hf_extra is not None:
         out.update(a.hf_extra(lambda name, default=None: arg(args, name, default), values, file))
+    if a.rotary_percent is not None and a.position_embedding == "rope":
+        out[a.rotary_percent] = _rotary_percent(args)
     # multi-latent attention rotates its own way (yarn): its family's `hf_extra` says how
     mla = bool(arg(args, "multi_latent_attention", False))
     scaling = _rope_scaling(args, file) if a.position_embedding == "rope" and not mla else None

@@ -61,6 +61,7 @@ _SAME = (
     "moe_router_group_topk",
     "moe_router_topk_scaling_factor",
     "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate",
     "moe_layer_freq",
     "moe_grouped_gemm",
     "moe_use_legacy_grouped_gemm",

@@ -59,21 +59,30 @@ HF_KEYS = {
 MLA_YARN_DEFAULTS = {"original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1}
 
 
-def hf_extra(arg: Callable[..., Any], values: Mapping[str, Any], file: str) -> dict[str, Any]:
-    """The DeepSeek V3 `config.json` keys beyond Llama's that MLA / MoE args give;
-    `arg(name, default=None)` reads the args, `values` are the format's (`dense_layers`...)."""
+def router_hf(arg: Callable[..., Any], values: Mapping[str, Any], file: str) -> dict[str, Any]:
+    """The `config.json` keys of DeepSeek V3's router and MoE layers (also GLM-4.5's, the same
+    router) that the MoE args give; `arg(name, default=None)` reads the args, `values` are the
+    format's (`dense_layers`...)."""
     dense = list(values["dense_layers"])
     if dense != list(range(len(dense))):
         raise FormatError(
-            f"{file}: dense layers {dense}: DeepSeek V3 has dense layers only first "
+            f"{file}: dense layers {dense}: this family has dense layers only first "
             f"(first_k_dense_replace)"
         )
     moe_ffn = arg("moe_ffn_hidden_size") or arg("ffn_hidden_size")
     shared = arg("moe_shared_expert_intermediate_size")
+    for name, v in (("moe_ffn_hidden_size", moe_ffn), ("moe_shared_expert_intermediate_size", shared)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise FormatError(f"{file}: args.{name}={v!r:.40}: expected a positive int")
     if shared % moe_ffn:
         raise FormatError(
             f"{file}: args.moe_shared_expert_intermediate_size={shared} is no multiple of "
             f"moe_ffn_hidden_size={moe_ffn} (HF n_shared_experts)"
+        )
+    if arg("moe_shared_expert_gate"):
+        raise FormatError(
+            f"{file}: args.moe_shared_expert_gate=True (a sigmoid gate on the shared expert) "
+            f"is not DeepSeek V3's or GLM-4.5's shared expert"
         )
     topk = arg("moe_router_topk", 2)
     groups = arg("moe_router_num_groups") or 1
@@ -83,7 +92,7 @@ def hf_extra(arg: Callable[..., Any], values: Mapping[str, Any], file: str) -> d
             f"{file}: group-limited routing ranks groups by their top topk // group_topk = "
             f"{topk // group_topk} scores; HF DeepSeek V3 sums the top 2"
         )
-    out = {
+    return {
         "n_routed_experts": arg("num_experts"),
         "num_experts_per_tok": topk,
         "moe_intermediate_size": moe_ffn,
@@ -93,6 +102,14 @@ def hf_extra(arg: Callable[..., Any], values: Mapping[str, Any], file: str) -> d
         "topk_group": group_topk,
         "routed_scaling_factor": float(arg("moe_router_topk_scaling_factor") or 1.0),
         "norm_topk_prob": topk > 1,
+    }
+
+
+def hf_extra(arg: Callable[..., Any], values: Mapping[str, Any], file: str) -> dict[str, Any]:
+    """The DeepSeek V3 `config.json` keys beyond Llama's that MLA / MoE args give;
+    `arg(name, default=None)` reads the args, `values` are the format's (`dense_layers`...)."""
+    out = {
+        **router_hf(arg, values, file),
         "q_lora_rank": arg("q_lora_rank"),
         "kv_lora_rank": arg("kv_lora_rank"),
         "qk_nope_head_dim": arg("qk_head_dim"),

@@ -66,8 +66,21 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
             config.multi_latent_attention, config.experimental_attention_variant,
             normalization=config.normalization,
         )  # fmt: skip
+    mtp_spec = None
+    if args.mtp_num_layers:  # megatron/training/models/gpt.py `mtp_block_spec`: the last decoder layer's spec
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_decoder_layer_specs,
+            get_gpt_mtp_block_spec,
+        )
+
+        last = get_gpt_decoder_layer_specs(
+            config, use_transformer_engine=use_te, normalization=args.normalization,
+            qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage,
+        )[-1]  # fmt: skip
+        mtp_spec = get_gpt_mtp_block_spec(config, last, use_transformer_engine=use_te, vp_stage=vp_stage)
     return GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+        mtp_block_spec=mtp_spec,
         max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
         post_process=post_process, fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
         parallel_output=True,
@@ -125,7 +138,7 @@ def _setup(argv: list[str]):
     args = get_args()
     load, args.load = args.load, None
     model, optimizer, scheduler = setup_model_and_optimizer(ModelType.encoder_or_decoder, model_provider)
-    if load is not None:
+    if load is not None and not args.no_load_optim:
         # DistributedOptimizer.state_dict reads `step` from the inner optimizer's state, which a
         # torch.optim.AdamW (no Apex / TE here) has only after a step: Megatron's own
         # `_init_optimizer_states_with_dummy_values` (a zero-grad step, overwritten by the load)
@@ -133,8 +146,11 @@ def _setup(argv: list[str]):
         for opt in _optimizers(optimizer):
             opt._init_optimizer_states_with_dummy_values()
         args.load = load
+    if load is not None:
+        args.load = load
         args.iteration, _ = load_checkpoint(model, optimizer, scheduler)
-        shims.unshare_adam_steps(_optimizers(optimizer))
+        if not args.no_load_optim:
+            shims.unshare_adam_steps(_optimizers(optimizer))
     return model, optimizer, scheduler
 
 
@@ -173,6 +189,15 @@ def train(argv: list[str], saves: list) -> None:
 
     model, optimizer, scheduler = _setup(argv)
     args = get_args()
+    if os.environ.get("MEGATRON_FINALIZE_GRADS") == "1":
+        # what Megatron-LM's `train()` installs before its loop (training.py): the grads'
+        # data-parallel / sequence-parallel reductions and the routers' expert-bias update
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.utils import get_model_config
+
+        config = get_model_config(model[0])
+        if config.finalize_model_grads_func is None:
+            config.finalize_model_grads_func = finalize_model_grads
     for step in range(args.train_iters):
         _train_step(model, optimizer, scheduler, step)
         args.consumed_train_samples += args.global_batch_size
@@ -292,6 +317,33 @@ def reference(argv: list[str], out: str) -> None:
     torch.save(ref, f"{out}.rank{torch.distributed.get_rank()}")
 
 
+def forward(argv: list[str], out: str) -> None:
+    """A model-only reference (the save holds no optimizer: `--no-load-optim`): rank r writes
+    `OUT.rank{r}` with every parameter, the routers' `expert_bias` buffers (megatron-core names,
+    tp = pp = 1) and GPTModel's eval logits on the fixed tokens."""
+    from megatron.core.utils import unwrap_model
+    from megatron.training import get_args
+
+    model, _, _ = _setup(argv)
+    args = get_args()
+    params = _named(model)
+    (m,) = unwrap_model(model)
+    buffers = {n: b for n, b in m.named_buffers() if n.endswith("router.expert_bias")}
+    fixed = batch(10_000, 0, 0, 2, args.seq_length, args.vocab_size)
+    for c in model:
+        c.eval()
+    with torch.no_grad():
+        logits = model[0](fixed["tokens"], fixed["position_ids"], fixed["attention_mask"])
+    ref = {
+        "params": {n: p.detach().clone() for n, p in params.items()},
+        "buffers": {n: b.detach().clone() for n, b in buffers.items()},
+        "tokens": fixed["tokens"],
+        "logits": logits.detach().clone(),
+        "iteration": args.iteration,
+    }
+    torch.save(ref, f"{out}.rank{torch.distributed.get_rank()}")
+
+
 def main() -> None:
     mode, out = sys.argv[1], sys.argv[2]
     argv = sys.argv[sys.argv.index("--") + 1 :]
@@ -299,6 +351,8 @@ def main() -> None:
         train(argv, json.loads(out))
     elif mode == "reference":
         reference(argv, out)
+    elif mode == "forward":
+        forward(argv, out)
     else:
         raise SystemExit(f"unknown mode {mode}")
     torch.distributed.barrier()

@@ -30,6 +30,16 @@ Cases (tests/real/cases/<case>/):
   chained [dense, experts], with its references.
 - `megatron_core_moe_ep1_dp_reshardable`: MoE (2 experts, top-2, SequentialMLP) on tp1 x pp2 x
   dp2 with ep1: one unchained optimizer, the experts in the dense buffers, with its references.
+- `megatron_core_glm45_torch_dist`, `megatron_lm_glm45_torch`: a GLM-4.5-like MoE (4 layers,
+  2 dense then 2 MoE of 4 experts top-2, sigmoid router with its trained expert bias, scaling
+  2.5, one shared expert, q/k/v biases, q/k norms, `--rotary-percent 0.5`, one MTP layer) on tp2 x pp2, model
+  only (`--no-save-optim`), as torch_dist and the legacy torch format; its reference run
+  (`_megatron_core_run.py forward`, tp = pp = 1) records the params, the routers' expert_bias and
+  the logits. Its training installs `finalize_model_grads` as Megatron-LM's `train()` does (the
+  expert-bias update lives there; the older runs above call `train_step` without it).
+- `megatron_core_llama4_torch_dist`: a Llama-4-like MoE (4 layers, MoE every other one, top-1
+  sigmoid router scaling the expert input, one shared expert, NoPE every 2nd layer, complex-pair
+  RoPE) on tp2 x pp2, model only, torch_dist; `forward` reference as above.
 The MoE runs save without RNG state (`--no-save-rng`; the dense saves keep it) to stay within the
 corpus budget: every parameter slice is a DCP chunk of its own, each a torch.save archive.
 Not made, and why (recorded in the manifests): TEGroupedMLP / the TE spec / `--moe-grouped-gemm`
@@ -72,9 +82,44 @@ MOE = """
 """.split()
 MOE_EP1 = [*MOE, "--expert-model-parallel-size", "1"]
 MOE_EP1[MOE_EP1.index("--num-experts") + 1] = "2"
+# GLM-4.5-like (Megatron-Bridge glm45_bridge / the GLM-4.5 launch args): 4 layers, the first two
+# dense (`--moe-layer-freq [0,0,1,1]`: two of each, so a pp 2 mesh splits both groups), a sigmoid
+# router with the expert bias (updated by Megatron's own rule in finalize_model_grads), the top-k
+# scaling factor, one shared expert (no router groups: with 4 experts, groups of 2 and top-2 a
+# group's choice would fix both experts), q/k/v biases (`--add-qkv-bias`), per-head q/k RMSNorm,
+# half the head dims rotated (`--rotary-percent 0.5`, kv_channels 8: 4 rotated dims), one MTP
+# layer (Bridge's GLM-4.5 trains one; scaling 0.3 as its provider);
+# SequentialMLP on ep 1. The model only (`--no-save-optim`): the optimizer paths are the cases above.
+GLM = """
+--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 8 --moe-token-dispatcher-type allgather
+--num-layers 4 --moe-layer-freq [0,0,1,1] --moe-router-score-function sigmoid --moe-router-enable-expert-bias
+--moe-router-bias-update-rate 0.05
+--moe-router-topk-scaling-factor 2.5 --moe-shared-expert-intermediate-size 8
+--moe-aux-loss-coeff 0 --expert-model-parallel-size 1
+--add-qkv-bias --qk-layernorm --rotary-percent 0.5 --kv-channels 8 --rotary-base 1000000
+--mtp-num-layers 1 --mtp-loss-scaling-factor 0.3
+--no-save-optim --no-save-rng --no-load-optim --no-load-rng
+""".split()
+# Llama-4-like (Megatron-Bridge's Llama 4 provider facts): 4 layers, MoE every other one
+# (`--moe-layer-freq [0,1,0,1]`, HF interleave step 2), top-1 sigmoid router scaling the expert
+# input, one shared expert of the experts' width, NoPE every 2nd layer (`--no-rope-freq 2`),
+# complex-pair RoPE (`--rotary-interleaved`); no `--qk-l2-norm` (the stock spec would normalize
+# the NoPE layers too, which HF Llama 4 does not; see models/llama4/dialects/megatron.py)
+LLAMA4 = """
+--num-layers 4 --num-experts 4 --moe-router-topk 1 --moe-ffn-hidden-size 8
+--moe-token-dispatcher-type allgather --moe-layer-freq [0,1,0,1] --moe-router-score-function sigmoid
+--moe-apply-probs-on-input --moe-shared-expert-intermediate-size 8 --moe-aux-loss-coeff 0
+--expert-model-parallel-size 1 --no-rope-freq 2 --rotary-interleaved
+--no-save-optim --no-save-rng --no-load-optim --no-load-rng
+""".split()
 PARALLEL = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 SINGLE = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
 
+EAGER = (
+    "TORCHDYNAMO_DISABLE=1: megatron-core's torch.compile'd helpers (jit_fuser, e.g. the sigmoid "
+    "router's score function) run eagerly, the same torch ops (inductor wants CUDA device "
+    "properties the CPU shims do not have)"
+)
 NOT_MADE = [
     "TEGroupedMLP, the Transformer Engine spec and --moe-grouped-gemm were not run: they need "
     "transformer_engine, whose PyTorch extension builds only against CUDA (nvcc, CUDA headers), "
@@ -101,11 +146,12 @@ def ensure_megatron() -> None:
     )  # fmt: skip
 
 
-def torchrun(n: int, mode: str, out: str, args: list[str], log: str) -> None:
+def torchrun(n: int, mode: str, out: str, args: list[str], log: str, finalize: bool = False) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}",
            "--master-port=29517", os.path.join(HERE, "_megatron_core_run.py"), mode, out, "--", *args]  # fmt: skip
     with open(log, "w") as f:
-        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1",
+                                  MEGATRON_FINALIZE_GRADS="1" if finalize else "0"))
     if r.returncode:
         with open(log) as f:
             tail = f.read()[-6000:]
@@ -207,6 +253,9 @@ class Run:
     ref_args: tuple[str, ...]
     ref_ranks: int
     cases: tuple[tuple[str, str, str], ...]
+    # a model-only save: the reference is `forward` (params, logits); its training installs
+    # `finalize_model_grads` as Megatron-LM's `train()` does (the expert-bias update is there)
+    forward_only: bool = False
 
 
 RUNS = {
@@ -231,6 +280,41 @@ RUNS = {
         {"tp": 1, "pp": 2, "dp": 2, "ep": 1}, ("dp",), (*MOE_EP1, *SINGLE), 1,
         (("megatron_core_moe_ep1_dp_reshardable", "dp", "dp_reshardable"),),
     ),  # fmt: skip
+    # GLM-4.5-like MoE on tp2 pp2 (dp 1), model only: torch_dist and the legacy torch format
+    "glm45": Run(
+        (*GLM, "--sequence-parallel", *PARALLEL), 4, {"tp": 2, "pp": 2, "dp": 1, "ep": 1}, ("torch",), (*GLM, *SINGLE), 1,
+        (("megatron_core_glm45_torch_dist", "fully", "none (--no-save-optim)"),
+         ("megatron_lm_glm45_torch", "torch", "none (--no-save-optim), legacy torch format")),
+        forward_only=True,
+    ),  # fmt: skip
+    # Llama-4-like MoE on tp2 pp2, model only, torch_dist
+    "llama4": Run(
+        (*LLAMA4, "--sequence-parallel", *PARALLEL), 4, {"tp": 2, "pp": 2, "dp": 1, "ep": 1}, (),
+        (*LLAMA4, *SINGLE), 1,
+        (("megatron_core_llama4_torch_dist", "fully", "none (--no-save-optim)"),),
+        forward_only=True,
+    ),  # fmt: skip
+}
+
+
+def join_forward(prefix: str, n: int) -> tuple[dict, dict]:
+    """(arrays, facts) of a `forward` reference run: params, the routers' expert_bias buffers
+    (`buffer/<name>`), tokens and logits (one rank: tp = pp = ep = 1)."""
+    import torch
+
+    (r,) = [torch.load(f"{prefix}.rank{i}", weights_only=False) for i in range(n)]
+    arrays = {"tokens": r["tokens"].numpy(), "logits": r["logits"].float().numpy()}
+    for kind, pre in (("params", "param"), ("buffers", "buffer")):
+        for name, t in r[kind].items():
+            arrays[f"{pre}/{name}"] = t.detach().float().numpy()
+    return arrays, {"iteration": r["iteration"], "reference_ranks": n}
+
+
+FORWARD_DOC = {
+    "param/<name>": REFERENCE_DOC["param/<name>"],
+    "buffer/<name>": "the MoE routers' expert_bias buffers (fp32), as the reference run loaded them",
+    "tokens": REFERENCE_DOC["tokens"],
+    "logits": REFERENCE_DOC["logits"],
 }
 
 
@@ -245,19 +329,23 @@ def make(out: str, name: str, run: Run, keep: str | None) -> None:
         shutil.rmtree(d, ignore_errors=True)
     how = {"dp": ("torch_dist", False), "fully": ("torch_dist", True), "torch": ("torch", False)}
     plan = [[saves[f], *how[f]] for f in run.formats + ("fully",)]
-    train_args = [*COMMON, *run.args, "--save", saves[run.formats[0]]]
-    torchrun(run.ranks, "train", json.dumps(plan), train_args, os.path.join(work, "train.log"))
+    train_args = [*COMMON, *run.args, "--save", saves[(*run.formats, "fully")[0]]]
+    torchrun(run.ranks, "train", json.dumps(plan), train_args, os.path.join(work, "train.log"),
+             finalize=run.forward_only)
     ref_pt = os.path.join(work, "reference.pt")
     ref_args = [*COMMON, *run.ref_args, "--load", saves["fully"], "--exit-on-missing-checkpoint"]
-    torchrun(run.ref_ranks, "reference", ref_pt, ref_args, os.path.join(work, "reference.log"))
-    arrays, facts = join_ranks(ref_pt, run.ref_ranks)
+    mode = "forward" if run.forward_only else "reference"
+    torchrun(run.ref_ranks, mode, ref_pt, ref_args, os.path.join(work, "reference.log"))
+    arrays, facts = (join_forward if run.forward_only else join_ranks)(ref_pt, run.ref_ranks)
+    doc = FORWARD_DOC if run.forward_only else REFERENCE_DOC
     dists = ["megatron-core", "torch", "numpy"]
     cmd = "python tests/real/make.py megatron_core"
     notes = [*shims.NOTES, f"Megatron-LM training code: megatron/training from the megatron-core "
-             f"0.19.2 wheel (= NVIDIA/Megatron-LM core_v0.19.0, {MEGATRON_LM_COMMIT})", *NOT_MADE]  # fmt: skip
+             f"0.19.2 wheel (= NVIDIA/Megatron-LM core_v0.19.0, {MEGATRON_LM_COMMIT})", *NOT_MADE]
+    notes.append(EAGER)  # fmt: skip
     train = (f"torchrun --nproc-per-node {run.ranks} _megatron_core_run.py train (Megatron-LM "
              + " ".join(train_args) + ")").replace(work, "<work>")  # fmt: skip
-    reference = (f"torchrun --nproc-per-node {run.ref_ranks} _megatron_core_run.py reference "
+    reference = (f"torchrun --nproc-per-node {run.ref_ranks} _megatron_core_run.py {mode} "
                  f"(Megatron-LM {' '.join(ref_args)})").replace(work, "<work>")  # fmt: skip
     ref_case = run.cases[0][0]
     for case, save, what in run.cases:
@@ -267,7 +355,7 @@ def make(out: str, name: str, run: Run, keep: str | None) -> None:
             write_reference(d, arrays)
         record_manifest(
             d, tool="Megatron-LM + megatron-core (GPTModel, DistributedOptimizer, save_checkpoint)",
-            dists=dists, command=cmd, references=REFERENCE_DOC if case == ref_case else {},
+            dists=dists, command=cmd, references=doc if case == ref_case else {},
             notes=notes, reference_case=ref_case, optimizer_format=what, training=train,
             reference_run=reference, parallel=run.parallel, vocab_size=60, padded_vocab_size=64,
             **facts,
