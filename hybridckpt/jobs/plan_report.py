@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from hybridckpt.io.byte_source import tally
+from hybridckpt.io.byte_source import runs_of, tally
 
 
 @dataclass(frozen=True)
@@ -40,11 +40,12 @@ class DevicePlan:
     device: int  # jax device id
     process: int  # its process index
     bytes_read: int  # bytes the reader asks for (gaps of spans apart)
-    reads: int  # preads (a span of close runs is one)
-    gap_bytes: int  # bytes read between the runs of spans
+    reads: int  # read calls (a span of close runs is one, a batch of runs `read_runs` joins too)
+    gap_bytes: int  # bytes read between the runs of spans and batches
     files: tuple[str, ...]  # files read, sorted
     bytes_written: int  # bytes of the tiles it writes
     tiles: int
+    runs: int = 0  # contiguous file runs those calls fetched (> reads where runs were joined)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class ProcessPlan:
     files: tuple[str, ...]
     bytes_written: int
     tiles: int
+    runs: int = 0
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,7 @@ def plan_leaves(leaves: list[Any], tile_bytes: int, process: int | None = None,
                 d["counter"].update(c)
                 nbytes, calls, _, _ = _tally(c)
                 d["leaves"][(leaf.name, "reads")] += calls
+                d["leaves"][(leaf.name, "runs")] += runs_of(c)
                 d["leaves"][(leaf.name, "bytes")] += nbytes
     return out
 
@@ -215,14 +218,15 @@ def plan_import(
     for dev_id in sorted(per):
         d = per[dev_id]
         nbytes, calls, gaps, paths = _tally(d["counter"])
-        devices.append(DevicePlan(dev_id, d["process"], nbytes, calls, gaps, tuple(sorted(paths)), d["written"], d["tiles"]))
+        devices.append(DevicePlan(dev_id, d["process"], nbytes, calls, gaps, tuple(sorted(paths)), d["written"], d["tiles"],
+                                  runs_of(d["counter"])))
     processes = []
     for p in sorted({d.process for d in devices}):
         mine = [d for d in devices if d.process == p]
         processes.append(ProcessPlan(
             p, sum(d.bytes_read for d in mine), sum(d.reads for d in mine), sum(d.gap_bytes for d in mine),
             tuple(sorted({f for d in mine for f in d.files})), sum(d.bytes_written for d in mine),
-            sum(d.tiles for d in mine),
+            sum(d.tiles for d in mine), sum(d.runs for d in mine),
         ))
     return ImportPlan(
         opened.path, opened.format, str(MeshShape.of(lt.mesh)), len(written), sum(x.nbytes for x in written),
