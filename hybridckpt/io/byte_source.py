@@ -312,16 +312,20 @@ class ByteSource:
                         c[(self.path, "gap")] += gaps
 
     def _read_batches(self, offsets: list[int], run_bytes: int, buffer: memoryview, bounds: list[int]) -> None:
-        """The reads of `read_runs`: runs `bounds[i]:bounds[i + 1]` are one preadv (`run_batches`)."""
+        """The reads of `read_runs`: runs `bounds[i]:bounds[i + 1]` are one preadv (`run_batches`),
+        its buffers the runs' places in `buffer` interleaved with views of one scratch buffer
+        the length of each gap (one view per distinct length: a cut's gaps are all alike)."""
         fd = _fd(self.path)
         scratch = memoryview(bytearray(GAP_PER_CALL_BYTES))  # every gap of every batch lands here
+        gap_views: dict[int, memoryview] = {}
         for i, j in zip(bounds, bounds[1:], strict=False):
             first, last = offsets[i], offsets[j - 1]
-            iov = []
-            for k in range(i, j):
-                if k > i and offsets[k] > offsets[k - 1] + run_bytes:
-                    iov.append(scratch[: offsets[k] - offsets[k - 1] - run_bytes])
-                iov.append(buffer[k * run_bytes : (k + 1) * run_bytes])
+            iov: list = [None] * (2 * (j - i) - 1)
+            iov[0::2] = [buffer[a : a + run_bytes] for a in range(i * run_bytes, j * run_bytes, run_bytes)]
+            gaps = [b - a - run_bytes for a, b in zip(offsets[i : j - 1], offsets[i + 1 : j], strict=True)]
+            for g in set(gaps) - gap_views.keys():
+                gap_views[g] = scratch[:g]
+            iov[1::2] = [gap_views[g] for g in gaps]
             want = last + run_bytes - first
             try:
                 got = os.preadv(fd, iov, first)
