@@ -13,8 +13,9 @@ profile=True)` on 8 simulated CPU devices (default flags: raw chunks, O_DIRECT, 
 floors (`floors.measure`: best of 2) are measured in the same run, before and after the imports,
 over the bytes the import writes (its `bytes`). Prints each run's wall, the median's account
 (`--profile` table), and the ratio median / O_DIRECT floor; `--json` for the rows only.
-`--compare-gap 0` also runs, alternating with the default, imports whose `read_runs` makes a
-pread a run (`io.byte_source.GAP_PER_CALL_BYTES` = 0: as before runs were batched).
+`--compare VARIANT` (repeatable) also runs, alternating with the default, imports with issue 42's
+read changes undone: "gap=0" (`ByteSource.read_runs` makes a pread a run), "nojoin" (each shard
+box read apart: `store.stream.joined_boxes` off), "nojoin,gap=0" (both: as before issue 42).
 """
 
 from __future__ import annotations
@@ -82,19 +83,23 @@ def write(out: str, layers: int) -> None:
     mp.start_processes(_writer, args=(out, layers, port), nprocs=2, start_method="fork")
 
 
-def child(src: str, dst: str, cfg: str, mesh: str, gap: str) -> dict:
+def child(src: str, dst: str, cfg: str, mesh: str, variant: str) -> dict:
     """One import in this process: wall (from before its modules load), its seconds, bytes,
-    account; `gap`: `io.byte_source.GAP_PER_CALL_BYTES` for this run ("-": the default; "0": a
-    pread a run, as before runs were batched)."""
+    account. `variant`: "-" (as shipped), or comma-separated undoings of issue 42's read changes:
+    "gap=N" (`io.byte_source.GAP_PER_CALL_BYTES` = N; 0: a pread a run), "nojoin" (each shard box
+    read apart, `store.stream.joined_boxes` not joining them)."""
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     os.environ["JAX_PLATFORMS"] = "cpu"
     t0 = time.perf_counter()
     from hybridckpt.io import byte_source
     from hybridckpt.jobs.import_ import import_checkpoint
+    from hybridckpt.store import stream
 
-    if gap != "-":
-        byte_source.GAP_PER_CALL_BYTES = int(gap)
-
+    for v in variant.split(","):
+        if v.startswith("gap="):
+            byte_source.GAP_PER_CALL_BYTES = int(v[4:])
+        elif v == "nojoin":
+            stream.joined_boxes = sorted
     s = import_checkpoint(src, dst, mesh=mesh, config=cfg, overwrite=True, profile=True)
     import resource
 
@@ -103,10 +108,10 @@ def child(src: str, dst: str, cfg: str, mesh: str, gap: str) -> dict:
             "profile": s.profile.to_json()}
 
 
-def _child(src: str, dst: str, cfg: str, mesh: str, gap: str = "-") -> dict:
+def _child(src: str, dst: str, cfg: str, mesh: str, variant: str = "-") -> dict:
     shutil.rmtree(dst, ignore_errors=True)
     subprocess.run(["sync"], check=True)
-    out = subprocess.run([sys.executable, HERE, "--_child", src, dst, cfg, mesh, gap], check=True,
+    out = subprocess.run([sys.executable, HERE, "--_child", src, dst, cfg, mesh, variant], check=True,
                          capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -125,8 +130,8 @@ def main() -> None:
     ap.add_argument("--mesh", default="fsdp=4")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--compare-gap", type=int, default=None,
-                    help="also run, alternating, with GAP_PER_CALL_BYTES at this value (0: a pread a run)")
+    ap.add_argument("--compare", action="append", default=[],
+                    help='also run, alternating, this variant ("gap=0", "nojoin", "nojoin,gap=0": see `child`)')
     ap.add_argument("--_child", nargs=5, help=argparse.SUPPRESS)
     ap.add_argument("--_write", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -148,11 +153,12 @@ def main() -> None:
         paths = floors.files_under(src)
         first = _child(src, ck, cfg, a.mesh)  # a warm-up, not counted; says the bytes written
         fl = floors.measure(paths, os.path.join(base, "floor"), write_bytes=first["bytes"])
-        runs, other = [], []
-        for i in range(a.repeat):  # alternating, either one first in turn: a slower minute hits both
-            pair = [("-", runs)] + ([(str(a.compare_gap), other)] if a.compare_gap is not None else [])
-            for gap, into in pair if i % 2 == 0 else pair[::-1]:
-                into.append(_child(src, ck, cfg, a.mesh, gap))
+        variants = ["-", *a.compare]
+        by: dict[str, list] = {v: [] for v in variants}
+        for i in range(a.repeat):  # alternating, the order turned each time: a slower minute hits all
+            for v in variants if i % 2 == 0 else variants[::-1]:
+                by[v].append(_child(src, ck, cfg, a.mesh, v))
+        runs = by["-"]
         fl2 = floors.measure(paths, os.path.join(base, "floor"), write_bytes=first["bytes"])
         floor_s = min(x for x in (fl["write_direct_s"], fl2["write_direct_s"]) if x is not None)
         med = sorted(runs, key=lambda r: r["job_s"])[len(runs) // 2]
@@ -167,12 +173,14 @@ def main() -> None:
             "peak_rss_mib": round(max(r["peak_rss_mib"] for r in runs)),
             "load_avg": os.getloadavg(),
         }
-        if other:
-            row["compare_gap"] = a.compare_gap
-            row["compare_job_s"] = [round(r["job_s"], 3) for r in other]
-            row["compare_median_job_s"] = round(statistics.median(r["job_s"] for r in other), 3)
-            row["compare_over_floor"] = round(row["compare_median_job_s"] / floor_s, 2)
-            row["compare_read_busy_s"] = round(statistics.median(_busy(r, "read") for r in other), 3)
+        row["variants"] = {
+            v: {"job_s": [round(r["job_s"], 3) for r in rs],
+                "median_job_s": round(statistics.median(r["job_s"] for r in rs), 3),
+                "over_floor": round(statistics.median(r["job_s"] for r in rs) / floor_s, 2),
+                "read_busy_s": round(statistics.median(_busy(r, "read") for r in rs), 3),
+                "peak_rss_mib": round(max(r["peak_rss_mib"] for r in rs))}
+            for v, rs in by.items()
+        }
         row["read_busy_s"] = round(statistics.median(_busy(r, "read") for r in runs), 3)
         if not a.json:
             from hybridckpt.cli.profile import profile_lines
