@@ -74,3 +74,22 @@ def test_a_cut_import_reads_rows_once_or_in_batches(tmp_path):
     batches = -(-ROWS // (IOV_MAX // 2)) if k > 1 else 1
     assert 0 <= header <= 16 and one.reads == header + batches, (one.reads, one.runs)  # before: header + ROWS
     assert one.gap_bytes == (ROWS - batches) * (COLS * 4 - strip)  # the gaps inside each batch, read once
+
+
+def test_joined_boxes_cover_the_same_cells_and_join_only_touching_boxes():
+    """`store.stream.joined_boxes`: a 4 x 4 grid of boxes is one box; boxes with a hole between
+    them, or alike on no axis but one that they do not touch on, stay apart; the joined boxes
+    cover exactly the cells of the boxes given, each once."""
+    from hybridckpt.store.stream import joined_boxes
+
+    grid = [((i, i + 1), (j, j + 2)) for i in range(4) for j in range(0, 8, 2)]
+    assert joined_boxes(grid) == [((0, 4), (0, 8))]
+    apart = [((0, 1), (0, 2)), ((0, 1), (4, 6)), ((1, 2), (2, 4))]
+    assert joined_boxes(apart) == sorted(apart)
+
+    def cells(boxes):
+        return sorted((x, y) for (a, b), (c, d) in boxes for x in range(a, b) for y in range(c, d))
+
+    for keep in range(1, 1 << len(grid), 37):  # subsets of the grid, holes included
+        some = [g for i, g in enumerate(grid) if keep >> i & 1]
+        assert cells(joined_boxes(some)) == cells(some), some
