@@ -123,7 +123,8 @@ def _print_plan(a, **options) -> int:
 
     def line(who: str, x) -> str:
         gaps = f" (+{size(x.gap_bytes)} between close runs)" if x.gap_bytes else ""
-        return (f"{who}: bytes read {size(x.bytes_read)}{gaps} in {x.reads} reads from {len(x.files)} files, "
+        runs = f" of {x.runs} runs" if x.runs > x.reads else ""  # runs joined into spans and preadv batches
+        return (f"{who}: bytes read {size(x.bytes_read)}{gaps} in {x.reads} reads{runs} from {len(x.files)} files, "
                 f"bytes written {size(x.bytes_written)} in {x.tiles} tiles")
 
     for p in plan.processes:

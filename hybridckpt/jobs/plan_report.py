@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from hybridckpt.io.byte_source import tally
+from hybridckpt.io.byte_source import runs_of, tally
 
 
 @dataclass(frozen=True)
@@ -40,11 +40,12 @@ class DevicePlan:
     device: int  # jax device id
     process: int  # its process index
     bytes_read: int  # bytes the reader asks for (gaps of spans apart)
-    reads: int  # preads (a span of close runs is one)
-    gap_bytes: int  # bytes read between the runs of spans
+    reads: int  # read calls (a span of close runs is one, a batch of runs `read_runs` joins too)
+    gap_bytes: int  # bytes read between the runs of spans and batches
     files: tuple[str, ...]  # files read, sorted
     bytes_written: int  # bytes of the tiles it writes
     tiles: int
+    runs: int = 0  # contiguous file runs those calls fetched (> reads where runs were joined)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class ProcessPlan:
     files: tuple[str, ...]
     bytes_written: int
     tiles: int
+    runs: int = 0
 
 
 @dataclass(frozen=True)
@@ -97,18 +99,24 @@ def process_of(processes: int | None):
     return lambda dev: place[dev.id] // per
 
 
+def inside(box: Any, outer: Any) -> bool:
+    """Whether `box` lies inside `outer` (both tuples of (start, stop))."""
+    return all(a <= x and y <= b for (a, b), (x, y) in zip(outer, box, strict=True))
+
+
 def plan_leaves(leaves: list[Any], tile_bytes: int, process: int | None = None,
                 processes: int | None = None, inflight_bytes: int | None = None) -> dict[int, dict]:
     """Per device id: {"process", "counter" (`count_reads` of its tiles), "written", "tiles",
     "leaves" (reads and bytes per leaf name)}, for the devices of `process` (None: every
     process); `processes`: see `process_of`. Each distinct box of a leaf is its lowest-id holding
-    device's, cut into the save's tiles (`store.stream.box_tiles`, whose probe of the first tile
+    device's; a process's boxes joined as the save joins them (`store.stream.joined_boxes`: the
+    strips of one row side by side, read once) are the lowest of those devices', cut into the save's tiles (`store.stream.box_tiles`, whose probe of the first tile
     reads the headers a reader parses on first use: counted to that device, as the import reads
     them then), in the save's order."""
     from hybridckpt.io.byte_source import count_reads, planning
     from hybridckpt.io.direct_io import aligned_empty
     from hybridckpt.plan import box_owners
-    from hybridckpt.store.stream import INFLIGHT_BYTES, box_tiles, chunk_shape
+    from hybridckpt.store.stream import INFLIGHT_BYTES, box_tiles, chunk_shape, joined_boxes
 
     out: dict[int, dict] = {}
     buffers: dict[tuple, np.ndarray] = {}  # one reused buffer per (shape, dtype): no memory growth
@@ -116,11 +124,13 @@ def plan_leaves(leaves: list[Any], tile_bytes: int, process: int | None = None,
     for leaf in leaves:
         chunk = chunk_shape(leaf)
         owners = box_owners(leaf.shape, leaf.sharding)
-        for box in sorted(owners):
-            dev = owners[box]
-            proc = owner(dev)
+        per_process: dict[int, list] = {}
+        for b, dev in owners.items():
+            per_process.setdefault(owner(dev), []).append(b)
+        for proc, box in [(p, j) for p in sorted(per_process) for j in joined_boxes(per_process[p])]:
             if process is not None and proc != process:
                 continue
+            dev = owners[min(b for b in per_process[proc] if inside(b, box))]  # the joined box's lowest device
             d = out.setdefault(dev.id, {"process": proc, "counter": Counter(), "written": 0, "tiles": 0,
                                         "leaves": Counter()})
             with count_reads(this_thread=True, planned_too=False) as probe:  # headers only
@@ -141,6 +151,7 @@ def plan_leaves(leaves: list[Any], tile_bytes: int, process: int | None = None,
                 d["counter"].update(c)
                 nbytes, calls, _, _ = _tally(c)
                 d["leaves"][(leaf.name, "reads")] += calls
+                d["leaves"][(leaf.name, "runs")] += runs_of(c)
                 d["leaves"][(leaf.name, "bytes")] += nbytes
     return out
 
@@ -215,14 +226,15 @@ def plan_import(
     for dev_id in sorted(per):
         d = per[dev_id]
         nbytes, calls, gaps, paths = _tally(d["counter"])
-        devices.append(DevicePlan(dev_id, d["process"], nbytes, calls, gaps, tuple(sorted(paths)), d["written"], d["tiles"]))
+        devices.append(DevicePlan(dev_id, d["process"], nbytes, calls, gaps, tuple(sorted(paths)), d["written"], d["tiles"],
+                                  runs_of(d["counter"])))
     processes = []
     for p in sorted({d.process for d in devices}):
         mine = [d for d in devices if d.process == p]
         processes.append(ProcessPlan(
             p, sum(d.bytes_read for d in mine), sum(d.reads for d in mine), sum(d.gap_bytes for d in mine),
             tuple(sorted({f for d in mine for f in d.files})), sum(d.bytes_written for d in mine),
-            sum(d.tiles for d in mine),
+            sum(d.tiles for d in mine), sum(d.runs for d in mine),
         ))
     return ImportPlan(
         opened.path, opened.format, str(MeshShape.of(lt.mesh)), len(written), sum(x.nbytes for x in written),

@@ -58,7 +58,8 @@ class StoredTensor(LazyTensor):
         else (many runs, a transposed or cast `out`) is read in slabs of at most SPAN_BYTES:
         runs less than a page apart (so the span touches no page the runs do not) as one pread
         of their span, then one strided (transposing, casting) copy out of it; runs further
-        apart as a pread a run into a packed buffer, then one copy. A `[1024, 2816]`-row tp shard of a
+        apart into a packed buffer (`ByteSource.read_runs`: one preadv per batch of runs at most
+        8 KiB apart, else a pread a run), then one copy. A `[1024, 2816]`-row tp shard of a
         row-parallel fp32 weight read into a transposed tile is thousands of runs: one pread and
         one numpy copy instead of a pread per row."""
         if out.size == 0:
@@ -82,7 +83,7 @@ class StoredTensor(LazyTensor):
             view = np.ndarray(box_shape(box), self.dtype, buffer=buf, offset=0, strides=_strides(self.shape, item))
             copy_into(out, view)
             return
-        tmp = np.empty(box_shape(box), dtype=self.dtype)  # runs far apart: a pread a run, packed
+        tmp = np.empty(box_shape(box), dtype=self.dtype)  # runs far apart: batched preadvs, packed
         offsets = self.offset + starts.astype(np.int64) * item
         self.source.read_runs(offsets, run_len * item, memoryview(tmp.reshape(-1).view(np.uint8)))
         copy_into(out, tmp)

@@ -5,8 +5,10 @@ A leaf of a tree given to `store.CheckpointStore.save` / `store.save_checkpoint`
 as a tree of jax.Arrays (the `_METADATA` tree, `_sharding`, `array_metadatas/`, the atomic
 commit); only the data path differs (`store.stream_orbax`: the Orbax type handler):
 
-- every distinct shard box is written once, by the process of the lowest-id device holding it,
-  as tiles: boxes made of whole chunks of at most `tile_bytes` (`plan_tiles`; a stacked
+- every distinct shard box is written once, by the process of the lowest-id device holding it;
+  the boxes a process writes are joined where they sit side by side (`joined_boxes`: the strips
+  of one source row that a mesh cutting the rows gives its devices are read as whole rows,
+  once), and cut into tiles: boxes made of whole chunks of at most `tile_bytes` (`plan_tiles`; a stacked
   `[layers, ...]` leaf is chunked per layer, so its tiles are whole layers), grown up to 64 MiB
   where the source's reads are shorter than a page (`box_tiles`);
 - the reader pool (`hybridckpt.lazy.parallel`) fills a fresh buffer per tile (`read_tile`:
@@ -187,6 +189,58 @@ def owned_boxes(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> list
     return sorted(b for b, d in box_owners(tuple(shape), sharding).items() if d.process_index == me)
 
 
+def joined_boxes(boxes: list[Box]) -> list[Box]:
+    """`boxes` (disjoint) with every two that are equal on all axes but one and touch on it
+    joined, until none are: the shard boxes one process writes, as the few boxes it reads.
+    A mesh that cuts a tensor along the rows its source stored whole (fsdp on the `in` dim of
+    torch's `[out, in]`) gives each device a strip of every row; the process's strips side by
+    side are whole rows, read once (one run a row, or one run) and cut into the devices' chunks
+    in memory, instead of each device's strip read apart (a run a row each, or the rows' whole
+    span again per device). Sorted; pure; O(n log n) a pass over the axes (a one-host plan of
+    hundreds of devices' boxes)."""
+    out = sorted(set(boxes))
+    changed = True
+    while changed:  # one pass an axis: boxes alike elsewhere, touching on the axis, joined in order
+        changed = False
+        for k in range(len(out[0]) if out else 0):
+            groups: dict[tuple, list] = {}
+            for b in out:
+                groups.setdefault(b[:k] + b[k + 1 :], []).append(b)
+            nxt = []
+            for same in groups.values():
+                same.sort(key=lambda b: b[k])
+                run = same[0]
+                for b in same[1:]:
+                    if b[k][0] == run[k][1]:
+                        run = run[:k] + ((run[k][0], b[k][1]),) + run[k + 1 :]
+                        changed = True
+                    else:
+                        nxt.append(run)
+                        run = b
+                nxt.append(run)
+            out = nxt
+    return sorted(out)
+
+
+def owned_tiles(leaf: LazyLeaf, chunk: tuple[int, ...], tile_bytes: int,
+                inflight_bytes: int = INFLIGHT_BYTES) -> list[Box]:
+    """The tiles this process reads and writes of `leaf`: its shard boxes joined
+    (`joined_boxes`), each cut by `box_tiles`. The plan (`jobs.plan_report`) and the save cut the
+    same tiles."""
+    return [t for box in joined_boxes(owned_boxes(leaf.shape, leaf.sharding))
+            for t in box_tiles(leaf, box, chunk, tile_bytes, inflight_bytes)]
+
+
+def first_joined_box(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> Box:
+    """The joined box (`joined_boxes`) holding the lowest shard box, among the boxes of the
+    process that writes it: the same on every process."""
+    owners = box_owners(tuple(shape), sharding)
+    first = min(owners)
+    proc = owners[first].process_index
+    mine = joined_boxes([b for b, d in owners.items() if d.process_index == proc])
+    return next(j for j in mine if all(a <= x and y <= b for (a, b), (x, y) in zip(j, first, strict=True)))
+
+
 def chunk_shape(leaf: LazyLeaf) -> tuple[int, ...]:
     """The chunk shape Orbax gives `leaf` in a raw (uncompressed, no OCDBT) save: its
     `choose_chunk_shape` over the shard shape with the leaf's `save_args` (OCDBT may lower the
@@ -245,13 +299,13 @@ def leaf_tile_bytes(leaf: LazyLeaf, chunk: tuple[int, ...], tile_bytes: int,
     along the cut axis cuts each strip again (8 MiB tiles of a 405B fsdp=64 import: strips of
     128 B; the device's whole box: 1 KiB). The first tile of the leaf's first box (the lowest,
     whichever process holds it: every process decides alike) is read dry (`planning`: counted,
-    not read) at `tile_bytes`, then at twice that while its reads average under
+    not read) at `tile_bytes` (of the first joined box, `first_joined_box`), then at twice that while its reads average under
     `SHORT_READ_BYTES` and each doubling makes them at least 1.5x longer, up to
     `GROWN_TILE_BYTES` (at most half `inflight_bytes`). Once per leaf (its boxes are alike)."""
     key = (tuple(chunk), tile_bytes, inflight_bytes)
     known = _TILE_BYTES_OF.setdefault(leaf, {})
     if key not in known:
-        known[key] = _grown_tile_bytes(leaf, min(box_owners(leaf.shape, leaf.sharding)), chunk, tile_bytes,
+        known[key] = _grown_tile_bytes(leaf, first_joined_box(leaf.shape, leaf.sharding), chunk, tile_bytes,
                                        min(GROWN_TILE_BYTES, inflight_bytes // 2))
     return known[key]
 
@@ -274,16 +328,19 @@ def _grown_tile_bytes(leaf: LazyLeaf, box: Box, chunk: tuple[int, ...], budget: 
 
 
 def _mean_read_bytes(leaf: LazyLeaf, box: Box) -> float:
-    """Bytes per read of `leaf`'s read of `box`, planned (no data byte read; a chunk's header the
-    reader parses on first use is read, as the import would); inf for a tensor that reads no file."""
-    from hybridckpt.io.byte_source import count_reads, planning, tally
+    """Bytes per file run of `leaf`'s read of `box` (runs, not calls: runs close together are
+    one call, `io.byte_source`, but still a strip each), planned (no data byte read; a chunk's
+    header the reader parses on first use is read, as the import would); inf for a tensor that
+    reads no file."""
+    from hybridckpt.io.byte_source import count_reads, planning, runs_of, tally
 
     out = np.empty(box_shape(box), leaf.dtype)  # never written: planning leaves the copies out
     # values computed from unread buffers (a dequantization) are garbage: no warning about them
     with count_reads(this_thread=True) as c, planning(), np.errstate(all="ignore"):
         leaf.tensor.read_into(box, out)
-    nbytes, calls, _, _ = tally(c)
-    return nbytes / calls if calls else math.inf
+    nbytes, _, _, _ = tally(c)
+    runs = runs_of(c)
+    return nbytes / runs if runs else math.inf
 
 
 # -- the byte budget ------------------------------------------------------------------------------

@@ -9,7 +9,7 @@
    from `containers.orbax.codec`;
 2. the primary process creates each zarr array (its `.zarray`); every process opens it with
    `assume_metadata` where TensorStore writes the chunks;
-3. the tiles of `stream.box_tiles` are read by the reader pool (`stream.read_tile`) under the
+3. the tiles of `stream.owned_tiles` (the process's shard boxes joined, then cut) are read by the reader pool (`stream.read_tile`) under the
    save's byte budget and written: raw chunks to their files by the reader thread itself
    (`containers.orbax.chunk_files`, then each array folder fsync'd), compressed ones through TensorStore
    (small tiles batched into shared OCDBT commits, `_SmallWrites`);
@@ -43,7 +43,7 @@ from hybridckpt.containers.orbax.codec import apply_codec, parse_compression
 from hybridckpt.io.writeback import fsync_folder
 from hybridckpt.lazy import Box, box_shape, parallel
 from hybridckpt.store import stream
-from hybridckpt.store.stream import LazyLeaf, StreamOptions, opts_of, owned_boxes
+from hybridckpt.store.stream import LazyLeaf, StreamOptions, opts_of
 
 
 def _all_raw_lazy(tree: Any) -> bool:
@@ -143,10 +143,7 @@ class LazyArrayHandler(ocp.type_handlers.ArrayHandler):
         budget = opts.budget()
         failed = budget.failed
         item = leaf.dtype.itemsize
-        tiles = [
-            t for box in owned_boxes(leaf.shape, leaf.sharding)
-            for t in stream.box_tiles(leaf, box, chunk, opts.tile_bytes, opts.inflight_bytes)
-        ]
+        tiles = stream.owned_tiles(leaf, chunk, opts.tile_bytes, opts.inflight_bytes)
         loop = asyncio.get_running_loop()
         leaf.checksum_chunk = tuple(chunk)
 

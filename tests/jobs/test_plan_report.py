@@ -22,7 +22,7 @@ from meshes import fit
 from hybridckpt.cli import main
 from hybridckpt.io.byte_source import close_all, count_reads
 from hybridckpt.jobs.import_ import import_checkpoint
-from hybridckpt.jobs.plan_report import ImportPlan, _tally, plan_import
+from hybridckpt.jobs.plan_report import ImportPlan, _tally, inside, plan_import
 from hybridckpt.lazy import parallel
 from hybridckpt.plan import box_owners
 from hybridckpt.store import stream
@@ -44,9 +44,10 @@ def _imported_reads(monkeypatch, src: str, dst: str, mesh: str, config) -> dict[
 
     real_tiles = stream.box_tiles
 
-    def owner_of(leaf, box):
+    def owner_of(leaf, box):  # the lowest device of the joined box (`stream.joined_boxes`) holding the tile
         dev = box_owners(leaf.shape, leaf.sharding)
-        return next(d for b, d in dev.items() if all(a0 <= a and b1 <= b0 for (a0, b0), (a, b1) in zip(b, box, strict=True)))
+        joined = next(j for j in stream.joined_boxes(list(dev)) if inside(box, j))
+        return dev[min(b for b in dev if inside(b, joined))]
 
     def add(leaf, box, c, written):
         with lock:

@@ -266,7 +266,7 @@ def test_runs_far_apart_truncated_or_planned(tmp_path, monkeypatch):
 def test_a_reshaped_flat_range_is_read_as_a_stored_tensor(tmp_path, monkeypatch):
     """A parameter inside a flat 1-D buffer (a Megatron optimizer bucket, a ZeRO flat), reshaped:
     a box of many rows is read as a stored tensor's box (rows a page or more apart: one call
-    for all, a pread each; closer rows: one span), never a `read_flat` a row; equal values. A
+    for all, batched preadvs; closer rows: one span), never a `read_flat` a row; equal values. A
     flat range split over two files (a bucket cut between DP ranks) is read row by row, as
     before, with the same values."""
     from hybridckpt.lazy import views
@@ -280,8 +280,9 @@ def test_a_reshaped_flat_range_is_read_as_a_stored_tensor(tmp_path, monkeypatch)
     rows = []
     real = views.Reshape._runs_into
     monkeypatch.setattr(views.Reshape, "_runs_into", lambda self, box, out: rows.append(box) or real(self, box, out))
-    # rows of 64 B 8 KiB apart: a pread each; rows 592 B apart: one span; one run: one read
-    for box, calls in ((((0, 32), (8, 24)), 32), (((3, 30), (0, 1900)), 1), (((5, 6), (7, 9)), 1)):
+    # rows of 64 B 8 KiB apart: one preadv of them all (gaps under GAP_PER_CALL_BYTES); rows 592 B
+    # apart: one span; one run: one read
+    for box, calls in ((((0, 32), (8, 24)), 1), (((3, 30), (0, 1900)), 1), (((5, 6), (7, 9)), 1)):
         with count_reads() as c:
             got = param.read_box(box)
         np.testing.assert_array_equal(got, want[tuple(slice(a, b) for a, b in box)])
