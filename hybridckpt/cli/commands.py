@@ -103,6 +103,8 @@ def cmd_import(a) -> int:
           f"{' (layers stacked)' if s.param_arrays < s.source_tensors else ''}"
           f", {s.tensors - s.param_arrays} optimizer arrays")
     print(summary("arrays", s.tensors, s.bytes, s.seconds))
+    for host, r in (s.requests or {}).items():  # a source in object storage: what it was asked for
+        print(f"read from {host}: {r['requests']} requests, {size(r['bytes'])}")
     if s.profile is not None:
         print_profile(s.profile)
     return 0

@@ -25,6 +25,7 @@ per read.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import os
@@ -38,6 +39,8 @@ import numpy as np
 from hybridckpt.errors import FormatError
 from hybridckpt.io import timing
 from hybridckpt.io.regular_file import open_regular_stat
+from hybridckpt.io.remote import ranged
+from hybridckpt.io.remote.view import remote_object
 from hybridckpt.io.unchanged import Seen, changed_error, check_fd
 
 _lock = threading.Lock()
@@ -204,6 +207,7 @@ def planned() -> bool:
     return getattr(_thread, "dry", False)
 
 
+REMOTE_COPY_BYTES = 128 << 20  # bytes per step of a copy out of object storage (parts in parallel)
 COPY_BUFFER_BYTES = 8 << 20  # bytes per pread/pwrite step where the kernel cannot copy
 _HAS_COPY_FILE_RANGE = hasattr(os, "copy_file_range")
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
@@ -217,6 +221,53 @@ def _count(path: str, nbytes: int) -> None:
             for c in _all_counters():
                 c[path] += nbytes
                 c[(path, "calls")] += 1
+
+
+def _count_requests(req: ranged.Requests) -> None:
+    """Add a remote read's GETs and bytes requested to the counters, under `(host, "requests")`
+    and `(host, "requested")` (planned reads too: they are what the import will ask for)."""
+    if req.count and (_counters or getattr(_thread, "counters", None)):
+        with _lock:
+            for c in _all_counters():
+                c[(req.host, "requests")] += req.count
+                c[(req.host, "requested")] += req.nbytes
+
+
+def remote_requests(counter: Counter) -> dict[str, dict[str, int]]:
+    """Per host, the `{"requests", "bytes"}` a `count_reads` counter recorded for sources in
+    object storage (empty for local sources)."""
+    out: dict[str, dict[str, int]] = {}
+    for k, v in counter.items():
+        if isinstance(k, tuple) and k[1] in ("requests", "requested"):
+            entry = out.setdefault(k[0], {"requests": 0, "bytes": 0})
+            entry["requests" if k[1] == "requests" else "bytes"] += v
+    return out
+
+
+def _remote_into(obj: ranged.RemoteObject, ranges: list[tuple[int, int]], buffer: memoryview,
+                 at: list[int]) -> None:
+    """Fill `buffer` with the object's `ranges` (the i-th at buffer offset `at[i]`) by ranged
+    GETs (`io.remote.ranged`: coalesced, parallel, retried), or only count them when planned."""
+    if planned():
+        _count_requests(ranged.cost(obj, ranged.plan_ranges(ranges)))
+        return
+    order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
+    starts = [ranges[i][0] for i in order]
+
+    def sink(start: int, data: memoryview) -> None:
+        end = start + len(data)
+        j = bisect.bisect_left(starts, start)
+        while j > 0 and ranges[order[j - 1]][1] > start:  # a range begun in the piece before
+            j -= 1
+        while j < len(order) and starts[j] < end:
+            i = order[j]
+            a, b = ranges[i]
+            lo, hi = max(a, start), min(b, end)
+            if hi > lo:
+                buffer[at[i] + lo - a: at[i] + hi - a] = data[lo - start: hi - start]
+            j += 1
+
+    _count_requests(ranged.read_ranges(obj, ranges, sink))
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -233,6 +284,9 @@ class ByteSource:
 
     def size(self) -> int:
         """File size in bytes."""
+        obj = remote_object(self.path)
+        if obj is not None:
+            return obj.size
         return os.fstat(_fd(self.path)).st_size
 
     def read_into(self, offset: int, buffer: memoryview) -> None:
@@ -252,7 +306,12 @@ class ByteSource:
             return
         if len(buffer) != n * run_bytes:
             raise ValueError(f"read_runs: a buffer of {len(buffer)} bytes for {n} runs of {run_bytes}")
-        if not planned():
+        obj = remote_object(self.path)
+        if obj is not None:
+            starts = offsets.tolist()
+            _remote_into(obj, [(o, o + run_bytes) for o in starts], buffer,
+                         list(range(0, n * run_bytes, run_bytes)))
+        elif not planned():
             if int(np.min(offsets)) < 0:  # a corrupt offset field: pread would fail with EINVAL
                 raise FormatError(f"{self.path}: read at byte {int(np.min(offsets))}, before the start of the file")
             fd = _fd(self.path)
@@ -278,6 +337,10 @@ class ByteSource:
 
     def _pread_into(self, offset: int, buffer: memoryview) -> None:
         want = len(buffer)
+        obj = remote_object(self.path)
+        if obj is not None:  # a data file in object storage: ranged GETs (or their plan)
+            _remote_into(obj, [(offset, offset + want)], buffer, [0])
+            return
         if planned():  # planned: counted by the caller, not read
             return
         if offset < 0:  # a corrupt offset field: pread would fail with EINVAL
@@ -344,7 +407,11 @@ class ByteSource:
     def copy_to(self, offset: int, nbytes: int, out_fd: int, out_offset: int) -> None:
         """Copy bytes `[offset, offset + nbytes)` of the file to byte `out_offset` of the open file
         `out_fd`: `copy_file_range` where the kernel has it, else `pread` + `pwrite` through a
-        bounded buffer. Errors name this file; errors writing `out_fd` stay OSError."""
+        bounded buffer. Errors name this file; errors writing `out_fd` stay OSError. A file in
+        object storage is read by ranged GETs, `REMOTE_COPY_BYTES` at a time."""
+        if remote_object(self.path) is not None:
+            self._copy_remote(offset, nbytes, out_fd, out_offset)
+            return
         fd = self._fd_holding(offset, nbytes)
         done = 0
         while done < nbytes and _HAS_COPY_FILE_RANGE:
@@ -362,6 +429,18 @@ class ByteSource:
             buf = memoryview(bytearray(n))
             self._pread_into(offset + done, buf)
             _pwrite_all(out_fd, buf, out_offset + done)
+            done += n
+        if nbytes:
+            _count(self.path, nbytes)
+
+    def _copy_remote(self, offset: int, nbytes: int, out_fd: int, out_offset: int) -> None:
+        done = 0
+        while done < nbytes:
+            n = min(REMOTE_COPY_BYTES, nbytes - done)
+            buf = memoryview(bytearray(n))
+            self._pread_into(offset + done, buf)
+            if not planned():
+                _pwrite_all(out_fd, buf, out_offset + done)
             done += n
         if nbytes:
             _count(self.path, nbytes)

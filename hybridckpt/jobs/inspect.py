@@ -66,9 +66,10 @@ def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, s
     from hybridckpt.formats import orbax_store as store_source
     from hybridckpt.formats import registry
     from hybridckpt.io.paths import given
+    from hybridckpt.io.remote.view import local_path, shown
     from hybridckpt.jobs import index_optimizer
 
-    path = os.path.abspath(given(path, "the source"))
+    path = os.path.abspath(local_path(given(path, "the source")))  # a URL: its local view
     fmt = registry.detect(path) if fmt == "auto" else fmt
     if fmt == store_source.NAME:
         info = store_source.describe(path, step)
@@ -82,7 +83,7 @@ def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, s
     src = index_optimizer.resolve(src, cfg, param_order)  # (its decision and why: a note)
     info: dict[str, Any] = {
         "format": src.format,
-        "path": path,
+        "path": shown(path),
         "step": src.step,
         "steps": held.steps if held is not None else [] if src.step is None else [src.step],
         "default_step": held.default if held is not None else src.step,
