@@ -125,8 +125,9 @@ def _print_plan(a, **options) -> int:
 
     def line(who: str, x) -> str:
         gaps = f" (+{size(x.gap_bytes)} between close runs)" if x.gap_bytes else ""
+        asked = "".join(f"; from {host}: {r['requests']} requests, {size(r['bytes'])}" for host, r in x.requests.items())
         return (f"{who}: bytes read {size(x.bytes_read)}{gaps} in {x.reads} reads from {len(x.files)} files, "
-                f"bytes written {size(x.bytes_written)} in {x.tiles} tiles")
+                f"bytes written {size(x.bytes_written)} in {x.tiles} tiles{asked}")
 
     for p in plan.processes:
         print(line(f"process {p.process}", p))

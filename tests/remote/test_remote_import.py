@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 
 import pytest
-import s3fs
 from attacks.hostile import tree_digest
 from fixtures import remote_sources
 
@@ -42,29 +40,10 @@ def stable_digest(root) -> dict[str, bytes]:
     return out
 
 
-@pytest.fixture(scope="module")
-def local_sources(tmp_path_factory):
-    """name -> a local folder written by the real tool."""
-    return {
-        "hf": remote_sources.hf_sharded(str(tmp_path_factory.mktemp("hf"))),
-        "dcp": remote_sources.dcp_fsdp2(str(tmp_path_factory.mktemp("dcp"))),
-    }
-
-
-def _bucket(s3, local: str) -> str:
-    """`local` uploaded below a fresh prefix of the test server: its URL."""
-    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3.endpoint}, skip_instance_cache=True)
-    if not fs.exists("src"):
-        fs.mkdir("src")
-    prefix = f"src/{uuid.uuid4().hex}"
-    remote_sources.upload(fs, local, prefix)
-    return f"s3://{prefix}"
-
-
 @pytest.mark.parametrize("name,mesh", [("hf", "fsdp=2,tp=2"), ("dcp", "fsdp=4,tp=2")])
 def test_import_from_bucket_equals_import_from_disk(s3, local_sources, tmp_path, capsys, name, mesh):
     local = local_sources[name]
-    url = _bucket(s3, local)
+    url = remote_sources.in_bucket(s3, local)
     assert main(["import", local, str(tmp_path / "from_disk"), "--mesh", mesh]) == 0
     capsys.readouterr()
     with count_reads() as reads:

@@ -76,6 +76,18 @@ def remote_object(path: str) -> ranged.RemoteObject | None:
     return _placeholders.get(path) if _placeholders else None
 
 
+def refuse_whole_read(path: str) -> None:
+    """FormatError when `path` is a placeholder of a view (a reader about to read it whole)."""
+    obj = remote_object(path)
+    if obj is None:
+        return
+    if not path.lower().endswith(DATA_SUFFIXES):
+        raise FormatError(f"{obj.url}: {obj.size} bytes, more than the {MAX_METADATA_BYTES} bytes a metadata file "
+                          f"of a source in object storage may hold (byte ranges only past it)")
+    raise FormatError(f"{obj.url}: this reader reads the file whole, which a source in object storage does not "
+                      f"allow (byte ranges only); copy the checkpoint to a local folder")
+
+
 def url_of(path: object) -> str | None:
     """The URL a view's local path stands for, or None."""
     text = os.fspath(path) if isinstance(path, str | os.PathLike) else None
