@@ -114,3 +114,21 @@ def test_plan_ranges_coalesces_and_cuts():
     assert ranged.plan_ranges([(0, 10), (100, 110)], gap=50, part=1000) == [(0, 10), (100, 110)]
     assert ranged.plan_ranges([(0, 25)], gap=0, part=10) == [(0, 10), (10, 20), (20, 25)]
     assert ranged.plan_ranges([(5, 5)]) == []
+
+
+def test_export_and_logits_from_bucket(s3, local_sources, tmp_path, capsys):
+    import numpy as np
+    from attacks.hostile import tree_digest
+
+    local = local_sources["hf"]
+    url = remote_sources.in_bucket(s3, local)
+    assert main(["export", local, str(tmp_path / "here")]) == 0
+    assert main(["export", url, str(tmp_path / "there")]) == 0
+    here, there = tree_digest(str(tmp_path / "here")), tree_digest(str(tmp_path / "there"))
+    assert sorted(here) == sorted(there) and any(k.endswith(".safetensors") for k in here)
+    assert [k for k in here if k.endswith((".safetensors", ".json")) and here[k] != there[k]
+            and k != ".hybridckpt-export"] == []
+    for src, out in ((local, "a.npy"), (url, "b.npy")):
+        assert main(["logits", src, "--tokens", "1,5,9,200", "--out", str(tmp_path / out)]) == 0
+    a, b = np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy")
+    assert a.shape[-1] == 256 and np.array_equal(a, b)
