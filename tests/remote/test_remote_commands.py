@@ -132,3 +132,34 @@ def test_export_and_logits_from_bucket(s3, local_sources, tmp_path, capsys):
         assert main(["logits", src, "--tokens", "1,5,9,200", "--out", str(tmp_path / out)]) == 0
     a, b = np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy")
     assert a.shape[-1] == 256 and np.array_equal(a, b)
+
+
+class _Flaky:
+    """An fsspec filesystem stand-in whose first `fail` ranged reads raise a connection error."""
+
+    def __init__(self, data: bytes, fail: int):
+        self.data, self.fail, self.calls = data, fail, 0
+
+    def cat_file(self, key, start, end):
+        self.calls += 1
+        if self.calls <= self.fail:
+            raise ConnectionResetError("connection reset by peer")
+        return self.data[start:end]
+
+
+def test_transient_errors_retried_then_one_line(monkeypatch):
+    from hybridckpt.errors import CheckpointError
+    from hybridckpt.io.remote.urls import parse
+
+    monkeypatch.setattr(ranged, "BACKOFF_S", 0.0)
+    data = bytes(range(256)) * 8
+    fs = _Flaky(data, fail=ranged.TRIES - 1)
+    obj = ranged.RemoteObject(parse("s3://b/flaky-ok"), fs, len(data), "h")
+    assert ranged.get(obj, 100, 300) == data[100:300] and fs.calls == ranged.TRIES
+    fs = _Flaky(data, fail=ranged.TRIES)
+    obj = ranged.RemoteObject(parse("s3://b/flaky-bad"), fs, len(data), "h")
+    with pytest.raises(CheckpointError, match=r"s3://b/flaky-bad: reading bytes \[100, 300\) failed after 4 tries: "
+                                              r"ConnectionResetError: connection reset by peer"):
+        ranged.get(obj, 100, 300)
+    with pytest.raises(FormatError, match="outside the object's 2048 bytes"):  # checked before any request
+        ranged.read_ranges(obj, [(2000, 2100)], lambda *_: None)

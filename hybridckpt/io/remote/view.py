@@ -144,8 +144,10 @@ def _is_data(rel: str, size: int) -> bool:
 
 
 def _make(url: RemoteUrl) -> View:
-    fs = urls.filesystem(url)
-    fs.retries = 1  # s3fs's own retry loop: ours (`ranged.get`) retries, and names the range
+    # s3fs's and botocore's own retry loops off: ours (`ranged.get`) retries, and names the range
+    fs = urls.filesystem(url, config_kwargs={"retries": {"total_max_attempts": 1}}) if url.scheme in ("s3", "s3a") \
+        else urls.filesystem(url)
+    fs.retries = 1
     objects = _list(url, fs)
     host = ranged.host_of(url)
     ranged.add_total(host, 1 + len(objects) // 1000, 0)  # the LIST pages (1000 keys a page)
