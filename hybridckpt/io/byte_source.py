@@ -128,16 +128,19 @@ def check_watches() -> None:
 class Watch:
     """The files a `watch()` block read, as they were at their first read."""
 
-    seen: dict[str, Seen]
+    seen: dict[str, Seen | ranged.RemoteObject]  # a local file as fstat saw it; an object as listed
 
     def check(self) -> None:
         """Raise FormatError naming the first file read in the block that changed since its first
         read (size, mtime, or the path now another file): one fstat and one stat a file."""
         with _lock:
             items = [(path, seen, _fds.get(path)) for path, seen in self.seen.items()]
-            for path, seen, fd in sorted(items):
-                if fd is not None:  # (None: closed by close_all meanwhile, a test's doing)
+            for path, seen, fd in sorted(items, key=lambda x: x[0]):
+                if fd is not None and isinstance(seen, Seen):  # (None: closed by close_all meanwhile)
                     check_fd(path, fd, seen)
+        for _, seen, _ in sorted(items, key=lambda x: x[0]):
+            if isinstance(seen, ranged.RemoteObject):  # an object of a bucket: one HEAD, outside the lock
+                ranged.check_unchanged(seen)
 
 
 @contextlib.contextmanager
@@ -244,13 +247,17 @@ def remote_requests(counter: Counter) -> dict[str, dict[str, int]]:
     return out
 
 
-def _remote_into(obj: ranged.RemoteObject, ranges: list[tuple[int, int]], buffer: memoryview,
+def _remote_into(path: str, obj: ranged.RemoteObject, ranges: list[tuple[int, int]], buffer: memoryview,
                  at: list[int]) -> None:
     """Fill `buffer` with the object's `ranges` (the i-th at buffer offset `at[i]`) by ranged
     GETs (`io.remote.ranged`: coalesced, parallel, retried), or only count them when planned."""
     if planned():
         _count_requests(ranged.cost(obj, ranged.plan_ranges(ranges)))
         return
+    if _watches:  # checked unchanged (one HEAD) before a watching job commits
+        with _lock:
+            for seen in _watches:
+                seen.setdefault(path, obj)
     order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
     starts = [ranges[i][0] for i in order]
 
@@ -309,7 +316,7 @@ class ByteSource:
         obj = remote_object(self.path)
         if obj is not None:
             starts = offsets.tolist()
-            _remote_into(obj, [(o, o + run_bytes) for o in starts], buffer,
+            _remote_into(self.path, obj, [(o, o + run_bytes) for o in starts], buffer,
                          list(range(0, n * run_bytes, run_bytes)))
         elif not planned():
             if int(np.min(offsets)) < 0:  # a corrupt offset field: pread would fail with EINVAL
@@ -339,7 +346,7 @@ class ByteSource:
         want = len(buffer)
         obj = remote_object(self.path)
         if obj is not None:  # a data file in object storage: ranged GETs (or their plan)
-            _remote_into(obj, [(offset, offset + want)], buffer, [0])
+            _remote_into(self.path, obj, [(offset, offset + want)], buffer, [0])
             return
         if planned():  # planned: counted by the caller, not read
             return

@@ -163,3 +163,24 @@ def test_transient_errors_retried_then_one_line(monkeypatch):
         ranged.get(obj, 100, 300)
     with pytest.raises(FormatError, match="outside the object's 2048 bytes"):  # checked before any request
         ranged.read_ranges(obj, [(2000, 2100)], lambda *_: None)
+
+
+def test_object_rewritten_mid_import_not_committed(s3, local_sources, tmp_path, capsys, monkeypatch):
+    import s3fs
+
+    url = remote_sources.in_bucket(s3, local_sources["hf"])
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3.endpoint}, skip_instance_cache=True)
+    real_get, done = ranged.get, []
+
+    def get_then_rewrite(obj, start, end):
+        data = real_get(obj, start, end)
+        if not done and obj.key.endswith(".safetensors"):  # the same size, other bytes: only the ETag tells
+            done.append(obj.key)
+            old = fs.cat_file(obj.key)
+            fs.pipe_file(obj.key, old[:-1] + bytes([old[-1] ^ 0xFF]))
+        return data
+
+    monkeypatch.setattr(ranged, "get", get_then_rewrite)
+    err = _error(capsys, ["import", url, str(tmp_path / "out")])
+    assert f"s3://{done[0]} changed while it was read: rewritten at the same size" in err and "ETag" in err
+    assert os.listdir(tmp_path) == []

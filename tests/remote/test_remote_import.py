@@ -65,6 +65,7 @@ def test_import_from_bucket_equals_import_from_disk(s3, local_sources, tmp_path,
     assert summary["source"] == url
     host = f"127.0.0.1:{s3.port}"
     metadata = [f for f in os.listdir(local) if not f.endswith((".safetensors", ".distcp"))]
-    assert summary["requests"] == {host: {  # the ranged GETs, one LIST, a GET per metadata file
-        "requests": got["requests"] + 1 + len(metadata),
+    shards = [f for f in os.listdir(local) if f.endswith((".safetensors", ".distcp"))]
+    assert summary["requests"] == {host: {  # the ranged GETs, one LIST, a GET per metadata file, a HEAD per shard
+        "requests": got["requests"] + 1 + len(metadata) + len(shards),
         "bytes": got["bytes"] + sum(os.path.getsize(os.path.join(local, f)) for f in metadata)}}

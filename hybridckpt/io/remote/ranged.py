@@ -65,6 +65,7 @@ class RemoteObject:
     fs: Any
     size: int
     host: str
+    etag: str | None = None  # as listed: a rewrite of the object changes it
 
     @property
     def key(self) -> str:
@@ -303,6 +304,28 @@ def get(obj: RemoteObject, start: int, end: int) -> bytes:
     raise CheckpointError(
         f"{obj.url}: reading bytes [{start}, {end}) failed after {TRIES} tries: {_brief(last)}"
     ) from None
+
+
+def check_unchanged(obj: RemoteObject) -> None:
+    """FormatError when `obj` is no longer the object listed (its size or ETag changed): one
+    HEAD, made after a job's last read and before its output is committed (`byte_source.watch`)."""
+    try:
+        info = obj.fs.info(obj.key, refresh=True)
+    except Exception as e:  # noqa: BLE001 - the client's error, in one line
+        raise CheckpointError(f"{obj.url}: cannot check it is unchanged after reading it: {_brief(e)}") from None
+    add_total(obj.host, 1, 0)
+    size, etag = info.get("size"), etag_of(info)
+    if size != obj.size:
+        raise FormatError(f"{obj.url} changed while it was read: size {obj.size} -> {size}")
+    if obj.etag is not None and etag != obj.etag:
+        raise FormatError(f"{obj.url} changed while it was read: rewritten at the same size {size} "
+                          f"(ETag {obj.etag} -> {etag})")
+
+
+def etag_of(info: dict) -> str | None:
+    """The entity tag of an fsspec `info`/listing entry (S3 `ETag`, GCS `etag`), or None."""
+    tag = info.get("ETag", info.get("etag"))
+    return str(tag) if tag is not None else None
 
 
 def _brief(e: BaseException | None) -> str:

@@ -106,8 +106,9 @@ def displayed(text: str) -> str:
     return text
 
 
-def _list(url: RemoteUrl, fs) -> dict[str, int]:
-    """Every object below `url` (or `url` itself when it is one): relative name -> size."""
+def _list(url: RemoteUrl, fs) -> tuple[dict[str, int], dict[str, str | None]]:
+    """Every object below `url` (or `url` itself when it is one): relative name -> size, and
+    relative name -> ETag."""
     try:
         found = fs.find(url.path, detail=True)
     except FileNotFoundError:
@@ -119,12 +120,13 @@ def _list(url: RemoteUrl, fs) -> dict[str, int]:
     if len(found) > MAX_OBJECTS:
         raise CheckpointError(f"{url}: {len(found)} objects below the prefix, more than the {MAX_OBJECTS} a source may hold")
     objects: dict[str, int] = {}
+    etags: dict[str, str | None] = {}
     for key, info in found.items():
         if info.get("type", "file") != "file":
             continue
         key = key.strip("/")
         if key == url.path:  # the URL names one object
-            return {"": int(info.get("size") or 0)}
+            return {"": int(info.get("size") or 0)}, {"": ranged.etag_of(info)}
         if not key.startswith(url.path + "/"):
             raise FormatError(f"{url}: the listing returned {key!r}, not below the prefix")
         rel = check_relative(key[len(url.path) + 1:], f"{url}: object name")
@@ -132,11 +134,12 @@ def _list(url: RemoteUrl, fs) -> dict[str, int]:
         if not isinstance(size, int) or size < 0:
             raise FormatError(f"{url}/{rel}: listed size {size!r} is not a byte count")
         objects[rel] = size
+        etags[rel] = ranged.etag_of(info)
     for rel in objects:  # `a` and `a/b` both: a file and a folder of one name
         parent = rel.rsplit("/", 1)[0] if "/" in rel else None
         if parent is not None and parent in objects:
             raise FormatError(f"{url}: {parent!r} is both an object and a folder of objects")
-    return objects
+    return objects, etags
 
 
 def _is_data(rel: str, size: int) -> bool:
@@ -148,7 +151,7 @@ def _make(url: RemoteUrl) -> View:
     fs = urls.filesystem(url, config_kwargs={"retries": {"total_max_attempts": 1}}) if url.scheme in ("s3", "s3a") \
         else urls.filesystem(url)
     fs.retries = 1
-    objects = _list(url, fs)
+    objects, etags = _list(url, fs)
     host = ranged.host_of(url)
     ranged.add_total(host, 1 + len(objects) // 1000, 0)  # the LIST pages (1000 keys a page)
     root = tempfile.mkdtemp(prefix="hybridckpt-view-")
@@ -157,11 +160,12 @@ def _make(url: RemoteUrl) -> View:
     if single:
         name = os.path.basename(url.path) or "object"
         objects = {check_relative(name, f"{url}: object name"): objects[""]}
+        etags = {next(iter(objects)): etags[""]}
     fetch: list[tuple[str, ranged.RemoteObject]] = []
     for rel, size in sorted(objects.items()):
         local = os.path.join(root, rel)
         os.makedirs(os.path.dirname(local), exist_ok=True)
-        obj = ranged.RemoteObject(url if single else url.child(rel), fs, size, host)
+        obj = ranged.RemoteObject(url if single else url.child(rel), fs, size, host, etags.get(rel))
         with open(local, "wb") as f:
             f.truncate(size)  # sparse: no byte of the object is on this disk
         if _is_data(rel, size):
