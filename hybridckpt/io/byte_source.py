@@ -116,6 +116,9 @@ def watch() -> Iterator[Watch]:
     finally:
         with _lock:
             del _watches[next(i for i, w in enumerate(_watches) if w is seen)]
+            last = not _watches
+        if last:  # no job reading: the ranges fetched from buckets are not kept past it
+            ranged.forget()
 
 
 def check_watches() -> None:

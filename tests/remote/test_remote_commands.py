@@ -184,3 +184,11 @@ def test_object_rewritten_mid_import_not_committed(s3, local_sources, tmp_path, 
     err = _error(capsys, ["import", url, str(tmp_path / "out")])
     assert f"s3://{done[0]} changed while it was read: rewritten at the same size" in err and "ETag" in err
     assert os.listdir(tmp_path) == []
+
+
+def test_prefix_of_too_many_objects_refused(s3, capsys, monkeypatch):
+    _put(s3, "crowded", {f"p/f{i}.json": b"{}" for i in range(4)})
+    monkeypatch.setattr(view, "MAX_OBJECTS", 3)
+    err = _error(capsys, ["inspect", "s3://crowded/p"])
+    assert "s3://crowded/p: 4 objects below the prefix, more than the 3 a source may hold" in err
+    assert _error(capsys, ["inspect", "s3://crowded/nothing"]).endswith("s3://crowded/nothing: no objects there (nothing to read)")
