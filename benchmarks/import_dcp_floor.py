@@ -86,18 +86,18 @@ def write(out: str, layers: int) -> None:
 def child(src: str, dst: str, cfg: str, mesh: str, variant: str) -> dict:
     """One import in this process: wall (from before its modules load), its seconds, bytes,
     account. `variant`: "-" (as shipped), or comma-separated undoings of issue 42's read changes:
-    "gap=N" (`io.byte_source.GAP_PER_CALL_BYTES` = N; 0: a pread a run), "nojoin" (each shard box
+    "gap=N" (`io.read_batches.GAP_PER_CALL_BYTES` = N; 0: a pread a run), "nojoin" (each shard box
     read apart, `store.stream.joined_boxes` not joining them)."""
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     os.environ["JAX_PLATFORMS"] = "cpu"
     t0 = time.perf_counter()
-    from hybridckpt.io import byte_source
+    from hybridckpt.io import read_batches
     from hybridckpt.jobs.import_ import import_checkpoint
     from hybridckpt.store import stream
 
     for v in variant.split(","):
         if v.startswith("gap="):
-            byte_source.GAP_PER_CALL_BYTES = int(v[4:])
+            read_batches.GAP_PER_CALL_BYTES = int(v[4:])
         elif v == "nojoin":
             stream.joined_boxes = sorted
     s = import_checkpoint(src, dst, mesh=mesh, config=cfg, overwrite=True, profile=True)

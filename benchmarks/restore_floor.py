@@ -140,7 +140,8 @@ def child(ck: str) -> dict:
     import hybridckpt.formats.registry
     import hybridckpt.jobs.restore
     import hybridckpt.place  # noqa: F401  (what a restore loads on first use: not its seconds)
-    from hybridckpt.io.byte_source import count_reads, tally
+    from hybridckpt.io.byte_source import count_reads
+    from hybridckpt.io.read_tally import tally
 
     t1 = time.perf_counter()
     with count_reads() as counter:

@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     130 (SIGINT) or 143 (SIGTERM) from its handler)."""
     from hybridckpt.cli.parser import build_parser
     from hybridckpt.errors import HybridCkptError
+    from hybridckpt.io.remote.view import displayed
 
     in_main_thread = _is_main_thread()
     previous = {s: signal.getsignal(s) for s in _SIGNALS} if in_main_thread else {}
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             if args.debug:
                 traceback.print_exc()
-            msg = " ".join(msg.split())
+            msg = " ".join(displayed(msg).split())  # a bucket's local view named by its URL
             print(f"hybridckpt: error: {msg}", file=sys.stderr)
             return 2
     finally:

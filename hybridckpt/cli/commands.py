@@ -103,6 +103,8 @@ def cmd_import(a) -> int:
           f"{' (layers stacked)' if s.param_arrays < s.source_tensors else ''}"
           f", {s.tensors - s.param_arrays} optimizer arrays")
     print(summary("arrays", s.tensors, s.bytes, s.seconds))
+    for host, r in (s.requests or {}).items():  # a source in object storage: what it was asked for
+        print(f"read from {host}: {r['requests']} requests, {size(r['bytes'])}")
     if s.profile is not None:
         print_profile(s.profile)
     return 0
@@ -124,8 +126,9 @@ def _print_plan(a, **options) -> int:
     def line(who: str, x) -> str:
         gaps = f" (+{size(x.gap_bytes)} between close runs)" if x.gap_bytes else ""
         runs = f" of {x.runs} runs" if x.runs > x.reads else ""  # runs joined into spans and preadv batches
+        asked = "".join(f"; from {host}: {r['requests']} requests, {size(r['bytes'])}" for host, r in x.requests.items())
         return (f"{who}: bytes read {size(x.bytes_read)}{gaps} in {x.reads} reads{runs} from {len(x.files)} files, "
-                f"bytes written {size(x.bytes_written)} in {x.tiles} tiles")
+                f"bytes written {size(x.bytes_written)} in {x.tiles} tiles{asked}")
 
     for p in plan.processes:
         print(line(f"process {p.process}", p))

@@ -7,7 +7,8 @@ import argparse
 from hybridckpt.cli import commands
 from hybridckpt.formats import registry
 
-SRC_HELP = "checkpoint folder or file of any supported format, or a hybridckpt (Orbax) checkpoint"
+SRC_HELP = ("checkpoint folder or file of any supported format, or a hybridckpt (Orbax) checkpoint; or an "
+            "object-storage URL (s3://bucket/prefix, any fsspec URL), read by byte ranges")
 NO_VERIFY_HELP = ("read a hybridckpt (Orbax) source without checking each chunk against the CRC-32 recorded "
                   "at import (default: every read is checked; a damaged chunk is an error naming it)")
 PLAN_HELP = ("print the import's plan and write nothing: per process and per device, the bytes to read, "

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from hybridckpt import values
 from hybridckpt.errors import CheckpointError, ConfigError, FormatError, short_repr
 from hybridckpt.formats.model_config import config_arg, model_files_of
+from hybridckpt.io.remote.view import local_path, url_of
 from hybridckpt.io.step_folders import StepFolders
 from hybridckpt.lazy import shape_problem
 from hybridckpt.optim.groups import checked_hyper
@@ -104,6 +105,7 @@ FORMATS: tuple[Format, ...] = (
                  "optimizer*.safetensors)"),
     _reads("torch", f"{F}.torch_file", names=BY_INDEX),  # last: any torch.save file of a state dict, by its bytes
 )
+READ_BY_TENSORSTORE = ("orbax", "maxtext")  # their arrays are read by TensorStore, not `io.byte_source`
 READABLE: tuple[Format, ...] = tuple(f for f in FORMATS if f.open is not None)
 NAMES: tuple[str, ...] = tuple(f.name for f in READABLE)  # what `--format` accepts
 WRITABLE: dict[str, Format] = {"hf": next(f for f in FORMATS if f.name == "hf")}  # the default first
@@ -154,6 +156,7 @@ def available() -> list[str]:
 
 def detect(path: str) -> str:
     """The name of the format of `path`, or a FormatError listing what was looked for."""
+    path = local_path(path)  # a URL: its local view (`io.remote.view`)
     if not os.path.exists(path):
         raise FormatError(f"{path}: no such file or directory")
     for f in READABLE:
@@ -165,6 +168,7 @@ def detect(path: str) -> str:
 def step_folders(path: str, fmt: str = "auto") -> StepFolders | None:
     """The step folders of `path` when it is an output folder of several steps of format `fmt`
     (`io.step_folders`: names only), else None."""
+    path = local_path(path)
     mod = reading(detect(path) if fmt == "auto" else fmt).reader
     return mod.steps(path) if hasattr(mod, "steps") else None
 
@@ -207,10 +211,13 @@ def open_source(path: str, fmt: str = "auto", *, config=None, step: int | None =
     step and hyper-parameters come back typed (`checked_steps`)."""
     if not isinstance(path, str | os.PathLike) or os.fspath(path) == "":  # (`io.paths.given`'s check)
         raise CheckpointError("an empty path was given as the source: name a folder or file")
-    path = os.path.abspath(path)
+    path = os.path.abspath(local_path(path))  # a URL: its local view, data read by ranges
     cfg = config_arg(config)
     if fmt == "auto":
         fmt = detect(path)
+    if fmt in READ_BY_TENSORSTORE and url_of(path):
+        raise ConfigError(f"{url_of(path)}: a {fmt} checkpoint is read by TensorStore, which hybridckpt does not "
+                          f"yet point at object storage; copy it to a local folder first")
     mod = reading(fmt).reader
     found = mod.steps(path) if step is not None and hasattr(mod, "steps") else None
     if fmt == "orbax":

@@ -28,6 +28,7 @@ per read.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import os
@@ -39,8 +40,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridckpt.errors import FormatError
-from hybridckpt.io import timing
+from hybridckpt.io import read_batches, timing
+from hybridckpt.io.read_batches import run_batches
 from hybridckpt.io.regular_file import open_regular_stat
+from hybridckpt.io.remote import ranged
+from hybridckpt.io.remote.view import remote_object
 from hybridckpt.io.unchanged import Seen, changed_error, check_fd
 
 _lock = threading.Lock()
@@ -116,6 +120,9 @@ def watch() -> Iterator[Watch]:
     finally:
         with _lock:
             del _watches[next(i for i, w in enumerate(_watches) if w is seen)]
+            last = not _watches
+        if last:  # no job reading: the ranges fetched from buckets are not kept past it
+            ranged.forget()
 
 
 def check_watches() -> None:
@@ -128,16 +135,19 @@ def check_watches() -> None:
 class Watch:
     """The files a `watch()` block read, as they were at their first read."""
 
-    seen: dict[str, Seen]
+    seen: dict[str, Seen | ranged.RemoteObject]  # a local file as fstat saw it; an object as listed
 
     def check(self) -> None:
         """Raise FormatError naming the first file read in the block that changed since its first
         read (size, mtime, or the path now another file): one fstat and one stat a file."""
         with _lock:
             items = [(path, seen, _fds.get(path)) for path, seen in self.seen.items()]
-            for path, seen, fd in sorted(items):
-                if fd is not None:  # (None: closed by close_all meanwhile, a test's doing)
+            for path, seen, fd in sorted(items, key=lambda x: x[0]):
+                if fd is not None and isinstance(seen, Seen):  # (None: closed by close_all meanwhile)
                     check_fd(path, fd, seen)
+        for _, seen, _ in sorted(items, key=lambda x: x[0]):
+            if isinstance(seen, ranged.RemoteObject):  # an object of a bucket: one HEAD, outside the lock
+                ranged.check_unchanged(seen)
 
 
 @contextlib.contextmanager
@@ -168,28 +178,6 @@ def _all_counters() -> list[Counter]:
     return _counters + [c for c, _ in mine] if mine else _counters
 
 
-def runs_of(counter: Counter) -> int:
-    """The contiguous file runs a `count_reads` counter's reads fetched (at most its calls: a
-    span or a batch of runs is one call, `read_span`, `ByteSource.read_runs`)."""
-    return sum(v for k, v in counter.items() if isinstance(k, tuple) and k[1] == "runs")
-
-
-def tally(counter: Counter) -> tuple[int, int, int, set[str]]:
-    """(bytes, calls, gap bytes, paths) of a `count_reads` counter."""
-    nbytes = calls = gaps = 0
-    paths: set[str] = set()
-    for k, v in counter.items():
-        if isinstance(k, tuple):
-            if k[1] == "calls":
-                calls += v
-                paths.add(k[0])
-            elif k[1] == "gap":
-                gaps += v
-        else:
-            nbytes += v
-    return nbytes, calls, gaps, paths
-
-
 @contextlib.contextmanager
 def planning(dry: bool = True) -> Iterator[None]:
     """Inside the block, this thread's reads are counted but not done (`dry`), or done again
@@ -213,6 +201,7 @@ def planned() -> bool:
     return getattr(_thread, "dry", False)
 
 
+REMOTE_COPY_BYTES = 128 << 20  # bytes per step of a copy out of object storage (parts in parallel)
 COPY_BUFFER_BYTES = 8 << 20  # bytes per pread/pwrite step where the kernel cannot copy
 _HAS_COPY_FILE_RANGE = hasattr(os, "copy_file_range")
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
@@ -230,38 +219,50 @@ def _count(path: str, nbytes: int, runs: int = 1) -> None:
                 c[(path, "runs")] += runs
 
 
+def _count_requests(req: ranged.Requests) -> None:
+    """Add a remote read's GETs and bytes requested to the counters, under `(host, "requests")`
+    and `(host, "requested")` (planned reads too: they are what the import will ask for)."""
+    if req.count and (_counters or getattr(_thread, "counters", None)):
+        with _lock:
+            for c in _all_counters():
+                c[(req.host, "requests")] += req.count
+                c[(req.host, "requested")] += req.nbytes
+
+
+def _remote_into(path: str, obj: ranged.RemoteObject, ranges: list[tuple[int, int]], buffer: memoryview,
+                 at: list[int]) -> None:
+    """Fill `buffer` with the object's `ranges` (the i-th at buffer offset `at[i]`) by ranged
+    GETs (`io.remote.ranged`: coalesced, parallel, retried), or only count them when planned."""
+    if planned():
+        _count_requests(ranged.cost(obj, ranged.plan_ranges(ranges)))
+        return
+    if _watches:  # checked unchanged (one HEAD) before a watching job commits
+        with _lock:
+            for seen in _watches:
+                seen.setdefault(path, obj)
+    order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
+    starts = [ranges[i][0] for i in order]
+
+    def sink(start: int, data: memoryview) -> None:
+        end = start + len(data)
+        j = bisect.bisect_left(starts, start)
+        while j > 0 and ranges[order[j - 1]][1] > start:  # a range begun in the piece before
+            j -= 1
+        while j < len(order) and starts[j] < end:
+            i = order[j]
+            a, b = ranges[i]
+            lo, hi = max(a, start), min(b, end)
+            if hi > lo:
+                buffer[at[i] + lo - a: at[i] + hi - a] = data[lo - start: hi - start]
+            j += 1
+
+    _count_requests(ranged.read_ranges(obj, ranges, sink))
+
+
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     done = 0
     while done < len(data):
         done += os.pwrite(fd, data[done:], offset + done)
-
-
-GAP_PER_CALL_BYTES = 8 << 10  # bytes: a gap this short between two runs is read (into scratch)
-# rather than skipped by a second call. Measured on the 2-core VM: one pread from Python costs
-# ~3.9 us, the kernel's copy out of the page cache ~0.3-0.6 ns/B, so a call costs as much as
-# copying 6-13 KiB; a preadv of 512 runs of 1 KiB with 7 KiB gaps took 1.5 us a run against 3.9.
-IOV_MAX = 1024  # Linux's most buffers in one preadv (`sysconf(SC_IOV_MAX)`): runs and gaps together
-
-
-def run_batches(offsets: np.ndarray, run_bytes: int) -> tuple[np.ndarray, int]:
-    """How `ByteSource.read_runs` reads runs of `run_bytes` at file byte `offsets` (in order):
-    (the index of each batch's first run, the gap bytes read). A batch is consecutive runs each
-    starting at most `GAP_PER_CALL_BYTES` after the previous one ends (never before it: runs out
-    of order or overlapping start a new batch), at most `IOV_MAX // 2` runs (its runs and gaps
-    are one preadv's buffers); each batch is one call. Pure: the plan counts the same batches."""
-    offs = np.asarray(offsets, dtype=np.int64)
-    if len(offs) == 0:
-        return np.zeros(0, np.int64), 0
-    gap = offs[1:] - offs[:-1] - run_bytes
-    joined = (gap >= 0) & (gap <= GAP_PER_CALL_BYTES)
-    starts = np.flatnonzero(np.concatenate(([True], ~joined)))
-    per = IOV_MAX // 2
-    if len(offs) > per:  # a batch longer than `per` runs is cut every `per` runs
-        ends = np.append(starts[1:], len(offs))
-        starts = np.concatenate([np.arange(a, b, per) for a, b in zip(starts.tolist(), ends.tolist(), strict=True)])
-    inside = joined.copy()
-    inside[starts[1:] - 1] = False  # the gap before a batch's first run is not read
-    return starts, int(gap[inside].sum())
 
 
 @dataclass(frozen=True)
@@ -272,6 +273,9 @@ class ByteSource:
 
     def size(self) -> int:
         """File size in bytes."""
+        obj = remote_object(self.path)
+        if obj is not None:
+            return obj.size
         return os.fstat(_fd(self.path)).st_size
 
     def read_into(self, offset: int, buffer: memoryview) -> None:
@@ -296,7 +300,12 @@ class ByteSource:
         if len(buffer) != n * run_bytes:
             raise ValueError(f"read_runs: a buffer of {len(buffer)} bytes for {n} runs of {run_bytes}")
         starts, gaps = run_batches(offsets, run_bytes)
-        if not planned():
+        obj = remote_object(self.path)
+        if obj is not None:  # a data file in object storage: ranged GETs (coalesced there)
+            runs = offsets.tolist()
+            _remote_into(self.path, obj, [(o, o + run_bytes) for o in runs], buffer,
+                         list(range(0, n * run_bytes, run_bytes)))
+        elif not planned():
             if int(np.min(offsets)) < 0:  # a corrupt offset field: pread would fail with EINVAL
                 raise FormatError(f"{self.path}: read at byte {int(np.min(offsets))}, before the start of the file")
             self._read_batches(offsets.tolist(), run_bytes, buffer, starts.tolist() + [n])
@@ -316,7 +325,7 @@ class ByteSource:
         its buffers the runs' places in `buffer` interleaved with views of one scratch buffer
         the length of each gap (one view per distinct length: a cut's gaps are all alike)."""
         fd = _fd(self.path)
-        scratch = memoryview(bytearray(GAP_PER_CALL_BYTES))  # every gap of every batch lands here
+        scratch = memoryview(bytearray(read_batches.GAP_PER_CALL_BYTES))  # every gap of every batch lands here
         gap_views: dict[int, memoryview] = {}
         for i, j in zip(bounds, bounds[1:], strict=False):
             first, last = offsets[i], offsets[j - 1]
@@ -339,6 +348,10 @@ class ByteSource:
 
     def _pread_into(self, offset: int, buffer: memoryview) -> None:
         want = len(buffer)
+        obj = remote_object(self.path)
+        if obj is not None:  # a data file in object storage: ranged GETs (or their plan)
+            _remote_into(self.path, obj, [(offset, offset + want)], buffer, [0])
+            return
         if planned():  # planned: counted by the caller, not read
             return
         if offset < 0:  # a corrupt offset field: pread would fail with EINVAL
@@ -405,7 +418,11 @@ class ByteSource:
     def copy_to(self, offset: int, nbytes: int, out_fd: int, out_offset: int) -> None:
         """Copy bytes `[offset, offset + nbytes)` of the file to byte `out_offset` of the open file
         `out_fd`: `copy_file_range` where the kernel has it, else `pread` + `pwrite` through a
-        bounded buffer. Errors name this file; errors writing `out_fd` stay OSError."""
+        bounded buffer. Errors name this file; errors writing `out_fd` stay OSError. A file in
+        object storage is read by ranged GETs, `REMOTE_COPY_BYTES` at a time."""
+        if remote_object(self.path) is not None:
+            self._copy_remote(offset, nbytes, out_fd, out_offset)
+            return
         fd = self._fd_holding(offset, nbytes)
         done = 0
         while done < nbytes and _HAS_COPY_FILE_RANGE:
@@ -423,6 +440,18 @@ class ByteSource:
             buf = memoryview(bytearray(n))
             self._pread_into(offset + done, buf)
             _pwrite_all(out_fd, buf, out_offset + done)
+            done += n
+        if nbytes:
+            _count(self.path, nbytes)
+
+    def _copy_remote(self, offset: int, nbytes: int, out_fd: int, out_offset: int) -> None:
+        done = 0
+        while done < nbytes:
+            n = min(REMOTE_COPY_BYTES, nbytes - done)
+            buf = memoryview(bytearray(n))
+            self._pread_into(offset + done, buf)
+            if not planned():
+                _pwrite_all(out_fd, buf, out_offset + done)
             done += n
         if nbytes:
             _count(self.path, nbytes)

@@ -47,6 +47,10 @@ def open_regular(path: str) -> int:
 def open_regular_stat(path: str) -> tuple[int, os.stat_result]:
     """`open_regular` and the one fstat it made (a caller that records what the file is at open
     needs no second one)."""
+    from hybridckpt.io.remote.view import refuse_whole_read
+
+    if isinstance(path, str):
+        refuse_whole_read(path)  # a placeholder of an object in a bucket: no byte of it is here
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:

@@ -25,6 +25,7 @@ import numpy as np
 from hybridckpt import lazy
 from hybridckpt.containers.orbax.keys import NAMES_KEY
 from hybridckpt.io import byte_source, timing
+from hybridckpt.io.remote import ranged
 from hybridckpt.naming import flatten, nest
 
 Progress = Callable[[str, int], None]  # (tensor name, bytes) after each tensor
@@ -48,6 +49,8 @@ class ImportSummary:
     param_arrays: int = 0  # of `tensors` (all arrays written), those of the params
     source_tensors: int = 0  # the source's param tensors they came from (layers stacked)
     profile: Any = None  # with profile=True: where the time went (`io.timing.Profile`)
+    source: str = ""  # what was imported (a URL for a source in object storage)
+    requests: Any = None  # a source in object storage: host -> {"requests", "bytes"} asked of it (else {})
 
 
 def np_dtype(name: str) -> np.dtype:
@@ -217,6 +220,7 @@ def import_checkpoint(
 
     t0 = time.perf_counter()
     refuse_url(dst)  # (before anything is read)
+    asked = ranged.totals()  # a source in a bucket: what this job asks of each host
     if io_threads is not None:
         parallel.set_io_threads(io_threads)
     with timing.stage("open"):
@@ -286,6 +290,7 @@ def import_checkpoint(
         opened.format, os.fspath(dst), out_step, str(MeshShape.of(jmesh)), len(leaves), nbytes,
         time.perf_counter() - t0, opt is not None, tuple(dict.fromkeys(notes)),
         sum(1 for k in leaves if k.startswith("params.")), len(opened.named.params),
+        source=opened.path, requests=ranged.since(asked),
     )
 
 

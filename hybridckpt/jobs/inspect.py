@@ -66,8 +66,9 @@ def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, s
     from hybridckpt.formats import orbax_store as store_source
     from hybridckpt.formats import registry
     from hybridckpt.io.paths import given
+    from hybridckpt.io.remote.view import local_path, shown
 
-    path = os.path.abspath(given(path, "the source"))
+    path = os.path.abspath(local_path(given(path, "the source")))  # a URL: its local view
     fmt = registry.detect(path) if fmt == "auto" else fmt
     if fmt == store_source.NAME:
         info = store_source.describe(path, step)
@@ -80,7 +81,7 @@ def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, s
     cfg, files = src.config, src.files
     info: dict[str, Any] = {
         "format": src.format,
-        "path": path,
+        "path": shown(path),
         "step": src.step,
         "steps": held.steps if held is not None else [] if src.step is None else [src.step],
         "default_step": held.default if held is not None else src.step,

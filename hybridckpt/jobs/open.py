@@ -18,6 +18,7 @@ from typing import Any
 from hybridckpt import naming
 from hybridckpt.errors import ConfigError
 from hybridckpt.io.model_files import ModelFile
+from hybridckpt.io.remote import view
 from hybridckpt.naming import Named
 
 
@@ -89,7 +90,8 @@ def open_checkpoint(
     src = registry.open_source(path, fmt, config=config, step=step, verify_reads=verify_reads,
                                param_order=param_order, rules=rules)
     names = naming.names_of(src, src.config, rules=rules, strict=strict, model_only=model_only)
-    return Opened(src.format, os.path.abspath(os.fspath(path)), names.config, names.named, dict(src.trainer),
+    shown = view.url_of(view.local_path(path)) or os.path.abspath(os.fspath(path))  # a URL stays one
+    return Opened(src.format, shown, names.config, names.named, dict(src.trainer),
                   dict(src.topology), names.named.notes, names.hyper, names.leaf_of, names.hf_of, dict(src.files))
 
 

@@ -24,12 +24,14 @@ import math
 import os
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
-from hybridckpt.io.byte_source import runs_of, tally
+from hybridckpt.io.read_tally import remote_requests, runs_of, tally
+from hybridckpt.io.remote.view import shown
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,8 @@ class DevicePlan:
     bytes_written: int  # bytes of the tiles it writes
     tiles: int
     runs: int = 0  # contiguous file runs those calls fetched (> reads where runs were joined)
+    requests: Mapping[str, Mapping[str, int]] = field(default_factory=dict)  # a source in a bucket: host ->
+    # {"requests", "bytes"} its ranged GETs (each read alone: no sharing between devices; an upper bound)
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,7 @@ class ProcessPlan:
     bytes_written: int
     tiles: int
     runs: int = 0
+    requests: Mapping[str, Mapping[str, int]] = field(default_factory=dict)  # its devices' (`DevicePlan`)
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,17 @@ class ImportPlan:
 
 
 _tally = tally  # (bytes, calls, gap bytes, paths) of a `count_reads` counter
+
+
+def _summed(per: Any) -> dict[str, dict[str, int]]:
+    """Host -> {"requests", "bytes"} summed over several such maps."""
+    out: dict[str, dict[str, int]] = {}
+    for m in per:
+        for host, r in m.items():
+            e = out.setdefault(host, {"requests": 0, "bytes": 0})
+            e["requests"] += r["requests"]
+            e["bytes"] += r["bytes"]
+    return out
 
 
 def process_of(processes: int | None):
@@ -226,15 +242,16 @@ def plan_import(
     for dev_id in sorted(per):
         d = per[dev_id]
         nbytes, calls, gaps, paths = _tally(d["counter"])
-        devices.append(DevicePlan(dev_id, d["process"], nbytes, calls, gaps, tuple(sorted(paths)), d["written"], d["tiles"],
-                                  runs_of(d["counter"])))
+        files = tuple(sorted(str(shown(f)) for f in paths))  # a bucket's files by their URLs
+        devices.append(DevicePlan(dev_id, d["process"], nbytes, calls, gaps, files, d["written"], d["tiles"],
+                                  runs_of(d["counter"]), remote_requests(d["counter"])))
     processes = []
     for p in sorted({d.process for d in devices}):
         mine = [d for d in devices if d.process == p]
         processes.append(ProcessPlan(
             p, sum(d.bytes_read for d in mine), sum(d.reads for d in mine), sum(d.gap_bytes for d in mine),
             tuple(sorted({f for d in mine for f in d.files})), sum(d.bytes_written for d in mine),
-            sum(d.tiles for d in mine), sum(d.runs for d in mine),
+            sum(d.tiles for d in mine), sum(d.runs for d in mine), _summed(d.requests for d in mine),
         ))
     return ImportPlan(
         opened.path, opened.format, str(MeshShape.of(lt.mesh)), len(written), sum(x.nbytes for x in written),

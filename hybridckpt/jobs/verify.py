@@ -26,6 +26,7 @@ import numpy as np
 
 from hybridckpt.errors import CheckpointError, ConfigError
 from hybridckpt.io import byte_source
+from hybridckpt.io.remote.view import local_path
 from hybridckpt.lazy import LazyTensor
 
 Progress = Callable[[str, int], None]
@@ -106,7 +107,7 @@ def _steps_of(a: str | os.PathLike, b: str | os.PathLike, step: int | None) -> t
         return None, None
     from hybridckpt.formats import registry
 
-    held = [registry.step_folders(os.path.abspath(os.fspath(p))) is not None for p in (a, b)]
+    held = [registry.step_folders(os.path.abspath(os.fspath(local_path(p)))) is not None for p in (a, b)]
     if not any(held):
         raise CheckpointError(
             f"step {step}: neither {os.fspath(a)} nor {os.fspath(b)} is a folder of several steps (ours, "

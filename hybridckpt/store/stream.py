@@ -332,7 +332,8 @@ def _mean_read_bytes(leaf: LazyLeaf, box: Box) -> float:
     one call, `io.byte_source`, but still a strip each), planned (no data byte read; a chunk's
     header the reader parses on first use is read, as the import would); inf for a tensor that
     reads no file."""
-    from hybridckpt.io.byte_source import count_reads, planning, runs_of, tally
+    from hybridckpt.io.byte_source import count_reads, planning
+    from hybridckpt.io.read_tally import runs_of, tally
 
     out = np.empty(box_shape(box), leaf.dtype)  # never written: planning leaves the copies out
     # values computed from unread buffers (a dequantization) are garbage: no warning about them

@@ -25,7 +25,8 @@ from fixtures import paddle_writer as pw
 from test_hostile import cli, one_line
 
 from hybridckpt.errors import FormatError
-from hybridckpt.io.byte_source import close_all, count_reads, tally
+from hybridckpt.io.byte_source import close_all, count_reads
+from hybridckpt.io.read_tally import tally
 
 HUGE = (1 << 20, 1 << 20)
 

@@ -18,7 +18,9 @@ from collections import Counter
 import numpy as np
 from meshes import fit
 
-from hybridckpt.io.byte_source import IOV_MAX, close_all, count_reads, runs_of
+from hybridckpt.io.byte_source import close_all, count_reads
+from hybridckpt.io.read_batches import IOV_MAX
+from hybridckpt.io.read_tally import runs_of
 from hybridckpt.jobs.import_ import import_checkpoint
 from hybridckpt.jobs.plan_report import plan_import
 from hybridckpt.mesh import MeshShape

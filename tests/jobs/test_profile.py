@@ -17,7 +17,8 @@ import hybridckpt
 from hybridckpt.cli import main
 from hybridckpt.demo import sample_path
 from hybridckpt.io import timing
-from hybridckpt.io.byte_source import count_reads, tally
+from hybridckpt.io.byte_source import count_reads
+from hybridckpt.io.read_tally import tally
 from hybridckpt.jobs.export import export_checkpoint
 from hybridckpt.jobs.import_ import import_checkpoint
 

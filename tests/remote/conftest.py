@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from fixtures import s3_server
+from fixtures import remote_sources, s3_server
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +47,12 @@ def gcs(gcs_shared, monkeypatch):
 
     gcs_server.apply_env(monkeypatch, gcs_shared)
     return gcs_shared
+
+
+@pytest.fixture(scope="session")
+def local_sources(tmp_path_factory):
+    """name -> a local folder written by the real tool: "hf" (transformers, sharded), "dcp" (torch FSDP2)."""
+    return {
+        "hf": remote_sources.hf_sharded(str(tmp_path_factory.mktemp("hf"))),
+        "dcp": remote_sources.dcp_fsdp2(str(tmp_path_factory.mktemp("dcp"))),
+    }

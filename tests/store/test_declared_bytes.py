@@ -24,7 +24,8 @@ from test_hostile import cli, one_line
 
 import hybridckpt
 from hybridckpt.formats import orbax_store as as_source
-from hybridckpt.io.byte_source import count_reads, tally
+from hybridckpt.io.byte_source import count_reads
+from hybridckpt.io.read_tally import tally
 
 HUGE = [1 << 20, 1 << 20]
 HUGE_BYTES = 4 << 40

@@ -26,7 +26,8 @@ from safetensors.numpy import load_file, save_file
 import hybridckpt
 from hybridckpt import naming
 from hybridckpt.errors import CheckpointError
-from hybridckpt.io.byte_source import count_reads, tally
+from hybridckpt.io.byte_source import count_reads
+from hybridckpt.io.read_tally import tally
 from hybridckpt.jobs.import_ import import_checkpoint
 from hybridckpt.lazy import parallel
 from hybridckpt.store import checked, read_trainer_state

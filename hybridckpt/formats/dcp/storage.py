@@ -16,7 +16,6 @@ Three layouts (pytorch/pytorch: torch/distributed/checkpoint/{metadata,filesyste
 
 from __future__ import annotations
 
-import builtins
 import math
 import os
 import re
@@ -37,6 +36,7 @@ from hybridckpt.containers.safetensors_file import read_header
 from hybridckpt.errors import FormatError
 from hybridckpt.formats.dcp.chunk import TorchSaveChunk
 from hybridckpt.formats.dcp.chunked import Chunked
+from hybridckpt.io.byte_source import ByteSource
 from hybridckpt.io.config_file import parse_json
 from hybridckpt.lazy import LazyTensor, tiled
 
@@ -160,8 +160,8 @@ def safetensors_blobs(md: DcpMetadata) -> dict[str, dict]:
     safetensors header does."""
     out: dict[str, dict] = {}
     for path in (md.table.files[i] for i in md.table.used_files()):
-        with builtins.open(path, "rb") as f:
-            head = f.read(9)
+        src = ByteSource(path)  # (a file in a bucket too: one ranged read)
+        head = src.read(0, min(9, src.size()))
         if len(head) < 9 or head[8:9] != b"{":
             continue
         st = read_header(path)

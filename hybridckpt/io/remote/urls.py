@@ -64,9 +64,10 @@ def is_remote(text: object) -> bool:
     return parse(text) is not None
 
 
-def filesystem(url: RemoteUrl):
+def filesystem(url: RemoteUrl, **more):
     """The fsspec filesystem for `url`'s scheme, created fresh (no cross-job instance cache, so a
-    killed connection is not reused), importing fsspec and its backend only now."""
+    killed connection is not reused), importing fsspec and its backend only now; `more`: options
+    of the backend's own, added to ours (the S3 reader's `config_kwargs`)."""
     try:
         import fsspec
     except ImportError:
@@ -79,6 +80,7 @@ def filesystem(url: RemoteUrl):
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         if endpoint:
             options["client_kwargs"] = {"endpoint_url": endpoint}
+    options.update(more)
     try:
         if url.scheme in ("gs", "gcs") and os.environ.get("STORAGE_EMULATOR_HOST"):
             from gcsfs.core import GCSFileSystem
