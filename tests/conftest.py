@@ -85,6 +85,18 @@ def pytest_report_header(config):
     return f"hybridckpt: JAX_PLATFORMS={os.environ['JAX_PLATFORMS']}, devices: {count}"
 
 
+def pytest_ignore_collect(collection_path, config):
+    # `-m multidevice_rerun` alone (the README's reruns at 4 and 2 devices) selects tests of the
+    # files in multidevice.RERUN only (the marker is given by the file's path): the other test
+    # files are not imported at all, rather than collected by each worker and deselected
+    if config.getoption("markexpr", "").strip() != "multidevice_rerun":
+        return None
+    name = collection_path.name
+    if collection_path.suffix == ".py" and name.startswith("test_") and collection_path.is_file():
+        return True if not multidevice.is_rerun(str(collection_path), os.path.dirname(__file__)) else None
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     # a device count that was asked for is the one jax sees (else the run would prove nothing);
     # checked here, where tests are collected (pytest-xdist's workers), not in its controller
