@@ -68,6 +68,25 @@ import pytest  # noqa: E402
 jax.config.update("jax_enable_x64", False)
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# One XLA compilation cache per test session, shared by pytest-xdist's workers (they inherit the
+# controller's environment): many tests compile the same computation again (the same tiny model's
+# forward on the same mesh, from a new `jax.jit` of a new lambda each time), which then is read
+# back instead of compiled. Keyed by the computation, the devices and the compiler's flags (jax's
+# own persistent cache), so it changes no result; made here and removed at the session's end
+# (`$HYBRIDCKPT_TEST_JAX_CACHE`: a folder of one's own to keep, or `off`).
+CACHE_ENV = "HYBRIDCKPT_TEST_JAX_CACHE"
+if not os.environ.get(CACHE_ENV):
+    import tempfile
+
+    os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="hybridckpt-test-jax-cache-")
+    _CACHE_OWNED = True
+else:
+    _CACHE_OWNED = False
+if os.environ[CACHE_ENV] != "off":  # `off`: every compilation compiled (to measure without)
+    jax.config.update("jax_compilation_cache_dir", os.environ[CACHE_ENV])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
 
 def pytest_configure(config):
     config.addinivalue_line(
@@ -80,9 +99,28 @@ def pytest_configure(config):
     )
 
 
+def pytest_unconfigure(config):
+    if _CACHE_OWNED:
+        import shutil
+
+        shutil.rmtree(os.environ[CACHE_ENV], ignore_errors=True)
+
+
 def pytest_report_header(config):
     count = os.environ.get(DEVICES_ENV) or ("8 simulated" if os.environ["JAX_PLATFORMS"] == "cpu" else "all present")
     return f"hybridckpt: JAX_PLATFORMS={os.environ['JAX_PLATFORMS']}, devices: {count}"
+
+
+def pytest_ignore_collect(collection_path, config):
+    # `-m multidevice_rerun` alone (the README's reruns at 4 and 2 devices) selects tests of the
+    # files in multidevice.RERUN only (the marker is given by the file's path): the other test
+    # files are not imported at all, rather than collected by each worker and deselected
+    if config.getoption("markexpr", "").strip() != "multidevice_rerun":
+        return None
+    name = collection_path.name
+    if collection_path.suffix == ".py" and name.startswith("test_") and collection_path.is_file():
+        return True if not multidevice.is_rerun(str(collection_path), os.path.dirname(__file__)) else None
+    return None
 
 
 def pytest_collection_modifyitems(config, items):
