@@ -28,12 +28,18 @@ def _positive(*ns) -> None:
 def op_interleave(xs: list[LazyTensor], axis, groups, *sizes) -> list[LazyTensor]:
     _positive(groups, *sizes)
     if len(sizes) != len(xs):
-        raise MappingError(f"interleave of {len(xs)} tensors needs {len(xs)} block sizes, got {len(sizes)}")
+        raise MappingError(
+            f"interleave of {len(xs)} tensors needs {len(xs)} block sizes, got {len(sizes)}"
+        )
     axis %= xs[0].ndim
     for x, s in zip(xs, sizes, strict=True):
         if x.shape[axis] != groups * s:
             raise MappingError(f"axis {axis} of size {x.shape[axis]} is not {groups} blocks of {s}")
-    parts = [lazy.slice_axis(x, axis, g * s, (g + 1) * s) for g in range(groups) for x, s in zip(xs, sizes, strict=True)]
+    parts = [
+        lazy.slice_axis(x, axis, g * s, (g + 1) * s)
+        for g in range(groups)
+        for x, s in zip(xs, sizes, strict=True)
+    ]
     return [lazy.concat(parts, axis)]
 
 
@@ -45,11 +51,21 @@ def op_deinterleave(xs: list[LazyTensor], axis, groups, *sizes) -> list[LazyTens
     axis %= x.ndim
     block = sum(sizes)
     if x.shape[axis] != groups * block:
-        raise MappingError(f"axis {axis} of size {x.shape[axis]} is not {groups} groups of {list(sizes)}")
+        raise MappingError(
+            f"axis {axis} of size {x.shape[axis]} is not {groups} groups of {list(sizes)}"
+        )
     outs = []
     for i, s in enumerate(sizes):
         off = sum(sizes[:i])
-        outs.append(lazy.concat([lazy.slice_axis(x, axis, g * block + off, g * block + off + s) for g in range(groups)], axis))
+        outs.append(
+            lazy.concat(
+                [
+                    lazy.slice_axis(x, axis, g * block + off, g * block + off + s)
+                    for g in range(groups)
+                ],
+                axis,
+            )
+        )
     return outs
 
 
@@ -93,13 +109,18 @@ def op_ungated_qkv(xs: list[LazyTensor], axis, heads, kv_heads) -> list[LazyTens
     group = heads // kv_heads
     if hd <= 0 or heads % kv_heads or qg.shape[axis] != 2 * heads * hd or v.shape[axis] != kv_heads * hd \
             or k.shape[axis] != kv_heads * hd:  # fmt: skip
-        raise MappingError(f"q/k/v sizes {qg.shape}, {k.shape}, {v.shape} do not fit {heads}/{kv_heads} gated heads")
+        raise MappingError(
+            f"q/k/v sizes {qg.shape}, {k.shape}, {v.shape} do not fit {heads}/{kv_heads} gated heads"
+        )
     parts = []
     for g in range(kv_heads):
         heads_g = range(g * group, (g + 1) * group)
         parts += [lazy.slice_axis(qg, axis, 2 * h * hd, (2 * h + 1) * hd) for h in heads_g]
         parts += [lazy.slice_axis(qg, axis, (2 * h + 1) * hd, (2 * h + 2) * hd) for h in heads_g]
-        parts += [lazy.slice_axis(k, axis, g * hd, (g + 1) * hd), lazy.slice_axis(v, axis, g * hd, (g + 1) * hd)]
+        parts += [
+            lazy.slice_axis(k, axis, g * hd, (g + 1) * hd),
+            lazy.slice_axis(v, axis, g * hd, (g + 1) * hd),
+        ]
     return [lazy.concat(parts, axis)]
 
 

@@ -18,7 +18,13 @@ import numpy as np
 from hybridckpt import lazy
 from hybridckpt.errors import MappingError
 from hybridckpt.lazy import LazyTensor
-from hybridckpt.rules.group_ops import op_deinterleave, op_gated_qkv, op_interleave, op_shift, op_ungated_qkv
+from hybridckpt.rules.group_ops import (
+    op_deinterleave,
+    op_gated_qkv,
+    op_interleave,
+    op_shift,
+    op_ungated_qkv,
+)
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,15 @@ ATOL = 1e-4
 
 def _mesh() -> str:
     n = jax.device_count()
-    return "dp=1,fsdp=2,tp=2,pp=2" if n >= 8 else "tp=2,pp=2" if n >= 4 else "pp=2" if n >= 2 else "dp=1"
+    return (
+        "dp=1,fsdp=2,tp=2,pp=2"
+        if n >= 8
+        else "tp=2,pp=2"
+        if n >= 4
+        else "pp=2"
+        if n >= 2
+        else "dp=1"
+    )
 
 
 def _hf_case() -> tuple[dict, dict]:
@@ -196,5 +204,7 @@ def test_zero_centred_norms_stay_refused_for_other_families():
     args = Reader(ckpt("megatron_lm_dense_torch"), None).args
     assert architecture(args, "f").family == "llama"
     args.apply_layernorm_1p = True
-    with pytest.raises(FormatError, match=r"apply_layernorm_1p=True .* not supported for Llama.*qwen3_next"):
+    with pytest.raises(
+        FormatError, match=r"apply_layernorm_1p=True .* not supported for Llama.*qwen3_next"
+    ):
         architecture(args, "f")

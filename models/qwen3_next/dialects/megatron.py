@@ -63,7 +63,11 @@ def layer_types(freq: Any, n: int, file: str) -> list[str]:
     list is the pattern itself; 1 = linear attention, 0 = full attention)."""
     if isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1:
         pattern = [0 if (i + 1) % freq == 0 else 1 for i in range(n)]
-    elif isinstance(freq, list | tuple) and len(freq) == n and all(v in (0, 1) and not isinstance(v, float) for v in freq):
+    elif (
+        isinstance(freq, list | tuple)
+        and len(freq) == n
+        and all(v in (0, 1) and not isinstance(v, float) for v in freq)
+    ):
         pattern = [int(v) for v in freq]
     else:
         raise FormatError(f"{file}: args.linear_attention_freq={freq!r:.80}: expected a positive int or a list "
@@ -82,11 +86,17 @@ def hf_extra(arg: Callable[..., Any], values: Mapping[str, Any], file: str) -> d
                           f"(HF mtp.*) are not read")  # fmt: skip
     shared = arg("moe_shared_expert_intermediate_size")
     if not isinstance(shared, int) or isinstance(shared, bool) or shared <= 0:
-        raise FormatError(f"{file}: args.moe_shared_expert_intermediate_size={shared!r:.40}: expected a positive int")
+        raise FormatError(
+            f"{file}: args.moe_shared_expert_intermediate_size={shared!r:.40}: expected a positive int"
+        )
     sizes = {k: arg(k) for k in LINEAR}
-    bad = {k: v for k, v in sizes.items() if not isinstance(v, int) or isinstance(v, bool) or v <= 0}
+    bad = {
+        k: v for k, v in sizes.items() if not isinstance(v, int) or isinstance(v, bool) or v <= 0
+    }
     if bad:
-        raise FormatError(f"{file}: args {bad!r:.120}: the gated delta net's sizes must be positive ints")
+        raise FormatError(
+            f"{file}: args {bad!r:.120}: the gated delta net's sizes must be positive ints"
+        )
     return {
         **sizes,
         "shared_expert_intermediate_size": shared,
