@@ -159,6 +159,19 @@ def test_two_key_heads_at_tp2_group_as_transformers(tmp_path):
         assert np.array_equal(got[k], v.numpy()), k
 
 
+def test_bucket_optimizer_state_is_left_out_loudly(tmp_path):
+    """A dp_reshardable bucket is a flat walk over the params in module order, which is not
+    modelled for the gated delta net: the weights convert, the note says the state is NOT read
+    (not a guess at offsets)."""
+    hf, cfg = _hf_case()
+    key = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.bfloat16, torch.float32).bucket_idx_0"
+    extra = {f"{key}.{s}": torch.zeros(64) for s in ("param", "exp_avg", "exp_avg_sq")}
+    write_bridge_qwen3_next(str(tmp_path), hf, cfg, tp=1, pp=2, padded_vocab=128, extra=extra)
+    src = open_source(str(tmp_path))
+    assert src.optimizer is None
+    assert any("optimizer state NOT read: the gated delta net" in n for n in src.notes), src.notes
+
+
 def _args(**change):
     from hybridckpt.formats.megatron_dist.config import transformer_args
 
