@@ -16,9 +16,10 @@ RMSNormMapping` (line 2839), megatron-core gated_delta_net/common.py `sharded_st
 keys) and gdn.py line 40 (the section names). What is checked here is that the reader follows
 those sources, not that a real save matches them.
 
-The HF side is real: `hf524_qwen3_next` (written by transformers 5.24, 3 delta-net layers and one
-gated attention layer, one key head) and a model transformers builds in the test with two key
-heads and two kv heads, so the per-key-head grouping and tp = 2 sections are exercised.
+The HF side: `hf524_qwen3_next` (written by transformers 5.24, 3 delta-net layers and one gated
+attention layer, one key head, one kv group), and random tensors under the same names for a
+config with two key heads and two kv groups, so the per-key-head grouping and tp = 2 sections
+are exercised.
 Checked: the config the run_config gives equals the HF one; after import onto a tp/pp mesh and
 export, every param bit for bit equal to the HF tensors; logits equal transformers' recorded ones.
 """
@@ -119,35 +120,61 @@ def test_logits_equal_transformers(imported):
     np.testing.assert_allclose(got, ref["logits"], rtol=0, atol=ATOL)
 
 
-HYBRID = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=8, linear_conv_kernel_dim=3, linear_key_head_dim=4, linear_value_head_dim=6,
-              linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=8,
-              shared_expert_intermediate_size=12, num_experts=4, num_experts_per_tok=2, num_hidden_layers=4,
-              layer_types=["linear_attention", "full_attention"] * 2, max_position_embeddings=64,
-              pad_token_id=None, bos_token_id=None, eos_token_id=None, rms_norm_eps=1e-6,
-              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})  # fmt: skip
+HYBRID = dict(
+    vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=8, linear_conv_kernel_dim=3, linear_key_head_dim=4, linear_value_head_dim=6,
+    linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=8,
+    shared_expert_intermediate_size=12, num_experts=4, num_experts_per_tok=2,
+    layer_types=["linear_attention", "full_attention"] * 2, max_position_embeddings=64, rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+)  # fmt: skip
 
 
-def test_two_key_heads_at_tp2_group_as_transformers(tmp_path):
+def _hf_tensors(c: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Random fp32 tensors under the names and shapes transformers 5.24 saves for `c` (the ones
+    `hf524_qwen3_next` holds, test above), the plain gated norm near 1 as trained ones are."""
+    g = torch.Generator().manual_seed(seed)
+    hid, hd, heads, kv = c["hidden_size"], c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
+    nk, nv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+    kd, vd = nk * c["linear_key_head_dim"], nv * c["linear_value_head_dim"]
+    shapes = {"model.embed_tokens.weight": (c["vocab_size"], hid), "lm_head.weight": (c["vocab_size"], hid),
+              "model.norm.weight": (hid,)}  # fmt: skip
+    for i, kind in enumerate(c["layer_types"]):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (hid,), p + "post_attention_layernorm.weight": (hid,)}
+        if kind == "full_attention":
+            a = p + "self_attn."
+            shapes |= {a + "q_proj.weight": (2 * heads * hd, hid), a + "k_proj.weight": (kv * hd, hid),
+                       a + "v_proj.weight": (kv * hd, hid), a + "o_proj.weight": (hid, heads * hd),
+                       a + "q_norm.weight": (hd,), a + "k_norm.weight": (hd,)}  # fmt: skip
+        else:
+            a = p + "linear_attn."
+            shapes |= {a + "in_proj_qkvz.weight": (2 * kd + 2 * vd, hid), a + "in_proj_ba.weight": (2 * nv, hid),
+                       a + "conv1d.weight": (2 * kd + vd, 1, c["linear_conv_kernel_dim"]), a + "A_log": (nv,),
+                       a + "dt_bias": (nv,), a + "norm.weight": (c["linear_value_head_dim"],),
+                       a + "out_proj.weight": (hid, vd)}  # fmt: skip
+        e, m, s = p + "mlp.", c["moe_intermediate_size"], c["shared_expert_intermediate_size"]
+        shapes |= {e + "gate.weight": (c["num_experts"], hid), e + "shared_expert_gate.weight": (1, hid),
+                   e + "shared_expert.gate_proj.weight": (s, hid), e + "shared_expert.up_proj.weight": (s, hid),
+                   e + "shared_expert.down_proj.weight": (hid, s)}  # fmt: skip
+        for j in range(c["num_experts"]):
+            x = e + f"experts.{j}."
+            shapes |= {x + "gate_proj.weight": (m, hid), x + "up_proj.weight": (m, hid), x + "down_proj.weight": (hid, m)}
+    out = {k: torch.randn(v, generator=g) * 0.3 for k, v in shapes.items()}
+    for k in out:
+        if k.endswith("linear_attn.norm.weight"):
+            out[k] = 1.0 + out[k] / 3
+    return out
+
+
+def test_two_key_heads_at_tp2_regroup_as_hf(tmp_path):
     """Two key heads (two value heads each) and two kv groups, saved at tp = 2, pp = 2 (each
-    section key in two row chunks): the per-key-head regrouping and the gated q rows give
-    transformers' own tensors under its names, bit for bit
-    (fp32; the gated norm's w - 1 and + 1 are exact for w in [0.5, 2], Sterbenz; Megatron's own
-    fp32 storage of w - 1 rounds a weight outside that range, not the reader)."""
-    import transformers
-
-    torch.manual_seed(5)
-    m = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**HYBRID)).eval()
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if n.endswith("A_log"):
-                p.normal_(-1.0, 0.5)
-            elif n.endswith("linear_attn.norm.weight"):  # a plain norm: near 1 as trained ones are
-                p.normal_(1.0, 0.1)
-            else:
-                p.normal_(0.0, 0.3)
-    m.save_pretrained(tmp_path / "hf")  # per-expert names, as transformers saves them
-    hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    section key in two row chunks): the per-key-head regrouping and the gated q rows give the HF
+    tensors under their names, bit for bit (fp32; the gated norm's w - 1 and + 1 are exact for w
+    in [0.5, 2], Sterbenz; Megatron's own fp32 storage of w - 1 rounds a weight outside that
+    range, not the reader). A plain concat in place of the regrouping fails here (one key head in
+    `hf524_qwen3_next` cannot tell)."""
+    hf = _hf_tensors(HYBRID, 5)
     root = str(tmp_path / "megatron")
     os.makedirs(root)
     write_bridge_qwen3_next(root, hf, dict(HYBRID), tp=2, pp=2, padded_vocab=128)
