@@ -248,3 +248,24 @@ def test_zero_centred_norms_stay_refused_for_other_families():
         FormatError, match=r"apply_layernorm_1p=True .* not supported for Llama.*qwen3_next"
     ):
         architecture(args, "f")
+
+
+def test_sections_that_disagree_with_the_config_are_one_error(tmp_path):
+    """A run_config whose delta-net sizes disagree with the stored sections (value heads 2 -> 4):
+    one line saying the tensors are not that model's, nothing written."""
+    import yaml
+
+    from hybridckpt.errors import ConfigError
+
+    hf, cfg = _hf_case()
+    it_dir = write_bridge_qwen3_next(str(tmp_path / "m"), hf, cfg, tp=1, pp=2, padded_vocab=128)
+    path = os.path.join(it_dir, "run_config.yaml")
+    with open(path) as f:
+        run = yaml.safe_load(f)
+    run["model"]["linear_num_value_heads"] = 4
+    with open(path, "w") as f:
+        yaml.safe_dump(run, f)
+    store = str(tmp_path / "orbax")
+    with pytest.raises(ConfigError, match=r"describes a qwen3_next model .* not that model's") as e:
+        jobs.import_checkpoint(str(tmp_path / "m"), store, mesh="dp=1")
+    assert "\n" not in str(e.value) and not os.path.exists(store)
