@@ -26,6 +26,7 @@ Views:
 - `Cast`           another dtype.
 - `Bitcast`        the same bytes viewed as another dtype of the same itemsize.
 - `Scaled`         times a float32 factor, computed in float32 (a reparameterization).
+- `Shifted`        plus a float32 offset, computed in float32 (a zero-centred norm weight).
 
 Modules (each imports only those above it):
 - `box`            `Box` and pure box arithmetic (shapes, C-order runs and ranges, block overlaps).
@@ -34,7 +35,8 @@ Modules (each imports only those above it):
 - `runs`           file runs of tilings and joins; `copy_runs`.
 - `stored`         the leaves: `ArrayTensor`, `StoredTensor`.
 - `views`          `Slice`, `Concat`, `Stack`, `Transpose`, `Reshape`, `Take`, `Bitcast`, `Cast`.
-- `scaled`         `Scaled`: times a float32 factor (MaxText's pre-scaled query kernel).
+- `scaled`         `Scaled`: times a float32 factor (MaxText's pre-scaled query kernel);
+                   `Shifted`: plus an offset (Megatron's zero-centred gated norm).
 - `constructors`   `as_lazy`, `cast`, `transpose`, `reshape`, `slice_axis`, `index0`, `concat`,
                    `split`: views with no-ops and chains folded.
 - `strided`        `stored_strided`: torch's `(shape, strides, storage_offset)` views of a storage.
@@ -72,7 +74,7 @@ from hybridckpt.lazy.constructors import (
     transpose,
 )
 from hybridckpt.lazy.runs import copy_runs, join_runs, tiled_file_runs
-from hybridckpt.lazy.scaled import Scaled
+from hybridckpt.lazy.scaled import Scaled, Shifted
 from hybridckpt.lazy.stored import ArrayTensor, StoredTensor
 from hybridckpt.lazy.strided import stored_strided
 from hybridckpt.lazy.tiled import Tiled, tiled
@@ -109,6 +111,7 @@ __all__ = [
     "Concat",
     "Reshape",
     "Scaled",
+    "Shifted",
     "Slice",
     "Stack",
     "Take",

@@ -39,3 +39,28 @@ class Scaled(LazyTensor):
 
     def read_into(self, box: Box, out: np.ndarray) -> None:
         copy_into(out, self.read_box(box))
+
+
+@dataclass(frozen=True, eq=False)
+class Shifted(LazyTensor):
+    """`src + offset` in float32, in `src`'s dtype (elementwise): a norm weight stored
+    zero-centred (`w - 1`, Megatron's `layernorm_zero_centered_gamma` on a norm HF keeps plain,
+    Megatron-Bridge's `RMSNorm2ZeroCenteredRMSNormMapping` adds / subtracts the 1 so)."""
+
+    src: LazyTensor
+    offset: np.float32
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.src.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.src.dtype)
+
+    def read_box(self, box: Box) -> np.ndarray:
+        x = self.src.read_box(box)
+        return (x.astype(np.float32) + np.float32(self.offset)).astype(self.dtype)
+
+    def read_into(self, box: Box, out: np.ndarray) -> None:
+        copy_into(out, self.read_box(box))

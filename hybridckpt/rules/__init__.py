@@ -29,6 +29,13 @@ Ops, in order from source to target; each has an exact inverse, so an export is 
     split(axis)                          as the last op: one equal part per target
     fused_qkv(axis, heads, kv_heads)     one -> q, k, v; per kv group `[heads/kv_heads q | k | v]`
                                          head blocks along `axis`     <-> unfused_qkv(...)
+    gated_qkv(axis, heads, kv_heads)     one -> q_proj, k, v; per kv group `[q heads | gate heads | k
+                                         | v]` to HF's gated q_proj (per head `[q_h; gate_h]`)
+                                                                      <-> ungated_qkv(...)
+    interleave(axis, groups, s0, s1, ..) many -> one; `groups` blocks of `s_i` rows of each source,
+                                         block by block (per key head) <-> deinterleave(...)
+    shift(c)                             plus the int c (a zero-centred norm weight)  <-> shift(-c);
+                                         an optimizer moment is not shifted
     rope_permute(heads)                  rows of `[heads*head_dim, ...]` from interleaved (Meta)
                                          pairs to half-split (HF)     <-> rope_unpermute(heads)
     trim(axis, size[, padded])           keep the first `size` (vocab padding) <-> pad with zeros
@@ -44,6 +51,7 @@ is `[first_0 .. first_n | second_0 .. second_n]`. `replicated`: every shard hold
 tensor; shard 0 is used. The first matching `tp` rule wins.
 
 Modules (each imports only those above it):
+- `group_ops` the ops that regroup rows by heads (`interleave`, `gated_qkv`) and `shift`.
 - `ops`       `Op` and the op implementations and inverses (`OPS`); `rope_permutation`.
 - `tp`        `merge_tp`: the `concat | halves | replicated` merges of per-rank shards.
 - `stacking`  stack indices `[$L, $E]` / `[$L in 1,3]`: positions, captures, `assemble`.

@@ -18,6 +18,13 @@ import numpy as np
 from hybridckpt import lazy
 from hybridckpt.errors import MappingError
 from hybridckpt.lazy import LazyTensor
+from hybridckpt.rules.group_ops import (
+    op_deinterleave,
+    op_gated_qkv,
+    op_interleave,
+    op_shift,
+    op_ungated_qkv,
+)
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,8 @@ class Op:
     def for_slot(self, slot: str) -> Op:
         """The op an optimizer slot of the param takes (`SLOT_VALUE_OPS`): a layout op itself; a
         value op (a param stored as q' = c q) the moment's own rescaling."""
+        if self.name == "shift":  # x + c has x's gradient: the moments are not shifted
+            return Op("identity")
         if self.name not in SCALE_OPS:
             return self
         power = MOMENT_POWER.get(slot)
@@ -254,6 +263,11 @@ OPS: dict[str, Callable] = {
     "scale_rsqrt": _op_scale("rsqrt"),
     "scale_mul": _op_scale("mul"),
     "scale_div": _op_scale("div"),
+    "interleave": op_interleave,
+    "deinterleave": op_deinterleave,
+    "gated_qkv": op_gated_qkv,
+    "ungated_qkv": op_ungated_qkv,
+    "shift": op_shift,
 }
 
 
@@ -288,6 +302,11 @@ _INVERSE: dict[str, Callable[[Op], Op]] = {
     "scale_rsqrt": lambda op: Op("scale_sqrt", op.args),
     "scale_mul": lambda op: Op("scale_div", op.args),
     "scale_div": lambda op: Op("scale_mul", op.args),
+    "interleave": lambda op: Op("deinterleave", op.args),
+    "deinterleave": lambda op: Op("interleave", op.args),
+    "gated_qkv": lambda op: Op("ungated_qkv", op.args),
+    "ungated_qkv": lambda op: Op("gated_qkv", op.args),
+    "shift": lambda op: Op("shift", tuple(-a for a in op.args)),
 }
 
 

@@ -179,8 +179,18 @@ def hf_name_fixes(names: Collection[str]) -> str:
 
 
 def rule_variables(cfg: Qwen3NextConfig) -> dict[str, Any]:
-    """Qwen3-MoE's rule variables plus the layer lists `attention_layers` / `linear_layers`."""
+    """Qwen3-MoE's rule variables plus the layer lists `attention_layers` / `linear_layers` and
+    the gated delta net's row counts the Megatron dialect regroups by (per key head: `linear_key_head_dim`
+    rows of q and of k, `linear_value_group_dim` of v and of z, `linear_value_heads_per_key` of b
+    and of a; `linear_key_dim` / `linear_value_dim` in all)."""
+    per_key = cfg.linear_num_value_heads // cfg.linear_num_key_heads
     return qwen3_moe.rule_variables(cfg) | {
         "attention_layers": layer_list(cfg.attention_layers),
         "linear_layers": layer_list(cfg.linear_layers),
+        "linear_num_key_heads": cfg.linear_num_key_heads,
+        "linear_key_head_dim": cfg.linear_key_head_dim,
+        "linear_value_heads_per_key": per_key,
+        "linear_value_group_dim": per_key * cfg.linear_value_head_dim,
+        "linear_key_dim": cfg.linear_key_dim,
+        "linear_value_dim": cfg.linear_value_dim,
     }

@@ -38,11 +38,15 @@ semantics); each family's matcher says which facts are its own and where each va
   Megatron turns the first `int(kv_channels * rotary_percent)` dims of each head, half-split,
   GLM-4.5's `partial_rotary_factor`); a family without it refuses rotary_percent != 1;
 - `ROTARY_INTERLEAVED` (optional, False): the family's own RoPE turns adjacent pairs, as
-  `--rotary-interleaved` does (Llama 4's complex pairs); a family without it refuses the flag.
+  `--rotary-interleaved` does (Llama 4's complex pairs); a family without it refuses the flag;
+- `ZERO_CENTERED_NORMS` (optional, False): the family's HF norms are themselves zero-centred
+  ((1+w), Qwen3-Next), so `--apply-layernorm-1p` (Bridge's `layernorm_zero_centered_gamma`)
+  stores them as HF does; a family without it refuses the flag.
 The HF dict is read by `models.config_from_hf`, so the model config is the family's own; the
 rule variables are the family's (`models.rule_variables`) plus Megatron's own (`padded_vocab`,
 `swiglu`, `tied`, `te_norms`). A family without a megatron dialect is a FormatError.
-Refused outright: `apply_layernorm_1p` norms; partial RoPE unless the family says where it goes
+Refused outright: `apply_layernorm_1p` norms unless the family's are zero-centred too
+(`ZERO_CENTERED_NORMS`); partial RoPE unless the family says where it goes
 (`ROTARY_PERCENT`); interleaved (Meta-style) RoPE unless the family rotates pairs
 (`ROTARY_INTERLEAVED`).
 
@@ -91,6 +95,7 @@ class Architecture:
                      (a family without it refuses a rotary_percent other than 1)
     rotary_interleaved: the family's RoPE turns adjacent pairs (Meta's complex pairs), as
                      `--rotary-interleaved` does (a family without it refuses that flag)
+    zero_centered_norms: the family's HF norms are (1+w) (`--apply-layernorm-1p` read as stored)
     notes:           `(when, text)` remarks for `inspect`
     dialect:         the registry's record (its rules: `dialect.rules()`)
     """
@@ -103,6 +108,7 @@ class Architecture:
     hf_extra: Callable[..., dict] | None
     rotary_percent: str | None
     rotary_interleaved: bool
+    zero_centered_norms: bool
     notes: tuple[tuple[Mapping[str, Any], str], ...]
     dialect: models.Dialect
 
@@ -150,6 +156,7 @@ def _architecture(family: str, d: models.Dialect) -> Architecture:
         hf_extra=d.get("hf_extra"),
         rotary_percent=d.get("ROTARY_PERCENT"),
         rotary_interleaved=bool(d.get("ROTARY_INTERLEAVED", False)),
+        zero_centered_norms=bool(d.get("ZERO_CENTERED_NORMS", False)),
         notes=tuple(d.get("NOTES", ())),
         dialect=d,
     )
@@ -200,10 +207,6 @@ def facts(args, file: str) -> dict[str, Any]:
 def architecture(args, file: str) -> Architecture:
     """The family the args describe (FormatError naming them when none, or several alike)."""
     f = facts(args, file)
-    if arg(args, "apply_layernorm_1p"):
-        raise FormatError(
-            f"{file}: args.apply_layernorm_1p=True (norm weights stored minus 1) is not supported"
-        )
     known = architectures()
     scores = {}
     for a in known:
@@ -212,6 +215,12 @@ def architecture(args, file: str) -> Architecture:
     best = most_specific(scores)
     if len(best) == 1:
         a = next(a for a in known if a.family == best[0])
+        if arg(args, "apply_layernorm_1p") and not a.zero_centered_norms:
+            raise FormatError(
+                f"{file}: args.apply_layernorm_1p=True (norm weights stored minus 1) is not "
+                f"supported for {a.description} (read for the families "
+                f"{sorted(k.family for k in known if k.zero_centered_norms)})"
+            )
         if arg(args, "rotary_interleaved") and not a.rotary_interleaved:
             raise FormatError(
                 f"{file}: args.rotary_interleaved=True (Meta-style RoPE pairs) is not supported "

@@ -50,6 +50,11 @@ UNEVEN_PIPELINE_ARGS = (
 )
 
 
+# a gated delta net layer's in_proj, stored as its sections (megatron-core ssm/gated_delta_net
+# common.py `sharded_state_dict`: `in_proj.weight.query` ...)
+GATED_DELTA_KEY = ".self_attention.in_proj.weight."
+
+
 def _location(path: str) -> Location:
     loc = locate(path)
     if loc is None:
@@ -230,6 +235,12 @@ def _optimizer(
             notes.append(
                 "optimizer state NOT read: the MTP layers' place in the dp_reshardable buckets is "
                 "not modelled (fully_reshardable state is read)"
+            )
+            return None
+        if any(GATED_DELTA_KEY in n for n in tensors):  # the weights still convert
+            notes.append(
+                "optimizer state NOT read: the gated delta net's place in the dp_reshardable "
+                "buckets (Qwen3-Next) is not modelled"
             )
             return None
         tp_rules = load_rules("megatron_tp.rules", tp_variables(m.args) | {"swiglu": m.swiglu})
