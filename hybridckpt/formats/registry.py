@@ -178,6 +178,11 @@ def require_store(path: str) -> None:
     saying what it is instead: absent (nothing is created), not a folder, or another format's
     checkpoint, which becomes one of ours by an import. A folder of no known format passes (a
     training loop's store before its first save): the store says it has no steps."""
+    from hybridckpt.io.remote.urls import parse
+
+    if parse(path) is not None:  # (never "no such folder" for a bucket, nor a local folder named `s3:`)
+        raise ConfigError(f"{parse(path)}: our checkpoint store is read by TensorStore, which hybridckpt does not "
+                          f"yet point at object storage; copy it to a local folder first")
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such folder (expected one of our checkpoints: `hybridckpt import` or "
                               f"CheckpointStore writes them)")

@@ -113,6 +113,9 @@ class CheckpointStore:
             raise CheckpointError(f"save_interval_steps must be >= 1, got {save_interval_steps}")
         if best_mode not in ("min", "max"):
             raise CheckpointError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+        from hybridckpt.store.save import refuse_url
+
+        refuse_url(directory)  # (never a local folder named `s3:`)
         self.directory = Path(given(directory, "the store's folder")).absolute()
         self.keep_best_by = keep_best_by
         self.save_optimizer = save_optimizer

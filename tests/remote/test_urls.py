@@ -55,3 +55,16 @@ def test_gcs_emulator_serves_byte_ranges(gcs):
     fs.pipe("probe-gcs/x", bytes(range(256)) * 4)
     assert fs.cat_file("probe-gcs/x", start=10, end=20) == bytes(range(10, 20))
     assert fs.size("probe-gcs/x") == 1024
+
+
+def test_our_store_in_a_bucket_is_one_line_never_a_local_folder(tmp_path, monkeypatch):
+    """CheckpointStore and restore refuse a URL in one line (our store is read and written by
+    TensorStore, which is not pointed at buckets yet) and leave no folder named `s3:` behind."""
+    import hybridckpt
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="cannot be written to object storage"):
+        hybridckpt.CheckpointStore("s3://bucket/ckpt")
+    with pytest.raises(ConfigError, match="read by TensorStore"):
+        hybridckpt.restore("s3://bucket/ckpt", "fsdp=1")
+    assert list(tmp_path.iterdir()) == []
