@@ -198,11 +198,10 @@ def _dedup(items, geos, world: int):
             storage.append(1)
     for p in range(world):
         for i, (_fqn, kind, _v) in enumerate(items):
-            if kind == "rank_bytes":  # a key of this rank only (torchtitan's `dataloader.dp_rank_{r}`)
-                size[p] += 1
-                continue
             if kind != "shard":
-                if p == 0:
+                if kind == "rank_bytes":  # a key of this rank only (torchtitan's `dataloader.dp_rank_{r}`)
+                    size[p] += 1
+                elif p == 0:
                     sel = min(every, key=size.__getitem__)
                     size[sel] += storage[i]
                     chosen[i] = sel
@@ -250,8 +249,7 @@ def write_items(root: str, items, mappings, world: int, *, rank_mappings=None, c
 
     t0 = time.perf_counter()
     os.makedirs(root, exist_ok=True)
-    cache: dict = {}
-    geos = {}
+    cache, geos = {}, {}
     for i, (_fqn, kind, v) in enumerate(items):
         if kind == "shard":
             key = (tuple(v.shape), v.layout)
@@ -295,8 +293,7 @@ def write_items(root: str, items, mappings, world: int, *, rank_mappings=None, c
         for i, off, sz in mine:
             fqn, kind, v = items[i]
             key = last_keys[i] if p == world - 1 else first_keys[i] if p == 0 else fresh(fqn)
-            if kind == "rank_bytes":
-                key = rank_keys[p][own.index(i)]
+            key = rank_keys[p][own.index(i)] if kind == "rank_bytes" else key
             if kind in ("bytes", "rank_bytes"):
                 md[key] = BytesStorageMetadata()
                 continue
@@ -312,8 +309,7 @@ def write_items(root: str, items, mappings, world: int, *, rank_mappings=None, c
                 entry.chunks.append(ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(sz)))
             else:
                 entry.chunks.append(ChunkStorageMetadata(offsets=torch.Size([0] * v.dim()), sizes=v.size()))
-        order = ([x for x in mine if items[x[0]][1] in ("bytes", "rank_bytes")]
-                 + [x for x in mine if items[x[0]][1] not in ("bytes", "rank_bytes")])
+        order = sorted(mine, key=lambda x: items[x[0]][1] not in ("bytes", "rank_bytes"))  # stable
         pieces = []
         for i, _off, sz in order:
             kind, v = items[i][1], items[i][2]
