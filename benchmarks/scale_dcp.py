@@ -132,10 +132,14 @@ def write_rank_file(path: str, pieces, *, holes: bool = False) -> list[tuple[int
 def flat_items(params, layouts, *, moments: bool, group: dict | None):
     """The flattened state dict every rank plans, by torch's own `flatten_state_dict` of rank
     0's: ([(fqn, kind, value)], mappings); kind "shard" (value a `ShardProxy`), "tensor", "bytes"."""
+    return flat_items_of(scale_sources.rank_state_dict(params, layouts, 0, moments=moments, param_groups=group))
+
+
+def flat_items_of(sd: dict):
+    """`flat_items` of the state dict `sd` (rank 0's)."""
     import torch
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    sd = scale_sources.rank_state_dict(params, layouts, 0, moments=moments, param_groups=group)
     flat, mappings = flatten_state_dict(sd)
     items = []
     for fqn, v in flat.items():
@@ -154,9 +158,10 @@ class _Geometry:
         from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
         self.shards = []
+        coordinate = getattr(layout, "coordinate", lambda r: scale_sources._coordinate(r, layout.mesh))
         for r in range(world):
             sizes, offsets = _compute_local_shape_and_global_offset(
-                shape, layout.mesh, list(scale_sources._coordinate(r, layout.mesh)),
+                shape, layout.mesh, list(coordinate(r)),
                 [Shard(d) for d in layout.shard_dims])
             self.shards.append((tuple(offsets), tuple(sizes)))
         holders: dict = {}
@@ -194,7 +199,9 @@ def _dedup(items, geos, world: int):
     for p in range(world):
         for i, (_fqn, kind, _v) in enumerate(items):
             if kind != "shard":
-                if p == 0:
+                if kind == "rank_bytes":  # a key of this rank only (torchtitan's `dataloader.dp_rank_{r}`)
+                    size[p] += 1
+                elif p == 0:
                     sel = min(every, key=size.__getitem__)
                     size[sel] += storage[i]
                     chosen[i] = sel
@@ -216,6 +223,15 @@ def _dedup(items, geos, world: int):
 def write_fast(root: str, params, layouts, world: int, *, moments: bool = True, config: dict | None = None,
                holes: bool = False, save_id: str | None = None, log=print) -> dict:
     """The DCP checkpoint of `world` ranks at `root`, `.metadata` as the planner path writes it."""
+    group = scale_sources.adamw_group() if moments else None
+    items, mappings = flat_items(params, layouts, moments=moments, group=group)
+    return write_items(root, items, mappings, world, config=config, holes=holes, save_id=save_id, log=log)
+
+
+def write_items(root: str, items, mappings, world: int, *, rank_mappings=None, config: dict | None = None,
+                holes: bool = False, save_id: str | None = None, log=print) -> dict:
+    """`write_fast` on rank 0's flattened `items` (`flat_items`) and `mappings`. Kind "rank_bytes":
+    a byte item of fqn `...{rank}`, each rank's own; `rank_mappings(r)`: rank r's mappings then."""
     import pickle
 
     import torch
@@ -233,10 +249,7 @@ def write_fast(root: str, params, layouts, world: int, *, moments: bool = True, 
 
     t0 = time.perf_counter()
     os.makedirs(root, exist_ok=True)
-    group = scale_sources.adamw_group() if moments else None
-    items, mappings = flat_items(params, layouts, moments=moments, group=group)
-    cache: dict = {}
-    geos = {}
+    cache, geos = {}, {}
     for i, (_fqn, kind, v) in enumerate(items):
         if kind == "shard":
             key = (tuple(v.shape), v.layout)
@@ -246,10 +259,20 @@ def write_fast(root: str, params, layouts, world: int, *, moments: bool = True, 
     chosen = _dedup(items, geos, world)
     log(f"  geometry and dedup of {world} ranks: {time.perf_counter() - t0:.0f} s")
     # the mappings as rank 0 and the last rank unpickle them (rank 0's paths, the last rank's keys)
-    first_map = pickle.loads(pickle.dumps(mappings))
-    last_map = first_map if world == 1 else pickle.loads(pickle.dumps(mappings))
+    first_map = pickle.loads(pickle.dumps(mappings if rank_mappings is None else rank_mappings(0)))
+    last_map = first_map if world == 1 else pickle.loads(pickle.dumps(
+        mappings if rank_mappings is None else rank_mappings(world - 1)))
     first_keys, last_keys = list(first_map), list(last_map)
-    merged = {k: first_map[k] for k in last_map}  # dict(ChainMap(*maps)): last keys, first values
+    # dict(ChainMap(*maps)): the last map's keys, then the other ranks' own keys (last to first);
+    # values from the first map holding the key; a rank's own keys and paths are its objects
+    merged = {k: first_map.get(k, last_map[k]) for k in last_map}
+    own = [i for i, x in enumerate(items) if x[1] == "rank_bytes"]
+    rank_keys = {0: [first_keys[i] for i in own], world - 1: [last_keys[i] for i in own]}
+    for p in range(world - 2, -1, -1) if own else ():  # ChainMap adds them last to first
+        m = first_map if p == 0 else rank_mappings(p)
+        m = pickle.loads(pickle.dumps({k: m[k] for k in [items[i][0].format(rank=p) for i in own]})) if p else m
+        rank_keys.setdefault(p, list(m))
+        merged.update({k: m[k] for k in rank_keys[p]})
     byte_values = {i: saved(v) for i, (fqn, kind, v) in enumerate(items) if kind != "shard"}
 
     md: dict = {}
@@ -259,7 +282,7 @@ def write_fast(root: str, params, layouts, world: int, *, moments: bool = True, 
         mine = []  # (item, offsets, sizes) kept by plan p, in plan order
         for i, (_fqn, kind, _v) in enumerate(items):
             if kind != "shard":
-                if chosen[i] == p:
+                if kind == "rank_bytes" or chosen[i] == p:
                     mine.append((i, None, None))
                 continue
             off, sz = geos[i].shards[p]
@@ -270,7 +293,8 @@ def write_fast(root: str, params, layouts, world: int, *, moments: bool = True, 
         for i, off, sz in mine:
             fqn, kind, v = items[i]
             key = last_keys[i] if p == world - 1 else first_keys[i] if p == 0 else fresh(fqn)
-            if kind == "bytes":
+            key = rank_keys[p][own.index(i)] if kind == "rank_bytes" else key
+            if kind in ("bytes", "rank_bytes"):
                 md[key] = BytesStorageMetadata()
                 continue
             entry = md.get(fqn)
@@ -285,7 +309,7 @@ def write_fast(root: str, params, layouts, world: int, *, moments: bool = True, 
                 entry.chunks.append(ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(sz)))
             else:
                 entry.chunks.append(ChunkStorageMetadata(offsets=torch.Size([0] * v.dim()), sizes=v.size()))
-        order = [x for x in mine if items[x[0]][1] == "bytes"] + [x for x in mine if items[x[0]][1] != "bytes"]
+        order = sorted(mine, key=lambda x: items[x[0]][1] not in ("bytes", "rank_bytes"))  # stable
         pieces = []
         for i, _off, sz in order:
             kind, v = items[i][1], items[i][2]
@@ -298,8 +322,8 @@ def write_fast(root: str, params, layouts, world: int, *, moments: bool = True, 
         out = []
         for (i, off, _sz), (at, length) in zip(order, spans, strict=True):
             fqn, kind, v = items[i]
-            if kind == "bytes":
-                idx = MetadataIndex(fresh(fqn))
+            if kind in ("bytes", "rank_bytes"):
+                idx = MetadataIndex(fresh(fqn.format(rank=p) if kind == "rank_bytes" else fqn))
             elif kind == "tensor":
                 idx = MetadataIndex(fresh(fqn), torch.Size([0] * v.dim()), index[i])
             else:

@@ -244,7 +244,7 @@ def adamw_group() -> dict:
     return g
 
 
-def coordinate(root: str, state_dict0: dict, local_plans: list):
+def coordinate(root: str, state_dict0: dict, local_plans: list, save_id: str | None = None):
     """Rank 0's part of a DCP save: its `DefaultSavePlanner` (set up on `state_dict0`) merges the
     ranks' `local_plans` and `FileSystemWriter(root)` prepares them, as `dcp.save` does; returns
     (coordinator, writer, global plans, metadata)."""
@@ -255,6 +255,8 @@ def coordinate(root: str, state_dict0: dict, local_plans: list):
     coordinator.set_up_planner(state_dict0, None, True)
     writer = FileSystemWriter(root, single_file_per_rank=True, sync_files=False)
     writer.set_up_storage_writer(True)
+    if save_id is not None:
+        writer.save_id = save_id
     global_plans, metadata = coordinator.create_global_plan(local_plans)
     return coordinator, writer, writer.prepare_global_plan(global_plans), metadata
 

@@ -38,7 +38,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from scale_sources import ShardProxy, _item_length, coordinate, finish, rank_plan  # noqa: E402
+import scale_dcp  # noqa: E402
+from scale_sources import ShardProxy, coordinate, finish, rank_plan  # noqa: E402
 
 DSV3_671B = {  # torchtitan 0.3.0 models/deepseek_v3/__init__.py `_671b`
     "dim": 7168, "dense_hidden_dim": 18432, "moe_hidden_dim": 2048, "n_layers": 61,
@@ -95,6 +96,10 @@ class _Layout:
     mesh: tuple[int, ...]
     shard_dims: tuple[int, ...]
 
+    def coordinate(self, rank: int) -> tuple[int, ...]:
+        """`rank`'s place on this mesh: (ep, efsdp) with the EP rank fastest, or (rank,)."""
+        return (rank % self.mesh[0], rank // self.mesh[0]) if len(self.mesh) == 2 else (rank,)
+
 
 def _shard(fqn: str, shape, rank: int, world: int, ep: int):
     """(layout, coordinate) of `rank`'s shard of `fqn` (see the module docstring)."""
@@ -112,7 +117,7 @@ def rank_state_dict(tensors, rank: int, world: int, ep: int, group: dict) -> dic
     sd: dict = {}
     optim: dict = {}
     for fqn, shape, is_param in tensors:
-        lay, coord = _shard(fqn, shape, rank, world, ep)
+        lay, coord = _shard(fqn, shape, rank, world, ep)  # (`write_fast` asks `lay.coordinate`)
         sd[fqn] = ShardProxy(shape, torch.float32, lay, coord)
         if not is_param:
             continue
@@ -139,7 +144,50 @@ def adamw_group() -> dict:
     return g
 
 
-def write(root: str, world: int, ep: int, log=print) -> dict:
+def write_fast(root: str, world: int, ep: int, *, holes: bool = False, save_id: str | None = None,
+               log=print, config: dict = DSV3_671B) -> dict:
+    """The same checkpoint without the planner (`scale_dcp.write_items`: torch's `Metadata`
+    objects built directly, `.metadata` equal byte for byte, `check`), each tensor's `torch.save`
+    archive headers written unless `holes` (a plan parses them; `write` leaves them holes)."""
+    if world % ep:
+        raise SystemExit(f"--ranks {world} is not a multiple of --ep {ep}")
+    tensors, group = titan_dsv3_tensors(config), adamw_group()
+    items, mappings = scale_dcp.flat_items_of(rank_state_dict(tensors, 0, world, ep, group))
+    own = "dataloader.dp_rank_0"
+    items = [("dataloader.dp_rank_{rank}", "rank_bytes", v) if f == own else (f, k, v) for f, k, v in items]
+
+    def rank_mappings(r: int) -> dict:  # rank r's: its own dp_rank key in rank 0's place
+        return {(f"dataloader.dp_rank_{r}" if k == own else k): (v[:1] + (f"dp_rank_{r}",) if k == own else v)
+                for k, v in mappings.items()}
+
+    info = scale_dcp.write_items(root, items, mappings, world, rank_mappings=rank_mappings, holes=holes,
+                                 save_id=save_id, log=log)
+    info.update(model="torchtitan 0.3 deepseek_v3 671B", ep=ep, byte_items=len(items) - info["tensors"])
+    with open(os.path.join(root, "scale_source.json"), "w") as f:
+        json.dump(info, f, indent=1)
+    return info
+
+
+def check(root: str, world: int, ep: int, log=print, config: dict = DSV3_671B) -> dict:
+    """`write` (torch's planner for every rank) and `write_fast` at `root` with one save id: the
+    `.metadata` and every `.distcp` must be equal (tensors as holes in both)."""
+    import shutil
+    import uuid
+
+    save_id, got = str(uuid.uuid4()), {}
+    for name, fn in (("planner", write), ("fast", lambda *a, **k: write_fast(*a, holes=True, **k))):
+        shutil.rmtree(root, ignore_errors=True)
+        info = fn(root, world, ep, save_id=save_id, log=log, config=config)
+        got[name] = {f: scale_dcp._digest(open(os.path.join(root, f), "rb")) for f in sorted(os.listdir(root))
+                     if f.endswith(".distcp") or f == ".metadata"}
+        log(f"  {name}: {info['seconds']:.1f} s, .metadata {info['metadata_bytes']} bytes")
+    bad = [f for f in got["planner"] if got["planner"][f] != got["fast"].get(f)]
+    if bad or len(got["fast"]) != len(got["planner"]):
+        raise AssertionError(f"{world} ranks: the fast path differs from the planner path in {bad[:5]}")
+    return {"ranks": world, "ep": ep, "files": len(got["fast"]), "identical": True}
+
+
+def write(root: str, world: int, ep: int, save_id: str | None = None, log=print, config: dict = DSV3_671B) -> dict:
     """The sparse checkpoint of `world` ranks (EP `ep`) at `root`; returns counts and sizes."""
     import torch
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -151,7 +199,7 @@ def write(root: str, world: int, ep: int, log=print) -> dict:
         raise SystemExit(f"--ranks {world} is not a multiple of --ep {ep}")
     t0 = time.perf_counter()
     os.makedirs(root, exist_ok=True)
-    tensors = titan_dsv3_tensors(DSV3_671B)
+    tensors = titan_dsv3_tensors(config)
     group = adamw_group()
     local_plans, values = [], {}
     for r in range(world):
@@ -163,7 +211,7 @@ def write(root: str, world: int, ep: int, log=print) -> dict:
                 values.setdefault(item.index.fqn, planner.state_dict[item.index.fqn])
         local_plans.append(pickle.loads(pickle.dumps(plan)))  # gather_object: pickled per rank
     coordinator, writer, global_plans, metadata = coordinate(
-        root, rank_state_dict(tensors, 0, world, ep, group), local_plans
+        root, rank_state_dict(tensors, 0, world, ep, group), local_plans, save_id=save_id
     )
     del local_plans
     log(f"  plans of {world} ranks: {time.perf_counter() - t0:.0f} s")
@@ -181,8 +229,8 @@ def write(root: str, world: int, ep: int, log=print) -> dict:
                     torch.save(v, buf)
                 length = buf.tell()
                 blobs.append((offset, buf.getvalue()))
-            else:
-                length = _item_length(item)
+            else:  # the length of torch.save's archive of the shard (`scale_dcp.zeros_archive`)
+                length = scale_dcp.zeros_archive(tuple(item.tensor_data.chunk.sizes), item.tensor_data.properties.dtype)[0]
             out.append(WriteResult(index=item.index, size_in_bytes=length,
                                    storage_data=_StorageInfo(file_name, offset, length)))
             offset += length
@@ -213,8 +261,20 @@ def main(argv=None) -> int:
     ap.add_argument("dir")
     ap.add_argument("--ranks", type=int, default=64)
     ap.add_argument("--ep", type=int, default=64)
+    ap.add_argument("--planner", action="store_true", help="torch's planner for every rank (slow; tensors holes)")
+    ap.add_argument("--holes", action="store_true", help="no archive headers either (metadata rows only)")
+    ap.add_argument("--check", action="store_true", help="write by the planner and the fast path, compare bytes")
     a = ap.parse_args(argv)
-    print(json.dumps(write(a.dir, a.ranks, a.ep, log=lambda s: print(s, file=sys.stderr))))
+
+    def log(s):
+        print(s, file=sys.stderr, flush=True)
+
+    if a.check:
+        print(json.dumps(check(a.dir, a.ranks, a.ep, log=log)))
+    elif a.planner:
+        print(json.dumps(write(a.dir, a.ranks, a.ep, log=log)))
+    else:
+        print(json.dumps(write_fast(a.dir, a.ranks, a.ep, holes=a.holes, log=log)))
     return 0
 
 
