@@ -215,11 +215,11 @@ def import_checkpoint(
         from hybridckpt.mesh import MeshShape
         from hybridckpt.store import stream
         from hybridckpt.store.layout import HF_FILES
-        from hybridckpt.store.save import refuse_url, save_checkpoint
+        from hybridckpt.store.save import remote_url, save_checkpoint
         from hybridckpt.writers.destination import Destination
 
     t0 = time.perf_counter()
-    refuse_url(dst)  # (before anything is read)
+    remote_url(dst)  # (a URL under jax.distributed: refused before anything is read)
     asked = ranged.totals()  # a source in a bucket: what this job asks of each host
     if io_threads is not None:
         parallel.set_io_threads(io_threads)

@@ -40,7 +40,7 @@ def save_checkpoint(
     trainer_state_after: Callable[[], Mapping[str, Any]] | None = None,
     sources: Iterable[str | os.PathLike] = (),
     files: Iterable[ModelFile] = (),
-) -> Path:
+) -> Path | str:
     """Write a one-step checkpoint root at `directory`, atomically.
 
     Leaves of `params` / `opt_state` may be `hybridckpt.store.stream.LazyLeaf`s: those are read and
@@ -56,9 +56,15 @@ def save_checkpoint(
     Under `jax.distributed` every process calls this with the same arguments: they write one
     checkpoint into one temporary directory (its name agreed through a barrier) and process 0
     renames it. Returns the absolute path.
+
+    An object-storage URL (`s3://bucket/prefix`, `gs://...`) is written the same way into a local
+    spool (`tempfile`'s folder: it holds the whole step until the commit), then uploaded by
+    `writers.remote.RemoteDestination`: the staging marker first, every file, the commit marker
+    last (readers require it); a failure deletes what was uploaded; `overwrite` replaces only a
+    prefix hybridckpt wrote. One process only (not under `jax.distributed`). Returns the URL.
     """
-    refuse_url(directory)
-    dst = Path(given(directory, "the destination")).absolute()
+    url = remote_url(directory)
+    dst = str(url) if url is not None else Path(given(directory, "the destination")).absolute()
     multi = jax.process_count() > 1
     primary = jax.process_index() == 0
     token = _shared_token() if multi else uuid.uuid4().hex[:8]
@@ -92,16 +98,29 @@ def save_checkpoint(
     return dst
 
 
+def remote_url(directory: object):
+    """The `RemoteUrl` `directory` names (a save to object storage, see `save_checkpoint`), or None;
+    a ConfigError under `jax.distributed` (the spool is one process's), before anything is read."""
+    from hybridckpt.io.remote.urls import parse
+
+    url = parse(directory)
+    if url is not None and jax.process_count() > 1:
+        raise ConfigError(f"{url}: writing our checkpoint store to object storage from several processes "
+                          f"(jax.distributed) is not supported: write to a shared local folder, then copy it up")
+    return url
+
+
 def refuse_url(directory: object) -> None:
-    """A ConfigError when `directory` is an object-storage URL: our store is written to a local
-    (or mounted) folder only, for now (docs/cli.md "Object storage"), never to a folder named
-    `s3:` in the working directory."""
+    """A ConfigError when `directory` is an object-storage URL, for a `CheckpointStore` (a training
+    loop's store, saved step after step and pruned in place, is a local or mounted folder), never
+    a folder named `s3:` in the working directory."""
     from hybridckpt.io.remote.urls import parse
 
     url = parse(directory)
     if url is not None:
-        raise ConfigError(f"{url}: our checkpoint store cannot be written to object storage yet; import to a local "
-                          f"folder and copy it up, or export to {url.scheme}:// (--to hf, dcp, megatron, ...)")
+        raise ConfigError(f"{url}: a CheckpointStore (saved step after step) lives in a local or mounted folder; "
+                          f"a one-step checkpoint goes to object storage with save_checkpoint or "
+                          f"hybridckpt import SRC {url}")
 
 
 @contextlib.contextmanager

@@ -228,17 +228,20 @@ def test_upload_streams_in_parts_memory_bounded_and_aborts_on_error(bucket, tmp_
     assert fs.call_s3("list_multipart_uploads", Bucket=b).get("Uploads", []) == []
 
 
-def test_our_store_is_refused_in_one_line_never_a_local_s3_folder(s3, tmp_path, monkeypatch, capsys):
+def test_a_store_in_a_bucket_is_one_line_never_a_local_s3_folder(s3, tmp_path, monkeypatch, capsys):
+    """CheckpointStore (a training loop's store) refuses a URL in one line; a store written to a
+    bucket is never a local folder named `s3:`."""
     monkeypatch.chdir(tmp_path)
-    refused(cli(capsys, "import", sample_path(), "s3://bkt/ck"), "cannot be written to object storage")
-    with pytest.raises(ConfigError, match="cannot be written to object storage"):
-        hybridckpt.import_checkpoint(sample_path(), "s3://bkt/ck")
+    with pytest.raises(ConfigError, match="a CheckpointStore .* lives in a local or mounted folder"):
+        hybridckpt.CheckpointStore("s3://bkt/ck")
     import jax.numpy as jnp
 
     from hybridckpt.store.save import save_checkpoint
 
-    with pytest.raises(ConfigError, match="cannot be written to object storage"):
-        save_checkpoint("gs://bkt/ck", 1, {"w": jnp.ones(4)}, overwrite=True)
+    fs = client(s3)
+    fs.mkdir("bkt-save")
+    assert save_checkpoint("s3://bkt-save/ck", 1, {"w": jnp.ones(4)}) == "s3://bkt-save/ck"
+    assert ownership.MARKER in download(fs, "bkt-save/ck")
     assert os.listdir(tmp_path) == []
 
 

@@ -63,7 +63,7 @@ def test_our_store_in_a_bucket_is_one_line_never_a_local_folder(tmp_path, monkey
     import hybridckpt
 
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match="cannot be written to object storage"):
+    with pytest.raises(ConfigError, match="lives in a local or mounted folder"):
         hybridckpt.CheckpointStore("s3://bucket/ckpt")
     with pytest.raises(ConfigError, match="read by TensorStore"):
         hybridckpt.restore("s3://bucket/ckpt", "fsdp=1")

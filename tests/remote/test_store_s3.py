@@ -1,0 +1,96 @@
+"""Our own store in a bucket (issue 43): `hybridckpt import SRC s3://bucket/ck` writes the store
+into a local spool exactly as a local import does and uploads it with the export's markers
+(`writers.remote`); downloaded, it equals the local import bit for bit. A failure or a server
+killed mid-upload leaves no commit marker, and readers refuse the prefix.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_export_s3 import bucket, cli, client, download, local_files, refused  # noqa: F401 - fixture
+from test_remote_import import stable_digest
+
+from hybridckpt.demo import sample_path
+from hybridckpt.errors import CheckpointError
+from hybridckpt.io.remote import commit as markers
+from hybridckpt.io.remote import urls
+from hybridckpt.writers import ownership, remote
+
+
+def _downloaded(fs, prefix: str, into) -> dict[str, bytes]:
+    """The store under `prefix`, fetched with `fs.get` into the folder `into`, as `stable_digest`s."""
+    fs.invalidate_cache()
+    fs.get(prefix + "/", str(into) + "/", recursive=True)
+    return stable_digest(into)
+
+
+def test_import_to_s3_equals_the_local_import_bitwise(bucket, tmp_path, capsys):
+    fs, b = bucket
+    dst = f"s3://{b}/ck"
+    assert cli(capsys, "import", sample_path(), tmp_path / "local", "--mesh", "fsdp=2,tp=2")[0] == 0
+    code, out, err = cli(capsys, "import", sample_path(), dst, "--mesh", "fsdp=2,tp=2", "--json")
+    assert code == 0, err
+    assert json.loads(out)["destination"] == dst
+    got = download(fs, f"{b}/ck")
+    marker = json.loads(got.pop(ownership.MARKER))
+    assert markers.STAGING not in got
+    assert marker["files"] == sorted(got) and marker["sizes"] == {k: len(v) for k, v in sorted(got.items())}
+    markers.check_complete(fs, urls.parse(dst))
+    fetched = _downloaded(fs, f"{b}/ck", tmp_path / "fetched")
+    fetched.pop(ownership.MARKER)
+    want = stable_digest(tmp_path / "local")
+    assert sorted(fetched) == sorted(want) and len(want) > 5
+    assert [k for k in want if fetched[k] != want[k]] == []  # bitwise, every file
+
+
+def test_overwrite_only_over_a_store_of_ours(bucket, capsys):
+    fs, b = bucket
+    dst = f"s3://{b}/ck"
+    assert cli(capsys, "import", sample_path(), dst)[0] == 0
+    before = download(fs, f"{b}/ck")
+    refused(cli(capsys, "import", sample_path(), dst), "holds an export", "--overwrite")
+    assert download(fs, f"{b}/ck") == before
+    assert cli(capsys, "import", sample_path(), dst, "--overwrite", "--mesh", "fsdp=2")[0] == 0
+    after = download(fs, f"{b}/ck")
+    assert sorted(json.loads(after[ownership.MARKER])["files"]) == sorted(set(after) - {ownership.MARKER})
+    fs.pipe_file(f"{b}/mine/notes.txt", b"the user's")
+    refused(cli(capsys, "import", sample_path(), f"s3://{b}/mine", "--overwrite"), "not written by hybridckpt",
+            "notes.txt")
+    assert download(fs, f"{b}/mine") == {"notes.txt": b"the user's"}
+
+
+def test_a_failed_upload_of_the_store_deletes_what_it_wrote(bucket, monkeypatch, capsys):
+    fs, b = bucket
+    calls = []
+    real = remote.upload_file
+
+    def upload(fs_, local, path, part_bytes=None):
+        calls.append(path)
+        if len(calls) > 3:
+            raise ConnectionResetError("connection reset by peer (injected)")
+        return real(fs_, local, path, part_bytes)
+
+    monkeypatch.setattr(remote, "upload_file", upload)
+    refused(cli(capsys, "import", sample_path(), f"s3://{b}/ck"), "upload failed", "nothing committed")
+    assert len(calls) == 4
+    assert fs.find(f"{b}/ck") == []  # what went up deleted, the staging marker last; never a commit marker
+
+
+def test_the_server_killed_mid_store_upload_leaves_no_commit_marker(s3_killable, monkeypatch, capsys):
+    fs = client(s3_killable)
+    fs.mkdir("gone")
+    real = remote.upload_file
+    uploaded = []
+
+    def upload(fs_, local, path, part_bytes=None):
+        n = real(fs_, local, path, part_bytes)
+        uploaded.append(path)
+        if len(uploaded) == 2:
+            s3_killable.kill()  # every later request is refused: no cleaning, no marker
+        return n
+
+    monkeypatch.setattr(remote, "upload_file", upload)
+    refused(cli(capsys, "import", sample_path(), "s3://gone/ck"), "s3://gone/ck", "upload failed")
+    assert len(uploaded) == 2
