@@ -105,7 +105,8 @@ FORMATS: tuple[Format, ...] = (
                  "optimizer*.safetensors)"),
     _reads("torch", f"{F}.torch_file", names=BY_INDEX),  # last: any torch.save file of a state dict, by its bytes
 )
-READ_BY_TENSORSTORE = ("orbax", "maxtext")  # their arrays are read by TensorStore, not `io.byte_source`
+READ_BY_TENSORSTORE = ("maxtext",)  # its arrays are read by TensorStore, not `io.byte_source` (our store's raw
+# chunks are read through `io.byte_source`: `containers.orbax.reader`, which refuses the rest in a bucket)
 READABLE: tuple[Format, ...] = tuple(f for f in FORMATS if f.open is not None)
 NAMES: tuple[str, ...] = tuple(f.name for f in READABLE)  # what `--format` accepts
 WRITABLE: dict[str, Format] = {"hf": next(f for f in FORMATS if f.name == "hf")}  # the default first
@@ -173,16 +174,26 @@ def step_folders(path: str, fmt: str = "auto") -> StepFolders | None:
     return mod.steps(path) if hasattr(mod, "steps") else None
 
 
-def require_store(path: str) -> None:
+def store_view(path: str) -> str:
+    """`path` itself, or for a URL (`s3://bucket/ck`) of our store the local view it is read through
+    (`io.remote.view`: metadata downloaded, raw chunks read by ranged GETs), once its commit marker
+    is found (`io.remote.commit.require_committed`); never a local folder named `s3:`."""
+    from hybridckpt.io.remote import commit, urls
+
+    url = urls.parse(path)
+    if url is None:
+        return path
+    commit.require_committed(urls.filesystem(url), url)
+    return local_path(path)
+
+
+def require_store(path: str) -> str:
     """`path` is a folder that may hold our checkpoints (`DIR` or `DIR/<step>`), or a CheckpointError
     saying what it is instead: absent (nothing is created), not a folder, or another format's
     checkpoint, which becomes one of ours by an import. A folder of no known format passes (a
-    training loop's store before its first save): the store says it has no steps."""
-    from hybridckpt.io.remote.urls import parse
-
-    if parse(path) is not None:  # (never "no such folder" for a bucket, nor a local folder named `s3:`)
-        raise ConfigError(f"{parse(path)}: our checkpoint store is read by TensorStore, which hybridckpt does not "
-                          f"yet point at object storage; copy it to a local folder first")
+    training loop's store before its first save): the store says it has no steps. Returns the
+    folder to read (a URL's local view, `store_view`)."""
+    path = store_view(path)
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such folder (expected one of our checkpoints: `hybridckpt import` or "
                               f"CheckpointStore writes them)")
@@ -192,12 +203,13 @@ def require_store(path: str) -> None:
         if f.call("detect", path):
             name = f.name
             if name == "orbax":
-                return
+                return path
             raise CheckpointError(
                 f"{path} is a {name} checkpoint, not a hybridckpt store; import it first: "
                 f"hybridckpt.import_checkpoint({str(path)!r}, DST)",
                 cli=f"{path} is a {name} checkpoint, not a hybridckpt store; import it first: "
                     f"hybridckpt import {path} DST")
+    return path
 
 
 def open_source(path: str, fmt: str = "auto", *, config=None, step: int | None = None,
@@ -220,6 +232,8 @@ def open_source(path: str, fmt: str = "auto", *, config=None, step: int | None =
     cfg = config_arg(config)
     if fmt == "auto":
         fmt = detect(path)
+    if fmt == "orbax" and url_of(path):  # our store in a bucket: complete, or refused before a read
+        store_view(url_of(path))
     if fmt in READ_BY_TENSORSTORE and url_of(path):
         raise ConfigError(f"{url_of(path)}: a {fmt} checkpoint is read by TensorStore, which hybridckpt does not "
                           f"yet point at object storage; copy it to a local folder first")

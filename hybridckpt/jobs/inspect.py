@@ -71,7 +71,8 @@ def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, s
     path = os.path.abspath(local_path(given(path, "the source")))  # a URL: its local view
     fmt = registry.detect(path) if fmt == "auto" else fmt
     if fmt == store_source.NAME:
-        info = store_source.describe(path, step)
+        registry.store_view(shown(path))  # our store in a bucket: its commit marker, before a read
+        info = {**store_source.describe(path, step), "path": shown(path)}
         held = store_source.steps(path)
         notes = [held.note(step)] if step is not None and held is not None and held.folders else []
         return _in_order({**info, "notes": notes + info["notes"], "default_step": max(info["steps"]) if info["steps"]

@@ -88,7 +88,7 @@ def _restore(directory, mesh, *, step, optimizer, config, strict_sharding, **res
     from hybridckpt.formats.orbax_store import model_config
     from hybridckpt.formats.registry import require_store
 
-    require_store(os.fspath(directory))
+    directory = require_store(os.fspath(directory))  # (a URL: its local view, `formats.registry.store_view`)
 
     if not os.path.isdir(directory):  # (the store would create it)
         raise CheckpointError(f"{directory}: no such folder (expected one of our checkpoints)")

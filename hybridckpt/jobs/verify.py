@@ -224,7 +224,7 @@ def verify_checksums(
     from hybridckpt.io.paths import given
 
     path = given(path, "the checkpoint")
-    require_store(path)  # another format's checkpoint: named, with the import to run
+    path = require_store(path)  # another format's checkpoint: named, with the import to run; a URL: its view
     root, step, state = resolve(path, step)
     recorded = state.get("checksums")
     if not recorded:

@@ -20,9 +20,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from hybridckpt.containers.orbax.declared import check_orbax_tree
-from hybridckpt.errors import CheckpointError
+from hybridckpt.errors import CheckpointError, ConfigError
 from hybridckpt.io import timing
 from hybridckpt.io.paths import given
+from hybridckpt.io.remote.view import refuse_tensorstore
 from hybridckpt.mesh import MeshShape
 from hybridckpt.store.checked import CRC_TABLES, has_crc_tables, read_tree
 from hybridckpt.store.layout import (
@@ -113,9 +114,7 @@ class CheckpointStore:
             raise CheckpointError(f"save_interval_steps must be >= 1, got {save_interval_steps}")
         if best_mode not in ("min", "max"):
             raise CheckpointError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
-        from hybridckpt.store.save import refuse_url
-
-        refuse_url(directory)  # (never a local folder named `s3:`)
+        _refuse_url(directory)  # (never a local folder named `s3:`)
         self.directory = Path(given(directory, "the store's folder")).absolute()
         self.keep_best_by = keep_best_by
         self.save_optimizer = save_optimizer
@@ -350,12 +349,14 @@ class CheckpointStore:
         try:
             if verify_reads and has_crc_tables(state, where):
                 out = {k: read_tree(str(step_dir), k, t, state) for k, t in targets.items()}
-            elif missing or unexpected:
-                out = {k: restore_partial(step_dir, k, metas[k], t) for k, t in targets.items()}
-            else:
-                args = {k: ocp.args.StandardRestore(t) for k, t in targets.items()}
-                with timing.stage("read", fallback=True):  # TensorStore's reads, in its own threads
-                    out = manager.restore(step, args=ocp.args.Composite(**args))
+            else:  # (Orbax reads: TensorStore would read a bucket's view as zeros: refused there)
+                refuse_tensorstore(str(step_dir), "a step Orbax reads (verify_reads=False, no CRC-32 tables)")
+                if missing or unexpected:
+                    out = {k: restore_partial(step_dir, k, metas[k], t) for k, t in targets.items()}
+                else:
+                    args = {k: ocp.args.StandardRestore(t) for k, t in targets.items()}
+                    with timing.stage("read", fallback=True):  # TensorStore's reads, in its own threads
+                        out = manager.restore(step, args=ocp.args.Composite(**args))
         except (ValueError, RuntimeError, OSError, KeyError) as e:  # Orbax's and TensorStore's own
             raise CheckpointError(f"{where}: cannot restore: {_first_line(e)}") from e
         return Restored(
@@ -367,3 +368,17 @@ class CheckpointStore:
             missing_keys=tuple(sorted(missing)),
             unexpected_keys=tuple(sorted(unexpected)),
         )
+
+
+def _refuse_url(directory: object) -> None:
+    """A ConfigError when `directory` is an object-storage URL: a training loop's store, saved
+    step after step and pruned in place, is a local or mounted folder (a one-step checkpoint goes
+    to a bucket with `store.save.save_checkpoint` or `hybridckpt import`), never a folder named
+    `s3:` in the working directory."""
+    from hybridckpt.io.remote.urls import parse
+
+    url = parse(directory)
+    if url is not None:
+        raise ConfigError(f"{url}: a CheckpointStore (saved step after step) lives in a local or mounted folder; "
+                          f"a one-step checkpoint goes to object storage with save_checkpoint or "
+                          f"hybridckpt import SRC {url}")

@@ -110,19 +110,6 @@ def remote_url(directory: object):
     return url
 
 
-def refuse_url(directory: object) -> None:
-    """A ConfigError when `directory` is an object-storage URL, for a `CheckpointStore` (a training
-    loop's store, saved step after step and pruned in place, is a local or mounted folder), never
-    a folder named `s3:` in the working directory."""
-    from hybridckpt.io.remote.urls import parse
-
-    url = parse(directory)
-    if url is not None:
-        raise ConfigError(f"{url}: a CheckpointStore (saved step after step) lives in a local or mounted folder; "
-                          f"a one-step checkpoint goes to object storage with save_checkpoint or "
-                          f"hybridckpt import SRC {url}")
-
-
 @contextlib.contextmanager
 def _no_cyclic_gc() -> Iterator[None]:
     """Python's cyclic GC off while the arrays stream (back on after, as it was): JAX's heap is

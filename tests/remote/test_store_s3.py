@@ -7,16 +7,24 @@ killed mid-upload leaves no commit marker, and readers refuse the prefix.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
-from test_export_s3 import bucket, cli, client, download, local_files, refused  # noqa: F401 - fixture
+from test_export_s3 import cli, client, download, refused
 from test_remote_import import stable_digest
 
 from hybridckpt.demo import sample_path
-from hybridckpt.errors import CheckpointError
 from hybridckpt.io.remote import commit as markers
 from hybridckpt.io.remote import urls
 from hybridckpt.writers import ownership, remote
+
+
+@pytest.fixture
+def bucket(s3):
+    fs = client(s3)
+    name = f"st{os.getpid()}-{len(fs.ls(''))}"
+    fs.mkdir(name)
+    return fs, name
 
 
 def _downloaded(fs, prefix: str, into) -> dict[str, bytes]:

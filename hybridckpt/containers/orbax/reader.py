@@ -46,6 +46,7 @@ from hybridckpt.containers.orbax.keys import metadata_leaf_names
 from hybridckpt.errors import CheckpointError
 from hybridckpt.io.byte_source import ByteSource
 from hybridckpt.io.config_file import read_json
+from hybridckpt.io.remote import view
 from hybridckpt.lazy import ArrayTensor, Box, FileRun, LazyTensor, StoredTensor, tiled
 
 
@@ -101,6 +102,7 @@ class OrbaxArray(LazyTensor):
         if not self._store:
             import tensorstore as ts
 
+            view.refuse_tensorstore(self.item_dir, f"array {self.name} is not stored as raw chunks (TensorStore reads it)")
             item = self.item or _Item(self.item_dir)
             context = item.context()
             spec = ts_spec.read_spec(self.item_dir, self.name, use_ocdbt=item.use_ocdbt, use_zarr3=self.use_zarr3)
@@ -239,7 +241,9 @@ def item_arrays(item_dir: str, *, unreadable: str = "raise") -> dict[str, OrbaxA
     out: dict[str, OrbaxArray] = {}
     item = _Item(item_dir)
     no_special_files(item_dir)  # (TensorStore would wait on a FIFO named like a chunk)
-    if not item.use_ocdbt:
+    if item.use_ocdbt:
+        view.refuse_tensorstore(item_dir, "an OCDBT item (its index and chunks are read by TensorStore)")
+    else:
         _one_folder_each(item_dir, leaves, meta_path)
     walked = item.index() if item.use_ocdbt or not zarr3 else None  # (an OCDBT index is walked, and its
     index = None if zarr3 else walked  # data files checked to lie inside the item, for zarr v3 too)

@@ -99,6 +99,26 @@ def check_complete(fs, url: RemoteUrl) -> None:
             f"{MARKER} is not final): write it again, or remove it with export ... --overwrite")
 
 
+def require_committed(fs, url: RemoteUrl) -> None:
+    """A CheckpointError unless our store at `url` was uploaded complete: the prefix, or the one
+    above it (a URL naming one step folder, `s3://b/ck/12`), carries the commit marker `MARKER`
+    and no `STAGING`; what a reader of our store in a bucket calls before it reads anything (a
+    store without the marker may be one cut short whose listing looks whole)."""
+    parent = url.path.rsplit("/", 1)[0] if "/" in url.path else None
+    for where in (url, RemoteUrl(url.scheme, parent) if parent else None):
+        if where is None:
+            continue
+        check_complete(fs, where)
+        try:
+            if fs.exists(where.child(MARKER).path):
+                return
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{url}: cannot look for its commit marker {MARKER}: {str(e)[:300]}") from None
+    raise CheckpointError(
+        f"{url}: no {MARKER} commit marker: not a checkpoint hybridckpt finished uploading (import it "
+        f"to the bucket again, or download it and read the local copy)")
+
+
 def body(files, *, sizes: dict[str, int] | None = None, job: dict | None = None) -> bytes:
     """The JSON of a marker: `files` (sorted), with `sizes` (the commit marker) or `job` (staging)."""
     from importlib import metadata

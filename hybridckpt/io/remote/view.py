@@ -16,8 +16,11 @@ fsspec URL) it returns a local *view* of the prefix, made once per process:
    any other way (`io.regular_file.open_regular`, what a reader that walks a whole file uses) is
    refused with one line, never read as zeros.
 
-Formats that TensorStore reads itself (our Orbax store, MaxText) cannot go through the view and
-are refused by `formats.registry` with one line. Error messages that name a file of the view
+Our store's raw chunk files (zarr v2 chunks below a folder with `.zarray`) are data too: our
+reader reads them through `io.byte_source` (`containers.orbax.reader.raw_chunks`), never
+TensorStore, which `containers.orbax.reader` refuses to point at a view (a compressed or OCDBT
+store: one line, download it first). MaxText's train state (read by TensorStore) is refused by
+`formats.registry` with one line. Error messages that name a file of the view
 name its URL instead (`displayed`). The views are removed when the process exits.
 """
 
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 
 from hybridckpt.errors import CheckpointError, FormatError
 from hybridckpt.io.paths import check_relative
-from hybridckpt.io.remote import ranged, urls
+from hybridckpt.io.remote import commit, ranged, urls
 from hybridckpt.io.remote.urls import RemoteUrl
 
 MAX_OBJECTS = 100_000  # objects below one source prefix
@@ -81,11 +84,21 @@ def refuse_whole_read(path: str) -> None:
     obj = remote_object(path)
     if obj is None:
         return
-    if not path.lower().endswith(DATA_SUFFIXES):
+    if obj.size > MAX_METADATA_BYTES and not path.lower().endswith(DATA_SUFFIXES):
         raise FormatError(f"{obj.url}: {obj.size} bytes, more than the {MAX_METADATA_BYTES} bytes a metadata file "
                           f"of a source in object storage may hold (byte ranges only past it)")
     raise FormatError(f"{obj.url}: this reader reads the file whole, which a source in object storage does not "
                       f"allow (byte ranges only); copy the checkpoint to a local folder")
+
+
+def refuse_tensorstore(path: str, what: str) -> None:
+    """A CheckpointError when `path` lies in a view: TensorStore would read the view's sparse
+    placeholders as zeros, so what only TensorStore reads (`what`: a compressed array, an OCDBT
+    item) is refused in one line instead."""
+    url = url_of(path)
+    if url is not None:
+        raise CheckpointError(f"{url}: {what}, which hybridckpt reads from object storage only as raw chunks "
+                              f"(an import's default, --compression none); download it and read the local copy")
 
 
 def url_of(path: object) -> str | None:
@@ -142,8 +155,20 @@ def _list(url: RemoteUrl, fs) -> tuple[dict[str, int], dict[str, str | None]]:
     return objects, etags
 
 
-def _is_data(rel: str, size: int) -> bool:
-    return rel.lower().endswith(DATA_SUFFIXES) or size > MAX_METADATA_BYTES
+def _is_data(rel: str, size: int, zarr_folders: frozenset[str] = frozenset()) -> bool:
+    return rel.lower().endswith(DATA_SUFFIXES) or size > MAX_METADATA_BYTES or _is_zarr_chunk(rel, zarr_folders)
+
+
+def _is_zarr_chunk(rel: str, zarr_folders: frozenset[str]) -> bool:
+    """Whether `rel` is a chunk file of a zarr v2 array (our store's raw import, Orbax without
+    OCDBT): it lies below a folder holding `.zarray` and its name past that folder is the chunk's
+    grid position (`0.1.2`, or `0/1/2` with the "/" separator). Such files are data, read by
+    ranges; a reader that opens one whole (TensorStore) is stopped by `containers.orbax.reader`."""
+    parts = rel.split("/")
+    for cut in range(len(parts) - 1, 0, -1):
+        if "/".join(parts[:cut]) in zarr_folders:
+            return all(p.replace(".", "").isdigit() and p.isascii() for p in parts[cut:])
+    return False
 
 
 def _make(url: RemoteUrl) -> View:
@@ -152,6 +177,8 @@ def _make(url: RemoteUrl) -> View:
         else urls.filesystem(url)
     fs.retries = 1
     objects, etags = _list(url, fs)
+    if commit.STAGING in objects:  # an export or import of ours cut short: never read as a checkpoint
+        commit.check_complete(fs, url)
     host = ranged.host_of(url)
     ranged.add_total(host, 1 + len(objects) // 1000, 0)  # the LIST pages (1000 keys a page)
     root = tempfile.mkdtemp(prefix="hybridckpt-view-")
@@ -161,6 +188,7 @@ def _make(url: RemoteUrl) -> View:
         name = os.path.basename(url.path) or "object"
         objects = {check_relative(name, f"{url}: object name"): objects[""]}
         etags = {next(iter(objects)): etags[""]}
+    zarr_folders = frozenset(rel[: -len("/.zarray")] for rel in objects if rel.endswith("/.zarray"))
     fetch: list[tuple[str, ranged.RemoteObject]] = []
     for rel, size in sorted(objects.items()):
         local = os.path.join(root, rel)
@@ -168,7 +196,7 @@ def _make(url: RemoteUrl) -> View:
         obj = ranged.RemoteObject(url if single else url.child(rel), fs, size, host, etags.get(rel))
         with open(local, "wb") as f:
             f.truncate(size)  # sparse: no byte of the object is on this disk
-        if _is_data(rel, size):
+        if _is_data(rel, size, zarr_folders):
             _placeholders[local] = obj
         elif size:
             fetch.append((local, obj))
