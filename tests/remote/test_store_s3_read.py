@@ -117,3 +117,24 @@ def test_a_compressed_store_in_a_bucket_is_one_line(stores, s3, capsys):
             "download it")
     with pytest.raises(CheckpointError, match="download it"):
         hybridckpt.restore("s3://store-read/zstd", "fsdp=1")
+
+
+def test_our_store_to_and_from_gcs(gcs, stores, tmp_path, capsys):
+    """The same round trip through `gs://` (the GCS emulator): imported there, downloaded it is the
+    local import; restored from there, it is the local restore."""
+    from gcsfs.core import GCSFileSystem
+    from test_remote_import import stable_digest
+
+    _, _, local = stores
+    fs = GCSFileSystem(skip_instance_cache=True)
+    if not fs.exists("store-gcs"):
+        fs.mkdir("store-gcs")
+    code, _, err = cli(capsys, "import", sample_path(), "gs://store-gcs/ck", "--mesh", MESH)
+    assert code == 0, err
+    fs.get("store-gcs/ck/", str(tmp_path / "got") + "/", recursive=True)
+    got, want = stable_digest(tmp_path / "got"), stable_digest(local)
+    assert got.pop(ownership.MARKER) and sorted(got) == sorted(want)
+    assert [k for k in want if got[k] != want[k]] == []
+    _, a = hybridckpt.restore(str(local), "tp=2")
+    _, b = hybridckpt.restore("gs://store-gcs/ck", "tp=2")
+    assert leaves(a.params) == leaves(b.params)
