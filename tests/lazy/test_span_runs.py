@@ -77,3 +77,29 @@ def test_a_span_with_a_computed_piece_keeps_the_row_path(tmp_path, monkeypatch):
     monkeypatch.setattr(views.Reshape, "_runs_into", lambda self, b, o: used.append(b) or real(self, b, o))
     np.testing.assert_array_equal(param.read_box(((0, 18), (2, 5))), flat[10:190].reshape(18, 10)[:, 2:5])
     assert used == [((0, 18), (2, 5))]
+
+
+def test_run_batches_cuts_long_batches_with_array_arithmetic(monkeypatch):
+    """Many batches (runs far apart: an fsdp strip of every row) some longer than `IOV_MAX // 2`
+    runs: the batch starts are the definition's (each batch cut every `per` runs), made by one
+    `np.arange`, not one a batch (Python a batch was most of the plan's time after the rows)."""
+    from hybridckpt.io import read_batches
+
+    per = read_batches.IOV_MAX // 2
+    rng = np.random.default_rng(7)
+    lens = rng.integers(1, 3 * per, 400)
+    offs, pos, want = [], 0, []
+    for n in lens.tolist():  # a batch of n runs of 64 B 1 KiB apart, then a 1 MiB gap
+        want.extend(range(len(offs), len(offs) + n, per))
+        offs.extend(pos + 1024 * np.arange(n))
+        pos = offs[-1] + (1 << 20)
+    offsets = np.array(offs, dtype=np.int64)
+    calls = []
+    real = np.arange
+    monkeypatch.setattr(np, "arange", lambda *a, **k: calls.append(a) or real(*a, **k))
+    starts, gap = read_batches.run_batches(offsets, 64)
+    monkeypatch.undo()
+    assert starts.tolist() == want and len(calls) <= 1
+    first = set(want)
+    inside = [i for i in range(1, len(offs)) if i not in first]
+    assert gap == sum(int(offsets[i] - offsets[i - 1]) - 64 for i in inside)
