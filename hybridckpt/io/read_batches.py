@@ -28,8 +28,17 @@ def run_batches(offsets: np.ndarray, run_bytes: int) -> tuple[np.ndarray, int]:
     starts = np.flatnonzero(np.concatenate(([True], ~joined)))
     per = IOV_MAX // 2
     if len(offs) > per:  # a batch longer than `per` runs is cut every `per` runs
-        ends = np.append(starts[1:], len(offs))
-        starts = np.concatenate([np.arange(a, b, per) for a, b in zip(starts.tolist(), ends.tolist(), strict=True)])
+        starts = _cut(starts, len(offs), per)
     inside = joined.copy()
     inside[starts[1:] - 1] = False  # the gap before a batch's first run is not read
     return starts, int(gap[inside].sum())
+
+
+def _cut(starts: np.ndarray, n: int, per: int) -> np.ndarray:
+    """The first runs of batches starting at `starts` (of `n` runs in all) once each is cut every
+    `per` runs; array arithmetic, no Python a batch (a box of millions of rows far apart is
+    millions of batches)."""
+    lens = np.append(starts[1:], n) - starts
+    pieces = (lens + per - 1) // per
+    first = np.cumsum(pieces) - pieces  # each batch's first piece's index
+    return np.repeat(starts, pieces) + (np.arange(int(pieces.sum()), dtype=np.int64) - np.repeat(first, pieces)) * per

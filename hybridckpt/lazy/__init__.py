@@ -34,6 +34,8 @@ Modules (each imports only those above it):
                    `copy_into`.
 - `runs`           file runs of tilings and joins; `copy_runs`.
 - `stored`         the leaves: `ArrayTensor`, `StoredTensor`.
+- `span_runs`      a reshaped 1-D range's box read from its span's file runs, a `read_runs`
+                   per file (a bucket cut between DP ranks' files), not a read a row.
 - `views`          `Slice`, `Concat`, `Stack`, `Transpose`, `Reshape`, `Take`, `Bitcast`, `Cast`.
 - `scaled`         `Scaled`: times a float32 factor (MaxText's pre-scaled query kernel);
                    `Shifted`: plus an offset (Megatron's zero-centred gated norm).

@@ -25,6 +25,7 @@ from hybridckpt.errors import FormatError
 from hybridckpt.lazy.base import FileRun, LazyTensor, copy_into
 from hybridckpt.lazy.box import Box, box_runs, box_shape, check_box, flat_boxes, flat_ranges
 from hybridckpt.lazy.runs import join_runs, tiled_file_runs
+from hybridckpt.lazy.span_runs import read_rows, span_runs
 
 
 @dataclass(frozen=True, eq=False)
@@ -277,8 +278,17 @@ class Reshape(LazyTensor):
         return join_runs((self.src.file_runs(b, limit) for b in boxes), limit)
 
     def _runs_into(self, box: Box, out: np.ndarray) -> None:
-        """Fill the C-contiguous `out` run by run (runs that touch merged into one read)."""
+        """Fill the C-contiguous `out`: from the file runs of the box's span in the 1-D source
+        (a bucket cut between files) by a `read_runs` call per file (`lazy.span_runs`); else
+        run by run through the source's views (runs that touch merged into one read)."""
         starts, run_len = box_runs(self.shape, box)
+        if len(self.src.shape) == 1 and len(starts) > 1:
+            lo, hi = int(starts[0]), int(starts[-1]) + run_len
+            runs = span_runs(self.src, lo, hi)
+            if runs is not None:
+                item = np.dtype(self.dtype).itemsize
+                read_rows(runs, lo, starts, run_len, item, out.reshape(-1).view(np.uint8))
+                return
         flat = out.reshape(-1)
         pos, i, n = 0, 0, len(starts)
         while i < n:
