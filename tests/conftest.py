@@ -64,6 +64,7 @@ else:
 import jax  # noqa: E402
 import multidevice  # noqa: E402
 import pytest  # noqa: E402
+from fixtures.remote_servers import gcs, gcs_shared, local_sources, s3, s3_killable, s3_shared  # noqa: E402,F401
 
 jax.config.update("jax_enable_x64", False)
 jax.config.update("jax_default_matmul_precision", "highest")

@@ -17,7 +17,6 @@ from meshes import fit
 
 from hybridckpt.lazy import stored  # noqa: E402
 from hybridckpt.lazy.box import full_box  # noqa: E402
-from hybridckpt.mesh import MeshShape  # noqa: E402
 
 # 2 layers x 8 experts, embed 64, mlp 128: 1.6 MB of experts over several files
 TINY = {
@@ -58,8 +57,11 @@ def whole_per_box(layout: str, mesh: str) -> float:
     on dp alone (one box per expert: the bug is invisible there); a grouped tensor [8 experts, ...]
     is read whole for every expert view: transformers' gate_up_proj (8 experts x gate/up x F parts
     = 16F reads) and down_proj (8F) give (2 x 16F + 8F) / 3, torchtitan's w1/w3/w2 (one per
-    projection) 8 x F. On fsdp=2: 2, 80/3, 16; on dp=8: 1, 40/3, 8."""
-    f = MeshShape.parse(mesh).fsdp
+    projection) 8 x F. F counts the boxes a process reads apart: one process holds every fsdp part
+    here, and the boxes it writes side by side are read as one (`store.stream.joined_boxes`), so
+    F = 1 on every mesh of one process: 1, 40/3, 8 (a per-expert double read cannot happen there,
+    the joined box being the whole expert)."""
+    f = 1  # (the import's one process joins its fsdp parts: `mesh` no longer multiplies the reads)
     return {"per_expert": f, "fused": 40 * f / 3, "titan": 8 * f}[layout]
 
 

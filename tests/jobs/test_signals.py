@@ -118,6 +118,8 @@ def test_on_a_terminal_the_progress_bar_is_erased_and_never_drawn_after_the_line
     leader, follower = pty.openpty()
     p = subprocess.Popen([*CLI, "import", src, dst], stdout=follower, stderr=follower, env=_env())
     os.close(follower)
+    poller = select.poll()
+    poller.register(leader, select.POLLIN)
     seen = b""
     sent = False
     deadline = time.monotonic() + 300  # (a guard against a hang, not a measure)
@@ -125,7 +127,7 @@ def test_on_a_terminal_the_progress_bar_is_erased_and_never_drawn_after_the_line
         if not sent and b"import" in seen and any(f.startswith(".dst.tmp-") for f in os.listdir(tmp_path)):
             p.send_signal(signal.SIGINT)
             sent = True
-        ready, _, _ = select.select([leader], [], [], 0.05)
+        ready = poller.poll(50)  # (poll: select() fails on a descriptor numbered over 1023)
         if ready:
             try:
                 chunk = os.read(leader, 65536)
