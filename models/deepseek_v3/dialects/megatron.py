@@ -29,12 +29,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from hybridckpt.models.errors import FormatError
+from hybridckpt.models.llama.dialects.megatron import HF_KEYS as LLAMA_HF_KEYS
+from hybridckpt.models.megatron_dialect import RMSNORM_SWIGLU_ROPE, hf_keys_without, positive_int
 
 DESCRIPTION = "DeepSeek V3"
 MATCH = {
-    "normalization": "RMSNorm",
-    "swiglu": True,
-    "position_embedding": "rope",
+    **RMSNORM_SWIGLU_ROPE,
     "qkv_bias": False,
     "moe": True,
     "mla": True,
@@ -42,18 +42,7 @@ MATCH = {
     "expert_bias": True,
     "shared_experts": True,
 }
-HF_KEYS = {
-    "vocab_size": "vocab_size",
-    "hidden_size": "hidden_size",
-    "ffn_hidden_size": "intermediate_size",
-    "num_layers": "num_hidden_layers",
-    "num_heads": "num_attention_heads",
-    "num_query_groups": "num_key_value_heads",
-    "norm_eps": "rms_norm_eps",
-    "rope_theta": "rope_theta",
-    "tied": "tie_word_embeddings",
-    "max_positions": "max_position_embeddings",
-}
+HF_KEYS = hf_keys_without(LLAMA_HF_KEYS, "head_dim")  # MLA's head dims: hf_extra
 
 # MLATransformerConfig's yarn defaults the args do not carry (transformer_config.py)
 MLA_YARN_DEFAULTS = {"original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1}
@@ -71,9 +60,8 @@ def router_hf(arg: Callable[..., Any], values: Mapping[str, Any], file: str) -> 
         )
     moe_ffn = arg("moe_ffn_hidden_size") or arg("ffn_hidden_size")
     shared = arg("moe_shared_expert_intermediate_size")
-    for name, v in (("moe_ffn_hidden_size", moe_ffn), ("moe_shared_expert_intermediate_size", shared)):
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise FormatError(f"{file}: args.{name}={v!r:.40}: expected a positive int")
+    positive_int(moe_ffn, "moe_ffn_hidden_size", file)
+    positive_int(shared, "moe_shared_expert_intermediate_size", file)
     if shared % moe_ffn:
         raise FormatError(
             f"{file}: args.moe_shared_expert_intermediate_size={shared} is no multiple of "

@@ -30,12 +30,11 @@ from typing import Any
 from hybridckpt.models.deepseek_v3.dialects.megatron import router_hf
 from hybridckpt.models.errors import FormatError
 from hybridckpt.models.llama.dialects.megatron import HF_KEYS as LLAMA_HF_KEYS
+from hybridckpt.models.megatron_dialect import RMSNORM_SWIGLU_ROPE
 
 DESCRIPTION = "GLM-4.5"
 MATCH = {
-    "normalization": "RMSNorm",
-    "swiglu": True,
-    "position_embedding": "rope",
+    **RMSNORM_SWIGLU_ROPE,
     "linear_bias": False,
     "moe": True,
     "sigmoid": True,

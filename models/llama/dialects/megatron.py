@@ -4,11 +4,11 @@ RMSNorm, SwiGLU, RoPE (half-split, as HF's), no linear biases, no q/k norms; the
 `megatron.rules`. What the facts mean: formats/megatron/config.py.
 """
 
+from hybridckpt.models.megatron_dialect import RMSNORM_SWIGLU_ROPE
+
 DESCRIPTION = "Llama"
 MATCH = {
-    "normalization": "RMSNorm",
-    "swiglu": True,
-    "position_embedding": "rope",
+    **RMSNORM_SWIGLU_ROPE,
     "qkv_bias": False,
     "qk_layernorm": False,
 }

@@ -26,12 +26,11 @@ from typing import Any
 
 from hybridckpt.models.errors import FormatError
 from hybridckpt.models.llama.dialects.megatron import HF_KEYS as LLAMA_HF_KEYS
+from hybridckpt.models.megatron_dialect import RMSNORM_SWIGLU_ROPE, hf_keys_without, positive_int
 
 DESCRIPTION = "Llama 4"
 MATCH = {
-    "normalization": "RMSNorm",
-    "swiglu": True,
-    "position_embedding": "rope",
+    **RMSNORM_SWIGLU_ROPE,
     "qkv_bias": False,
     "linear_bias": False,
     "qk_layernorm": False,
@@ -42,7 +41,7 @@ MATCH = {
     "moe_apply_probs_on_input": True,
     "rotary_interleaved": True,  # Llama 4's complex pairs; half-split RoPE is another model
 }
-HF_KEYS = {k: v for k, v in LLAMA_HF_KEYS.items() if k != "ffn_hidden_size"}  # widths: hf_extra
+HF_KEYS = hf_keys_without(LLAMA_HF_KEYS, "ffn_hidden_size")  # widths: hf_extra
 ROTARY_INTERLEAVED = True
 
 
@@ -63,15 +62,11 @@ def nope_layers(arg: Callable[..., Any], n: int, file: str) -> list[int]:
 def hf_extra(arg: Callable[..., Any], values: Mapping[str, Any], file: str) -> dict[str, Any]:
     """The Llama 4 `config.json` keys beyond Llama's (module docstring); `arg(name,
     default=None)` reads the args, `values` are the format's (`dense_layers`...)."""
-    n = values["num_layers"]
-    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-        raise FormatError(f"{file}: args.num_layers={n!r:.40}: expected a positive int")
+    n = positive_int(values["num_layers"], "num_layers", file)
     topk = arg("moe_router_topk", 2)
     if topk != 1:
         raise FormatError(f"{file}: args.moe_router_topk={topk}: Llama 4 routes each token to 1 expert")
-    width = values["moe_ffn_hidden_size"]
-    if not isinstance(width, int) or isinstance(width, bool) or width <= 0:
-        raise FormatError(f"{file}: args.moe_ffn_hidden_size={width!r:.40}: expected a positive int")
+    width = positive_int(values["moe_ffn_hidden_size"], "moe_ffn_hidden_size", file)
     shared = arg("moe_shared_expert_intermediate_size")
     if shared != width or arg("moe_shared_expert_gate"):
         raise FormatError(

@@ -10,33 +10,22 @@ dense MLP, so its `intermediate_size` is the experts'. What the facts mean:
 formats/megatron/config.py; the names map by `megatron.rules`.
 """
 
+from hybridckpt.models.llama.dialects.megatron import HF_KEYS as LLAMA_HF_KEYS
+from hybridckpt.models.megatron_dialect import RMSNORM_SWIGLU_ROPE, SOFTMAX_ROUTER, hf_keys_without
+
 DESCRIPTION = "Mixtral"
 MATCH = {
-    "normalization": "RMSNorm",
-    "swiglu": True,
-    "position_embedding": "rope",
+    **RMSNORM_SWIGLU_ROPE,
     "qkv_bias": False,
     "qk_layernorm": False,
     "moe": True,
     "pre_softmax": False,
     "dense_layers": False,
-    "sigmoid": False,
-    "expert_bias": False,
+    **SOFTMAX_ROUTER,
     "shared_experts": False,
-    "grouped": False,
-    "scaled": False,
 }
 HF_KEYS = {
-    "vocab_size": "vocab_size",
-    "hidden_size": "hidden_size",
-    "num_layers": "num_hidden_layers",
-    "num_heads": "num_attention_heads",
-    "num_query_groups": "num_key_value_heads",
-    "head_dim": "head_dim",
-    "norm_eps": "rms_norm_eps",
-    "rope_theta": "rope_theta",
-    "tied": "tie_word_embeddings",
-    "max_positions": "max_position_embeddings",
+    **hf_keys_without(LLAMA_HF_KEYS, "ffn_hidden_size"),  # no dense MLP: the experts' width is it
     "moe_ffn_hidden_size": "intermediate_size",
     "num_experts": "num_local_experts",
     "moe_topk": "num_experts_per_tok",

@@ -5,12 +5,11 @@ What the facts mean: formats/megatron/config.py; the names map by `megatron.rule
 """
 
 from hybridckpt.models.llama.dialects.megatron import HF_KEYS as LLAMA_HF_KEYS
+from hybridckpt.models.megatron_dialect import RMSNORM_SWIGLU_ROPE
 
 DESCRIPTION = "Qwen2"
 MATCH = {
-    "normalization": "RMSNorm",
-    "swiglu": True,
-    "position_embedding": "rope",
+    **RMSNORM_SWIGLU_ROPE,
     "qkv_bias": True,
     "linear_bias": False,
     "qk_layernorm": False,

@@ -11,20 +11,16 @@ renormalisation) is its `norm_topk_prob=False` (Megatron-Bridge qwen3_moe_bridge
 """
 
 from hybridckpt.models.llama.dialects.megatron import HF_KEYS as LLAMA_HF_KEYS
+from hybridckpt.models.megatron_dialect import RMSNORM_SWIGLU_ROPE, SOFTMAX_ROUTER
 
 DESCRIPTION = "Qwen3-MoE"
 MATCH = {
-    "normalization": "RMSNorm",
-    "swiglu": True,
-    "position_embedding": "rope",
+    **RMSNORM_SWIGLU_ROPE,
     "qkv_bias": False,
     "qk_layernorm": True,
     "moe": True,
-    "sigmoid": False,
-    "expert_bias": False,
+    **SOFTMAX_ROUTER,
     "shared_experts": False,
-    "grouped": False,
-    "scaled": False,
 }
 HF_KEYS = {
     **LLAMA_HF_KEYS,

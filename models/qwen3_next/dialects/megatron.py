@@ -28,22 +28,18 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from hybridckpt.models.errors import FormatError
+from hybridckpt.models.megatron_dialect import RMSNORM_SWIGLU_ROPE, SOFTMAX_ROUTER, positive_int
 from hybridckpt.models.qwen3_moe.dialects.megatron import HF_KEYS as QWEN3_MOE_HF_KEYS
 
 DESCRIPTION = "Qwen3-Next"
 MATCH = {
-    "normalization": "RMSNorm",
-    "swiglu": True,
-    "position_embedding": "rope",
+    **RMSNORM_SWIGLU_ROPE,
     "qkv_bias": False,
     "linear_bias": False,
     "qk_layernorm": True,
     "moe": True,
-    "sigmoid": False,
-    "expert_bias": False,
+    **SOFTMAX_ROUTER,
     "shared_experts": True,
-    "grouped": False,
-    "scaled": False,
     # args attributes, compared as saved
     "experimental_attention_variant": "gated_delta_net",
     "attention_output_gate": True,
@@ -78,17 +74,12 @@ def layer_types(freq: Any, n: int, file: str) -> list[str]:
 def hf_extra(arg: Callable[..., Any], values: Mapping[str, Any], file: str) -> dict[str, Any]:
     """The Qwen3-Next `config.json` keys beyond Qwen3-MoE's (module docstring); `arg(name,
     default=None)` reads the args, `values` are the format's."""
-    n = values["num_layers"]
-    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-        raise FormatError(f"{file}: args.num_layers={n!r:.40}: expected a positive int")
+    n = positive_int(values["num_layers"], "num_layers", file)
     if arg("mtp_num_layers"):
         raise FormatError(f"{file}: args.mtp_num_layers={arg('mtp_num_layers')}: Qwen3-Next's MTP layers "
                           f"(HF mtp.*) are not read")  # fmt: skip
-    shared = arg("moe_shared_expert_intermediate_size")
-    if not isinstance(shared, int) or isinstance(shared, bool) or shared <= 0:
-        raise FormatError(
-            f"{file}: args.moe_shared_expert_intermediate_size={shared!r:.40}: expected a positive int"
-        )
+    name = "moe_shared_expert_intermediate_size"
+    shared = positive_int(arg(name), name, file)
     sizes = {k: arg(k) for k in LINEAR}
     bad = {
         k: v for k, v in sizes.items() if not isinstance(v, int) or isinstance(v, bool) or v <= 0
