@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 
 import numpy as np
 import pytest
-from cases import case_dir, ckpt, manifest, reference
+from cases import ckpt, manifest, reference
+from maxtext_cases import config_dict, config_file, exported_back, params, rel
 
 from hybridckpt import jobs, lazy, models
 from hybridckpt.containers.orbax.reader import item_arrays
@@ -32,28 +34,13 @@ SOURCE, CASE = "hf524_deepseek_v32", "maxtext_deepseek_v32"
 BIAS = "params.params.decoder.moe_layers.DeepSeekMoeBlock_0.MoeBlock_0.gate.bias"
 
 
-def _config_dict(**over) -> dict:
-    with open(os.path.join(case_dir(SOURCE), "ckpt", "config.json")) as f:
-        return {**json.load(f), **over}
-
-
-def _config_file(tmp_path, **over) -> str:
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(_config_dict(**over)))
-    return str(path)
+_config_dict = partial(config_dict, SOURCE)  # (**over) -> the source's config.json, keys changed
+_config_file = partial(config_file, source=SOURCE)  # (tmp_path, **over) -> that written as a file
 
 
 def _weights() -> dict[str, np.ndarray]:
     """hf524_deepseek_v32's weights (its reference: the bf16 checkpoint's values in fp32)."""
     return {k: v for k, v in reference(SOURCE).items() if k not in ("logits", "tokens")}
-
-
-def _params(item_dir: str) -> dict[str, np.ndarray]:
-    return {k: v.materialize() for k, v in item_arrays(item_dir).items() if k.startswith(maxtext.PARAMS)}
-
-
-def _rel(a, b) -> float:
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
 def test_maxtexts_save_reads_back_as_the_transformers_weights(tmp_path):
@@ -77,7 +64,7 @@ def test_maxtexts_forward_is_transformers():
     path) is transformers' DeepseekV32ForCausalLM (rel 1e-5; fp32 both sides)."""
     ref = reference(CASE)
     for key in ("logits_maxtext", "logits_maxtext_unscanned", "logits_maxtext_sparse"):
-        assert _rel(ref[key], ref["logits_hf"]) < 1e-5, key
+        assert rel(ref[key], ref["logits_hf"]) < 1e-5, key
     assert np.array_equal(ref["logits_hf"], reference(SOURCE)["logits"])
     assert np.array_equal(ref["tokens"], reference(SOURCE)["tokens"])
     assert manifest(CASE)["versions"]["maxtext"] == "0.2.5"
@@ -86,7 +73,7 @@ def test_maxtexts_forward_is_transformers():
 def test_our_model_runs_maxtexts_save_to_maxtexts_logits(tmp_path):
     ref = reference(CASE)
     got = jobs.logits(ckpt(CASE), ref["tokens"], config=_config_file(tmp_path))
-    assert _rel(got, ref["logits_maxtext"]) < 1e-5
+    assert rel(got, ref["logits_maxtext"]) < 1e-5
 
 
 def test_our_export_is_maxtexts_save_bit_for_bit(tmp_path):
@@ -95,7 +82,7 @@ def test_our_export_is_maxtexts_save_bit_for_bit(tmp_path):
     MaxText variable: its layer axis stays first), every other stacked array's layer axis 1."""
     out = tmp_path / "ours"
     jobs.export_checkpoint(ckpt(SOURCE), out, to="maxtext", dtype="float32")
-    ours, theirs = _params(str(out / "0" / maxtext.ITEM)), _params(ckpt(CASE, "0", maxtext.ITEM))
+    ours, theirs = params(str(out / "0" / maxtext.ITEM)), params(ckpt(CASE, "0", maxtext.ITEM))
     assert sorted(ours) == sorted(theirs)
     assert ours[BIAS].shape == (2, 4)  # [moe layers, experts]
     assert ours["params.params.decoder.moe_layers.DeepSeekMoeBlock_0.MoeBlock_0.wi_0"].shape == (4, 2, 16, 8)
@@ -110,17 +97,7 @@ def test_imported_maxtext_save_exports_back_bit_for_bit(tmp_path):
     """MaxText's save imported onto a mesh (with the config) and exported to MaxText again: its
     params bit for bit; unscanned, one `decoder.dense_layers_<i>` / `decoder.moe_layers_<i>` per
     layer (the MoE ones counted from 0), read back to the weights."""
-    import jax
-
-    store = tmp_path / "store"
-    mesh = "fsdp=2" if jax.device_count() >= 2 else "dp=1"
-    jobs.import_checkpoint(ckpt(CASE), store, mesh=mesh, config=_config_file(tmp_path))
-    back = tmp_path / "back"
-    jobs.export_checkpoint(store, back, to="maxtext")
-    ours, theirs = _params(str(back / "0" / maxtext.ITEM)), _params(ckpt(CASE, "0", maxtext.ITEM))
-    assert sorted(ours) == sorted(theirs)
-    for k, v in theirs.items():
-        assert ours[k].dtype == v.dtype and np.array_equal(ours[k], v), k
+    store = exported_back(tmp_path, CASE, _config_file(tmp_path))
     flat = tmp_path / "flat"
     jobs.export_checkpoint(store, flat, to="maxtext", options={"scan_layers": False})
     names = sorted(item_arrays(str(flat / "0" / maxtext.ITEM)))

@@ -15,14 +15,14 @@ it does not have).
 from __future__ import annotations
 
 import json
-import os
+from functools import partial
 
 import numpy as np
 import pytest
-from cases import case_dir, ckpt, manifest, reference
+from cases import ckpt, manifest, reference
+from maxtext_cases import config_dict, config_file, exported_back, params, rel
 
 from hybridckpt import jobs, models
-from hybridckpt.containers.orbax.reader import item_arrays
 from hybridckpt.errors import ConfigError
 from hybridckpt.formats.maxtext import layout as maxtext
 from hybridckpt.formats.registry import detect
@@ -32,23 +32,8 @@ SOURCE, CASE = "gpt_oss_mxfp4", "maxtext_gpt_oss"
 TOLERANCE = 1e-4  # max |a - b| / max |b| of fp32 forwards (MaxText vs transformers was 7.3e-6)
 
 
-def _config_dict(**over) -> dict:
-    with open(os.path.join(case_dir(SOURCE), "ckpt", "config.json")) as f:
-        return {**json.load(f), **over}
-
-
-def _config_file(tmp_path, **over) -> str:
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(_config_dict(**over)))
-    return str(path)
-
-
-def _params(item_dir: str) -> dict[str, np.ndarray]:
-    return {k: v.materialize() for k, v in item_arrays(item_dir).items() if k.startswith(maxtext.PARAMS)}
-
-
-def _rel(a, b) -> float:
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+_config_dict = partial(config_dict, SOURCE)  # (**over) -> the source's config.json, keys changed
+_config_file = partial(config_file, source=SOURCE)  # (tmp_path, **over) -> that written as a file
 
 
 def test_maxtexts_save_reads_back_as_the_transformers_weights(tmp_path):
@@ -74,7 +59,7 @@ def test_maxtexts_forward_is_transformers():
     ref = reference(CASE)
     assert np.array_equal(ref["logits_hf"], reference(SOURCE)["logits"])
     for key in ("logits_maxtext", "logits_maxtext_unscanned"):
-        assert _rel(ref[key], ref["logits_hf"]) < TOLERANCE, key
+        assert rel(ref[key], ref["logits_hf"]) < TOLERANCE, key
     assert np.array_equal(ref["tokens"], reference(SOURCE)["tokens"])
     assert manifest(CASE)["versions"]["maxtext"] == "0.2.5"
 
@@ -82,7 +67,7 @@ def test_maxtexts_forward_is_transformers():
 def test_our_model_runs_maxtexts_save_to_maxtexts_logits(tmp_path):
     ref = reference(CASE)
     got = jobs.logits(ckpt(CASE), ref["tokens"], config=_config_file(tmp_path))
-    assert _rel(got, ref["logits_maxtext"]) < TOLERANCE
+    assert rel(got, ref["logits_maxtext"]) < TOLERANCE
 
 
 def test_our_export_is_maxtexts_save_and_exports_back(tmp_path):
@@ -91,7 +76,7 @@ def test_our_export_is_maxtexts_save_and_exports_back(tmp_path):
     exported again: its params bit for bit."""
     out = tmp_path / "ours"
     jobs.export_checkpoint(ckpt(SOURCE), out, to="maxtext")
-    ours, theirs = _params(str(out / "0" / maxtext.ITEM)), _params(ckpt(CASE, "0", maxtext.ITEM))
+    ours, theirs = params(str(out / "0" / maxtext.ITEM)), params(ckpt(CASE, "0", maxtext.ITEM))
     assert sorted(ours) == sorted(theirs)
     assert "params.params.decoder.layers.layers_1.GptOssAttention.sinks" in ours
     assert "params.params.decoder.layers.layers_0.GptOssMlp.wi_1_bias" in ours
@@ -99,13 +84,7 @@ def test_our_export_is_maxtexts_save_and_exports_back(tmp_path):
         assert ours[k].shape == v.shape and np.array_equal(ours[k].astype(np.float32), v), k
     written = json.loads((out / "maxtext_overrides.json").read_text())
     assert written["overrides"] == manifest(CASE)["overrides"]["overrides"]
-    store, back = tmp_path / "store", tmp_path / "back"
-    jobs.import_checkpoint(ckpt(CASE), store, mesh="dp=1", config=_config_file(tmp_path))
-    jobs.export_checkpoint(store, back, to="maxtext")
-    again = _params(str(back / "0" / maxtext.ITEM))
-    assert sorted(again) == sorted(theirs)
-    for k, v in theirs.items():
-        assert again[k].dtype == v.dtype and np.array_equal(again[k], v), k
+    exported_back(tmp_path, CASE, _config_file(tmp_path), mesh="dp=1")
 
 
 def _cfg(**over):

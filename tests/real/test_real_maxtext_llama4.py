@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 
 import numpy as np
 import pytest
-from cases import case_dir, ckpt, manifest, reference
+from cases import ckpt, manifest, reference
+from maxtext_cases import config_dict, config_file, exported_back, params, rel
 
 from hybridckpt import jobs, lazy, models
 from hybridckpt.containers.orbax.reader import item_arrays
@@ -33,27 +35,12 @@ SOURCE, CASE, ADAMW = "hf524_llama4", "maxtext_llama4", "maxtext_llama4_adamw"
 MAXTEXT_CONSTANTS = {"attn_scale": 0.1, "floor_scale": 8192}
 
 
-def _config_dict(**over) -> dict:
-    with open(os.path.join(case_dir(SOURCE), "ckpt", "config.json")) as f:
-        return {**json.load(f), **over}
-
-
-def _config_file(tmp_path, **over) -> str:
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(_config_dict(**over)))
-    return str(path)
+_config_dict = partial(config_dict, SOURCE)  # (**over) -> the source's config.json, keys changed
+_config_file = partial(config_file, source=SOURCE)  # (tmp_path, **over) -> that written as a file
 
 
 def _weights() -> dict[str, np.ndarray]:
     return {k: v for k, v in reference(SOURCE).items() if k not in ("logits", "tokens")}
-
-
-def _params(item_dir: str) -> dict[str, np.ndarray]:
-    return {k: v.materialize() for k, v in item_arrays(item_dir).items() if k.startswith(maxtext.PARAMS)}
-
-
-def _rel(a, b) -> float:
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
 def test_maxtexts_save_reads_back_as_the_transformers_weights(tmp_path):
@@ -89,8 +76,8 @@ def test_maxtexts_forward_is_transformers_with_maxtexts_constants():
     1e-5), and far from the source model's own config (what the notes say)."""
     ref = reference(CASE)
     for key in ("logits_maxtext", "logits_maxtext_unscanned", "logits_maxtext_sparse"):
-        assert _rel(ref[key], ref["logits_hf_maxtext"]) < 1e-5, key
-    assert _rel(ref["logits_maxtext"], ref["logits_hf_source"]) > 1e-1
+        assert rel(ref[key], ref["logits_hf_maxtext"]) < 1e-5, key
+    assert rel(ref["logits_maxtext"], ref["logits_hf_source"]) > 1e-1
     assert np.allclose(ref["logits_hf_source"], reference(SOURCE)["logits"], rtol=0, atol=1e-5)
     assert np.array_equal(ref["tokens"], reference(SOURCE)["tokens"])
     assert manifest(CASE)["versions"]["maxtext"] == "0.2.5"
@@ -103,7 +90,7 @@ def test_our_model_runs_maxtexts_save_to_maxtexts_logits(tmp_path):
     config = _config_file(tmp_path, rope_parameters=rope, **MAXTEXT_CONSTANTS)
     ref = reference(CASE)
     got = jobs.logits(ckpt(CASE), ref["tokens"], config=config)
-    assert _rel(got, ref["logits_maxtext"]) < 1e-5
+    assert rel(got, ref["logits_maxtext"]) < 1e-5
 
 
 def test_our_export_is_maxtexts_save_bit_for_bit(tmp_path):
@@ -111,7 +98,7 @@ def test_our_export_is_maxtexts_save_bit_for_bit(tmp_path):
     bit for bit (MaxText's weights save stores `step` as a plain int: compared apart)."""
     out = tmp_path / "ours"
     jobs.export_checkpoint(ckpt(SOURCE), out, to="maxtext")
-    ours, theirs = _params(str(out / "0" / maxtext.ITEM)), _params(ckpt(CASE, "0", maxtext.ITEM))
+    ours, theirs = params(str(out / "0" / maxtext.ITEM)), params(ckpt(CASE, "0", maxtext.ITEM))
     assert sorted(ours) == sorted(theirs)
     assert "params.params.decoder.layers.layers_1.Llama4MoEBlock_0.MoeBlock_0.wi_0" in ours
     for k, v in theirs.items():
@@ -123,17 +110,7 @@ def test_our_export_is_maxtexts_save_bit_for_bit(tmp_path):
 def test_imported_maxtext_save_exports_back_bit_for_bit(tmp_path):
     """MaxText's save imported onto a mesh (with the config) and exported to MaxText again: its
     params bit for bit; unscanned, one `decoder.layers_<i>` per layer, read back to the weights."""
-    import jax
-
-    store = tmp_path / "store"
-    mesh = "fsdp=2" if jax.device_count() >= 2 else "dp=1"
-    jobs.import_checkpoint(ckpt(CASE), store, mesh=mesh, config=_config_file(tmp_path))
-    back = tmp_path / "back"
-    jobs.export_checkpoint(store, back, to="maxtext")
-    ours, theirs = _params(str(back / "0" / maxtext.ITEM)), _params(ckpt(CASE, "0", maxtext.ITEM))
-    assert sorted(ours) == sorted(theirs)
-    for k, v in theirs.items():
-        assert np.array_equal(ours[k], v), k
+    store = exported_back(tmp_path, CASE, _config_file(tmp_path))
     flat = tmp_path / "flat"
     jobs.export_checkpoint(store, flat, to="maxtext", options={"scan_layers": False})
     names = sorted(item_arrays(str(flat / "0" / maxtext.ITEM)))
@@ -155,7 +132,7 @@ def test_maxtexts_adamw_step_reads_back_as_torchs_next_step(tmp_path):
     nxt = {k[5:]: v for k, v in reference(ADAMW).items() if k.startswith("next/")}
     assert sorted(named.params) == sorted(nxt) and named.step == 4
     assert all(sorted(named.slots[s]) == sorted(nxt) for s in ("exp_avg", "exp_avg_sq"))
-    worst = max(_rel(named.params[k].materialize(), v) for k, v in nxt.items())
+    worst = max(rel(named.params[k].materialize(), v) for k, v in nxt.items())
     assert worst < 1e-5
     assert any(float(np.max(named.slots["exp_avg_sq"][k].materialize())) > 0 for k in nxt)
     assert manifest(ADAMW)["hf_config"] == _config_dict()

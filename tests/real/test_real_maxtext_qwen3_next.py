@@ -14,11 +14,12 @@ arrays).
 from __future__ import annotations
 
 import json
-import os
+from functools import partial
 
 import numpy as np
 import pytest
-from cases import case_dir, ckpt, manifest, reference
+from cases import ckpt, manifest, reference
+from maxtext_cases import config_dict, config_file, exported_back, params, rel
 
 from hybridckpt import jobs, lazy, models
 from hybridckpt.containers.orbax.reader import item_arrays
@@ -32,23 +33,8 @@ SOURCE, CASE = "hf524_qwen3_next", "maxtext_qwen3_next"
 TOLERANCE = 1e-5  # max |a - b| / max |b| of fp32 forwards (MaxText's chunked delta rule vs torch's, ours)
 
 
-def _config_dict(**over) -> dict:
-    with open(os.path.join(case_dir(SOURCE), "ckpt", "config.json")) as f:
-        return {**json.load(f), **over}
-
-
-def _config_file(tmp_path, **over) -> str:
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(_config_dict(**over)))
-    return str(path)
-
-
-def _params(item_dir: str) -> dict[str, np.ndarray]:
-    return {k: v.materialize() for k, v in item_arrays(item_dir).items() if k.startswith(maxtext.PARAMS)}
-
-
-def _rel(a, b) -> float:
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+_config_dict = partial(config_dict, SOURCE)  # (**over) -> the source's config.json, keys changed
+_config_file = partial(config_file, source=SOURCE)  # (tmp_path, **over) -> that written as a file
 
 
 def test_maxtexts_save_reads_back_as_the_transformers_weights(tmp_path):
@@ -90,7 +76,7 @@ def test_maxtexts_forward_is_transformers():
     transformers' Qwen3NextForCausalLM of the same weights (rel 1e-5; it was 3.6e-6)."""
     ref = reference(CASE)
     for key in ("logits_maxtext", "logits_maxtext_unscanned"):
-        assert _rel(ref[key], ref["logits_hf"]) < TOLERANCE, key
+        assert rel(ref[key], ref["logits_hf"]) < TOLERANCE, key
     assert np.allclose(ref["logits_hf"], reference(SOURCE)["logits"], rtol=0, atol=1e-5)
     assert np.array_equal(ref["tokens"], reference(SOURCE)["tokens"])
     assert manifest(CASE)["versions"]["maxtext"] == "0.2.5"
@@ -99,7 +85,7 @@ def test_maxtexts_forward_is_transformers():
 def test_our_model_runs_maxtexts_save_to_maxtexts_logits(tmp_path):
     ref = reference(CASE)
     got = jobs.logits(ckpt(CASE), ref["tokens"], config=_config_file(tmp_path))
-    assert _rel(got, ref["logits_maxtext"]) < TOLERANCE
+    assert rel(got, ref["logits_maxtext"]) < TOLERANCE
 
 
 def test_our_export_is_maxtexts_save(tmp_path):
@@ -107,7 +93,7 @@ def test_our_export_is_maxtexts_save(tmp_path):
     names, its fp32 values our bf16 exactly; the overrides MaxText ran with."""
     out = tmp_path / "ours"
     jobs.export_checkpoint(ckpt(SOURCE), out, to="maxtext")
-    ours, theirs = _params(str(out / "0" / maxtext.ITEM)), _params(ckpt(CASE, "0", maxtext.ITEM))
+    ours, theirs = params(str(out / "0" / maxtext.ITEM)), params(ckpt(CASE, "0", maxtext.ITEM))
     assert sorted(ours) == sorted(theirs)
     assert "params.params.decoder.layers.local_layers.attention.conv1d.kernel" in ours
     assert "params.params.decoder.layers.global_layer.mlp.routed_experts.wo" in ours
@@ -120,17 +106,7 @@ def test_our_export_is_maxtexts_save(tmp_path):
 def test_imported_maxtext_save_exports_back_bit_for_bit(tmp_path):
     """MaxText's save imported onto a mesh (with the config) and exported to MaxText again: its
     params bit for bit; unscanned, one `decoder.layers_<i>` per layer, read back to the weights."""
-    import jax
-
-    store = tmp_path / "store"
-    mesh = "fsdp=2" if jax.device_count() >= 2 else "dp=1"
-    jobs.import_checkpoint(ckpt(CASE), store, mesh=mesh, config=_config_file(tmp_path))
-    back = tmp_path / "back"
-    jobs.export_checkpoint(store, back, to="maxtext")
-    ours, theirs = _params(str(back / "0" / maxtext.ITEM)), _params(ckpt(CASE, "0", maxtext.ITEM))
-    assert sorted(ours) == sorted(theirs)
-    for k, v in theirs.items():
-        assert ours[k].dtype == v.dtype and np.array_equal(ours[k], v), k
+    store = exported_back(tmp_path, CASE, _config_file(tmp_path))
     flat = tmp_path / "flat"
     jobs.export_checkpoint(store, flat, to="maxtext", options={"scan_layers": False})
     names = sorted(item_arrays(str(flat / "0" / maxtext.ITEM)))

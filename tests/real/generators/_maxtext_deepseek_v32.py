@@ -4,7 +4,7 @@ expert, 4 experts in 2 groups, the router's score-correction bias; MLA with q/kv
 lightning indexer, 4 heads keeping the top 4 keys; YaRN factor 4) in MaxText's `deepseek` decoder
 block (model `deepseek3.2-671b` resized by the export's `maxtext_overrides.json`). A part of
 `maxtext.py` (loaded by `_maxtext_weights_only.py`, `gen` set to the maxtext generator:
-`maxtext_setup`, `flat_params`, `nested`, `tools`, `SOURCES`).
+`maxtext_setup`, `flat_params`, `nested`, `tools`, `SOURCES`; `steps` to `_maxtext_restore.py`).
 
     python tests/real/make.py maxtext -- --case maxtext_deepseek_v32
 
@@ -21,26 +21,16 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import tempfile
 
 import numpy as np
 
 gen = None  # the maxtext generator module (set by _maxtext_weights_only)
+steps = None  # _maxtext_restore.py, the weights cases' shared steps (set likewise)
 
 SOURCE_CASE = "hf524_deepseek_v32"
 MODEL_NAME = "deepseek3.2-671b"
 BIAS = "decoder.moe_layers.DeepSeekMoeBlock_0.MoeBlock_0.gate.bias"
 TOL = 1e-5  # max |diff| / max |logits|, fp32 on both sides
-
-
-def _rel(a, b) -> float:
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
-
-def _overrides(path: str, extra: list[str]) -> list[str]:
-    doc = json.load(open(os.path.join(path, "maxtext_overrides.json")))
-    return [f"{k}={v}" for k, v in doc["overrides"].items()] + extra
 
 
 def _bias(module, scanned: bool) -> dict[str, np.ndarray]:
@@ -56,76 +46,41 @@ def _bias(module, scanned: bool) -> dict[str, np.ndarray]:
 
 
 def generate(CASE: str, out: str, host_python: str) -> None:  # noqa: N803
-    from flax.training import train_state
-    from maxtext.common import checkpointing, train_state_nnx
     from safetensors import safe_open
 
     source = gen.SOURCES / SOURCE_CASE
     with safe_open(str(source / "reference.safetensors"), "np") as f:
         ref = {k: f.get_tensor(k) for k in ("tokens", "logits")}
-    work = tempfile.mkdtemp(prefix="mx-gen-")
-    ours, ours_unscanned = os.path.join(work, "ours"), os.path.join(work, "ours_unscanned")
-    host = [host_python, "-m", "hybridckpt.cli", "export", str(source / "ckpt")]
-    subprocess.run([*host, ours, "--to", "maxtext"], check=True)
-    subprocess.run([*host, ours_unscanned, "--to", "maxtext", "--no-scan-layers"], check=True)
-    overrides = json.load(open(os.path.join(ours, "maxtext_overrides.json")))
+    _, ours, ours_unscanned, overrides = steps.export_both(source, host_python)
     assert overrides["notes"] == [], overrides["notes"]
-
     tokens = ref["tokens"].astype(np.int32)
-    positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
 
     def run(path: str, extra: list[str], scanned: bool = True, item: str | None = None):
-        load = item or f"{path}/0/items"
-        config, module, state = gen.maxtext_setup(None, MODEL_NAME, _overrides(path, [f"load_parameters_path={load}",
-                                                                                       *extra]))
-        assert config.decoder_block.value == "deepseek", config.decoder_block
-        logits = np.asarray(module.model(tokens, positions, enable_dropout=False))
-        params = gen.flat_params(train_state_nnx.to_checkpoint_dict(state)["params"]["params"])
+        config, module, params, logits = steps.restore_run(MODEL_NAME, "deepseek", path, tokens, extra, item)
         return config, {**params, **_bias(module, scanned)}, logits
 
     config, params, logits = run(ours, ["sparse_matmul=False"])
-    rel = _rel(logits, ref["logits"])
+    rel = steps.rel(logits, ref["logits"])
     assert rel < TOL, rel
-
-    import orbax.checkpoint as ocp
-
-    def stored_flat(item):  # an Orbax item as numpy (ours was written on 8 simulated devices: no shardings)
-        import jax
-
-        ckptr = ocp.PyTreeCheckpointer()
-        meta = ckptr.metadata(item)
-        meta = getattr(meta, "item_metadata", meta)
-        args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
-        return gen.flat_params(ckptr.restore(item, restore_args=args)["params"]["params"])
-
-    def same(mine: dict, theirs: dict) -> None:  # MaxText restores into weight_dtype float32: exact values
-        assert sorted(mine) == sorted(theirs), sorted(set(mine) ^ set(theirs))
-        for k, v in mine.items():
-            assert theirs[k].shape == v.shape and np.array_equal(theirs[k], v.astype(np.float32)), k
-
-    same(stored_flat(os.path.join(ours, "0", "items")), params)
+    # MaxText restores into weight_dtype float32: exact values
+    steps.assert_same(steps.stored_params(ours), params)
     assert float(np.max(np.abs(params[BIAS]))) > 0  # restored, not MaxText's zero initialiser
 
     _, params_unscanned, logits_unscanned = run(ours_unscanned, ["scan_layers=False", "sparse_matmul=False"], False)
     assert any(k.startswith("decoder.moe_layers_1.") for k in params_unscanned), sorted(params_unscanned)[:5]
-    same(stored_flat(os.path.join(ours_unscanned, "0", "items")), params_unscanned)
-    rel_unscanned = _rel(logits_unscanned, ref["logits"])
+    steps.assert_same(steps.stored_params(ours_unscanned), params_unscanned)
+    rel_unscanned = steps.rel(logits_unscanned, ref["logits"])
     assert rel_unscanned < TOL, rel_unscanned
 
     # MaxText's default MoE path (sparse_matmul, megablox's grouped matmul interpreted on CPU)
     _, _, logits_sparse = run(ours, ["sparse_matmul=True", "megablox=True"])
-    rel_sparse = _rel(logits_sparse, ref["logits"])
+    rel_sparse = steps.rel(logits_sparse, ref["logits"])
     assert rel_sparse < TOL, rel_sparse
 
-    saved = train_state.TrainState(step=0, apply_fn=None, params={"params": gen.nested(params)}, tx=None, opt_state={})
-    case = gen.tools.fresh_case(out, CASE)
-    mngr = checkpointing.create_orbax_checkpoint_manager(os.path.join(case, "ckpt"), True, False, 1,
-                                                         use_ocdbt=False, use_zarr3=False)
-    checkpointing.save_checkpoint(mngr, 0, saved, config=config, force=True)
-    checkpointing.wait_until_finished(mngr)
+    case = steps.save_weights(out, CASE, params, config)
     # MaxText restores its own save (the bias looked up under params) to the same logits
     _, params_back, logits_back = run(ours, ["sparse_matmul=False"], item=os.path.join(case, "ckpt", "0", "items"))
-    same(params, params_back)
+    steps.assert_same(params, params_back)
     assert np.array_equal(logits_back, logits)
 
     gen.tools.write_reference(case, {"tokens": ref["tokens"], "logits_hf": ref["logits"], "logits_maxtext": logits,
@@ -133,7 +88,7 @@ def generate(CASE: str, out: str, host_python: str) -> None:  # noqa: N803
                                      "logits_maxtext_sparse": logits_sparse})
     gen.tools.record_manifest(
         case, tool="maxtext",
-        dists=["maxtext", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "tensorstore", "numpy"],
+        dists=steps.DISTS,
         command=f"python tests/real/make.py maxtext -- --case {CASE}",
         overrides=overrides,
         references={

@@ -3,7 +3,8 @@ transformers-written case `hf524_llama4` (4 layers: dense 0, 2 and MoE 1, 3; NoP
 temperature tuning; chunked attention of 5 on the RoPE layers; L2 q/k norm; llama3 RoPE) in
 MaxText's `llama4` decoder block (model `llama4-17b-16e` resized by the export's
 `maxtext_overrides.json`). A part of `maxtext.py` (loaded by `_maxtext_weights_only.py`, `gen` set
-to the maxtext generator: `maxtext_setup`, `flat_params`, `nested`, `tools`, `SOURCES`).
+to the maxtext generator: `maxtext_setup`, `flat_params`, `nested`, `tools`, `SOURCES`; `steps`
+to `_maxtext_restore.py`).
 
     python tests/real/make.py maxtext -- --case maxtext_llama4
 
@@ -26,6 +27,7 @@ import tempfile
 import numpy as np
 
 gen = None  # the maxtext generator module (set by _maxtext_weights_only)
+steps = None  # _maxtext_restore.py, the weights cases' shared steps (set likewise)
 
 SOURCE_CASE = "hf524_llama4"
 MODEL_NAME = "llama4-17b-16e"
@@ -51,96 +53,50 @@ np.savez(out, **res)
 """
 
 
-def _rel(a, b) -> float:
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
-
-def _overrides(path: str, extra: list[str]) -> list[str]:
-    doc = json.load(open(os.path.join(path, "maxtext_overrides.json")))
-    return [f"{k}={v}" for k, v in doc["overrides"].items()] + extra
-
-
 def generate(CASE: str, out: str, host_python: str) -> None:  # noqa: N803
     if CASE == "maxtext_llama4_adamw":
         return generate_adamw(CASE, out, host_python)
-    from flax.training import train_state
-    from maxtext.common import checkpointing, train_state_nnx
     from safetensors.numpy import load_file
 
     source = gen.SOURCES / SOURCE_CASE
     ref = load_file(str(source / "reference.safetensors"))
-    work = tempfile.mkdtemp(prefix="mx-gen-")
-    ours, ours_unscanned = os.path.join(work, "ours"), os.path.join(work, "ours_unscanned")
-    host = [host_python, "-m", "hybridckpt.cli", "export", str(source / "ckpt")]
-    subprocess.run([*host, ours, "--to", "maxtext"], check=True)
-    subprocess.run([*host, ours_unscanned, "--to", "maxtext", "--no-scan-layers"], check=True)
-    overrides = json.load(open(os.path.join(ours, "maxtext_overrides.json")))
+    work, ours, ours_unscanned, overrides = steps.export_both(source, host_python)
     tokens_path, logits_path = os.path.join(work, "tokens.npy"), os.path.join(work, "hf_logits.npz")
     np.save(tokens_path, ref["tokens"])
     subprocess.run([host_python, "-c", HOST_LLAMA4, str(source / "ckpt"), logits_path, tokens_path], check=True)
     hf = dict(np.load(logits_path))
-    assert np.allclose(hf["source"], ref["logits"], rtol=0, atol=1e-5), _rel(hf["source"], ref["logits"])
-
+    assert np.allclose(hf["source"], ref["logits"], rtol=0, atol=1e-5), steps.rel(hf["source"], ref["logits"])
     tokens = ref["tokens"].astype(np.int32)
-    positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
 
     def run(path: str, extra: list[str]):
-        config, module, state = gen.maxtext_setup(None, MODEL_NAME, _overrides(path, [f"load_parameters_path={path}/0/items",
-                                                                                       *extra]))
-        assert config.decoder_block.value == "llama4", config.decoder_block
-        logits = np.asarray(module.model(tokens, positions, enable_dropout=False))
-        return config, gen.flat_params(train_state_nnx.to_checkpoint_dict(state)["params"]["params"]), logits
+        config, _, params, logits = steps.restore_run(MODEL_NAME, "llama4", path, tokens, extra)
+        return config, params, logits
 
     config, params, logits = run(ours, ["sparse_matmul=False"])
-    rel = _rel(logits, hf["maxtext"])
-    rel_source = _rel(logits, hf["source"])
+    rel = steps.rel(logits, hf["maxtext"])
+    rel_source = steps.rel(logits, hf["source"])
     assert rel < 1e-5, rel
     assert rel_source > 1e-3, rel_source  # the hard-coded constants matter on this case
-
-    import orbax.checkpoint as ocp
-
-    def ours_flat(path):  # our export as numpy (it was written on 8 simulated devices: no shardings)
-        import jax
-
-        item = os.path.join(path, "0", "items")
-        ckptr = ocp.PyTreeCheckpointer()
-        meta = ckptr.metadata(item)
-        meta = getattr(meta, "item_metadata", meta)
-        args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
-        tree = ckptr.restore(item, restore_args=args)
-        return gen.flat_params(tree["params"]["params"])
-
-    mine = ours_flat(ours)
-    assert sorted(mine) == sorted(params), sorted(set(mine) ^ set(params))
-    for k, v in mine.items():
-        assert params[k].dtype == v.dtype and np.array_equal(params[k], v), k
+    steps.assert_same(steps.stored_params(ours), params, cast=False)
 
     _, params_unscanned, logits_unscanned = run(ours_unscanned, ["scan_layers=False", "sparse_matmul=False"])
     assert any(k.startswith("decoder.layers_3.") for k in params_unscanned), sorted(params_unscanned)[:5]
-    mine_unscanned = ours_flat(ours_unscanned)
-    assert sorted(mine_unscanned) == sorted(params_unscanned)
-    for k, v in mine_unscanned.items():
-        assert np.array_equal(params_unscanned[k], v), k
+    steps.assert_same(steps.stored_params(ours_unscanned), params_unscanned, cast=False)
     assert np.allclose(logits_unscanned, logits, rtol=0, atol=1e-5 * np.max(np.abs(logits)))
 
     # MaxText's default MoE path (sparse_matmul, megablox's grouped matmul interpreted on CPU)
     _, _, logits_sparse = run(ours, ["sparse_matmul=True", "megablox=True"])
-    rel_sparse = _rel(logits_sparse, hf["maxtext"])
+    rel_sparse = steps.rel(logits_sparse, hf["maxtext"])
     assert rel_sparse < 1e-5, rel_sparse
 
-    saved = train_state.TrainState(step=0, apply_fn=None, params={"params": gen.nested(params)}, tx=None, opt_state={})
-    case = gen.tools.fresh_case(out, CASE)
-    mngr = checkpointing.create_orbax_checkpoint_manager(os.path.join(case, "ckpt"), True, False, 1,
-                                                         use_ocdbt=False, use_zarr3=False)
-    checkpointing.save_checkpoint(mngr, 0, saved, config=config, force=True)
-    checkpointing.wait_until_finished(mngr)
+    case = steps.save_weights(out, CASE, params, config)
     gen.tools.write_reference(case, {"tokens": ref["tokens"], "logits_hf_maxtext": hf["maxtext"],
                                      "logits_hf_source": hf["source"], "logits_maxtext": logits,
                                      "logits_maxtext_unscanned": logits_unscanned,
                                      "logits_maxtext_sparse": logits_sparse})
     gen.tools.record_manifest(
         case, tool="maxtext",
-        dists=["maxtext", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "tensorstore", "transformers", "numpy"],
+        dists=steps.DISTS_HF,
         command=f"python tests/real/make.py maxtext -- --case {CASE}",
         overrides=overrides,
         references={
@@ -245,7 +201,7 @@ def generate_adamw(CASE: str, out: str, host_python: str) -> None:  # noqa: N803
 
     extra = [f"adam_b1={hyper['betas'][0]}", f"adam_b2={hyper['betas'][1]}", f"adam_eps={hyper['eps']}",
              f"adam_weight_decay={hyper['weight_decay']}", "sparse_matmul=False"]
-    config, module, state = gen.maxtext_setup(None, MODEL_NAME, _overrides(ours, [f"load_full_state_path={ours}/{step}/items",
+    config, module, state = gen.maxtext_setup(None, MODEL_NAME, steps.overrides(ours, [f"load_full_state_path={ours}/{step}/items",
                                                                                  *extra]))
     restored = train_state_nnx.to_checkpoint_dict(state)
     params = gen.flat_params(restored["params"]["params"])
@@ -277,8 +233,8 @@ def generate_adamw(CASE: str, out: str, host_python: str) -> None:  # noqa: N803
 
     new, control = stepped(step), stepped(0)
     ref_next = mapped("next")
-    errs = {k: _rel(new[k], v) for k, v in ref_next.items()}
-    control_errs = {k: _rel(control[k], v) for k, v in ref_next.items()}
+    errs = {k: steps.rel(new[k], v) for k, v in ref_next.items()}
+    control_errs = {k: steps.rel(control[k], v) for k, v in ref_next.items()}
     assert max(errs.values()) < 1e-5, errs
     assert max(control_errs.values()) > 1e-3, control_errs
 
@@ -294,7 +250,7 @@ def generate_adamw(CASE: str, out: str, host_python: str) -> None:  # noqa: N803
     gen.tools.write_reference(case, {f"next/{k[5:]}": v for k, v in torch_ref.items() if k.startswith("next/")})
     gen.tools.record_manifest(
         case, tool="maxtext",
-        dists=["maxtext", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "tensorstore", "numpy"],
+        dists=steps.DISTS,
         command=f"python tests/real/make.py maxtext -- --case {CASE}",
         overrides=overrides, hf_config=hf_cfg, train={**hyper, "step_saved": step + 1},
         references={

@@ -3,7 +3,8 @@ transformers-written case `hf524_qwen3_next` (4 layers: gated delta net 0-2, gat
 3; 4 experts top 2 plus the sigmoid-gated shared expert; partial RoPE 0.25; bf16) in MaxText's
 `qwen3_next` decoder block (model `qwen3-next-80b-a3b` resized by the export's
 `maxtext_overrides.json`). A part of `maxtext.py` (loaded by `_maxtext_weights_only.py`, `gen` set
-to the maxtext generator: `maxtext_setup`, `flat_params`, `nested`, `tools`, `SOURCES`).
+to the maxtext generator: `maxtext_setup`, `flat_params`, `nested`, `tools`, `SOURCES`; `steps`
+to `_maxtext_restore.py`).
 
     python tests/real/make.py maxtext -- --case maxtext_qwen3_next
 
@@ -18,14 +19,13 @@ converters save weights, is the case's `ckpt/`.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import tempfile
 
 import numpy as np
 
 gen = None  # the maxtext generator module (set by _maxtext_weights_only)
+steps = None  # _maxtext_restore.py, the weights cases' shared steps (set likewise)
 
 SOURCE_CASE = "hf524_qwen3_next"
 MODEL_NAME = "qwen3-next-80b-a3b"
@@ -40,87 +40,41 @@ with torch.no_grad():
 """
 
 
-def _rel(a, b) -> float:
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
-
-def _overrides(path: str, extra: list[str]) -> list[str]:
-    doc = json.load(open(os.path.join(path, "maxtext_overrides.json")))
-    return [f"{k}={v}" for k, v in doc["overrides"].items()] + extra
-
-
-def _ours_flat(path):
-    """Our export as numpy (written on 8 simulated devices: no shardings)."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    item = os.path.join(path, "0", "items")
-    ckptr = ocp.PyTreeCheckpointer()
-    meta = ckptr.metadata(item)
-    meta = getattr(meta, "item_metadata", meta)
-    args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
-    return gen.flat_params(ckptr.restore(item, restore_args=args)["params"]["params"])
-
-
 def generate(CASE: str, out: str, host_python: str) -> None:  # noqa: N803
-    from flax.training import train_state
-    from maxtext.common import checkpointing, train_state_nnx
     from safetensors.numpy import load_file
 
     source = gen.SOURCES / SOURCE_CASE
     ref = load_file(str(source / "reference.safetensors"))
-    work = tempfile.mkdtemp(prefix="mx-gen-")
-    ours, ours_unscanned = os.path.join(work, "ours"), os.path.join(work, "ours_unscanned")
-    host = [host_python, "-m", "hybridckpt.cli", "export", str(source / "ckpt")]
-    subprocess.run([*host, ours, "--to", "maxtext"], check=True)
-    subprocess.run([*host, ours_unscanned, "--to", "maxtext", "--no-scan-layers"], check=True)
-    overrides = json.load(open(os.path.join(ours, "maxtext_overrides.json")))
+    work, ours, ours_unscanned, overrides = steps.export_both(source, host_python)
     tokens_path, logits_path = os.path.join(work, "tokens.npy"), os.path.join(work, "hf_logits.npy")
     np.save(tokens_path, ref["tokens"])
     subprocess.run([host_python, "-c", HOST_QWEN3_NEXT, str(source / "ckpt"), logits_path, tokens_path], check=True)
     hf = np.load(logits_path)
-    assert np.allclose(hf, ref["logits"], rtol=0, atol=1e-5), _rel(hf, ref["logits"])
-
+    assert np.allclose(hf, ref["logits"], rtol=0, atol=1e-5), steps.rel(hf, ref["logits"])
     tokens = ref["tokens"].astype(np.int32)
-    positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
 
     def run(path: str, extra: list[str]):
-        config, module, state = gen.maxtext_setup(None, MODEL_NAME, _overrides(path, [f"load_parameters_path={path}/0/items",
-                                                                                       *extra]))
-        assert config.decoder_block.value == "qwen3_next", config.decoder_block
-        logits = np.asarray(module.model(tokens, positions, enable_dropout=False))
-        return config, gen.flat_params(train_state_nnx.to_checkpoint_dict(state)["params"]["params"]), logits
+        config, _, params, logits = steps.restore_run(MODEL_NAME, "qwen3_next", path, tokens, extra)
+        return config, params, logits
 
     config, params, logits = run(ours, ["sparse_matmul=False"])
-    rel = _rel(logits, hf)
+    rel = steps.rel(logits, hf)
     print("maxtext vs hf", rel)
     assert rel < TOLERANCE, rel
-
-    mine = _ours_flat(ours)
-    assert sorted(mine) == sorted(params), sorted(set(mine) ^ set(params))
-    for k, v in mine.items():
-        assert np.array_equal(params[k], v.astype(params[k].dtype)), k
+    steps.assert_same(steps.stored_params(ours), params)
 
     _, params_unscanned, logits_unscanned = run(ours_unscanned, ["scan_layers=False", "sparse_matmul=False"])
     assert any(k.startswith("decoder.layers_3.") for k in params_unscanned), sorted(params_unscanned)[:5]
-    mine_unscanned = _ours_flat(ours_unscanned)
-    assert sorted(mine_unscanned) == sorted(params_unscanned)
-    for k, v in mine_unscanned.items():
-        assert np.array_equal(params_unscanned[k], v.astype(params_unscanned[k].dtype)), k
-    rel_unscanned = _rel(logits_unscanned, hf)
+    steps.assert_same(steps.stored_params(ours_unscanned), params_unscanned)
+    rel_unscanned = steps.rel(logits_unscanned, hf)
     assert rel_unscanned < TOLERANCE, rel_unscanned
 
-    saved = train_state.TrainState(step=0, apply_fn=None, params={"params": gen.nested(params)}, tx=None, opt_state={})
-    case = gen.tools.fresh_case(out, CASE)
-    mngr = checkpointing.create_orbax_checkpoint_manager(os.path.join(case, "ckpt"), True, False, 1,
-                                                         use_ocdbt=False, use_zarr3=False)
-    checkpointing.save_checkpoint(mngr, 0, saved, config=config, force=True)
-    checkpointing.wait_until_finished(mngr)
+    case = steps.save_weights(out, CASE, params, config)
     gen.tools.write_reference(case, {"tokens": ref["tokens"], "logits_hf": hf, "logits_maxtext": logits,
                                      "logits_maxtext_unscanned": logits_unscanned})
     gen.tools.record_manifest(
         case, tool="maxtext",
-        dists=["maxtext", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "tensorstore", "transformers", "numpy"],
+        dists=steps.DISTS_HF,
         command=f"python tests/real/make.py maxtext -- --case {CASE}",
         overrides=overrides,
         references={

@@ -16,8 +16,8 @@ import numpy as np
 
 gen = None  # the maxtext generator module (set by it)
 
-# weights-only cases: case -> (the source case, MaxText model name); Llama 4's generator is
-# `_maxtext_llama4.py` (loaded by `llama4()`)
+# weights-only cases: case -> (the source case, MaxText model name); the generator of each but
+# Mistral is `_<case>.py` (`_maxtext_llama4.py` for both Llama 4 cases; loaded by `part()`)
 CASES = {"maxtext_mistral": ("mistral_swa", "mistral-7b"), "maxtext_llama4": ("hf524_llama4", "llama4-17b-16e"),
          "maxtext_llama4_adamw": ("hf524_llama4", "llama4-17b-16e"),
          "maxtext_qwen3_next": ("hf524_qwen3_next", "qwen3-next-80b-a3b"),
@@ -25,9 +25,10 @@ CASES = {"maxtext_mistral": ("mistral_swa", "mistral-7b"), "maxtext_llama4": ("h
          "maxtext_gpt_oss": ("gpt_oss_mxfp4", "gpt-oss-20b")}
 
 
-def llama4(name: str = "_maxtext_llama4"):
-    """`_maxtext_llama4.py` (or `name`, `_maxtext_qwen3_next`; loaded by path, as this file is),
-    bound to the maxtext generator."""
+def part(name: str):
+    """`<name>.py` of this folder (`_maxtext_llama4`, ...; loaded by path, as this file is), bound to
+    the maxtext generator (`gen`) and, but for that file itself, to `_maxtext_restore.py` (`steps`),
+    the steps the weights cases share."""
     import importlib.util
     import pathlib
 
@@ -35,7 +36,11 @@ def llama4(name: str = "_maxtext_llama4"):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     mod.gen = gen
+    if name != "_maxtext_restore":
+        mod.steps = part("_maxtext_restore")
     return mod
+
+
 HOST_MISTRAL = r"""
 import json, sys, numpy as np, torch, transformers
 from safetensors.numpy import load_file
@@ -58,16 +63,12 @@ def generate(CASE: str, out: str, host_python: str) -> None:  # noqa: N803
     MistralForCausalLM of the same weights, then saved as MaxText's converter saves weights
     (`TrainState(step=0, params, opt_state={})` through `checkpointing.save_checkpoint`)."""
     if CASE.startswith("maxtext_llama4"):
-        return llama4().generate(CASE, out, host_python)
-    if CASE == "maxtext_qwen3_next":
-        return llama4("_maxtext_qwen3_next").generate(CASE, out, host_python)
-    if CASE == "maxtext_deepseek_v32":
-        return llama4("_maxtext_deepseek_v32").generate(CASE, out, host_python)
-    if CASE == "maxtext_gpt_oss":
-        return llama4("_maxtext_gpt_oss").generate(CASE, out, host_python)
-    from flax.training import train_state
-    from maxtext.common import checkpointing
+        return part("_maxtext_llama4").generate(CASE, out, host_python)
+    if CASE in ("maxtext_qwen3_next", "maxtext_deepseek_v32", "maxtext_gpt_oss"):
+        return part("_" + CASE).generate(CASE, out, host_python)
     from safetensors.numpy import load_file
+
+    steps = part("_maxtext_restore")
 
     source_case, model_name = CASES[CASE]
     SOURCE = gen.SOURCES / source_case  # noqa: N806
@@ -92,27 +93,19 @@ def generate(CASE: str, out: str, host_python: str) -> None:  # noqa: N803
     positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
     logits = np.asarray(module.model(tokens, positions, enable_dropout=False))
 
-    def rel(a_, b_):
-        return float(np.max(np.abs(a_ - b_)) / np.max(np.abs(b_)))
-
-    rel_global, rel_window = rel(logits, hf_logits["global"]), rel(logits, hf_logits["window"])
+    rel_global, rel_window = steps.rel(logits, hf_logits["global"]), steps.rel(logits, hf_logits["window"])
     assert rel_global < 1e-5, rel_global
     assert rel_window > 1e-2, rel_window  # MaxText's mistral block attends globally: the window is not kept
 
     from maxtext.common import train_state_nnx
 
     params = gen.flat_params(train_state_nnx.to_checkpoint_dict(state)["params"]["params"])
-    saved = train_state.TrainState(step=0, apply_fn=None, params={"params": gen.nested(params)}, tx=None, opt_state={})
-    case = gen.tools.fresh_case(out, CASE)
-    mngr = checkpointing.create_orbax_checkpoint_manager(os.path.join(case, "ckpt"), True, False, 1,
-                                                         use_ocdbt=False, use_zarr3=False)
-    checkpointing.save_checkpoint(mngr, 0, saved, config=config, force=True)
-    checkpointing.wait_until_finished(mngr)
+    case = steps.save_weights(out, CASE, params, config)
     gen.tools.write_reference(case, {"tokens": ref["tokens"], "logits_hf_global": hf_logits["global"],
                                  "logits_hf_window": hf_logits["window"], "logits_maxtext": logits})
     gen.tools.record_manifest(
         case, tool="maxtext",
-        dists=["maxtext", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "tensorstore", "transformers", "numpy"],
+        dists=steps.DISTS_HF,
         command=f"python tests/real/make.py maxtext -- --case {CASE}",
         hf_config=hf, overrides=overrides,
         references={

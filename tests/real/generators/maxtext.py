@@ -39,6 +39,8 @@ FSDP2 AdamW run exported with `--optimizer`, restored and stepped by MaxText). Q
 export of hf524_qwen3_next, scanned as `local_layers` / `global_layer` and unscanned).
 DeepSeek V3.2 (`_maxtext_deepseek_v32.py`, case `maxtext_deepseek_v32`, weights: our export of
 `hf524_deepseek_v32` in MaxText's `deepseek` block, its forward against the case's transformers logits).
+The steps those weights cases share (our export scanned and unscanned, MaxText restoring and
+running it, the bit-for-bit comparison, the save as weights) are `_maxtext_restore.py`.
 
 Shims (recorded in the manifest): `to_maxtext` reads HF safetensors with `framework="pt"`, which
 needs torch (not installed here): the loader is called with `framework="np"`; the converter's HF
