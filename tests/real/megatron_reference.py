@@ -11,6 +11,8 @@ GPTModel's parameters (what the reference run loaded) are
   `e` the global expert (the reference run renames an ep rank's local experts)
   (SequentialMLP), each an MLP as above;
 - embedding and output layer with the padded vocabulary (rows past `vocab` dropped here).
+And the checks the megatron cases' tests share against those references: params bitwise
+(`assert_bitwise`), our logits against GPTModel's own eval forward (`assert_logits_equal_megatron`).
 """
 
 from __future__ import annotations
@@ -172,3 +174,34 @@ def llama4_to_hf(ref: dict[str, np.ndarray], *, vocab: int, heads: int, groups: 
         assert sorted(per) == list(range(len(per))), (at, sorted(per))
         out[f"{at}feed_forward.experts.{proj}"] = np.ascontiguousarray(np.stack([per[i] for i in range(len(per))]))
     return out
+
+
+def tp_pp_mesh() -> str:
+    """A tp x pp mesh over the devices present (the tiny models: kv heads 2, so tp <= 2)."""
+    import jax
+
+    n = jax.device_count()
+    return "tp=2,pp=2" if n >= 4 else "tp=2" if n >= 2 else "dp=1"
+
+
+def assert_bitwise(got: dict, want: dict[str, np.ndarray], what: str = "") -> None:
+    """`got` (arrays by HF name) holds exactly `want`'s names, each fp32 of `want`'s shape and bits
+    (`what` names the comparison in a failure)."""
+    assert sorted(got) == sorted(want), (what, sorted(set(got) ^ set(want))[:6])
+    for k, w in want.items():
+        g = np.asarray(got[k])
+        assert g.dtype == np.float32 and g.shape == w.shape, (what, k, g.dtype, g.shape, w.shape)
+        assert np.array_equal(g.view(np.uint32), np.ascontiguousarray(w).view(np.uint32)), (what, k)
+
+
+def assert_logits_equal_megatron(ckpt: str, ref: dict[str, np.ndarray], vocab: int, mesh: str) -> None:
+    """Our forward of the checkpoint `ckpt` (on `mesh`) on the reference's `tokens` is GPTModel's
+    own eval forward `ref["logits"]` (its padded vocabulary cut to `vocab`): fp32 both sides, a
+    tiny model, different reduction orders, so atol 2e-5; and logits that say something."""
+    from hybridckpt import jobs
+
+    want = ref["logits"][..., :vocab]
+    got = jobs.logits(ckpt, ref["tokens"], mesh=mesh)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
+    assert np.abs(want).max() > 0.1

@@ -19,21 +19,15 @@ hidden 16, different reduction orders; measured ~5e-7).
 from __future__ import annotations
 
 import cases
-import jax
 import numpy as np
 import pytest
-from megatron_reference import glm45_to_hf
+from megatron_reference import assert_bitwise, assert_logits_equal_megatron, glm45_to_hf, tp_pp_mesh
 
 TORCH_DIST = "megatron_core_glm45_torch_dist"
 TORCH = "megatron_lm_glm45_torch"  # the same trained state, legacy `--ckpt-format torch`
 DIMS = {"vocab": 60, "heads": 4, "groups": 2}
 LAYERS = 4  # decoder layers; the MTP layer is HF's model.layers.4
 MESH_A, MESH_B = "fsdp=2,tp=2,pp=2", "dp=2,tp=2,pp=2"
-
-
-def mesh() -> str:
-    n = jax.device_count()
-    return "tp=2,pp=2" if n >= 4 else "tp=2" if n >= 2 else "dp=1"
 
 
 def test_config_from_megatron_args():
@@ -77,23 +71,12 @@ def test_params_bitwise_through_import_restore_export(case, tmp_path):
     params, _, _, _ = roundtrip(cases.ckpt(case), str(tmp_path), mesh_a=MESH_A, mesh_b=MESH_B, optimizer=False)
     want = glm45_to_hf(cases.reference(TORCH_DIST), **DIMS, layers=LAYERS)
     assert "model.layers.4.eh_proj.weight" in want and "model.layers.4.mlp.gate.e_score_correction_bias" in want
-    assert sorted(params) == sorted(want), sorted(set(params) ^ set(want))[:6]
-    for k, w in want.items():
-        g = np.asarray(params[k])
-        assert g.dtype == np.float32 and g.shape == w.shape, (k, g.dtype, g.shape, w.shape)
-        assert np.array_equal(g.view(np.uint32), np.ascontiguousarray(w).view(np.uint32)), k
+    assert_bitwise(params, want)
 
 
 def test_logits_equal_megatron_forward():
     """On the torch_dist case (the legacy torch case's params are the same bits: above)."""
-    from hybridckpt import jobs
-
-    ref = cases.reference(TORCH_DIST)
-    want = ref["logits"][..., : DIMS["vocab"]]
-    got = jobs.logits(cases.ckpt(TORCH_DIST), ref["tokens"], mesh=mesh())
-    assert got.shape == want.shape
-    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
-    assert np.abs(want).max() > 0.1  # logits that say something
+    assert_logits_equal_megatron(cases.ckpt(TORCH_DIST), cases.reference(TORCH_DIST), DIMS["vocab"], tp_pp_mesh())
 
 
 def _args(case: str):

@@ -18,10 +18,13 @@ forward (fp32, atol 2e-5).
 from __future__ import annotations
 
 import cases
-import jax
-import numpy as np
 import pytest
-from megatron_reference import llama4_to_hf
+from megatron_reference import (
+    assert_bitwise,
+    assert_logits_equal_megatron,
+    llama4_to_hf,
+    tp_pp_mesh,
+)
 
 CASE = "megatron_core_llama4_torch_dist"
 DIMS = {"vocab": 60, "heads": 4, "groups": 2}
@@ -52,23 +55,11 @@ def test_params_bitwise_through_import_restore_export(tmp_path):
                                 mesh_b="dp=2,tp=2,pp=2", optimizer=False)  # fmt: skip
     want = llama4_to_hf(cases.reference(CASE), **DIMS)
     assert want["model.layers.1.feed_forward.experts.gate_up_proj"].shape == (4, 16, 16)
-    assert sorted(params) == sorted(want), sorted(set(params) ^ set(want))[:6]
-    for k, w in want.items():
-        g = np.asarray(params[k])
-        assert g.dtype == np.float32 and g.shape == w.shape, (k, g.dtype, g.shape, w.shape)
-        assert np.array_equal(g.view(np.uint32), np.ascontiguousarray(w).view(np.uint32)), k
+    assert_bitwise(params, want)
 
 
 def test_logits_equal_megatron_forward():
-    from hybridckpt import jobs
-
-    n = jax.device_count()
-    ref = cases.reference(CASE)
-    want = ref["logits"][..., : DIMS["vocab"]]
-    got = jobs.logits(cases.ckpt(CASE), ref["tokens"], mesh="tp=2,pp=2" if n >= 4 else "tp=2" if n >= 2 else "dp=1")
-    assert got.shape == want.shape
-    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
-    assert np.abs(want).max() > 0.1
+    assert_logits_equal_megatron(cases.ckpt(CASE), cases.reference(CASE), DIMS["vocab"], tp_pp_mesh())
 
 
 def _args():
