@@ -10,22 +10,16 @@ from hybridckpt.models.llama.params import (
     ATTENTION,
     ATTENTION_ORDER,
     ATTN_NORM,
-    EMBED,
-    FINAL_NORM,
-    INV_FREQ,
     LAYER,
-    LM_HEAD,
     MLP,
     MLP_NORM,
     MLP_ORDER,
     NORMS_ORDER,
-    TIED_HEAD,
-    dims,
-    groups,
+    decoder_table,
     hf_order,
 )
 from hybridckpt.models.qwen2.params import K_BIAS, O_BIAS, Q_BIAS, V_BIAS
-from hybridckpt.models.table import Param, ParamTable, stack, when
+from hybridckpt.models.table import Param, when
 
 ATTENTION_BIASES = when("use_bias", (Q_BIAS, K_BIAS, V_BIAS, O_BIAS))
 
@@ -49,17 +43,4 @@ def with_biases(names: tuple[str, ...]) -> tuple[str, ...]:
 # (gate, up, down, likewise), then the norms: NOT the rows' order (norms first)
 LAYER_ORDER = (*with_biases(ATTENTION_ORDER), *with_biases(MLP_ORDER), *NORMS_ORDER)
 
-TABLE = ParamTable(
-    __name__,
-    dims,
-    (
-        EMBED,
-        *stack("layers", (ATTN_NORM, *ATTENTION, *ATTENTION_BIASES, MLP_NORM, *MLP, *mlp_biases(f"{LAYER}.mlp", "M"))),
-        FINAL_NORM,
-        LM_HEAD,
-        TIED_HEAD,
-        INV_FREQ,
-    ),
-    groups,
-    named_parameters=hf_order(LAYER_ORDER),
-)
+TABLE = decoder_table(__name__, (ATTN_NORM, *ATTENTION, *ATTENTION_BIASES, MLP_NORM, *MLP, *mlp_biases(f"{LAYER}.mlp", "M")), hf_order(LAYER_ORDER))

@@ -9,6 +9,7 @@ compose theirs from these rows).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from hybridckpt.models.mlp_table import swiglu
@@ -73,17 +74,21 @@ NORMS_ORDER = ("input_layernorm.weight", "post_attention_layernorm.weight")
 # LlamaDecoderLayer: self_attn (q, k, v, o), mlp (gate, up, down), input_layernorm, post_attention_layernorm
 NAMED_PARAMETERS = hf_order((*ATTENTION_ORDER, *MLP_ORDER, *NORMS_ORDER))
 
-TABLE = ParamTable(
-    __name__,
-    dims,
-    (
-        EMBED,
-        *stack("layers", (ATTN_NORM, *ATTENTION, MLP_NORM, *MLP)),
-        FINAL_NORM,
-        LM_HEAD,
-        TIED_HEAD,
-        INV_FREQ,
-    ),
-    groups,
-    named_parameters=NAMED_PARAMETERS,
-)
+
+
+def decoder_table(
+    module: str,
+    layer: tuple[Param, ...],
+    named_parameters: tuple[str, ...],
+    dims_of: Callable[[Any], dict[str, int]] = dims,
+    groups_of: Callable[[Any], dict[str, Groups]] = groups,
+) -> ParamTable:
+    """The table of a family shaped as Llama is, for the module `module`: the embedding, one
+    layer's rows `layer` (stacked on [L] under `layers`), the final norm, the untied head, the
+    tied head's copy and the RoPE buffer dropped; `named_parameters` in transformers' order
+    (`hf_order`), the dimensions and head groups by `dims_of` / `groups_of`."""
+    rows = (EMBED, *stack("layers", layer), FINAL_NORM, LM_HEAD, TIED_HEAD, INV_FREQ)
+    return ParamTable(module, dims_of, rows, groups_of, named_parameters=named_parameters)
+
+
+TABLE = decoder_table(__name__, (ATTN_NORM, *ATTENTION, MLP_NORM, *MLP), NAMED_PARAMETERS)

@@ -12,18 +12,12 @@ from __future__ import annotations
 from hybridckpt.models.llama.params import (
     ATTENTION,
     ATTN,
-    EMBED,
-    FINAL_NORM,
-    INV_FREQ,
     LAYER,
-    LM_HEAD,
     MLP,
-    TIED_HEAD,
-    dims,
-    groups,
+    decoder_table,
 )
 from hybridckpt.models.llama.params import hf_order as _hf_order
-from hybridckpt.models.table import Param, ParamTable, stack
+from hybridckpt.models.table import Param
 
 Q_NORM = Param("q_norm.scale", ("Q",), ("heads",), f"{ATTN}.q_norm.weight", init="ones")
 K_NORM = Param("k_norm.scale", ("KV",), ("kv_heads",), f"{ATTN}.k_norm.weight", init="ones")
@@ -53,17 +47,4 @@ NAMED_PARAMETERS = _hf_order((
     'post_feedforward_layernorm.weight',
 ))
 
-TABLE = ParamTable(
-    __name__,
-    dims,
-    (
-        EMBED,
-        *stack("layers", (*ATTENTION, Q_NORM, K_NORM, POST_ATTN_NORM, *MLP, POST_MLP_NORM)),
-        FINAL_NORM,
-        LM_HEAD,
-        TIED_HEAD,
-        INV_FREQ,
-    ),
-    groups,
-    named_parameters=NAMED_PARAMETERS,
-)
+TABLE = decoder_table(__name__, (*ATTENTION, Q_NORM, K_NORM, POST_ATTN_NORM, *MLP, POST_MLP_NORM), NAMED_PARAMETERS)

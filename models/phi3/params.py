@@ -17,19 +17,15 @@ from typing import Any
 from hybridckpt.models.llama.params import (
     ATTN,
     ATTN_NORM,
-    EMBED,
-    FINAL_NORM,
-    INV_FREQ,
     LAYER,
-    LM_HEAD,
     MLP_NORM,
     O_PROJ,
-    TIED_HEAD,
+    decoder_table,
 )
 from hybridckpt.models.llama.params import dims as llama_dims
 from hybridckpt.models.llama.params import groups as llama_groups
 from hybridckpt.models.llama.params import hf_order as _hf_order
-from hybridckpt.models.table import Groups, Param, ParamTable, stack
+from hybridckpt.models.table import Groups, Param
 
 
 def dims(cfg: Any) -> dict[str, int]:
@@ -60,17 +56,4 @@ NAMED_PARAMETERS = _hf_order((
     'post_attention_layernorm.weight',
 ))
 
-TABLE = ParamTable(
-    __name__,
-    dims,
-    (
-        EMBED,
-        *stack("layers", (ATTN_NORM, QKV, O_PROJ, MLP_NORM, GATE_UP, DOWN)),
-        FINAL_NORM,
-        LM_HEAD,
-        TIED_HEAD,
-        INV_FREQ,
-    ),
-    groups,
-    named_parameters=NAMED_PARAMETERS,
-)
+TABLE = decoder_table(__name__, (ATTN_NORM, QKV, O_PROJ, MLP_NORM, GATE_UP, DOWN), NAMED_PARAMETERS, dims, groups)

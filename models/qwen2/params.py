@@ -10,22 +10,16 @@ from __future__ import annotations
 from hybridckpt.models.llama.params import (
     ATTN,
     ATTN_NORM,
-    EMBED,
-    FINAL_NORM,
-    INV_FREQ,
     K_PROJ,
-    LM_HEAD,
     MLP,
     MLP_NORM,
     O_PROJ,
     Q_PROJ,
-    TIED_HEAD,
     V_PROJ,
-    dims,
-    groups,
+    decoder_table,
 )
 from hybridckpt.models.llama.params import hf_order as _hf_order
-from hybridckpt.models.table import Param, ParamTable, stack
+from hybridckpt.models.table import Param
 
 Q_BIAS = Param("q.bias", ("Q",), ("heads",), f"{ATTN}.q_proj.bias", init="zeros")
 K_BIAS = Param("k.bias", ("KV",), ("kv_heads",), f"{ATTN}.k_proj.bias", init="zeros")
@@ -48,17 +42,4 @@ NAMED_PARAMETERS = _hf_order((
     'post_attention_layernorm.weight',
 ))
 
-TABLE = ParamTable(
-    __name__,
-    dims,
-    (
-        EMBED,
-        *stack("layers", (ATTN_NORM, Q_PROJ, Q_BIAS, K_PROJ, K_BIAS, V_PROJ, V_BIAS, O_PROJ, MLP_NORM, *MLP)),
-        FINAL_NORM,
-        LM_HEAD,
-        TIED_HEAD,
-        INV_FREQ,
-    ),
-    groups,
-    named_parameters=NAMED_PARAMETERS,
-)
+TABLE = decoder_table(__name__, (ATTN_NORM, Q_PROJ, Q_BIAS, K_PROJ, K_BIAS, V_PROJ, V_BIAS, O_PROJ, MLP_NORM, *MLP), NAMED_PARAMETERS)

@@ -10,19 +10,13 @@ from hybridckpt.models.llama.params import (
     ATTENTION,
     ATTN,
     ATTN_NORM,
-    EMBED,
-    FINAL_NORM,
-    INV_FREQ,
-    LM_HEAD,
     MLP,
     MLP_NORM,
-    TIED_HEAD,
-    dims,
-    groups,
+    decoder_table,
 )
 from hybridckpt.models.llama.params import hf_order as _hf_order
 from hybridckpt.models.qwen2.params import K_BIAS, O_BIAS, Q_BIAS, V_BIAS
-from hybridckpt.models.table import Param, ParamTable, stack, when
+from hybridckpt.models.table import Param, when
 
 Q_NORM = Param("q_norm.scale", ("D",), (None,), f"{ATTN}.q_norm.weight", init="ones")
 K_NORM = Param("k_norm.scale", ("D",), (None,), f"{ATTN}.k_norm.weight", init="ones")
@@ -47,17 +41,4 @@ NAMED_PARAMETERS = _hf_order((
     'post_attention_layernorm.weight',
 ))
 
-TABLE = ParamTable(
-    __name__,
-    dims,
-    (
-        EMBED,
-        *stack("layers", (ATTN_NORM, *ATTENTION, Q_NORM, K_NORM, *BIASES, MLP_NORM, *MLP)),
-        FINAL_NORM,
-        LM_HEAD,
-        TIED_HEAD,
-        INV_FREQ,
-    ),
-    groups,
-    named_parameters=NAMED_PARAMETERS,
-)
+TABLE = decoder_table(__name__, (ATTN_NORM, *ATTENTION, Q_NORM, K_NORM, *BIASES, MLP_NORM, *MLP), NAMED_PARAMETERS)
