@@ -139,22 +139,7 @@ class DeepseekV3Config:
                               "max_position_embeddings"))  # fmt: skip
         if self.q_lora_rank is not None:
             check_positive(self, ("q_lora_rank",))
-        for name in ("qk_nope_head_dim", "first_k_dense_replace", "num_nextn_predict_layers"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"{where}.{name}: expected an int >= 0, found {value!r}")
-        if self.mtp_layers is None:
-            object.__setattr__(self, "mtp_layers", self.num_nextn_predict_layers)
-        if not 0 <= self.mtp_layers <= self.num_nextn_predict_layers:
-            raise ConfigError(
-                f"{where}.mtp_layers: expected 0..num_nextn_predict_layers "
-                f"({self.num_nextn_predict_layers}), found {self.mtp_layers!r}"
-            )
-        if self.mtp_layers and self.first_k_dense_replace > self.num_layers:
-            raise ConfigError(
-                f"{where}: MTP layers after dense layers (first_k_dense_replace "
-                f"{self.first_k_dense_replace} > num_layers {self.num_layers}) are not supported"
-            )
+        check_layer_groups(self, where, ("qk_nope_head_dim",))
         as_floats(self, ("rms_norm_eps", "rope_theta", "routed_scaling_factor"))
         for name in ("norm_topk_prob", "rope_interleave", "attention_bias", "tie_word_embeddings"):
             object.__setattr__(self, name, bool(getattr(self, name)))
@@ -217,6 +202,29 @@ class DeepseekV3Config:
             mscale = 1.0 if factor <= 1 else 0.1 * d["mscale_all_dim"] * math.log(factor) + 1.0
             scale = scale * mscale * mscale
         return scale
+
+
+def check_layer_groups(cfg: Any, where: str, more: tuple[str, ...] = ()) -> None:
+    """The layer counts of a config whose first `first_k_dense_replace` layers are dense, the rest
+    MoE, and `num_nextn_predict_layers` MTP modules follow (DeepSeek V3's, GLM-4.5's): those and
+    `more` ints >= 0; `mtp_layers` (the modules the checkpoint carries) defaulted to all of them
+    and within 0..num_nextn_predict_layers; MTP after layers all dense is refused."""
+    for name in (*more, "first_k_dense_replace", "num_nextn_predict_layers"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"{where}.{name}: expected an int >= 0, found {value!r}")
+    if cfg.mtp_layers is None:
+        object.__setattr__(cfg, "mtp_layers", cfg.num_nextn_predict_layers)
+    if not isinstance(cfg.mtp_layers, int) or not 0 <= cfg.mtp_layers <= cfg.num_nextn_predict_layers:
+        raise ConfigError(
+            f"{where}.mtp_layers: expected 0..num_nextn_predict_layers "
+            f"({cfg.num_nextn_predict_layers}), found {cfg.mtp_layers!r}"
+        )
+    if cfg.mtp_layers and cfg.first_k_dense_replace > cfg.num_layers:
+        raise ConfigError(
+            f"{where}: MTP layers after dense layers (first_k_dense_replace "
+            f"{cfg.first_k_dense_replace} > num_layers {cfg.num_layers}) are not supported"
+        )
 
 
 # ---------------------------------------------------------------------------------------- HF
@@ -356,6 +364,19 @@ def _indices(start: int, stop: int) -> str:
     return ",".join(str(i) for i in range(start, stop))
 
 
+def layer_groups(cfg: Any) -> dict[str, str]:
+    """The layer lists of the groups of a config with `num_dense_layers` dense layers first, MoE
+    layers after, and `mtp_layers` MTP modules (DeepSeek V3's, GLM-4.5's), as comma-separated HF
+    layer indices: `decoder_layers` 0..L-1, `dense_layers`, `moe_layers`, `mtp_layers` =
+    num_layers + i (a list may be empty: its rules then match nothing)."""
+    return {
+        "decoder_layers": _indices(0, cfg.num_layers),
+        "dense_layers": _indices(0, cfg.num_dense_layers),
+        "moe_layers": _indices(cfg.num_dense_layers, cfg.num_layers),
+        "mtp_layers": _indices(cfg.num_layers, cfg.num_layers + cfg.mtp_layers),
+    }
+
+
 def rule_variables(cfg: DeepseekV3Config) -> dict[str, Any]:
     """Variables a rules text may use: `models.family.RULE_VARIABLES` (num_kv_heads is
     num_heads; head_dim is qk_head_dim; intermediate_size the dense layers' width) plus the
@@ -372,10 +393,7 @@ def rule_variables(cfg: DeepseekV3Config) -> dict[str, Any]:
         "intermediate_size": cfg.intermediate_size,
         "tied": cfg.tie_word_embeddings,
         "num_experts": cfg.n_routed_experts,
-        "decoder_layers": _indices(0, cfg.num_layers),
-        "dense_layers": _indices(0, cfg.num_dense_layers),
-        "moe_layers": _indices(cfg.num_dense_layers, cfg.num_layers),
-        "mtp_layers": _indices(cfg.num_layers, cfg.num_layers + cfg.mtp_layers),
+        **layer_groups(cfg),
         "q_lora": cfg.q_lora_rank is not None,
         "q_a_bias": cfg.q_lora_rank is not None and cfg.attention_bias,
         "attention_bias": cfg.attention_bias,

@@ -123,19 +123,7 @@ class Glm4MoeConfig:
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"{where}: num_heads {self.num_heads} is not a multiple of "
                               f"num_key_value_heads {self.num_kv_heads}")  # fmt: skip
-        for name in ("first_k_dense_replace", "num_nextn_predict_layers"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"{where}.{name}: expected an int >= 0, found {value!r}")
-        if self.mtp_layers is None:
-            object.__setattr__(self, "mtp_layers", self.num_nextn_predict_layers)
-        if not isinstance(self.mtp_layers, int) or not 0 <= self.mtp_layers <= self.num_nextn_predict_layers:
-            raise ConfigError(f"{where}.mtp_layers: expected 0..num_nextn_predict_layers "
-                              f"({self.num_nextn_predict_layers}), found {self.mtp_layers!r}")  # fmt: skip
-        if self.mtp_layers and self.first_k_dense_replace > self.num_layers:
-            raise ConfigError(f"{where}: MTP layers after dense layers (first_k_dense_replace "
-                              f"{self.first_k_dense_replace} > num_layers {self.num_layers}) are "
-                              f"not supported")  # fmt: skip
+        deepseek.check_layer_groups(self, where)  # the same dense / MoE / MTP layers
         as_floats(self, ("rms_norm_eps", "rope_theta", "routed_scaling_factor"))
         f = self.partial_rotary_factor
         if isinstance(f, bool) or not isinstance(f, int | float) or not 0 < f <= 1:
@@ -294,9 +282,6 @@ def rule_variables(cfg: Glm4MoeConfig) -> dict[str, Any]:
     dense layers' width), the layer lists of the groups (`decoder_layers`, `dense_layers`,
     `moe_layers`, `mtp_layers` = num_layers + i: comma-separated HF indices, maybe empty) and the
     flags the rules test (`attention_bias`, `qk_norm`)."""
-    def indices(start: int, stop: int) -> str:
-        return ",".join(str(i) for i in range(start, stop))
-
     return {
         "num_heads": cfg.num_heads,
         "num_kv_heads": cfg.num_kv_heads,
@@ -307,10 +292,7 @@ def rule_variables(cfg: Glm4MoeConfig) -> dict[str, Any]:
         "intermediate_size": cfg.intermediate_size,
         "tied": cfg.tie_word_embeddings,
         "num_experts": cfg.n_routed_experts,
-        "decoder_layers": indices(0, cfg.num_layers),
-        "dense_layers": indices(0, cfg.num_dense_layers),
-        "moe_layers": indices(cfg.num_dense_layers, cfg.num_layers),
-        "mtp_layers": indices(cfg.num_layers, cfg.num_layers + cfg.mtp_layers),
+        **deepseek.layer_groups(cfg),
         "attention_bias": cfg.attention_bias,
         "qk_norm": cfg.use_qk_norm,
     }
