@@ -15,15 +15,14 @@ import numpy as np
 
 from hybridckpt.lazy.base import LazyTensor
 from hybridckpt.lazy.box import Box
-from hybridckpt.lazy.element_copy import copy_into
 
 
 @dataclass(frozen=True, eq=False)
-class Scaled(LazyTensor):
-    """`src * factor` in float32, in `src`'s dtype (elementwise: any box reads the same box)."""
+class _InFloat32(LazyTensor):
+    """`src` through `op` computed in float32, cast back to `src`'s dtype (elementwise: any box
+    reads the same box of `src`)."""
 
     src: LazyTensor
-    factor: np.float32
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -33,34 +32,31 @@ class Scaled(LazyTensor):
     def dtype(self) -> np.dtype:
         return np.dtype(self.src.dtype)
 
-    def read_box(self, box: Box) -> np.ndarray:
-        x = self.src.read_box(box)
-        return (x.astype(np.float32) * np.float32(self.factor)).astype(self.dtype)
+    def op(self, x: np.ndarray) -> np.ndarray:
+        """The float32 result of the float32 array `x`."""
+        raise NotImplementedError
 
-    def read_into(self, box: Box, out: np.ndarray) -> None:
-        copy_into(out, self.read_box(box))
+    def read_box(self, box: Box) -> np.ndarray:
+        return self.op(self.src.read_box(box).astype(np.float32)).astype(self.dtype)
 
 
 @dataclass(frozen=True, eq=False)
-class Shifted(LazyTensor):
+class Scaled(_InFloat32):
+    """`src * factor` in float32, in `src`'s dtype (elementwise: any box reads the same box)."""
+
+    factor: np.float32
+
+    def op(self, x: np.ndarray) -> np.ndarray:
+        return x * np.float32(self.factor)
+
+
+@dataclass(frozen=True, eq=False)
+class Shifted(_InFloat32):
     """`src + offset` in float32, in `src`'s dtype (elementwise): a norm weight stored
     zero-centred (`w - 1`, Megatron's `layernorm_zero_centered_gamma` on a norm HF keeps plain,
     Megatron-Bridge's `RMSNorm2ZeroCenteredRMSNormMapping` adds / subtracts the 1 so)."""
 
-    src: LazyTensor
     offset: np.float32
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.src.shape
-
-    @property
-    def dtype(self) -> np.dtype:
-        return np.dtype(self.src.dtype)
-
-    def read_box(self, box: Box) -> np.ndarray:
-        x = self.src.read_box(box)
-        return (x.astype(np.float32) + np.float32(self.offset)).astype(self.dtype)
-
-    def read_into(self, box: Box, out: np.ndarray) -> None:
-        copy_into(out, self.read_box(box))
+    def op(self, x: np.ndarray) -> np.ndarray:
+        return x + np.float32(self.offset)
