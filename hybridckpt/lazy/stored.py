@@ -48,10 +48,7 @@ class StoredTensor(LazyTensor):
     shape: tuple[int, ...]
     dtype: np.dtype
 
-    def read_box(self, box: Box) -> np.ndarray:
-        out = np.empty(box_shape(box), dtype=self.dtype)
-        self.read_into(box, out)
-        return out
+    # read_box: the protocol's (an array of the box's shape, filled by read_into)
 
     def read_into(self, box: Box, out: np.ndarray) -> None:
         """One run into a C-contiguous `out` of the stored dtype: one pread, no copy. Anything
