@@ -296,17 +296,25 @@ def _experts_per_rank(args, topo, file: str) -> int:
                 f"{file}: args.expert_model_parallel_size={topo.ep} without num_experts"
             )
         return 0
+    return checked_experts(args, topo, file, "only experts split like the dense layers are read") // topo.ep
+
+
+def checked_experts(args, topo, where: str, otherwise: str) -> int:
+    """`args.num_experts` (set) when it divides over the expert-parallel ranks and the experts'
+    tensor parallelism is the dense layers'; else a FormatError naming `where` and saying
+    `otherwise` (what is read instead)."""
+    num = arg(args, "num_experts")
     if not isinstance(num, int) or num % topo.ep:
         raise FormatError(
-            f"{file}: args.num_experts={num!r} does not divide over expert_model_parallel_size={topo.ep}"
+            f"{where}: args.num_experts={num!r} does not divide over expert_model_parallel_size={topo.ep}"
         )
     etp = arg(args, "expert_tensor_parallel_size")
     if etp not in (None, topo.tp):
         raise FormatError(
-            f"{file}: args.expert_tensor_parallel_size={etp} differs from tensor_model_parallel_size="
-            f"{topo.tp}; only experts split like the dense layers are read"
+            f"{where}: args.expert_tensor_parallel_size={etp} differs from tensor_model_parallel_size="
+            f"{topo.tp}; {otherwise}"
         )
-    return num // topo.ep
+    return num
 
 
 def global_name(name: str, offset: int, num_layers: int = 0) -> str:

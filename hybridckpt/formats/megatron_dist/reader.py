@@ -25,7 +25,7 @@ from hybridckpt.formats.megatron import mtp
 from hybridckpt.formats.megatron.config import family_architecture, model_config, notes_for
 from hybridckpt.formats.megatron.experts import zero_buffer_state
 from hybridckpt.formats.megatron.layout import Topology, arg, topology
-from hybridckpt.formats.megatron.model import tp_variables
+from hybridckpt.formats.megatron.model import checked_experts, tp_variables
 from hybridckpt.formats.megatron.reader import trainer_metadata
 from hybridckpt.formats.megatron_dist import buckets, common, model, optimizer
 from hybridckpt.formats.megatron_dist import config as mconfig
@@ -173,17 +173,8 @@ def _expert_layout(args, topo: Topology, where: str) -> buckets.ExpertLayout | N
     num = arg(args, "num_experts")
     if not num:
         return None
-    if num % topo.ep:
-        raise FormatError(
-            f"{where}: args.num_experts={num} does not divide over expert_model_parallel_size={topo.ep}"
-        )
-    etp = arg(args, "expert_tensor_parallel_size")
-    if etp not in (None, topo.tp):
-        raise FormatError(
-            f"{where}: args.expert_tensor_parallel_size={etp} differs from tensor_model_parallel_size="
-            f"{topo.tp}; the experts' optimizer buckets are read only for experts split like the "
-            f"dense layers"
-        )
+    checked_experts(args, topo, where, "the experts' optimizer buckets are read only for experts split like "
+                    "the dense layers")  # fmt: skip
     if not arg(args, "moe_grouped_gemm", False):
         module = "sequential"
     elif arg(args, "moe_use_legacy_grouped_gemm", False):
