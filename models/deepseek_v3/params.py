@@ -94,6 +94,22 @@ def mtp(i: str, layer: Callable[[str], tuple[Param, ...]] = decoder) -> tuple[Ro
     return (*own, *under("layers", layer(i)), *under("moe", moe(i)))
 
 
+# a DeepseekV3DecoderLayer's mlp (a dense layer's gate/up/down; a sparse layer's fused experts, gate,
+# shared experts) and norms, in transformers' order (GLM-4.5's and DeepSeek V3.2's layers end so too)
+MLP_AND_NORMS_ORDER = (
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "mlp.experts.gate_up_proj",
+    "mlp.experts.down_proj",
+    "mlp.gate.weight",
+    "mlp.shared_experts.gate_proj.weight",
+    "mlp.shared_experts.up_proj.weight",
+    "mlp.shared_experts.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+)
+
 # transformers 5 DeepseekV3DecoderLayer: attention (with or without the q LoRA), mlp (a dense layer's
 # gate/up/down; a sparse layer's fused experts, gate, shared experts), norms; in-memory names
 NAMED_PARAMETERS = _hf_order((
@@ -108,17 +124,7 @@ NAMED_PARAMETERS = _hf_order((
     'self_attn.kv_b_proj.weight',
     'self_attn.o_proj.weight',
     'self_attn.o_proj.bias',
-    'mlp.gate_proj.weight',
-    'mlp.up_proj.weight',
-    'mlp.down_proj.weight',
-    'mlp.experts.gate_up_proj',
-    'mlp.experts.down_proj',
-    'mlp.gate.weight',
-    'mlp.shared_experts.gate_proj.weight',
-    'mlp.shared_experts.up_proj.weight',
-    'mlp.shared_experts.down_proj.weight',
-    'input_layernorm.weight',
-    'post_attention_layernorm.weight',
+    *MLP_AND_NORMS_ORDER,
 ))
 
 def table(

@@ -90,17 +90,7 @@ NAMED_PARAMETERS = hf_order((
     "self_attn.o_proj.weight",
     "self_attn.q_norm.weight",
     "self_attn.k_norm.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-    "mlp.experts.gate_up_proj",
-    "mlp.experts.down_proj",
-    "mlp.gate.weight",
-    "mlp.shared_experts.gate_proj.weight",
-    "mlp.shared_experts.up_proj.weight",
-    "mlp.shared_experts.down_proj.weight",
-    "input_layernorm.weight",
-    "post_attention_layernorm.weight",
+    *deepseek.MLP_AND_NORMS_ORDER,
 ))
 
 TABLE = ParamTable(
