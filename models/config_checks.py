@@ -1,5 +1,6 @@
 """Checks every family's config uses: positive sizes, positive floats, required HF keys, and
-the plain RoPE of an HF `config.json` (scaled RoPE: `models.rope`).
+the plain RoPE of an HF `config.json` (scaled RoPE: `models.rope`); for the multimodal wrappers,
+a field one of its allowed values and the kept config.json keys a JSON object.
 
 Each check raises `ConfigError` naming the config class (or the source file), the field, what
 was expected and what was found.
@@ -7,6 +8,7 @@ was expected and what was found.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,6 +40,25 @@ def as_floats(cfg: Any, names: tuple[str, ...]) -> None:
                 f"{type(cfg).__name__}.{name}: expected a positive finite number, found {value!r:.60}"
             )
         object.__setattr__(cfg, name, float(value))
+
+
+def check_choice(cfg: Any, name: str, allowed: tuple[Any, ...]) -> None:
+    """The field `name` of the dataclass `cfg` is one of `allowed` (a name prefix, a head name)."""
+    value = getattr(cfg, name)
+    if value not in allowed:
+        raise ConfigError(f"{type(cfg).__name__}.{name}: {value!r:.80}; expected one of {list(allowed)}")
+
+
+def check_json_object(cfg: Any, name: str = "hf_rest") -> None:
+    """The field `name` of the dataclass `cfg` is the JSON text of an object (a wrapper config's
+    config.json keys kept as read)."""
+    where = f"{type(cfg).__name__}.{name}"
+    try:
+        value = json.loads(getattr(cfg, name))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: not a JSON object ({e})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected a JSON object, found {type(value).__name__}")
 
 
 def require(d: Mapping[str, Any], keys: tuple[str, ...], source: str, arch: str) -> None:

@@ -36,6 +36,7 @@ import json
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from hybridckpt.models.config_checks import check_choice, check_json_object
 from hybridckpt.models.errors import ConfigError
 from hybridckpt.models.gemma2.config import rule_variables as text_rule_variables
 from hybridckpt.models.gemma3 import config as text
@@ -96,18 +97,8 @@ class Gemma3MMConfig(text.Gemma3Config):
         object.__setattr__(self, "vision_use_head", bool(self.vision_use_head))
         for name, allowed in (("text_prefix", TEXT_PREFIXES), ("vision_prefix", VISION_PREFIXES),
                               ("projector_prefix", PROJECTOR_PREFIXES), ("head_name", HEAD_NAMES)):  # fmt: skip
-            if getattr(self, name) not in allowed:
-                raise ConfigError(
-                    f"{where}.{name}: {getattr(self, name)!r:.80}; expected one of {list(allowed)}"
-                )
-        try:
-            rest = json.loads(self.hf_rest)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"{where}.hf_rest: not a JSON object ({e})") from None
-        if not isinstance(rest, dict):
-            raise ConfigError(
-                f"{where}.hf_rest: expected a JSON object, found {type(rest).__name__}"
-            )
+            check_choice(self, name, allowed)
+        check_json_object(self)
 
     @property
     def family(self) -> str:

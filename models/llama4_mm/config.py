@@ -32,6 +32,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from hybridckpt.models.config_checks import check_json_object
 from hybridckpt.models.errors import ConfigError
 from hybridckpt.models.llama4 import config as text
 
@@ -73,12 +74,7 @@ class Llama4MMConfig(text.Llama4Config):
         if self.vision_patch_size > self.vision_image_size:
             raise ConfigError(f"{where}: vision patch_size {self.vision_patch_size} exceeds image_size "
                               f"{self.vision_image_size}")  # fmt: skip
-        try:
-            rest = json.loads(self.hf_rest)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"{where}.hf_rest: not a JSON object ({e})") from None
-        if not isinstance(rest, dict):
-            raise ConfigError(f"{where}.hf_rest: expected a JSON object, found {type(rest).__name__}")
+        check_json_object(self)
 
     @property
     def family(self) -> str:

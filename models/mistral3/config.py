@@ -43,6 +43,7 @@ import json
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from hybridckpt.models.config_checks import check_choice, check_json_object
 from hybridckpt.models.errors import ConfigError
 from hybridckpt.models.mistral import config as text
 
@@ -105,18 +106,8 @@ class Mistral3Config(text.MistralConfig):
         object.__setattr__(self, "projector_bias", bool(self.projector_bias))
         for name, allowed in (("text_prefix", TEXT_PREFIXES), ("vision_prefix", VISION_PREFIXES),
                               ("projector_prefix", PROJECTOR_PREFIXES), ("head_name", HEAD_NAMES)):  # fmt: skip
-            if getattr(self, name) not in allowed:
-                raise ConfigError(
-                    f"{where}.{name}: {getattr(self, name)!r:.80}; expected one of {list(allowed)}"
-                )
-        try:
-            rest = json.loads(self.hf_rest)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"{where}.hf_rest: not a JSON object ({e})") from None
-        if not isinstance(rest, dict):
-            raise ConfigError(
-                f"{where}.hf_rest: expected a JSON object, found {type(rest).__name__}"
-            )
+            check_choice(self, name, allowed)
+        check_json_object(self)
 
     @property
     def family(self) -> str:

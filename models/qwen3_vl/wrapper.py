@@ -29,7 +29,12 @@ import json
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from hybridckpt.models.config_checks import MAX_SIZE, check_positive
+from hybridckpt.models.config_checks import (
+    MAX_SIZE,
+    check_choice,
+    check_json_object,
+    check_positive,
+)
 from hybridckpt.models.errors import ConfigError
 from hybridckpt.models.qwen3_vl.mrope import check_section
 
@@ -61,11 +66,8 @@ class Wrapper:
 def check_fields(cfg: Any, w: Wrapper) -> None:
     """The wrapper fields of a config (`__post_init__`): prefixes, section, sizes, hf_rest."""
     where = type(cfg).__name__
-    for name, allowed in (("text_prefix", w.text_prefixes), ("vision_prefix", w.vision_prefixes)):
-        if getattr(cfg, name) not in allowed:
-            raise ConfigError(
-                f"{where}.{name}: {getattr(cfg, name)!r:.80}; expected one of {list(allowed)}"
-            )
+    check_choice(cfg, "text_prefix", w.text_prefixes)
+    check_choice(cfg, "vision_prefix", w.vision_prefixes)
     section = check_section(cfg.mrope_section, cfg.head_dim, w.interleaved, f"{where}")
     object.__setattr__(cfg, "mrope_section", section)
     check_positive(cfg, tuple(field for field, _ in w.vision_keys.values() if field != DEEPSTACK))
@@ -79,12 +81,7 @@ def check_fields(cfg: Any, w: Wrapper) -> None:
         object.__setattr__(cfg, DEEPSTACK, tuple(v))
     if cfg.mrope_interleaved_key is not None:
         object.__setattr__(cfg, "mrope_interleaved_key", bool(cfg.mrope_interleaved_key))
-    try:
-        rest = json.loads(cfg.hf_rest)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{where}.hf_rest: not a JSON object ({e})") from None
-    if not isinstance(rest, dict):
-        raise ConfigError(f"{where}.hf_rest: expected a JSON object, found {type(rest).__name__}")
+    check_json_object(cfg)
 
 
 def _text_dict(d: Mapping[str, Any], w: Wrapper, source: str) -> tuple[dict[str, Any], str]:
