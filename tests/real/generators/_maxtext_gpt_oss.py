@@ -37,21 +37,8 @@ def generate(CASE: str, out: str, host_python: str) -> None:  # noqa: N803
     hf = ref["logits"]
     tokens = ref["tokens"].astype(np.int32)
 
-    def run(path: str, extra: list[str]):
-        config, _, params, logits = steps.restore_run(MODEL_NAME, "gpt_oss", path, tokens, extra)
-        return config, params, logits
-
-    config, params, logits = run(ours, ["sparse_matmul=False"])
-    rel = steps.rel(logits, hf)
-    print("maxtext vs hf", rel)
-    assert rel < TOLERANCE, rel
-    steps.assert_same(steps.stored_params(ours), params)
-
-    _, params_unscanned, logits_unscanned = run(ours_unscanned, ["scan_layers=False", "sparse_matmul=False"])
-    assert any(k.startswith("decoder.layers_1.") for k in params_unscanned), sorted(params_unscanned)[:5]
-    steps.assert_same(steps.stored_params(ours_unscanned), params_unscanned)
-    rel_unscanned = steps.rel(logits_unscanned, hf)
-    assert rel_unscanned < TOLERANCE, rel_unscanned
+    config, params, logits, logits_unscanned, rel, rel_unscanned = steps.scanned_and_unscanned(
+        MODEL_NAME, "gpt_oss", ours, ours_unscanned, tokens, hf, TOLERANCE, "decoder.layers_1.")
 
     case = steps.save_weights(out, CASE, params, config)
     gen.tools.write_reference(case, {"tokens": ref["tokens"], "logits_hf": hf, "logits_maxtext": logits,

@@ -99,3 +99,24 @@ def save_weights(out: str, case_name: str, params: dict[str, np.ndarray], config
     checkpointing.save_checkpoint(mngr, 0, saved, config=config, force=True)
     checkpointing.wait_until_finished(mngr)
     return case
+
+
+def scanned_and_unscanned(model_name: str, block: str, ours: str, ours_unscanned: str, tokens, hf, tolerance: float,
+                          unscanned_layer: str):
+    """MaxText's dense-matmul forward of our scanned export `ours` and of the unscanned one
+    (`scan_layers=False`, its params per layer: `unscanned_layer` among them), each within
+    `tolerance` of the reference logits `hf`, the params it restored equal to ours (cast to its
+    fp32): (config, scanned params, logits, unscanned logits, rel, unscanned rel)."""
+    config, _, params, logits = restore_run(model_name, block, ours, tokens, ["sparse_matmul=False"])
+    rel_scanned = rel(logits, hf)
+    print("maxtext vs hf", rel_scanned)
+    assert rel_scanned < tolerance, rel_scanned
+    assert_same(stored_params(ours), params)
+
+    _, _, params_unscanned, logits_unscanned = restore_run(model_name, block, ours_unscanned, tokens,
+                                                           ["scan_layers=False", "sparse_matmul=False"])
+    assert any(k.startswith(unscanned_layer) for k in params_unscanned), sorted(params_unscanned)[:5]
+    assert_same(stored_params(ours_unscanned), params_unscanned)
+    rel_unscanned = rel(logits_unscanned, hf)
+    assert rel_unscanned < tolerance, rel_unscanned
+    return config, params, logits, logits_unscanned, rel_scanned, rel_unscanned
