@@ -8,7 +8,8 @@ array), each holding the whole chunk (edge chunks padded with zeros, the fill va
 the chunk's C-order little-endian bytes (zarr v2 spec, "Chunk storage"; TensorStore's
 `zarr` driver, google/tensorstore:tensorstore/driver/zarr/driver.cc, reads and writes the same
 files), so a tile read by an import is written with one `write` per chunk, from the tile's own
-buffer where the chunk is a contiguous part of it, and fsync'd before Orbax commits the item.
+buffer where the chunk is a contiguous part of it (else from one aligned copy: a strip of the
+tile, an edge chunk), and fsync'd before Orbax commits the item.
 
 Direct I/O (`ChunkFiles.direct`, on unless `--buffered-writes`): a chunk of whole 4 KiB blocks
 from a 4 KiB-aligned buffer (every tile buffer an import reads into) is written with `O_DIRECT`
