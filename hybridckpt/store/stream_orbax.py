@@ -7,9 +7,11 @@
 1. the TensorStore spec and ArrayMetadata come from Orbax's `build_array_write_spec` (write
    shape = the shard shape, chunk shape from `SaveArgs(chunk_byte_size, shard_axes)`), the codec
    from `containers.orbax.codec`;
-2. the primary process creates each zarr array (its `.zarray`); every process opens it with
-   `assume_metadata` where TensorStore writes the chunks;
-3. the tiles of `stream.owned_tiles` (the process's shard boxes joined, then cut) are read by the reader pool (`stream.read_tile`) under the
+2. the primary process creates each zarr array (its `.zarray`), in order; where TensorStore
+   writes the chunks every process then opens it with `assume_metadata`; raw chunk files need
+   only their folder, so a raw item's arrays are created while its tiles are written;
+3. the tiles of `stream.owned_tiles` (the process's shard boxes joined, then cut; planned leaf by
+   leaf on the planner thread, `_planned_tiles`) are read by the reader pool (`stream.read_tile`) under the
    save's byte budget and written: raw chunks to their files by the reader thread itself
    (`containers.orbax.chunk_files`, then each array folder fsync'd), compressed ones through TensorStore
    (small tiles batched into shared OCDBT commits, `_SmallWrites`);
