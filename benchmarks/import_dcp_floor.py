@@ -16,6 +16,9 @@ over the bytes the import writes (its `bytes`). Prints each run's wall, the medi
 `--compare VARIANT` (repeatable) also runs, alternating with the default, imports with issue 42's
 read changes undone: "gap=0" (`ByteSource.read_runs` makes a pread a run), "nojoin" (each shard
 box read apart: `store.stream.joined_boxes` off), "nojoin,gap=0" (both: as before issue 42).
+`--tree NAME=PATH` (repeatable) also runs, alternating, the imports of another checkout's code (a
+base commit unpacked at PATH): a same-run before/after. Each run also reports its CPU seconds
+(user + system of the child process).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import socket
 import statistics
@@ -108,12 +112,24 @@ def child(src: str, dst: str, cfg: str, mesh: str, variant: str) -> dict:
             "profile": s.profile.to_json()}
 
 
-def _child(src: str, dst: str, cfg: str, mesh: str, variant: str = "-") -> dict:
+def _child(src: str, dst: str, cfg: str, mesh: str, variant: str = "-", trees: dict | None = None) -> dict:
+    """One import in a fresh process; a variant "tree:NAME" runs the hybridckpt of the checkout
+    `trees[NAME]` (its own copy of this script, PYTHONPATH at it). Adds the child's CPU seconds."""
     shutil.rmtree(dst, ignore_errors=True)
     subprocess.run(["sync"], check=True)
-    out = subprocess.run([sys.executable, HERE, "--_child", src, dst, cfg, mesh, variant], check=True,
-                         capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    script, env = HERE, None
+    if variant.startswith("tree:"):
+        root = os.path.abspath((trees or {})[variant[5:]])
+        script = os.path.join(root, "benchmarks", os.path.basename(HERE))
+        env = dict(os.environ, PYTHONPATH=root)
+        variant = "-"
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = subprocess.run([sys.executable, script, "--_child", src, dst, cfg, mesh, variant], check=True,
+                         capture_output=True, text=True, env=env)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    row["cpu_s"] = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return row
 
 
 def _busy(run: dict, stage: str) -> float:
@@ -132,6 +148,9 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--compare", action="append", default=[],
                     help='also run, alternating, this variant ("gap=0", "nojoin", "nojoin,gap=0": see `child`)')
+    ap.add_argument("--tree", action="append", default=[], metavar="NAME=PATH",
+                    help="also run, alternating, imports by the hybridckpt of another checkout (e.g. `git archive "
+                         "BASE | tar -x -C PATH`): a same-run before/after")
     ap.add_argument("--_child", nargs=5, help=argparse.SUPPRESS)
     ap.add_argument("--_write", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -153,11 +172,12 @@ def main() -> None:
         paths = floors.files_under(src)
         first = _child(src, ck, cfg, a.mesh)  # a warm-up, not counted; says the bytes written
         fl = floors.measure(paths, os.path.join(base, "floor"), write_bytes=first["bytes"])
-        variants = ["-", *a.compare]
+        trees = dict(t.split("=", 1) for t in a.tree)
+        variants = ["-", *a.compare, *(f"tree:{n}" for n in trees)]
         by: dict[str, list] = {v: [] for v in variants}
         for i in range(a.repeat):  # alternating, the order turned each time: a slower minute hits all
             for v in variants if i % 2 == 0 else variants[::-1]:
-                by[v].append(_child(src, ck, cfg, a.mesh, v))
+                by[v].append(_child(src, ck, cfg, a.mesh, v, trees))
         runs = by["-"]
         fl2 = floors.measure(paths, os.path.join(base, "floor"), write_bytes=first["bytes"])
         floor_s = min(x for x in (fl["write_direct_s"], fl2["write_direct_s"]) if x is not None)
@@ -178,6 +198,7 @@ def main() -> None:
                 "median_job_s": round(statistics.median(r["job_s"] for r in rs), 3),
                 "over_floor": round(statistics.median(r["job_s"] for r in rs) / floor_s, 2),
                 "read_busy_s": round(statistics.median(_busy(r, "read") for r in rs), 3),
+                "cpu_s": round(statistics.median(r["cpu_s"] for r in rs), 2),
                 "peak_rss_mib": round(max(r["peak_rss_mib"] for r in rs))}
             for v, rs in by.items()
         }

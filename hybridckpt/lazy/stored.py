@@ -55,8 +55,9 @@ class StoredTensor(LazyTensor):
         else (many runs, a transposed or cast `out`) is read in slabs of at most SPAN_BYTES:
         runs less than a page apart (so the span touches no page the runs do not) as one pread
         of their span, then one strided (transposing, casting) copy out of it; runs further
-        apart into a packed buffer (`ByteSource.read_runs`: one preadv per batch of runs at most
-        8 KiB apart, else a pread a run), then one copy. A `[1024, 2816]`-row tp shard of a
+        apart (`ByteSource.read_runs`: one preadv per batch of runs at most 8 KiB apart, else a
+        pread a run) straight into a C-contiguous `out` of the stored dtype, else into a packed
+        buffer, then one copy. A `[1024, 2816]`-row tp shard of a
         row-parallel fp32 weight read into a transposed tile is thousands of runs: one pread and
         one numpy copy instead of a pread per row."""
         if out.size == 0:
@@ -80,10 +81,15 @@ class StoredTensor(LazyTensor):
             view = np.ndarray(box_shape(box), self.dtype, buffer=buf, offset=0, strides=_strides(self.shape, item))
             copy_into(out, view)
             return
-        tmp = np.empty(box_shape(box), dtype=self.dtype)  # runs far apart: batched preadvs, packed
+        # runs far apart: batched preadvs, packed in the box's C order, so straight into `out`
+        # where it is C-contiguous of the stored dtype (the rows' strips of an untransposed
+        # tile), else into a packed buffer copied (transposed, cast) into `out` once
+        direct = out.flags.c_contiguous and out.dtype == np.dtype(self.dtype)
+        tmp = out if direct else np.empty(box_shape(box), dtype=self.dtype)
         offsets = self.offset + starts.astype(np.int64) * item
         self.source.read_runs(offsets, run_len * item, memoryview(tmp.reshape(-1).view(np.uint8)))
-        copy_into(out, tmp)
+        if not direct:
+            copy_into(out, tmp)
 
     def file_runs(self, box: Box, limit: int) -> list[FileRun] | None:
         ranges = flat_ranges(self.shape, box, limit)

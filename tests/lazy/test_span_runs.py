@@ -103,3 +103,31 @@ def test_run_batches_cuts_long_batches_with_array_arithmetic(monkeypatch):
     first = set(want)
     inside = [i for i in range(1, len(offs)) if i not in first]
     assert gap == sum(int(offsets[i] - offsets[i - 1]) - 64 for i in inside)
+
+
+def test_runs_far_apart_go_straight_into_a_contiguous_out(tmp_path, monkeypatch):
+    """A box whose runs lie a page or more apart (the strips of rows that an fsdp cut of the
+    source's rows gives a joined tile: half of each 8 KiB row) is read by `read_runs` straight
+    into a C-contiguous `out` of the stored dtype: no packed buffer copied into it (before: one
+    copy a slab); a transposed or cast `out` still gets its one copy. Equal to numpy."""
+    from hybridckpt.lazy import stored
+
+    x = np.random.default_rng(3).standard_normal((64, 2048)).astype(np.float32)
+    path = str(tmp_path / "rows.bin")
+    x.tofile(path)
+    t = lazy.StoredTensor(ByteSource(path), 0, x.shape, x.dtype)
+    copies = []
+    real = stored.copy_into
+    monkeypatch.setattr(stored, "copy_into", lambda out, src: copies.append(out.shape) or real(out, src))
+    box = ((0, 64), (0, 1024))  # 4 KiB runs, 4 KiB apart
+    out = np.empty((64, 1024), np.float32)
+    with count_reads() as c:
+        t.read_into(box, out)
+    assert out.tobytes() == np.ascontiguousarray(x[:, :1024]).tobytes()
+    assert copies == [] and c[path] == out.nbytes
+    tr = np.empty((1024, 64), np.float32)
+    t.read_into(box, tr.T)  # transposed: packed, then one copy
+    assert tr.tobytes() == np.ascontiguousarray(x[:, :1024].T).tobytes() and copies == [(64, 1024)]
+    cast = np.empty((64, 1024), np.float64)
+    t.read_into(box, cast)
+    assert np.array_equal(cast, x[:, :1024].astype(np.float64)) and len(copies) == 2

@@ -152,3 +152,23 @@ def test_an_import_writes_the_same_chunk_files_direct_or_buffered(tmp_path, caps
                 with open(os.path.join(a, name, f), "rb") as x, open(os.path.join(b, name, f), "rb") as y:
                     assert x.read() == y.read(), (item, name, f)
     assert main(["verify", outs[""]]) == 0
+
+
+def test_chunks_side_by_side_in_a_tile_go_direct(tmp_path, monkeypatch):
+    """A tile of several chunks along a later axis (the joined strips of an fsdp-cut row: each
+    chunk a strip of the tile, not a contiguous part of it) is cut into aligned chunk buffers and
+    written with O_DIRECT like any whole-block chunk, one copy each; before, each strip was made
+    contiguous in an unaligned buffer and went through the page cache (a second copy, in the
+    kernel): 4 buffered files here."""
+    path = str(tmp_path / "arr")
+    spec = _create(path, (4, 4096), (4, 1024), "<f4")  # 16 KiB chunks, 4 side by side
+    if not direct_supported(str(tmp_path)):
+        pytest.fail(f"{tmp_path}: this test needs a filesystem that takes O_DIRECT")
+    opened = _spy_opens(monkeypatch)
+    x = np.random.default_rng(2).standard_normal((4, 4096)).astype(np.float32)
+    buf = direct_io.aligned_empty(x.shape, x.dtype)
+    buf[...] = x
+    chunk_files.write_tile(chunk_files.target_of(spec, (4, 1024)), ((0, 4), (0, 4096)), buf)
+    assert sorted(opened) == [("0.0", True), ("0.1", True), ("0.2", True), ("0.3", True)]
+    got = ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": path}}).result().read().result()
+    assert np.asarray(got).tobytes() == x.tobytes()

@@ -8,7 +8,8 @@ array), each holding the whole chunk (edge chunks padded with zeros, the fill va
 the chunk's C-order little-endian bytes (zarr v2 spec, "Chunk storage"; TensorStore's
 `zarr` driver, google/tensorstore:tensorstore/driver/zarr/driver.cc, reads and writes the same
 files), so a tile read by an import is written with one `write` per chunk, from the tile's own
-buffer where the chunk is a contiguous part of it, and fsync'd before Orbax commits the item.
+buffer where the chunk is a contiguous part of it (else from one aligned copy: a strip of the
+tile, an edge chunk), and fsync'd before Orbax commits the item.
 
 Direct I/O (`ChunkFiles.direct`, on unless `--buffered-writes`): a chunk of whole 4 KiB blocks
 from a 4 KiB-aligned buffer (every tile buffer an import reads into) is written with `O_DIRECT`
@@ -75,15 +76,26 @@ def write_tile(target: ChunkFiles, box: Box, data: np.ndarray) -> int:
     written = 0
     for sub in grid_boxes(box, target.chunk):
         with timing.stage("cut"):
-            piece = data[box_slices(sub, box)]
-            if piece.shape != target.chunk:  # an edge chunk: zarr v2 stores it whole, padded
-                full = aligned_empty(target.chunk, data.dtype)
-                full[...] = 0
-                full[tuple(slice(0, n) for n in piece.shape)] = piece
-                piece = full
-            piece = np.ascontiguousarray(piece)
+            piece = _chunk_bytes(data[box_slices(sub, box)], target.chunk)
         written += _write_file(target.path(tuple(a for a, _ in sub)), piece, target.direct)
     return written
+
+
+def _chunk_bytes(piece: np.ndarray, chunk: tuple[int, ...]) -> np.ndarray:
+    """The whole chunk whose stored part is `piece` (a view into a tile), as a C-contiguous array:
+    `piece` itself where it is one (a chunk of whole rows of the tile), else one copy into a
+    fresh 4 KiB-aligned buffer, so it is still written with O_DIRECT: a chunk that is a strip
+    of the tile (a tile of several chunks side by side along a later axis: the joined strips of
+    an fsdp-cut `[vocab, embed]` row) or an edge chunk (zarr v2 stores it whole, padded with
+    zeros). Before, a strip went through `np.ascontiguousarray` (an unaligned buffer) and so
+    through the page cache: a second copy of its bytes, in the kernel."""
+    if piece.shape == chunk and piece.flags.c_contiguous:
+        return piece
+    full = aligned_empty(chunk, piece.dtype)
+    if piece.shape != chunk:  # the padding of an edge chunk
+        full[...] = 0
+    full[tuple(slice(0, n) for n in piece.shape)] = piece
+    return full
 
 
 def _write_file(path: str, data: np.ndarray, direct: bool = False) -> int:
