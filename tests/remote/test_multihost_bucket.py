@@ -251,3 +251,24 @@ def test_a_planned_read_costs_what_the_read_asks(ranges):
     assert (done[("host", "requests")], done[("host", "requested")]) == (len(fs.gets), sum(b - a for a, b in fs.gets))
     assert (planned[("host", "requests")], planned[("host", "requested")]) == \
         (done[("host", "requests")], done[("host", "requested")])
+
+
+def test_a_process_killed_mid_import_leaves_no_committed_destination(s3, local_sources, tmp_path, capsys):
+    """Process 1 is killed (SIGKILL) after its second ranged GET: process 0, the coordinator, never
+    puts the destination in place (it waits for process 1 at the save's barriers until the
+    coordination service gives it up), and the next import of the same destination cleans what
+    the killed job left and writes it whole."""
+    from hybridckpt.cli import main
+
+    url = remote_sources.in_bucket(s3, local_sources["hf"])
+    dst = tmp_path / "ckpt"
+    rcs, logs, results, _, _ = run_pair(
+        tmp_path, s3, lambda pid: [["import", url, str(dst), "--mesh", MESH]],
+        faults=({}, {"kill_after_gets": 2}), heartbeat_s=5)
+    assert rcs[1] == -9, logs[1][-2000:]
+    assert rcs[0] != 0 and results[0] is None, logs[0][-2000:]  # the coordinator did not finish the job
+    assert not dst.exists()  # nothing committed
+    assert main(["import", url, str(dst), "--mesh", MESH]) == 0  # the next job: whole, nothing left beside it
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".ckpt")]  # no .lock, no .tmp-*
+    capsys.readouterr()
+    assert main(["verify", str(dst)]) == 0
