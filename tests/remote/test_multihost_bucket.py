@@ -7,14 +7,21 @@ Each process talks to the server through its own counting proxy (`fixtures.count
 the server's side of each process's requests is counted apart: every GET and its bytes.
 
 - the two processes' checkpoint equals the single-process import of the local folder, every
-  file bit for bit;
-- each process asked the server only for its own devices' ranges: its data bytes are at most
-  1.1x what the plan of that process's devices reads (`import --plan --processes 2 --process P`
-  of the local copy), the two together at most 1.1x what the devices of the mesh need, and its
-  summary's `requests` are what its proxy saw;
-- `import --plan` under `jax.distributed` reports each process's requests and bytes;
+  file bit for bit (less Orbax's per-process records and device numbering);
+- each process's readers asked only for its own devices' ranges: what the plan of that process
+  (`--processes 2 --process P` of the local copy) reads from a local disk, the needed bytes of
+  the two each byte once (at most 1.1x the tensors' bytes); the server sent each process only
+  those ranges, coalesced across gaps under 64 KiB and read ahead (a range-by-range check of
+  every GET its proxy saw); its summary's `requests` are exactly what its proxy saw; its
+  `import --plan --process P` (under jax.distributed) said beforehand, per host, what it fetched
+  (bytes at most 1.1x the plan's, plus the headers its open reads);
 - only the coordinating process puts the destination in place (the commit rename); a process
   killed mid-import leaves no committed destination, and the next import cleans what it left.
+
+A mesh axis between the hosts that cuts rows into strips under 64 KiB (here tp: `o_proj`,
+`down_proj`) has each host fetch the gaps between its strips, coalesced (a local read joins
+them into spans too, with a smaller gap); so what a host fetches is bounded by its plan's
+requests, not by the bytes its devices hold (docs/cli.md, Sources in object storage).
 """
 
 from __future__ import annotations
