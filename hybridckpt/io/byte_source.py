@@ -234,7 +234,7 @@ def _remote_into(path: str, obj: ranged.RemoteObject, ranges: list[tuple[int, in
     """Fill `buffer` with the object's `ranges` (the i-th at buffer offset `at[i]`) by ranged
     GETs (`io.remote.ranged`: coalesced, parallel, retried), or only count them when planned."""
     if planned():
-        _count_requests(ranged.cost(obj, ranged.plan_ranges(ranges)))
+        _count_requests(ranged.planned_cost(obj, ranges))
         return
     if _watches:  # checked unchanged (one HEAD) before a watching job commits
         with _lock:

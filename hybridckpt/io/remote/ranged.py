@@ -137,6 +137,21 @@ def cost(obj: RemoteObject, gets: Sequence[tuple[int, int]]) -> Requests:
     return Requests(obj.host, len(gets), sum(b - a for a, b in gets))
 
 
+def wanted(obj: RemoteObject, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The byte ranges a read of `ranges` asks of the server before the cache: coalesced (no
+    parts yet), a read smaller than `READAHEAD_BYTES` widened to that much (to the object's end)."""
+    out = plan_ranges(ranges, part=1 << 62)
+    if len(out) == 1 and out[0][1] - out[0][0] < READAHEAD_BYTES:  # a header, a small tensor
+        out = [(out[0][0], min(out[0][0] + READAHEAD_BYTES, obj.size))]
+    return out
+
+
+def planned_cost(obj: RemoteObject, ranges: Sequence[tuple[int, int]]) -> Requests:
+    """What a read of `ranges` costs with nothing fetched before (a planned read: `--plan`): the
+    GETs `read_ranges` makes on an empty cache, read-ahead and parts included."""
+    return cost(obj, [g for a, b in wanted(obj, ranges) for g in plan_ranges([(a, b)], gap=0)])
+
+
 def read_ranges(obj: RemoteObject, ranges: Sequence[tuple[int, int]],
                 sink: Callable[[int, memoryview], None]) -> Requests:
     """Fetch every byte of `ranges` of `obj` and hand each fetched piece to `sink(start, data)`
@@ -145,10 +160,7 @@ def read_ranges(obj: RemoteObject, ranges: Sequence[tuple[int, int]],
     for start, end in ranges:
         if start < 0 or end > obj.size:
             raise FormatError(f"{obj.url}: read of bytes [{start}, {end}) outside the object's {obj.size} bytes")
-    wanted = plan_ranges(ranges, part=1 << 62)
-    if len(wanted) == 1 and wanted[0][1] - wanted[0][0] < READAHEAD_BYTES:  # a header, a small tensor
-        wanted = [(wanted[0][0], min(wanted[0][0] + READAHEAD_BYTES, obj.size))]
-    pieces, holes = _FETCHED.claim(obj, wanted)
+    pieces, holes = _FETCHED.claim(obj, wanted(obj, ranges))
     try:
         gets = [g for a, b in holes for g in plan_ranges([(a, b)], gap=0)]
         if len(gets) == 1:
