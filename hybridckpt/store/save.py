@@ -20,8 +20,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from hybridckpt.errors import CheckpointError, ConfigError
-from hybridckpt.io import model_files, timing
+from hybridckpt.errors import CheckpointError, ConfigError, HybridCkptError
+from hybridckpt.io import byte_source, model_files, timing
 from hybridckpt.io.model_files import ModelFile
 from hybridckpt.io.paths import given
 from hybridckpt.store.layout import HF_FILES, TRAINER_STATE
@@ -87,6 +87,8 @@ def save_checkpoint(
             if primary and extra:
                 with timing.stage("metadata"):
                     _add_to_trainer_state(tmp / str(step), extra)
+            if multi:
+                _agree_sources_unchanged(dst)
             _barrier(f"hybridckpt-save-done-{token}")
             dest.commit()
             _barrier(f"hybridckpt-save-renamed-{token}")
@@ -133,6 +135,27 @@ def _add_to_trainer_state(step_dir: Path, extra: Mapping[str, Any]) -> None:
     state = dict(handler.restore(item, args=ocp.args.JsonRestore()))
     state.update(extra)
     handler.save(item, args=ocp.args.JsonSave(state))
+
+
+def _agree_sources_unchanged(dst: object) -> None:
+    """Under `jax.distributed`: every process checks the source files it read itself
+    (`byte_source.check_watches`; process 0's commit sees only its own reads) and they agree
+    before the commit: the process whose source changed raises its own one-line error, every
+    other one a CheckpointError naming that process; nothing is committed."""
+    from jax.experimental import multihost_utils
+
+    try:
+        byte_source.check_watches()
+        mine = None
+    except HybridCkptError as e:
+        mine = e
+    changed = np.asarray(multihost_utils.process_allgather(np.array([mine is not None], dtype=np.int32)))
+    if mine is not None:
+        raise mine
+    if changed.any():
+        who = ", ".join(str(i) for i in np.flatnonzero(changed.reshape(-1)))
+        raise CheckpointError(f"{dst}: not committed: a source file read by process {who} changed while it "
+                              f"was read (that process's error names it)")
 
 
 def _barrier(name: str) -> None:

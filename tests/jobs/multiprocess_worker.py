@@ -3,12 +3,16 @@
 usage: multiprocess_worker.py PROCESS_ID PORT SRC DST MESH OUT_JSON PLATFORM LOCAL_DEVICES
 
 PLATFORM `cpu`: LOCAL_DEVICES simulated CPU devices; otherwise (`cuda`) the GPUs the parent gave
-this process in CUDA_VISIBLE_DEVICES.
+this process in CUDA_VISIBLE_DEVICES. With HYBRIDCKPT_TEST_TOUCH=PATH and HYBRIDCKPT_TEST_FLAG=FLAG,
+process 1 gives PATH a new mtime right after it first opens it and process 0 first opens it after
+that (a source rewritten in place
+while this process reads it); HYBRIDCKPT_TEST_CONFIG=FILE is the import's `config`; a failed import is reported in OUT_JSON as "error" (exit 3).
 """
 
 import json
 import os
 import sys
+import time
 
 pid, port, src, dst, mesh, out, platform, local = sys.argv[1:9]
 os.environ["JAX_PLATFORMS"] = platform
@@ -21,10 +25,39 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=int(pid))
 
 from hybridckpt import jobs  # noqa: E402
+from hybridckpt.errors import HybridCkptError  # noqa: E402
+from hybridckpt.io import byte_source  # noqa: E402
 from hybridckpt.io.byte_source import count_reads  # noqa: E402
 
+touch, flag = os.environ.get("HYBRIDCKPT_TEST_TOUCH"), os.environ.get("HYBRIDCKPT_TEST_FLAG")
+if touch:
+    _fd, first = byte_source._fd, []
+
+    def fd_touched(path):
+        """Process 1 opens `touch` first, then gives it a new mtime and writes `flag`; process 0
+        opens it only after `flag` is there (so it sees the file as it is after the change)."""
+        if path == touch and not first and jax.process_index() == 0:
+            for _ in range(1200):  # (at most 120 s: then on, and the test sees the order fail)
+                if os.path.exists(flag):
+                    break
+                time.sleep(0.1)
+        fd = _fd(path)  # the job has now recorded the file as it is (`byte_source._fd`)
+        if path == touch and not first:
+            first.append(os.path.exists(flag))
+            if jax.process_index() == 1:
+                st = os.stat(touch)
+                os.utime(touch, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+                open(flag, "w").close()
+        return fd
+
+    byte_source._fd = fd_touched
+
+error, step = None, None
 with count_reads() as counter:
-    summary = jobs.import_checkpoint(src, dst, mesh=mesh)
+    try:
+        step = jobs.import_checkpoint(src, dst, mesh=mesh, config=os.environ.get("HYBRIDCKPT_TEST_CONFIG")).step
+    except HybridCkptError as e:
+        error = str(e)
 with open(out, "w") as f:
     json.dump(
         {
@@ -32,8 +65,12 @@ with open(out, "w") as f:
             "local_devices": len(jax.local_devices()),
             "platform": jax.local_devices()[0].platform,
             "bytes_read": {k: v for k, v in counter.items() if isinstance(k, str)},
-            "step": summary.step,
+            "step": step,
+            "error": error,
+            "touch_order_ok": bool(touch) and bool(first) and first[0] == (jax.process_index() == 0),
         },
         f,
     )
-jax.distributed.shutdown()
+if error is None:
+    jax.distributed.shutdown()
+sys.exit(3 if error else 0)

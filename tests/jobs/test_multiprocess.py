@@ -8,6 +8,7 @@ two processes)."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -53,18 +54,21 @@ def _split() -> tuple[str, int, list[str] | None]:
     return os.environ["JAX_PLATFORMS"], n // 2, visible[:n]
 
 
-def test_two_process_import_reads_own_shards_and_restores_on_one_process(source, tmp_path, capsys):
-    src, hf = source
-    dst = str(tmp_path / "ckpt")
+def _run_two(src, dst, tmp_path, mesh, touch=None, config=None):
+    """Run the 2-process import of `src` into `dst`; (exit codes, reports, logs, local devices, platform)."""
     port = free_port()
     platforms, local, visible = _split()
     platform = "cpu" if platforms == "cpu" else jax.devices()[0].platform
-    mesh = fit("fsdp=2,tp=2,pp=2", 2 * local)
+    mesh = fit(mesh, 2 * local)
     procs, outs = [], []
     for pid in range(2):
         out = str(tmp_path / f"p{pid}.json")
         outs.append(out)
-        env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+        env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "HYBRIDCKPT_TEST_TOUCH")}
+        if config is not None:
+            env["HYBRIDCKPT_TEST_CONFIG"] = config
+        if touch is not None:
+            env["HYBRIDCKPT_TEST_TOUCH"], env["HYBRIDCKPT_TEST_FLAG"] = touch, str(tmp_path / "touched")
         if visible is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[pid * local:(pid + 1) * local])
         procs.append(subprocess.Popen(
@@ -72,8 +76,15 @@ def test_two_process_import_reads_own_shards_and_restores_on_one_process(source,
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         ))
     logs = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(x[-3000:] for x in logs)
-    reports = [json.load(open(o)) for o in outs]
+    reports = [json.load(open(o)) if os.path.exists(o) else None for o in outs]
+    return [p.returncode for p in procs], reports, logs, local, platform
+
+
+def test_two_process_import_reads_own_shards_and_restores_on_one_process(source, tmp_path, capsys):
+    src, hf = source
+    dst = str(tmp_path / "ckpt")
+    codes, reports, logs, local, platform = _run_two(src, dst, tmp_path, "fsdp=2,tp=2,pp=2")
+    assert codes == [0, 0], "\n".join(x[-3000:] for x in logs)
     assert [(r["local_devices"], r["platform"]) for r in reports] == [(local, platform)] * 2
     total = sum(t.nbytes for t in hf.values())
     for r in reports:
@@ -92,3 +103,24 @@ def test_two_process_import_reads_own_shards_and_restores_on_one_process(source,
     # the checksums the two processes recorded together verify from one process
     assert main(["verify", dst]) == 0
     assert "arrays match their import checksums" in capsys.readouterr().out
+
+
+def test_a_source_file_changed_under_process_1_alone_commits_nothing(tmp_path):
+    """Process 0 commits, but each process reads (and records as it first saw it) its own files.
+    Here a `.distcp` both read changes (its mtime, as a rewrite in place leaves it) after process 1
+    first opened it and before process 0 did: process 0 sees one consistent file; only process 1
+    can tell. Each process checks its own reads before the commit and they agree
+    (`store.save._agree_sources_unchanged`): one line from each process, nothing committed.
+    Before, process 0 committed it."""
+    case = os.path.join(os.path.dirname(__file__), "..", "real", "cases", "torchtitan_llama3")
+    src, config = str(tmp_path / "src"), os.path.join(case, "config.json")
+    shutil.copytree(os.path.join(case, "ckpt"), src)
+    touched = os.path.join(src, "step-3", "__1_0.distcp")
+    dst = tmp_path / "ckpt"
+    codes, reports, logs, *_ = _run_two(src, str(dst), tmp_path, "fsdp=2,tp=2,pp=2", touch=touched, config=config)
+    assert [r["touch_order_ok"] for r in reports] == [True, True], "\n".join(x[-3000:] for x in logs)
+    assert codes == [3, 3], "\n".join(x[-3000:] for x in logs)
+    assert f"{touched} changed while it was read" in reports[1]["error"], reports[1]["error"]
+    assert "not committed: a source file read by process 1 changed" in reports[0]["error"], reports[0]["error"]
+    assert all("\n" not in r["error"] for r in reports)
+    assert not dst.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".ckpt")]
