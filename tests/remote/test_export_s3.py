@@ -10,8 +10,7 @@ import json
 import os
 
 import pytest
-import s3fs
-from fixtures.remote_sources import cut_uploads
+from fixtures.remote_sources import client, cut_uploads, fresh_bucket
 
 import hybridckpt
 from hybridckpt.cli import main
@@ -21,10 +20,6 @@ from hybridckpt.io.byte_source import close_all
 from hybridckpt.io.remote import commit as markers
 from hybridckpt.io.remote import urls
 from hybridckpt.writers import ownership, remote
-
-
-def client(server) -> s3fs.S3FileSystem:
-    return s3fs.S3FileSystem(client_kwargs={"endpoint_url": server.endpoint}, skip_instance_cache=True)
 
 
 def cli(capsys, *args) -> tuple[int, str, str]:
@@ -61,10 +56,7 @@ def local_files(folder) -> dict[str, bytes]:
 
 @pytest.fixture
 def bucket(s3):
-    fs = client(s3)
-    name = f"b{os.getpid()}-{len(fs.ls(''))}"
-    fs.mkdir(name)
-    return fs, name
+    return fresh_bucket(s3, "b")
 
 
 def test_hf_export_to_s3_equals_the_local_export_bitwise(bucket, tmp_path, capsys):

@@ -7,10 +7,9 @@ killed mid-upload leaves no commit marker, and readers refuse the prefix.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
-from fixtures.remote_sources import cut_uploads
+from fixtures.remote_sources import cut_uploads, fresh_bucket
 from test_export_s3 import cli, client, download, refused
 from test_remote_import import stable_digest
 
@@ -22,10 +21,7 @@ from hybridckpt.writers import ownership
 
 @pytest.fixture
 def bucket(s3):
-    fs = client(s3)
-    name = f"st{os.getpid()}-{len(fs.ls(''))}"
-    fs.mkdir(name)
-    return fs, name
+    return fresh_bucket(s3, "st")
 
 
 def _downloaded(fs, prefix: str, into) -> dict[str, bytes]:
