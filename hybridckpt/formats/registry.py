@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from hybridckpt import values
 from hybridckpt.errors import CheckpointError, ConfigError, FormatError, short_repr
 from hybridckpt.formats.model_config import config_arg, model_files_of
-from hybridckpt.io.remote.view import local_path, url_of
+from hybridckpt.io.remote.view import displayed, local_path, url_of
 from hybridckpt.io.step_folders import StepFolders
 from hybridckpt.lazy import shape_problem
 from hybridckpt.optim.groups import checked_hyper
@@ -262,7 +262,8 @@ def open_source(path: str, fmt: str = "auto", *, config=None, step: int | None =
                           f"index (the {fmt} reader names its optimizer itself): nothing to order")
     check_shapes(src)
     files, skipped = model_files_of(src, path, config)
-    return checked_steps(replace(src, config=cfg or src.config, files=files, notes=(*src.notes, *skipped)))
+    notes = tuple(displayed(n) for n in (*src.notes, *skipped))  # a file of a URL's view named by its URL
+    return checked_steps(replace(src, config=cfg or src.config, files=files, notes=notes))
 
 
 def _order_flag(param_order) -> str:

@@ -18,7 +18,9 @@ from __future__ import annotations
 import os
 
 from hybridckpt.errors import FormatError
+from hybridckpt.io.byte_source import ByteSource, real_reads
 from hybridckpt.io.regular_file import open_regular_stat
+from hybridckpt.io.remote.view import remote_object
 from hybridckpt.io.unchanged import Seen, changed_error, check_fd
 
 MIN_WINDOW = 4096  # bytes read after a jump: a header and what follows it in its page
@@ -31,6 +33,12 @@ class PreadView:
 
     def __init__(self, path: str):
         self.path = path
+        self._buf, self._base, self._window = b"", 0, MIN_WINDOW
+        obj = remote_object(path)
+        if obj is not None:  # a placeholder of an object in a bucket: its windows are ranged GETs
+            self._fd, self._remote = None, obj
+            return
+        self._remote = None
         self._fd, st = open_regular_stat(path)  # a regular file, or one line (a FIFO named *.pdparams never blocks)
         try:
             self._seen = Seen.of(st)
@@ -39,20 +47,22 @@ class PreadView:
         except BaseException:
             os.close(self._fd)
             raise
-        self._buf, self._base, self._window = b"", 0, MIN_WINDOW
 
     def __enter__(self) -> PreadView:
         return self
 
     def __exit__(self, *exc) -> None:
-        os.close(self._fd)
+        if self._fd is not None:
+            os.close(self._fd)
 
     def __len__(self) -> int:
-        return self._seen.size
+        return self._seen.size if self._remote is None else self._remote.size
 
     def check_unchanged(self) -> None:
-        """FormatError if the file changed since it was opened (one fstat, one stat)."""
-        check_fd(self.path, self._fd, self._seen)
+        """FormatError if the file changed since it was opened (one fstat, one stat); an object
+        in a bucket is checked by the job's `byte_source.watch` (its size and ETag) instead."""
+        if self._fd is not None:
+            check_fd(self.path, self._fd, self._seen)
 
     def __getitem__(self, key):
         buf = self._buf
@@ -110,6 +120,9 @@ class PreadView:
         self._buf, self._base = self._pread(start, end - start), start
 
     def _pread(self, offset: int, nbytes: int) -> bytes:
+        if self._remote is not None:  # through `io.byte_source`: ranged GETs, counted, read even when planning
+            with real_reads():
+                return ByteSource(self.path).read(offset, nbytes)
         parts, done = [], 0
         while done < nbytes:
             try:

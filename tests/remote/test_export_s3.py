@@ -10,7 +10,7 @@ import json
 import os
 
 import pytest
-import s3fs
+from fixtures.remote_sources import client, cut_uploads, fresh_bucket
 
 import hybridckpt
 from hybridckpt.cli import main
@@ -20,10 +20,6 @@ from hybridckpt.io.byte_source import close_all
 from hybridckpt.io.remote import commit as markers
 from hybridckpt.io.remote import urls
 from hybridckpt.writers import ownership, remote
-
-
-def client(server) -> s3fs.S3FileSystem:
-    return s3fs.S3FileSystem(client_kwargs={"endpoint_url": server.endpoint}, skip_instance_cache=True)
 
 
 def cli(capsys, *args) -> tuple[int, str, str]:
@@ -60,10 +56,7 @@ def local_files(folder) -> dict[str, bytes]:
 
 @pytest.fixture
 def bucket(s3):
-    fs = client(s3)
-    name = f"b{os.getpid()}-{len(fs.ls(''))}"
-    fs.mkdir(name)
-    return fs, name
+    return fresh_bucket(s3, "b")
 
 
 def test_hf_export_to_s3_equals_the_local_export_bitwise(bucket, tmp_path, capsys):
@@ -109,21 +102,9 @@ def test_overwrite_replaces_only_our_prefix(bucket, capsys):
     assert fs.cat_file(f"{b}/mine/a.bin") == b"1"
 
 
-def _failing_after(n: int, real=remote.upload_file):
-    calls = []
-
-    def upload(fs, local, path, part_bytes=None):
-        calls.append(path)
-        if len(calls) > n:
-            raise ConnectionResetError("connection reset by peer (injected)")
-        return real(fs, local, path, part_bytes)
-
-    return upload
-
-
 def test_a_failed_upload_deletes_what_it_wrote(bucket, monkeypatch, capsys):
     fs, b = bucket
-    monkeypatch.setattr(remote, "upload_file", _failing_after(1))
+    cut_uploads(monkeypatch, 1)
     err = refused(cli(capsys, "export", sample_path(), f"s3://{b}/out"), "upload failed", "nothing committed",
                   "connection reset")
     assert "Traceback" not in err
@@ -134,7 +115,7 @@ def test_leftovers_of_a_crash_are_ours_refused_by_readers_and_replaced(bucket, t
     fs, b = bucket
     dst = f"s3://{b}/out"
     real_upload, real_clean = remote.upload_file, remote.RemoteDestination._clean
-    monkeypatch.setattr(remote, "upload_file", _failing_after(2))
+    cut_uploads(monkeypatch, 2)
     monkeypatch.setattr(remote.RemoteDestination, "_clean", lambda self: None)  # as if killed
     refused(cli(capsys, "export", sample_path(), dst), "upload failed")
     left = download(fs, f"{b}/out")
@@ -156,16 +137,7 @@ def test_leftovers_of_a_crash_are_ours_refused_by_readers_and_replaced(bucket, t
 def test_the_server_killed_mid_export_ends_in_one_line(s3_killable, monkeypatch, capsys):
     fs = client(s3_killable)
     fs.mkdir("gone")
-    real = remote.upload_file
-    uploaded = []
-
-    def upload(fs_, local, path, part_bytes=None):
-        n = real(fs_, local, path, part_bytes)
-        uploaded.append(path)
-        s3_killable.kill()  # after the first object: every later request is refused
-        return n
-
-    monkeypatch.setattr(remote, "upload_file", upload)
+    uploaded = cut_uploads(monkeypatch, 1, kill=s3_killable)  # after the first object: every later request refused
     refused(cli(capsys, "export", sample_path(), "s3://gone/out"), "s3://gone/out", "upload failed")
     assert len(uploaded) == 1
 

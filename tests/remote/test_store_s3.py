@@ -7,24 +7,21 @@ killed mid-upload leaves no commit marker, and readers refuse the prefix.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
+from fixtures.remote_sources import cut_uploads, fresh_bucket
 from test_export_s3 import cli, client, download, refused
 from test_remote_import import stable_digest
 
 from hybridckpt.demo import sample_path
 from hybridckpt.io.remote import commit as markers
 from hybridckpt.io.remote import urls
-from hybridckpt.writers import ownership, remote
+from hybridckpt.writers import ownership
 
 
 @pytest.fixture
 def bucket(s3):
-    fs = client(s3)
-    name = f"st{os.getpid()}-{len(fs.ls(''))}"
-    fs.mkdir(name)
-    return fs, name
+    return fresh_bucket(s3, "st")
 
 
 def _downloaded(fs, prefix: str, into) -> dict[str, bytes]:
@@ -71,34 +68,15 @@ def test_overwrite_only_over_a_store_of_ours(bucket, capsys):
 
 def test_a_failed_upload_of_the_store_deletes_what_it_wrote(bucket, monkeypatch, capsys):
     fs, b = bucket
-    calls = []
-    real = remote.upload_file
-
-    def upload(fs_, local, path, part_bytes=None):
-        calls.append(path)
-        if len(calls) > 3:
-            raise ConnectionResetError("connection reset by peer (injected)")
-        return real(fs_, local, path, part_bytes)
-
-    monkeypatch.setattr(remote, "upload_file", upload)
+    went_up = cut_uploads(monkeypatch, 3)
     refused(cli(capsys, "import", sample_path(), f"s3://{b}/ck"), "upload failed", "nothing committed")
-    assert len(calls) == 4
+    assert len(went_up) == 3  # the fourth refused
     assert fs.find(f"{b}/ck") == []  # what went up deleted, the staging marker last; never a commit marker
 
 
 def test_the_server_killed_mid_store_upload_leaves_no_commit_marker(s3_killable, monkeypatch, capsys):
     fs = client(s3_killable)
     fs.mkdir("gone")
-    real = remote.upload_file
-    uploaded = []
-
-    def upload(fs_, local, path, part_bytes=None):
-        n = real(fs_, local, path, part_bytes)
-        uploaded.append(path)
-        if len(uploaded) == 2:
-            s3_killable.kill()  # every later request is refused: no cleaning, no marker
-        return n
-
-    monkeypatch.setattr(remote, "upload_file", upload)
+    uploaded = cut_uploads(monkeypatch, 2, kill=s3_killable)  # every later request refused: no cleaning, no marker
     refused(cli(capsys, "import", sample_path(), "s3://gone/ck"), "s3://gone/ck", "upload failed")
     assert len(uploaded) == 2

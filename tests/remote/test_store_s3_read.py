@@ -13,6 +13,7 @@ import os
 import numpy as np
 import pytest
 from fixtures import s3_server
+from fixtures.remote_sources import cut_uploads
 from test_export_s3 import cli, client, local_files, refused
 
 import hybridckpt
@@ -81,16 +82,7 @@ def test_export_inspect_verify_from_s3_equal_the_local_copy(stores, s3, tmp_path
 def test_readers_refuse_a_store_cut_short_or_without_its_marker(stores, s3, monkeypatch, capsys, tmp_path):
     fs, url, _ = stores
     monkeypatch.chdir(tmp_path)
-    real = remote.upload_file
-    calls = []
-
-    def upload(fs_, local, path, part_bytes=None):  # the server gone after 3 objects, nothing cleaned
-        calls.append(path)
-        if len(calls) > 3:
-            raise ConnectionResetError("connection reset by peer (injected)")
-        return real(fs_, local, path, part_bytes)
-
-    monkeypatch.setattr(remote, "upload_file", upload)
+    cut_uploads(monkeypatch, 3)  # the server gone after 3 objects, nothing cleaned
     monkeypatch.setattr(remote.RemoteDestination, "_clean", lambda self: None)  # as if killed
     refused(cli(capsys, "import", sample_path(), "s3://store-read/cut"), "upload failed")
     for args in (["inspect", "s3://store-read/cut"], ["export", "s3://store-read/cut", "/nonexistent/x"],

@@ -34,7 +34,7 @@ from hybridckpt.containers.pickle import paddle_save
 from hybridckpt.containers.safetensors_file import read_header
 from hybridckpt.errors import FormatError
 from hybridckpt.formats.flex_checkpoint.metadata import Block, FlexMetadata
-from hybridckpt.io.regular_file import open_regular_file
+from hybridckpt.io.byte_source import ByteSource, real_reads
 from hybridckpt.lazy import Deferred, LazyTensor, tiled
 
 
@@ -53,8 +53,9 @@ class DistcpFile:
             return self._tensors
 
     def _parse(self) -> dict[str, LazyTensor]:
-        with open_regular_file(self.path) as f:  # a FIFO or device refused, never waited on
-            head = f.read(9)
+        source = ByteSource(self.path)  # a FIFO or device refused, never waited on; in a bucket: one ranged GET
+        with real_reads():  # metadata, read for real under a planned import too
+            head = source.read(0, min(9, source.size()))
         # safetensors: an 8-byte little-endian header length, then the JSON header; a protocol
         # 2-5 pickle starts with PROTO, and its first 8 bytes read as a length past the file end
         n = int.from_bytes(head[:8], "little")

@@ -18,6 +18,7 @@ from hybridckpt.errors import FormatError, UnknownModelError
 from hybridckpt.formats.trainer import folder as files
 from hybridckpt.formats.trainer import fsdp
 from hybridckpt.io.config_file import read_json
+from hybridckpt.io.remote.view import displayed
 from hybridckpt.io.step_folders import StepFolders
 from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
@@ -169,7 +170,7 @@ def _with_trainer(src: SourceCheckpoint, kind: str, tf: files.TrainerFiles, cfg_
     if tf.lrs:
         trainer["scheduler_lrs"] = list(tf.lrs)
     if cfg_source is not None:
-        trainer["config_source"] = cfg_source
+        trainer["config_source"] = cfg_source = displayed(cfg_source)  # in a bucket: its URL, not the view's
         notes.append(f"model config from {cfg_source}")
     step = next((s for s in (tf.step, src.step, opt.step if opt is not None else None) if s is not None), None)
     if opt is not None:

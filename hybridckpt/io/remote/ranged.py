@@ -107,11 +107,14 @@ def since(before: dict[str, tuple[int, int]]) -> dict[str, dict[str, int]]:
     return out
 
 
-def plan_ranges(ranges: Sequence[tuple[int, int]], gap: int = COALESCE_GAP_BYTES,
-                part: int = PART_BYTES) -> list[tuple[int, int]]:
+def plan_ranges(ranges: Sequence[tuple[int, int]], gap: int | None = None,
+                part: int | None = None) -> list[tuple[int, int]]:
     """The GETs (`[start, end)` byte ranges) that fetch every one of `ranges`: sorted, merged
-    across gaps of at most `gap` bytes, cut into parts of at most `part` bytes. Empty ranges
-    ask for nothing."""
+    across gaps of at most `gap` bytes (default `COALESCE_GAP_BYTES`), cut into parts of at most
+    `part` bytes (default `PART_BYTES`; both read when called, so a test may scale them). Empty
+    ranges ask for nothing."""
+    gap = COALESCE_GAP_BYTES if gap is None else gap
+    part = PART_BYTES if part is None else part
     merged: list[list[int]] = []
     for start, end in sorted(r for r in ranges if r[1] > r[0]):
         if merged and start - merged[-1][1] <= gap:
