@@ -390,4 +390,6 @@ def test_each_experts_bytes_are_read_once(root, tmp_path):
             config=_config(root),
         )
     read = sum(v for k, v in c.items() if isinstance(k, str) and k.endswith(".distcp"))
-    assert data <= read <= data + 2048 * chunks, (read, data, chunks)
+    # plus each chunk's archive header: parsed (~1 KiB: zip directory, pickle), or, for a chunk
+    # of a kind parsed before, its non-element bytes read to compare (~1.6 KiB: formats/dcp/chunk)
+    assert data <= read <= data + 4096 * chunks, (read, data, chunks)
