@@ -40,7 +40,7 @@ from hybridckpt.containers.pickle.torch_tensors import TORCH_SAVE_POLICY, Storag
 from hybridckpt.errors import FormatError
 from hybridckpt.io.byte_source import ByteSource
 
-__all__ = ["load", "is_torch_zip", "is_torch_legacy", "unchecked_ranges"]
+__all__ = ["load", "load_source", "is_torch_zip", "is_torch_legacy", "unchecked_ranges"]
 
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 LEGACY_PROTOCOL = 1001
@@ -349,6 +349,13 @@ def load(
     globals outside the policy.
     """
     src, base, length, name = _window(path, base_offset, length)
+    return load_source(src, base, length, name, policy_extra)
+
+
+def load_source(src, base: int, length: int, name: str, policy_extra: Policy | None = None) -> object:
+    """`load` of the archive at `[base, base + length)` of `src` (`read(offset, n)`,
+    `read_into(offset, buffer)`: a `ByteSource`, or bytes already read, `formats.dcp.chunk`);
+    `name` is the archive's in error messages. Storages refer to `src`."""
     policy = TORCH_SAVE_POLICY.merged(policy_extra)
     kind = _kind(src, base, length, name)
     if kind == "zip":

@@ -7,13 +7,22 @@ torch/distributed/checkpoint/filesystem.py); a global tensor is the blocks at th
 metadata gives, which tile it exactly (checked by the caller, `containers.dcp_metadata.check_tiling`).
 
 A run on 512 ranks holds a million chunks of a few thousand shapes, and a host whose mesh cuts
-every chunk touches all of them: each archive is parsed in full only once per (length, shape,
-dtype) (`_TEMPLATES`, bounded); another chunk of that kind is read at its non-element bytes
-(~2 KiB: the zip's headers and directory, `data.pkl`, `byteorder`) and compared with the parsed
-one's outside the ranges a load neither reads nor checks (`torch_save.unchecked_ranges`: the
-elements, `.data/serialization_id`, those entries' CRCs). Equal: the same object at the same
-relative offsets, so its elements are at the parsed one's offset plus the distance between the
-two archives. Not equal: parsed in full (and refused, if bad, by the same checks).
+every chunk touches all of them. A plain chunk (one stored tensor of `nbytes = prod(shape) *
+itemsize` element bytes, as DCP writes) has `rest = length - nbytes` other bytes (~1.5 KiB: the
+zip's headers and directory, `data.pkl`, `byteorder`, `.data/serialization_id`), all of them in
+its first `rest` bytes and its last `rest` bytes (wherever the elements lie, they cover the middle).
+So every chunk is read the same way, whatever was read before: those two ends (one read of the
+whole chunk when they meet; at most `2 * rest` bytes), then
+- of a kind (length, shape, dtype) parsed before (`_TEMPLATES`, bounded): compared with the parsed
+  one's bytes outside the ranges a load neither reads nor checks (`torch_save.unchecked_ranges`:
+  the elements, `.data/serialization_id`, those entries' CRCs); equal: the same object at the same
+  relative offsets, its elements at the parsed one's offset;
+- else (or not equal): parsed from those bytes (`torch_save.load_source`, no further read), and
+  refused, if bad, by the same checks as a parse of the file.
+A chunk whose parse reaches into its middle, or whose tensor is not one plain stored tensor, is
+parsed again from the file. The reads a chunk costs are a function of its own bytes only, so a
+read plan (`jobs.plan_report`) counts exactly the reads the import makes, in any order, on any
+number of threads.
 """
 
 from __future__ import annotations
@@ -28,12 +37,37 @@ import numpy as np
 from hybridckpt.containers.pickle import torch_save
 from hybridckpt.errors import FormatError
 from hybridckpt.io.byte_source import ByteSource
-from hybridckpt.lazy import Deferred, LazyTensor, Slice, StoredTensor
+from hybridckpt.lazy import Deferred, LazyTensor, Reshape, Slice, StoredTensor
 
 TEMPLATES = 1024  # kinds of chunk (length, shape, dtype) kept parsed, most recently used
+ENDS_BYTES = 1 << 20  # a chunk with more non-element bytes than this is parsed from the file
 _TEMPLATES: OrderedDict = OrderedDict()
 _LOCK = threading.Lock()
-COUNTS = {"parsed": 0, "matched": 0}  # full parses / chunks found equal to a parsed one (tests)
+COUNTS = {"parsed": 0, "matched": 0}  # parses (of the ends or the file) / chunks matched (tests)
+
+
+class _Unheld(Exception):
+    """A parse of a chunk's ends read a byte between them (not the plain layout)."""
+
+
+class _Ends:
+    """A chunk's first and last `rest` bytes (`parts`: (start, bytes), relative to the chunk),
+    read from `src` at `offset`: one read when they meet; what a parse of the chunk reads from."""
+
+    def __init__(self, src: ByteSource, offset: int, length: int, rest: int):
+        if 2 * rest >= length:
+            self.parts = ((0, src.read(offset, length)),)
+        else:
+            self.parts = ((0, src.read(offset, rest)), (length - rest, src.read(offset + length - rest, rest)))
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        for at, part in self.parts:
+            if at <= offset and offset + nbytes <= at + len(part):
+                return part[offset - at : offset - at + nbytes]
+        raise _Unheld(offset, nbytes)
+
+    def read_into(self, offset: int, buffer: memoryview) -> None:
+        buffer[:] = self.read(offset, len(buffer))
 
 
 @dataclass(frozen=True)
@@ -48,41 +82,24 @@ class _Template:
     keep_head: np.ndarray  # bool per byte of head: compared
     keep_tail: np.ndarray
 
-    def matches(self, src: ByteSource, offset: int) -> bool:
-        head = np.frombuffer(src.read(offset, self.data), np.uint8)
-        if not np.array_equal(head[self.keep_head], np.frombuffer(self.head, np.uint8)[self.keep_head]):
-            return False
-        tail = np.frombuffer(src.read(offset + self.data + self.nbytes, len(self.tail)), np.uint8)
-        return bool(np.array_equal(tail[self.keep_tail], np.frombuffer(self.tail, np.uint8)[self.keep_tail]))
+    def matches(self, ends: _Ends) -> bool:
+        """Whether the chunk whose ends are `ends` equals this one where a load reads."""
+        head = np.frombuffer(ends.read(0, self.data), np.uint8)
+        tail = np.frombuffer(ends.read(self.data + self.nbytes, len(self.tail)), np.uint8)
+        return bool(
+            np.array_equal(head[self.keep_head], np.frombuffer(self.head, np.uint8)[self.keep_head])
+            and np.array_equal(tail[self.keep_tail], np.frombuffer(self.tail, np.uint8)[self.keep_tail])
+        )
 
 
-class _Held:
-    """An archive's bytes already read, its elements left out (read back as zeros): `head` at 0,
-    `tail` at `tail_at`; what `torch_save.unchecked_ranges` parses (no second read of the file)."""
-
-    def __init__(self, head: bytes, tail: bytes, tail_at: int):
-        self.head, self.tail, self.tail_at = head, tail, tail_at
-
-    def read_into(self, offset: int, buffer: memoryview) -> None:
-        buffer[:] = self.read(offset, len(buffer))
-
-    def read(self, offset: int, nbytes: int) -> bytes:
-        out = bytearray(nbytes)
-        for at, part in ((0, self.head), (self.tail_at, self.tail)):
-            a, b = max(offset, at), min(offset + nbytes, at + len(part))
-            if a < b:
-                out[a - offset : b - offset] = part[a - at : b - at]
-        return bytes(out)
-
-
-def _template(path: str, offset: int, length: int, t: StoredTensor) -> _Template | None:
-    """The template of a chunk just parsed to `t`, or None (not one plain stored tensor)."""
-    data, nbytes = t.offset - offset, int(np.prod(t.shape, dtype=np.int64)) * np.dtype(t.dtype).itemsize
-    if data < 0 or data + nbytes > length or length - nbytes > 1 << 20:
+def _template(ends: _Ends, length: int, data: int, nbytes: int, name: str) -> _Template | None:
+    """The template of a chunk just parsed from `ends` (elements at `[data, data + nbytes)`),
+    or None (not the plain layout)."""
+    head, tail = ends.read(0, data), ends.read(data + nbytes, length - data - nbytes)
+    try:
+        ranges = torch_save.unchecked_ranges(ends, length, name)
+    except _Unheld:
         return None
-    src = ByteSource(path)
-    head, tail = src.read(offset, data), src.read(offset + data + nbytes, length - data - nbytes)
-    ranges = torch_save.unchecked_ranges(_Held(head, tail, data + nbytes), length, f"{path}@{offset}+{length}")
     if ranges is None:
         return None
     keep = np.ones(length - nbytes, dtype=bool)  # the archive less its elements
@@ -96,50 +113,71 @@ def _template(path: str, offset: int, length: int, t: StoredTensor) -> _Template
 
 
 def _plain(t: LazyTensor) -> StoredTensor | None:
-    """`t` as one stored tensor: itself, or the whole of one (a `Slice` of its full region, as
-    a chunk's `torch.save` reads back); else None."""
-    if type(t) is StoredTensor:
-        return t
-    src = getattr(t, "src", None)
-    if type(t) is Slice and type(src) is StoredTensor and src.shape == tuple(t.shape) and all(
-        a == 0 and b == n for (a, b), n in zip(t.region, src.shape, strict=True)
-    ):
-        return src
-    return None
+    """`t` as one stored tensor: itself, or the whole of one under any number of whole-region
+    `Slice`s and C-order `Reshape`s (as a chunk's `torch.save` reads back: a `[1, 16, 32]`
+    expert block is the reshape of a `[16, 32]` storage); else None."""
+    shape = tuple(t.shape)
+    while True:
+        if type(t) is StoredTensor:
+            return t if tuple(t.shape) == shape else StoredTensor(t.source, t.offset, shape, t.dtype)
+        src = getattr(t, "src", None)
+        if not isinstance(src, LazyTensor) or np.dtype(src.dtype) != np.dtype(t.dtype):
+            return None
+        if type(t) is Reshape or (type(t) is Slice and src.shape == tuple(t.shape) and all(
+            a == 0 and b == n for (a, b), n in zip(t.region, src.shape, strict=True)
+        )):
+            t = src
+        else:
+            return None
+
+
+def _checked(t: object, what: str, shape: tuple[int, ...], dtype: np.dtype) -> LazyTensor:
+    if not isinstance(t, LazyTensor):
+        raise FormatError(f"{what}: chunk holds {type(t).__name__}, not a tensor")
+    if tuple(t.shape) != shape or np.dtype(t.dtype) != np.dtype(dtype):
+        raise FormatError(f"{what}: chunk is {t.dtype} {t.shape}, the metadata says {dtype} {shape}")
+    return t
 
 
 def chunk_tensor(path: str, offset: int, length: int, shape: tuple[int, ...], dtype: np.dtype,
                  fqn: str = "") -> LazyTensor:
     """The tensor of the chunk at `[offset, offset + length)` of `path`, checked against the
-    metadata's `shape` and `dtype`; a chunk of a kind parsed before is matched, not parsed."""
+    metadata's `shape` and `dtype`: read at its two ends, then matched against a parsed chunk of
+    its kind or parsed from those bytes (module docstring)."""
     path = os.path.abspath(path)
-    key = (length, shape, np.dtype(dtype).str)
-    with _LOCK:
-        tpl = _TEMPLATES.get(key)
-        if tpl is not None:
-            _TEMPLATES.move_to_end(key)
+    dtype = np.dtype(dtype)
     src = ByteSource(path)
-    if tpl is not None and offset >= 0 and offset + length <= src.size() and tpl.matches(src, offset):
-        COUNTS["matched"] += 1
-        return StoredTensor(src, offset + tpl.data, shape, np.dtype(dtype))
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    rest, size = length - nbytes, src.size()
+    name = path if (offset, length) == (0, size) else f"{path}@{offset}+{length}"
+    what = f"{name} ('{fqn}')"
+    if 0 < rest <= ENDS_BYTES and offset >= 0 and offset + length <= size:
+        ends, key = _Ends(src, offset, length, rest), (length, shape, dtype.str)
+        with _LOCK:
+            tpl = _TEMPLATES.get(key)
+            if tpl is not None:
+                _TEMPLATES.move_to_end(key)
+        if tpl is not None and tpl.matches(ends):
+            COUNTS["matched"] += 1
+            return StoredTensor(src, offset + tpl.data, shape, dtype)
+        COUNTS["parsed"] += 1
+        try:
+            plain = _plain(_checked(torch_save.load_source(ends, 0, length, name), what, shape, dtype))
+        except _Unheld:
+            plain = None
+        if plain is not None and plain.source is ends:
+            if tpl is None:
+                tpl = _template(ends, length, plain.offset, nbytes, name)
+                if tpl is not None:
+                    with _LOCK:
+                        _TEMPLATES[key] = tpl
+                        if len(_TEMPLATES) > TEMPLATES:
+                            _TEMPLATES.popitem(last=False)
+            return StoredTensor(src, offset + plain.offset, shape, dtype)
     COUNTS["parsed"] += 1
-    t = torch_save.load(path, base_offset=offset, length=length)
-    what = f"{path}@{offset}+{length} ('{fqn}')"
-    if not isinstance(t, LazyTensor):
-        raise FormatError(f"{what}: chunk holds {type(t).__name__}, not a tensor")
-    if tuple(t.shape) != shape or np.dtype(t.dtype) != np.dtype(dtype):
-        raise FormatError(f"{what}: chunk is {t.dtype} {t.shape}, the metadata says {dtype} {shape}")
+    t = _checked(torch_save.load(path, base_offset=offset, length=length), what, shape, dtype)
     plain = _plain(t)
-    if plain is not None:
-        t = plain
-    if tpl is None and plain is not None and t.source.path == path:
-        tpl = _template(path, offset, length, t)
-        if tpl is not None:
-            with _LOCK:
-                _TEMPLATES[key] = tpl
-                if len(_TEMPLATES) > TEMPLATES:
-                    _TEMPLATES.popitem(last=False)
-    return t
+    return t if plain is None else plain
 
 
 @dataclass(frozen=True, eq=False)

@@ -36,6 +36,7 @@ class Chunked(LazyTensor):
     _cache: OrderedDict = field(default_factory=OrderedDict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _at: dict = field(default_factory=dict, repr=False)  # "at": int64 per row, where its elements start (-1)
+    _finding: dict = field(default_factory=dict, repr=False)  # row -> Event: being found by one thread
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -65,32 +66,45 @@ class Chunked(LazyTensor):
 
     def block(self, row: int) -> tuple[tuple[int, ...], LazyTensor]:
         """The chunk of table row `row`: its offsets and its tensor (found on first use, by real
-        reads even while a plan is made: the plan counts them, as the import reads them)."""
+        reads even while a plan is made: the plan counts them, as the import reads them; by
+        one thread, the others asking for it meanwhile wait, so each chunk is found once)."""
         e, nd = self.entry, len(self.shape)
         t = e.table
         offs = tuple(int(x) for x in t.offsets[row, :nd])
         sizes = tuple(int(x) for x in t.sizes[row, :nd])
         path = t.files[t.file[row]]
-        with self._lock:
-            at = self._at.get("at")
-            if at is None:
-                at = self._at["at"] = np.full(e.count, -1, dtype=np.int64)
-            where = int(at[row - e.first])
-            got = self._cache.get(row) if where < 0 else None
-            if got is not None:
-                self._cache.move_to_end(row)
-                return got
+        while True:
+            with self._lock:
+                at = self._at.get("at")
+                if at is None:
+                    at = self._at["at"] = np.full(e.count, -1, dtype=np.int64)
+                where = int(at[row - e.first])
+                got = self._cache.get(row) if where < 0 else None
+                if got is not None:
+                    self._cache.move_to_end(row)
+                    return got
+                busy = self._finding.get(row) if where < 0 else None
+                if busy is None:
+                    if where < 0:  # this thread finds it; another asking meanwhile waits for it
+                        mine = self._finding[row] = threading.Event()
+                    break
+            busy.wait()  # (then found: at its offset, or in the cache)
         if where >= 0:
             return offs, StoredTensor(ByteSource(os.path.abspath(path)), where, sizes, e.dtype)
-        with real_reads():
-            found = chunk_tensor(path, int(t.start[row]), int(t.length[row]), sizes, e.dtype, e.fqn)
-        with self._lock:
-            if type(found) is StoredTensor:
-                at[row - e.first] = found.offset
-            else:
-                self._cache[row] = (offs, found)
-                if len(self._cache) > CACHE:
-                    self._cache.popitem(last=False)
+        try:
+            with real_reads():
+                found = chunk_tensor(path, int(t.start[row]), int(t.length[row]), sizes, e.dtype, e.fqn)
+            with self._lock:
+                if type(found) is StoredTensor:
+                    at[row - e.first] = found.offset
+                else:
+                    self._cache[row] = (offs, found)
+                    if len(self._cache) > CACHE:
+                        self._cache.popitem(last=False)
+        finally:
+            with self._lock:
+                del self._finding[row]
+            mine.set()
         return offs, found
 
     def read_into(self, box: Box, out: np.ndarray) -> None:
