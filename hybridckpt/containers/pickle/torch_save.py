@@ -40,7 +40,7 @@ from hybridckpt.containers.pickle.torch_tensors import TORCH_SAVE_POLICY, Storag
 from hybridckpt.errors import FormatError
 from hybridckpt.io.byte_source import ByteSource
 
-__all__ = ["load", "is_torch_zip", "is_torch_legacy"]
+__all__ = ["load", "load_source", "is_torch_zip", "is_torch_legacy", "unchecked_ranges"]
 
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 LEGACY_PROTOCOL = 1001
@@ -112,6 +112,7 @@ class _Zip:
         self.prefix = (f"{first}/data.pkl" if f"{first}/data.pkl" in pkls else pkls[0])[
             : -len("/data.pkl")
         ]
+        self.infos, self.start_dir = infos, getattr(zf, "start_dir", None)
 
     def entry(self, rel: str) -> zipfile.ZipInfo | None:
         return self.entries.get(f"{self.prefix}/{rel}")
@@ -348,6 +349,13 @@ def load(
     globals outside the policy.
     """
     src, base, length, name = _window(path, base_offset, length)
+    return load_source(src, base, length, name, policy_extra)
+
+
+def load_source(src, base: int, length: int, name: str, policy_extra: Policy | None = None) -> object:
+    """`load` of the archive at `[base, base + length)` of `src` (`read(offset, n)`,
+    `read_into(offset, buffer)`: a `ByteSource`, or bytes already read, `formats.dcp.chunk`);
+    `name` is the archive's in error messages. Storages refer to `src`."""
     policy = TORCH_SAVE_POLICY.merged(policy_extra)
     kind = _kind(src, base, length, name)
     if kind == "zip":
@@ -357,6 +365,37 @@ def load(
     if kind == "tar":
         raise FormatError(f"{name}: the pre-0.4 tar torch.save format is not supported")
     raise FormatError(f"{name}: neither a torch.save zip archive nor a legacy torch.save file")
+
+
+def unchecked_ranges(src, length: int, name: str) -> list[tuple[int, int]] | None:
+    """The byte ranges `[start, end)` (relative to `base_offset`) of a torch.save zip archive that
+    `load` neither reads nor checks: the data of every entry but `data.pkl` and `byteorder` (a
+    storage's elements, `.data/serialization_id`, which differs per save) and those entries' CRC-32
+    fields in their local and central headers and data descriptors. Two archives of one length equal outside these
+    ranges load to the same object, its storages at the same relative offsets (`dcp.chunk`). None
+    when the layout is not the plain one (a directory not where zipfile found it). `src`: the
+    archive's bytes from 0 (`read(offset, n)`, `read_into(offset, buffer)`: a `ByteSource`, or the
+    bytes already read)."""
+    base = 0
+    z = _Zip(src, base, length, name)
+    if z.start_dir is None:
+        return None
+    kept = {f"{z.prefix}/data.pkl", f"{z.prefix}/byteorder"}
+    out, pos = [], z.start_dir
+    for info in z.infos:  # central records in directory order: 46 bytes, name, extra, comment
+        if pos + 46 > length or src.read(base + pos, 4) != b"PK\x01\x02":
+            return None
+        if info.filename not in kept:
+            start = z.data_offset(info) - base
+            out += [(info.header_offset + 14, info.header_offset + 18), (start, start + info.file_size),
+                    (pos + 16, pos + 20)]
+            if info.flag_bits & 0x8:  # a data descriptor after the data: [signature], CRC, sizes
+                end = start + info.file_size
+                crc = end + 4 if src.read(base + end, 4) == b"PK\x07\x08" else end
+                out.append((crc, crc + 4))
+        pos += 46 + len(info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437"))
+        pos += len(info.extra) + len(info.comment)
+    return sorted(out)
 
 
 def zip_pickle(path: str | os.PathLike) -> bytes | None:

@@ -4,14 +4,16 @@
 and a checkpoint millions, most of which one host of a multi-host import never reads.
 `Chunked` keeps the tensor's rows of the `ChunkTable` (`containers.dcp_tables`: offsets, sizes,
 file, byte range per chunk, numpy columns) and finds the chunks a box intersects with array
-arithmetic; each such chunk becomes a `TorchSaveChunk` (its `torch.save` archive parsed on
-first read) kept in a small per-tensor cache (the most recently used `CACHE` chunks), so memory
-follows what this process reads, not the checkpoint. Reads and file runs are those of
+arithmetic; each such chunk is found once (`chunk.chunk_tensor`: its `torch.save` archive parsed,
+or matched against a parsed one of its kind) and only where its elements start is kept (8 bytes
+a chunk; a chunk that is not one plain stored tensor stays whole in a small cache, the most
+recently used `CACHE`), so memory does not grow with the chunks a plan touches. Reads and file runs are those of
 `lazy.Tiled` over the intersecting chunks.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -19,10 +21,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hybridckpt.containers.dcp_metadata import TensorEntry
-from hybridckpt.formats.dcp.chunk import TorchSaveChunk
-from hybridckpt.lazy import Box, FileRun, LazyTensor, block_overlap, tiled_file_runs
+from hybridckpt.formats.dcp.chunk import chunk_tensor
+from hybridckpt.io.byte_source import ByteSource, real_reads
+from hybridckpt.lazy import Box, FileRun, LazyTensor, StoredTensor, block_overlap, tiled_file_runs
 
-CACHE = 4096  # chunks of one tensor kept parsed (each ~1 KiB)
+CACHE = 64  # chunks of one tensor kept whole when they are not plain stored tensors
 
 
 @dataclass(frozen=True, eq=False)
@@ -32,6 +35,8 @@ class Chunked(LazyTensor):
     entry: TensorEntry
     _cache: OrderedDict = field(default_factory=OrderedDict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _at: dict = field(default_factory=dict, repr=False)  # "at": int64 per row, where its elements start (-1)
+    _finding: dict = field(default_factory=dict, repr=False)  # row -> Event: being found by one thread
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -59,23 +64,48 @@ class Chunked(LazyTensor):
         hit = ((lo < b) & (hi > a) & (hi > lo)).all(axis=1)
         return e.first + np.flatnonzero(hit)
 
-    def block(self, row: int) -> tuple[tuple[int, ...], TorchSaveChunk]:
-        """The chunk of table row `row`: its offsets and its lazy block."""
-        with self._lock:
-            got = self._cache.get(row)
-            if got is not None:
-                self._cache.move_to_end(row)
-                return got
+    def block(self, row: int) -> tuple[tuple[int, ...], LazyTensor]:
+        """The chunk of table row `row`: its offsets and its tensor (found on first use, by real
+        reads even while a plan is made: the plan counts them, as the import reads them; by
+        one thread, the others asking for it meanwhile wait, so each chunk is found once)."""
         e, nd = self.entry, len(self.shape)
         t = e.table
         offs = tuple(int(x) for x in t.offsets[row, :nd])
         sizes = tuple(int(x) for x in t.sizes[row, :nd])
-        got = (offs, TorchSaveChunk(t.files[t.file[row]], int(t.start[row]), int(t.length[row]), sizes, e.dtype, e.fqn))
-        with self._lock:
-            self._cache[row] = got
-            if len(self._cache) > CACHE:
-                self._cache.popitem(last=False)
-        return got
+        path = t.files[t.file[row]]
+        while True:
+            with self._lock:
+                at = self._at.get("at")
+                if at is None:
+                    at = self._at["at"] = np.full(e.count, -1, dtype=np.int64)
+                where = int(at[row - e.first])
+                got = self._cache.get(row) if where < 0 else None
+                if got is not None:
+                    self._cache.move_to_end(row)
+                    return got
+                busy = self._finding.get(row) if where < 0 else None
+                if busy is None:
+                    if where < 0:  # this thread finds it; another asking meanwhile waits for it
+                        mine = self._finding[row] = threading.Event()
+                    break
+            busy.wait()  # (then found: at its offset, or in the cache)
+        if where >= 0:
+            return offs, StoredTensor(ByteSource(os.path.abspath(path)), where, sizes, e.dtype)
+        try:
+            with real_reads():
+                found = chunk_tensor(path, int(t.start[row]), int(t.length[row]), sizes, e.dtype, e.fqn)
+            with self._lock:
+                if type(found) is StoredTensor:
+                    at[row - e.first] = found.offset
+                else:
+                    self._cache[row] = (offs, found)
+                    if len(self._cache) > CACHE:
+                        self._cache.popitem(last=False)
+        finally:
+            with self._lock:
+                del self._finding[row]
+            mine.set()
+        return offs, found
 
     def read_into(self, box: Box, out: np.ndarray) -> None:
         """Each intersecting chunk fills its own slab of `out` (no intermediate copy)."""
