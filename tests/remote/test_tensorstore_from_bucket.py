@@ -1,0 +1,155 @@
+"""What TensorStore alone reads, read from a bucket (issue 43): MaxText's train state (compressed
+zarr arrays, written by MaxText itself: tests/real/cases) and our store imported with
+`--compression zstd` (an OCDBT database of compressed chunks). TensorStore reads the objects
+from the server with the kvstore spec `io.remote.ts_kvstore` makes (the endpoint named), never
+the local view's placeholders; every tensor equals the local read bit for bit, and the GETs
+TensorStore made are counted for the server's host, bounded by the objects' bytes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from test_export_s3 import cli, client, local_files
+
+import hybridckpt
+from hybridckpt.demo import sample_path
+from hybridckpt.errors import CheckpointError, ConfigError
+from hybridckpt.formats.registry import open_source
+from hybridckpt.io.byte_source import count_reads
+from hybridckpt.io.read_tally import remote_requests
+from hybridckpt.io.remote import ts_kvstore
+
+CASES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "real", "cases")
+MAXTEXT = os.path.join(CASES, "maxtext_llama3", "ckpt")  # MaxText 0.2.5's own save: zstd zarr v2 arrays
+CONFIG = os.path.join(CASES, "torchtitan_llama3", "config.json")
+
+
+def tensors(src) -> dict[str, bytes]:
+    """Every tensor and optimizer slot of `src`, read whole: name -> dtype, shape and bytes."""
+    out = {}
+    groups = {"": src.tensors, **({s: t for s, t in src.optimizer.slots.items()} if src.optimizer else {})}
+    for slot, group in groups.items():
+        for name, t in group.items():
+            a = np.ascontiguousarray(t.materialize())
+            out[f"{slot}:{name}"] = f"{a.dtype}{a.shape}".encode() + a.tobytes()
+    return out
+
+
+def object_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(folder) for f in fs)
+
+
+@pytest.fixture(scope="module")
+def maxtext_s3(s3_shared):
+    with pytest.MonkeyPatch.context() as mp:
+        from fixtures import s3_server
+
+        s3_server.apply_env(mp, s3_shared)
+        fs = client(s3_shared)
+        fs.mkdir("ts-read")
+        fs.put(MAXTEXT + "/", "ts-read/maxtext/", recursive=True)
+    return "s3://ts-read/maxtext"
+
+
+def test_maxtext_from_s3_equals_the_local_read(maxtext_s3, s3):
+    want = tensors(open_source(MAXTEXT, config=CONFIG))
+    with count_reads() as reads:
+        src = open_source(maxtext_s3, config=CONFIG)
+        got = tensors(src)
+    assert src.format == "maxtext" and src.step == 4
+    assert sorted(got) == sorted(want) and len(want) > 20
+    assert [k for k in want if got[k] != want[k]] == []  # bitwise, every tensor and Adam moment
+    asked = remote_requests(reads)[f"127.0.0.1:{s3.port}"]
+    arrays = sum(1 for r, _, fs in os.walk(MAXTEXT) for f in fs if f == ".zarray")
+    # TensorStore's GETs: each array's .zarray and its chunks, each once: no more than the objects
+    assert arrays <= asked["requests"] <= 3 * arrays
+    assert 0 < asked["bytes"] <= object_bytes(MAXTEXT)
+
+
+def test_maxtext_import_from_s3_equals_the_local_import(maxtext_s3, s3, tmp_path, capsys):
+    from test_remote_import import stable_digest
+
+    code, _, err = cli(capsys, "import", MAXTEXT, tmp_path / "a", "--config", CONFIG, "--mesh", "fsdp=2")
+    assert code == 0, err
+    code, out, err = cli(capsys, "import", maxtext_s3, tmp_path / "b", "--config", CONFIG, "--mesh", "fsdp=2",
+                         "--json")
+    assert code == 0, err
+    import json
+
+    asked = json.loads(out)["requests"][f"127.0.0.1:{s3.port}"]  # TensorStore's GETs in the summary
+    arrays = sum(1 for r, _, fs in os.walk(MAXTEXT) for f in fs if f == ".zarray")
+    assert asked["requests"] >= arrays and 0 < asked["bytes"] <= 2 * object_bytes(MAXTEXT)
+    a, b = stable_digest(tmp_path / "a"), stable_digest(tmp_path / "b")
+    assert sorted(a) == sorted(b) and len(a) > 20
+    assert [k for k in a if a[k] != b[k]] == []
+
+
+def test_maxtext_from_gcs_equals_the_local_read(gcs):
+    from gcsfs.core import GCSFileSystem
+
+    fs = GCSFileSystem(skip_instance_cache=True)
+    if not fs.exists("ts-gcs"):
+        fs.mkdir("ts-gcs")
+    fs.put(MAXTEXT + "/", "ts-gcs/maxtext/", recursive=True)
+    want = tensors(open_source(MAXTEXT, config=CONFIG))
+    got = tensors(open_source("gs://ts-gcs/maxtext", config=CONFIG))
+    assert sorted(got) == sorted(want) and [k for k in want if got[k] != want[k]] == []
+
+
+@pytest.fixture(scope="module")
+def zstd_store(s3_shared, tmp_path_factory):
+    """(local folder, URL): one import with --compression zstd (an OCDBT item of zstd chunks) to
+    disk and the same import to the bucket."""
+    from fixtures import s3_server
+
+    with pytest.MonkeyPatch.context() as mp:
+        s3_server.apply_env(mp, s3_shared)
+        fs = client(s3_shared)
+        fs.mkdir("ts-store")
+        local = tmp_path_factory.mktemp("zstd") / "ck"
+        for dst in (local, "s3://ts-store/zstd"):
+            assert hybridckpt.cli.main(["import", sample_path(), str(dst), "--compression", "zstd",
+                                        "--mesh", "fsdp=2"]) == 0
+    assert any(f == "manifest.ocdbt" for _, _, fs_ in os.walk(local) for f in fs_)
+    return str(local), "s3://ts-store/zstd"
+
+
+def test_an_ocdbt_compressed_store_from_s3_equals_the_local_one(zstd_store, s3, tmp_path, capsys):
+    local, url = zstd_store
+    want = tensors(open_source(local))
+    with count_reads() as reads:
+        got = tensors(open_source(url))
+    assert sorted(got) == sorted(want) and len(want) > 20
+    assert [k for k in want if got[k] != want[k]] == []  # bitwise, params and optimizer slots
+    asked = remote_requests(reads)[f"127.0.0.1:{s3.port}"]
+    assert 0 < asked["bytes"] <= object_bytes(local)  # the OCDBT nodes and chunks, none read twice
+    assert cli(capsys, "export", local, tmp_path / "a")[0] == 0
+    code, _, err = cli(capsys, "export", url, tmp_path / "b")
+    assert code == 0, err
+    a, b = local_files(tmp_path / "a"), local_files(tmp_path / "b")
+    assert sorted(a) == sorted(b) and [k for k in a if a[k] != b[k] and k != "hybridckpt.json"] == []
+    code, out, err = cli(capsys, "verify", url)
+    assert code == 0 and "match" in out, err
+
+
+def test_restore_of_an_ocdbt_store_in_a_bucket_is_one_line(zstd_store, s3):
+    with pytest.raises(CheckpointError, match="OCDBT item.*download it"):
+        hybridckpt.restore(zstd_store[1], "fsdp=1")
+
+
+def test_kvstore_specs_name_the_endpoint_and_no_credentials(monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret-never-in-a-spec")
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.delenv("AWS_REGION", raising=False)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-west-3")
+    spec = ts_kvstore.kvstore_spec("s3://b/ck/12/params")
+    assert spec == {"driver": "s3", "bucket": "b", "path": "ck/12/params/", "endpoint": "http://127.0.0.1:9",
+                    "aws_region": "eu-west-3"}
+    assert "secret" not in repr(spec)
+    assert ts_kvstore.kvstore_spec("gs://b")["path"] == ""
+    with pytest.raises(ConfigError, match="only as s3:// or gs://"):
+        ts_kvstore.kvstore_spec("az://b/x")
