@@ -146,10 +146,11 @@ def test_kvstore_specs_name_the_endpoint_and_no_credentials(monkeypatch):
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
     monkeypatch.delenv("AWS_REGION", raising=False)
     monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-west-3")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key-never-in-a-spec")
     spec = ts_kvstore.kvstore_spec("s3://b/ck/12/params")
     assert spec == {"driver": "s3", "bucket": "b", "path": "ck/12/params/", "endpoint": "http://127.0.0.1:9",
-                    "aws_region": "eu-west-3"}
-    assert "secret" not in repr(spec)
+                    "aws_region": "eu-west-3", "aws_credentials": {"type": "environment"}}
+    assert "never" not in repr(spec)
     assert ts_kvstore.kvstore_spec("gs://b")["path"] == ""
     with pytest.raises(ConfigError, match="only as s3:// or gs://"):
         ts_kvstore.kvstore_spec("az://b/x")

@@ -17,7 +17,8 @@ placeholders hold no byte of the objects):
 
 Credentials are TensorStore's own business, found as the AWS and Google SDKs find them
 (environment, config files, instance metadata): never read, put into a spec, printed or logged
-here. Any other scheme is one ConfigError. `requests()` reads TensorStore's own counters of the
+here (where `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` are set, the spec names the SDK's
+`environment` provider, the first of its default chain, by type only). Any other scheme is one ConfigError. `requests()` reads TensorStore's own counters of the
 GETs and bytes it made (`/tensorstore/kvstore/<driver>/read`, `.../bytes_read`), so a job adds
 them to the requests it reports per host (`ranged.add_total`).
 """
@@ -64,6 +65,10 @@ def kvstore_spec(url: RemoteUrl | str, *, folder: bool = True) -> dict:
         if endpoint:
             spec["endpoint"] = endpoint
         spec["aws_region"] = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or DEFAULT_REGION
+        if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+            # (the default chain's first source; named, so the SDK does not go on to log on stderr
+            # that it found no ~/.aws files: a job's error stays one line)
+            spec["aws_credentials"] = {"type": "environment"}
     elif os.environ.get("STORAGE_EMULATOR_HOST") and not os.environ.get("TENSORSTORE_GCS_HTTP_URL"):
         emulator = os.environ["STORAGE_EMULATOR_HOST"]
         os.environ["TENSORSTORE_GCS_HTTP_URL"] = emulator if "://" in emulator else f"http://{emulator}"
