@@ -149,8 +149,31 @@ def test_kvstore_specs_name_the_endpoint_and_no_credentials(monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key-never-in-a-spec")
     spec = ts_kvstore.kvstore_spec("s3://b/ck/12/params")
     assert spec == {"driver": "s3", "bucket": "b", "path": "ck/12/params/", "endpoint": "http://127.0.0.1:9",
-                    "aws_region": "eu-west-3", "aws_credentials": {"type": "environment"}}
+                    "aws_region": "eu-west-3", "aws_credentials": {"type": "environment"},
+                    "s3_request_retries": {"max_retries": 4, "initial_delay": "0.2s", "max_delay": "3.2s"}}
     assert "never" not in repr(spec)
     assert ts_kvstore.kvstore_spec("gs://b")["path"] == ""
     with pytest.raises(ConfigError, match="only as s3:// or gs://"):
         ts_kvstore.kvstore_spec("az://b/x")
+
+
+def test_the_server_killed_mid_read_ends_in_one_line(s3_killable, monkeypatch, tmp_path, capsys):
+    """TensorStore cut from its server: its retries bounded as ours, then one line, exit 2, and
+    no destination (a local import's temporary sibling removed too)."""
+    fs = client(s3_killable)
+    fs.mkdir("ts-kill")
+    fs.put(MAXTEXT + "/", "ts-kill/maxtext/", recursive=True)
+    real, calls = ts_kvstore.for_local, []
+
+    def kill_on_the_third_array(path):  # the view made, some arrays opened: then the server is gone
+        calls.append(path)
+        if len(calls) == 3:
+            s3_killable.kill()
+        return real(path)
+
+    monkeypatch.setattr(ts_kvstore, "for_local", kill_on_the_third_array)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli(capsys, "import", "s3://ts-kill/maxtext", tmp_path / "out", "--config", CONFIG)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("hybridckpt: error:"), err
+    assert "s3://ts-kill/maxtext/" in err and "retry attempts failed" in err, err
+    assert len(calls) >= 3 and os.listdir(tmp_path) == []  # nothing committed, nothing left beside

@@ -15,7 +15,8 @@ placeholders hold no byte of the objects):
   (a GCS emulator) TensorStore's `TENSORSTORE_GCS_HTTP_URL` is set to it when unset (TensorStore
   names its GCS endpoint by that variable only: there is no spec member for it).
 
-Credentials are TensorStore's own business, found as the AWS and Google SDKs find them
+Transient errors are retried `ranged.TRIES` times with a growing pause, as our own GETs (then
+TensorStore's error, one line). Credentials are TensorStore's own business, found as the AWS and Google SDKs find them
 (environment, config files, instance metadata): never read, put into a spec, printed or logged
 here (where `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` are set, the spec names the SDK's
 `environment` provider, the first of its default chain, by type only). Any other scheme is one ConfigError. `requests()` reads TensorStore's own counters of the
@@ -59,7 +60,13 @@ def kvstore_spec(url: RemoteUrl | str, *, folder: bool = True) -> dict:
     path = url.path.split("/", 1)[1] if "/" in url.path else ""
     if folder and path and not path.endswith("/"):
         path += "/"
-    spec: dict = {"driver": driver, "bucket": url.bucket, "path": path}
+    from hybridckpt.io.remote import ranged
+
+    spec: dict = {"driver": driver, "bucket": url.bucket, "path": path,
+                  # as our own GETs (`ranged.TRIES`): TensorStore's default (32 tries, up to 32 s
+                  # apart) would leave a job cut from its server waiting for minutes, not one line
+                  f"{driver}_request_retries": {"max_retries": ranged.TRIES, "initial_delay": f"{ranged.BACKOFF_S}s",
+                                                "max_delay": f"{ranged.BACKOFF_S * 2 ** ranged.TRIES}s"}}
     if driver == "s3":
         endpoint = s3_endpoint()
         if endpoint:
