@@ -177,3 +177,19 @@ def test_the_server_killed_mid_read_ends_in_one_line(s3_killable, monkeypatch, t
     assert code == 2 and err.count("\n") == 1 and err.startswith("hybridckpt: error:"), err
     assert "s3://ts-kill/maxtext/" in err and "retry attempts failed" in err, err
     assert len(calls) >= 3 and os.listdir(tmp_path) == []  # nothing committed, nothing left beside
+
+
+def test_why_our_store_still_goes_up_through_a_spool():
+    """The evidence behind writing our store and MaxText targets through the local spool
+    (docs/design.md, "A destination in object storage"), pinned so that an Orbax that learns
+    `s3://` fails here and says to revisit: Orbax 0.12 builds its TensorStore specs from the
+    folder's path and knows only `gs://` as remote; an `s3://` folder is a local path to it:
+    refused with OCDBT, and WITHOUT OCDBT a `file` kvstore writing into a local folder `s3:`."""
+    from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+
+    with pytest.raises(ValueError, match="should be absolute"):
+        ts_utils.build_kvstore_tspec("s3://bkt/ck/12.orbax-checkpoint-tmp/params", "w", use_ocdbt=True)
+    spec = ts_utils.build_kvstore_tspec("s3://bkt/ck/12/params", "w", use_ocdbt=False)
+    assert spec == {"driver": "file", "path": "s3:/bkt/ck/12/params/w"}
+    # what TensorStore needs instead, and what our reads give it (`io.remote.ts_kvstore`)
+    assert ts_kvstore.kvstore_spec("s3://bkt/ck/12/params")["driver"] == "s3"
