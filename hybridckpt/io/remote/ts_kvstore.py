@@ -12,8 +12,8 @@ placeholders hold no byte of the objects):
   server would not be reached), the region from `AWS_REGION` / `AWS_DEFAULT_REGION` (needed
   with an endpoint, where TensorStore cannot ask the bucket; "us-east-1" when neither is set);
 - `gs://bucket/prefix` -> `{"driver": "gcs", "bucket", "path"}`; under `STORAGE_EMULATOR_HOST`
-  (a GCS emulator) TensorStore's `TENSORSTORE_GCS_HTTP_URL` is set to it when unset (TensorStore
-  names its GCS endpoint by that variable only: there is no spec member for it).
+  (a GCS emulator) TensorStore's `TENSORSTORE_GCS_HTTP_URL` is set to it unless the user set it
+  (TensorStore names its GCS endpoint by that variable only: there is no spec member for it).
 
 Transient errors are retried `ranged.TRIES` times with a growing pause, as our own GETs (then
 TensorStore's error, one line). Credentials are TensorStore's own business, found as the AWS and Google SDKs find them
@@ -36,6 +36,7 @@ from hybridckpt.io.remote.urls import RemoteUrl
 DRIVERS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}  # URL scheme -> TensorStore kvstore driver
 DEFAULT_REGION = "us-east-1"
 
+_set_gcs_url: list[str | None] = [None]  # the TENSORSTORE_GCS_HTTP_URL this module set, if any
 _seen_lock = threading.Lock()
 _seen: dict[str, tuple[int, int]] = {}  # TensorStore's counts already added to a host (`settle`)
 
@@ -76,9 +77,12 @@ def kvstore_spec(url: RemoteUrl | str, *, folder: bool = True) -> dict:
             # (the default chain's first source; named, so the SDK does not go on to log on stderr
             # that it found no ~/.aws files: a job's error stays one line)
             spec["aws_credentials"] = {"type": "environment"}
-    elif os.environ.get("STORAGE_EMULATOR_HOST") and not os.environ.get("TENSORSTORE_GCS_HTTP_URL"):
+    elif os.environ.get("STORAGE_EMULATOR_HOST"):
         emulator = os.environ["STORAGE_EMULATOR_HOST"]
-        os.environ["TENSORSTORE_GCS_HTTP_URL"] = emulator if "://" in emulator else f"http://{emulator}"
+        current = os.environ.get("TENSORSTORE_GCS_HTTP_URL")
+        if not current or current == _set_gcs_url[0]:  # (the user's own value is kept)
+            _set_gcs_url[0] = os.environ["TENSORSTORE_GCS_HTTP_URL"] = (
+                emulator if "://" in emulator else f"http://{emulator}")
     return spec
 
 
