@@ -128,6 +128,11 @@ def test_an_ocdbt_compressed_store_from_s3_equals_the_local_one(zstd_store, s3, 
     assert [k for k in want if got[k] != want[k]] == []  # bitwise, params and optimizer slots
     asked = remote_requests(reads)[f"127.0.0.1:{s3.port}"]
     assert 0 < asked["bytes"] <= object_bytes(local)  # the OCDBT nodes and chunks, none read twice
+    from hybridckpt.io.remote import view
+
+    root = view.local_path(url)
+    data = [os.path.join(r, f) for r, _, fs_ in os.walk(root) for f in fs_ if os.path.basename(r) == "d"]
+    assert data and all(view.remote_object(p) is not None for p in data)  # OCDBT data files: never downloaded
     assert cli(capsys, "export", local, tmp_path / "a")[0] == 0
     code, _, err = cli(capsys, "export", url, tmp_path / "b")
     assert code == 0, err
