@@ -1,6 +1,6 @@
 """What TensorStore alone reads, read from a bucket (issue 43): MaxText's train state (compressed
-zarr arrays, written by MaxText itself: tests/real/cases) and our store imported with
-`--compression zstd` (an OCDBT database of compressed chunks). TensorStore reads the objects
+zarr arrays, written by MaxText itself: tests/real/cases), from s3:// and gs:// (our OCDBT
+store: test_tensorstore_ocdbt_bucket.py). TensorStore reads the objects
 from the server with the kvstore spec `io.remote.ts_kvstore` makes (the endpoint named), never
 the local view's placeholders; every tensor equals the local read bit for bit, and the GETs
 TensorStore made are counted for the server's host, bounded by the objects' bytes.
@@ -12,11 +12,9 @@ import os
 
 import numpy as np
 import pytest
-from test_export_s3 import cli, client, local_files
+from test_export_s3 import cli, client
 
-import hybridckpt
-from hybridckpt.demo import sample_path
-from hybridckpt.errors import CheckpointError, ConfigError
+from hybridckpt.errors import ConfigError
 from hybridckpt.formats.registry import open_source
 from hybridckpt.io.byte_source import count_reads
 from hybridckpt.io.read_tally import remote_requests
@@ -99,52 +97,6 @@ def test_maxtext_from_gcs_equals_the_local_read(gcs, monkeypatch):
     want = tensors(open_source(MAXTEXT, config=CONFIG))
     got = tensors(open_source("gs://ts-gcs/maxtext", config=CONFIG))
     assert sorted(got) == sorted(want) and [k for k in want if got[k] != want[k]] == []
-
-
-@pytest.fixture(scope="module")
-def zstd_store(s3_shared, tmp_path_factory):
-    """(local folder, URL): one import with --compression zstd (an OCDBT item of zstd chunks) to
-    disk and the same import to the bucket."""
-    from fixtures import s3_server
-
-    with pytest.MonkeyPatch.context() as mp:
-        s3_server.apply_env(mp, s3_shared)
-        fs = client(s3_shared)
-        fs.mkdir("ts-store")
-        local = tmp_path_factory.mktemp("zstd") / "ck"
-        for dst in (local, "s3://ts-store/zstd"):
-            assert hybridckpt.cli.main(["import", sample_path(), str(dst), "--compression", "zstd",
-                                        "--mesh", "fsdp=2"]) == 0
-    assert any(f == "manifest.ocdbt" for _, _, fs_ in os.walk(local) for f in fs_)
-    return str(local), "s3://ts-store/zstd"
-
-
-def test_an_ocdbt_compressed_store_from_s3_equals_the_local_one(zstd_store, s3, tmp_path, capsys):
-    local, url = zstd_store
-    want = tensors(open_source(local))
-    with count_reads() as reads:
-        got = tensors(open_source(url))
-    assert sorted(got) == sorted(want) and len(want) > 20
-    assert [k for k in want if got[k] != want[k]] == []  # bitwise, params and optimizer slots
-    asked = remote_requests(reads)[f"127.0.0.1:{s3.port}"]
-    assert 0 < asked["bytes"] <= object_bytes(local)  # the OCDBT nodes and chunks, none read twice
-    from hybridckpt.io.remote import view
-
-    root = view.local_path(url)
-    data = [os.path.join(r, f) for r, _, fs_ in os.walk(root) for f in fs_ if os.path.basename(r) == "d"]
-    assert data and all(view.remote_object(p) is not None for p in data)  # OCDBT data files: never downloaded
-    assert cli(capsys, "export", local, tmp_path / "a")[0] == 0
-    code, _, err = cli(capsys, "export", url, tmp_path / "b")
-    assert code == 0, err
-    a, b = local_files(tmp_path / "a"), local_files(tmp_path / "b")
-    assert sorted(a) == sorted(b) and [k for k in a if a[k] != b[k] and k != "hybridckpt.json"] == []
-    code, out, err = cli(capsys, "verify", url)
-    assert code == 0 and "match" in out, err
-
-
-def test_restore_of_an_ocdbt_store_in_a_bucket_is_one_line(zstd_store, s3):
-    with pytest.raises(CheckpointError, match="OCDBT item.*download it"):
-        hybridckpt.restore(zstd_store[1], "fsdp=1")
 
 
 def test_kvstore_specs_name_the_endpoint_and_no_credentials(monkeypatch):
