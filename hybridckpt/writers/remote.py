@@ -50,6 +50,7 @@ from hybridckpt.io import byte_source, interrupts, sequential_file
 from hybridckpt.io.remote import commit as markers
 from hybridckpt.io.remote import urls
 from hybridckpt.io.remote.urls import RemoteUrl
+from hybridckpt.writers import ownership
 
 PART_BYTES = 64 << 20  # each part of a multipart upload (S3's minimum is 5 MiB), the bytes held in memory
 
@@ -78,6 +79,9 @@ class RemoteDestination:
         self._planned: set[str] = set()  # what the staging marker says this job writes
         self._written: list[str] = []  # what this job wrote (or began to), in order
         self._sizes: dict[str, int] = {}  # uploaded object -> bytes
+        self._early: dict[str, str] = {}  # uploaded from an Orbax temporary folder: its name -> spool name
+        self._inflight = 0  # uploads running (in writers' and readers' threads)
+        self._idle = threading.Condition(self._lock)
         self._job: dict = {}
 
     @property
@@ -123,11 +127,18 @@ class RemoteDestination:
 
     # -- uploading -------------------------------------------------------------------------------
     def _closed(self, path: str) -> None:
-        """A writer closed `path` complete (`io.sequential_file.CLOSED`): upload it now when it is
-        in this spool, and remove the local copy (the spool holds the files being written)."""
+        """A writer closed `path` complete (`io.sequential_file.CLOSED`, an import's chunk files:
+        `containers.orbax.chunk_files`): upload it now when it is in this spool, under the name
+        it will have once Orbax has renamed its temporary folders (`final_name`), and remove the
+        local copy (the spool holds the files being written)."""
         if self.tmp is None or not path.startswith(self.tmp + os.sep) or self._failed:
             return
-        self._guarded(lambda: self._upload(os.path.relpath(path, self.tmp).replace(os.sep, "/")))
+        spooled = os.path.relpath(path, self.tmp).replace(os.sep, "/")
+        name = final_name(spooled)
+        if name != spooled:
+            with self._lock:
+                self._early[name] = spooled
+        self._guarded(lambda: self._upload(name, local=path))
 
     def _guarded(self, step) -> None:
         """Run an upload step; any failure deletes what this job wrote and is one CheckpointError."""
@@ -144,16 +155,26 @@ class RemoteDestination:
                 raise
             raise CheckpointError(f"{self.dst}: upload failed, nothing committed: {_reason(e)}") from None
 
-    def _upload(self, name: str) -> None:
-        """Step 2 (on the first file) and 3 of the module doc for one spooled file `name`."""
-        local = os.path.join(self.tmp, *name.split("/"))
+    def _upload(self, name: str, local: str | None = None) -> None:
+        """Step 2 (on the first file) and 3 of the module doc for one spooled file: the object
+        `name`, from `local` (default: the spool's file of that name)."""
+        local = local or os.path.join(self.tmp, *name.split("/"))
         with self._lock:
+            if self._failed:  # (another thread's upload failed: what it cleans must stay cleaned)
+                raise CheckpointError(f"{self.dst}: upload failed, nothing committed")
             if not self._begun:
                 self._begin()
-            self._planned.add(name)
-            self._put(markers.STAGING, markers.body(self._planned | self._old, job=self._job))
-            self._written.append(name)
-        size = upload_file(self.fs, local, self.url.child(name).path)
+            if name not in self._planned:
+                self._planned.add(name)
+                self._put(markers.STAGING, markers.body(self._planned | self._old, job=self._job))
+                self._written.append(name)
+            self._inflight += 1
+        try:
+            size = upload_file(self.fs, local, self.url.child(name).path)
+        finally:
+            with self._lock:
+                self._inflight -= 1
+                self._idle.notify_all()
         with self._lock:
             self._sizes[name] = size
         os.remove(local)
@@ -179,6 +200,7 @@ class RemoteDestination:
             raise CheckpointError(f"{self.dst}: upload failed, nothing committed")
 
         def finish() -> None:
+            self._check_renamed()
             for name in _spooled(self.tmp):
                 self._upload(name)
             if not self._begun:  # (an export of no files at all)
@@ -191,6 +213,15 @@ class RemoteDestination:
 
         self._guarded(finish)
 
+    def _check_renamed(self) -> None:
+        """Every object uploaded early from an Orbax temporary folder has its folder in the spool
+        under the final name now (Orbax renamed it at its commit), and no second file there."""
+        for name, spooled in sorted(self._early.items()):
+            folder = os.path.join(self.tmp, *name.split("/")[:-1])
+            if not os.path.isdir(folder) or os.path.exists(os.path.join(self.tmp, *spooled.split("/"))):
+                raise CheckpointError(f"{self.dst}: {name} was uploaded from {spooled}, which Orbax did "
+                                      f"not rename to {name.rsplit('/', 1)[0]}/; nothing committed")
+
     def _put(self, name: str, data: bytes) -> None:
         self.fs.pipe_file(self.url.child(name).path, data)
 
@@ -199,6 +230,9 @@ class RemoteDestination:
         could not be deleted, so what is left is still recognisable as ours."""
         if not self._begun:
             return
+        with self._lock:  # uploads still running in other threads first: none lands after the cleaning
+            while self._inflight:
+                self._idle.wait()
         left = False
         for name in reversed(self._written):
             try:
@@ -264,6 +298,19 @@ def check_not_over_sources(url: RemoteUrl, sources: Iterable[str]) -> None:
         if d == s or d.startswith(s + "/") or s.startswith(d + "/"):
             what = "is the source" if d == s else "is inside the source" if d.startswith(s + "/") else "holds the source"
             raise CheckpointError(f"{url}: the destination {what} {src}; write it somewhere else")
+
+
+def final_name(spooled: str) -> str:
+    """The object name of the spool file `spooled` ("/"-separated) once Orbax has committed its
+    save: a step folder `<N>.orbax-checkpoint-tmp[-<t>]` and an item folder `<item>.orbax-
+    checkpoint-tmp[-<t>]` in it lose the suffix (Orbax's own rename, `_get_final_directory`,
+    for the spool is a local folder: `writers.ownership`'s patterns); any other name is itself.
+    Only the first two parts are looked at: an array's folder name is the checkpoint's data."""
+    parts = spooled.split("/")
+    if len(parts) < 3 or not ownership.STEP_TMP.fullmatch(parts[0]) or not ownership.ITEM_TMP.fullmatch(parts[1]):
+        return spooled
+    parts[0], parts[1] = (p.split(ownership.ORBAX_TMP, 1)[0] for p in parts[:2])
+    return "/".join(parts)
 
 
 def _spooled(folder: str) -> list[str]:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybridckpt.io import timing
+from hybridckpt.io import sequential_file, timing
 from hybridckpt.io.direct_io import DIRECT_ALIGN, aligned_empty, open_direct, refused
 from hybridckpt.lazy import Box, box_slices, grid_boxes
 
@@ -82,7 +82,8 @@ def write_tile(target: ChunkFiles, box: Box, data: np.ndarray) -> int:
                 full[tuple(slice(0, n) for n in piece.shape)] = piece
                 piece = full
             piece = np.ascontiguousarray(piece)
-        written += _write_file(target.path(tuple(a for a, _ in sub)), piece, target.direct)
+        written += _write_file(path := target.path(tuple(a for a, _ in sub)), piece, target.direct)
+        sequential_file.closed(path)  # (writers.remote: a chunk spooled for a bucket goes up now)
     return written
 
 

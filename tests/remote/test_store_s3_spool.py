@@ -1,0 +1,105 @@
+"""An import into a bucket keeps only the chunks in flight in its spool (issue 43): each raw chunk
+file goes up as soon as it is written (`containers.orbax.chunk_files` -> `io.sequential_file.closed`
+-> `writers.remote`) under the name Orbax's rename will give it, and is removed from the spool;
+the spool is counted at every upload (files and bytes), never timed. The result still equals the
+local import bit for bit, and a server killed while the chunks go up leaves one line, exit 2, no
+commit marker.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+
+import pytest
+from test_export_s3 import cli, client, refused
+from test_remote_import import stable_digest
+
+from hybridckpt.demo import sample_path
+from hybridckpt.io.remote import commit as markers
+from hybridckpt.lazy import parallel
+from hybridckpt.writers import ownership, remote
+
+CHUNK = re.compile(r"\d+(\.\d+)*")  # a zarr v2 chunk key ("0", "1.0.2")
+
+
+@pytest.fixture
+def spool(tmp_path, monkeypatch):
+    """The spool's parent folder (`tempfile`'s), and the uploads seen: for each, the chunk files
+    and their bytes in the spool at that moment, and whether it was a chunk."""
+    where = tmp_path / "spooltmp"
+    where.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(where))
+    seen: list[tuple[int, int, bool, str]] = []
+    real = remote.upload_file
+
+    def upload(fs_, local, path, part_bytes=None):
+        files = [os.path.join(r, f) for r, _, fs in os.walk(where) for f in fs if CHUNK.fullmatch(f)]
+        seen.append((len(files), sum(map(_size, files)), bool(CHUNK.fullmatch(path.rsplit("/", 1)[-1])), path))
+        return real(fs_, local, path, part_bytes)
+
+    monkeypatch.setattr(remote, "upload_file", upload)
+    return where, seen
+
+
+def _size(path: str) -> int:
+    """Bytes of `path`, 0 once another reader thread's upload has removed it (after the walk)."""
+    try:
+        return os.path.getsize(path)
+    except FileNotFoundError:
+        return 0
+
+
+def test_chunks_go_up_as_written_and_the_spool_holds_only_those_in_flight(s3, spool, tmp_path, capsys):
+    where, seen = spool
+    fs = client(s3)
+    fs.mkdir("spooled")
+    assert cli(capsys, "import", sample_path(), tmp_path / "local", "--mesh", "fsdp=2,tp=2")[0] == 0
+    want = stable_digest(tmp_path / "local")
+    chunks = {k: v for k, v in want.items() if CHUNK.fullmatch(k.rsplit("/", 1)[-1])}
+    assert len(chunks) > 100
+    biggest = max(os.path.getsize(tmp_path / "local" / k) for k in chunks)
+
+    code, _, err = cli(capsys, "import", sample_path(), "s3://spooled/ck", "--mesh", "fsdp=2,tp=2")
+    assert code == 0, err
+    uploaded = [p.split("spooled/ck/", 1)[1] for *_, p in seen]
+    assert sorted(p for p in uploaded if CHUNK.fullmatch(p.rsplit("/", 1)[-1])) == sorted(chunks)
+    assert not any(".orbax-checkpoint-tmp" in p for p in uploaded)  # final names, as after Orbax's rename
+    # every chunk went up before the first file of the commit: the spool never held the step
+    first_commit = next(i for i, (*_, chunk, _p) in enumerate(seen) if not chunk)
+    assert all(chunk for *_, chunk, _p in seen[:first_commit]) and first_commit == len(chunks)
+    peak_files = max(n for n, *_ in seen)
+    peak_bytes = max(b for _, b, *_ in seen)
+    workers = parallel.pool()._max_workers  # (each reader thread writes, then uploads, one chunk at a time)
+    assert peak_files <= workers < len(chunks) and peak_bytes <= workers * biggest
+    assert os.listdir(where) == []  # the spool removed
+
+    fs.invalidate_cache()
+    fs.get("spooled/ck/", str(tmp_path / "fetched") + "/", recursive=True)
+    got = stable_digest(tmp_path / "fetched")
+    got.pop(ownership.MARKER)
+    assert sorted(got) == sorted(want)
+    assert [k for k in want if got[k] != want[k]] == []  # bitwise, every file
+
+
+def test_the_server_killed_while_chunks_go_up_leaves_one_line_and_no_commit_marker(s3_killable, monkeypatch,
+                                                                                    tmp_path, capsys):
+    fs = client(s3_killable)
+    fs.mkdir("cut")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    real = remote.upload_file
+    uploaded = []
+
+    def upload(fs_, local, path, part_bytes=None):
+        if len(uploaded) == 5:
+            s3_killable.kill()  # this chunk's upload and every later request refused
+        uploaded.append(path)
+        return real(fs_, local, path, part_bytes)
+
+    monkeypatch.setattr(remote, "upload_file", upload)
+    line = refused(cli(capsys, "import", sample_path(), "s3://cut/ck"), "s3://cut/ck", "upload failed")
+    assert "\n" not in line.strip()
+    assert len(uploaded) >= 6 and all(CHUNK.fullmatch(p.rsplit("/", 1)[-1]) for p in uploaded)  # mid-save
+    assert not any(markers.MARKER in p for p in uploaded)
+    assert os.listdir(tmp_path) == []  # nothing left in the spool's folder
