@@ -76,7 +76,8 @@ class RemoteDestination:
         self._lock = threading.Lock()  # (writers close files from their threads: `--writers N`)
         self._begun = self._failed = False
         self._old: set[str] = set()  # the old export's objects this job removes
-        self._planned: set[str] = set()  # what the staging marker says this job writes
+        self._planned: set[str] = set()  # what this job writes (the staging marker lists it first)
+        self._folders: set[str] = set()  # folders ("a/b/") of the chunks uploaded early, in the staging marker
         self._written: list[str] = []  # what this job wrote (or began to), in order
         self._sizes: dict[str, int] = {}  # uploaded object -> bytes
         self._early: dict[str, str] = {}  # uploaded from an Orbax temporary folder: its name -> spool name
@@ -165,8 +166,11 @@ class RemoteDestination:
             if not self._begun:
                 self._begin()
             if name not in self._planned:
+                folder = name.rsplit("/", 1)[0] + "/" if name in self._early else None
                 self._planned.add(name)
-                self._put(markers.STAGING, markers.body(self._planned | self._old, job=self._job))
+                if folder is None or folder not in self._folders:  # (a chunk's folder: listed once)
+                    self._folders.update([folder] if folder else [])
+                    self._put(markers.STAGING, self._staging())
                 self._written.append(name)
             self._inflight += 1
         try:
@@ -185,7 +189,7 @@ class RemoteDestination:
         self._old = set(listing.objects)
         self._job = {"id": self.token, "pid": os.getpid(), "host": socket.gethostname(),
                      "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-        self._put(markers.STAGING, markers.body(self._old, job=self._job))
+        self._put(markers.STAGING, self._staging())
         self._begun = True
         if listing.has_marker_object:
             self.fs.rm_file(self.url.child(markers.MARKER).path)
@@ -212,6 +216,12 @@ class RemoteDestination:
                 self.committed = True  # (an interrupt held meanwhile is raised after: nothing to clean)
 
         self._guarded(finish)
+
+    def _staging(self) -> bytes:
+        """The staging marker: every object planned (the chunks uploaded early: by their folders)
+        and every old object this job removes."""
+        listed = {n for n in self._planned if n not in self._early}
+        return markers.body(listed | self._old, job=self._job, folders=self._folders)
 
     def _check_renamed(self) -> None:
         """Every object uploaded early from an Orbax temporary folder has its folder in the spool

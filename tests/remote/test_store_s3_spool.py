@@ -8,6 +8,7 @@ commit marker.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tempfile
@@ -18,6 +19,7 @@ from test_remote_import import stable_digest
 
 from hybridckpt.demo import sample_path
 from hybridckpt.io.remote import commit as markers
+from hybridckpt.io.remote import urls
 from hybridckpt.lazy import parallel
 from hybridckpt.writers import ownership, remote
 
@@ -51,8 +53,14 @@ def _size(path: str) -> int:
         return 0
 
 
-def test_chunks_go_up_as_written_and_the_spool_holds_only_those_in_flight(s3, spool, tmp_path, capsys):
+def test_chunks_go_up_as_written_and_the_spool_holds_only_those_in_flight(s3, spool, tmp_path, monkeypatch,
+                                                                        capsys):
     where, seen = spool
+    staged = []  # the staging marker's rewrites: one per chunk folder, not one per chunk
+    real_put = remote.RemoteDestination._put
+    monkeypatch.setattr(remote.RemoteDestination, "_put",
+                        lambda self, name, data: (staged.append(data) if name == markers.STAGING else None,
+                                                  real_put(self, name, data))[1])
     fs = client(s3)
     fs.mkdir("spooled")
     assert cli(capsys, "import", sample_path(), tmp_path / "local", "--mesh", "fsdp=2,tp=2")[0] == 0
@@ -74,6 +82,9 @@ def test_chunks_go_up_as_written_and_the_spool_holds_only_those_in_flight(s3, sp
     workers = parallel.pool()._max_workers  # (each reader thread writes, then uploads, one chunk at a time)
     assert peak_files <= workers < len(chunks) and peak_bytes <= workers * biggest
     assert os.listdir(where) == []  # the spool removed
+    folders = {k.rsplit("/", 1)[0] + "/" for k in chunks}
+    assert len(staged) <= 1 + len(folders) + (len(uploaded) - len(chunks))
+    assert sorted(json.loads(staged[-1])["folders"]) == sorted(folders)
 
     fs.invalidate_cache()
     fs.get("spooled/ck/", str(tmp_path / "fetched") + "/", recursive=True)
@@ -103,3 +114,32 @@ def test_the_server_killed_while_chunks_go_up_leaves_one_line_and_no_commit_mark
     assert len(uploaded) >= 6 and all(CHUNK.fullmatch(p.rsplit("/", 1)[-1]) for p in uploaded)  # mid-save
     assert not any(markers.MARKER in p for p in uploaded)
     assert os.listdir(tmp_path) == []  # nothing left in the spool's folder
+
+
+def test_chunks_left_by_a_job_cut_short_are_replaced_by_overwrite(s3, monkeypatch, tmp_path, capsys):
+    """The cleaning fails (the server gone): the chunks that went up stay, named by the staging
+    marker's folders, so the next import with --overwrite recognises them as ours."""
+    fs = client(s3)
+    fs.mkdir("left")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    real = remote.upload_file
+    monkeypatch.setattr(remote.RemoteDestination, "_clean", lambda self: None)
+
+    def upload(fs_, local, path, part_bytes=None):
+        if not CHUNK.fullmatch(path.rsplit("/", 1)[-1]):  # the first upload of the commit: every chunk is up
+            raise ConnectionResetError("connection reset by peer (injected)")
+        return real(fs_, local, path, part_bytes)
+
+    monkeypatch.setattr(remote, "upload_file", upload)
+    refused(cli(capsys, "import", sample_path(), "s3://left/ck"), "upload failed")
+    fs.invalidate_cache()
+    left = [p for p in fs.find("left/ck") if not p.endswith(markers.STAGING)]
+    assert len(left) > 30 and all(CHUNK.fullmatch(p.rsplit("/", 1)[-1]) for p in left)
+    monkeypatch.setattr(remote, "upload_file", real)
+    refused(cli(capsys, "import", sample_path(), "s3://left/ck"), "not finished", "--overwrite")
+    assert cli(capsys, "import", sample_path(), "s3://left/ck", "--overwrite")[0] == 0
+    fs.invalidate_cache()
+    markers.check_complete(fs, urls.parse("s3://left/ck"))
+    marker = json.loads(fs.cat_file(f"left/ck/{markers.MARKER}"))
+    assert sorted(marker["files"]) == sorted(p.split("left/ck/", 1)[1] for p in fs.find("left/ck")
+                                             if not p.endswith(markers.MARKER))
