@@ -4,17 +4,23 @@ that appears complete or not at all, and replaces only what hybridckpt wrote.
 `writers.destination.Destination(url, ...)` is one of these. The writer writes as it does locally,
 into a spool folder (`tempfile`'s folder, `TMPDIR`: never beside the destination). Each file a
 writer closes through `io.sequential_file` (safetensors shards, DCP `.distcp` files, torch.save
-archives: the bulk of every export but MaxText's) is uploaded as soon as it is closed and removed
-from the spool, so the spool holds the files being written, not the export; the rest (JSON files,
-indexes, DCP `.metadata`, Orbax's chunk files) goes up at `commit()`:
+archives: the bulk of every export) and each raw chunk file of our store or a MaxText target
+(`containers.orbax.chunk_files` calls `sequential_file.closed`: the bulk of an import) is
+uploaded as soon as it is closed and removed from the spool, so the spool holds the files being
+written (at most one chunk per reader thread), not the step. A chunk written into Orbax's
+temporary folders (`<N>.orbax-checkpoint-tmp/<item>.orbax-checkpoint-tmp/<array>/<chunk>`) goes
+up under the name Orbax's rename at its commit gives it (`final_name`); `commit()` checks that the
+rename happened. The rest (JSON files, indexes, DCP `.metadata`, `.zarray` and Orbax's metadata
+files, chunks TensorStore writes: compressed or OCDBT stores) goes up at `commit()`:
 
 1. **Checked.** The prefix is refused when it is a source's URL, lies in one or holds one; when it
    holds objects, unless `overwrite` and every one is ours (listed by our commit marker, or by
    the staging marker of an export cut short: `io.remote.commit`); anything else is named and
    never replaced, as for a local folder (`writers.ownership`).
 2. **Staging marker first.** `<prefix>/.hybridckpt-staging` names the job and lists every old
-   object of ours it will remove and, rewritten before each upload, every object it writes:
-   nothing is touched that it does not list first. From
+   object of ours it will remove and, rewritten before each upload, every object it writes
+   (chunks by their folder: rewritten once per array, not per chunk): nothing is touched that it
+   does not list first. From
    now on readers refuse the prefix (`io.remote.commit.check_complete`) and the objects are
    recognisable as ours, even after a crash.
 3. **Old export out, new one in place.** The old commit marker goes first, then the old objects
@@ -25,8 +31,8 @@ indexes, DCP `.metadata`, Orbax's chunk files) goes up at `commit()`:
 4. **Commit marker last.** `<prefix>/.hybridckpt-export` lists every object and its size; then
    the staging marker is deleted. Only now is the prefix complete.
 
-A failure in 2-4 deletes what this job wrote (the objects it listed as it wrote them, then the
-staging marker) and raises one CheckpointError naming the URL and the reason; where even that
+A failure in 2-4 deletes what this job wrote (the objects it listed as it wrote them, once the
+uploads running in other threads have ended, then the staging marker) and raises one CheckpointError naming the URL and the reason; where even that
 fails (the server gone), the staging marker stays and names what is ours: the next export with
 `--overwrite` removes it; so does an interrupt of the CLI (Ctrl-C, SIGTERM: the spool is removed
 and the process exits at once, `io.interrupts`), held only while the commit marker is written.
@@ -136,6 +142,8 @@ class RemoteDestination:
             return
         spooled = os.path.relpath(path, self.tmp).replace(os.sep, "/")
         name = final_name(spooled)
+        if ownership.ORBAX_TMP in name:  # (in a temporary folder of a layout not known here: at commit)
+            return
         if name != spooled:
             with self._lock:
                 self._early[name] = spooled

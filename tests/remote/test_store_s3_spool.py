@@ -18,6 +18,8 @@ from test_export_s3 import cli, client, refused
 from test_remote_import import stable_digest
 
 from hybridckpt.demo import sample_path
+from hybridckpt.errors import CheckpointError
+from hybridckpt.io import sequential_file
 from hybridckpt.io.remote import commit as markers
 from hybridckpt.io.remote import urls
 from hybridckpt.lazy import parallel
@@ -143,3 +145,43 @@ def test_chunks_left_by_a_job_cut_short_are_replaced_by_overwrite(s3, monkeypatc
     marker = json.loads(fs.cat_file(f"left/ck/{markers.MARKER}"))
     assert sorted(marker["files"]) == sorted(p.split("left/ck/", 1)[1] for p in fs.find("left/ck")
                                              if not p.endswith(markers.MARKER))
+
+
+@pytest.mark.parametrize("spooled,name", [
+    ("12.orbax-checkpoint-tmp/params.orbax-checkpoint-tmp/embed/0.0", "12/params/embed/0.0"),
+    ("3.orbax-checkpoint-tmp-1700000000/items.orbax-checkpoint-tmp-17/a.b/1", "3/items/a.b/1"),
+    # an array's folder is the checkpoint's data: never renamed
+    ("12.orbax-checkpoint-tmp/params.orbax-checkpoint-tmp/x.orbax-checkpoint-tmp/0",
+     "12/params/x.orbax-checkpoint-tmp/0"),
+    ("12/params/embed/0.0", "12/params/embed/0.0"),
+    ("model-00001-of-00002.safetensors", "model-00001-of-00002.safetensors"),
+    ("ck/12.orbax-checkpoint-tmp/params.orbax-checkpoint-tmp/embed/0", "ck/12.orbax-checkpoint-tmp/params.orbax-checkpoint-tmp/embed/0"),
+    ("12.orbax-checkpoint-tmp/Params.orbax-checkpoint-tmp/embed/0", "12.orbax-checkpoint-tmp/Params.orbax-checkpoint-tmp/embed/0"),
+])
+def test_the_final_name_of_a_chunk_is_orbax_s_rename_of_step_and_item_folders_only(spooled, name):
+    assert remote.final_name(spooled) == name
+
+
+def test_a_chunk_orbax_did_not_rename_is_never_committed(s3, monkeypatch, tmp_path):
+    """A chunk in a temporary folder of another layout waits for the commit; one uploaded early
+    whose folder Orbax did not rename refuses the commit, and what went up is deleted."""
+    fs = client(s3)
+    fs.mkdir("norename")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dest = remote.RemoteDestination(urls.parse("s3://norename/ck"))
+    with dest as spool:
+        for rel in ("x/3.orbax-checkpoint-tmp/items.orbax-checkpoint-tmp/a/0",
+                    "3.orbax-checkpoint-tmp/items.orbax-checkpoint-tmp/a/0"):
+            path = os.path.join(spool, *rel.split("/"))
+            os.makedirs(os.path.dirname(path))
+            with open(path, "wb") as f:
+                f.write(b"chunk")
+            sequential_file.closed(path)
+        fs.invalidate_cache()
+        assert [p for p in fs.find("norename/ck") if not p.endswith(markers.STAGING)] == ["norename/ck/3/items/a/0"]
+        assert os.path.exists(os.path.join(spool, "x/3.orbax-checkpoint-tmp/items.orbax-checkpoint-tmp/a/0"))
+        assert not os.path.exists(os.path.join(spool, "3.orbax-checkpoint-tmp/items.orbax-checkpoint-tmp/a/0"))
+        with pytest.raises(CheckpointError, match="did not rename"):
+            dest.commit()
+    fs.invalidate_cache()
+    assert fs.find("norename/ck") == []
