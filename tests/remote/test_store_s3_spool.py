@@ -58,6 +58,7 @@ def _size(path: str) -> int:
 def test_chunks_go_up_as_written_and_the_spool_holds_only_those_in_flight(s3, spool, tmp_path, monkeypatch,
                                                                         capsys):
     where, seen = spool
+    monkeypatch.setenv(parallel.ENV, "4")  # (the bound below, whatever this machine's core count)
     staged = []  # the staging marker's rewrites: one per chunk folder, not one per chunk
     real_put = remote.RemoteDestination._put
     monkeypatch.setattr(remote.RemoteDestination, "_put",
@@ -81,7 +82,7 @@ def test_chunks_go_up_as_written_and_the_spool_holds_only_those_in_flight(s3, sp
     assert all(chunk for *_, chunk, _p in seen[:first_commit]) and first_commit == len(chunks)
     peak_files = max(n for n, *_ in seen)
     peak_bytes = max(b for _, b, *_ in seen)
-    workers = parallel.pool()._max_workers  # (each reader thread writes, then uploads, one chunk at a time)
+    workers = parallel.io_threads()  # (each reader thread writes, then uploads, one chunk at a time)
     assert peak_files <= workers < len(chunks) and peak_bytes <= workers * biggest
     assert os.listdir(where) == []  # the spool removed
     folders = {k.rsplit("/", 1)[0] + "/" for k in chunks}
