@@ -105,8 +105,6 @@ FORMATS: tuple[Format, ...] = (
                  "optimizer*.safetensors)"),
     _reads("torch", f"{F}.torch_file", names=BY_INDEX),  # last: any torch.save file of a state dict, by its bytes
 )
-READ_BY_TENSORSTORE = ("maxtext",)  # its arrays are read by TensorStore, not `io.byte_source` (our store's raw
-# chunks are read through `io.byte_source`: `containers.orbax.reader`, which refuses the rest in a bucket)
 READABLE: tuple[Format, ...] = tuple(f for f in FORMATS if f.open is not None)
 NAMES: tuple[str, ...] = tuple(f.name for f in READABLE)  # what `--format` accepts
 WRITABLE: dict[str, Format] = {"hf": next(f for f in FORMATS if f.name == "hf")}  # the default first
@@ -234,9 +232,6 @@ def open_source(path: str, fmt: str = "auto", *, config=None, step: int | None =
         fmt = detect(path)
     if fmt == "orbax" and url_of(path):  # our store in a bucket: complete, or refused before a read
         store_view(url_of(path))
-    if fmt in READ_BY_TENSORSTORE and url_of(path):
-        raise ConfigError(f"{url_of(path)}: a {fmt} checkpoint is read by TensorStore, which hybridckpt does not "
-                          f"yet point at object storage; copy it to a local folder first")
     mod = reading(fmt).reader
     found = mod.steps(path) if step is not None and hasattr(mod, "steps") else None
     if fmt == "orbax":

@@ -32,6 +32,13 @@ BUFFER_BYTES = 8 << 20  # each of the two write buffers (a multiple of DIRECT_AL
 CLOSED: list = []  # callables given the path of each file closed complete (`writers.remote`)
 
 
+def closed(path: str) -> None:
+    """Tell the `CLOSED` hooks that `path` is written complete (fsync'd, closed): what `close()`
+    does, for files written otherwise (an import's chunk files, `containers.orbax.chunk_files`)."""
+    for hook in tuple(CLOSED):
+        hook(path)
+
+
 class SequentialFile:
     """`path` created and written front to back (see the module doc). Use as a context manager or
     call `close()` (durable, returns the size) / `abort()` (closes, keeps nothing promised)."""

@@ -181,6 +181,7 @@ class CheckpointStore:
         self._manager.wait_until_finished()
         step = resolve_step(self._manager, step)
         where = f"{self.directory}/{step}"
+        _refuse_ocdbt_in_bucket(where, PARAMS)
         return as_shape_dtype(_unwrapped(where, f"the metadata of {PARAMS}", lambda: item_metadata(self._manager, step, PARAMS)))
 
     def opt_state_metadata(self, step: int | None = None) -> Any:
@@ -189,6 +190,7 @@ class CheckpointStore:
         self._manager.wait_until_finished()
         step = resolve_step(self._manager, step)
         where = f"{self.directory}/{step}"
+        _refuse_ocdbt_in_bucket(where, OPT_STATE)
         meta = _unwrapped(where, f"the metadata of {OPT_STATE}", lambda: item_metadata(self._manager, step, OPT_STATE))
         return None if meta is None else as_shape_dtype(meta)
 
@@ -368,6 +370,17 @@ class CheckpointStore:
             missing_keys=tuple(sorted(missing)),
             unexpected_keys=tuple(sorted(unexpected)),
         )
+
+
+def _refuse_ocdbt_in_bucket(step_dir: str, item: str) -> None:
+    """A CheckpointError when `step_dir/item` is an OCDBT item of a store in a bucket (a folder of
+    `io.remote.view`): Orbax reads its metadata (`item_metadata`) with the TensorStore specs it
+    builds from the folder's path, which would read the view's placeholders; our own reader
+    (export, inspect, verify, open_source) reads it from the bucket instead."""
+    folder = os.path.join(step_dir, item)
+    if os.path.isfile(os.path.join(folder, "manifest.ocdbt")):
+        refuse_tensorstore(folder, "an OCDBT item, whose metadata restore() reads through Orbax's own TensorStore "
+                                   "specs (export, inspect and verify read it from the bucket)")
 
 
 def _refuse_url(directory: object) -> None:

@@ -58,10 +58,12 @@ def save_checkpoint(
     renames it. Returns the absolute path.
 
     An object-storage URL (`s3://bucket/prefix`, `gs://...`) is written the same way into a local
-    spool (`tempfile`'s folder: it holds the whole step until the commit), then uploaded by
-    `writers.remote.RemoteDestination`: the staging marker first, every file, the commit marker
-    last (readers require it); a failure deletes what was uploaded; `overwrite` replaces only a
-    prefix hybridckpt wrote. One process only (not under `jax.distributed`). Returns the URL.
+    spool (`tempfile`'s folder) and uploaded by `writers.remote.RemoteDestination`: the staging
+    marker first; each raw chunk file as soon as it is written, then removed from the spool (the
+    spool holds the chunks in flight, not the step; compressed or OCDBT chunks, which TensorStore
+    writes, wait for the commit); the metadata files at the commit; the commit marker last
+    (readers require it); a failure deletes what was uploaded; `overwrite` replaces only a prefix
+    hybridckpt wrote. One process only (not under `jax.distributed`). Returns the URL.
     """
     url = remote_url(directory)
     dst = str(url) if url is not None else Path(given(directory, "the destination")).absolute()

@@ -40,8 +40,10 @@ MAX_LISTED = 1_000_000  # entries looked at in a folder before it is called fore
 # what `store.layout` puts in a step folder (its items, `hf_files`) and what Orbax adds
 STEP_ENTRIES = frozenset({"params", "opt_state", "trainer_state", "hf_files", "_CHECKPOINT_METADATA",
                           "commit_success.txt"})
+ORBAX_TMP = ".orbax-checkpoint-tmp"  # Orbax's TMP_DIR_SUFFIX (atomicity_types), then "-<time>" or nothing
 _STEP = re.compile(r"\d+(\.orbax-checkpoint-tmp(-\d+)?)?")
-_ITEM_TMP = re.compile(r"[a-z_]+\.orbax-checkpoint-tmp(-\d+)?")
+STEP_TMP = re.compile(r"\d+\.orbax-checkpoint-tmp(-\d+)?")
+ITEM_TMP = re.compile(r"[a-z_]+\.orbax-checkpoint-tmp(-\d+)?")
 
 
 def check_not_a_home(raw: str, dst: str) -> None:
@@ -189,7 +191,7 @@ def _not_store(folder: str) -> tuple[int, list[str]]:
     extra = [e for e in entries if e not in steps]
     for step in steps:
         for child in sorted(os.listdir(os.path.join(folder, step))):
-            if child not in STEP_ENTRIES and not _ITEM_TMP.fullmatch(child):
+            if child not in STEP_ENTRIES and not ITEM_TMP.fullmatch(child):
                 extra.append(f"{step}/{child}")
     return len(extra), extra[:5]
 

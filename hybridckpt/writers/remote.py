@@ -4,17 +4,23 @@ that appears complete or not at all, and replaces only what hybridckpt wrote.
 `writers.destination.Destination(url, ...)` is one of these. The writer writes as it does locally,
 into a spool folder (`tempfile`'s folder, `TMPDIR`: never beside the destination). Each file a
 writer closes through `io.sequential_file` (safetensors shards, DCP `.distcp` files, torch.save
-archives: the bulk of every export but MaxText's) is uploaded as soon as it is closed and removed
-from the spool, so the spool holds the files being written, not the export; the rest (JSON files,
-indexes, DCP `.metadata`, Orbax's chunk files) goes up at `commit()`:
+archives: the bulk of every export) and each raw chunk file of our store or a MaxText target
+(`containers.orbax.chunk_files` calls `sequential_file.closed`: the bulk of an import) is
+uploaded as soon as it is closed and removed from the spool, so the spool holds the files being
+written (at most one chunk per reader thread), not the step. A chunk written into Orbax's
+temporary folders (`<N>.orbax-checkpoint-tmp/<item>.orbax-checkpoint-tmp/<array>/<chunk>`) goes
+up under the name Orbax's rename at its commit gives it (`final_name`); `commit()` checks that the
+rename happened. The rest (JSON files, indexes, DCP `.metadata`, `.zarray` and Orbax's metadata
+files, chunks TensorStore writes: compressed or OCDBT stores) goes up at `commit()`:
 
 1. **Checked.** The prefix is refused when it is a source's URL, lies in one or holds one; when it
    holds objects, unless `overwrite` and every one is ours (listed by our commit marker, or by
    the staging marker of an export cut short: `io.remote.commit`); anything else is named and
    never replaced, as for a local folder (`writers.ownership`).
 2. **Staging marker first.** `<prefix>/.hybridckpt-staging` names the job and lists every old
-   object of ours it will remove and, rewritten before each upload, every object it writes:
-   nothing is touched that it does not list first. From
+   object of ours it will remove and, rewritten before each upload, every object it writes
+   (chunks by their folder: rewritten once per array, not per chunk): nothing is touched that it
+   does not list first. From
    now on readers refuse the prefix (`io.remote.commit.check_complete`) and the objects are
    recognisable as ours, even after a crash.
 3. **Old export out, new one in place.** The old commit marker goes first, then the old objects
@@ -25,8 +31,8 @@ indexes, DCP `.metadata`, Orbax's chunk files) goes up at `commit()`:
 4. **Commit marker last.** `<prefix>/.hybridckpt-export` lists every object and its size; then
    the staging marker is deleted. Only now is the prefix complete.
 
-A failure in 2-4 deletes what this job wrote (the objects it listed as it wrote them, then the
-staging marker) and raises one CheckpointError naming the URL and the reason; where even that
+A failure in 2-4 deletes what this job wrote (the objects it listed as it wrote them, once the
+uploads running in other threads have ended, then the staging marker) and raises one CheckpointError naming the URL and the reason; where even that
 fails (the server gone), the staging marker stays and names what is ours: the next export with
 `--overwrite` removes it; so does an interrupt of the CLI (Ctrl-C, SIGTERM: the spool is removed
 and the process exits at once, `io.interrupts`), held only while the commit marker is written.
@@ -50,6 +56,7 @@ from hybridckpt.io import byte_source, interrupts, sequential_file
 from hybridckpt.io.remote import commit as markers
 from hybridckpt.io.remote import urls
 from hybridckpt.io.remote.urls import RemoteUrl
+from hybridckpt.writers import ownership
 
 PART_BYTES = 64 << 20  # each part of a multipart upload (S3's minimum is 5 MiB), the bytes held in memory
 
@@ -75,9 +82,13 @@ class RemoteDestination:
         self._lock = threading.Lock()  # (writers close files from their threads: `--writers N`)
         self._begun = self._failed = False
         self._old: set[str] = set()  # the old export's objects this job removes
-        self._planned: set[str] = set()  # what the staging marker says this job writes
+        self._planned: set[str] = set()  # what this job writes (the staging marker lists it first)
+        self._folders: set[str] = set()  # folders ("a/b/") of the chunks uploaded early, in the staging marker
         self._written: list[str] = []  # what this job wrote (or began to), in order
         self._sizes: dict[str, int] = {}  # uploaded object -> bytes
+        self._early: dict[str, str] = {}  # uploaded from an Orbax temporary folder: its name -> spool name
+        self._inflight = 0  # uploads running (in writers' and readers' threads)
+        self._idle = threading.Condition(self._lock)
         self._job: dict = {}
 
     @property
@@ -123,11 +134,20 @@ class RemoteDestination:
 
     # -- uploading -------------------------------------------------------------------------------
     def _closed(self, path: str) -> None:
-        """A writer closed `path` complete (`io.sequential_file.CLOSED`): upload it now when it is
-        in this spool, and remove the local copy (the spool holds the files being written)."""
+        """A writer closed `path` complete (`io.sequential_file.CLOSED`, an import's chunk files:
+        `containers.orbax.chunk_files`): upload it now when it is in this spool, under the name
+        it will have once Orbax has renamed its temporary folders (`final_name`), and remove the
+        local copy (the spool holds the files being written)."""
         if self.tmp is None or not path.startswith(self.tmp + os.sep) or self._failed:
             return
-        self._guarded(lambda: self._upload(os.path.relpath(path, self.tmp).replace(os.sep, "/")))
+        spooled = os.path.relpath(path, self.tmp).replace(os.sep, "/")
+        name = final_name(spooled)
+        if ownership.ORBAX_TMP in name:  # (in a temporary folder of a layout not known here: at commit)
+            return
+        if name != spooled:
+            with self._lock:
+                self._early[name] = spooled
+        self._guarded(lambda: self._upload(name, local=path))
 
     def _guarded(self, step) -> None:
         """Run an upload step; any failure deletes what this job wrote and is one CheckpointError."""
@@ -144,16 +164,29 @@ class RemoteDestination:
                 raise
             raise CheckpointError(f"{self.dst}: upload failed, nothing committed: {_reason(e)}") from None
 
-    def _upload(self, name: str) -> None:
-        """Step 2 (on the first file) and 3 of the module doc for one spooled file `name`."""
-        local = os.path.join(self.tmp, *name.split("/"))
+    def _upload(self, name: str, local: str | None = None) -> None:
+        """Step 2 (on the first file) and 3 of the module doc for one spooled file: the object
+        `name`, from `local` (default: the spool's file of that name)."""
+        local = local or os.path.join(self.tmp, *name.split("/"))
         with self._lock:
+            if self._failed:  # (another thread's upload failed: what it cleans must stay cleaned)
+                raise CheckpointError(f"{self.dst}: upload failed, nothing committed")
             if not self._begun:
                 self._begin()
-            self._planned.add(name)
-            self._put(markers.STAGING, markers.body(self._planned | self._old, job=self._job))
-            self._written.append(name)
-        size = upload_file(self.fs, local, self.url.child(name).path)
+            if name not in self._planned:
+                folder = name.rsplit("/", 1)[0] + "/" if name in self._early else None
+                self._planned.add(name)
+                if folder is None or folder not in self._folders:  # (a chunk's folder: listed once)
+                    self._folders.update([folder] if folder else [])
+                    self._put(markers.STAGING, self._staging())
+                self._written.append(name)
+            self._inflight += 1
+        try:
+            size = upload_file(self.fs, local, self.url.child(name).path)
+        finally:
+            with self._lock:
+                self._inflight -= 1
+                self._idle.notify_all()
         with self._lock:
             self._sizes[name] = size
         os.remove(local)
@@ -164,7 +197,7 @@ class RemoteDestination:
         self._old = set(listing.objects)
         self._job = {"id": self.token, "pid": os.getpid(), "host": socket.gethostname(),
                      "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-        self._put(markers.STAGING, markers.body(self._old, job=self._job))
+        self._put(markers.STAGING, self._staging())
         self._begun = True
         if listing.has_marker_object:
             self.fs.rm_file(self.url.child(markers.MARKER).path)
@@ -179,6 +212,7 @@ class RemoteDestination:
             raise CheckpointError(f"{self.dst}: upload failed, nothing committed")
 
         def finish() -> None:
+            self._check_renamed()
             for name in _spooled(self.tmp):
                 self._upload(name)
             if not self._begun:  # (an export of no files at all)
@@ -191,6 +225,21 @@ class RemoteDestination:
 
         self._guarded(finish)
 
+    def _staging(self) -> bytes:
+        """The staging marker: every object planned (the chunks uploaded early: by their folders)
+        and every old object this job removes."""
+        listed = {n for n in self._planned if n not in self._early}
+        return markers.body(listed | self._old, job=self._job, folders=self._folders)
+
+    def _check_renamed(self) -> None:
+        """Every object uploaded early from an Orbax temporary folder has its folder in the spool
+        under the final name now (Orbax renamed it at its commit), and no second file there."""
+        for name, spooled in sorted(self._early.items()):
+            folder = os.path.join(self.tmp, *name.split("/")[:-1])
+            if not os.path.isdir(folder) or os.path.exists(os.path.join(self.tmp, *spooled.split("/"))):
+                raise CheckpointError(f"{self.dst}: {name} was uploaded from {spooled}, which Orbax did "
+                                      f"not rename to {name.rsplit('/', 1)[0]}/; nothing committed")
+
     def _put(self, name: str, data: bytes) -> None:
         self.fs.pipe_file(self.url.child(name).path, data)
 
@@ -199,6 +248,9 @@ class RemoteDestination:
         could not be deleted, so what is left is still recognisable as ours."""
         if not self._begun:
             return
+        with self._lock:  # uploads still running in other threads first: none lands after the cleaning
+            while self._inflight:
+                self._idle.wait()
         left = False
         for name in reversed(self._written):
             try:
@@ -264,6 +316,19 @@ def check_not_over_sources(url: RemoteUrl, sources: Iterable[str]) -> None:
         if d == s or d.startswith(s + "/") or s.startswith(d + "/"):
             what = "is the source" if d == s else "is inside the source" if d.startswith(s + "/") else "holds the source"
             raise CheckpointError(f"{url}: the destination {what} {src}; write it somewhere else")
+
+
+def final_name(spooled: str) -> str:
+    """The object name of the spool file `spooled` ("/"-separated) once Orbax has committed its
+    save: a step folder `<N>.orbax-checkpoint-tmp[-<t>]` and an item folder `<item>.orbax-
+    checkpoint-tmp[-<t>]` in it lose the suffix (Orbax's own rename, `_get_final_directory`,
+    for the spool is a local folder: `writers.ownership`'s patterns); any other name is itself.
+    Only the first two parts are looked at: an array's folder name is the checkpoint's data."""
+    parts = spooled.split("/")
+    if len(parts) < 3 or not ownership.STEP_TMP.fullmatch(parts[0]) or not ownership.ITEM_TMP.fullmatch(parts[1]):
+        return spooled
+    parts[0], parts[1] = (p.split(ownership.ORBAX_TMP, 1)[0] for p in parts[:2])
+    return "/".join(parts)
 
 
 def _spooled(folder: str) -> list[str]:

@@ -74,3 +74,19 @@ def test_a_staging_marker_makes_the_prefix_incomplete(fs):
     with pytest.raises(CheckpointError, match="job j1"):
         Destination(f"s3://{fs.bucket}/half").preflight()
     Destination(f"s3://{fs.bucket}/half", overwrite=True).preflight()  # every object listed: ours
+
+
+@pytest.mark.parametrize("folders,foreign", [
+    (["arr/"], ["arr/sub/0", "other/0"]),  # only the objects directly in a listed folder
+    (["arr/", "other/"], ["arr/sub/0"]),
+    (["arr"], ["arr/0.0", "arr/1.0", "arr/sub/0", "other/0"]),  # not a folder name: nothing listed
+    ("arr/", ["arr/0.0", "arr/1.0", "arr/sub/0", "other/0"]),  # not a list
+    ([["arr/"]], ["arr/0.0", "arr/1.0", "arr/sub/0", "other/0"]),
+])
+def test_a_staging_marker_lists_chunk_folders_and_nothing_more(fs, folders, foreign):
+    for name in ("arr/0.0", "arr/1.0", "arr/sub/0", "other/0"):
+        fs.pipe_file(f"{fs.bucket}/cut/{name}", b"x")
+    staging = json.loads(markers.body([], job={"id": "j2"}))
+    staging["folders"] = folders
+    fs.pipe_file(f"{fs.bucket}/cut/{markers.STAGING}", json.dumps(staging).encode())
+    assert markers.list_prefix(fs, urls.parse(f"s3://{fs.bucket}/cut")).foreign() == foreign

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybridckpt.io import timing
+from hybridckpt.io import sequential_file, timing
 from hybridckpt.io.direct_io import DIRECT_ALIGN, aligned_empty, open_direct, refused
 from hybridckpt.lazy import Box, box_slices, grid_boxes
 
@@ -77,7 +77,8 @@ def write_tile(target: ChunkFiles, box: Box, data: np.ndarray) -> int:
     for sub in grid_boxes(box, target.chunk):
         with timing.stage("cut"):
             piece = _chunk_bytes(data[box_slices(sub, box)], target.chunk)
-        written += _write_file(target.path(tuple(a for a, _ in sub)), piece, target.direct)
+        written += _write_file(path := target.path(tuple(a for a, _ in sub)), piece, target.direct)
+        sequential_file.closed(path)  # (writers.remote: a chunk spooled for a bucket goes up now)
     return written
 
 

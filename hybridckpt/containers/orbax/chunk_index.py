@@ -91,7 +91,10 @@ def read_index(item_dir: str, context=None) -> ItemIndex:
 
 
 def _walk(ts, item_dir: str, context) -> ItemIndex:
-    base = ts.KvStore.open(f"file://{os.path.abspath(item_dir)}/").result()
+    from hybridckpt.io.remote import ts_kvstore
+
+    remote = ts_kvstore.for_local(os.path.abspath(item_dir))  # in a bucket: its nodes read from there
+    base = ts.KvStore.open(remote or f"file://{os.path.abspath(item_dir)}/").result()
     manifest = ts.ocdbt.dump(base, context=context).result()
     versions = manifest.get("versions") or []
     out: dict[str, ChunkLocation] = {}
@@ -118,6 +121,8 @@ def _walk(ts, item_dir: str, context) -> ItemIndex:
                     pass  # TensorStore reads it and says what is wrong
             elif "inline_value" in entry:
                 inline[key.decode("utf-8", "replace")] = bytes(entry["inline_value"])
+    if remote:
+        ts_kvstore.settle(item_dir)
     return ItemIndex(out, zarrays, inline)
 
 

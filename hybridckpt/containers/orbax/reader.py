@@ -20,7 +20,9 @@ a box read is one pread per contiguous run straight into the caller's buffer (no
 cache, no copy), counted by `io.byte_source.count_reads`, and `file_runs` gives an export the
 byte ranges to copy file to file (`lazy.copy_runs`). Such an item is read with tensorstore's
 OCDBT index alone: neither JAX nor Orbax is imported. Anything else (compressed or missing
-chunks, zarr v3) reads through TensorStore as Orbax would.
+chunks, zarr v3) reads through TensorStore as Orbax would; from a bucket (an item in a view of
+`io.remote.view`) TensorStore reads the objects themselves (`containers.orbax.ts_spec`), its
+requests counted for the bucket's host (`io.remote.ts_kvstore.settle`).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from hybridckpt.containers.orbax.keys import metadata_leaf_names
 from hybridckpt.errors import CheckpointError
 from hybridckpt.io.byte_source import ByteSource
 from hybridckpt.io.config_file import read_json
-from hybridckpt.io.remote import view
+from hybridckpt.io.remote import ts_kvstore
 from hybridckpt.lazy import ArrayTensor, Box, FileRun, LazyTensor, StoredTensor, tiled
 
 
@@ -102,7 +104,6 @@ class OrbaxArray(LazyTensor):
         if not self._store:
             import tensorstore as ts
 
-            view.refuse_tensorstore(self.item_dir, f"array {self.name} is not stored as raw chunks (TensorStore reads it)")
             item = self.item or _Item(self.item_dir)
             context = item.context()
             spec = ts_spec.read_spec(self.item_dir, self.name, use_ocdbt=item.use_ocdbt, use_zarr3=self.use_zarr3)
@@ -110,6 +111,8 @@ class OrbaxArray(LazyTensor):
                 store = ts.open(ts.Spec(spec), open=True, context=context).result()
             except ValueError as e:
                 raise CheckpointError(f"{self.item_dir}: cannot open array {self.name}: {_reason(e)}") from e
+            finally:
+                ts_kvstore.settle(self.item_dir)  # (in a bucket: TensorStore's GETs, counted for its host)
             self._store.append(store)
         return self._store[0]
 
@@ -142,6 +145,8 @@ class OrbaxArray(LazyTensor):
             out = self._open()[index].read().result()
         except ValueError as e:
             raise CheckpointError(f"{self.item_dir}: cannot read {self.name}{list(box)}: {_reason(e)}") from e
+        finally:
+            ts_kvstore.settle(self.item_dir)
         out = np.asarray(out, dtype=self.dtype)
         return out if out.flags.c_contiguous else out.copy()  # (ascontiguousarray makes 0-d 1-d)
 
@@ -241,9 +246,7 @@ def item_arrays(item_dir: str, *, unreadable: str = "raise") -> dict[str, OrbaxA
     out: dict[str, OrbaxArray] = {}
     item = _Item(item_dir)
     no_special_files(item_dir)  # (TensorStore would wait on a FIFO named like a chunk)
-    if item.use_ocdbt:
-        view.refuse_tensorstore(item_dir, "an OCDBT item (its index and chunks are read by TensorStore)")
-    else:
+    if not item.use_ocdbt:
         _one_folder_each(item_dir, leaves, meta_path)
     walked = item.index() if item.use_ocdbt or not zarr3 else None  # (an OCDBT index is walked, and its
     index = None if zarr3 else walked  # data files checked to lie inside the item, for zarr v3 too)

@@ -11,6 +11,9 @@ store depends on no Orbax internals (`tests/store/test_orbax_private.py` compare
   non-atomic data files>, "manifest": <the same folder, atomic>, "path": "<name>",
   "cache_pool": "cache_pool#ocdbt"}` (the per-process sub-databases a multi-process save merges
   are found through the root manifest);
+- an item in a bucket (a folder of `io.remote.view`) is read from the bucket itself: the `file`
+  kvstores above become the URL's kvstore (`io.remote.ts_kvstore.for_local`: `s3`, `gcs`, the
+  endpoint named), never the view's placeholders;
 - reads never fill missing chunks (`fill_missing_data_reads: false`: a missing chunk is an
   error, as in Orbax) and cached data is not rechecked (a store is written once).
 """
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 import os
 
+from hybridckpt.io.remote import ts_kvstore
+
 OCDBT_CACHE_BYTES = 100_000_000  # Orbax's default OCDBT B-tree node cache
 FILE_IO_CONCURRENCY = 128  # Orbax's default
 
@@ -26,15 +31,18 @@ FILE_IO_CONCURRENCY = 128  # Orbax's default
 def read_spec(item_dir: str, name: str, *, use_ocdbt: bool, use_zarr3: bool = False) -> dict:
     """The TensorStore spec that opens array `name` of the item at `item_dir` for reading."""
     folder = os.path.abspath(item_dir)
+    remote = ts_kvstore.for_local(folder)
     if use_ocdbt:
-        base = {"driver": "file", "path": folder.rstrip("/") + "/"}
+        base = remote or {"driver": "file", "path": folder.rstrip("/") + "/"}
         kvstore = {
             "driver": "ocdbt",
-            "base": {**base, "file_io_locking": {"mode": "non_atomic"}},
+            "base": base if remote else {**base, "file_io_locking": {"mode": "non_atomic"}},
             "manifest": base,
             "path": name,
             "cache_pool": "cache_pool#ocdbt",
         }
+    elif remote:
+        kvstore = {**remote, "path": remote["path"] + name + "/"}
     else:
         kvstore = {"driver": "file", "path": os.path.join(folder, name)}
     return {

@@ -5,8 +5,10 @@ prefix and made visible by a commit marker written LAST; what readers and `--ove
 
 - `STAGING` (`<prefix>/.hybridckpt-staging`), written FIRST, before any other object: the job
   (`job`, `pid`, `host`, `since`) and `files`, every object (relative, "/"-separated) the job is
-  about to write or remove. While it is there the prefix is an unfinished export of ours: readers
-  refuse it (`check_complete`), `--overwrite` may remove exactly the objects it lists.
+  about to write or remove, and `folders` ("a/b/"), folders whose objects (directly in them) it
+  writes one by one as they come (an import's chunk files: one rewrite per array, not per chunk).
+  While it is there the prefix is an unfinished export of ours: readers refuse it
+  (`check_complete`), `--overwrite` may remove exactly the objects it lists.
 - `MARKER` (`<prefix>/.hybridckpt-export`, the same name and `files` list as a local export's
   marker, `writers.ownership.MARKER`) plus `sizes` (object -> bytes): written after every object
   it lists, then `STAGING` is deleted. A prefix with `MARKER` and no `STAGING` is complete.
@@ -41,6 +43,7 @@ class Listing:
     staging_job: str = ""
     has_marker_object: bool = False
     has_staging_object: bool = False
+    staging_folders: frozenset[str] = frozenset()  # ("a/b/": the objects directly in it are listed)
 
     @property
     def empty(self) -> bool:
@@ -57,7 +60,10 @@ class Listing:
             if self.has_staging_object:
                 extra.insert(0, STAGING)
             return extra
-        return sorted(n for n in self.objects if n not in listed)
+        return sorted(n for n in self.objects if n not in listed and not self._in_folder(n))
+
+    def _in_folder(self, name: str) -> bool:
+        return "/" in name and name.rsplit("/", 1)[0] + "/" in self.staging_folders
 
 
 def list_prefix(fs, url: RemoteUrl) -> Listing:
@@ -83,7 +89,8 @@ def list_prefix(fs, url: RemoteUrl) -> Listing:
     staging = _read(fs, url.child(STAGING), staging_size)
     return Listing(objects, None if marker is None else frozenset(marker["files"]),
                    None if staging is None else frozenset(staging["files"]),
-                   _job(staging) if staging is not None else "", has_marker, has_staging)
+                   _job(staging) if staging is not None else "", has_marker, has_staging,
+                   _folders(staging) if staging is not None else frozenset())
 
 
 def check_complete(fs, url: RemoteUrl) -> None:
@@ -119,8 +126,9 @@ def require_committed(fs, url: RemoteUrl) -> None:
         f"to the bucket again, or download it and read the local copy)")
 
 
-def body(files, *, sizes: dict[str, int] | None = None, job: dict | None = None) -> bytes:
-    """The JSON of a marker: `files` (sorted), with `sizes` (the commit marker) or `job` (staging)."""
+def body(files, *, sizes: dict[str, int] | None = None, job: dict | None = None, folders=()) -> bytes:
+    """The JSON of a marker: `files` (sorted), with `sizes` (the commit marker) or `job` and
+    `folders` (staging)."""
     from importlib import metadata
 
     try:
@@ -132,6 +140,8 @@ def body(files, *, sizes: dict[str, int] | None = None, job: dict | None = None)
         out["sizes"] = {k: sizes[k] for k in sorted(sizes)}
     if job is not None:
         out["job"] = job
+    if folders:
+        out["folders"] = sorted(folders)
     return (json.dumps(out, indent=0) + "\n").encode()
 
 
@@ -149,6 +159,15 @@ def _read(fs, url: RemoteUrl, size: int | None) -> dict | None:
     if not isinstance(files, list) or not all(isinstance(x, str) for x in files):
         return None
     return parsed
+
+
+def _folders(staging: dict) -> frozenset[str]:
+    """The staging marker's `folders` ("a/b/" each), nothing when it is not a list of such strings."""
+    folders = staging.get("folders")
+    if not isinstance(folders, list) or not all(isinstance(x, str) and x.endswith("/") and len(x) > 1
+                                                 for x in folders):
+        return frozenset()
+    return frozenset(folders)
 
 
 def _job(staging: dict) -> str:

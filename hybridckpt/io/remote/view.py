@@ -16,11 +16,11 @@ fsspec URL) it returns a local *view* of the prefix, made once per process:
    any other way (`io.regular_file.open_regular`, what a reader that walks a whole file uses) is
    refused with one line, never read as zeros.
 
-Our store's raw chunk files (zarr v2 chunks below a folder with `.zarray`) are data too: our
-reader reads them through `io.byte_source` (`containers.orbax.reader.raw_chunks`), never
-TensorStore, which `containers.orbax.reader` refuses to point at a view (a compressed or OCDBT
-store: one line, download it first). MaxText's train state (read by TensorStore) is refused by
-`formats.registry` with one line. Error messages that name a file of the view
+Our store's raw chunk files (zarr v2 chunks below a folder with `.zarray`) and the data files of
+an OCDBT database (`<db>/d/<name>` beside `manifest.ocdbt`) are data too: our reader reads raw
+chunks through `io.byte_source` (`containers.orbax.reader.raw_chunks`); what only TensorStore
+decodes (compressed chunks, an OCDBT index, MaxText's train state) TensorStore reads from the
+bucket itself, never from the view (`io.remote.ts_kvstore`, `containers.orbax.ts_spec`). Error messages that name a file of the view
 name its URL instead (`displayed`). The views are removed when the process exits.
 """
 
@@ -92,13 +92,14 @@ def refuse_whole_read(path: str) -> None:
 
 
 def refuse_tensorstore(path: str, what: str) -> None:
-    """A CheckpointError when `path` lies in a view: TensorStore would read the view's sparse
-    placeholders as zeros, so what only TensorStore reads (`what`: a compressed array, an OCDBT
-    item) is refused in one line instead."""
+    """A CheckpointError when `path` lies in a view: what Orbax reads with the TensorStore specs it
+    builds from a folder's path (`what`: `restore()`'s metadata of an OCDBT item, a step restored
+    with `verify_reads=False`) would read the view's sparse placeholders, so it is refused in one
+    line instead (our own reader points TensorStore at the bucket: `io.remote.ts_kvstore`)."""
     url = url_of(path)
     if url is not None:
-        raise CheckpointError(f"{url}: {what}, which hybridckpt reads from object storage only as raw chunks "
-                              f"(an import's default, --compression none); download it and read the local copy")
+        raise CheckpointError(f"{url}: {what}, which hybridckpt does not read from object storage; download it "
+                              f"and read the local copy")
 
 
 def url_of(path: object) -> str | None:
@@ -155,8 +156,19 @@ def _list(url: RemoteUrl, fs) -> tuple[dict[str, int], dict[str, str | None]]:
     return objects, etags
 
 
-def _is_data(rel: str, size: int, zarr_folders: frozenset[str] = frozenset()) -> bool:
-    return rel.lower().endswith(DATA_SUFFIXES) or size > MAX_METADATA_BYTES or _is_zarr_chunk(rel, zarr_folders)
+def _is_data(rel: str, size: int, zarr_folders: frozenset[str] = frozenset(),
+             ocdbt_folders: frozenset[str] = frozenset()) -> bool:
+    return (rel.lower().endswith(DATA_SUFFIXES) or size > MAX_METADATA_BYTES or _is_zarr_chunk(rel, zarr_folders)
+            or _is_ocdbt_data(rel, ocdbt_folders))
+
+
+def _is_ocdbt_data(rel: str, ocdbt_folders: frozenset[str]) -> bool:
+    """Whether `rel` is a data file of an OCDBT database (`<db>/d/<name>`, `<db>` a folder holding
+    `manifest.ocdbt`: an Orbax item or one of its `ocdbt.process_<i>` sub-databases): read by
+    ranges (our raw reader) or by TensorStore from the bucket (`io.remote.ts_kvstore`), never
+    downloaded whole."""
+    parts = rel.split("/")
+    return len(parts) >= 3 and parts[-2] == "d" and "/".join(parts[:-2]) in ocdbt_folders
 
 
 def _is_zarr_chunk(rel: str, zarr_folders: frozenset[str]) -> bool:
@@ -189,6 +201,7 @@ def _make(url: RemoteUrl) -> View:
         objects = {check_relative(name, f"{url}: object name"): objects[""]}
         etags = {next(iter(objects)): etags[""]}
     zarr_folders = frozenset(rel[: -len("/.zarray")] for rel in objects if rel.endswith("/.zarray"))
+    ocdbt_folders = frozenset(rel[: -len("/manifest.ocdbt")] for rel in objects if rel.endswith("/manifest.ocdbt"))
     fetch: list[tuple[str, ranged.RemoteObject]] = []
     for rel, size in sorted(objects.items()):
         local = os.path.join(root, rel)
@@ -196,7 +209,7 @@ def _make(url: RemoteUrl) -> View:
         obj = ranged.RemoteObject(url if single else url.child(rel), fs, size, host, etags.get(rel))
         with open(local, "wb") as f:
             f.truncate(size)  # sparse: no byte of the object is on this disk
-        if _is_data(rel, size, zarr_folders):
+        if _is_data(rel, size, zarr_folders, ocdbt_folders):
             _placeholders[local] = obj
         elif size:
             fetch.append((local, obj))
