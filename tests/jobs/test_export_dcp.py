@@ -9,6 +9,10 @@ every moment bitwise the run's (the moments are checked one by one: torch would 
 checkpoint lacks at its template's value), the step the run's, the param group the run's, and
 the loader's own AdamW step with the run's 4th gradients equal to the run's 4th step (relative
 1e-5; the same step from step 1 is off by far more: the check can fail).
+
+Cost: the four resumes (the export on 1, 2 and 4 ranks, the direct export on 2) are one launch
+of dcp_resume.py (`resumed`): torch and transformers are imported once, and each resume forks
+its own fresh ranks and gloo group; the run writes its FSDP2 folders only (`DCP_WRITER_NO_TP`).
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ RESUME = os.path.join(FIXTURES, "dcp_resume.py")
 def run(tmp_path_factory):
     """The real FSDP2 run and its references (dcp_writer.py)."""
     out = tmp_path_factory.mktemp("fsdp2")
-    run_writer(os.path.join(FIXTURES, "dcp_writer.py"), out)
+    run_writer(
+        os.path.join(FIXTURES, "dcp_writer.py"), out, env={**os.environ, "DCP_WRITER_NO_TP": "1"}
+    )
     return out
 
 
@@ -53,6 +59,42 @@ def exported(run, tmp_path_factory):
     assert main(["export", orbax, out, "--to", "dcp", "--optimizer", "--writers", "3", "--max-shard-gb",
                  str(16 / 1024**2), "--quiet"]) == 0  # fmt: skip
     return out
+
+
+@pytest.fixture(scope="module")
+def direct(run, tmp_path_factory):
+    """DCP (4 ranks) -> DCP without an import between: (the export's folder, its summary)."""
+    out = str(tmp_path_factory.mktemp("dcp_direct") / "dcp")
+    return out, jobs.export_checkpoint(str(run / "fsdp2"), out, to="dcp", optimizer=True)
+
+
+WORLDS = (1, 2, 4)
+
+
+@pytest.fixture(scope="module")
+def resumed(exported, direct, run, tmp_path_factory):
+    """Every resume of this file from one launch of dcp_resume.py (`--jobs`): the export on each
+    of WORLDS ranks, the direct export on 2. Maps ("export", world) / "direct" to a function
+    giving what that resume loaded and stepped (or failing the test with its traceback)."""
+    d = tmp_path_factory.mktemp("resumed")
+    outs = {("export", w): str(d / f"export{w}.npz") for w in WORLDS} | {
+        "direct": str(d / "direct.npz")
+    }
+    ckpts = {("export", w): exported for w in WORLDS} | {"direct": direct[0]}
+    worlds = {("export", w): w for w in WORLDS} | {"direct": 2}
+    args = [a for k in outs for a in (ckpts[k], outs[k], str(worlds[k]))]
+    res = subprocess.run(
+        [sys.executable, RESUME, "--jobs", str(run / "fsdp2_ref.npz"), str(run / "fsdp2_ref.json"), *args],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+
+    def get(key):
+        err = outs[key] + ".err"
+        assert not os.path.exists(err), open(err).read()[-3000:] + res.stderr[-6000:]
+        assert os.path.exists(outs[key]), (res.returncode, res.stderr[-6000:])
+        return np.load(outs[key])
+
+    return get
 
 
 def resume(ckpt: str, world: int, run, out, config: str | None = None):
@@ -91,7 +133,13 @@ def assert_resumed(got, run) -> None:
 
 def test_the_files_are_torchs_layout(exported):
     names = sorted(os.listdir(exported))
-    assert names == [".hybridckpt-export", ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]  # + our marker
+    assert names == [
+        ".hybridckpt-export",
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "__2_0.distcp",
+    ]  # + our marker
     md = read_metadata(exported)
     embed = md.tensors["model.model.embed_tokens.weight"]
     assert embed.shape == (250, 64) and len(embed.chunks) == 4  # 16 KiB blocks of 64 rows
@@ -99,17 +147,16 @@ def test_the_files_are_torchs_layout(exported):
     assert md.planner_data["optim.param_groups.0.lr"] == ("optim", "param_groups", 0, "lr")
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_fsdp2_resumes_the_export(exported, run, tmp_path, world):
-    assert_resumed(resume(exported, world, run, tmp_path / "res.npz"), run)
+@pytest.mark.parametrize("world", WORLDS)
+def test_fsdp2_resumes_the_export(resumed, run, world):
+    assert_resumed(resumed(("export", world)), run)
 
 
-def test_fsdp2_resumes_a_direct_export(run, tmp_path):
+def test_fsdp2_resumes_a_direct_export(direct, resumed, run):
     """DCP (4 ranks) -> DCP without an import between: the same, resumed on 2 ranks."""
-    out = str(tmp_path / "dcp")
-    s = jobs.export_checkpoint(str(run / "fsdp2"), out, to="dcp", optimizer=True)
+    _, s = direct
     assert s.with_optimizer and s.files == ("__0_0.distcp", ".metadata")
-    assert_resumed(resume(out, 2, run, tmp_path / "res.npz"), run)
+    assert_resumed(resumed("direct"), run)
 
 
 def test_without_optimizer_state_the_weights_export_with_a_note(run, tmp_path):
