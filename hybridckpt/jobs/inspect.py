@@ -45,18 +45,28 @@ SCHEMA = {
 }
 
 
-def _pieces(t: LazyTensor) -> int:
-    """How many stored pieces a lazy tensor is made of."""
+def _pieces(t: LazyTensor, seen: dict | None = None) -> int:
+    """How many stored pieces a lazy tensor is made of. `seen` (id of a tensor -> its count, the
+    tensor kept alive beside it) is shared across one summary: views of one stored tensor (the
+    per-expert views of a grouped MoE tensor: 256 a tensor) count its chunks once, not once each."""
     from hybridckpt import lazy
 
     if isinstance(t, lazy.StoredTensor):
         return 1
+    if seen is not None:
+        got = seen.get(id(t))
+        if got is not None:
+            return got[0]
     if hasattr(t, "stored_pieces"):  # a DCP tensor over its chunk table
-        return t.stored_pieces()
-    kids = [getattr(t, a) for a in ("src", "stored", "flat") if isinstance(getattr(t, a, None), LazyTensor)]
-    kids += list(getattr(t, "parts", ()) or ())
-    kids += [block for _, block in getattr(t, "pieces", ()) or ()]  # tiled `(offsets, block)`s (DCP)
-    return sum(_pieces(k) for k in kids) if kids else 1
+        n = t.stored_pieces()
+    else:
+        kids = [getattr(t, a) for a in ("src", "stored", "flat") if isinstance(getattr(t, a, None), LazyTensor)]
+        kids += list(getattr(t, "parts", ()) or ())
+        kids += [block for _, block in getattr(t, "pieces", ()) or ()]  # tiled `(offsets, block)`s (DCP)
+        n = sum(_pieces(k, seen) for k in kids) if kids else 1
+    if seen is not None:
+        seen[id(t)] = (n, t)  # (the tensor kept: its id is not reused while `seen` lives)
+    return n
 
 
 def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, step: int | None = None,
@@ -93,10 +103,7 @@ def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, s
         "files": sorted(files),
         "notes": list(src.notes),
         "trainer_state": None,
-        "tensors": [
-            {"name": k, "shape": list(t.shape), "dtype": str(np.dtype(t.dtype)), "pieces": _pieces(t)}
-            for k, t in src.tensors.items()
-        ],
+        "tensors": _tensors(src.tensors),
     }
     if "quantization" in src.trainer:
         info["quantization"] = dict(src.trainer["quantization"])
@@ -131,6 +138,20 @@ def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, s
             ],
         }
     return _in_order(info)
+
+
+def _tensors(tensors: dict) -> list[dict]:
+    """The summary's tensor rows: name, global shape, dtype and stored pieces (`_pieces`, one
+    count per stored tensor however many views of it are listed)."""
+    seen: dict = {}
+    names: dict = {}  # dtype -> its name (a few dtypes for tens of thousands of tensors)
+    out = []
+    for k, t in tensors.items():
+        dt = names.get(t.dtype)
+        if dt is None:
+            dt = names[t.dtype] = str(np.dtype(t.dtype))
+        out.append({"name": k, "shape": list(t.shape), "dtype": dt, "pieces": _pieces(t, seen)})
+    return out
 
 
 def _in_order(info: dict) -> dict:

@@ -401,3 +401,49 @@ def test_each_experts_bytes_are_read_once(root, tmp_path):
                for e in md.tensors.values() for k in e.chunks)
     assert ends <= 2 * 2048 * len([k for e in md.tensors.values() for k in e.chunks])
     assert data + ends <= read <= data + ends + opening, (read, data, ends, opening)
+
+
+def test_inspect_counts_each_grouped_tensors_chunks_once(root, monkeypatch):
+    """`inspect` lists every expert of a grouped tensor as its own view (`split_experts`); the
+    views' pieces are the grouped tensor's chunks, counted once per grouped tensor (a pass over its
+    rows of the chunk table), not once per expert view (256 passes a tensor for DeepSeek V3)."""
+    from hybridckpt.formats.dcp.chunked import Chunked
+    from hybridckpt.jobs.inspect import _pieces
+
+    calls: list[int] = []
+    counted = Chunked.stored_pieces
+
+    def counting(self):
+        calls.append(id(self))
+        return counted(self)
+
+    monkeypatch.setattr(Chunked, "stored_pieces", counting)
+    info = jobs.inspect(_step(root))
+    assert len(calls) == len(set(calls))  # each stored tensor's chunks counted once
+    src = dcp.open(_step(root))
+    stored = {id(t) for t in _chunked_under(src)}
+    assert len(calls) == len(stored) < len(info["tensors"])
+    monkeypatch.setattr(Chunked, "stored_pieces", counted)
+    want = {k: _pieces(t) for k, t in src.tensors.items()}  # counted alone, tensor by tensor
+    assert {t["name"]: t["pieces"] for t in info["tensors"]} == want
+    md = read_metadata(_step(root))
+    rows = md.tensors[W1]
+    experts = [f"layers.0.moe.experts.{e}.w1.weight" for e in range(EXPERTS)]  # W1's views
+    assert {want[k] for k in experts} == {rows.count} and rows.count > 1
+
+
+def _chunked_under(src):
+    from hybridckpt.formats.dcp.chunked import Chunked
+
+    out, todo, seen = [], list(src.tensors.values()), set()
+    while todo:
+        t = todo.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        if isinstance(t, Chunked):
+            out.append(t)
+            continue
+        todo += [getattr(t, a) for a in ("src", "stored", "flat") if isinstance(getattr(t, a, None), lazy.LazyTensor)]
+        todo += list(getattr(t, "parts", ()) or ())
+    return out
