@@ -202,6 +202,7 @@ def planned() -> bool:
 
 
 REMOTE_COPY_BYTES = 128 << 20  # bytes per step of a copy out of object storage (parts in parallel)
+SCATTER_VIEWS = 1024  # views per preadv of `read_scatter` (Linux's IOV_MAX)
 COPY_BUFFER_BYTES = 8 << 20  # bytes per pread/pwrite step where the kernel cannot copy
 _HAS_COPY_FILE_RANGE = hasattr(os, "copy_file_range")
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
@@ -283,6 +284,32 @@ class ByteSource:
         if len(buffer):
             self._pread_into(offset, buffer)
             _count(self.path, len(buffer))
+
+    def read_scatter(self, offset: int, views: Sequence[memoryview]) -> None:
+        """Fill `views` in order with the contiguous bytes from `offset` of the file: one run
+        read straight into the rows of a strided buffer (a piece of a chunk into its place in a
+        shard) by `preadv`s of at most `SCATTER_VIEWS` views: no packed buffer, no copy."""
+        total = sum(len(v) for v in views)
+        if total == 0:
+            return
+        local = remote_object(self.path) is None
+        if local and not planned() and offset < 0:  # a corrupt offset field: pread would fail with EINVAL
+            raise FormatError(f"{self.path}: read at byte {offset}, before the start of the file")
+        at = offset
+        for i in range(0, len(views), SCATTER_VIEWS):
+            batch = views[i: i + SCATTER_VIEWS]
+            want = sum(len(v) for v in batch)
+            try:
+                got = os.preadv(_fd(self.path), batch, at) if local and not planned() else 0
+            except OSError as e:
+                raise FormatError(f"{self.path}: cannot read bytes [{at}, {at + want}): {e.strerror}") from e
+            if got != want:  # short, remote or planned: view by view (which names a truncation)
+                for v in batch:
+                    self._pread_into(at, v)
+                    at += len(v)
+            else:
+                at += want
+        _count(self.path, total)
 
     def read_runs(self, offsets: np.ndarray, run_bytes: int, buffer: memoryview) -> None:
         """Fill `buffer` (`len(offsets) * run_bytes` bytes) with the runs of `run_bytes` bytes at
