@@ -286,24 +286,34 @@ class ByteSource:
             _count(self.path, len(buffer))
 
     def read_scatter(self, offset: int, views: Sequence[memoryview]) -> None:
-        """Fill `views` in order with the contiguous bytes from `offset` of the file: one run
-        read straight into the rows of a strided buffer (a piece of a chunk into its place in a
-        shard) by `preadv`s of at most `SCATTER_VIEWS` views: no packed buffer, no copy."""
-        total = sum(len(v) for v in views)
-        if total == 0:
+        """Fill `views` in order with the bytes from `offset`: one run of the file straight into
+        the rows of a strided buffer (a piece of a chunk into its shard), by `preadv`s of at most
+        `SCATTER_VIEWS` views: no packed buffer, no copy."""
+        if (total := sum(len(v) for v in views)) == 0:
             return
-        local = remote_object(self.path) is None
-        if local and not planned() and offset < 0:  # a corrupt offset field: pread would fail with EINVAL
+        obj = remote_object(self.path)
+        if obj is not None or planned():  # the run whole by ranged GETs, then its rows (planned: counted)
+            if obj is not None and planned():
+                _count_requests(ranged.planned_cost(obj, [(offset, offset + total)]))
+            elif obj is not None:
+                whole, at = memoryview(bytearray(total)), 0
+                self._pread_into(offset, whole)
+                for v in views:
+                    v[:] = whole[at: at + len(v)]
+                    at += len(v)
+            _count(self.path, total)
+            return
+        if offset < 0:  # a corrupt offset field: pread would fail with EINVAL
             raise FormatError(f"{self.path}: read at byte {offset}, before the start of the file")
         at = offset
         for i in range(0, len(views), SCATTER_VIEWS):
             batch = views[i: i + SCATTER_VIEWS]
             want = sum(len(v) for v in batch)
             try:
-                got = os.preadv(_fd(self.path), batch, at) if local and not planned() else 0
+                got = os.preadv(_fd(self.path), batch, at)
             except OSError as e:
                 raise FormatError(f"{self.path}: cannot read bytes [{at}, {at + want}): {e.strerror}") from e
-            if got != want:  # short, remote or planned: view by view (which names a truncation)
+            if got != want:  # a short read: view by view (which finishes it or names the truncation)
                 for v in batch:
                     self._pread_into(at, v)
                     at += len(v)
