@@ -40,7 +40,7 @@ from hybridckpt.errors import CheckpointError
 from hybridckpt.io import timing
 from hybridckpt.io.byte_source import planned
 from hybridckpt.lazy import Box, FileRun, LazyTensor, box_runs, box_shape, copy_into
-from hybridckpt.lazy.stored import SCATTER_ROW_BYTES, row_views
+from hybridckpt.lazy.stored import SCATTER_ROW_BYTES, row_bytes, row_views
 
 CRC_TABLES = "chunk_crc32"  # trainer_state keys (written by `jobs.import_`)
 ARRAY_SPECS = "array_specs"
@@ -281,8 +281,9 @@ class CheckedArray(LazyTensor):
         C-order bytes, straight into `dst` (`StoredTensor.read_into`: a preadv into its rows, no
         chunk buffer, no copy), and take its CRC-32 off `dst`; the chunk is compared once its
         pieces tile it (`checksum.crc32_combine`). False (nothing done) for any other piece."""
-        if (not checksum.has_crc32_combine() or dst.dtype != self.dtype or pos in self._checked
-                or row_views(dst, SCATTER_ROW_BYTES) is None):
+        k, row = row_bytes(dst)
+        if not checksum.has_crc32_combine() or dst.dtype != self.dtype or pos in self._checked or k < 0 \
+                or row < SCATTER_ROW_BYTES:
             return False
         starts, run = box_runs(box_shape(cbox), tuple((s - a, e - a) for (s, e), (a, _) in zip(sub, cbox, strict=True)))
         if len(starts) != 1:
