@@ -12,11 +12,10 @@ no byte of it reaches a caller unchecked:
   boxes that need the rest, which cut their pieces from memory. So a restore onto a mesh that cuts
   chunks reads each chunk it touches once (`tests/store/test_restore_reads.py` counts it); only
   past the budget of kept bytes is a later piece read again from the file, that piece alone.
-  In a restore (`read_tree` sets `direct`) a piece that is one run of its chunk's bytes (a chunk
-  cut on its first axis) is instead read straight into its shard's rows, its CRC-32 taken there;
-  the chunk is compared once its pieces tile it (`checksum.crc32_of_pieces`), or, where this
-  process places only some of them, read whole and compared by `release` before the array is
-  returned: no chunk buffer and no copy, each byte still read once and checked.
+  In a restore (`read_tree` sets `direct`) a piece that is one run of a raw chunk's bytes (cut on
+  its first axis) is read straight into its shard's rows, its CRC-32 taken there; the chunk is
+  compared once its pieces tile it (`checksum.crc32_of_pieces`), else (this process places only
+  some) read whole and compared by `release` before the array is returned: no chunk buffer, no copy.
   A dry read (`io.byte_source.planning`: an import sizing its tiles) is counted as the real one
   would be and leaves nothing behind: no buffer kept, no chunk marked checked.
 - `file_runs(box, limit)`: an export that copies stored bytes file to file gets runs that carry
@@ -287,8 +286,9 @@ class CheckedArray(LazyTensor):
         chunk buffer, no copy), and take its CRC-32 off `dst`; the chunk is compared once its
         pieces tile it (`checksum.crc32_combine`). False (nothing done) for any other piece."""
         k, row = row_bytes(dst)
+        raw = getattr(self.inner, "raw", None)  # (through TensorStore a piece would decode the chunk again)
         if not checksum.has_crc32_combine() or dst.dtype != self.dtype or pos in self._checked or k < 0 \
-                or row < SCATTER_ROW_BYTES:
+                or row < SCATTER_ROW_BYTES or raw is None or raw() is None:
             return False
         starts, run = box_runs(box_shape(cbox), tuple((s - a, e - a) for (s, e), (a, _) in zip(sub, cbox, strict=True)))
         if len(starts) != 1:
