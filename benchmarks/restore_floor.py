@@ -140,6 +140,9 @@ def child(ck: str) -> dict:
     import hybridckpt.formats.registry
     import hybridckpt.jobs.restore
     import hybridckpt.place  # noqa: F401  (what a restore loads on first use: not its seconds)
+    from hybridckpt.models.family import families
+
+    families()  # (every model family's package, imported on the first config read: ~0.4 s here)
     from hybridckpt.io.byte_source import count_reads
     from hybridckpt.io.read_tally import tally
 
