@@ -1,7 +1,11 @@
 """Benchmark: a restore of our store onto another mesh against the read floor of the bytes it
 needs, measured in the same run (issue 42).
 
-    python benchmarks/restore_floor.py [--gib 0.25] [--repeat 3] [--dir DIR]
+    python benchmarks/restore_floor.py [--gib 0.25] [--repeat 3] [--dir DIR] [--tree BASE]
+
+`--tree BASE` (another checkout, e.g. `git archive BASE | tar -x -C PATH`) runs instead warm
+restores of this code and of BASE's hybridckpt alternating (`compare_trees`): a same-run
+before/after of the restore's seconds, CPU seconds, `cut` copies and peak RSS.
 
 Writes an HF Llama folder (fp32 safetensors, trained-like values: `orbax_speed.write_hf`) of
 about `--gib` GiB and imports it once onto fsdp=2,tp=2 (8 simulated CPU devices, default flags:
