@@ -1,7 +1,11 @@
 """Benchmark: a restore of our store onto another mesh against the read floor of the bytes it
 needs, measured in the same run (issue 42).
 
-    python benchmarks/restore_floor.py [--gib 0.25] [--repeat 3] [--dir DIR]
+    python benchmarks/restore_floor.py [--gib 0.25] [--repeat 3] [--dir DIR] [--tree BASE]
+
+`--tree BASE` (another checkout, e.g. `git archive BASE | tar -x -C PATH`) runs instead warm
+restores of this code and of BASE's hybridckpt alternating (`compare_trees`): a same-run
+before/after of the restore's seconds, CPU seconds, `cut` copies and peak RSS.
 
 Writes an HF Llama folder (fp32 safetensors, trained-like values: `orbax_speed.write_hf`) of
 about `--gib` GiB and imports it once onto fsdp=2,tp=2 (8 simulated CPU devices, default flags:
@@ -140,23 +144,74 @@ def child(ck: str) -> dict:
     import hybridckpt.formats.registry
     import hybridckpt.jobs.restore
     import hybridckpt.place  # noqa: F401  (what a restore loads on first use: not its seconds)
+    from hybridckpt.models.family import families
+
+    families()  # (every model family's package, imported on the first config read: ~0.4 s here)
     from hybridckpt.io.byte_source import count_reads
     from hybridckpt.io.read_tally import tally
 
-    t1 = time.perf_counter()
+    t1, cpu = time.perf_counter(), _cpu_s()
     with count_reads() as counter:
         _, r = hybridckpt.restore(ck, RESTORE_MESH, profile=True)
         jax.block_until_ready(r.params)
-    job = time.perf_counter() - t1
+    job, cpu = time.perf_counter() - t1, _cpu_s() - cpu
     placed = sum(a.nbytes for a in jax.tree.leaves(r.params))
-    return {"job_s": job, "wall_s": time.perf_counter() - t0, "read_bytes": tally(counter)[0],
+    return {"job_s": job, "cpu_s": cpu, "wall_s": time.perf_counter() - t0, "read_bytes": tally(counter)[0],
             "placed_bytes": placed, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "profile": r.profile.to_json()}
 
 
-def _child(ck: str) -> dict:
-    out = subprocess.run([sys.executable, HERE, "--_child", ck], check=True, capture_output=True, text=True)
+def _cpu_s() -> float:
+    """CPU seconds (user + system) of this process, all its threads."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _child(ck: str, tree: str | None = None) -> dict:
+    """One restore in a fresh process: of this checkout, or of the hybridckpt of the checkout at
+    `tree` (first on the path)."""
+    env = None if tree is None else dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+    out = subprocess.run([sys.executable, HERE, "--_child", ck], check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def compare_trees(ck: str, files: list[str], tree: str, repeat: int) -> dict:
+    """Warm restores of this checkout and of `tree` (a base commit unpacked there: `git archive
+    BASE | tar -x -C PATH`), alternating, the order turned each round, with the fresh-buffer
+    floor measured before each pair: a same-run before/after (medians of the restore's seconds
+    and of its CPU seconds, which a machine shared with other work disturbs less; the ratios
+    are the figures, the seconds depend on the machine's load)."""
+    runs: dict[str, list] = {"this": [], "tree": [], "fresh_floor": []}
+    _child(ck, tree)  # (a warm-up of the other checkout's modules, not counted)
+    for i in range(repeat):
+        floors.read_floor(files)
+        runs["fresh_floor"].append(fresh_read_floor(files))
+        for name in ("this", "tree") if i % 2 == 0 else ("tree", "this"):
+            runs[name].append(_child(ck, tree if name == "tree" else None))
+    med = {k: statistics.median(r["job_s"] if isinstance(r, dict) else r for r in v) for k, v in runs.items()}
+    cpu = {k: statistics.median(r["cpu_s"] for r in runs[k]) for k in ("this", "tree")}
+    row = {"this_cpu_s": round(cpu["this"], 3), "tree_cpu_s": round(cpu["tree"], 3),
+           "this_over_tree_cpu": round(cpu["this"] / cpu["tree"], 3),
+           "cpu_runs_s": {k: [round(r["cpu_s"], 3) for r in runs[k]] for k in ("this", "tree")},
+           "peak_rss_mb": {k: round(max(r["peak_rss_mb"] for r in runs[k])) for k in ("this", "tree")},
+           "this_s": round(med["this"], 3), "tree_s": round(med["tree"], 3), "fresh_floor_s": round(med["fresh_floor"], 3),
+           "this_over_tree": round(med["this"] / med["tree"], 3),
+           "this_over_floor": round(med["this"] / med["fresh_floor"], 2),
+           "tree_over_floor": round(med["tree"] / med["fresh_floor"], 2),
+           "this_cut_busy_s": [round(_stage(r, "cut").busy_s, 3) for r in runs["this"]],
+           "tree_cut_busy_s": [round(_stage(r, "cut").busy_s, 3) for r in runs["tree"]],
+           "this_cut_calls": [_stage(r, "cut").calls for r in runs["this"]],
+           "tree_cut_calls": [_stage(r, "cut").calls for r in runs["tree"]],
+           "runs_s": {k: [round(r["job_s"] if isinstance(r, dict) else r, 3) for r in v] for k, v in runs.items()},
+           "load_average": [round(x, 1) for x in os.getloadavg()]}
+    print(json.dumps(row))
+    return row
+
+
+def _stage(run: dict, name: str):
+    from hybridckpt.io.timing import Profile
+
+    return Profile.from_json(run["profile"]).stage(name)
 
 
 def report(kind: str, runs: list[dict], floor_runs: list[float], floor_name: str, stored: int) -> dict:
@@ -190,6 +245,7 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=0.25)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--tree", default=None, help="a base checkout to compare with (warm restores, alternating)")
     ap.add_argument("--_child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a._child:
@@ -208,6 +264,9 @@ def main() -> None:
                                                              JAX_PLATFORMS="cpu"))
         files = chunk_files(ck)
         stored = sum(os.path.getsize(p) for p in files)
+        if a.tree:
+            compare_trees(ck, files, a.tree, a.repeat)
+            return
         runs: dict[str, list] = {"warm": [], "cold": [], "warm_floor": [], "fresh_floor": [], "cold_floor": []}
         _child(ck)  # a warm-up, not counted: the modules' files cached
         for i in range(a.repeat):

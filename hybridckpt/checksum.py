@@ -43,8 +43,11 @@ import numpy as np
 
 try:  # zlib-ng's CRC-32: zlib's function, folded with PCLMULQDQ (65 GB/s a core here, zlib 1.2: 7)
     from zlib_ng.zlib_ng import crc32 as _crc32
+    from zlib_ng.zlib_ng import crc32_combine as _crc32_combine
 except ImportError:  # pragma: no cover - a platform without zlib-ng's wheel: the same values, slower
     from zlib import crc32 as _crc32
+
+    _crc32_combine = None  # (the stdlib's zlib has no combine: `has_crc32_combine` is False)
 
 from hybridckpt import lazy
 from hybridckpt.lazy import Box, box_runs
@@ -184,6 +187,31 @@ def crc32_of(data: np.ndarray) -> int:
 def crc32_update(view: memoryview, crc: int) -> int:
     """`crc` (of the bytes before) continued over `view`: a chunk's CRC-32 fed run by run."""
     return _crc32(view, crc)
+
+
+def has_crc32_combine() -> bool:
+    """Whether `crc32_combine` is available (zlib-ng)."""
+    return _crc32_combine is not None
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of bytes A then B from `crc1` (of A), `crc2` (of B) and B's length in bytes
+    (zlib's `crc32_combine`): a chunk checked from pieces read apart, in any order."""
+    return _crc32_combine(crc1, crc2, len2)
+
+
+def crc32_of_pieces(pieces: dict[int, tuple[int, int]], nbytes: int) -> int | None:
+    """The CRC-32 of `nbytes` bytes from pieces of them (start byte -> (bytes, CRC-32)) once
+    they tile them exactly; None before, or where they overlap."""
+    if sum(n for n, _ in pieces.values()) != nbytes:
+        return None
+    crc, at = 0, 0
+    for start in sorted(pieces):
+        n, c = pieces[start]
+        if start != at:
+            return None
+        crc, at = (c if at == 0 else crc32_combine(crc, c, n)), at + n
+    return crc
 
 
 def part_of(index: int, crc: int) -> int:

@@ -202,6 +202,7 @@ def planned() -> bool:
 
 
 REMOTE_COPY_BYTES = 128 << 20  # bytes per step of a copy out of object storage (parts in parallel)
+SCATTER_VIEWS = 1024  # views per preadv of `read_scatter` (Linux's IOV_MAX)
 COPY_BUFFER_BYTES = 8 << 20  # bytes per pread/pwrite step where the kernel cannot copy
 _HAS_COPY_FILE_RANGE = hasattr(os, "copy_file_range")
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
@@ -283,6 +284,42 @@ class ByteSource:
         if len(buffer):
             self._pread_into(offset, buffer)
             _count(self.path, len(buffer))
+
+    def read_scatter(self, offset: int, views: Sequence[memoryview]) -> None:
+        """Fill `views` in order with the bytes from `offset`: one run of the file straight into
+        the rows of a strided buffer (a piece of a chunk into its shard), by `preadv`s of at most
+        `SCATTER_VIEWS` views: no packed buffer, no copy."""
+        if (total := sum(len(v) for v in views)) == 0:
+            return
+        obj = remote_object(self.path)
+        if obj is not None or planned():  # the run whole by ranged GETs, then its rows (planned: counted)
+            if obj is not None and planned():
+                _count_requests(ranged.planned_cost(obj, [(offset, offset + total)]))
+            elif obj is not None:
+                whole, at = memoryview(bytearray(total)), 0
+                self._pread_into(offset, whole)
+                for v in views:
+                    v[:] = whole[at: at + len(v)]
+                    at += len(v)
+            _count(self.path, total)
+            return
+        if offset < 0:  # a corrupt offset field: pread would fail with EINVAL
+            raise FormatError(f"{self.path}: read at byte {offset}, before the start of the file")
+        at = offset
+        for i in range(0, len(views), SCATTER_VIEWS):
+            batch = views[i: i + SCATTER_VIEWS]
+            want = sum(len(v) for v in batch)
+            try:
+                got = os.preadv(_fd(self.path), batch, at)
+            except OSError as e:
+                raise FormatError(f"{self.path}: cannot read bytes [{at}, {at + want}): {e.strerror}") from e
+            if got != want:  # a short read: view by view (which finishes it or names the truncation)
+                for v in batch:
+                    self._pread_into(at, v)
+                    at += len(v)
+            else:
+                at += want
+        _count(self.path, total)
 
     def read_runs(self, offsets: np.ndarray, run_bytes: int, buffer: memoryview) -> None:
         """Fill `buffer` (`len(offsets) * run_bytes` bytes) with the runs of `run_bytes` bytes at

@@ -64,9 +64,14 @@ class StoredTensor(LazyTensor):
             return
         starts, run_len = box_runs(self.shape, box)
         item = np.dtype(self.dtype).itemsize
-        if len(starts) == 1 and out.flags.c_contiguous and out.dtype == np.dtype(self.dtype):
-            self.source.read_into(self.offset + int(starts[0]) * item, memoryview(out.reshape(-1).view(np.uint8)))
-            return
+        if len(starts) == 1 and out.dtype == np.dtype(self.dtype):
+            if out.flags.c_contiguous:
+                self.source.read_into(self.offset + int(starts[0]) * item, memoryview(out.reshape(-1).view(np.uint8)))
+                return
+            rows = row_views(out, SCATTER_ROW_BYTES)
+            if rows is not None:  # one run of the file into the rows of a strided `out`: no copy
+                self.source.read_scatter(self.offset + int(starts[0]) * item, rows)
+                return
         for slab in _slabs(self.shape, box, SPAN_BYTES // item):
             where = tuple(slice(a - a0, b - a0) for (a, b), (a0, _) in zip(slab, box, strict=True))
             self._slab_into(slab, out[where])
@@ -105,6 +110,37 @@ class StoredTensor(LazyTensor):
         return out
 
 
+def row_bytes(out: np.ndarray) -> tuple[int, int]:
+    """(k, bytes): `out`'s C-contiguous rows are its axes from k on, `bytes` long; k is -1 where
+    `out` has another layout (negative or zero strides)."""
+    k, step = out.ndim, out.dtype.itemsize
+    while k > 0 and (out.shape[k - 1] == 1 or out.strides[k - 1] == step):
+        step *= out.shape[k - 1]
+        k -= 1
+    bad = any(s <= 0 for s, n in zip(out.strides[:k], out.shape[:k], strict=True) if n > 1)
+    return (-1 if bad else k), step
+
+
+def row_views(out: np.ndarray, min_bytes: int = 1) -> list[memoryview] | None:
+    """`out`'s elements in C order as byte views of its C-contiguous rows (`row_bytes`), or None
+    where such a row is under `min_bytes` or `out` has another layout. Views are slices of one
+    memoryview of the array `out` is a view of (no numpy call a row)."""
+    k, step = row_bytes(out)
+    if k < 0 or step < min_bytes:
+        return None
+    root = out
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if k == 0 or not root.flags.c_contiguous:
+        return [memoryview(out[idx].reshape(-1).view(np.uint8)) for idx in np.ndindex(*out.shape[:k])]
+    whole = memoryview(root.reshape(-1).view(np.uint8))
+    offsets = np.array([out.ctypes.data - root.ctypes.data], dtype=np.int64)
+    for n, s in zip(out.shape[:k], out.strides[:k], strict=True):
+        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * s).reshape(-1)
+    return [whole[o: o + step] for o in offsets.tolist()]
+
+
+SCATTER_ROW_BYTES = 512  # rows shorter than this are read in slabs and copied (a preadv view each costs)
 SPAN_BYTES = 8 << 20  # most bytes of a file one read of many runs preads at once (a slab's buffer)
 PAGE_BYTES = 4096  # runs less than a page apart are read as one span (it touches only their pages)
 

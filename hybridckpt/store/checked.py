@@ -12,6 +12,10 @@ no byte of it reaches a caller unchecked:
   boxes that need the rest, which cut their pieces from memory. So a restore onto a mesh that cuts
   chunks reads each chunk it touches once (`tests/store/test_restore_reads.py` counts it); only
   past the budget of kept bytes is a later piece read again from the file, that piece alone.
+  In a restore (`read_tree` sets `direct`) a piece that is one run of a raw chunk's bytes (cut on
+  its first axis) is read straight into its shard's rows, its CRC-32 taken there; the chunk is
+  compared once its pieces tile it (`checksum.crc32_of_pieces`), else (this process places only
+  some) read whole and compared by `release` before the array is returned: no chunk buffer, no copy.
   A dry read (`io.byte_source.planning`: an import sizing its tiles) is counted as the real one
   would be and leaves nothing behind: no buffer kept, no chunk marked checked.
 - `file_runs(box, limit)`: an export that copies stored bytes file to file gets runs that carry
@@ -39,7 +43,8 @@ from hybridckpt import checksum
 from hybridckpt.errors import CheckpointError
 from hybridckpt.io import timing
 from hybridckpt.io.byte_source import planned
-from hybridckpt.lazy import Box, FileRun, LazyTensor, box_shape, copy_into
+from hybridckpt.lazy import Box, FileRun, LazyTensor, box_runs, box_shape, copy_into
+from hybridckpt.lazy.stored import SCATTER_ROW_BYTES, row_bytes, row_views
 
 CRC_TABLES = "chunk_crc32"  # trainer_state keys (written by `jobs.import_`)
 ARRAY_SPECS = "array_specs"
@@ -153,6 +158,8 @@ class CheckedArray(LazyTensor):
         self._lock = threading.Lock()
         self._reading: dict[int, threading.Event] = {}  # chunks being read whole now, by one thread
         self._planned: set[int] = set()  # chunks a dry read (`io.byte_source.planning`) counted whole
+        self.direct = False  # pieces read straight into their places, checked whole by `release`
+        self._landed: dict[int, dict[int, tuple[int, int]]] = {}  # position -> start byte -> (bytes, CRC)
 
     # -- the grid --------------------------------------------------------------------------------
     def _chunks(self, box: Box):
@@ -240,6 +247,8 @@ class CheckedArray(LazyTensor):
             return True
         piece = tuple(slice(s - a, e - a) for (s, e), (a, _) in zip(sub, cbox, strict=True)) or ...
         elements = int(np.prod(box_shape(sub)))
+        if self.direct and self._direct_piece(pos, cbox, sub, dst):
+            return True
         while True:
             with self._lock:
                 held = self._held.take(pos, elements)
@@ -271,10 +280,58 @@ class CheckedArray(LazyTensor):
                 mine.set()
             return True
 
+    def _direct_piece(self, pos: int, cbox: Box, sub: Box, dst: np.ndarray) -> bool:
+        """With `direct` on: read `sub`, a piece of chunk `pos` that is one run of the chunk's
+        C-order bytes, straight into `dst` (`StoredTensor.read_into`: a preadv into its rows, no
+        chunk buffer, no copy), and take its CRC-32 off `dst`; the chunk is compared once its
+        pieces tile it (`checksum.crc32_combine`). False (nothing done) for any other piece."""
+        k, row = row_bytes(dst)
+        raw = getattr(self.inner, "raw", None)  # (through TensorStore a piece would decode the chunk again)
+        if not checksum.has_crc32_combine() or dst.dtype != self.dtype or pos in self._checked or k < 0 \
+                or row < SCATTER_ROW_BYTES or raw is None or raw() is None:
+            return False
+        starts, run = box_runs(box_shape(cbox), tuple((s - a, e - a) for (s, e), (a, _) in zip(sub, cbox, strict=True)))
+        if len(starts) != 1:
+            return False
+        self.inner.read_into(sub, dst)
+        with timing.stage("checksum", dst.nbytes):
+            crc = 0
+            for row in row_views(dst):
+                crc = checksum.crc32_update(row, crc)
+        item = self.dtype.itemsize
+        with self._lock:
+            landed = self._landed.setdefault(pos, {})
+            landed[int(starts[0]) * item] = (run * item, crc)
+            whole = checksum.crc32_of_pieces(landed, int(np.prod(box_shape(cbox))) * item)
+            if whole is not None:
+                del self._landed[pos]
+        if whole is not None:
+            self.compare(pos, whole)
+        return True
+
     def release(self) -> None:
         """Give back the chunk bytes kept for pieces not read (another process's devices hold
-        them): call when every box of this process has been read."""
+        them), and check the chunks of which `direct` pieces were read but not all: each read
+        whole from the file, its CRC-32 compared, and each landed piece's CRC-32 compared with its
+        bytes there. Call when every box of this process has been read."""
         self._held.clear()
+        with self._lock:
+            pending, self._landed = self._landed, {}
+        for pos, landed in pending.items():
+            cbox = self._cbox(pos)
+            data = self.inner.read_box(cbox)
+            self.compare(pos, _crc(data))
+            raw = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+            for start, (n, crc) in landed.items():
+                if checksum.crc32_update(raw[start: start + n], 0) != crc:
+                    raise CheckpointError(
+                        f"{self.where}: array {self.name}: chunk {self._position(pos)} ({self._describe(pos)}"
+                        f"{self._file(pos)}): bytes [{start}, {start + n}) read earlier differ from the chunk "
+                        f"now stored (the file changed while it was read)")
+
+    def _cbox(self, pos: int) -> Box:
+        idx = [int(i) for i in self._position(pos).split(".")] if self.shape else []
+        return tuple((i * c, min(n, (i + 1) * c)) for i, c, n in zip(idx, self.chunk, self.shape, strict=True))
 
     def file_runs(self, box: Box, limit: int) -> list[FileRun] | None:
         """The inner runs of a box of whole chunks, each carrying its chunk's `RunCheck`; None
@@ -433,6 +490,8 @@ def read_tree(step_dir: str, item: str, target, state: Mapping):
             continue
         t = checked[names[key]]
         t.name = key
+        if isinstance(t, CheckedArray):
+            t.direct = True  # (pieces straight into the shards: checked whole by `release` below at the latest)
         arr, _ = to_array(t, leaf.sharding, np.dtype(leaf.dtype) if np.dtype(leaf.dtype) != t.dtype else None,
                           with_checksum=False)
         if isinstance(t, CheckedArray):

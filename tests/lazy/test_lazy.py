@@ -314,3 +314,23 @@ def test_a_deferred_chunk_found_for_its_file_runs_is_parsed_by_real_reads(tmp_pa
     with planning():
         runs = chunk.file_runs(((0, 64),), 1)
     assert len(runs) == 1 and runs[0].nbytes == 256
+
+
+def test_one_run_into_a_strided_buffer_is_read_into_its_rows(tmp_path, monkeypatch):
+    """A box that is one run of the file, read into a buffer whose rows are strided (a piece of a
+    chunk into its place in a shard), is preadv'd straight into those rows (`read_scatter`):
+    before, it was read into a span buffer (`read_span`) and copied. A file cut short is still a
+    FormatError naming it."""
+    data = np.arange(8 * 300, dtype=np.float32).reshape(8, 300)
+    path = tmp_path / "chunk"
+    path.write_bytes(b"\0" * 16 + data.tobytes())
+    t = lazy.StoredTensor(ByteSource(str(path)), 16, (8, 300), np.dtype(np.float32))
+    monkeypatch.setattr(ByteSource, "read_span", lambda *a: pytest.fail("read into a span buffer and copied"))
+    shard = np.zeros((4, 600), dtype=np.float32)
+    with count_reads() as counter:
+        t.read_into(((2, 6), (0, 300)), shard[:, 300:])
+    assert shard[:, 300:].tobytes() == data[2:6].tobytes() and not shard[:, :300].any()
+    assert counter[(str(path), "calls")] == 1 and counter[str(path)] == data[2:6].nbytes
+    path.write_bytes(b"\0" * 16 + data[:5].tobytes())
+    with pytest.raises(FormatError, match=r"chunk.* (truncated|changed while it was read)"):
+        t.read_into(((2, 6), (0, 300)), shard[:, 300:])

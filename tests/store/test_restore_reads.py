@@ -243,3 +243,112 @@ def test_a_dry_read_does_not_mark_a_chunk_checked(store, tmp_path):
     with pytest.raises(CheckpointError, match=r"chunk 0\.0\.0 .*CRC-32"):
         for box in halves:
             t.read_into(box, np.empty([b - a for a, b in box], dtype=t.dtype))
+
+
+# -- pieces read straight into the shards (`CheckedArray.direct`, on in a restore) ------------------
+
+FIRST_AXIS_CUT = ("layers.up.kernel", "layers.gate.kernel", "layers.q.kernel")  # fsdp=4 cuts their rows
+
+
+@pytest.fixture
+def counted_copies(monkeypatch):
+    """(chunk buffers, copies) per array name made by `store.checked` during a restore: every
+    `inner.read_box` of a CheckedArray (a chunk read whole into a fresh buffer) and every
+    `copy_into` out of one (a piece cut from that buffer into its shard)."""
+    import threading
+    from collections import Counter
+
+    from hybridckpt.containers.orbax import reader
+
+    buffers, copies, where = Counter(), Counter(), threading.local()
+    piece, read_box, copy = checked.CheckedArray._piece, reader.OrbaxArray.read_box, checked.copy_into
+
+    def _piece(self, *a, **k):
+        where.name = self.name
+        return piece(self, *a, **k)
+
+    def _read_box(self, box):
+        buffers[self.name] += 1
+        return read_box(self, box)
+
+    def _copy(dst, src):
+        copies[getattr(where, "name", None)] += 1
+        return copy(dst, src)
+
+    monkeypatch.setattr(checked.CheckedArray, "_piece", _piece)
+    monkeypatch.setattr(reader.OrbaxArray, "read_box", _read_box)
+    monkeypatch.setattr(checked, "copy_into", _copy)
+    return buffers, copies
+
+
+def test_a_piece_of_a_chunk_cut_on_its_first_axis_is_read_into_its_shard(store, many_readers, counted_copies):
+    """fsdp=2,tp=2 -> fsdp=4 cuts the rows of every kernel chunk of q/gate/up in two: each half is
+    one run of the chunk file, read by preadv straight into the rows of its shard and checked by
+    the CRC-32s of the halves combined (`checksum.crc32_of_pieces`). Before, each such chunk was
+    read whole into a fresh buffer and both halves copied out of it: 1 buffer and 2 copies a
+    chunk; now none. Every byte is still read once and checked, and the values are the source's."""
+    src, ck = store
+    buffers, copies = counted_copies
+    cfg, r, read = restore_counted(ck, fit_pair(fit(SAVED), TARGETS[0])[1])
+    needed, cut = needed_bytes(ck, r.params)
+    assert cut > 0
+    for name in FIRST_AXIS_CUT:
+        assert buffers[name] == 0 and copies[name] == 0, (name, buffers, copies)
+    assert needed <= read <= 1.05 * needed
+    assert r.profile.stage("checksum").bytes == needed
+    same_as_source(src, cfg, r.params)
+
+
+def _damaged(ck: str, tmp_path, at: int) -> str:
+    bad = str(tmp_path / "ck")
+    shutil.copytree(ck, bad)
+    step = next(d for d in os.listdir(bad) if d.isdigit())
+    with open(os.path.join(bad, step, "params", "layers.up.kernel", "0.0.0"), "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x40]))
+    return bad
+
+
+@pytest.mark.parametrize("half", [0, 1])
+def test_a_damaged_byte_in_either_piece_read_into_a_shard_is_caught(store, tmp_path, many_readers, half):
+    _, ck = store
+    chunk = _up_kernel(ck).chunk
+    at = (half * chunk[1] // 2 + 3) * chunk[2] * 4 + 12  # (a byte of row 3 of that half)
+    with pytest.raises(CheckpointError, match=r"layers\.up\.kernel: chunk 0\.0\.0 .*CRC-32"):
+        hybridckpt.restore(_damaged(ck, tmp_path, at), fit_pair(fit(SAVED), TARGETS[0])[1])
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_a_chunk_only_one_piece_of_which_was_read_is_checked_at_release(store, tmp_path, damaged):
+    """A process whose devices need one half of a chunk (the other half is another host's) reads
+    that half alone into its shard; `release` then reads the chunk whole and checks it: a byte
+    damaged in the half never placed is still caught."""
+    _, ck = store
+    chunk = _up_kernel(ck).chunk
+    ck = _damaged(ck, tmp_path, (chunk[1] // 2 + 1) * chunk[2] * 4) if damaged else ck
+    t = _up_kernel(ck)
+    t.direct = True
+    box = _halves(t)[0]
+    out = np.empty([b - a for a, b in box], dtype=t.dtype)
+    with count_reads() as first:
+        t.read_into(box, out)
+    assert tally(first)[0] == out.nbytes  # (the half alone, no chunk buffer)
+    if damaged:
+        with pytest.raises(CheckpointError, match=r"chunk 0\.0\.0 .*CRC-32"):
+            t.release()
+        return
+    with count_reads() as rest:
+        t.release()
+    assert tally(rest)[0] == 2 * out.nbytes and not t._landed  # noqa: SLF001
+
+
+def test_pieces_crcs_combine_to_the_whole_in_any_order():
+    from hybridckpt import checksum
+
+    data = np.random.default_rng(0).integers(0, 256, 10_000, dtype=np.uint8)
+    cuts = [0, 1, 977, 4096, 9999, 10_000]
+    pieces = {a: (b - a, checksum.crc32_of(data[a:b])) for a, b in zip(cuts, cuts[1:], strict=False)}
+    assert checksum.crc32_of_pieces(dict(reversed(list(pieces.items()))), data.size) == checksum.crc32_of(data)
+    assert checksum.crc32_of_pieces({k: v for k, v in pieces.items() if k}, data.size) is None  # (not all there)
