@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 
 import moe_import  # noqa: E402
+import moe_sources  # noqa: E402
 from meshes import fit
 
 from hybridckpt.lazy import stored  # noqa: E402
@@ -41,11 +42,32 @@ def source(request, tmp_path_factory):
     return request.param, root
 
 
+def chunk_ends(layout: str, root: str) -> float:
+    """The expert bytes a DCP import reads besides the elements themselves, as a ratio of the
+    expert bytes: each chunk's two ends are read to match or parse its `torch.save` archive
+    (`formats.dcp.chunk`: the first and last `rest = length - element bytes` bytes), and of those
+    `min(rest, element bytes)` are elements (the head and the tail of the archive sum to `rest`);
+    the elements are then read once. 0 for the safetensors layouts. From torch's own metadata."""
+    if layout != "titan":
+        return 0.0
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(os.path.join(root, "checkpoint", moe_sources.TITAN_STEP)).read_metadata()
+    extra = total = 0
+    for idx, info in meta.storage_data.items():
+        if moe_sources.is_expert(idx.fqn):
+            md = meta.state_dict_metadata[idx.fqn]
+            n = int(np.prod(md.size)) * md.properties.dtype.itemsize
+            extra, total = extra + min(info.length - n, n), total + n
+    return extra / total
+
+
 def test_each_expert_byte_read_once(source, tmp_path):
     layout, root = source
     r = moe_import.measure(root, str(tmp_path / "out"), fit("dp=4,fsdp=2", keep="fsdp"))
     assert r["expert_bytes"] == 2 * 8 * 3 * 64 * 128 * 4
-    assert r["ratio"] == 1.0 and r["covered"] == 1.0
+    # once, plus (titan) the ends of each chunk that matching its archive reads: 0.6% here
+    assert r["ratio"] == pytest.approx(1.0 + chunk_ends(layout, root), abs=1e-12) and r["covered"] == 1.0
     if layout != "titan":  # headers included, nothing twice (DCP: torch.save's zip headers skipped)
         assert r["bytes_read"] == r["files_bytes"]
     assert 0 < r["largest_tile_bytes"] <= r["peak_inflight_bytes"]
@@ -81,7 +103,7 @@ def test_a_double_read_is_detected(source, tmp_path, monkeypatch):
     for mesh in dict.fromkeys((fit("dp=4,fsdp=2", keep="fsdp"), fit("dp=8"))):  # on 1 device, one
         r = moe_import.measure(root, str(tmp_path / mesh), mesh)
         assert r["covered"] == 1.0
-        assert r["ratio"] == pytest.approx(whole_per_box(layout, mesh), abs=1e-12)
+        assert r["ratio"] == pytest.approx(whole_per_box(layout, mesh) + chunk_ends(layout, root), abs=1e-12)
 
 
 def test_read_ratio_counts_overlaps_and_holes():
