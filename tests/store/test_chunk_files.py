@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 from fixtures.direct_probe import direct_supported
+from fixtures.store_files import assert_same_chunk_files
 from meshes import fit
 
 from hybridckpt.containers.orbax import chunk_files
@@ -141,16 +142,7 @@ def test_an_import_writes_the_same_chunk_files_direct_or_buffered(tmp_path, caps
     for flag in ("", "--buffered-writes"):
         outs[flag] = str(tmp_path / (flag or "direct"))
         assert main(["import", sample_path(), outs[flag], "--mesh", fit("fsdp=2,tp=2,pp=2"), "--quiet", *filter(None, [flag])]) == 0
-    for item in ("params", "opt_state"):
-        a, b = (os.path.join(outs[f], "12", item) for f in ("", "--buffered-writes"))
-        arrays = sorted(n for n in os.listdir(a) if os.path.isfile(os.path.join(a, n, ".zarray")))
-        assert arrays and arrays == sorted(n for n in os.listdir(b) if os.path.isfile(os.path.join(b, n, ".zarray")))
-        for name in arrays:
-            files = sorted(os.listdir(os.path.join(a, name)))
-            assert files == sorted(os.listdir(os.path.join(b, name))), name
-            for f in files:
-                with open(os.path.join(a, name, f), "rb") as x, open(os.path.join(b, name, f), "rb") as y:
-                    assert x.read() == y.read(), (item, name, f)
+    assert_same_chunk_files(outs[""], outs["--buffered-writes"])
     assert main(["verify", outs[""]]) == 0
 
 

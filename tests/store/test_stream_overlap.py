@@ -4,9 +4,9 @@ tiles, and the arrays' zarr metadata is created while tiles are already read and
 time is measured: the tests count where the planning ran and in what order things happened."""
 
 import asyncio
-import os
 import threading
 
+from fixtures.store_files import assert_same_chunk_files
 from meshes import fit
 
 from hybridckpt.cli import main
@@ -81,14 +81,5 @@ def test_raw_writes_do_not_wait_for_the_array_metadata(tmp_path, monkeypatch):
     monkeypatch.undo()
     plain = tmp_path / "plain"
     import_checkpoint(sample_path(), plain, mesh=fit("fsdp=2,tp=2"))
-    for item in ("params", "opt_state"):
-        a, b = (os.path.join(root, "12", item) for root in (ck, plain))
-        arrays = sorted(n for n in os.listdir(a) if os.path.isfile(os.path.join(a, n, ".zarray")))
-        assert arrays and arrays == sorted(n for n in os.listdir(b) if os.path.isfile(os.path.join(b, n, ".zarray")))
-        for name in arrays:
-            files = sorted(os.listdir(os.path.join(a, name)))
-            assert files == sorted(os.listdir(os.path.join(b, name))), name
-            for f in files:
-                with open(os.path.join(a, name, f), "rb") as x, open(os.path.join(b, name, f), "rb") as y:
-                    assert x.read() == y.read(), (item, name, f)
+    assert_same_chunk_files(ck, plain)
     assert main(["verify", str(ck)]) == 0
