@@ -45,6 +45,8 @@ from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 from hybridckpt.containers.orbax import chunk_files
 from hybridckpt.containers.orbax.codec import apply_codec, parse_compression
 from hybridckpt.io import timing
+from hybridckpt.io.remote import ts_writes
+from hybridckpt.io.remote.ts_kvstore import kvstore_spec
 from hybridckpt.io.writeback import fsync_folder
 from hybridckpt.lazy import Box, box_shape, parallel
 from hybridckpt.store import stream
@@ -103,6 +105,8 @@ class LazyArrayHandler(ocp.type_handlers.ArrayHandler):
         ]
         for spec in specs:
             apply_codec(spec, opts.compression)
+            if use_ocdbt:  # into a bucket's spool: TensorStore writes the bucket itself (`io.remote.ts_writes`)
+                ts_writes.to_bucket(_tensorstore_spec(spec.json)["kvstore"])
         primary = self._primary_host is None or self._primary_host == jax.process_index()
         targets = [
             None if use_ocdbt else chunk_files.target_of(spec.json, tuple(spec.metadata.chunk_shape),
@@ -188,6 +192,34 @@ class LazyArrayHandler(ocp.type_handlers.ArrayHandler):
         await _all([one(b) for b in tiles])
         if opts.on_leaf is not None:
             opts.on_leaf(leaf.name, leaf.nbytes)
+
+
+def _tensorstore_spec(json_spec: dict) -> dict:
+    """The zarr spec of an Orbax write spec (inside its "cast" driver when it has one)."""
+    return json_spec.get("base", json_spec) if json_spec.get("driver") == "cast" else json_spec
+
+
+async def _merge_in_bucket(directory: str) -> None:
+    """Orbax's `merge_ocdbt_per_process_files` for an item whose OCDBT databases TensorStore wrote
+    to a bucket (`io.remote.ts_writes`): the per-process databases found there (`ocdbt.process_<i>/
+    manifest.ocdbt`) copied by reference into the item's own database, one atomic transaction."""
+    found = ts_writes.bucket_of(directory)
+    url, folder = found
+    ctx = ts_utils.get_ts_context(use_ocdbt=True)
+    item = await ts.KvStore.open(kvstore_spec(url.child(folder.rstrip("/"))), context=ctx)
+    keys = await item.list(ts.KvStore.KeyRange("ocdbt.process_", "ocdbt.process`"))
+    names = sorted({k.decode("utf-8", "replace").split("/", 1)[0] for k in keys
+                    if k.decode("utf-8", "replace").endswith("/manifest.ocdbt")})
+    if not names:
+        return
+    children = [await ts.KvStore.open(ts_writes.to_bucket(ts_utils.build_kvstore_tspec(
+        os.path.join(directory, n), use_ocdbt=True)), context=ctx) for n in names]
+    parent = await ts.KvStore.open(ts_writes.to_bucket(ts_utils.build_kvstore_tspec(
+        directory, use_ocdbt=True, ocdbt_write_options=ts_utils.OcdbtKvStoreWriteOptions(
+            mode=ts_utils.OcdbtWriteMode.MERGE))), context=ctx)
+    txn = ts.Transaction(atomic=True)
+    await asyncio.gather(*(c.experimental_copy_range_to(parent.with_transaction(txn)) for c in children))
+    await txn.commit_async()
 
 
 async def _create_arrays(specs: list, infos: list) -> None:
@@ -332,6 +364,14 @@ class StreamingCheckpointHandler(ocp.StandardCheckpointHandler):
             for use in (True, False)
         }
         self._impl = self._by_ocdbt[True]
+
+    def finalize(self, directory) -> None:
+        """Orbax's finalize; an OCDBT item written to a bucket (`io.remote.ts_writes`) merged there
+        first (Orbax's own merge looks for the per-process databases in the local folder only,
+        finds none and skips)."""
+        if self._impl is self._by_ocdbt[True] and ts_writes.bucket_of(str(directory)) is not None:
+            asyncio.run(_merge_in_bucket(str(directory)))
+        super().finalize(directory)
 
     async def async_save(self, directory, item=None, save_args=None, args=None):
         tree = args.item if args is not None else item

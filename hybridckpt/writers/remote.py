@@ -54,7 +54,7 @@ from collections.abc import Iterable
 from hybridckpt.errors import CheckpointError, ConfigError
 from hybridckpt.io import byte_source, interrupts, sequential_file
 from hybridckpt.io.remote import commit as markers
-from hybridckpt.io.remote import urls
+from hybridckpt.io.remote import ts_writes, urls
 from hybridckpt.io.remote.urls import RemoteUrl
 from hybridckpt.writers import ownership
 
@@ -87,6 +87,8 @@ class RemoteDestination:
         self._written: list[str] = []  # what this job wrote (or began to), in order
         self._sizes: dict[str, int] = {}  # uploaded object -> bytes
         self._early: dict[str, str] = {}  # uploaded from an Orbax temporary folder: its name -> spool name
+        self._native: set[str] = set()  # folders ("a/b/") TensorStore writes in the bucket itself (`ts_writes`)
+        self._redirect: ts_writes.Redirect | None = None
         self._inflight = 0  # uploads running (in writers' and readers' threads)
         self._idle = threading.Condition(self._lock)
         self._job: dict = {}
@@ -130,6 +132,8 @@ class RemoteDestination:
         self.tmp = tempfile.mkdtemp(prefix=f"hybridckpt-spool-{self.token}-")
         interrupts.add_temporary(self.tmp)
         sequential_file.CLOSED.append(self._closed)
+        self._redirect = ts_writes.Redirect(self.tmp, self.url, final_folder, self._claim)
+        ts_writes.redirect(self._redirect)
         return self.tmp
 
     # -- uploading -------------------------------------------------------------------------------
@@ -148,6 +152,38 @@ class RemoteDestination:
             with self._lock:
                 self._early[name] = spooled
         self._guarded(lambda: self._upload(name, local=path))
+
+    def _claim(self, folder: str) -> None:
+        """TensorStore is about to write objects directly in `folder` ("a/b/", `io.remote.ts_writes`:
+        an OCDBT database of a compressed import): steps 1-2 of the module doc first, then the
+        folder listed in the staging marker (once), so its objects are ours even after a crash."""
+        def claim() -> None:
+            with self._lock:
+                if self._failed:
+                    raise CheckpointError(f"{self.dst}: upload failed, nothing committed")
+                if not self._begun:
+                    self._begin()
+                if folder not in self._native:
+                    self._native.add(folder)
+                    self._folders.add(folder)
+                    self._put(markers.STAGING, self._staging())
+
+        self._guarded(claim)
+
+    def _native_objects(self) -> dict[str, int]:
+        """The objects TensorStore wrote directly in the claimed folders: name -> bytes."""
+        out: dict[str, int] = {}
+        self.fs.invalidate_cache()
+        for folder in sorted(self._native):
+            try:
+                found = self.fs.find(self.url.child(folder.rstrip("/")).path, maxdepth=1, detail=True)
+            except FileNotFoundError:
+                continue
+            for full, info in found.items():
+                name = folder + full.rstrip("/").rsplit("/", 1)[-1]
+                if info.get("type", "file") == "file":
+                    out[name] = int(info.get("size") or 0)
+        return out
 
     def _guarded(self, step) -> None:
         """Run an upload step; any failure deletes what this job wrote and is one CheckpointError."""
@@ -215,6 +251,10 @@ class RemoteDestination:
             self._check_renamed()
             for name in _spooled(self.tmp):
                 self._upload(name)
+            for name, size in self._native_objects().items():  # (written by TensorStore: listed)
+                with self._lock:
+                    self._sizes[name] = size
+                    self._written.append(name)
             if not self._begun:  # (an export of no files at all)
                 self._begin()
             with interrupts.committing():  # (an interrupt waits for the marker and the staging's removal)
@@ -252,7 +292,11 @@ class RemoteDestination:
             while self._inflight:
                 self._idle.wait()
         left = False
-        for name in reversed(self._written):
+        try:
+            native = list(self._native_objects())  # (TensorStore's objects: found by listing)
+        except Exception:
+            native, left = [], bool(self._native)
+        for name in [*reversed(self._written), *native]:
             try:
                 self.fs.rm_file(self.url.child(name).path)
             except FileNotFoundError:
@@ -269,6 +313,9 @@ class RemoteDestination:
     def __exit__(self, exc_type, exc, tb) -> None:
         if self._closed in sequential_file.CLOSED:
             sequential_file.CLOSED.remove(self._closed)
+        if self._redirect is not None:
+            ts_writes.release(self._redirect)
+            self._redirect = None
         if not self.committed and not self._failed:
             self._failed = True
             self._clean()  # (a writer's own error after some files went up)
@@ -329,6 +376,13 @@ def final_name(spooled: str) -> str:
         return spooled
     parts[0], parts[1] = (p.split(ownership.ORBAX_TMP, 1)[0] for p in parts[:2])
     return "/".join(parts)
+
+
+def final_folder(spooled: str) -> str | None:
+    """The object folder of the spool folder `spooled` ("/"-separated) after Orbax's rename
+    (`final_name`), or None while it is still in a temporary folder of a layout not known here."""
+    name = final_name(spooled.rstrip("/") + "/_")[:-2]
+    return None if ownership.ORBAX_TMP in name else name
 
 
 def _spooled(folder: str) -> list[str]:

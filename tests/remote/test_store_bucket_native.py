@@ -1,0 +1,174 @@
+"""An import with `--compression zstd` into a bucket (issue 43): TensorStore writes its OCDBT
+databases (the compressed chunks) to the bucket itself (`io.remote.ts_writes`), so the spool holds
+Orbax's small metadata files only, never chunk data: counted in bytes at every upload and at
+every tile handed to TensorStore, never timed. The result equals the local import: every OCDBT
+key (each array's `.zarray` and zstd chunks) bit for bit, every other file bit for bit, every
+tensor read back bit for bit. A server killed while TensorStore writes ends the job early in one
+line, exit 2, no commit marker; a failure after TensorStore wrote deletes what it wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import pytest
+import tensorstore as ts
+from test_export_s3 import cli, client, refused
+from test_remote_import import stable_digest
+from test_tensorstore_from_bucket import tensors
+
+from hybridckpt.demo import sample_path
+from hybridckpt.formats.registry import open_source
+from hybridckpt.io.remote import commit as markers
+from hybridckpt.store import stream
+from hybridckpt.writers import ownership, remote
+
+ARGS = ("--compression", "zstd", "--mesh", "fsdp=2")
+
+
+def _ocdbt_file(rel: str) -> bool:
+    """Whether the spool or store file `rel` belongs to an OCDBT database (chunk data, manifests)."""
+    parts = rel.replace(os.sep, "/").split("/")
+    return parts[-1] == "manifest.ocdbt" or "d" in parts[:-1] or any(p.startswith("ocdbt.process_") for p in parts)
+
+
+def _files(root) -> dict[str, int]:
+    out = {}
+    for r, _, fs in os.walk(root):
+        for f in fs:
+            try:
+                out[os.path.relpath(os.path.join(r, f), root)] = os.path.getsize(os.path.join(r, f))
+            except FileNotFoundError:  # (removed meanwhile)
+                pass
+    return out
+
+
+@pytest.fixture
+def spool(tmp_path, monkeypatch):
+    """The spool's parent folder and what it held (OCDBT bytes, all bytes) at each upload and at
+    each tile read for TensorStore to write."""
+    where = tmp_path / "spooltmp"
+    where.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(where))
+    seen: list[tuple[str, int, int]] = []
+
+    def measure(when: str) -> None:
+        files = _files(where)
+        seen.append((when, sum(n for f, n in files.items() if _ocdbt_file(f)), sum(files.values())))
+
+    real_upload, real_read = remote.upload_file, stream.read_tile
+    monkeypatch.setattr(remote, "upload_file", lambda *a, **k: (measure("upload"), real_upload(*a, **k))[1])
+    monkeypatch.setattr(stream, "read_tile", lambda *a, **k: (measure("tile"), real_read(*a, **k))[1])
+    return where, seen
+
+
+def ocdbt_items(root) -> dict[str, dict[bytes, bytes]]:
+    """Each OCDBT item database under the local store `root` (a folder holding `manifest.ocdbt`
+    directly): its keys and values, read by TensorStore."""
+    out = {}
+    for r, _, fs in os.walk(root):
+        if "manifest.ocdbt" in fs and not os.path.basename(r).startswith("ocdbt.process_"):
+            kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{r}/"}).result()
+            out[os.path.relpath(r, root)] = {k: kv.read(k).result().value for k in kv.list().result()}
+    return out
+
+
+def test_a_zstd_import_into_s3_is_written_by_tensorstore_and_equals_the_local_one(s3, spool, tmp_path, capsys):
+    where, seen = spool
+    fs = client(s3)
+    fs.mkdir("native")
+    assert cli(capsys, "import", sample_path(), tmp_path / "local", *ARGS)[0] == 0
+    local = _files(tmp_path / "local")
+    metadata = sum(n for f, n in local.items() if not _ocdbt_file(f))
+    assert sum(n for f, n in local.items() if _ocdbt_file(f)) > 5 * metadata  # (the chunks: the bulk)
+    seen.clear()
+
+    code, _, err = cli(capsys, "import", sample_path(), "s3://native/ck", *ARGS)
+    assert code == 0, err
+    tiles = [s for s in seen if s[0] == "tile"]
+    assert len(tiles) > 30 and any(s[0] == "upload" for s in seen)
+    assert [s for s in seen if s[1]] == []  # not one byte of an OCDBT database in the spool, ever
+    assert max(total for *_, total in seen) <= metadata + 1024  # (the spool: the metadata, its paths aside)
+    assert os.listdir(where) == []
+
+    fs.invalidate_cache()
+    fs.get("native/ck/", str(tmp_path / "fetched") + "/", recursive=True)
+    marker = json.loads((tmp_path / "fetched" / ownership.MARKER).read_text())
+    fetched = _files(tmp_path / "fetched")
+    assert sorted(marker["files"]) == sorted(f for f in fetched if f != ownership.MARKER)
+    assert all(marker["sizes"][f] == fetched[f] for f in marker["files"])
+    # the OCDBT files by their folders (data files have random names), the rest by name
+    shape = sorted({f if not f.split("/")[-2:-1] == ["d"] else f.rsplit("/", 1)[0] + "/*" for f in local})
+    assert sorted({f if not f.split("/")[-2:-1] == ["d"] else f.rsplit("/", 1)[0] + "/*"
+                   for f in fetched if f != ownership.MARKER}) == shape
+    want, got = stable_digest(tmp_path / "local"), stable_digest(tmp_path / "fetched")
+    assert [k for k in want if not _ocdbt_file(k) and got[k] != want[k]] == []  # metadata bitwise
+    a, b = ocdbt_items(tmp_path / "local"), ocdbt_items(tmp_path / "fetched")
+    assert sorted(a) == sorted(b) == ["12/opt_state", "12/params"]
+    for item in a:  # every key of every item's database (`.zarray`s, zstd chunks) bitwise
+        assert sorted(a[item]) == sorted(b[item]) and len(a[item]) > 10
+        assert [k for k in a[item] if a[item][k] != b[item][k]] == []
+    assert tensors(open_source(str(tmp_path / "fetched"))) == tensors(open_source(str(tmp_path / "local")))
+
+
+def test_the_server_killed_while_tensorstore_writes_ends_the_import_in_one_line(s3_killable, monkeypatch,
+                                                                               tmp_path, capsys):
+    fs = client(s3_killable)
+    fs.mkdir("cut")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "spooltmp"))
+    (tmp_path / "spooltmp").mkdir()
+    assert cli(capsys, "import", sample_path(), tmp_path / "local", *ARGS)[0] == 0
+    read = []
+    real = stream.read_tile
+
+    def read_tile(*a, **k):
+        read.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(stream, "read_tile", read_tile)
+    total = []
+    assert cli(capsys, "import", sample_path(), tmp_path / "again", *ARGS)[0] == 0
+    total, read[:] = len(read), []
+    puts = []
+    real_put = remote.RemoteDestination._put
+    monkeypatch.setattr(remote.RemoteDestination, "_put",
+                        lambda self, name, data: (puts.append(name), real_put(self, name, data))[1])
+
+    def cut(*a, **k):
+        read.append(1)
+        if len(read) == 8:
+            s3_killable.kill()  # TensorStore's writes of this tile and every later request refused
+        return real(*a, **k)
+
+    monkeypatch.setattr(stream, "read_tile", cut)
+    line = refused(cli(capsys, "import", sample_path(), "s3://cut/ck", *ARGS), "s3://cut/ck")
+    assert "\n" not in line.strip() and "Traceback" not in line
+    assert markers.STAGING in puts and markers.MARKER not in puts
+    assert 8 <= len(read) < total  # the job stopped at the cut, not after reading everything
+    assert os.listdir(tmp_path / "spooltmp") == []
+
+
+def test_a_failure_after_tensorstore_wrote_deletes_what_it_wrote(s3, monkeypatch, tmp_path, capsys):
+    fs = client(s3)
+    fs.mkdir("clean")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    real = stream.read_tile
+    up = []
+
+    def read_tile(*a, **k):
+        if len(up) < 1 and sum(1 for _ in range(1)):
+            fs.invalidate_cache()
+            written = [p for p in fs.find("clean/ck") if "/d/" in p]
+            if written:  # TensorStore's first data files are in the bucket: now fail
+                up.append(written)
+                raise OSError("disk read failed (injected)")
+        return real(*a, **k)
+
+    monkeypatch.setattr(stream, "read_tile", read_tile)
+    refused(cli(capsys, "import", sample_path(), "s3://clean/ck", *ARGS), "injected")
+    assert up and len(up[0]) >= 1  # OCDBT data files had gone up before the failure
+    fs.invalidate_cache()
+    assert fs.find("clean/ck") == []  # all of them deleted, the staging marker last
+    assert os.listdir(tmp_path) == []
