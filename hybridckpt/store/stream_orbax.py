@@ -78,6 +78,9 @@ class LazyArrayHandler(ocp.type_handlers.ArrayHandler):
             # the other items of this save (params / opt_state) stop reading; wait for them so
             # no TensorStore or reader callback outlives the event loop Orbax closes on error
             await group.leave(wait=True)
+            err = ts_writes.write_error(str(infos[0].parent_dir), e)  # (a bucket's: one line)
+            if err is not e:
+                raise err from None
             raise
         await group.leave()
         if self._array_metadata_store is not None:
@@ -370,7 +373,10 @@ class StreamingCheckpointHandler(ocp.StandardCheckpointHandler):
         first (Orbax's own merge looks for the per-process databases in the local folder only,
         finds none and skips)."""
         if self._impl is self._by_ocdbt[True] and ts_writes.bucket_of(str(directory)) is not None:
-            asyncio.run(_merge_in_bucket(str(directory)))
+            try:
+                asyncio.run(_merge_in_bucket(str(directory)))
+            except ValueError as e:
+                raise ts_writes.write_error(str(directory), e) from None
         super().finalize(directory)
 
     async def async_save(self, directory, item=None, save_args=None, args=None):

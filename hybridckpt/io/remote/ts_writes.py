@@ -34,6 +34,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hybridckpt.errors import CheckpointError
 from hybridckpt.io.remote.ts_kvstore import kvstore_spec
 from hybridckpt.io.remote.urls import RemoteUrl
 
@@ -84,6 +85,17 @@ def bucket_of(path: str) -> tuple[RemoteUrl, str] | None:
     `path` is in no redirected spool."""
     found = _find(path)
     return None if found is None else (found[0].url, found[1])
+
+
+def write_error(path: str, e: BaseException) -> BaseException:
+    """TensorStore's error `e` (a ValueError: the server gone, a write refused) while writing the
+    databases of the spool folder `path` to a bucket, as one CheckpointError naming the
+    destination; any other error, or one for a folder not redirected, is `e` itself."""
+    found = _find(path) if isinstance(e, ValueError) else None
+    if found is None:
+        return e
+    text = (str(e).splitlines() or [type(e).__name__])[0][:300]
+    return CheckpointError(f"{found[0].url}: upload failed, nothing committed: TensorStore: {text}")
 
 
 def to_bucket(kvstore: dict) -> dict:
