@@ -171,3 +171,37 @@ def test_a_failure_after_tensorstore_wrote_deletes_what_it_wrote(s3, monkeypatch
     fs.invalidate_cache()
     assert fs.find("clean/ck") == []  # all of them deleted, the staging marker last
     assert os.listdir(tmp_path) == []
+
+
+@pytest.fixture
+def gcs_gen(monkeypatch):
+    """A GCS emulator of this test's own that answers downloads with `x-goog-generation`, as
+    GCS does (`fixtures.gcs_generations`: TensorStore's OCDBT manifest writes need it)."""
+    from fixtures import gcs_generations, gcs_server
+
+    server = gcs_generations.start()
+    try:
+        gcs_server.apply_env(monkeypatch, server)
+        yield server
+    finally:
+        server.kill()
+
+
+def test_a_zstd_import_into_gcs_is_written_by_tensorstore_and_equals_the_local_one(gcs_gen, spool, tmp_path,
+                                                                                 capsys):
+    from gcsfs.core import GCSFileSystem
+
+    where, seen = spool
+    fs = GCSFileSystem(skip_instance_cache=True)
+    fs.mkdir("native-gcs")
+    assert cli(capsys, "import", sample_path(), tmp_path / "local", *ARGS)[0] == 0
+    seen.clear()
+    code, _, err = cli(capsys, "import", sample_path(), "gs://native-gcs/ck", *ARGS)
+    assert code == 0, err
+    assert len([s for s in seen if s[0] == "tile"]) > 30 and [s for s in seen if s[1]] == []  # no chunk spooled
+    fs.invalidate_cache()
+    fs.get("native-gcs/ck/", str(tmp_path / "fetched") + "/", recursive=True)
+    a, b = ocdbt_items(tmp_path / "local"), ocdbt_items(tmp_path / "fetched")
+    assert sorted(a) == sorted(b) == ["12/opt_state", "12/params"]
+    assert all(a[item] == b[item] for item in a)  # every key and value bitwise
+    assert tensors(open_source(str(tmp_path / "fetched"))) == tensors(open_source(str(tmp_path / "local")))
