@@ -60,8 +60,8 @@ def save_checkpoint(
     An object-storage URL (`s3://bucket/prefix`, `gs://...`) is written the same way into a local
     spool (`tempfile`'s folder) and uploaded by `writers.remote.RemoteDestination`: the staging
     marker first; each raw chunk file as soon as it is written, then removed from the spool (the
-    spool holds the chunks in flight, not the step; compressed or OCDBT chunks, which TensorStore
-    writes, wait for the commit); the metadata files at the commit; the commit marker last
+    spool holds the chunks in flight, not the step; the OCDBT databases of compressed LazyLeafs are
+    written by TensorStore to the bucket itself, `io.remote.ts_writes`); the metadata files at the commit; the commit marker last
     (readers require it); a failure deletes what was uploaded; `overwrite` replaces only a prefix
     hybridckpt wrote. One process only (not under `jax.distributed`). Returns the URL.
     """

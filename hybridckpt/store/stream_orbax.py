@@ -44,6 +44,7 @@ from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
 from hybridckpt.containers.orbax import chunk_files
 from hybridckpt.containers.orbax.codec import apply_codec, parse_compression
+from hybridckpt.errors import CheckpointError
 from hybridckpt.io import timing
 from hybridckpt.io.remote import ts_writes
 from hybridckpt.io.remote.ts_kvstore import kvstore_spec
@@ -215,6 +216,10 @@ async def _merge_in_bucket(directory: str) -> None:
                     if k.decode("utf-8", "replace").endswith("/manifest.ocdbt")})
     if not names:
         return
+    mixed = sorted(n for n in os.listdir(directory) if n.startswith("ocdbt.process_"))
+    if mixed:  # (values Orbax's own handlers wrote locally: their manifest would replace the bucket's)
+        raise CheckpointError(f"{url.child(folder.rstrip('/'))}: holds both arrays TensorStore wrote to the bucket and "
+                              f"values Orbax wrote locally ({mixed[0]}); save it to a local folder, then copy it up")
     children = [await ts.KvStore.open(ts_writes.to_bucket(ts_utils.build_kvstore_tspec(
         os.path.join(directory, n), use_ocdbt=True)), context=ctx) for n in names]
     parent = await ts.KvStore.open(ts_writes.to_bucket(ts_utils.build_kvstore_tspec(

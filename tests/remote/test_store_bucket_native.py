@@ -205,3 +205,32 @@ def test_a_zstd_import_into_gcs_is_written_by_tensorstore_and_equals_the_local_o
     assert sorted(a) == sorted(b) == ["12/opt_state", "12/params"]
     assert all(a[item] == b[item] for item in a)  # every key and value bitwise
     assert tensors(open_source(str(tmp_path / "fetched"))) == tensors(open_source(str(tmp_path / "local")))
+
+
+def test_an_item_with_databases_both_in_the_bucket_and_in_the_spool_is_refused(s3, tmp_path):
+    """Values Orbax's own handlers wrote into the spool's `ocdbt.process_0/` beside arrays
+    TensorStore wrote to the bucket: its local manifest, uploaded at the commit, would replace the
+    bucket's; the merge refuses the item in one line instead."""
+    import asyncio
+
+    from hybridckpt.errors import CheckpointError
+    from hybridckpt.io.remote import ts_kvstore, ts_writes, urls
+    from hybridckpt.store import stream_orbax
+
+    client(s3).mkdir("mixed")
+    item = tmp_path / "12.orbax-checkpoint-tmp" / "params.orbax-checkpoint-tmp"
+    (item / "ocdbt.process_0").mkdir(parents=True)
+    claimed = []
+    r = ts_writes.Redirect(str(tmp_path), urls.parse("s3://mixed/ck"), remote.final_folder, claimed.append)
+    ts_writes.redirect(r)
+    try:
+        spec = ts_writes.to_bucket({"driver": "ocdbt", "base": {"driver": "file", "path": f"{item}/ocdbt.process_0/"}})
+        assert spec["base"] == ts_kvstore.kvstore_spec("s3://mixed/ck/12/params/ocdbt.process_0")
+        assert claimed == ["12/params/ocdbt.process_0/", "12/params/ocdbt.process_0/d/"]
+        kv = ts.KvStore.open(spec).result()
+        kv.write("w/.zarray", b"{}").result()
+        with pytest.raises(CheckpointError, match=r"s3://mixed/ck/12/params: holds both .* \(ocdbt.process_0\)"):
+            asyncio.run(stream_orbax._merge_in_bucket(str(item)))
+    finally:
+        ts_writes.release(r)
+    assert ts_writes.bucket_of(str(item)) is None
