@@ -45,6 +45,20 @@ def _files(root) -> dict[str, int]:
     return out
 
 
+@pytest.fixture(scope="module")
+def local_zstd(tmp_path_factory):
+    """(folder, tiles): the local import every test compares with, and how many tiles it read."""
+    from hybridckpt.cli import main
+
+    folder = tmp_path_factory.mktemp("zstd") / "local"
+    read = []
+    real = stream.read_tile
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stream, "read_tile", lambda *a, **k: (read.append(1), real(*a, **k))[1])
+        assert main(["import", sample_path(), str(folder), *ARGS]) == 0
+    return folder, len(read)
+
+
 @pytest.fixture
 def spool(tmp_path, monkeypatch):
     """The spool's parent folder and what it held (OCDBT bytes, all bytes) at each upload and at
@@ -75,15 +89,15 @@ def ocdbt_items(root) -> dict[str, dict[bytes, bytes]]:
     return out
 
 
-def test_a_zstd_import_into_s3_is_written_by_tensorstore_and_equals_the_local_one(s3, spool, tmp_path, capsys):
+def test_a_zstd_import_into_s3_is_written_by_tensorstore_and_equals_the_local_one(s3, spool, local_zstd, tmp_path,
+                                                                                capsys):
     where, seen = spool
     fs = client(s3)
     fs.mkdir("native")
-    assert cli(capsys, "import", sample_path(), tmp_path / "local", *ARGS)[0] == 0
-    local = _files(tmp_path / "local")
+    here = local_zstd[0]
+    local = _files(here)
     metadata = sum(n for f, n in local.items() if not _ocdbt_file(f))
     assert sum(n for f, n in local.items() if _ocdbt_file(f)) > 5 * metadata  # (the chunks: the bulk)
-    seen.clear()
 
     code, _, err = cli(capsys, "import", sample_path(), "s3://native/ck", *ARGS)
     assert code == 0, err
@@ -103,33 +117,23 @@ def test_a_zstd_import_into_s3_is_written_by_tensorstore_and_equals_the_local_on
     shape = sorted({f if not f.split("/")[-2:-1] == ["d"] else f.rsplit("/", 1)[0] + "/*" for f in local})
     assert sorted({f if not f.split("/")[-2:-1] == ["d"] else f.rsplit("/", 1)[0] + "/*"
                    for f in fetched if f != ownership.MARKER}) == shape
-    want, got = stable_digest(tmp_path / "local"), stable_digest(tmp_path / "fetched")
+    want, got = stable_digest(here), stable_digest(tmp_path / "fetched")
     assert [k for k in want if not _ocdbt_file(k) and got[k] != want[k]] == []  # metadata bitwise
-    a, b = ocdbt_items(tmp_path / "local"), ocdbt_items(tmp_path / "fetched")
+    a, b = ocdbt_items(here), ocdbt_items(tmp_path / "fetched")
     assert sorted(a) == sorted(b) == ["12/opt_state", "12/params"]
     for item in a:  # every key of every item's database (`.zarray`s, zstd chunks) bitwise
         assert sorted(a[item]) == sorted(b[item]) and len(a[item]) > 10
         assert [k for k in a[item] if a[item][k] != b[item][k]] == []
-    assert tensors(open_source(str(tmp_path / "fetched"))) == tensors(open_source(str(tmp_path / "local")))
+    assert tensors(open_source(str(tmp_path / "fetched"))) == tensors(open_source(str(here)))
 
 
-def test_the_server_killed_while_tensorstore_writes_ends_the_import_in_one_line(s3_killable, monkeypatch,
-                                                                               tmp_path, capsys):
+def test_the_server_killed_while_tensorstore_writes_ends_the_import_in_one_line(s3_killable, local_zstd,
+                                                                               monkeypatch, tmp_path, capsys):
     fs = client(s3_killable)
     fs.mkdir("cut")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "spooltmp"))
     (tmp_path / "spooltmp").mkdir()
-    assert cli(capsys, "import", sample_path(), tmp_path / "local", *ARGS)[0] == 0
-    read = []
-    real = stream.read_tile
-
-    def read_tile(*a, **k):
-        read.append(1)
-        return real(*a, **k)
-
-    monkeypatch.setattr(stream, "read_tile", read_tile)
-    assert cli(capsys, "import", sample_path(), tmp_path / "again", *ARGS)[0] == 0
-    total, read[:] = len(read), []
+    total, read, real = local_zstd[1], [], stream.read_tile
     puts = []
     real_put = remote.RemoteDestination._put
     monkeypatch.setattr(remote.RemoteDestination, "_put",
@@ -187,24 +191,22 @@ def gcs_gen(monkeypatch):
         server.kill()
 
 
-def test_a_zstd_import_into_gcs_is_written_by_tensorstore_and_equals_the_local_one(gcs_gen, spool, tmp_path,
-                                                                                 capsys):
+def test_a_zstd_import_into_gcs_is_written_by_tensorstore_and_equals_the_local_one(gcs_gen, spool, local_zstd,
+                                                                                 tmp_path, capsys):
     from gcsfs.core import GCSFileSystem
 
     where, seen = spool
     fs = GCSFileSystem(skip_instance_cache=True)
     fs.mkdir("native-gcs")
-    assert cli(capsys, "import", sample_path(), tmp_path / "local", *ARGS)[0] == 0
-    seen.clear()
     code, _, err = cli(capsys, "import", sample_path(), "gs://native-gcs/ck", *ARGS)
     assert code == 0, err
     assert len([s for s in seen if s[0] == "tile"]) > 30 and [s for s in seen if s[1]] == []  # no chunk spooled
     fs.invalidate_cache()
     fs.get("native-gcs/ck/", str(tmp_path / "fetched") + "/", recursive=True)
-    a, b = ocdbt_items(tmp_path / "local"), ocdbt_items(tmp_path / "fetched")
+    a, b = ocdbt_items(local_zstd[0]), ocdbt_items(tmp_path / "fetched")
     assert sorted(a) == sorted(b) == ["12/opt_state", "12/params"]
     assert all(a[item] == b[item] for item in a)  # every key and value bitwise
-    assert tensors(open_source(str(tmp_path / "fetched"))) == tensors(open_source(str(tmp_path / "local")))
+    assert tensors(open_source(str(tmp_path / "fetched"))) == tensors(open_source(str(local_zstd[0])))
 
 
 def test_an_item_with_databases_both_in_the_bucket_and_in_the_spool_is_refused(s3, tmp_path):
