@@ -10,8 +10,11 @@ uploaded as soon as it is closed and removed from the spool, so the spool holds 
 written (at most one chunk per reader thread), not the step. A chunk written into Orbax's
 temporary folders (`<N>.orbax-checkpoint-tmp/<item>.orbax-checkpoint-tmp/<array>/<chunk>`) goes
 up under the name Orbax's rename at its commit gives it (`final_name`); `commit()` checks that the
-rename happened. The rest (JSON files, indexes, DCP `.metadata`, `.zarray` and Orbax's metadata
-files, chunks TensorStore writes: compressed or OCDBT stores) goes up at `commit()`:
+rename happened. The OCDBT databases TensorStore writes (a compressed import) never enter the
+spool: TensorStore writes them to the bucket itself (`io.remote.ts_writes`: the spool is registered
+on entry; `_claim` lists each database folder in the staging marker before TensorStore writes
+there, the commit lists what it wrote). The rest (JSON files, indexes, DCP `.metadata`, `.zarray`
+and Orbax's metadata files) goes up at `commit()`:
 
 1. **Checked.** The prefix is refused when it is a source's URL, lies in one or holds one; when it
    holds objects, unless `overwrite` and every one is ours (listed by our commit marker, or by

@@ -22,9 +22,10 @@ name and is never rewritten; only `manifest.ocdbt` is rewritten (once per OCDBT 
 tiles' batches, then the merge of the item), by one writer each (each process its own
 `ocdbt.process_<i>/`, the merge the item's own), so no two writers race for a manifest; and
 nothing reads the prefix before the commit marker exists, so a manifest seen half-way through
-the save is never seen at all. The merge (`merge_in_bucket`, Orbax's own
+the save is never seen at all. The merge (`store.stream_orbax._merge_in_bucket`, Orbax's own
 `merge_ocdbt_per_process_files` with the bucket's kvstores) writes only the item's
 `manifest.ocdbt` (and B-tree nodes under its `d/`), pointing at the processes' data files.
+A TensorStore error while writing a redirected database is one CheckpointError (`write_error`).
 """
 
 from __future__ import annotations
