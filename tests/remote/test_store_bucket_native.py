@@ -236,3 +236,36 @@ def test_an_item_with_databases_both_in_the_bucket_and_in_the_spool_is_refused(s
     finally:
         ts_writes.release(r)
     assert ts_writes.bucket_of(str(item)) is None
+
+
+def test_what_tensorstore_left_after_a_crash_is_ours_and_replaced_by_overwrite(s3, monkeypatch, tmp_path, capsys):
+    """The cleaning fails (the server gone, a kill): TensorStore's objects stay, named by the
+    staging marker's folders (listed before TensorStore wrote there), so the next import refuses
+    the prefix as unfinished and `--overwrite` replaces it."""
+    from hybridckpt.io.remote import urls
+
+    fs = client(s3)
+    fs.mkdir("leftover")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(remote.RemoteDestination, "_clean", lambda self: None)
+    real = remote.upload_file
+
+    def upload(*a, **k):  # the first upload of the commit: every database is written
+        raise ConnectionResetError("connection reset by peer (injected)")
+
+    monkeypatch.setattr(remote, "upload_file", upload)
+    refused(cli(capsys, "import", sample_path(), "s3://leftover/ck", *ARGS), "upload failed")
+    fs.invalidate_cache()
+    left = [p.split("leftover/ck/", 1)[1] for p in fs.find("leftover/ck") if not p.endswith(markers.STAGING)]
+    assert any("/d/" in p for p in left) and all(_ocdbt_file(p) for p in left)
+    staging = json.loads(fs.cat_file(f"leftover/ck/{markers.STAGING}"))
+    assert {p.rsplit("/", 1)[0] + "/" for p in left} <= set(staging["folders"])
+    monkeypatch.setattr(remote, "upload_file", real)
+    refused(cli(capsys, "import", sample_path(), "s3://leftover/ck", *ARGS), "not finished", "--overwrite")
+    assert cli(capsys, "import", sample_path(), "s3://leftover/ck", *ARGS, "--overwrite")[0] == 0
+    fs.invalidate_cache()
+    markers.check_complete(fs, urls.parse("s3://leftover/ck"))
+    marker = json.loads(fs.cat_file(f"leftover/ck/{markers.MARKER}"))
+    assert sorted(marker["files"]) == sorted(p.split("leftover/ck/", 1)[1] for p in fs.find("leftover/ck")
+                                             if not p.endswith(markers.MARKER))
+    assert not set(left) & {p for p in marker["files"] if "/d/" in p}  # the old data files removed
