@@ -20,10 +20,9 @@ by the every-thread counters that measure what an import really read.
 
 A file that changes while it is read is an error, never zeros or a mix of two versions
 (`io.unchanged`): a read that ends before the bytes asked for is a FormatError (naming the change
-when the file's size is no longer the one it had when opened), and `watch()` (held by every job
-that writes, `writers.destination`) records each file as the job first reads it and checks them
-all after the last read, before the output is committed: one fstat a file at each end, nothing
-per read.
+when the file's size is no longer the one it had when opened), and `watch()` (`io.open_files`,
+where each file's descriptor is cached) records each file as a writing job first reads it and
+checks them all after the last read, before the output is committed.
 """
 
 from __future__ import annotations
@@ -41,113 +40,16 @@ import numpy as np
 
 from hybridckpt.errors import FormatError
 from hybridckpt.io import read_batches, timing
+from hybridckpt.io.open_files import Watch, check_watches, close_all, note_remote, opened, watch  # noqa: F401
+from hybridckpt.io.open_files import fd as _fd
 from hybridckpt.io.read_batches import run_batches
-from hybridckpt.io.regular_file import open_regular_stat
 from hybridckpt.io.remote import ranged
 from hybridckpt.io.remote.view import remote_object
-from hybridckpt.io.unchanged import Seen, changed_error, check_fd
+from hybridckpt.io.unchanged import Seen, changed_error
 
-_lock = threading.Lock()
-_fds: dict[str, int] = {}
-_opened: dict[str, Seen] = {}  # each cached file as it was when opened (a short read names the change)
-_retired: list[int] = []  # fds of files replaced since they were opened (closed by close_all)
-_watches: list[dict[str, Seen]] = []  # per `watch()`: each file as that job first read it
+_lock = threading.Lock()  # the counters
 _counters: list[Counter] = []
 _thread = threading.local()  # .dry: this thread's reads are planned, not done (`planning`)
-
-
-def _fd(path: str) -> int:
-    with _lock:
-        fd = _fds.get(path)
-        fresh = fd is None
-        if fresh:
-            fd = _open(path)
-        for seen in _watches:
-            if path not in seen:
-                if fresh:
-                    seen[path] = _opened[path]
-                else:
-                    fd = _first_read_in_job(path, fd, seen)
-        return fd
-
-
-def _open(path: str) -> int:
-    """Open `path`, cache its fd and what it is (one fstat; call under `_lock`)."""
-    fd, st = open_regular_stat(path)  # a regular file: never a FIFO (would block) or a device
-    _fds[path] = fd
-    _opened[path] = Seen.of(st)
-    return fd
-
-
-def _first_read_in_job(path: str, fd: int, seen: dict[str, Seen]) -> int:
-    """A watched job's first read of `path` (call under `_lock`): record what the file is now.
-    A cached fd whose path was replaced since (a folder converted again after it was rewritten,
-    in the same process) is reopened: the job reads the file the path names."""
-    now = Seen.of(os.fstat(fd))
-    try:
-        st = os.stat(path)
-    except OSError:
-        st = None
-    if st is not None and (st.st_dev, st.st_ino) != (now.dev, now.ino):
-        _retired.append(fd)  # not closed: another thread may still read it
-        fd = _open(path)
-        now = _opened[path]
-    seen[path] = now
-    return fd
-
-
-def close_all() -> None:
-    """Close every cached file descriptor (files may be replaced or deleted afterwards)."""
-    with _lock:
-        for fd in [*_fds.values(), *_retired]:
-            os.close(fd)
-        _fds.clear()
-        _opened.clear()
-        _retired.clear()
-
-
-@contextlib.contextmanager
-def watch() -> Iterator[Watch]:
-    """Inside the block, every file read is recorded as it is at its first read, and `check()`
-    (after the last read) raises FormatError if any of them changed since (`io.unchanged`).
-    Held by the jobs that write (also as a decorator, `@watch()`); `check_watches` is called
-    by `writers.destination.Destination.commit` before the output is put in place."""
-    seen: dict[str, Seen] = {}
-    with _lock:
-        _watches.append(seen)
-    try:
-        yield Watch(seen)
-    finally:
-        with _lock:
-            del _watches[next(i for i, w in enumerate(_watches) if w is seen)]
-            last = not _watches
-        if last:  # no job reading: the ranges fetched from buckets are not kept past it
-            ranged.forget()
-
-
-def check_watches() -> None:
-    """`Watch.check` of every `watch()` block open in this process (none: nothing to check)."""
-    for seen in list(_watches):
-        Watch(seen).check()
-
-
-@dataclass(frozen=True)
-class Watch:
-    """The files a `watch()` block read, as they were at their first read."""
-
-    seen: dict[str, Seen | ranged.RemoteObject]  # a local file as fstat saw it; an object as listed
-
-    def check(self) -> None:
-        """Raise FormatError naming the first file read in the block that changed since its first
-        read (size, mtime, or the path now another file): one fstat and one stat a file."""
-        with _lock:
-            items = [(path, seen, _fds.get(path)) for path, seen in self.seen.items()]
-            for path, seen, fd in sorted(items, key=lambda x: x[0]):
-                if fd is not None and isinstance(seen, Seen):  # (None: closed by close_all meanwhile)
-                    check_fd(path, fd, seen)
-        for _, seen, _ in sorted(items, key=lambda x: x[0]):
-            if isinstance(seen, ranged.RemoteObject):  # an object of a bucket: one HEAD, outside the lock
-                ranged.check_unchanged(seen)
 
 
 @contextlib.contextmanager
@@ -237,10 +139,7 @@ def _remote_into(path: str, obj: ranged.RemoteObject, ranges: list[tuple[int, in
     if planned():
         _count_requests(ranged.planned_cost(obj, ranges))
         return
-    if _watches:  # checked unchanged (one HEAD) before a watching job commits
-        with _lock:
-            for seen in _watches:
-                seen.setdefault(path, obj)
+    note_remote(path, obj)  # (checked unchanged by one HEAD before a watching job commits)
     order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
     starts = [ranges[i][0] for i in order]
 
@@ -412,7 +311,7 @@ class ByteSource:
 
     def _changed(self, fd: int) -> None:
         """At a short read: FormatError saying how the file changed, if it did since opened."""
-        before = _opened.get(self.path)
+        before = opened(self.path)
         if before is not None:
             err = changed_error(self.path, before, Seen.of(os.fstat(fd)))
             if err is not None:
