@@ -9,7 +9,9 @@ transposed or cast) out of that buffer; or `copy_to`, which copies a byte range 
 the kernel (`copy_file_range`: no user-space buffer, for exports that only rearrange stored
 bytes). `count_reads()` records how many bytes each file gave (and the calls, the runs they fetched and the
 gap bytes read between runs), so tests can prove a device's read
-touched only the bytes of its box.
+touched only the bytes of its box. A large `read_into`/`read_scatter`/`read_span` of a range the
+page cache does not hold goes from the device straight into the buffers with O_DIRECT
+(`io.direct_read`: how it decides, cold or warm), counted under `(path, "direct")` besides.
 
 `planning()` makes this thread's data reads dry: each read is counted exactly as it would be
 (bytes, calls, gaps) but no byte is read (the buffer is left as it was), so running the import's
@@ -39,7 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridckpt.errors import FormatError
-from hybridckpt.io import read_batches, timing
+from hybridckpt.io import direct_read, read_batches, timing
+from hybridckpt.io.direct_io import aligned_empty
 from hybridckpt.io.open_files import Watch, check_watches, close_all, note_remote, opened, watch  # noqa: F401
 from hybridckpt.io.open_files import fd as _fd
 from hybridckpt.io.read_batches import run_batches
@@ -120,6 +123,14 @@ def _count(path: str, nbytes: int, runs: int = 1) -> None:
                 c[path] += nbytes
                 c[(path, "calls")] += 1
                 c[(path, "runs")] += runs
+
+
+def _count_direct(path: str, nbytes: int) -> None:
+    """Count `nbytes` of a read as read with O_DIRECT (`io.direct_read`), under `(path, "direct")`."""
+    if _counters or getattr(_thread, "counters", None):
+        with _lock:
+            for c in _all_counters():
+                c[(path, "direct")] += nbytes
 
 
 def _count_requests(req: ranged.Requests) -> None:
@@ -205,6 +216,9 @@ class ByteSource:
         if offset < 0:  # a corrupt offset field: pread would fail with EINVAL
             raise FormatError(f"{self.path}: read at byte {offset}, before the start of the file")
         at = offset
+        if direct_read.read(_fd(self.path), offset, views):  # a cold range: from the device, no page cache
+            _count_direct(self.path, total)
+            views = []
         for i in range(0, len(views), SCATTER_VIEWS):
             batch = views[i: i + SCATTER_VIEWS]
             want = sum(len(v) for v in batch)
@@ -293,7 +307,9 @@ class ByteSource:
         if offset < 0:  # a corrupt offset field: pread would fail with EINVAL
             raise FormatError(f"{self.path}: read at byte {offset}, before the start of the file")
         fd = _fd(self.path)
-        done = 0
+        done = direct_read.read(fd, offset, [buffer])  # a cold range: from the device, no page cache
+        if done:
+            _count_direct(self.path, done)
         while done < want:
             try:
                 got = os.preadv(fd, [buffer[done:]], offset + done)
@@ -340,7 +356,7 @@ class ByteSource:
         to the file's bytes; the gaps, which lie in the pages the runs touch anyway, go to
         `(path, "gap")`. The file is never mapped: a file that another process truncates while it
         is read is a FormatError ("truncated"), never a SIGBUS."""
-        buf = np.empty(nbytes, dtype=np.uint8)
+        buf = aligned_empty((nbytes,), np.uint8)  # (a cold span: read into with O_DIRECT, `io.direct_read`)
         if nbytes:
             self._pread_into(offset, memoryview(buf))
             useful = len(run_starts) * run_bytes
