@@ -145,3 +145,22 @@ def test_a_filesystem_that_refuses_o_direct_is_read_buffered_and_not_asked_again
             ByteSource(path).read_into(0, memoryview(buf))
         assert buf.tobytes() == data[: 2**20].tobytes() and counter[(path, "direct")] == 0
     assert tries[0] == 1
+
+
+def test_a_path_replaced_after_its_first_read_is_not_followed_by_o_direct(data_file, tmp_path):
+    """The O_DIRECT descriptor is the open file reopened (`/proc/self/fd`), never the path again:
+    a file renamed over the path after the first read (its descriptor cached) is not what a later
+    cold read returns; the first file's bytes are, as a buffered read of the cached descriptor
+    gives them."""
+    path, data, capable = data_file
+    source = ByteSource(path)
+    source.read(0, 16)  # (opened and cached)
+    _drop(path)  # (the first file cold; the one renamed over it is in the page cache)
+    other = tmp_path / "other.bin"
+    other.write_bytes(b"\0" * SIZE)
+    os.replace(other, path)
+    buf = aligned_empty((2**20,), np.uint8)
+    with count_reads() as counter:
+        source.read_into(0, memoryview(buf))
+    assert buf.tobytes() == data[: 2**20].tobytes()
+    assert counter[(path, "direct")] == (2**20 if capable else 0)
