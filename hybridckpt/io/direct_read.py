@@ -12,8 +12,9 @@ So a large read of a cold range goes from the device straight into the caller's 
 But a range the page cache holds (a file just written buffered, or read by a restore before)
 would be read again from the device. So each read decides by asking the kernel how much of the
 range is cached: `cachestat(2)` (Linux 6.5+: counts without mapping the file, unlike `mincore`,
-and without reading anything, unlike a `RWF_NOWAIT` probe, whose miss starts a readahead that
-caches the probed pages and would make the next probe lie). Under half the range's pages cached:
+and without reading anything, unlike a `RWF_NOWAIT` probe: its miss returns EAGAIN but starts
+a readahead of the range asked, which the device then reads twice, and which makes the next
+probe say warm for a file still cold past it). Under half the range's pages cached:
 O_DIRECT; else (and on a kernel without cachestat, and for reads under `DIRECT_MIN_BYTES`) the
 buffered read as before. A warm restore so costs one more syscall a read.
 
