@@ -57,7 +57,8 @@ _thread = threading.local()  # .dry: this thread's reads are planned, not done (
 
 @contextlib.contextmanager
 def count_reads(this_thread: bool = False, planned_too: bool = True) -> Iterator[Counter]:
-    """Count bytes read per file path (and `(path, "calls")`, `(path, "gap")`) inside the block:
+    """Count bytes read per file path (and `(path, "calls")`, `(path, "gap")`, `(path, "direct")`:
+    those read with O_DIRECT) inside the block:
     every thread's reads, or with `this_thread` only this thread's (a dry read planned while
     reader threads run, `store.stream.box_tiles`), and then with `planned_too=False` only the
     reads really done (the headers a planned read parses on first use)."""

@@ -37,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import sys
 import threading
 from collections.abc import Sequence
 
@@ -96,8 +97,7 @@ def alignment(fd: int) -> tuple[int, int] | None:
     statx = getattr(_libc, "statx", None)
     if statx is not None and statx(ctypes.c_int(fd), b"", ctypes.c_int(0x1000), ctypes.c_uint(_STATX_DIOALIGN),
                                    buf) == 0:  # (AT_EMPTY_PATH: the open file itself)
-        mask = int.from_bytes(buf.raw[0:4], "little")
-        mem, off = int.from_bytes(buf.raw[152:156], "little"), int.from_bytes(buf.raw[156:160], "little")
+        mask, mem, off = (int.from_bytes(buf.raw[a: a + 4], sys.byteorder) for a in (0, 152, 156))  # (struct statx)
         if mask & _STATX_DIOALIGN:
             got = (mem, off) if mem and off else None  # (zeros: this file takes no O_DIRECT)
     with _lock:
