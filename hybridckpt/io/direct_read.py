@@ -123,6 +123,8 @@ def read(fd: int, offset: int, views: Sequence[memoryview]) -> int:
     """Fill `views` in order with the file's bytes from `offset` with O_DIRECT when the range is
     cold (`is_cold`): the bytes so read (all of them), or 0 where it read nothing for certain
     (warm, refused, the file shorter than the range): then the caller reads buffered."""
+    if any(v.readonly or not v.c_contiguous for v in views):
+        return 0  # (what the buffered read makes of such a buffer, as before)
     views = [v if v.ndim == 1 and v.format == "B" else v.cast("B") for v in views]
     total = sum(len(v) for v in views)
     if not is_cold(fd, offset, total):
