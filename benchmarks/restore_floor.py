@@ -3,9 +3,10 @@ needs, measured in the same run (issue 42).
 
     python benchmarks/restore_floor.py [--gib 0.25] [--repeat 3] [--dir DIR] [--tree BASE]
 
-`--tree BASE` (another checkout, e.g. `git archive BASE | tar -x -C PATH`) runs instead warm
-restores of this code and of BASE's hybridckpt alternating (`compare_trees`): a same-run
-before/after of the restore's seconds, CPU seconds, `cut` copies and peak RSS.
+`--tree BASE` (another checkout, e.g. `git archive BASE | tar -x -C PATH`) runs instead warm,
+then cold, restores of this code and of BASE's hybridckpt alternating (`compare_trees`): a
+same-run before/after of the restore's seconds, CPU seconds, bytes read with O_DIRECT, `cut`
+copies and peak RSS.
 
 Writes an HF Llama folder (fp32 safetensors, trained-like values: `orbax_speed.write_hf`) of
 about `--gib` GiB and imports it once onto fsdp=2,tp=2 (8 simulated CPU devices, default flags:
@@ -156,7 +157,9 @@ def child(ck: str) -> dict:
         jax.block_until_ready(r.params)
     job, cpu = time.perf_counter() - t1, _cpu_s() - cpu
     placed = sum(a.nbytes for a in jax.tree.leaves(r.params))
+    direct = sum(v for k, v in counter.items() if isinstance(k, tuple) and k[1] == "direct")  # (O_DIRECT)
     return {"job_s": job, "cpu_s": cpu, "wall_s": time.perf_counter() - t0, "read_bytes": tally(counter)[0],
+            "direct_bytes": direct,
             "placed_bytes": placed, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "profile": r.profile.to_json()}
 
@@ -175,33 +178,53 @@ def _child(ck: str, tree: str | None = None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def compare_trees(ck: str, files: list[str], tree: str, repeat: int) -> dict:
-    """Warm restores of this checkout and of `tree` (a base commit unpacked there: `git archive
-    BASE | tar -x -C PATH`), alternating, the order turned each round, with the fresh-buffer
-    floor measured before each pair: a same-run before/after (medians of the restore's seconds
-    and of its CPU seconds, which a machine shared with other work disturbs less; the ratios
-    are the figures, the seconds depend on the machine's load)."""
-    runs: dict[str, list] = {"this": [], "tree": [], "fresh_floor": []}
+def compare_trees(ck: str, files: list[str], tree: str, repeat: int) -> list[dict]:
+    """Restores of this checkout and of `tree` (a base commit unpacked there: `git archive
+    BASE | tar -x -C PATH`), warm and cold, alternating, the order turned each round, with the
+    kind's floor measured before each pair (warm: the fresh-buffer floor; cold: the O_DIRECT
+    floor, the chunk files' pages dropped before it and before each restore): a same-run
+    before/after per kind (medians of the restore's seconds and of its CPU seconds, which a
+    machine shared with other work disturbs less; the ratios are the figures, the seconds depend
+    on the machine's load), with the bytes each read with O_DIRECT and its `cut` copies."""
+    rows = []
     _child(ck, tree)  # (a warm-up of the other checkout's modules, not counted)
-    for i in range(repeat):
-        floors.read_floor(files)
-        runs["fresh_floor"].append(fresh_read_floor(files))
-        for name in ("this", "tree") if i % 2 == 0 else ("tree", "this"):
-            runs[name].append(_child(ck, tree if name == "tree" else None))
+    for kind in ("warm", "cold"):
+        runs: dict[str, list] = {"this": [], "tree": [], "floor": []}
+        for i in range(repeat):
+            if kind == "warm":
+                floors.read_floor(files)
+                runs["floor"].append(fresh_read_floor(files))
+            else:
+                drop_pages(files)
+                runs["floor"].append(direct_read_floor(files))
+            for name in ("this", "tree") if i % 2 == 0 else ("tree", "this"):
+                if kind == "cold":
+                    drop_pages(files)
+                runs[name].append(_child(ck, tree if name == "tree" else None))
+        rows.append(_compared(kind, runs))
+    return rows
+
+
+def _compared(kind: str, runs: dict[str, list]) -> dict:
     med = {k: statistics.median(r["job_s"] if isinstance(r, dict) else r for r in v) for k, v in runs.items()}
     cpu = {k: statistics.median(r["cpu_s"] for r in runs[k]) for k in ("this", "tree")}
-    row = {"this_cpu_s": round(cpu["this"], 3), "tree_cpu_s": round(cpu["tree"], 3),
+    row = {"kind": kind, "this_cpu_s": round(cpu["this"], 3), "tree_cpu_s": round(cpu["tree"], 3),
            "this_over_tree_cpu": round(cpu["this"] / cpu["tree"], 3),
            "cpu_runs_s": {k: [round(r["cpu_s"], 3) for r in runs[k]] for k in ("this", "tree")},
            "peak_rss_mb": {k: round(max(r["peak_rss_mb"] for r in runs[k])) for k in ("this", "tree")},
-           "this_s": round(med["this"], 3), "tree_s": round(med["tree"], 3), "fresh_floor_s": round(med["fresh_floor"], 3),
+           "this_s": round(med["this"], 3), "tree_s": round(med["tree"], 3), "floor_s": round(med["floor"], 3),
+           "floor": "pread into fresh buffers, page cache warm" if kind == "warm" else "O_DIRECT reads, pages dropped",
            "this_over_tree": round(med["this"] / med["tree"], 3),
-           "this_over_floor": round(med["this"] / med["fresh_floor"], 2),
-           "tree_over_floor": round(med["tree"] / med["fresh_floor"], 2),
+           "this_over_floor": round(med["this"] / med["floor"], 2),
+           "tree_over_floor": round(med["tree"] / med["floor"], 2),
+           "direct_bytes": {k: [r.get("direct_bytes", 0) for r in runs[k]] for k in ("this", "tree")},
+           "read_bytes": {k: [r["read_bytes"] for r in runs[k]] for k in ("this", "tree")},
            "this_cut_busy_s": [round(_stage(r, "cut").busy_s, 3) for r in runs["this"]],
            "tree_cut_busy_s": [round(_stage(r, "cut").busy_s, 3) for r in runs["tree"]],
            "this_cut_calls": [_stage(r, "cut").calls for r in runs["this"]],
            "tree_cut_calls": [_stage(r, "cut").calls for r in runs["tree"]],
+           "this_checksum_calls": [_stage(r, "checksum").calls for r in runs["this"]],
+           "tree_checksum_calls": [_stage(r, "checksum").calls for r in runs["tree"]],
            "runs_s": {k: [round(r["job_s"] if isinstance(r, dict) else r, 3) for r in v] for k, v in runs.items()},
            "load_average": [round(x, 1) for x in os.getloadavg()]}
     print(json.dumps(row))

@@ -9,7 +9,9 @@ transposed or cast) out of that buffer; or `copy_to`, which copies a byte range 
 the kernel (`copy_file_range`: no user-space buffer, for exports that only rearrange stored
 bytes). `count_reads()` records how many bytes each file gave (and the calls, the runs they fetched and the
 gap bytes read between runs), so tests can prove a device's read
-touched only the bytes of its box.
+touched only the bytes of its box. A large `read_into`/`read_scatter`/`read_span` of a range the
+page cache does not hold goes from the device straight into the buffers with O_DIRECT
+(`io.direct_read`: how it decides, cold or warm), counted under `(path, "direct")` besides.
 
 `planning()` makes this thread's data reads dry: each read is counted exactly as it would be
 (bytes, calls, gaps) but no byte is read (the buffer is left as it was), so running the import's
@@ -20,10 +22,9 @@ by the every-thread counters that measure what an import really read.
 
 A file that changes while it is read is an error, never zeros or a mix of two versions
 (`io.unchanged`): a read that ends before the bytes asked for is a FormatError (naming the change
-when the file's size is no longer the one it had when opened), and `watch()` (held by every job
-that writes, `writers.destination`) records each file as the job first reads it and checks them
-all after the last read, before the output is committed: one fstat a file at each end, nothing
-per read.
+when the file's size is no longer the one it had when opened), and `watch()` (`io.open_files`,
+where each file's descriptor is cached) records each file as a writing job first reads it and
+checks them all after the last read, before the output is committed.
 """
 
 from __future__ import annotations
@@ -40,119 +41,24 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridckpt.errors import FormatError
-from hybridckpt.io import read_batches, timing
+from hybridckpt.io import direct_read, read_batches, timing
+from hybridckpt.io.direct_io import aligned_empty
+from hybridckpt.io.open_files import Watch, check_watches, close_all, note_remote, opened, watch  # noqa: F401
+from hybridckpt.io.open_files import fd as _fd
 from hybridckpt.io.read_batches import run_batches
-from hybridckpt.io.regular_file import open_regular_stat
 from hybridckpt.io.remote import ranged
 from hybridckpt.io.remote.view import remote_object
-from hybridckpt.io.unchanged import Seen, changed_error, check_fd
+from hybridckpt.io.unchanged import Seen, changed_error
 
-_lock = threading.Lock()
-_fds: dict[str, int] = {}
-_opened: dict[str, Seen] = {}  # each cached file as it was when opened (a short read names the change)
-_retired: list[int] = []  # fds of files replaced since they were opened (closed by close_all)
-_watches: list[dict[str, Seen]] = []  # per `watch()`: each file as that job first read it
+_lock = threading.Lock()  # the counters
 _counters: list[Counter] = []
 _thread = threading.local()  # .dry: this thread's reads are planned, not done (`planning`)
 
 
-def _fd(path: str) -> int:
-    with _lock:
-        fd = _fds.get(path)
-        fresh = fd is None
-        if fresh:
-            fd = _open(path)
-        for seen in _watches:
-            if path not in seen:
-                if fresh:
-                    seen[path] = _opened[path]
-                else:
-                    fd = _first_read_in_job(path, fd, seen)
-        return fd
-
-
-def _open(path: str) -> int:
-    """Open `path`, cache its fd and what it is (one fstat; call under `_lock`)."""
-    fd, st = open_regular_stat(path)  # a regular file: never a FIFO (would block) or a device
-    _fds[path] = fd
-    _opened[path] = Seen.of(st)
-    return fd
-
-
-def _first_read_in_job(path: str, fd: int, seen: dict[str, Seen]) -> int:
-    """A watched job's first read of `path` (call under `_lock`): record what the file is now.
-    A cached fd whose path was replaced since (a folder converted again after it was rewritten,
-    in the same process) is reopened: the job reads the file the path names."""
-    now = Seen.of(os.fstat(fd))
-    try:
-        st = os.stat(path)
-    except OSError:
-        st = None
-    if st is not None and (st.st_dev, st.st_ino) != (now.dev, now.ino):
-        _retired.append(fd)  # not closed: another thread may still read it
-        fd = _open(path)
-        now = _opened[path]
-    seen[path] = now
-    return fd
-
-
-def close_all() -> None:
-    """Close every cached file descriptor (files may be replaced or deleted afterwards)."""
-    with _lock:
-        for fd in [*_fds.values(), *_retired]:
-            os.close(fd)
-        _fds.clear()
-        _opened.clear()
-        _retired.clear()
-
-
-@contextlib.contextmanager
-def watch() -> Iterator[Watch]:
-    """Inside the block, every file read is recorded as it is at its first read, and `check()`
-    (after the last read) raises FormatError if any of them changed since (`io.unchanged`).
-    Held by the jobs that write (also as a decorator, `@watch()`); `check_watches` is called
-    by `writers.destination.Destination.commit` before the output is put in place."""
-    seen: dict[str, Seen] = {}
-    with _lock:
-        _watches.append(seen)
-    try:
-        yield Watch(seen)
-    finally:
-        with _lock:
-            del _watches[next(i for i, w in enumerate(_watches) if w is seen)]
-            last = not _watches
-        if last:  # no job reading: the ranges fetched from buckets are not kept past it
-            ranged.forget()
-
-
-def check_watches() -> None:
-    """`Watch.check` of every `watch()` block open in this process (none: nothing to check)."""
-    for seen in list(_watches):
-        Watch(seen).check()
-
-
-@dataclass(frozen=True)
-class Watch:
-    """The files a `watch()` block read, as they were at their first read."""
-
-    seen: dict[str, Seen | ranged.RemoteObject]  # a local file as fstat saw it; an object as listed
-
-    def check(self) -> None:
-        """Raise FormatError naming the first file read in the block that changed since its first
-        read (size, mtime, or the path now another file): one fstat and one stat a file."""
-        with _lock:
-            items = [(path, seen, _fds.get(path)) for path, seen in self.seen.items()]
-            for path, seen, fd in sorted(items, key=lambda x: x[0]):
-                if fd is not None and isinstance(seen, Seen):  # (None: closed by close_all meanwhile)
-                    check_fd(path, fd, seen)
-        for _, seen, _ in sorted(items, key=lambda x: x[0]):
-            if isinstance(seen, ranged.RemoteObject):  # an object of a bucket: one HEAD, outside the lock
-                ranged.check_unchanged(seen)
-
-
 @contextlib.contextmanager
 def count_reads(this_thread: bool = False, planned_too: bool = True) -> Iterator[Counter]:
-    """Count bytes read per file path (and `(path, "calls")`, `(path, "gap")`) inside the block:
+    """Count bytes read per file path (and `(path, "calls")`, `(path, "gap")`, `(path, "direct")`:
+    those read with O_DIRECT) inside the block:
     every thread's reads, or with `this_thread` only this thread's (a dry read planned while
     reader threads run, `store.stream.box_tiles`), and then with `planned_too=False` only the
     reads really done (the headers a planned read parses on first use)."""
@@ -220,6 +126,14 @@ def _count(path: str, nbytes: int, runs: int = 1) -> None:
                 c[(path, "runs")] += runs
 
 
+def _count_direct(path: str, nbytes: int) -> None:
+    """Count `nbytes` of a read as read with O_DIRECT (`io.direct_read`), under `(path, "direct")`."""
+    if _counters or getattr(_thread, "counters", None):
+        with _lock:
+            for c in _all_counters():
+                c[(path, "direct")] += nbytes
+
+
 def _count_requests(req: ranged.Requests) -> None:
     """Add a remote read's GETs and bytes requested to the counters, under `(host, "requests")`
     and `(host, "requested")` (planned reads too: they are what the import will ask for)."""
@@ -237,10 +151,7 @@ def _remote_into(path: str, obj: ranged.RemoteObject, ranges: list[tuple[int, in
     if planned():
         _count_requests(ranged.planned_cost(obj, ranges))
         return
-    if _watches:  # checked unchanged (one HEAD) before a watching job commits
-        with _lock:
-            for seen in _watches:
-                seen.setdefault(path, obj)
+    note_remote(path, obj)  # (checked unchanged by one HEAD before a watching job commits)
     order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
     starts = [ranges[i][0] for i in order]
 
@@ -306,6 +217,9 @@ class ByteSource:
         if offset < 0:  # a corrupt offset field: pread would fail with EINVAL
             raise FormatError(f"{self.path}: read at byte {offset}, before the start of the file")
         at = offset
+        if direct_read.read(_fd(self.path), offset, views):  # a cold range: from the device, no page cache
+            _count_direct(self.path, total)
+            views = []
         for i in range(0, len(views), SCATTER_VIEWS):
             batch = views[i: i + SCATTER_VIEWS]
             want = sum(len(v) for v in batch)
@@ -394,7 +308,9 @@ class ByteSource:
         if offset < 0:  # a corrupt offset field: pread would fail with EINVAL
             raise FormatError(f"{self.path}: read at byte {offset}, before the start of the file")
         fd = _fd(self.path)
-        done = 0
+        done = direct_read.read(fd, offset, [buffer])  # a cold range: from the device, no page cache
+        if done:
+            _count_direct(self.path, done)
         while done < want:
             try:
                 got = os.preadv(fd, [buffer[done:]], offset + done)
@@ -412,7 +328,7 @@ class ByteSource:
 
     def _changed(self, fd: int) -> None:
         """At a short read: FormatError saying how the file changed, if it did since opened."""
-        before = _opened.get(self.path)
+        before = opened(self.path)
         if before is not None:
             err = changed_error(self.path, before, Seen.of(os.fstat(fd)))
             if err is not None:
@@ -441,7 +357,7 @@ class ByteSource:
         to the file's bytes; the gaps, which lie in the pages the runs touch anyway, go to
         `(path, "gap")`. The file is never mapped: a file that another process truncates while it
         is read is a FormatError ("truncated"), never a SIGBUS."""
-        buf = np.empty(nbytes, dtype=np.uint8)
+        buf = aligned_empty((nbytes,), np.uint8)  # (a cold span: read into with O_DIRECT, `io.direct_read`)
         if nbytes:
             self._pread_into(offset, memoryview(buf))
             useful = len(run_starts) * run_bytes

@@ -1,7 +1,8 @@
 """What a `byte_source.count_reads` counter holds, summed: bytes, calls, runs, gaps, requests.
 
 A counter's keys are a path (bytes read from it) or `(path, kind)` with kind "calls", "runs",
-"gap" (gap bytes read between joined runs), and for sources in object storage `(host,
+"gap" (gap bytes read between joined runs), "direct" (bytes of them read with O_DIRECT,
+`io.direct_read`), and for sources in object storage `(host,
 "requests")` / `(host, "requested")` (ranged GETs and the bytes they asked for). Pure functions.
 """
 

@@ -48,6 +48,7 @@ from hybridckpt.containers.orbax.keys import metadata_leaf_names
 from hybridckpt.errors import CheckpointError
 from hybridckpt.io.byte_source import ByteSource
 from hybridckpt.io.config_file import read_json
+from hybridckpt.io.direct_io import aligned_empty
 from hybridckpt.io.remote import ts_kvstore
 from hybridckpt.lazy import ArrayTensor, Box, FileRun, LazyTensor, StoredTensor, tiled
 
@@ -136,8 +137,8 @@ class OrbaxArray(LazyTensor):
 
     def read_box(self, box: Box) -> np.ndarray:
         raw = self.raw()
-        if raw is not None:
-            out = np.empty(tuple(b - a for a, b in box), dtype=self.dtype)
+        if raw is not None:  # (aligned: a cold chunk file is read into it with O_DIRECT, `io.direct_read`)
+            out = aligned_empty(tuple(b - a for a, b in box), self.dtype)
             raw.read_into(box, out)
             return out
         index = tuple(slice(a, b) for a, b in box)

@@ -1,0 +1,141 @@
+"""The files `io.byte_source` reads, opened once each, and the jobs' watch on them.
+
+Every local file a `ByteSource` reads is opened once per process and its descriptor cached
+(`fd`), with what it was when opened (`opened`: one fstat), so a short read can name how the
+file changed (`io.unchanged`). `watch()` (held by every job that writes,
+`writers.destination`) records each file as the job first reads it and checks them all after the
+last read, before the output is committed: one fstat a file at each end, nothing per read; an
+object of a bucket (`io.remote`) is recorded as listed and checked by one HEAD
+(`note_remote`). A path replaced since its descriptor was cached (a folder converted again
+after it was rewritten, in the same process) is reopened at a watched job's first read of it.
+Split out of `io.byte_source` (issue 42: that module was at its 500-line limit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from hybridckpt.io.regular_file import open_regular_stat
+from hybridckpt.io.remote import ranged
+from hybridckpt.io.unchanged import Seen, check_fd
+
+_lock = threading.Lock()
+_fds: dict[str, int] = {}
+_opened: dict[str, Seen] = {}  # each cached file as it was when opened (a short read names the change)
+_retired: list[int] = []  # fds of files replaced since they were opened (closed by close_all)
+_watches: list[dict[str, Seen]] = []  # per `watch()`: each file as that job first read it
+
+
+def fd(path: str) -> int:
+    """The cached descriptor of `path` (opened now on its first read: a regular file only), and
+    the file recorded by every open `watch()` that has not seen it yet."""
+    with _lock:
+        got = _fds.get(path)
+        fresh = got is None
+        if fresh:
+            got = _open(path)
+        for seen in _watches:
+            if path not in seen:
+                if fresh:
+                    seen[path] = _opened[path]
+                else:
+                    got = _first_read_in_job(path, got, seen)
+        return got
+
+
+def _open(path: str) -> int:
+    """Open `path`, cache its fd and what it is (one fstat; call under `_lock`)."""
+    fd, st = open_regular_stat(path)  # a regular file: never a FIFO (would block) or a device
+    _fds[path] = fd
+    _opened[path] = Seen.of(st)
+    return fd
+
+
+def _first_read_in_job(path: str, fd: int, seen: dict[str, Seen]) -> int:
+    """A watched job's first read of `path` (call under `_lock`): record what the file is now.
+    A cached fd whose path was replaced since (a folder converted again after it was rewritten,
+    in the same process) is reopened: the job reads the file the path names."""
+    now = Seen.of(os.fstat(fd))
+    try:
+        st = os.stat(path)
+    except OSError:
+        st = None
+    if st is not None and (st.st_dev, st.st_ino) != (now.dev, now.ino):
+        _retired.append(fd)  # not closed: another thread may still read it
+        fd = _open(path)
+        now = _opened[path]
+    seen[path] = now
+    return fd
+
+
+def opened(path: str) -> Seen | None:
+    """What `path`'s cached descriptor was when opened (None: not open)."""
+    return _opened.get(path)
+
+
+def note_remote(path: str, obj: ranged.RemoteObject) -> None:
+    """Record an object of a bucket read as `path` in every open `watch()` that has not seen it
+    (checked unchanged by one HEAD before a watching job commits)."""
+    if _watches:
+        with _lock:
+            for seen in _watches:
+                seen.setdefault(path, obj)
+
+
+def close_all() -> None:
+    """Close every cached file descriptor (files may be replaced or deleted afterwards)."""
+    with _lock:
+        for fd in [*_fds.values(), *_retired]:
+            os.close(fd)
+        _fds.clear()
+        _opened.clear()
+        _retired.clear()
+
+
+@contextlib.contextmanager
+def watch() -> Iterator[Watch]:
+    """Inside the block, every file read is recorded as it is at its first read, and `check()`
+    (after the last read) raises FormatError if any of them changed since (`io.unchanged`).
+    Held by the jobs that write (also as a decorator, `@watch()`); `check_watches` is called
+    by `writers.destination.Destination.commit` before the output is put in place."""
+    seen: dict[str, Seen] = {}
+    with _lock:
+        _watches.append(seen)
+    try:
+        yield Watch(seen)
+    finally:
+        with _lock:
+            del _watches[next(i for i, w in enumerate(_watches) if w is seen)]
+            last = not _watches
+        if last:  # no job reading: the ranges fetched from buckets are not kept past it
+            ranged.forget()
+
+
+def check_watches() -> None:
+    """`Watch.check` of every `watch()` block open in this process (none: nothing to check)."""
+    for seen in list(_watches):
+        Watch(seen).check()
+
+
+@dataclass(frozen=True)
+class Watch:
+    """The files a `watch()` block read, as they were at their first read."""
+
+    seen: dict[str, Seen | ranged.RemoteObject]  # a local file as fstat saw it; an object as listed
+
+    def check(self) -> None:
+        """Raise FormatError naming the first file read in the block that changed since its first
+        read (size, mtime, or the path now another file): one fstat and one stat a file."""
+        with _lock:
+            items = [(path, seen, _fds.get(path)) for path, seen in self.seen.items()]
+            for path, seen, fd in sorted(items, key=lambda x: x[0]):
+                if fd is not None and isinstance(seen, Seen):  # (None: closed by close_all meanwhile)
+                    check_fd(path, fd, seen)
+        for _, seen, _ in sorted(items, key=lambda x: x[0]):
+            if isinstance(seen, ranged.RemoteObject):  # an object of a bucket: one HEAD, outside the lock
+                ranged.check_unchanged(seen)
+
