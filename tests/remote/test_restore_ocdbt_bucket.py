@@ -23,7 +23,7 @@ from hybridckpt.containers.orbax.chunk_index import read_index
 from hybridckpt.errors import CheckpointError
 from hybridckpt.io.byte_source import count_reads
 from hybridckpt.io.read_tally import remote_requests
-from hybridckpt.io.remote import view
+from hybridckpt.io.remote import ranged, view
 
 BUCKET = "ocdbt-restore"
 
@@ -145,6 +145,7 @@ def test_the_server_killed_mid_restore_is_one_line(s3_killable, local_sources, m
         return real(self, box)
 
     monkeypatch.setattr(reader.OrbaxArray, "read_box", kill_on_the_third_read)
+    monkeypatch.setattr(ranged, "TRIES", 2)  # (TensorStore's retries as ours: bounded, and brief here)
     with pytest.raises(CheckpointError) as e:
         hybridckpt.restore("s3://kill/zstd", "fsdp=2")
     msg = str(e.value)
