@@ -151,3 +151,17 @@ def test_the_server_killed_mid_restore_is_one_line(s3_killable, local_sources, m
     msg = str(e.value)
     assert "\n" not in msg and "s3://kill/zstd/" in msg and "hybridckpt-view" not in msg, msg
     assert len(calls) >= 3
+
+
+def test_an_import_summary_counts_every_byte_tensorstore_fetched(zstd_store, proxy, tmp_path, capsys):
+    """The summary's requests for the host (`--json`) hold TensorStore's GETs whole: their bytes
+    arrive after the GET is counted, and were once dropped when no new GET came with them."""
+    import json
+
+    _, url = zstd_store
+    capsys.readouterr()
+    assert hybridckpt.cli.main(["import", url, str(tmp_path / "out"), "--mesh", "tp=2", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)["requests"][proxy.endpoint.split("://", 1)[1]]
+    gets = [r for r in proxy.snapshot() if r.method == "GET" and "list-type" not in r.query]  # (objects, not LISTs)
+    assert data_gets(gets, f"/{BUCKET}/zstd/")  # TensorStore's GETs among them
+    assert summary["requests"] >= len(gets) and summary["bytes"] >= sum(r.body_bytes for r in gets)
