@@ -5,7 +5,9 @@ specs from the folder's path, the local view's placeholders; our reader reads in
 (`store.bucket_restore`): the item's metadata and chunks from the bucket by byte ranges. Counted at
 the server by a proxy in front of it (`fixtures.counting_proxy`): every restored array equals the
 local restore bit for bit, the bytes sent stay within 1.1x the chunks' bytes, and what is not
-needed (the optimizer state when it is not restored) is not fetched at all.
+needed (the optimizer state when it is not restored) is not fetched at all; a damaged chunk and
+a server killed mid-restore are one line naming the URL; the job's counters and an import's
+summary hold every GET and byte TensorStore made.
 """
 
 from __future__ import annotations
