@@ -139,4 +139,3 @@ def _holes_to_none(node):
     if isinstance(node, list):
         return [None if v is _HOLE else _holes_to_none(v) for v in node]
     return node
-
