@@ -167,3 +167,19 @@ def test_an_import_summary_counts_every_byte_tensorstore_fetched(zstd_store, pro
     gets = [r for r in proxy.snapshot() if r.method == "GET" and "list-type" not in r.query]  # (objects, not LISTs)
     assert data_gets(gets, f"/{BUCKET}/zstd/")  # TensorStore's GETs among them
     assert summary["requests"] >= len(gets) and summary["bytes"] >= sum(r.body_bytes for r in gets)
+
+
+def test_an_ocdbt_store_restored_from_gcs_equals_the_local_restore(gcs, zstd_store, local_sources, monkeypatch):
+    from gcsfs.core import GCSFileSystem
+
+    monkeypatch.delenv("TENSORSTORE_GCS_HTTP_URL", raising=False)  # (the one ts_kvstore sets: gone after)
+    local, _ = zstd_store
+    fs = GCSFileSystem(skip_instance_cache=True)
+    if not fs.exists("ocdbt-gcs"):
+        fs.mkdir("ocdbt-gcs")
+    assert hybridckpt.cli.main(["import", local_sources["dcp"], "gs://ocdbt-gcs/zstd", "--compression", "zstd",
+                                "--mesh", "fsdp=2"]) == 0
+    _, want = hybridckpt.restore(str(local.parent), "tp=2", verify_reads=False)
+    _, got = hybridckpt.restore("gs://ocdbt-gcs/zstd", "tp=2", verify_reads=False)
+    a, b = leaves((want.params, want.opt_state)), leaves((got.params, got.opt_state))
+    assert sorted(a) == sorted(b) and len(a) > 20 and [k for k in a if a[k] != b[k]] == []
