@@ -137,7 +137,7 @@ def _count_direct(path: str, nbytes: int) -> None:
 def _count_requests(req: ranged.Requests) -> None:
     """Add a remote read's GETs and bytes requested to the counters, under `(host, "requests")`
     and `(host, "requested")` (planned reads too: they are what the import will ask for)."""
-    if req.count and (_counters or getattr(_thread, "counters", None)):
+    if (req.count or req.nbytes) and (_counters or getattr(_thread, "counters", None)):
         with _lock:
             for c in _all_counters():
                 c[(req.host, "requests")] += req.count

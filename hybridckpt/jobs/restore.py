@@ -77,9 +77,18 @@ def restore(
     profile: also account for the time (`restored.profile`: seconds, bytes and calls per stage
     and per worker, `io.timing.Profile`); off by default (nothing recorded).
     """
-    with timing.account(profile) as acc:
-        cfg, restored = _restore(directory, mesh, step=step, optimizer=optimizer, config=config,
-                                 strict_sharding=strict_sharding, **restore_kwargs)
+    from hybridckpt.errors import HybridCkptError
+    from hybridckpt.io.remote.view import displayed
+
+    try:
+        with timing.account(profile) as acc:
+            cfg, restored = _restore(directory, mesh, step=step, optimizer=optimizer, config=config,
+                                     strict_sharding=strict_sharding, **restore_kwargs)
+    except HybridCkptError as e:  # a store in a bucket: its files named by their URLs, not the local view's
+        named = displayed(str(e))
+        if named == str(e):
+            raise
+        raise type(e)(named, cli=None if e.cli is None else displayed(e.cli)) from e
     return cfg, (restored if acc is None else replace(restored, profile=acc.result()))
 
 

@@ -463,10 +463,10 @@ def recorded_name(item: str, key: str, state: Mapping) -> str:
     return "count" if key == opt.orbax_step else key
 
 
-def read_tree(step_dir: str, item: str, target, state: Mapping):
+def read_tree(step_dir: str, item: str, target, state: Mapping, *, verify: bool = True, found=None):
     """The item `item` of a step restored onto `target`'s shardings (a tree of
-    `jax.ShapeDtypeStruct`), every chunk checked (`CheckedArray`); leaves the item lacks stay
-    abstract (as Orbax's partial restore leaves them). Each device reads only the chunks its
+    `jax.ShapeDtypeStruct`), every chunk checked (`CheckedArray`; `verify=False`: as stored; `found`: the item's
+    `item_arrays` opened already); leaves the item lacks stay abstract (as Orbax's partial restore leaves them). Each device reads only the chunks its
     shard touches (`place.to_array`)."""
     import os
 
@@ -477,11 +477,11 @@ def read_tree(step_dir: str, item: str, target, state: Mapping):
     from hybridckpt.store.layout import has_shape, leaf_key
 
     folder = os.path.join(step_dir, item)
-    found = item_arrays(folder)
+    found = item_arrays(folder) if found is None else found
     flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=has_shape)
     names = {leaf_key(path): recorded_name(item, leaf_key(path), state) for path, _ in flat}
     wanted = {names[k]: found[k] for k in names if k in found}
-    checked = checked_arrays(wanted, state, "", folder)
+    checked = checked_arrays(wanted, state, "", folder) if verify else wanted
     leaves = []
     for path, leaf in flat:
         key = leaf_key(path)
@@ -489,9 +489,8 @@ def read_tree(step_dir: str, item: str, target, state: Mapping):
             leaves.append(leaf)
             continue
         t = checked[names[key]]
-        t.name = key
-        if isinstance(t, CheckedArray):
-            t.direct = True  # (pieces straight into the shards: checked whole by `release` below at the latest)
+        if isinstance(t, CheckedArray):  # (an unchecked array of the item is named `key` already)
+            t.name, t.direct = key, True  # (pieces straight into the shards: checked whole by `release` below at the latest)
         arr, _ = to_array(t, leaf.sharding, np.dtype(leaf.dtype) if np.dtype(leaf.dtype) != t.dtype else None,
                           with_checksum=False)
         if isinstance(t, CheckedArray):

@@ -23,8 +23,8 @@ from hybridckpt.containers.orbax.declared import check_orbax_tree
 from hybridckpt.errors import CheckpointError, ConfigError
 from hybridckpt.io import timing
 from hybridckpt.io.paths import given
-from hybridckpt.io.remote.view import refuse_tensorstore
 from hybridckpt.mesh import MeshShape
+from hybridckpt.store import bucket_restore
 from hybridckpt.store.checked import CRC_TABLES, has_crc_tables, read_tree
 from hybridckpt.store.layout import (
     HF_FILES,
@@ -139,6 +139,7 @@ class CheckpointStore:
             enable_async_checkpointing=async_save,
             create=True,
         )
+        self._bucket_items: dict[tuple[int, str], bucket_restore.BucketItem | None] = {}
         self._manager = ocp.CheckpointManager(
             self.directory, options=options, handler_registry=handler_registry()
         )
@@ -180,19 +181,38 @@ class CheckpointStore:
         """Saved params as a tree of `jax.ShapeDtypeStruct` (no sharding); reads no arrays."""
         self._manager.wait_until_finished()
         step = resolve_step(self._manager, step)
-        where = f"{self.directory}/{step}"
-        _refuse_ocdbt_in_bucket(where, PARAMS)
-        return as_shape_dtype(_unwrapped(where, f"the metadata of {PARAMS}", lambda: item_metadata(self._manager, step, PARAMS)))
+        return as_shape_dtype(self._item_metadata(step, PARAMS))
 
     def opt_state_metadata(self, step: int | None = None) -> Any:
         """The saved optimizer state as a tree of `jax.ShapeDtypeStruct` (Orbax's own nesting:
         lists and dicts), or None when the step has none; reads no arrays."""
         self._manager.wait_until_finished()
         step = resolve_step(self._manager, step)
-        where = f"{self.directory}/{step}"
-        _refuse_ocdbt_in_bucket(where, OPT_STATE)
-        meta = _unwrapped(where, f"the metadata of {OPT_STATE}", lambda: item_metadata(self._manager, step, OPT_STATE))
+        meta = self._item_metadata(step, OPT_STATE)
         return None if meta is None else as_shape_dtype(meta)
+
+    def _item_metadata(self, step: int, item: str) -> Any:
+        """Orbax's metadata tree of `item` (None when the step lacks it); for a store in a bucket
+        (a view, `io.remote.view`) built by our reader from the bucket (`store.bucket_restore`:
+        Orbax would read the view's placeholders)."""
+        where = f"{self.directory}/{step}"
+        if bucket_restore.in_bucket(str(self.directory)):
+            opened = self._bucket_item(step, item)
+            return None if opened is None else opened.tree
+        return _unwrapped(where, f"the metadata of {item}", lambda: item_metadata(self._manager, step, item))
+
+    def _bucket_item(self, step: int, item: str) -> bucket_restore.BucketItem | None:
+        """`item` of `step` of a store in a bucket, opened once for this store's metadata and
+        restores (its OCDBT index and arrays' metadata read from the bucket once)."""
+        key = (step, item)
+        if key not in self._bucket_items:
+            self._bucket_items[key] = bucket_restore.open_item(os.path.join(f"{self.directory}/{step}", item))
+        return self._bucket_items[key]
+
+    def _opened(self, step: int, item: str) -> dict | None:
+        """The arrays of `item` as opened for its metadata (a store in a bucket), else None."""
+        opened = self._bucket_items.get((step, item))
+        return None if opened is None else opened.arrays
 
     # -- save
     def _trainer_json(self, step: int, params: Any, trainer_state: Mapping | None) -> dict:
@@ -297,7 +317,8 @@ class CheckpointStore:
         verify_reads: a step whose import recorded CRC-32s per chunk is read through them
           (`store.checked`: every chunk checked, each device reading the chunks of its shard);
           a training loop's save records them too (`store.save_crcs`); False, or a step
-          without them, is read by Orbax.
+          without them, is read by Orbax (a store in a bucket by our reader, unchecked:
+          `store.bucket_restore`).
         """
         manager = self._manager
         manager.wait_until_finished()  # a pending async save must be on disk before reading
@@ -335,7 +356,7 @@ class CheckpointStore:
         metas, missing, unexpected = {}, set(), set()
         for item, target in targets.items():
             with timing.stage("metadata"):
-                meta = _unwrapped(where, f"the metadata of {item}", lambda item=item: item_metadata(manager, step, item))
+                meta = self._item_metadata(step, item)
             if meta is None:
                 raise CheckpointError(
                     f"{where}: has no {item} (saved without it); restore with target_{item}=None"
@@ -349,10 +370,11 @@ class CheckpointStore:
 
         step_dir = self.directory / str(step)
         try:
-            if verify_reads and has_crc_tables(state, where):
-                out = {k: read_tree(str(step_dir), k, t, state) for k, t in targets.items()}
-            else:  # (Orbax reads: TensorStore would read a bucket's view as zeros: refused there)
-                refuse_tensorstore(str(step_dir), "a step Orbax reads (verify_reads=False, no CRC-32 tables)")
+            checked = verify_reads and has_crc_tables(state, where)
+            if checked or bucket_restore.in_bucket(str(step_dir)):  # (Orbax would read a bucket's view as zeros)
+                out = {k: read_tree(str(step_dir), k, t, state, verify=checked, found=self._opened(step, k))
+                       for k, t in targets.items()}
+            else:
                 if missing or unexpected:
                     out = {k: restore_partial(step_dir, k, metas[k], t) for k, t in targets.items()}
                 else:
@@ -370,17 +392,6 @@ class CheckpointStore:
             missing_keys=tuple(sorted(missing)),
             unexpected_keys=tuple(sorted(unexpected)),
         )
-
-
-def _refuse_ocdbt_in_bucket(step_dir: str, item: str) -> None:
-    """A CheckpointError when `step_dir/item` is an OCDBT item of a store in a bucket (a folder of
-    `io.remote.view`): Orbax reads its metadata (`item_metadata`) with the TensorStore specs it
-    builds from the folder's path, which would read the view's placeholders; our own reader
-    (export, inspect, verify, open_source) reads it from the bucket instead."""
-    folder = os.path.join(step_dir, item)
-    if os.path.isfile(os.path.join(folder, "manifest.ocdbt")):
-        refuse_tensorstore(folder, "an OCDBT item, whose metadata restore() reads through Orbax's own TensorStore "
-                                   "specs (export, inspect and verify read it from the bucket)")
 
 
 def _refuse_url(directory: object) -> None:

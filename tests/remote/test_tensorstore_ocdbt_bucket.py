@@ -1,7 +1,6 @@
 """Our store imported with `--compression zstd` (an OCDBT database of compressed chunks), read
 from a bucket by TensorStore itself (issue 43, `io.remote.ts_kvstore`): equal to the local read
-bit for bit, its data files never downloaded whole; what Orbax reads by its own specs
-(`restore()`'s metadata of an OCDBT item) one line.
+bit for bit, its data files never downloaded whole (its `restore()`: test_restore_ocdbt_bucket.py).
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from test_tensorstore_from_bucket import object_bytes, tensors
 
 import hybridckpt
 from hybridckpt.demo import sample_path
-from hybridckpt.errors import CheckpointError
 from hybridckpt.formats.registry import open_source
 from hybridckpt.io.byte_source import count_reads
 from hybridckpt.io.read_tally import remote_requests
@@ -55,7 +53,3 @@ def test_an_ocdbt_compressed_store_from_s3_equals_the_local_one(zstd_store, s3, 
     code, out, err = cli(capsys, "verify", url)
     assert code == 0 and "match" in out, err
 
-
-def test_restore_of_an_ocdbt_store_in_a_bucket_is_one_line(zstd_store, s3):
-    with pytest.raises(CheckpointError, match="OCDBT item.*download it"):
-        hybridckpt.restore(zstd_store[1], "fsdp=1")

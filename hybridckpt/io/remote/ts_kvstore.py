@@ -142,7 +142,7 @@ def settle(path: str) -> None:
         before = _seen.get(driver, (0, 0))
         _seen[driver] = now
     count, nbytes = now[0] - before[0], now[1] - before[1]
-    if count > 0:
+    if count > 0 or nbytes > 0:  # (a GET counted at an earlier settle may deliver its bytes after it)
         host = ranged.host_of(url)
         ranged.add_total(host, count, nbytes)
         byte_source._count_requests(ranged.Requests(host, count, nbytes))

@@ -91,17 +91,6 @@ def refuse_whole_read(path: str) -> None:
                       f"allow (byte ranges only); copy the checkpoint to a local folder")
 
 
-def refuse_tensorstore(path: str, what: str) -> None:
-    """A CheckpointError when `path` lies in a view: what Orbax reads with the TensorStore specs it
-    builds from a folder's path (`what`: `restore()`'s metadata of an OCDBT item, a step restored
-    with `verify_reads=False`) would read the view's sparse placeholders, so it is refused in one
-    line instead (our own reader points TensorStore at the bucket: `io.remote.ts_kvstore`)."""
-    url = url_of(path)
-    if url is not None:
-        raise CheckpointError(f"{url}: {what}, which hybridckpt does not read from object storage; download it "
-                              f"and read the local copy")
-
-
 def url_of(path: object) -> str | None:
     """The URL a view's local path stands for, or None."""
     text = os.fspath(path) if isinstance(path, str | os.PathLike) else None
