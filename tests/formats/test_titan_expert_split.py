@@ -199,3 +199,20 @@ def test_open_and_inspect_run_no_cyclic_gc_pass(source, monkeypatch):
         gc.callbacks.remove(count)
     assert passes == []  # before: a pass every 50 of the ~10^3 rows, views and summary rows made
     assert len(info["tensors"]) == len(src.tensors) > EXPERTS * 3 * MOE_LAYERS
+
+
+def test_inspect_summary_imports_nothing_a_view(source, monkeypatch):
+    """`inspect`'s piece count (`_pieces`, called for every view and down each view's chain)
+    imports nothing per call (before: one `from hybridckpt import lazy` a call, 134k on the
+    64-rank DeepSeek V3 source)."""
+    import builtins
+
+    summary = sys.modules["hybridckpt.jobs.inspect"]
+    src = dcp.open(source)
+    imports, real = [], builtins.__import__
+    monkeypatch.setattr(builtins, "__import__",  # (numpy's dtype names import numpy's modules)
+                        lambda *a, **k: (a[0].startswith("hybridckpt") and imports.append(a[0])) or real(*a, **k))
+    rows = summary._tensors(src.tensors)
+    monkeypatch.setattr(builtins, "__import__", real)
+    assert imports == []
+    assert len(rows) == len(src.tensors) > EXPERTS * 3 * MOE_LAYERS
