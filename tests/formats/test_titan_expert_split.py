@@ -119,7 +119,8 @@ def test_expert_split_counts_no_view_checks_and_one_base_match_per_rule(source, 
     monkeypatch.setattr(torchtitan, "moe_tensors", moe)
     src = dcp.open(source)
     views_made = EXPERTS * 3 * MOE_LAYERS * SLOTS  # w1, w2, w3 of each MoE layer, params and moments
-    assert sum(".moe.experts." in n for n in src.tensors) == EXPERTS * 3 * MOE_LAYERS
+    split = sum(".moe.experts." in n for tree in (src.tensors, *src.optimizer.slots.values()) for n in tree)
+    assert split == views_made
     n_checks, n_splits, n_matches = captured["counts"]
     assert n_checks == 0  # before: one box check a view (views_made)
     assert n_splits == 0  # before: each expanded name split once per stacked rule it meets
