@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -217,3 +218,31 @@ def test_inspect_summary_imports_nothing_a_view(source, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", real)
     assert imports == []
     assert len(rows) == len(src.tensors) > EXPERTS * 3 * MOE_LAYERS
+
+
+def test_shape_check_asks_each_shape_tuple_once(source, monkeypatch):
+    """`registry.check_shapes` checks each shape tuple once: the expert views of one grouped tensor
+    share theirs (before: one `shape_problem` a tensor, 136k on the 64-rank source). A hostile
+    shape is still refused, naming its tensor."""
+    from hybridckpt.errors import FormatError
+    from hybridckpt.formats import registry
+
+    calls, real = [], registry.shape_problem
+    monkeypatch.setattr(registry, "shape_problem", lambda s: calls.append(s) or real(s))
+    src = registry.open_source(source, "dcp")
+    trees = (src.tensors, *src.optimizer.slots.values(), src.optimizer.master)
+    tensors = sum(len(t) for t in trees)
+    grouped = 3 * MOE_LAYERS * SLOTS  # grouped tensors, each split into EXPERTS views of one shape tuple
+    assert len(calls) <= tensors - (EXPERTS - 1) * grouped  # before: == tensors (one call a tensor)
+    bad = dict(src.tensors)
+    name = next(n for n in bad if ".moe.experts.1." in n)
+    bad[name] = lazy.Reshape(bad[name].src, bad[name].shape)  # a new view of a checked tuple: skipped
+
+    class Odd(lazy.ArrayTensor):
+        @property
+        def shape(self):
+            return (True, 2)  # a bool dim equals 1 and hashes like it: refused all the same
+
+    bad["hostile"] = Odd(np.zeros((1, 2)))
+    with pytest.raises(FormatError, match="hostile"):
+        registry.check_shapes(replace(src, tensors=bad))
