@@ -27,8 +27,11 @@ piece, print the summary):
   inside the pickle: 50-76 GB a file at 64 ranks) and paddle has no header-only reader.
 
 A source is `KIND:PATH` (written beforehand by its script). Each row: the median time of the
-timed call (imports excluded) and the median peak RSS (`ru_maxrss`, imports included), and the
-ratio of ours to the baseline's medians of the same run. `--json FILE` keeps every sample.
+timed call (imports excluded: for `inspect`, the CLI's modules and every reader's imported before
+the timer, as torch's are, `imports` in the JSON) and the median peak RSS (`ru_maxrss`, imports
+included), and the ratio of ours to the baseline's medians of the same run; then (stderr) the
+medians of the timed call's CPU seconds (`cpu`; on a shared machine the steadier figure).
+`--json FILE` keeps every sample.
 
     python benchmarks/scale_other.py --repeats 3 dsv3:/tmp/scale_other/dsv3_64 \\
         zero3:/tmp/scale_other/z3_512/global_step1000 megatron:/tmp/scale_other/mlm_512
@@ -50,17 +53,17 @@ TREE = os.path.dirname(HERE)
 _CHILD = r"""
 import io, json, os, resource, sys, time, contextlib, glob
 kind, path = sys.argv[1], sys.argv[2]
-n = None
+n = imports = None
 if kind == "dcp":
     from torch.distributed.checkpoint import FileSystemReader
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     md = FileSystemReader(path).read_metadata()
     n = sum(len(getattr(e, "chunks", ())) for e in md.state_dict_metadata.values())
 elif kind == "deepspeed":
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.utils import zero_to_fp32 as z
     z.tqdm = lambda x, **k: x
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     models = z.parse_model_states(z.get_model_state_files(path))
     stage, world, flats, _ = z.parse_optim_states(z.get_optim_files(path), path)
     n = sum(len(m.param_shapes[0]) + len(m.param_shapes[-1]) for m in models[:1])
@@ -68,7 +71,7 @@ elif kind == "torch_mmap":
     import torch
     sys.path.insert(0, sys.argv[3])
     from scale_megatron import _PICKLE  # megatron's enums in `args`, without megatron
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     files = sorted(glob.glob(os.path.join(path, "*", "mp_rank_*", "*.pt")))
     n = 0
     for f in files:
@@ -77,18 +80,24 @@ elif kind == "torch_mmap":
         del sd
 elif kind == "paddle_load":  # paddle's own metadata read (load_state_dict's first step)
     import paddle
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     n = sum(len(paddle.load(os.path.join(path, d, "0.metadata")).storage_metadata)
             for d in ("model_state", "optimizer_state", "master_weight"))
 elif kind == "flex_metadata":
     from hybridckpt.formats.flex_checkpoint.metadata import read_metadata
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     n = sum(sum(map(len, read_metadata(os.path.join(path, d)).blocks.values()))
             for d in ("model_state", "optimizer_state", "master_weight"))
 elif kind == "inspect":
+    t0, c0 = time.perf_counter(), time.process_time()
     from hybridckpt.cli import main
+    import hybridckpt.cli.parser, hybridckpt.jobs.inspect  # what main imports on the way
+    from hybridckpt.formats import registry
+    for f in registry.READABLE:  # every reader module (`detect` tries them in order): imports, as torch's are
+        f.reader
+    imports = time.perf_counter() - t0
     out = io.StringIO()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with contextlib.redirect_stdout(out):
         rc = main(["inspect", path])
     assert rc == 0, out.getvalue()[-2000:]
@@ -96,7 +105,8 @@ else:
     raise SystemExit(kind)
 dt = time.perf_counter() - t0
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps({"seconds": dt, "peak_rss": rss, "count": n}))
+cpu = time.process_time() - c0  # CPU of the timed call (all threads)
+print(json.dumps({"seconds": dt, "cpu": cpu, "peak_rss": rss, "count": n, "imports": imports}))
 """
 
 BASELINE = {"dsv3": "dcp", "zero3": "deepspeed", "megatron": "torch_mmap", "flex": "paddle_load",
@@ -165,6 +175,10 @@ def main(argv=None) -> int:
                for k, v in got.items()}
         samples[src] = got
         rows.append((src, BASELINE[kind], med))
+        cpu = {k: statistics.median(r.get("cpu", float("nan")) for r in v) for k, v in got.items()}
+        log(f"  {src} CPU seconds of the timed call, medians: "
+            + ", ".join(f"{k} {v:.2f} s" for k, v in cpu.items())
+            + (f"; after / base {cpu['after'] / cpu['base']:.2f}x" if "base" in cpu else ""))
     print("| source | baseline | baseline time, memory | `hybridckpt inspect` | "
           + ("`inspect` before | " if a.before else "") + "ours / baseline (time, memory) |")
     print("|---" * (5 + bool(a.before)) + "|")

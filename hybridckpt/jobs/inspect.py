@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from hybridckpt.lazy import LazyTensor
+from hybridckpt.io.gc_pause import gc_paused
+from hybridckpt.lazy import LazyTensor, StoredTensor
 
 SCHEMA_VERSION = 1
 # `inspect --json`: the same keys for every format, in this order (docs/cli.md "inspect --json")
@@ -49,9 +50,7 @@ def _pieces(t: LazyTensor, seen: dict | None = None) -> int:
     """How many stored pieces a lazy tensor is made of. `seen` (id of a tensor -> its count, the
     tensor kept alive beside it) is shared across one summary: views of one stored tensor (the
     per-expert views of a grouped MoE tensor: 256 a tensor) count its chunks once, not once each."""
-    from hybridckpt import lazy
-
-    if isinstance(t, lazy.StoredTensor):
+    if isinstance(t, StoredTensor):
         return 1
     if seen is not None:
         got = seen.get(id(t))
@@ -69,6 +68,7 @@ def _pieces(t: LazyTensor, seen: dict | None = None) -> int:
     return n
 
 
+@gc_paused()  # a row dict a tensor (10^5 on a DeepSeek V3 source), no cycles: `io.gc_pause`
 def inspect(path: str | os.PathLike, fmt: str = "auto", *, config: Any = None, step: int | None = None,
             param_order: Any = None) -> dict:
     """What a checkpoint holds, as a JSON-able dict of one schema for every format (`SCHEMA`;

@@ -39,7 +39,7 @@ Modules (each imports only those above it):
 - `views`          `Slice`, `Concat`, `Stack`, `Transpose`, `Reshape`, `Take`, `Bitcast`, `Cast`.
 - `scaled`         `Scaled`: times a float32 factor (MaxText's pre-scaled query kernel);
                    `Shifted`: plus an offset (Megatron's zero-centred gated norm).
-- `constructors`   `as_lazy`, `cast`, `transpose`, `reshape`, `slice_axis`, `index0`, `concat`,
+- `constructors`   `as_lazy`, `cast`, `transpose`, `reshape`, `slice_axis`, `index0`, `index0_all`, `concat`,
                    `split`: views with no-ops and chains folded.
 - `strided`        `stored_strided`: torch's `(shape, strides, storage_offset)` views of a storage.
 - `tiled`          `Tiled`: a global tensor of blocks at their offsets (DCP chunks, store chunks).
@@ -70,6 +70,7 @@ from hybridckpt.lazy.constructors import (
     cast,
     concat,
     index0,
+    index0_all,
     reshape,
     slice_axis,
     split,
@@ -124,6 +125,7 @@ __all__ = [
     "cast",
     "concat",
     "index0",
+    "index0_all",
     "reshape",
     "slice_axis",
     "split",

@@ -69,6 +69,29 @@ def index0(t: LazyTensor, i: int) -> LazyTensor:
     return reshape(Slice(t, ((i, i + 1),) + full_box(t.shape[1:])), t.shape[1:])
 
 
+def index0_all(t: LazyTensor) -> list[LazyTensor]:
+    """`[index0(t, i) for i in range(t.shape[0])]`, the same views, the checks done once for all
+    of them: every layer's box `(i, i + 1)` lies inside `t` and each reshape keeps its element
+    count by construction, so the views are built without `Slice`'s box check and `Reshape`'s
+    size check, ~6x faster (a torchtitan DeepSeek V3 checkpoint splits its grouped experts into
+    133,632 such views, params and moments)."""
+    if isinstance(t, Stack):
+        return list(t.parts)
+    shape = tuple(int(n) for n in t.shape)
+    if not shape:
+        raise ValueError("index0_all of a 0-d tensor")
+    sub, inner = shape[1:], full_box(shape[1:])
+    one = (1,) + sub
+    new, out = object.__new__, []
+    for i in range(shape[0]):  # each frozen view given all its fields, `__post_init__` skipped
+        part = new(Slice)
+        part.__dict__.update(src=t, region=((i, i + 1),) + inner, _shape=one)
+        view = new(Reshape)
+        view.__dict__.update(src=part, shape=sub)
+        out.append(view)
+    return out
+
+
 def concat(parts: Sequence[LazyTensor], axis: int) -> LazyTensor:
     parts = tuple(parts)
     return parts[0] if len(parts) == 1 else Concat(parts, axis)

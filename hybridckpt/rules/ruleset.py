@@ -90,15 +90,36 @@ def _compile(pattern: str) -> re.Pattern:
     return re.compile("^" + "".join(out) + "$")
 
 
+@functools.lru_cache(maxsize=4096)  # a rule's target is filled for every key it takes: parse it once
+def _template(pattern: str) -> tuple[tuple[str, ...], tuple[str | None, ...]]:
+    """`pattern` as its literal texts and, between them, its holes: a capture's name, or None
+    for a `*` (len(texts) == len(holes) + 1)."""
+    texts, holes, pos = [], [], 0
+    for m in _CAPTURE.finditer(pattern):
+        texts.append(pattern[pos : m.start()])
+        holes.append(m.group(1))  # None for "*"
+        pos = m.end()
+    texts.append(pattern[pos:])
+    return tuple(texts), tuple(holes)
+
+
 def _fill(pattern: str, caps: Mapping[str, str]) -> str:
-    stars = iter(v for k, v in sorted(caps.items()) if k.startswith("_star"))
-
-    def sub(m: re.Match) -> str:
-        if m.group(0) == "*":
-            return next(stars)
-        return caps[m.group(1)]
-
-    return _CAPTURE.sub(sub, pattern)
+    """`pattern` with each `$X` replaced by `caps[X]` and the `*`s, in order, by the `_star`
+    captures in the order of their names (KeyError / StopIteration when one is missing)."""
+    texts, holes = _template(pattern)
+    if not holes:
+        return pattern
+    stars = None
+    out = [texts[0]]
+    for hole, text in zip(holes, texts[1:], strict=True):
+        if hole is None:
+            if stars is None:
+                stars = iter([v for k, v in sorted(caps.items()) if k.startswith("_star")])
+            out.append(next(stars))
+        else:
+            out.append(caps[hole])
+        out.append(text)
+    return "".join(out)
 
 
 @dataclass(frozen=True)
@@ -152,16 +173,18 @@ class RuleSet:
         stack_rule: dict[str, tuple[Rule, StackSpec]] = {}
         unused = []
         names = list(tensors)
+        split: dict[str, tuple | None] = {}  # name -> split_unstacked(name), once for every rule
         for rule in self.rules:
             src0 = parse_stack(rule.sources[0], rule.where())
             rx = _compile(src0.base)
             others = [parse_stack(s, rule.where()) for s in rule.sources[1:]]
             tgts = [parse_stack(t, rule.where()) for t in rule.targets]
+            bases: dict[str, dict | None] = {}  # an expanded name's base -> its captures by `rx`
             hits = 0
             for name in names:
                 if name in consumed:
                     continue
-                caps = _match(src0, rx, name)
+                caps = _match(src0, rx, name, split, bases) if src0.stacked else _match(src0, rx, name)
                 if caps is None:
                     continue
                 srcs = [name] + [_fill_spec(s, caps) for s in others]
@@ -256,28 +279,127 @@ class RuleSet:
                 spec = parse_stack(s, r.where())
                 if spec.stacked:
                     stacked_bases.append((_compile(spec.base), len(spec.indices)))
+        depths = {name: next((d for rx, d in stacked_bases if rx.match(name)), 0) for name in tensors}
+        if self._renames_only() and not any("[" in name for name in tensors):
+            return self._apply_renames(tensors, depths, strict)
         for name, t in tensors.items():
-            depth = next((d for rx, d in stacked_bases if rx.match(name)), 0)
-            if depth:
-                for pos, part in unstack(t, depth).items():
+            if depths[name]:
+                for pos, part in unstack(t, depths[name]).items():
                     expanded[unstacked_name(name, pos)] = part
             else:
                 expanded[name] = t
         return self.apply(expanded, strict=strict)
 
+    def _renames_only(self) -> bool:
+        """Every rule one source, no ops, one plain target (or `_`), and every plain source
+        pattern without `*` and `[`: such a pattern never matches an expanded name `base[i]`
+        (`$X` matches digits only), so a stacked source alone can take one."""
+        for r in self.rules:
+            if len(r.sources) != 1 or r.ops or len(r.targets) != 1:
+                return False
+            if not r.deletes and parse_stack(r.targets[0], r.where()).stacked:
+                return False
+            src = parse_stack(r.sources[0], r.where())
+            if not src.stacked and ("*" in src.base or "[" in src.base):
+                return False
+        return True
 
-def _match(spec: StackSpec, rx: re.Pattern, name: str) -> dict[str, str] | None:
+    def _apply_renames(self, tensors: Mapping[str, LazyTensor], depths: dict, strict: bool) -> MappingResult:
+        """`apply` of the expanded names of `apply_unstack` (`tensors`, each taken apart on
+        `depths[name]` leading axes), for rules that only rename (`_renames_only`) and names
+        without `[` (no name can then be another's expanded name): the same result, in the same
+        order, a grouped tensor at a time: its base matched once per rule (not once per expanded
+        name), its views built together (`lazy.index0_all`)."""
+        groups = {name: unstack(t, depths[name]) for name, t in tensors.items() if depths[name]}
+        taken: dict[str, set] = {name: set() for name in tensors}  # positions ((): a plain name's) taken
+        out: dict[str, LazyTensor] = {}
+        unused = []
+        for rule in self.rules:
+            src = parse_stack(rule.sources[0], rule.where())
+            rx = _compile(src.base)
+            target = None if rule.deletes else parse_stack(rule.targets[0], rule.where()).base
+            hits = 0
+            caps_at: dict = {}  # position -> its captures by `src` (the same in every group)
+            for name, t in tensors.items():
+                parts, done = groups.get(name), taken[name]
+                if parts is None:  # a plain name: a plain source may take it
+                    m = None if src.stacked or done else rx.match(name)
+                    if m is not None:
+                        done.add(())
+                        hits += 1
+                        self._put(out, rule, target, m.groupdict(), t)
+                    continue
+                if not src.stacked or len(src.indices) != depths[name] or len(done) == len(parts):
+                    continue
+                m = rx.match(name)
+                if m is None:
+                    continue
+                got = m.groupdict()
+                for pos, part in parts.items():
+                    if pos in done:
+                        continue
+                    caps = caps_at.get(pos, caps_at)
+                    if caps is caps_at:
+                        caps = caps_at[pos] = src.captures(pos)
+                    if caps is None:
+                        continue
+                    done.add(pos)
+                    hits += 1
+                    self._put(out, rule, target, got | caps, part)
+            if hits == 0:
+                unused.append(rule)
+        unconsumed = []
+        for name in tensors:
+            parts, done = groups.get(name), taken[name]
+            if parts is None:
+                unconsumed += [] if done else [name]
+            else:
+                unconsumed += [unstacked_name(name, pos) for pos in parts if pos not in done]
+        if strict and unconsumed:
+            shown = ", ".join(repr(k) for k in unconsumed[:20])
+            more = f" and {len(unconsumed) - 20} more" if len(unconsumed) > 20 else ""
+            raise MappingError(f"{self.origin}: no rule consumes source keys {shown}{more}")
+        return MappingResult(out, tuple(unconsumed), tuple(unused))
+
+    @staticmethod
+    def _put(out: dict, rule: Rule, target: str | None, caps: dict, x: LazyTensor) -> None:
+        if target is None:  # `-> _`: taken, nothing made
+            return
+        t = _fill(target, caps)
+        if t in out:
+            raise MappingError(f"{rule.where()}: target {t!r} produced twice")
+        out[t] = x
+
+
+_NOT_YET = object()
+
+
+def _match(
+    spec: StackSpec, rx: re.Pattern, name: str, split: dict | None = None, bases: dict | None = None
+) -> dict[str, str] | None:
     """The captures of `name` by a rule's first source (a stacked source matches the expanded
-    names `base[i,j]` of `apply_unstack`, its positions giving the index captures)."""
+    names `base[i,j]` of `apply_unstack`, its positions giving the index captures). `split`
+    (name -> `split_unstacked(name)`) and `bases` (base -> its captures by `rx`, or None) keep
+    what one `apply` already worked out: the 256 expanded names of one grouped tensor share
+    their base, matched once per rule instead of once per name."""
     if not spec.stacked:
         m = rx.match(name)
         return m.groupdict() if m else None
-    parts = split_unstacked(name)
+    parts = _NOT_YET if split is None else split.get(name, _NOT_YET)
+    if parts is _NOT_YET:
+        parts = split_unstacked(name)
+        if split is not None:
+            split[name] = parts
     if parts is None or len(parts[1]) != len(spec.indices):
         return None
-    m = rx.match(parts[0])
-    caps = spec.captures(parts[1]) if m else None
-    return None if caps is None else m.groupdict() | caps
+    got = _NOT_YET if bases is None else bases.get(parts[0], _NOT_YET)
+    if got is _NOT_YET:
+        m = rx.match(parts[0])
+        got = m.groupdict() if m else None
+        if bases is not None:
+            bases[parts[0]] = got
+    caps = spec.captures(parts[1]) if got is not None else None
+    return None if caps is None else got | caps
 
 
 def _fill_spec(spec: StackSpec, caps: Mapping[str, str]) -> str | None:

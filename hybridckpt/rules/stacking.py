@@ -144,10 +144,11 @@ def split_unstacked(name: str) -> tuple[str, tuple[int, ...]] | None:
 
 
 def unstack(t: LazyTensor, depth: int) -> dict[tuple[int, ...], LazyTensor]:
-    """Every element of the `depth` leading axes of `t` (`lazy.index0` views, nothing read)."""
+    """Every element of the `depth` leading axes of `t` (`lazy.index0` views, built by
+    `lazy.index0_all`: nothing read, the boxes checked once per axis)."""
     out: dict[tuple[int, ...], LazyTensor] = {(): t}
     for _ in range(depth):
-        out = {pos + (i,): lazy.index0(x, i) for pos, x in out.items() for i in range(x.shape[0])}
+        out = {pos + (i,): part for pos, x in out.items() for i, part in enumerate(lazy.index0_all(x))}
     return out
 
 

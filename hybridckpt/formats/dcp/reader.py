@@ -28,6 +28,7 @@ from hybridckpt.formats.dcp.storage import (
 from hybridckpt.formats.dcp.storage import detect as storage_detect
 from hybridckpt.formats.dcp.structure import find_structure, param_groups
 from hybridckpt.io.config_file import config_beside
+from hybridckpt.io.gc_pause import gc_paused
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.optim import torch_optim
 from hybridckpt.optim.torch_optim import STEP, check_complete
@@ -85,6 +86,7 @@ def _open_hf_shards(path: str, folder: str, config) -> SourceCheckpoint:
     )
 
 
+@gc_paused()  # 10^5-10^6 objects (tables, expert views), no cycles: `io.gc_pause`
 def _open_metadata(path: str, folder: str, config) -> SourceCheckpoint:
     """The `.metadata` layouts: model tensors, optimizer slots, step and param groups."""
     notes: list[str] = []
