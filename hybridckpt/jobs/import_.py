@@ -219,7 +219,7 @@ def import_checkpoint(
         from hybridckpt.writers.destination import Destination
 
     t0 = time.perf_counter()
-    remote_url(dst)  # (a URL under jax.distributed: refused before anything is read)
+    remote_url(dst, compression)  # (a compressed import to a URL under jax.distributed: refused before any read)
     asked = ranged.totals()  # a source in a bucket: what this job asks of each host
     if io_threads is not None:
         parallel.set_io_threads(io_threads)

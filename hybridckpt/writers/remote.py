@@ -174,11 +174,7 @@ class RemoteDestination:
             if not self._begun:
                 self._begin()
             if name not in self._planned:
-                folder = name.rsplit("/", 1)[0] + "/" if name in self._early else None
-                self._planned.add(name)
-                if folder is None or folder not in self._folders:  # (a chunk's folder: listed once)
-                    self._folders.update([folder] if folder else [])
-                    self._put(markers.STAGING, self._staging())
+                self._plan(name)
                 self._written.append(name)
             self._inflight += 1
         try:
@@ -190,6 +186,14 @@ class RemoteDestination:
         with self._lock:
             self._sizes[name] = size
         os.remove(local)
+
+    def _plan(self, name: str) -> None:
+        """List the object `name` in the staging marker before it goes up (under the lock)."""
+        folder = name.rsplit("/", 1)[0] + "/" if name in self._early else None
+        self._planned.add(name)
+        if folder is None or folder not in self._folders:  # (a chunk's folder: listed once)
+            self._folders.update([folder] if folder else [])
+            self._put(markers.STAGING, self._staging())
 
     def _begin(self) -> None:
         """Check the prefix again, write the staging marker, remove the old export of ours."""
@@ -248,7 +252,17 @@ class RemoteDestination:
         could not be deleted, so what is left is still recognisable as ours."""
         if not self._begun:
             return
-        with self._lock:  # uploads still running in other threads first: none lands after the cleaning
+        if not self._delete_written():
+            try:
+                self.fs.rm_file(self.url.child(markers.STAGING).path)
+                self.committed = True  # (an interrupt held meanwhile is raised after: nothing to clean)
+            except Exception:
+                pass
+
+    def _delete_written(self) -> bool:
+        """Delete the objects this job wrote (best effort), once the uploads running in other
+        threads have ended (none lands after the cleaning); whether one could not be deleted."""
+        with self._lock:
             while self._inflight:
                 self._idle.wait()
         left = False
@@ -259,12 +273,7 @@ class RemoteDestination:
                 pass
             except Exception:
                 left = True
-        if not left:
-            try:
-                self.fs.rm_file(self.url.child(markers.STAGING).path)
-                self.committed = True  # (an interrupt held meanwhile is raised after: nothing to clean)
-            except Exception:
-                pass
+        return left
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if self._closed in sequential_file.CLOSED:

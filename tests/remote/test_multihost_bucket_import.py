@@ -1,0 +1,113 @@
+"""An import into a bucket from several processes (issue 43, `writers.remote_shared`): 2 local
+processes under `jax.distributed` (the harness of test_multihost_bucket.py: gloo on 127.0.0.1, 4
+CPU devices each, a counting proxy per process) import the sample into `s3://` on the local moto
+server.
+
+- the store downloaded equals the single-process import into a local folder, every file bit for
+  bit (less Orbax's per-process records and device numbering, `digest`), plus the commit marker
+  listing every object with its size, and each process's `array_metadatas/process_<i>`;
+- each process PUT exactly the chunks its own writers wrote (the files its `io.sequential_file`
+  closed, recorded by the worker), each object once, at its own proxy: nothing through process 0;
+  only process 0 PUT the markers;
+- process 1 killed (SIGKILL) after its second upload: no commit marker; the staging marker stays
+  and readers refuse the prefix; the next import with `--overwrite` removes what both processes
+  left (the step's folder is listed as ours) and writes the store whole;
+- an upload failing on process 1 only: one line on both processes naming the URL and process 1,
+  exit 2 on both, nothing left under the prefix (each process deleted what it uploaded, process 0
+  the staging marker last).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from urllib.parse import unquote
+
+import pytest
+from fixtures.remote_sources import client, fresh_bucket
+from test_export_s3 import cli, download, refused
+from test_multihost_bucket import MESH, digest, run_pair
+
+from hybridckpt.demo import sample_path
+from hybridckpt.io.remote import commit as markers
+from hybridckpt.writers import ownership
+
+
+@pytest.fixture
+def bucket(s3):
+    return fresh_bucket(s3, "mp")
+
+
+def _import(url: str, *extra: str):
+    return lambda pid: [["import", sample_path(), url, "--mesh", MESH, *extra]]
+
+
+def _puts(requests, bucket: str) -> list[str]:
+    """The object names below `bucket`/ck/ a proxy saw PUT (one request per object here: every
+    object is under s3fs's multipart part size)."""
+    base = f"/{bucket}/ck/"
+    return [unquote(r.path[len(base):]) for r in requests if r.method == "PUT" and r.path.startswith(base)]
+
+
+def test_two_processes_import_into_a_bucket_each_uploading_its_own_chunks(s3, bucket, tmp_path, capsys):
+    fs, b = bucket
+    url = f"s3://{b}/ck"
+    rcs, logs, results, seen, _ = run_pair(tmp_path, s3, _import(url, "--json"))
+    assert rcs == [0, 0], "\n".join(x[-3000:] for x in logs)
+    assert [json.loads(r["results"][0]["stdout"])["destination"] for r in results] == [url, url]
+    got = download(fs, f"{b}/ck")
+    marker = json.loads(got.pop(ownership.MARKER))
+    assert markers.STAGING not in got
+    assert marker["files"] == sorted(got) and marker["sizes"] == {k: len(v) for k, v in sorted(got.items())}
+    # each process's own writers' files went up from that process, each object once
+    puts = [_puts(seen[p][0], b) for p in range(2)]
+    closed = [set(r["results"][0]["closed"]) for r in results]
+    chunks = [set(p) & (closed[0] | closed[1]) for p in puts]
+    assert chunks == closed and all(len(c) > 10 for c in closed), [len(c) for c in closed]
+    assert not closed[0] & closed[1]
+    objects = [n for n in puts[0] + puts[1] if n not in (ownership.MARKER, markers.STAGING)]
+    assert len(objects) == len(set(objects))  # none twice
+    assert markers.STAGING not in puts[1] and ownership.MARKER not in puts[1]
+    assert set(puts[0]) | set(puts[1]) == set(got) | {ownership.MARKER, markers.STAGING}
+    records = {n for n in got if n.endswith("/array_metadatas/process_1")}  # (process 1's own Orbax record)
+    assert set(puts[1]) - closed[1] == records and len(records) == 2
+    # bit for bit the single-process import into a local folder
+    assert cli(capsys, "import", sample_path(), tmp_path / "local", "--mesh", MESH)[0] == 0
+    fs.get(f"{b}/ck/", str(tmp_path / "fetched") + "/", recursive=True)
+    a, c = digest(tmp_path / "local"), digest(tmp_path / "fetched")
+    c.pop(ownership.MARKER)
+    assert sorted(a) == sorted(c) and len(a) > 5
+    assert [k for k in a if a[k] != c[k]] == []
+    assert cli(capsys, "verify", url)[0] == 0
+
+
+def test_a_process_killed_mid_upload_leaves_no_commit_marker(s3, bucket, tmp_path, capsys):
+    fs, b = bucket
+    url = f"s3://{b}/ck"
+    rcs, logs, results, _, _ = run_pair(tmp_path, s3, _import(url), faults=({}, {"kill_after_uploads": 2}),
+                                        heartbeat_s=5)
+    assert rcs[1] == -9, logs[1][-2000:]
+    assert rcs[0] != 0, logs[0][-2000:]
+    left = download(fs, f"{b}/ck")
+    assert ownership.MARKER not in left and markers.STAGING in left
+    assert len(left) > 3  # (both processes' uploads: the staging marker names them ours)
+    refused(cli(capsys, "inspect", url), url, "not finished")
+    refused(cli(capsys, "import", sample_path(), url, "--mesh", MESH), url, "--overwrite")
+    assert cli(capsys, "import", sample_path(), url, "--mesh", MESH, "--overwrite")[0] == 0
+    after = download(fs, f"{b}/ck")
+    assert sorted(json.loads(after.pop(ownership.MARKER))["files"]) == sorted(after)
+    assert cli(capsys, "verify", url)[0] == 0
+
+
+def test_an_upload_failing_on_one_process_fails_both_and_commits_nothing(s3, bucket, tmp_path):
+    fs, b = bucket
+    url = f"s3://{b}/ck"
+    rcs, logs, results, seen, _ = run_pair(tmp_path, s3, _import(url), faults=({}, {"fail_after_uploads": 3}))
+    assert rcs == [0, 0], "\n".join(x[-3000:] for x in logs)  # (the worker itself ends well)
+    for r in results:
+        out = r["results"][0]
+        assert out["rc"] == 2, out
+        assert out["stderr"].count("\n") == 1 and out["stderr"].startswith("hybridckpt: error:"), out["stderr"]
+        assert url in out["stderr"] and "process 1" in out["stderr"] and "nothing committed" in out["stderr"]
+    assert len(_puts(seen[1][0], b)) == 3  # process 1 did upload before it failed
+    assert client(s3).find(f"{b}/ck") == []  # all deleted, the staging marker last
