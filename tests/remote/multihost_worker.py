@@ -10,7 +10,8 @@ written at the end), "commands": [argv of `hybridckpt`, ...], and the faults: "k
 {"key", "endpoint"} (after this process's first GET of that object, rewrite it in the bucket at
 the same size through the server itself, not the proxy), and for an upload to a bucket
 "kill_after_uploads" (SIGKILL this process once that many of its objects went up) or
-"fail_after_uploads" (every later upload of this process raises an injected ConnectionResetError)}.
+"fail_after_uploads" (every later upload of this process raises an injected ConnectionResetError;
+counted per command, in the command of index "fail_command" only when that is given)}.
 
 After each command a GET of `/hybridckpt-test-mark/<i>` goes to the proxy, so its log splits
 per command. Each command runs through `hybridckpt.cli.main`, its stdout and stderr captured; OUT gets, per
@@ -32,10 +33,6 @@ import urllib.error
 import urllib.request
 
 MARK = "hybridckpt-test-mark"
-if os.environ.get("MP43_DUMP"):  # DEBUG-REMOVE
-    import faulthandler  # DEBUG-REMOVE
-    _dump = open(f"/tmp/mp43/dump-{os.getpid()}.txt", "w")  # DEBUG-REMOVE
-    faulthandler.dump_traceback_later(int(os.environ["MP43_DUMP"]), file=_dump)  # DEBUG-REMOVE
 spec = json.load(open(sys.argv[1]))
 os.environ.update(spec["env"])
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -98,7 +95,8 @@ def upload_file(fs, local, path, part_bytes=None):
     with upload_lock:
         place = uploads[0]
         uploads[0] += 1
-    if spec.get("fail_after_uploads") is not None and place >= spec["fail_after_uploads"]:
+    if spec.get("fail_after_uploads") is not None and place >= spec["fail_after_uploads"] \
+            and spec.get("fail_command", len(results)) == len(results):
         raise ConnectionResetError("connection reset by peer (injected)")
     n = _upload_file(fs, local, path, part_bytes)
     if spec.get("kill_after_uploads") and place + 1 >= spec["kill_after_uploads"]:
@@ -118,6 +116,7 @@ results = []
 for argv in spec["commands"]:
     out, err = io.StringIO(), io.StringIO()
     del renames[:], closed[:]
+    uploads[0] = 0
     needed.clear()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         rc = main(list(argv))

@@ -38,22 +38,25 @@ def bucket(s3):
     return fresh_bucket(s3, "mp")
 
 
-def _import(url: str, *extra: str):
-    return lambda pid: [["import", sample_path(), url, "--mesh", MESH, *extra]]
+def _import(url: str, *extra: str) -> list[str]:
+    return ["import", sample_path(), url, "--mesh", MESH, *extra]
 
 
-def _puts(requests, bucket: str) -> list[str]:
-    """The object names below `bucket`/ck/ a proxy saw PUT (one request per object here: every
-    object is under s3fs's multipart part size)."""
-    base = f"/{bucket}/ck/"
+def _puts(requests, bucket: str, prefix: str = "ck") -> list[str]:
+    """The object names below `bucket`/`prefix`/ a proxy saw PUT (one request per object here:
+    every object is under s3fs's multipart part size)."""
+    base = f"/{bucket}/{prefix}/"
     return [unquote(r.path[len(base):]) for r in requests if r.method == "PUT" and r.path.startswith(base)]
 
 
 def test_two_processes_import_into_a_bucket_each_uploading_its_own_chunks(s3, bucket, tmp_path, capsys):
+    """(one pair of processes for two imports: the second, into ck2, has process 1's fourth upload fail)"""
     fs, b = bucket
     url = f"s3://{b}/ck"
-    rcs, logs, results, seen, _ = run_pair(tmp_path, s3, _import(url, "--json"))
+    rcs, logs, results, seen, _ = run_pair(tmp_path, s3, lambda pid: [_import(url, "--json"), _import(url + "2")],
+                                           faults=({}, {"fail_after_uploads": 3, "fail_command": 1}))
     assert rcs == [0, 0], "\n".join(x[-3000:] for x in logs)
+    assert [r["results"][0]["rc"] for r in results] == [0, 0], [r["results"][0]["stderr"] for r in results]
     assert [json.loads(r["results"][0]["stdout"])["destination"] for r in results] == [url, url]
     got = download(fs, f"{b}/ck")
     marker = json.loads(got.pop(ownership.MARKER))
@@ -79,13 +82,25 @@ def test_two_processes_import_into_a_bucket_each_uploading_its_own_chunks(s3, bu
     assert sorted(a) == sorted(c) and len(a) > 5
     assert [k for k in a if a[k] != c[k]] == []
     assert cli(capsys, "verify", url)[0] == 0
+    # an upload failing on process 1 only: one line on both, naming the URL and process 1, exit 2,
+    # nothing left under the prefix (each process deleted what it uploaded, process 0 the staging
+    # marker last)
+    for r in results:
+        out = r["results"][1]
+        assert out["rc"] == 2, out
+        assert out["stderr"].count("\n") == 1 and out["stderr"].startswith("hybridckpt: error:"), out["stderr"]
+        assert url + "2" in out["stderr"] and "process 1" in out["stderr"], out["stderr"]
+        assert "nothing committed" in out["stderr"] and "injected" in out["stderr"], out["stderr"]
+    assert len(_puts(seen[1][1], b, "ck2")) == 3  # process 1 did upload before it failed
+    assert len(_puts(seen[0][1], b, "ck2")) > 3  # and so did process 0
+    assert client(s3).find(f"{b}/ck2") == []
 
 
 def test_a_process_killed_mid_upload_leaves_no_commit_marker(s3, bucket, tmp_path, capsys):
     fs, b = bucket
     url = f"s3://{b}/ck"
-    rcs, logs, results, _, _ = run_pair(tmp_path, s3, _import(url), faults=({}, {"kill_after_uploads": 2}),
-                                        heartbeat_s=5)
+    rcs, logs, results, _, _ = run_pair(tmp_path, s3, lambda pid: [_import(url)],
+                                        faults=({}, {"kill_after_uploads": 2}), heartbeat_s=5)
     assert rcs[1] == -9, logs[1][-2000:]
     assert rcs[0] != 0, logs[0][-2000:]
     left = download(fs, f"{b}/ck")
@@ -97,17 +112,3 @@ def test_a_process_killed_mid_upload_leaves_no_commit_marker(s3, bucket, tmp_pat
     after = download(fs, f"{b}/ck")
     assert sorted(json.loads(after.pop(ownership.MARKER))["files"]) == sorted(after)
     assert cli(capsys, "verify", url)[0] == 0
-
-
-def test_an_upload_failing_on_one_process_fails_both_and_commits_nothing(s3, bucket, tmp_path):
-    fs, b = bucket
-    url = f"s3://{b}/ck"
-    rcs, logs, results, seen, _ = run_pair(tmp_path, s3, _import(url), faults=({}, {"fail_after_uploads": 3}))
-    assert rcs == [0, 0], "\n".join(x[-3000:] for x in logs)  # (the worker itself ends well)
-    for r in results:
-        out = r["results"][0]
-        assert out["rc"] == 2, out
-        assert out["stderr"].count("\n") == 1 and out["stderr"].startswith("hybridckpt: error:"), out["stderr"]
-        assert url in out["stderr"] and "process 1" in out["stderr"] and "nothing committed" in out["stderr"]
-    assert len(_puts(seen[1][0], b)) == 3  # process 1 did upload before it failed
-    assert client(s3).find(f"{b}/ck") == []  # all deleted, the staging marker last
