@@ -39,6 +39,10 @@ and the process exits at once, `io.interrupts`), held only while the commit mark
 An `--overwrite` that fails after step 3 has removed the old export (no
 rename puts it back). No lock: two jobs writing one prefix at once are not detected (the second
 sees the first's staging marker only if it starts after it).
+
+One process only; our store saved under `jax.distributed` goes through its subclass
+`writers.remote_shared.SharedRemoteDestination` (each process uploads its own chunks, process 0
+writes the markers once all agree).
 """
 
 from __future__ import annotations
@@ -69,8 +73,8 @@ class RemoteDestination:
         import uuid
 
         if not primary:
-            raise ConfigError(f"{url}: writing object storage from several processes (jax.distributed) is not "
-                              f"supported: write to a shared local folder, then copy it up")
+            raise ConfigError(f"{url}: a RemoteDestination is one process's: under jax.distributed every "
+                              f"process writes through a writers.remote_shared.SharedRemoteDestination")
         self.url = url
         self.dst = str(url)
         self.overwrite = overwrite

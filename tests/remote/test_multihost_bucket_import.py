@@ -14,13 +14,13 @@ server.
   left (the step's folder is listed as ours) and writes the store whole;
 - an upload failing on process 1 only: one line on both processes naming the URL and process 1,
   exit 2 on both, nothing left under the prefix (each process deleted what it uploaded, process 0
-  the staging marker last).
+  the staging marker last);
+- a compressed import (`--compression zstd`, OCDBT) refused on both before anything is read.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from urllib.parse import unquote
 
 import pytest
@@ -50,10 +50,12 @@ def _puts(requests, bucket: str, prefix: str = "ck") -> list[str]:
 
 
 def test_two_processes_import_into_a_bucket_each_uploading_its_own_chunks(s3, bucket, tmp_path, capsys):
-    """(one pair of processes for two imports: the second, into ck2, has process 1's fourth upload fail)"""
+    """(one pair of processes for three imports: the second, into ck2, has process 1's fourth
+    upload fail; the third, compressed, is refused)"""
     fs, b = bucket
     url = f"s3://{b}/ck"
-    rcs, logs, results, seen, _ = run_pair(tmp_path, s3, lambda pid: [_import(url, "--json"), _import(url + "2")],
+    commands = [_import(url, "--json"), _import(url + "2"), _import(url + "3", "--compression", "zstd")]
+    rcs, logs, results, seen, _ = run_pair(tmp_path, s3, lambda pid: commands,
                                            faults=({}, {"fail_after_uploads": 3, "fail_command": 1}))
     assert rcs == [0, 0], "\n".join(x[-3000:] for x in logs)
     assert [r["results"][0]["rc"] for r in results] == [0, 0], [r["results"][0]["stderr"] for r in results]
@@ -94,6 +96,13 @@ def test_two_processes_import_into_a_bucket_each_uploading_its_own_chunks(s3, bu
     assert len(_puts(seen[1][1], b, "ck2")) == 3  # process 1 did upload before it failed
     assert len(_puts(seen[0][1], b, "ck2")) > 3  # and so did process 0
     assert client(s3).find(f"{b}/ck2") == []
+    # a compressed import (OCDBT: process 0 would merge every process's sub-database from its own
+    # spool) is refused on every process before anything is read or written
+    for p, r in enumerate(results):
+        out = r["results"][2]
+        assert out["rc"] == 2 and out["stderr"].count("\n") == 1, out
+        assert url + "3" in out["stderr"] and "compressed (OCDBT)" in out["stderr"], out["stderr"]
+        assert _puts(seen[p][2], b, "ck3") == []
 
 
 def test_a_process_killed_mid_upload_leaves_no_commit_marker(s3, bucket, tmp_path, capsys):
