@@ -215,8 +215,7 @@ def import_checkpoint(
         from hybridckpt.mesh import MeshShape
         from hybridckpt.store import stream
         from hybridckpt.store.layout import HF_FILES
-        from hybridckpt.store.save import remote_url, save_checkpoint
-        from hybridckpt.writers.destination import Destination
+        from hybridckpt.store.save import preflight, remote_url, save_checkpoint
 
     t0 = time.perf_counter()
     remote_url(dst, compression)  # (a compressed import to a URL under jax.distributed: refused before any read)
@@ -226,8 +225,7 @@ def import_checkpoint(
     with timing.stage("open"):
         opened = open_checkpoint(src, fmt, config=config, rules=rules, step=step, verify_reads=verify_reads,
                                  param_order=param_order)
-    if jax.process_index() == 0:  # before any read: the same checks as the save's
-        Destination(dst, overwrite=overwrite, sources=[opened.path]).preflight()
+    preflight(dst, overwrite=overwrite, sources=[opened.path])  # before any read: the same checks as the save's
     with timing.stage("plan"):
         lt = lazy_targets(opened, mesh=mesh, params_only=params_only, dtype=dtype, strict_sharding=strict_sharding,
                           progress=progress, stream_options=stream_options, compression=compression, direct_io=direct_io)

@@ -113,6 +113,30 @@ def save_checkpoint(
     return dst
 
 
+def preflight(directory: str | os.PathLike, *, overwrite: bool = False, sources: Iterable = ()) -> None:
+    """The destination's checks (`Destination.preflight`: the sources, what is there) before a job
+    reads anything, made by process 0; under `jax.distributed` every process learns the outcome
+    (`store.processes.JaxProcesses.gather`), so a refusal is one line on every process, not one
+    process's error while the others wait for it in the save's collectives."""
+    mine = None
+    if jax.process_index() == 0:
+        try:
+            Destination(directory, overwrite=overwrite, sources=sources).preflight()
+        except HybridCkptError as e:
+            if jax.process_count() == 1:
+                raise
+            mine = e
+    if jax.process_count() == 1:
+        return
+    from hybridckpt.store.processes import JaxProcesses
+
+    first = JaxProcesses().gather(None if mine is None else [str(mine), mine.cli_message])[0]
+    if mine is not None:
+        raise mine
+    if first is not None:
+        raise CheckpointError(f"{first[0][:400]} (checked by process 0)", cli=f"{first[1][:400]} (checked by process 0)")
+
+
 def remote_url(directory: object, compression: str | None = None):
     """The `RemoteUrl` `directory` names (a save to object storage, see `save_checkpoint`), or None;
     under `jax.distributed`, a ConfigError for a compressed import (`compression` other than

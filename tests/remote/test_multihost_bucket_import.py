@@ -15,7 +15,9 @@ server.
 - an upload failing on process 1 only: one line on both processes naming the URL and process 1,
   exit 2 on both, nothing left under the prefix (each process deleted what it uploaded, process 0
   the staging marker last);
-- a compressed import (`--compression zstd`, OCDBT) refused on both before anything is read.
+- a compressed import (`--compression zstd`, OCDBT) refused on both before anything is read;
+- `--overwrite` replaces our own earlier store (refused without it), never a prefix holding an
+  object hybridckpt did not write: refused on both processes.
 """
 
 from __future__ import annotations
@@ -50,17 +52,20 @@ def _puts(requests, bucket: str, prefix: str = "ck") -> list[str]:
 
 
 def test_two_processes_import_into_a_bucket_each_uploading_its_own_chunks(s3, bucket, tmp_path, capsys):
-    """(one pair of processes for three imports: the second, into ck2, has process 1's fourth
-    upload fail; the third, compressed, is refused)"""
+    """(one pair of processes for six imports: the second, into ck2, has process 1's fourth
+    upload fail; the third, compressed, is refused; then ck again: refused, then --overwrite;
+    then --overwrite over a prefix holding a user's object: refused)"""
     fs, b = bucket
     url = f"s3://{b}/ck"
-    commands = [_import(url, "--json"), _import(url + "2"), _import(url + "3", "--compression", "zstd")]
+    fs.pipe_file(f"{b}/mine/notes.txt", b"the user's")
+    commands = [_import(url, "--json"), _import(url + "2"), _import(url + "3", "--compression", "zstd"),
+                _import(url), _import(url, "--overwrite"), _import(f"s3://{b}/mine", "--overwrite")]
     rcs, logs, results, seen, _ = run_pair(tmp_path, s3, lambda pid: commands,
                                            faults=({}, {"fail_after_uploads": 3, "fail_command": 1}))
     assert rcs == [0, 0], "\n".join(x[-3000:] for x in logs)
     assert [r["results"][0]["rc"] for r in results] == [0, 0], [r["results"][0]["stderr"] for r in results]
     assert [json.loads(r["results"][0]["stdout"])["destination"] for r in results] == [url, url]
-    got = download(fs, f"{b}/ck")
+    got = download(fs, f"{b}/ck")  # (the fifth import's, over the first's: the same objects)
     marker = json.loads(got.pop(ownership.MARKER))
     assert markers.STAGING not in got
     assert marker["files"] == sorted(got) and marker["sizes"] == {k: len(v) for k, v in sorted(got.items())}
@@ -95,6 +100,19 @@ def test_two_processes_import_into_a_bucket_each_uploading_its_own_chunks(s3, bu
         assert "nothing committed" in out["stderr"] and "injected" in out["stderr"], out["stderr"]
     assert len(_puts(seen[1][1], b, "ck2")) == 3  # process 1 did upload before it failed
     assert len(_puts(seen[0][1], b, "ck2")) > 3  # and so did process 0
+    # our own store in the bucket: refused without --overwrite on both processes, replaced with it
+    # (process 1 again uploading only its own writers' chunks); a prefix holding a user's object
+    # refused on both, even with --overwrite, the object untouched
+    for p, r in enumerate(results):
+        again, over, mine = r["results"][3], r["results"][4], r["results"][5]
+        assert again["rc"] == 2 and again["stderr"].count("\n") == 1, again
+        assert url in again["stderr"] and "holds an export" in again["stderr"] and "--overwrite" in again["stderr"]
+        assert _puts(seen[p][3], b) == []
+        assert over["rc"] == 0, over["stderr"]
+        assert mine["rc"] == 2 and mine["stderr"].count("\n") == 1, mine
+        assert "not written by hybridckpt" in mine["stderr"] and "notes.txt" in mine["stderr"], mine["stderr"]
+    assert set(_puts(seen[1][4], b)) - set(results[1]["results"][4]["closed"]) == records
+    assert download(fs, f"{b}/mine") == {"notes.txt": b"the user's"}
     assert client(s3).find(f"{b}/ck2") == []
     # a compressed import (OCDBT: process 0 would merge every process's sub-database from its own
     # spool) is refused on every process before anything is read or written
