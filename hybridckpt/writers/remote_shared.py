@@ -195,7 +195,7 @@ class SharedRemoteDestination(RemoteDestination):
                 pass  # (it stays: the next import with --overwrite removes what it lists)
         self._agreed = True
         first = failed[0]
-        if self.group.index == first and self._error is not None:
+        if self._error is not None:  # (a process that failed says why; the others name the first that did)
             raise CheckpointError(self._error)
         raise CheckpointError(f"{self.dst}: nothing committed: process {first} failed "
                               f"({str(reports[first]['error'])[:300]})")
