@@ -215,19 +215,17 @@ def import_checkpoint(
         from hybridckpt.mesh import MeshShape
         from hybridckpt.store import stream
         from hybridckpt.store.layout import HF_FILES
-        from hybridckpt.store.save import remote_url, save_checkpoint
-        from hybridckpt.writers.destination import Destination
+        from hybridckpt.store.save import preflight, remote_url, save_checkpoint
 
     t0 = time.perf_counter()
-    remote_url(dst)  # (a URL under jax.distributed: refused before anything is read)
+    remote_url(dst, compression)  # (a compressed import to a URL under jax.distributed: refused before any read)
     asked = ranged.totals()  # a source in a bucket: what this job asks of each host
     if io_threads is not None:
         parallel.set_io_threads(io_threads)
     with timing.stage("open"):
         opened = open_checkpoint(src, fmt, config=config, rules=rules, step=step, verify_reads=verify_reads,
                                  param_order=param_order)
-    if jax.process_index() == 0:  # before any read: the same checks as the save's
-        Destination(dst, overwrite=overwrite, sources=[opened.path]).preflight()
+    preflight(dst, overwrite=overwrite, sources=[opened.path])  # before any read: the same checks as the save's
     with timing.stage("plan"):
         lt = lazy_targets(opened, mesh=mesh, params_only=params_only, dtype=dtype, strict_sharding=strict_sharding,
                           progress=progress, stream_options=stream_options, compression=compression, direct_io=direct_io)

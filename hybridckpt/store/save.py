@@ -63,21 +63,32 @@ def save_checkpoint(
     spool holds the chunks in flight, not the step; the OCDBT databases of compressed LazyLeafs are
     written by TensorStore to the bucket itself, `io.remote.ts_writes`); the metadata files at the commit; the commit marker last
     (readers require it); a failure deletes what was uploaded; `overwrite` replaces only a prefix
-    hybridckpt wrote. One process only (not under `jax.distributed`). Returns the URL.
+    hybridckpt wrote. Under `jax.distributed` each process spools and uploads the chunks it
+    writes itself, process 0 writes the markers once every process agrees
+    (`writers.remote_shared`); raw chunks only there (a compressed, OCDBT save is refused). Returns
+    the URL.
     """
     url = remote_url(directory)
     dst = str(url) if url is not None else Path(given(directory, "the destination")).absolute()
     multi = jax.process_count() > 1
     primary = jax.process_index() == 0
     token = _shared_token() if multi else uuid.uuid4().hex[:8]
-    dest = Destination(dst, overwrite=overwrite, sources=sources, primary=primary, token=token)
+    if url is not None and multi:
+        _refuse_tensorstore_chunks(url, params, opt_state)
+        from hybridckpt.store.processes import JaxProcesses
+        from hybridckpt.writers.remote_shared import SharedRemoteDestination
+
+        dest = SharedRemoteDestination(url, overwrite=overwrite, sources=sources, token=token, group=JaxProcesses(),
+                                       tree=f"{step}/")
+    else:
+        dest = Destination(dst, overwrite=overwrite, sources=sources, primary=primary, token=token)
     try:
         with dest as tmp_name:
             tmp = Path(tmp_name)
             _barrier(f"hybridckpt-save-start-{token}")
             # Orbax's records and commit: the moments of the save no worker's stage covers (`io.timing`)
             with timing.stage("metadata", fallback=True), CheckpointStore(tmp, async_save=False) as store, \
-                    _no_cyclic_gc():
+                    _no_cyclic_gc(), _spooled_apart(url is not None and multi):
                 store.save(step, params, opt_state, trainer_state, force=True)
             with timing.stage("checksum"):  # the tables of the chunks' CRC-32s (gathered across processes)
                 extra = dict(trainer_state_after()) if trainer_state_after is not None else {}
@@ -89,7 +100,7 @@ def save_checkpoint(
             if primary and extra:
                 with timing.stage("metadata"):
                     _add_to_trainer_state(tmp / str(step), extra)
-            if multi:
+            if multi and url is None:  # (a bucket's processes agree in its commit: `writers.remote_shared`)
                 _agree_sources_unchanged(dst)
             _barrier(f"hybridckpt-save-done-{token}")
             dest.commit()
@@ -102,16 +113,73 @@ def save_checkpoint(
     return dst
 
 
-def remote_url(directory: object):
+def preflight(directory: str | os.PathLike, *, overwrite: bool = False, sources: Iterable = ()) -> None:
+    """The destination's checks (`Destination.preflight`: the sources, what is there) before a job
+    reads anything, made by process 0; under `jax.distributed` every process learns the outcome
+    (`store.processes.JaxProcesses.gather`), so a refusal is one line on every process, not one
+    process's error while the others wait for it in the save's collectives."""
+    mine = None
+    if jax.process_index() == 0:
+        try:
+            Destination(directory, overwrite=overwrite, sources=sources).preflight()
+        except HybridCkptError as e:
+            if jax.process_count() == 1:
+                raise
+            mine = e
+    if jax.process_count() == 1:
+        return
+    from hybridckpt.store.processes import JaxProcesses
+
+    first = JaxProcesses().gather(None if mine is None else [str(mine), mine.cli_message])[0]
+    if mine is not None:
+        raise mine
+    if first is not None:
+        raise CheckpointError(f"{first[0][:400]} (checked by process 0)", cli=f"{first[1][:400]} (checked by process 0)")
+
+
+def remote_url(directory: object, compression: str | None = None):
     """The `RemoteUrl` `directory` names (a save to object storage, see `save_checkpoint`), or None;
-    a ConfigError under `jax.distributed` (the spool is one process's), before anything is read."""
+    under `jax.distributed`, a ConfigError for a compressed import (`compression` other than
+    "none"), before anything is read: see `_refuse_tensorstore_chunks`."""
+    from hybridckpt.containers.orbax.codec import parse_compression
     from hybridckpt.io.remote.urls import parse
 
     url = parse(directory)
-    if url is not None and jax.process_count() > 1:
-        raise ConfigError(f"{url}: writing our checkpoint store to object storage from several processes "
-                          f"(jax.distributed) is not supported: write to a shared local folder, then copy it up")
+    if url is not None and jax.process_count() > 1 and compression is not None \
+            and parse_compression(compression)[0] != "none":
+        raise _several_ocdbt(url)
     return url
+
+
+def _refuse_tensorstore_chunks(url: object, params: Any, opt_state: Any) -> None:
+    """A ConfigError unless every array of the save is a raw `LazyLeaf` (an import's default): a
+    compressed save goes into OCDBT sub-databases, one per process, which Orbax's process 0 merges
+    from its own folder: from several processes' spools it cannot (`writers.remote_shared`)."""
+    from hybridckpt.store.stream_orbax import _all_raw_lazy
+
+    if not all(_all_raw_lazy(tree) for tree in (params, opt_state) if tree is not None):
+        raise _several_ocdbt(url)
+
+
+def _several_ocdbt(url: object) -> ConfigError:
+    return ConfigError(f"{url}: a compressed (OCDBT) store written to object storage from several processes "
+                       f"(jax.distributed) is not supported: import with --compression none, or to a shared "
+                       f"local folder")
+
+
+@contextlib.contextmanager
+def _spooled_apart(apart: bool) -> Iterator[None]:
+    """While `apart`, each process saves into a spool of its own (`stream_orbax.SPOOLED_APART`)."""
+    from hybridckpt.store.stream_orbax import SPOOLED_APART
+
+    if not apart:
+        yield
+        return
+    SPOOLED_APART.set()
+    try:
+        yield
+    finally:
+        SPOOLED_APART.clear()
 
 
 @contextlib.contextmanager

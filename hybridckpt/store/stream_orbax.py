@@ -37,6 +37,7 @@ import tensorstore as ts
 
 # The two Orbax internals still used (tests/store/test_orbax_private.py pins them; orbax-checkpoint 0.12):
 # _async_serialize_shardings: writes the item's `_sharding` record exactly as Orbax's own ArrayHandler does
+from orbax.checkpoint._src.metadata import array_metadata_store
 from orbax.checkpoint._src.serialization import jax_array_handlers
 
 # build_array_write_spec: the zarr spec and ArrayMetadata (chunk shape from SaveArgs) Orbax's save records
@@ -85,6 +86,11 @@ class LazyArrayHandler(ocp.type_handlers.ArrayHandler):
             raise
         await group.leave()
         if self._array_metadata_store is not None:
+            # (its folder made here too: Orbax's other processes wait for process 0 to make it, which
+            # a process spooling apart for a bucket never sees: `writers.remote_shared`)
+            store = self._array_metadata_store
+            folder = store._path_resolver.get_write_file_path(infos[0].parent_dir, jax.process_index()).parent  # noqa: SLF001
+            os.makedirs(folder, exist_ok=True)
             await self._array_metadata_store.write(
                 checkpoint_dir=infos[0].parent_dir,
                 array_metadatas=[s.metadata for s in specs],
@@ -352,6 +358,19 @@ def _registry() -> _Registry:
     return _Registry(LazyArrayHandler(array_metadata_store=store))
 
 
+SPOOLED_APART = threading.Event()  # set while each process saves into a folder of its own (`writers.remote_shared`)
+
+
+class _Validator(array_metadata_store.Validator):
+    """Orbax's finalize check that every process recorded the same arrays (process 0 reads the
+    `array_metadatas/process_<i>` records of all), skipped while `SPOOLED_APART`: each process's
+    record is then in its own folder, which that process uploads; process 0 sees only its own."""
+
+    def validate_all_array_metadatas(self, array_metadatas) -> None:
+        if not SPOOLED_APART.is_set():
+            super().validate_all_array_metadatas(array_metadatas)
+
+
 class StreamingCheckpointHandler(ocp.StandardCheckpointHandler):
     """`StandardCheckpointHandler` that also saves `LazyLeaf` leaves (restores are unchanged,
     and its type string is the standard one, so `_CHECKPOINT_METADATA` is identical).
@@ -368,6 +387,7 @@ class StreamingCheckpointHandler(ocp.StandardCheckpointHandler):
         self._by_ocdbt = {
             use: ocp.PyTreeCheckpointHandler(
                 save_concurrent_gb=96, restore_concurrent_gb=96, use_ocdbt=use, type_handler_registry=registry,
+                array_metadata_validator=_Validator(),
             )
             for use in (True, False)
         }

@@ -42,6 +42,10 @@ and the process exits at once, `io.interrupts`), held only while the commit mark
 An `--overwrite` that fails after step 3 has removed the old export (no
 rename puts it back). No lock: two jobs writing one prefix at once are not detected (the second
 sees the first's staging marker only if it starts after it).
+
+One process only; our store saved under `jax.distributed` goes through its subclass
+`writers.remote_shared.SharedRemoteDestination` (each process uploads its own chunks, process 0
+writes the markers once all agree).
 """
 
 from __future__ import annotations
@@ -72,8 +76,8 @@ class RemoteDestination:
         import uuid
 
         if not primary:
-            raise ConfigError(f"{url}: writing object storage from several processes (jax.distributed) is not "
-                              f"supported: write to a shared local folder, then copy it up")
+            raise ConfigError(f"{url}: a RemoteDestination is one process's: under jax.distributed every "
+                              f"process writes through a writers.remote_shared.SharedRemoteDestination")
         self.url = url
         self.dst = str(url)
         self.overwrite = overwrite
@@ -213,11 +217,7 @@ class RemoteDestination:
             if not self._begun:
                 self._begin()
             if name not in self._planned:
-                folder = name.rsplit("/", 1)[0] + "/" if name in self._early else None
-                self._planned.add(name)
-                if folder is None or folder not in self._folders:  # (a chunk's folder: listed once)
-                    self._folders.update([folder] if folder else [])
-                    self._put(markers.STAGING, self._staging())
+                self._plan(name)
                 self._written.append(name)
             self._inflight += 1
         try:
@@ -229,6 +229,14 @@ class RemoteDestination:
         with self._lock:
             self._sizes[name] = size
         os.remove(local)
+
+    def _plan(self, name: str) -> None:
+        """List the object `name` in the staging marker before it goes up (under the lock)."""
+        folder = name.rsplit("/", 1)[0] + "/" if name in self._early else None
+        self._planned.add(name)
+        if folder is None or folder not in self._folders:  # (a chunk's folder: listed once)
+            self._folders.update([folder] if folder else [])
+            self._put(markers.STAGING, self._staging())
 
     def _begin(self) -> None:
         """Check the prefix again, write the staging marker, remove the old export of ours."""
@@ -291,7 +299,17 @@ class RemoteDestination:
         could not be deleted, so what is left is still recognisable as ours."""
         if not self._begun:
             return
-        with self._lock:  # uploads still running in other threads first: none lands after the cleaning
+        if not self._delete_written():
+            try:
+                self.fs.rm_file(self.url.child(markers.STAGING).path)
+                self.committed = True  # (an interrupt held meanwhile is raised after: nothing to clean)
+            except Exception:
+                pass
+
+    def _delete_written(self) -> bool:
+        """Delete the objects this job wrote (best effort), once the uploads running in other
+        threads have ended (none lands after the cleaning); whether one could not be deleted."""
+        with self._lock:
             while self._inflight:
                 self._idle.wait()
         left = False
@@ -306,12 +324,7 @@ class RemoteDestination:
                 pass
             except Exception:
                 left = True
-        if not left:
-            try:
-                self.fs.rm_file(self.url.child(markers.STAGING).path)
-                self.committed = True  # (an interrupt held meanwhile is raised after: nothing to clean)
-            except Exception:
-                pass
+        return left
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if self._closed in sequential_file.CLOSED:

@@ -90,3 +90,19 @@ def test_a_staging_marker_lists_chunk_folders_and_nothing_more(fs, folders, fore
     staging["folders"] = folders
     fs.pipe_file(f"{fs.bucket}/cut/{markers.STAGING}", json.dumps(staging).encode())
     assert markers.list_prefix(fs, urls.parse(f"s3://{fs.bucket}/cut")).foreign() == foreign
+
+
+@pytest.mark.parametrize("trees,foreign", [
+    (["arr/"], ["other/0"]),  # every object below a listed tree, at any depth (a multi-process import's step)
+    (["ar"], ["arr/0.0", "arr/1.0", "arr/sub/0", "other/0"]),  # not a folder name: nothing listed
+    (["/"], ["arr/0.0", "arr/1.0", "arr/sub/0", "other/0"]),  # not a folder of the prefix
+    ([""], ["arr/0.0", "arr/1.0", "arr/sub/0", "other/0"]),
+    ("arr/", ["arr/0.0", "arr/1.0", "arr/sub/0", "other/0"]),  # not a list
+])
+def test_a_staging_marker_lists_trees_and_nothing_more(fs, trees, foreign):
+    for name in ("arr/0.0", "arr/1.0", "arr/sub/0", "other/0"):
+        fs.pipe_file(f"{fs.bucket}/tree/{name}", b"x")
+    staging = json.loads(markers.body([], job={"id": "j3"}))
+    staging["trees"] = trees
+    fs.pipe_file(f"{fs.bucket}/tree/{markers.STAGING}", json.dumps(staging).encode())
+    assert markers.list_prefix(fs, urls.parse(f"s3://{fs.bucket}/tree")).foreign() == foreign

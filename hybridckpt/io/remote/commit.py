@@ -6,7 +6,10 @@ prefix and made visible by a commit marker written LAST; what readers and `--ove
 - `STAGING` (`<prefix>/.hybridckpt-staging`), written FIRST, before any other object: the job
   (`job`, `pid`, `host`, `since`) and `files`, every object (relative, "/"-separated) the job is
   about to write or remove, and `folders` ("a/b/"), folders whose objects (directly in them) it
-  writes one by one as they come (an import's chunk files: one rewrite per array, not per chunk).
+  writes one by one as they come (an import's chunk files: one rewrite per array, not per chunk),
+  and `trees` ("12/"), folders every object below which (at any depth) it may write: an import
+  from several processes (`writers.remote_shared`), whose other processes' chunks the one
+  process writing the marker does not see, lists the step's folder so.
   While it is there the prefix is an unfinished export of ours: readers refuse it
   (`check_complete`), `--overwrite` may remove exactly the objects it lists.
 - `MARKER` (`<prefix>/.hybridckpt-export`, the same name and `files` list as a local export's
@@ -44,6 +47,7 @@ class Listing:
     has_marker_object: bool = False
     has_staging_object: bool = False
     staging_folders: frozenset[str] = frozenset()  # ("a/b/": the objects directly in it are listed)
+    staging_trees: frozenset[str] = frozenset()  # ("a/": every object below it, at any depth, is listed)
 
     @property
     def empty(self) -> bool:
@@ -63,7 +67,8 @@ class Listing:
         return sorted(n for n in self.objects if n not in listed and not self._in_folder(n))
 
     def _in_folder(self, name: str) -> bool:
-        return "/" in name and name.rsplit("/", 1)[0] + "/" in self.staging_folders
+        return "/" in name and (name.rsplit("/", 1)[0] + "/" in self.staging_folders
+                                or any(name.startswith(t) for t in self.staging_trees))
 
 
 def list_prefix(fs, url: RemoteUrl) -> Listing:
@@ -90,7 +95,8 @@ def list_prefix(fs, url: RemoteUrl) -> Listing:
     return Listing(objects, None if marker is None else frozenset(marker["files"]),
                    None if staging is None else frozenset(staging["files"]),
                    _job(staging) if staging is not None else "", has_marker, has_staging,
-                   _folders(staging) if staging is not None else frozenset())
+                   _folders(staging) if staging is not None else frozenset(),
+                   _folders(staging, "trees") if staging is not None else frozenset())
 
 
 def check_complete(fs, url: RemoteUrl) -> None:
@@ -126,9 +132,9 @@ def require_committed(fs, url: RemoteUrl) -> None:
         f"to the bucket again, or download it and read the local copy)")
 
 
-def body(files, *, sizes: dict[str, int] | None = None, job: dict | None = None, folders=()) -> bytes:
-    """The JSON of a marker: `files` (sorted), with `sizes` (the commit marker) or `job` and
-    `folders` (staging)."""
+def body(files, *, sizes: dict[str, int] | None = None, job: dict | None = None, folders=(), trees=()) -> bytes:
+    """The JSON of a marker: `files` (sorted), with `sizes` (the commit marker) or `job`,
+    `folders` and `trees` (staging)."""
     from importlib import metadata
 
     try:
@@ -142,6 +148,8 @@ def body(files, *, sizes: dict[str, int] | None = None, job: dict | None = None,
         out["job"] = job
     if folders:
         out["folders"] = sorted(folders)
+    if trees:
+        out["trees"] = sorted(trees)
     return (json.dumps(out, indent=0) + "\n").encode()
 
 
@@ -161,9 +169,10 @@ def _read(fs, url: RemoteUrl, size: int | None) -> dict | None:
     return parsed
 
 
-def _folders(staging: dict) -> frozenset[str]:
-    """The staging marker's `folders` ("a/b/" each), nothing when it is not a list of such strings."""
-    folders = staging.get("folders")
+def _folders(staging: dict, key: str = "folders") -> frozenset[str]:
+    """The staging marker's `folders` (or `trees`: "a/b/" each), nothing when it is not a list of
+    such strings."""
+    folders = staging.get(key)
     if not isinstance(folders, list) or not all(isinstance(x, str) and x.endswith("/") and len(x) > 1
                                                  for x in folders):
         return frozenset()
