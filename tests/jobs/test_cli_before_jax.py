@@ -6,7 +6,8 @@ Each case runs the command as a user does (`python -m hybridckpt.cli`, a subproc
 (JAX, Orbax, Flax, TensorStore, torch) must not be among them, and the one-line error and exit
 code must be what they were. An `import` with a mistyped mesh or codec, of a source that does
 not exist, and `logits` of a source that does not exist loaded JAX before; `--help`, argparse's
-usage errors, `inspect` and torch-side exports never did (kept here so they stay that way).
+usage errors, `inspect` of another format, `verify` of a store's checksums and exports never
+did (kept here so they stay that way); `inspect` of one of our stores did.
 """
 
 from __future__ import annotations
@@ -76,3 +77,22 @@ def test_an_import_that_runs_still_loads_jax_and_says_its_devices(tmp_path):
     assert {"jax", "orbax"} <= imported
     assert "at step 12 on mesh dp=1,fsdp=1,tp=1,pp=1 (1 of " in out, out
     assert os.listdir(tmp_path) == ["ck"]
+
+
+def test_our_store_is_inspected_verified_and_exported_without_jax(tmp_path):
+    """`inspect` of one of our stores loaded JAX and Orbax (for a step list its folder names
+    already gave); `verify` of its checksums and `export` of it never did."""
+    from hybridckpt import jobs
+
+    jobs.import_checkpoint(sample_path(), str(tmp_path / "ck"))  # (in this process: JAX is loaded here)
+    rc, out, err, imported = launch("inspect", "ck", cwd=tmp_path)
+    assert rc == 0 and err == "" and "format:    orbax" in out and "step:      12" in out, (out, err)
+    assert "tensors:   12 (" in out, out
+    assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
+    rc, out, err, imported = launch("verify", "ck", cwd=tmp_path)
+    assert rc == 0 and "37/37 arrays match their import checksums" in out, (out, err)
+    assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
+    rc, out, err, imported = launch("export", "ck", "out", "--quiet", cwd=tmp_path)
+    assert rc == 0 and out.startswith("exported orbax checkpoint to "), (out, err)
+    assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
+    assert sorted(os.listdir(tmp_path)) == ["ck", "out"]
