@@ -40,8 +40,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hybridckpt.errors import MeshError, short_repr
-
-MESH_AXES = ("dp", "fsdp", "tp", "pp")
+from hybridckpt.mesh_shape import AXIS_RULES_ENV, MESH_AXES, MeshShape  # noqa: F401 - (re-exported)
 
 # logical axis name -> mesh axis (or tuple of axes); names not listed are replicated
 DEFAULT_RULES: Mapping[str, str | tuple[str, ...] | None] = {
@@ -54,8 +53,6 @@ DEFAULT_RULES: Mapping[str, str | tuple[str, ...] | None] = {
     "layers": "pp",
     "experts": "dp",  # expert parallelism is carved out of data parallelism (module docstring)
 }
-AXIS_RULES_ENV = "HYBRIDCKPT_AXIS_RULES"
-
 
 def axis_rules(overrides: Mapping[str, str | tuple[str, ...] | None] | str | None = None) -> dict:
     """DEFAULT_RULES with overrides: a mapping, or text `experts=fsdp,mlp=none,embed=dp+fsdp`;
@@ -78,57 +75,6 @@ def axis_rules(overrides: Mapping[str, str | tuple[str, ...] | None] | str | Non
         overrides = parsed
     rules.update(overrides)
     return rules
-
-
-@dataclass(frozen=True)
-class MeshShape:
-    """Sizes of the four mesh axes; their product is the device count."""
-
-    dp: int = 1
-    fsdp: int = 1
-    tp: int = 1
-    pp: int = 1
-
-    @property
-    def size(self) -> int:
-        return self.dp * self.fsdp * self.tp * self.pp
-
-    def as_dict(self) -> dict[str, int]:
-        return {"dp": self.dp, "fsdp": self.fsdp, "tp": self.tp, "pp": self.pp}
-
-    def __str__(self) -> str:
-        return ",".join(f"{k}={v}" for k, v in self.as_dict().items())
-
-    @classmethod
-    def parse(cls, text: str) -> MeshShape:
-        """Parse `dp=1,fsdp=2,tp=2,pp=2` (missing axes are 1); each axis at most once, sizes
-        positive integers."""
-        sizes: dict[str, int] = {}
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            key, eq, value = (x.strip() for x in part.partition("="))
-            if not eq or not key:
-                raise MeshError(
-                    f"bad mesh {text!r}: {part!r} is not axis=size; expected comma-separated "
-                    f"axis=size with axes {', '.join(MESH_AXES)}"
-                )
-            if key not in MESH_AXES:
-                hint = (" (expert parallelism is not an axis of its own: experts are sharded over dp, "
-                        f"or as ${AXIS_RULES_ENV} says, e.g. experts=fsdp)") if key in ("ep", "expert", "experts") else ""
-                raise MeshError(f"bad mesh {text!r}: unknown axis {key!r}; the axes are {', '.join(MESH_AXES)}{hint}")
-            if key in sizes:
-                raise MeshError(f"bad mesh {text!r}: axis {key} is given twice")
-            try:
-                size = int(value)
-            except ValueError:
-                raise MeshError(f"bad mesh {text!r}: {key}={value!r} is not an integer size") from None
-            if size < 1:
-                raise MeshError(f"bad mesh {text!r}: sizes must be positive, found {key}={size}")
-            sizes[key] = size
-        return cls(**sizes)
-
-    @classmethod
-    def of(cls, mesh: Mesh) -> MeshShape:
-        return cls(**{k: int(mesh.shape[k]) for k in MESH_AXES if k in mesh.shape})
 
 
 def make_mesh(

@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("hybridckpt.lazy", "hybridckpt.values"),  # the lazy tensor protocol, every generic view, the reader pool; values read from files, type-checked
     ("hybridckpt.containers",),  # file containers: restricted pickles, safetensors, DCP metadata, Orbax's files
     ("hybridckpt.rules", "hybridckpt.optim", "hybridckpt.checksum", "hybridckpt.source_checkpoint"),
-    ("hybridckpt.naming", "hybridckpt.mesh", "hybridckpt.plan", "hybridckpt.place"),
+    ("hybridckpt.naming", "hybridckpt.mesh", "hybridckpt.mesh_shape", "hybridckpt.plan", "hybridckpt.place"),
     ("hybridckpt.writers",),  # what a writer is asked, and the one destination helper
     ("hybridckpt.store",),  # our Orbax checkpoints: the store, the streaming save
     ("hybridckpt.formats",),  # every format, ours included: its reader, its writer, the one registry

@@ -225,6 +225,14 @@ def _config_json(saved: Any) -> Any:
         return saved
 
 
+def _steps_by_orbax(root: str) -> list[int]:
+    """The steps Orbax's manager finds, where the folder names alone did not say (loads JAX and
+    Orbax, which `inspect` of a store otherwise never does)."""
+    from hybridckpt.store.orbax_io import list_steps
+
+    return list_steps(root)
+
+
 def describe(path: str, step: int | None = None) -> dict:
     """What `inspect` shows of our checkpoint (`jobs.inspect.SCHEMA`): steps, config, mesh, the
     optimizer by its slots, the carried files, and the arrays as stored (Flax tree names, one
@@ -232,7 +240,6 @@ def describe(path: str, step: int | None = None) -> dict:
     from hybridckpt import optim
     from hybridckpt.containers.orbax.keys import NAMES_KEY, original_names
     from hybridckpt.containers.orbax.reader import item_arrays
-    from hybridckpt.store.orbax_io import list_steps
 
     root, step, state = resolve(path, step)
     step_dir = os.path.join(root, str(step))
@@ -258,7 +265,7 @@ def describe(path: str, step: int | None = None) -> dict:
         "format": NAME,
         "path": path,
         "step": step,
-        "steps": _steps_on_disk(root) or list_steps(root),  # (names only: no other step's files read)
+        "steps": _steps_on_disk(root) or _steps_by_orbax(root),  # (names only: no other step's files read)
         "topology": state.get("mesh", {}),
         "config": _config_json(state.get("model_config")),
         "needs_config": False,

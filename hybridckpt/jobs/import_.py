@@ -15,6 +15,7 @@ in `"checksum_algorithm"`.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -206,26 +207,41 @@ def import_checkpoint(
     profile: also account for the time (`ImportSummary.profile`: seconds, bytes and calls per stage
       and per worker, `io.timing.Profile`); off by default (nothing recorded).
     """
-    with timing.stage("start"):  # the modules a first job loads (JAX, Orbax, TensorStore)
-        import jax
-
-        from hybridckpt import models
-        from hybridckpt.jobs.open import open_checkpoint
-        from hybridckpt.lazy import parallel
-        from hybridckpt.mesh import MeshShape
-        from hybridckpt.store import stream
-        from hybridckpt.store.layout import HF_FILES
-        from hybridckpt.store.save import preflight, remote_url, save_checkpoint
+    from hybridckpt.io.remote.urls import parse as parse_url
+    from hybridckpt.jobs.open import open_checkpoint
+    from hybridckpt.lazy import parallel
+    from hybridckpt.writers.destination import Destination
 
     t0 = time.perf_counter()
-    remote_url(dst, compression)  # (a compressed import to a URL under jax.distributed: refused before any read)
+    if parse_url(dst) is not None:  # (a compressed import to a URL under jax.distributed: refused before any read)
+        from hybridckpt.store.save import remote_url
+
+        remote_url(dst, compression)
     asked = ranged.totals()  # a source in a bucket: what this job asks of each host
     if io_threads is not None:
         parallel.set_io_threads(io_threads)
     with timing.stage("open"):
         opened = open_checkpoint(src, fmt, config=config, rules=rules, step=step, verify_reads=verify_reads,
                                  param_order=param_order)
-    preflight(dst, overwrite=overwrite, sources=[opened.path])  # before any read: the same checks as the save's
+    if "jax" not in sys.modules:  # before any read: the same checks as the save's (one process: JAX not loaded)
+        Destination(dst, overwrite=overwrite, sources=[opened.path]).preflight()
+    else:  # (JAX loaded, maybe jax.distributed: process 0 checks, every process learns the outcome)
+        from hybridckpt.store.save import preflight
+
+        preflight(dst, overwrite=overwrite, sources=[opened.path])
+    _check_arguments(mesh, compression)
+    # JAX (and Orbax, TensorStore) only now: a source, destination, mesh or codec refused above is
+    # said without loading them (the CLI's usage errors end in a fraction of JAX's import time)
+    loading = time.perf_counter()
+    with timing.stage("start"):  # the modules a first job loads (JAX, Orbax, TensorStore)
+        import jax
+
+        from hybridckpt import models
+        from hybridckpt.mesh import MeshShape
+        from hybridckpt.store import stream
+        from hybridckpt.store.layout import HF_FILES
+        from hybridckpt.store.save import save_checkpoint
+    t0 += time.perf_counter() - loading  # (not the job's own time: its summary's seconds leave it out, as before)
     with timing.stage("plan"):
         lt = lazy_targets(opened, mesh=mesh, params_only=params_only, dtype=dtype, strict_sharding=strict_sharding,
                           progress=progress, stream_options=stream_options, compression=compression, direct_io=direct_io)
@@ -290,6 +306,18 @@ def import_checkpoint(
         sum(1 for k in leaves if k.startswith("params.")), len(opened.named.params),
         source=opened.path, requests=ranged.since(asked),
     )
+
+
+def _check_arguments(mesh: Any, compression: str | None) -> None:
+    """The import's arguments that are refused without JAX (`lazy_targets` checks them again, as
+    it must for `jobs.plan_report`): a mesh given as text (`MeshShape.parse`) and the codec."""
+    from hybridckpt.containers.orbax.codec import parse_compression
+    from hybridckpt.mesh_shape import MeshShape
+
+    if isinstance(mesh, str):
+        MeshShape.parse(mesh)
+    if compression is not None:
+        parse_compression(compression)
 
 
 def _recorded_hyper(opened: Any, leaves: dict, escaped: dict[str, str]) -> tuple[dict, tuple[str, ...]]:

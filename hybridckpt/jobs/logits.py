@@ -30,17 +30,19 @@ def logits(
 ) -> np.ndarray:
     """The model's logits `[batch, seq, vocab]` (fp32) for int `tokens` `[seq]` or `[batch, seq]`
     (`verify_reads`: a hybridckpt source's chunks checked against their import's CRC-32s)."""
-    import jax
-    import jax.numpy as jnp
-
-    from hybridckpt import models, naming, plan
+    from hybridckpt import models, naming
     from hybridckpt.jobs.import_ import cast_named
     from hybridckpt.jobs.open import open_checkpoint, require_config
-    from hybridckpt.mesh import as_mesh
-    from hybridckpt.place import assemble
 
     opened = open_checkpoint(src, fmt, config=config, step=step, verify_reads=verify_reads, param_order=param_order)
     cfg = require_config(opened, "logits")
+    import jax  # (only now: a source that cannot be opened is said without loading JAX)
+    import jax.numpy as jnp
+
+    from hybridckpt import plan
+    from hybridckpt.mesh import as_mesh
+    from hybridckpt.place import assemble
+
     toks = np.asarray(tokens, dtype=np.int32)
     if toks.ndim == 1:
         toks = toks[None]
