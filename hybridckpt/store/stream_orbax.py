@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import os
 import threading
@@ -42,10 +43,12 @@ from orbax.checkpoint._src.serialization import jax_array_handlers
 # build_array_write_spec: the zarr spec and ArrayMetadata (chunk shape from SaveArgs) Orbax's save records
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
+from hybridckpt import checksum
 from hybridckpt.containers.orbax import chunk_files
 from hybridckpt.containers.orbax.codec import apply_codec, parse_compression
 from hybridckpt.io import timing
-from hybridckpt.io.writeback import fsync_folder
+from hybridckpt.io.aligned_pool import AlignedPool
+from hybridckpt.io.writeback import FilesystemSync, fsync_folder
 from hybridckpt.lazy import Box, box_shape, parallel
 from hybridckpt.store import stream
 from hybridckpt.store.stream import LazyLeaf, StreamOptions, opts_of
@@ -57,9 +60,21 @@ def _all_raw_lazy(tree: Any) -> bool:
     return bool(lazy) and all(parse_compression((x.options or StreamOptions()).compression)[0] == "none" for x in lazy)
 
 
-def _copy_tile(leaf: LazyLeaf, box: Box, target: chunk_files.ChunkFiles) -> None:
-    """One tile read (`stream.read_tile`) and written to its chunk files (runs in a reader thread)."""
-    chunk_files.write_tile(target, box, stream.read_tile(leaf, box, target.chunk))
+def _copy_tile(leaf: LazyLeaf, box: Box, target: chunk_files.ChunkFiles, buffers: AlignedPool) -> None:
+    """One tile read (`stream.read_tile`) into a buffer lent by the save's pool (`io.aligned_pool`:
+    the next tile reuses it) and written to its chunk files, each chunk checksummed as it is
+    written (`chunk_files.write_tile`'s `on_chunk`: a strip cut out of the tile is copied once,
+    not twice). Runs in a reader thread."""
+    crcs: list[tuple[int, int]] = []
+
+    def checksummed(sub: Box, elements: np.ndarray) -> None:
+        with timing.stage("checksum", elements.nbytes):
+            crcs.append((checksum.grid_index(leaf.shape, target.chunk, sub), checksum.crc32_of(elements)))
+
+    with buffers.lend(box_shape(box), leaf.dtype) as buf:
+        stream.read_tile(leaf, box, target.chunk, buf, False)
+        chunk_files.write_tile(target, box, buf, checksummed)
+    leaf.add_crcs(crcs)
 
 
 class LazyArrayHandler(ocp.type_handlers.ArrayHandler):
@@ -115,6 +130,9 @@ class LazyArrayHandler(ocp.type_handlers.ArrayHandler):
         for target in targets:
             if target is not None:
                 os.makedirs(target.folder, exist_ok=True)  # (another process may write first)
+        batched = _filesystem_sync(targets) if opts.batched_sync else None
+        if batched is not None:  # one syncfs for the item's chunk files, after the last (see below)
+            targets = [None if t is None else dataclasses.replace(t, sync=False) for t in targets]
         creating = _create_arrays(specs, infos) if primary else _nothing()
         stores: list = [None] * len(specs)
         if not raw:  # TensorStore writes the chunks: each array opened once it exists
@@ -134,12 +152,19 @@ class LazyArrayHandler(ocp.type_handlers.ArrayHandler):
                 ]
             )
             await small.commit()
-            for target in targets:  # the chunk files' names, before Orbax commits the item
-                if target is not None:
-                    fsync_folder(target.folder)
+            # before Orbax commits the item: every chunk file durable, its bytes, inode and name
+            if batched is not None:
+                batched.sync()  # one syncfs: every file written since it was opened (`io.writeback`)
+            else:
+                for target in targets:  # each file fsync'd as written; their names here
+                    if target is not None:
+                        fsync_folder(target.folder)
         except BaseException:
             small.abort()
             raise
+        finally:
+            if batched is not None:
+                batched.close()
         return specs
 
     async def _write_leaf(
@@ -167,7 +192,7 @@ class LazyArrayHandler(ocp.type_handlers.ArrayHandler):
                 if failed:  # another tile failed: read nothing more
                     return
                 if target is not None:  # raw chunks: read and written by the reader thread
-                    await _in_pool(loop, _copy_tile, leaf, box, target)
+                    await _in_pool(loop, _copy_tile, leaf, box, target, budget.buffers)
                 else:
                     buf = await _in_pool(loop, stream.read_tile, leaf, box, chunk)
                     index = tuple(slice(a, b) for a, b in box)
@@ -188,6 +213,21 @@ class LazyArrayHandler(ocp.type_handlers.ArrayHandler):
         await _all([one(b) for b in tiles])
         if opts.on_leaf is not None:
             opts.on_leaf(leaf.name, leaf.nbytes)
+
+
+def _filesystem_sync(targets: list) -> FilesystemSync | None:
+    """One `FilesystemSync` for the raw chunk folders of an item (opened now, before any chunk is
+    written), where they are all on one filesystem that allows it; else None: each chunk file is
+    fsync'd as it is written, as before."""
+    folders = [t.folder for t in targets if t is not None]
+    if not folders:
+        return None
+    try:
+        if len({os.stat(f).st_dev for f in folders}) != 1:
+            return None
+    except OSError:
+        return None
+    return FilesystemSync.open(os.path.dirname(folders[0]))  # (the item's folder: named by an error)
 
 
 async def _create_arrays(specs: list, infos: list) -> None:
