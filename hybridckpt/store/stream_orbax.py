@@ -73,7 +73,7 @@ def _copy_tile(leaf: LazyLeaf, box: Box, target: chunk_files.ChunkFiles, buffers
 
     with buffers.lend(box_shape(box), leaf.dtype) as buf:
         stream.read_tile(leaf, box, target.chunk, buf, False)
-        chunk_files.write_tile(target, box, buf, checksummed)
+        chunk_files.write_tile(target, box, buf, checksummed, buffers)  # (a strip's copy: lent too)
     leaf.add_crcs(crcs)
 
 

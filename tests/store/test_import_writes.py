@@ -171,3 +171,24 @@ def test_the_pool_keeps_at_most_its_limit():
         pass
     assert pool.allocations == 3 and pool._held == 0  # (and it is not kept: over the limit)
     pool.clear()
+
+
+def test_strip_copies_use_lent_buffers(tmp_path, monkeypatch):
+    """The one copy of a strip chunk (`chunk_files._chunk_bytes`) went into a fresh aligned buffer
+    per chunk (60 on the sample onto fsdp=4: fresh pages each); now into one lent by the save's
+    pool: none made by the cut."""
+    from hybridckpt.containers.orbax import chunk_files
+
+    real = direct_io.aligned_empty
+    made: list[int] = []
+
+    def counted(shape, dtype):
+        made.append(int(np.prod(shape)))
+        return real(shape, dtype)
+
+    monkeypatch.setattr(chunk_files, "aligned_empty", counted)
+    ck = tmp_path / "ck"
+    import_checkpoint(sample_path(), ck, mesh=fit("fsdp=4"))
+    monkeypatch.undo()
+    assert made == []
+    assert main(["verify", str(ck)]) == 0

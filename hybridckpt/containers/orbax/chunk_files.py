@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
 
 from hybridckpt.io import sequential_file, timing
+from hybridckpt.io.aligned_pool import AlignedPool
 from hybridckpt.io.direct_io import DIRECT_ALIGN, aligned_empty, open_direct, refused
 from hybridckpt.lazy import Box, box_slices, grid_boxes
 
@@ -76,7 +78,8 @@ def target_of(spec_json: dict, chunk: tuple[int, ...], direct: bool = True) -> C
 
 
 def write_tile(target: ChunkFiles, box: Box, data: np.ndarray,
-               on_chunk: Callable[[Box, np.ndarray], None] | None = None) -> int:
+               on_chunk: Callable[[Box, np.ndarray], None] | None = None,
+               buffers: AlignedPool | None = None) -> int:
     """Write every chunk of the tile `data` at `box` (whole chunks of the grid, clipped at the
     array's edge) to its file, fsync'd where `target.sync`; returns the bytes written.
 
@@ -87,30 +90,36 @@ def write_tile(target: ChunkFiles, box: Box, data: np.ndarray,
     (`store.stream_orbax`): a strip of the tile is then copied once, for the file, and
     checksummed from that copy, where a checksum of the tile copied it out a first time (two
     strided copies of every strip byte: the fsdp-cut `[vocab, embed]` and `[ffn, hidden]` rows
-    of an FSDP2 import, 0.3 GB of a 1.6 GB import)."""
+    of an FSDP2 import, 0.3 GB of a 1.6 GB import).
+
+    buffers: where a chunk must be copied out of the tile, its aligned buffer is lent by this
+    pool (`io.aligned_pool`) and given back once the file is written, instead of made fresh."""
     written = 0
     for sub in grid_boxes(box, target.chunk):
         view = data[box_slices(sub, box)]
-        with timing.stage("cut"):
-            piece = _chunk_bytes(view, target.chunk)
-        if on_chunk is not None:
-            on_chunk(sub, piece if piece.shape == view.shape else view)
-        written += _write_file(path := target.path(tuple(a for a, _ in sub)), piece, target.direct, target.sync)
+        whole = view.shape == target.chunk and view.flags.c_contiguous
+        with nullcontext() if whole or buffers is None else buffers.lend(target.chunk, view.dtype) as spare:
+            with timing.stage("cut"):
+                piece = _chunk_bytes(view, target.chunk, spare)
+            if on_chunk is not None:
+                on_chunk(sub, piece if piece.shape == view.shape else view)
+            written += _write_file(path := target.path(tuple(a for a, _ in sub)), piece, target.direct, target.sync)
         sequential_file.closed(path)  # (writers.remote: a chunk spooled for a bucket goes up now)
     return written
 
 
-def _chunk_bytes(piece: np.ndarray, chunk: tuple[int, ...]) -> np.ndarray:
+def _chunk_bytes(piece: np.ndarray, chunk: tuple[int, ...], spare: np.ndarray | None = None) -> np.ndarray:
     """The whole chunk whose stored part is `piece` (a view into a tile), as a C-contiguous array:
     `piece` itself where it is one (a chunk of whole rows of the tile), else one copy into a
-    fresh 4 KiB-aligned buffer, so it is still written with O_DIRECT: a chunk that is a strip
+    4 KiB-aligned buffer (`spare`, lent by the import's pool, else a fresh one), so it is still
+    written with O_DIRECT: a chunk that is a strip
     of the tile (a tile of several chunks side by side along a later axis: the joined strips of
     an fsdp-cut `[vocab, embed]` row) or an edge chunk (zarr v2 stores it whole, padded with
     zeros). Before, a strip went through `np.ascontiguousarray` (an unaligned buffer) and so
     through the page cache: a second copy of its bytes, in the kernel."""
     if piece.shape == chunk and piece.flags.c_contiguous:
         return piece
-    full = aligned_empty(chunk, piece.dtype)
+    full = aligned_empty(chunk, piece.dtype) if spare is None else spare  # (`spare`: lent, `write_tile`)
     if piece.shape != chunk:  # the padding of an edge chunk
         full[...] = 0
     full[tuple(slice(0, n) for n in piece.shape)] = piece
