@@ -15,7 +15,8 @@ over the bytes the import writes (its `bytes`). Prints each run's wall, the medi
 (`--profile` table), and the ratio median / O_DIRECT floor; `--json` for the rows only.
 `--compare VARIANT` (repeatable) also runs, alternating with the default, imports with issue 42's
 read changes undone: "gap=0" (`ByteSource.read_runs` makes a pread a run), "nojoin" (each shard
-box read apart: `store.stream.joined_boxes` off), "nojoin,gap=0" (both: as before issue 42).
+box read apart: `store.stream.joined_boxes` off), "nojoin,gap=0" (both: as before issue 42), "fsync"
+(an fsync per chunk file instead of one syncfs per item, `io.writeback.FilesystemSync`).
 `--tree NAME=PATH` (repeatable) also runs, alternating, the imports of another checkout's code (a
 base commit unpacked at PATH): a same-run before/after. Each run also reports its CPU seconds
 (user + system of the child process).
@@ -100,7 +101,11 @@ def child(src: str, dst: str, cfg: str, mesh: str, variant: str) -> dict:
     from hybridckpt.store import stream
 
     for v in variant.split(","):
-        if v.startswith("gap="):
+        if v == "fsync":  # issue 42's one syncfs an item undone: an fsync per chunk file (and .zarray)
+            from hybridckpt.io import writeback
+
+            writeback.FilesystemSync.open = classmethod(lambda cls, folder: None)
+        elif v.startswith("gap="):
             read_batches.GAP_PER_CALL_BYTES = int(v[4:])
         elif v == "nojoin":
             stream.joined_boxes = sorted
@@ -147,7 +152,7 @@ def main() -> None:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--compare", action="append", default=[],
-                    help='also run, alternating, this variant ("gap=0", "nojoin", "nojoin,gap=0": see `child`)')
+                    help='also run, alternating, this variant ("gap=0", "nojoin", "nojoin,gap=0", "fsync": see `child`)')
     ap.add_argument("--tree", action="append", default=[], metavar="NAME=PATH",
                     help="also run, alternating, imports by the hybridckpt of another checkout (e.g. `git archive "
                          "BASE | tar -x -C PATH`): a same-run before/after")

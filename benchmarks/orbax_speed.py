@@ -211,10 +211,10 @@ def child_import(src: str, dst: str, compression: str, profile: str) -> dict:
     if profile == "1":
         inner = stream.read_tile
 
-        def timed(leaf, box, chunk):
+        def timed(leaf, box, chunk, *rest):
             t = time.perf_counter()
             try:
-                return inner(leaf, box, chunk)
+                return inner(leaf, box, chunk, *rest)
             finally:
                 read_s[0] += time.perf_counter() - t
 

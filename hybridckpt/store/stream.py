@@ -46,6 +46,7 @@ import orbax.checkpoint as ocp
 from hybridckpt import checksum
 from hybridckpt.containers.orbax.codec import COMPRESSION
 from hybridckpt.io import timing
+from hybridckpt.io.aligned_pool import AlignedPool
 from hybridckpt.io.direct_io import aligned_empty
 from hybridckpt.lazy import Box, LazyTensor, box_shape
 from hybridckpt.plan import box_owners
@@ -79,6 +80,7 @@ class StreamOptions:
     chunk_bytes: int = CHUNK_BYTES
     compression: str = COMPRESSION  # "none", "zstd", "zstd:LEVEL" (`containers.orbax.codec`)
     direct_io: bool = True  # raw chunk files of whole 4 KiB blocks with O_DIRECT (`containers.orbax.chunk_files`)
+    batched_sync: bool = True  # raw chunk files made durable by one syncfs per item, not an fsync each (`io.writeback.FilesystemSync`)
     on_leaf: Callable[[str, int], None] | None = None  # (leaf name, bytes) once written
     stats: StreamStats = field(default_factory=StreamStats)
     _budgets: dict = field(default_factory=dict, repr=False)
@@ -355,6 +357,7 @@ class _Budget:
         self.active = 0
         self.failed: list[BaseException] = []  # errors of this save: the other tiles stop reading
         self.cond = asyncio.Condition()
+        self.buffers = AlignedPool(self.limit)  # a raw save's tile buffers, reused (`io.aligned_pool`)
 
     async def acquire(self, n: int) -> None:
         async with self.cond:
@@ -379,6 +382,8 @@ class _Budget:
         """This item is done; with `wait`, return once every other item is done too."""
         async with self.cond:
             self.active -= 1
+            if self.active == 0:
+                self.buffers.clear()  # the save is over: no tile buffer kept past it
             self.cond.notify_all()
             if wait:
                 await self.cond.wait_for(lambda: self.active == 0)
@@ -387,13 +392,17 @@ class _Budget:
 # -- the Orbax type handler -----------------------------------------------------------------------
 
 
-def read_tile(leaf: LazyLeaf, box: Box, chunk: tuple[int, ...]) -> np.ndarray:
-    """One tile (whole chunks of shape `chunk`) into a fresh buffer, adding its checksum part
-    (runs in a reader thread)."""
+def read_tile(leaf: LazyLeaf, box: Box, chunk: tuple[int, ...], buf: np.ndarray | None = None,
+              with_crcs: bool = True) -> np.ndarray:
+    """One tile (whole chunks of shape `chunk`) into `buf` (default: a fresh aligned buffer),
+    adding its checksum part unless `with_crcs` is False (a raw import checksums each chunk as
+    it writes it: `containers.orbax.chunk_files.write_tile_crcs`). Runs in a reader thread."""
     with timing.stage("read"):  # (the bytes: those the source's files gave, `io.byte_source`)
-        buf = aligned_empty(box_shape(box), leaf.dtype)  # (O_DIRECT writes it from here)
+        if buf is None:
+            buf = aligned_empty(box_shape(box), leaf.dtype)  # (O_DIRECT writes it from here)
         leaf.tensor.read_into(box, buf)
-    with timing.stage("checksum", buf.nbytes):
-        crcs = checksum.tile_crcs(leaf.shape, chunk, box, buf)
-    leaf.add_crcs(crcs)
+    if with_crcs:
+        with timing.stage("checksum", buf.nbytes):
+            crcs = checksum.tile_crcs(leaf.shape, chunk, box, buf)
+        leaf.add_crcs(crcs)
     return buf

@@ -55,9 +55,9 @@ def _imported_reads(monkeypatch, src: str, dst: str, mesh: str, config) -> dict[
             d["counter"].update(c)
             d["written"] += written
 
-    def counted(leaf, box, chunk):
+    def counted(leaf, box, chunk, *rest):
         with count_reads(this_thread=True) as c:  # the reader thread's reads: this tile's
-            out = real(leaf, box, chunk)
+            out = real(leaf, box, chunk, *rest)
         add(leaf, box, c, out.nbytes)
         return out
 

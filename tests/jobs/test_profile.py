@@ -70,7 +70,7 @@ def test_import_restore_export_account_for_every_byte(src, tmp_path):
     assert p.stage("read").bytes == source_bytes  # every tensor byte of the source, read once
     assert p.stage("write").bytes == chunk_file_bytes(str(tmp_path / "ck"))  # every chunk file, whole
     assert p.stage("checksum").bytes == s.bytes + 4  # every array byte written and the int32 step counter, once
-    assert p.stage("sync").calls >= sum(1 for _, _, fs in os.walk(tmp_path / "ck") for f in fs if CHUNK_FILE.match(f))
+    assert p.stage("sync").calls >= 1  # (one syncfs an item, or an fsync a chunk file: tests/store/test_import_writes.py)
     assert s.seconds <= p.wall_s
     assert any(w.worker.startswith("hybridckpt-io") and w.stage == "read" for w in p.workers)
 

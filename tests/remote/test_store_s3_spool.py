@@ -12,11 +12,13 @@ import json
 import os
 import re
 import tempfile
+import threading
 
 import pytest
 from test_export_s3 import cli, client, refused
 from test_remote_import import stable_digest
 
+from hybridckpt.containers.orbax import chunk_files
 from hybridckpt.demo import sample_path
 from hybridckpt.errors import CheckpointError
 from hybridckpt.io import sequential_file
@@ -37,9 +39,30 @@ def spool(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(where))
     seen: list[tuple[int, int, bool, str]] = []
     real = remote.upload_file
+    # the chunk files in the spool, from the moment one is created to its removal, under a lock:
+    # a walk of the spool is no snapshot (a thread's next chunk, written while the walk went on,
+    # and its last one, removed meanwhile, were both counted: 5 files seen with 4 writers)
+    live: set[str] = set()
+    lock = threading.Lock()
+    real_write, real_remove = chunk_files._write_file, os.remove
+
+    def write_file(path, *a):
+        if path.startswith(str(where)):
+            with lock:
+                live.add(path)
+        return real_write(path, *a)
+
+    def remove(path, *a, **k):
+        real_remove(path, *a, **k)
+        with lock:
+            live.discard(os.fspath(path))
+
+    monkeypatch.setattr(chunk_files, "_write_file", write_file)
+    monkeypatch.setattr(os, "remove", remove)
 
     def upload(fs_, local, path, part_bytes=None):
-        files = [os.path.join(r, f) for r, _, fs in os.walk(where) for f in fs if CHUNK.fullmatch(f)]
+        with lock:
+            files = sorted(live)
         seen.append((len(files), sum(map(_size, files)), bool(CHUNK.fullmatch(path.rsplit("/", 1)[-1])), path))
         return real(fs_, local, path, part_bytes)
 
