@@ -9,7 +9,6 @@ the previous contents.
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -22,6 +21,7 @@ import orbax.checkpoint as ocp
 
 from hybridckpt.errors import CheckpointError, ConfigError, HybridCkptError
 from hybridckpt.io import byte_source, model_files, timing
+from hybridckpt.io.gc_pause import gc_paused
 from hybridckpt.io.model_files import ModelFile
 from hybridckpt.io.paths import given
 from hybridckpt.store.layout import HF_FILES, TRAINER_STATE
@@ -86,9 +86,11 @@ def save_checkpoint(
         with dest as tmp_name:
             tmp = Path(tmp_name)
             _barrier(f"hybridckpt-save-start-{token}")
-            # Orbax's records and commit: the moments of the save no worker's stage covers (`io.timing`)
+            # Orbax's records and commit: the moments of the save no worker's stage covers (`io.timing`);
+            # the cyclic GC off meanwhile (JAX's heap is large: each full pass walks it while the readers
+            # wait on the GIL, 6-8% of an import's CPU samples; the save makes little cyclic garbage)
             with timing.stage("metadata", fallback=True), CheckpointStore(tmp, async_save=False) as store, \
-                    _no_cyclic_gc(), _spooled_apart(url is not None and multi):
+                    gc_paused(), _spooled_apart(url is not None and multi):
                 store.save(step, params, opt_state, trainer_state, force=True)
             with timing.stage("checksum"):  # the tables of the chunks' CRC-32s (gathered across processes)
                 extra = dict(trainer_state_after()) if trainer_state_after is not None else {}
@@ -180,21 +182,6 @@ def _spooled_apart(apart: bool) -> Iterator[None]:
         yield
     finally:
         SPOOLED_APART.clear()
-
-
-@contextlib.contextmanager
-def _no_cyclic_gc() -> Iterator[None]:
-    """Python's cyclic GC off while the arrays stream (back on after, as it was): JAX's heap is
-    large, so each full collection walks it while the reader threads wait on the GIL (6-8% of
-    an import's CPU samples by `perf`; a few % of its wall time in A/B runs). The save makes
-    little cyclic garbage; it is collected once the GC is back on."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _add_to_trainer_state(step_dir: Path, extra: Mapping[str, Any]) -> None:
