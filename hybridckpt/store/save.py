@@ -64,9 +64,9 @@ def save_checkpoint(
     written by TensorStore to the bucket itself, `io.remote.ts_writes`); the metadata files at the commit; the commit marker last
     (readers require it); a failure deletes what was uploaded; `overwrite` replaces only a prefix
     hybridckpt wrote. Under `jax.distributed` each process spools and uploads the chunks it
-    writes itself, process 0 writes the markers once every process agrees
-    (`writers.remote_shared`); raw chunks only there (a compressed, OCDBT save is refused). Returns
-    the URL.
+    writes itself (a compressed import's OCDBT databases: its TensorStore writes its own
+    `ocdbt.process_<i>/` to the bucket, process 0 merges them there), process 0 writes the markers
+    once every process agrees (`writers.remote_shared`); LazyLeafs only there. Returns the URL.
     """
     url = remote_url(directory)
     dst = str(url) if url is not None else Path(given(directory, "the destination")).absolute()
@@ -140,33 +140,28 @@ def preflight(directory: str | os.PathLike, *, overwrite: bool = False, sources:
 
 
 def remote_url(directory: object, compression: str | None = None):
-    """The `RemoteUrl` `directory` names (a save to object storage, see `save_checkpoint`), or None;
-    under `jax.distributed`, a ConfigError for a compressed import (`compression` other than
-    "none"), before anything is read: see `_refuse_tensorstore_chunks`."""
-    from hybridckpt.containers.orbax.codec import parse_compression
+    """The `RemoteUrl` `directory` names (a save to object storage, see `save_checkpoint`), or None.
+    (`compression` is accepted for the callers' sake: a compressed import from several processes
+    is written to a bucket as a single-process one is, `writers.remote_shared`.)"""
     from hybridckpt.io.remote.urls import parse
 
-    url = parse(directory)
-    if url is not None and jax.process_count() > 1 and compression is not None \
-            and parse_compression(compression)[0] != "none":
-        raise _several_ocdbt(url)
-    return url
+    del compression
+    return parse(directory)
 
 
 def _refuse_tensorstore_chunks(url: object, params: Any, opt_state: Any) -> None:
-    """A ConfigError unless every array of the save is a raw `LazyLeaf` (an import's default): a
-    compressed save goes into OCDBT sub-databases, one per process, which Orbax's process 0 merges
-    from its own folder: from several processes' spools it cannot (`writers.remote_shared`)."""
-    from hybridckpt.store.stream_orbax import _all_raw_lazy
+    """A ConfigError for a tree without `LazyLeaf`s (an import's arrays are): those write raw chunk
+    files each process uploads, or OCDBT databases each process's TensorStore writes to the
+    bucket itself (`io.remote.ts_writes`), which process 0 merges there. Arrays of a training loop
+    (Orbax's own handlers) would write each process's sub-database into that process's own
+    spool, which process 0's merge cannot see."""
+    from hybridckpt.store.stream import LazyLeaf
 
-    if not all(_all_raw_lazy(tree) for tree in (params, opt_state) if tree is not None):
-        raise _several_ocdbt(url)
-
-
-def _several_ocdbt(url: object) -> ConfigError:
-    return ConfigError(f"{url}: a compressed (OCDBT) store written to object storage from several processes "
-                       f"(jax.distributed) is not supported: import with --compression none, or to a shared "
-                       f"local folder")
+    for tree in (params, opt_state):
+        leaves = [] if tree is None else jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, LazyLeaf))
+        if tree is not None and not any(isinstance(x, LazyLeaf) for x in leaves):
+            raise ConfigError(f"{url}: a store of in-memory arrays written to object storage from several "
+                              f"processes (jax.distributed) is not supported: save it to a shared local folder")
 
 
 @contextlib.contextmanager

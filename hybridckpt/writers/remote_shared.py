@@ -15,7 +15,11 @@ The markers are those of a single-process upload (`writers.remote`, `io.remote.c
    shared: hosts have their own disks) and uploads each raw chunk as it is closed
    (`writers.remote`'s hook), under its final name; at the commit, what is left in its spool
    (process 0: the metadata, the trainer state, the config files; another process: its own
-   `array_metadatas/process_<i>`, named as Orbax's rename on process 0 names it). Nothing goes
+   `array_metadatas/process_<i>`, named as Orbax's rename on process 0 names it). A compressed
+   import's OCDBT databases are written by each process's TensorStore to the bucket itself
+   (`io.remote.ts_writes`: its own `ocdbt.process_<i>/`, below the tree; process 0 merges them
+   there in Orbax's finalize, after the barrier that follows every process's writes); each
+   process lists what TensorStore wrote for it at the commit. Nothing goes
    through process 0 and nothing is copied. A failed upload is not raised at once (the other
    processes are still in the save's collectives): the process stops uploading, drops the
    chunks it still writes and reports the failure at the agreement.
@@ -43,9 +47,10 @@ import tempfile
 from hybridckpt.errors import CheckpointError, HybridCkptError
 from hybridckpt.io import byte_source, interrupts, sequential_file
 from hybridckpt.io.remote import commit as markers
+from hybridckpt.io.remote import ts_writes
 from hybridckpt.io.remote.urls import RemoteUrl
 from hybridckpt.writers import ownership
-from hybridckpt.writers.remote import RemoteDestination, _reason, _spooled, final_name
+from hybridckpt.writers.remote import RemoteDestination, _reason, _spooled, final_folder, final_name
 
 
 class SharedRemoteDestination(RemoteDestination):
@@ -85,6 +90,8 @@ class SharedRemoteDestination(RemoteDestination):
         self.tmp = tempfile.mkdtemp(prefix=f"hybridckpt-spool-{self.token}-p{self.group.index}-")
         interrupts.add_temporary(self.tmp)
         sequential_file.CLOSED.append(self._closed)
+        self._redirect = ts_writes.Redirect(self.tmp, self.url, final_folder, self._claim)
+        ts_writes.redirect(self._redirect)  # (a compressed import's OCDBT databases: to the bucket)
         return self.tmp
 
     def _staging(self) -> bytes:
@@ -100,6 +107,21 @@ class SharedRemoteDestination(RemoteDestination):
             super()._plan(name)
         else:
             raise CheckpointError(f"{self.dst}: process {self.group.index} would write {name}, outside "
+                                  f"{self.tree}; nothing committed")
+
+    def _claim(self, folder: str) -> None:
+        """TensorStore is about to write objects directly in `folder` ("a/b/", `io.remote.ts_writes`:
+        this process's `ocdbt.process_<i>/` of a compressed import; on process 0 also the items'
+        databases its merge writes): below the step's tree it is listed by the staging marker
+        already, so only noted (listed at the commit, deleted on a failure); anything else only
+        process 0 claims (`RemoteDestination._claim`)."""
+        if folder.startswith(self.tree):
+            with self._lock:
+                self._native.add(folder)
+        elif self.primary:
+            super()._claim(folder)
+        else:
+            raise CheckpointError(f"{self.dst}: process {self.group.index} would write {folder}, outside "
                                   f"{self.tree}; nothing committed")
 
     # -- uploading -------------------------------------------------------------------------------
@@ -168,6 +190,9 @@ class SharedRemoteDestination(RemoteDestination):
                 raise CheckpointError(f"{self.dst}: {spooled} is in a temporary folder of a layout not known "
                                       f"here; nothing committed")
             self._upload(name, local=os.path.join(self.tmp, *spooled.split("/")))
+        for name, size in self._native_objects().items():  # (written by TensorStore: listed too)
+            with self._lock:
+                self._sizes[name] = size
 
     def _commit_marker(self, sizes: list[dict[str, int]]) -> None:
         """Process 0: the commit marker listing every process's objects, then the staging marker out."""
@@ -205,6 +230,9 @@ class SharedRemoteDestination(RemoteDestination):
         deletes what it uploaded; the staging marker stays (what the others left is not known here)."""
         if self._closed in sequential_file.CLOSED:
             sequential_file.CLOSED.remove(self._closed)
+        if self._redirect is not None:
+            ts_writes.release(self._redirect)
+            self._redirect = None
         if not self._agreed and self._begun:
             self._failed = True
             self._delete_written()

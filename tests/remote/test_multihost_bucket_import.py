@@ -15,7 +15,10 @@ server.
 - an upload failing on process 1 only: one line on both processes naming the URL and process 1,
   exit 2 on both, nothing left under the prefix (each process deleted what it uploaded, process 0
   the staging marker last);
-- a compressed import (`--compression zstd`, OCDBT) refused on both before anything is read;
+- a compressed import (`--compression zstd`, OCDBT): each process's TensorStore writes its own
+  `ocdbt.process_<i>/` to the bucket (through its own proxy), process 0 merges them there; the
+  commit marker lists every object under the prefix; every item database's keys and every
+  tensor read back equal the single-process local `--compression zstd` import bit for bit;
 - `--overwrite` replaces our own earlier store (refused without it), never a prefix holding an
   object hybridckpt did not write: refused on both processes.
 """
@@ -29,8 +32,11 @@ import pytest
 from fixtures.remote_sources import client, fresh_bucket
 from test_export_s3 import cli, download, refused
 from test_multihost_bucket import MESH, digest, run_pair
+from test_store_bucket_native import ocdbt_items
+from test_tensorstore_from_bucket import tensors
 
 from hybridckpt.demo import sample_path
+from hybridckpt.formats.registry import open_source
 from hybridckpt.io.remote import commit as markers
 from hybridckpt.writers import ownership
 
@@ -53,7 +59,7 @@ def _puts(requests, bucket: str, prefix: str = "ck") -> list[str]:
 
 def test_two_processes_import_into_a_bucket_each_uploading_its_own_chunks(s3, bucket, tmp_path, capsys):
     """(one pair of processes for six imports: the second, into ck2, has process 1's fourth
-    upload fail; the third, compressed, is refused; then ck again: refused, then --overwrite;
+    upload fail; the third, compressed, into ck3; then ck again: refused, then --overwrite;
     then --overwrite over a prefix holding a user's object: refused)"""
     fs, b = bucket
     url = f"s3://{b}/ck"
@@ -114,13 +120,25 @@ def test_two_processes_import_into_a_bucket_each_uploading_its_own_chunks(s3, bu
     assert set(_puts(seen[1][4], b)) - set(results[1]["results"][4]["closed"]) == records
     assert download(fs, f"{b}/mine") == {"notes.txt": b"the user's"}
     assert client(s3).find(f"{b}/ck2") == []
-    # a compressed import (OCDBT: process 0 would merge every process's sub-database from its own
-    # spool) is refused on every process before anything is read or written
-    for p, r in enumerate(results):
-        out = r["results"][2]
-        assert out["rc"] == 2 and out["stderr"].count("\n") == 1, out
-        assert url + "3" in out["stderr"] and "compressed (OCDBT)" in out["stderr"], out["stderr"]
-        assert _puts(seen[p][2], b, "ck3") == []
+    # a compressed import (OCDBT): each process's TensorStore wrote its own sub-database to the bucket,
+    # process 0 merged them there; every object listed; equal to the local single-process import
+    assert [r["results"][2]["rc"] for r in results] == [0, 0], [r["results"][2]["stderr"] for r in results]
+    written = [{n.split("/")[2] for n in _puts(seen[p][2], b, "ck3") if n.count("/") > 2} for p in range(2)]
+    assert "ocdbt.process_1" in written[1] and "ocdbt.process_0" not in written[1], written
+    assert "ocdbt.process_0" in written[0] and "ocdbt.process_1" not in written[0], written
+    zipped = download(fs, f"{b}/ck3")
+    marker = json.loads(zipped.pop(ownership.MARKER))
+    assert markers.STAGING not in zipped
+    assert marker["files"] == sorted(zipped) and marker["sizes"] == {k: len(v) for k, v in sorted(zipped.items())}
+    assert any("/ocdbt.process_1/d/" in n for n in zipped) and any("/ocdbt.process_0/d/" in n for n in zipped)
+    assert cli(capsys, "import", sample_path(), tmp_path / "localz", "--mesh", MESH, "--compression", "zstd")[0] == 0
+    fs.get(f"{b}/ck3/", str(tmp_path / "fetchedz") + "/", recursive=True)
+    want, got = ocdbt_items(tmp_path / "localz"), ocdbt_items(tmp_path / "fetchedz")
+    assert sorted(want) == sorted(got) and len(want) == 2
+    for item in want:  # every key of every item's database (`.zarray`s, zstd chunks) bitwise
+        assert sorted(want[item]) == sorted(got[item]) and len(want[item]) > 10
+        assert [k for k in want[item] if want[item][k] != got[item][k]] == []
+    assert tensors(open_source(str(tmp_path / "fetchedz"))) == tensors(open_source(str(tmp_path / "localz")))
 
 
 def test_a_process_killed_mid_upload_leaves_no_commit_marker(s3, bucket, tmp_path, capsys):
