@@ -207,16 +207,11 @@ def import_checkpoint(
     profile: also account for the time (`ImportSummary.profile`: seconds, bytes and calls per stage
       and per worker, `io.timing.Profile`); off by default (nothing recorded).
     """
-    from hybridckpt.io.remote.urls import parse as parse_url
     from hybridckpt.jobs.open import open_checkpoint
     from hybridckpt.lazy import parallel
     from hybridckpt.writers.destination import Destination
 
     t0 = time.perf_counter()
-    if parse_url(dst) is not None:  # (a compressed import to a URL under jax.distributed: refused before any read)
-        from hybridckpt.store.save import remote_url
-
-        remote_url(dst, compression)
     asked = ranged.totals()  # a source in a bucket: what this job asks of each host
     if io_threads is not None:
         parallel.set_io_threads(io_threads)

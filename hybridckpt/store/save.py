@@ -139,13 +139,10 @@ def preflight(directory: str | os.PathLike, *, overwrite: bool = False, sources:
         raise CheckpointError(f"{first[0][:400]} (checked by process 0)", cli=f"{first[1][:400]} (checked by process 0)")
 
 
-def remote_url(directory: object, compression: str | None = None):
-    """The `RemoteUrl` `directory` names (a save to object storage, see `save_checkpoint`), or None.
-    (`compression` is accepted for the callers' sake: a compressed import from several processes
-    is written to a bucket as a single-process one is, `writers.remote_shared`.)"""
+def remote_url(directory: object):
+    """The `RemoteUrl` `directory` names (a save to object storage, see `save_checkpoint`), or None."""
     from hybridckpt.io.remote.urls import parse
 
-    del compression
     return parse(directory)
 
 
