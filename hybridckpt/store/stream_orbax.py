@@ -36,9 +36,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
-# The two Orbax internals still used (tests/store/test_orbax_private.py pins them; orbax-checkpoint 0.12):
-# _async_serialize_shardings: writes the item's `_sharding` record exactly as Orbax's own ArrayHandler does
+# The three Orbax internals still used (tests/store/test_orbax_private.py pins them; orbax-checkpoint 0.12):
+# Validator: its cross-process check of the array records skipped while each process spools apart (`_Validator`)
 from orbax.checkpoint._src.metadata import array_metadata_store
+
+# _async_serialize_shardings: writes the item's `_sharding` record exactly as Orbax's own ArrayHandler does
 from orbax.checkpoint._src.serialization import jax_array_handlers
 
 # build_array_write_spec: the zarr spec and ArrayMetadata (chunk shape from SaveArgs) Orbax's save records

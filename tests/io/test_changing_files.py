@@ -71,9 +71,14 @@ def _shrink(path):
 def _shrink_and_grow(path):
     size = os.path.getsize(path)
 
-    def act():
-        os.truncate(path, size - 8192)
-        os.truncate(path, size)  # the lost bytes now read as zeros
+    def act():  # the file's last 8 KiB now read as zeros, its size the same at every moment: a
+        # truncate and regrow left a window in which another reader thread saw the shorter size
+        # (CI once saw "size 32952 -> 24760", not the same-size rewrite this case is about)
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, b"\0" * 8192, size - 8192)
+        finally:
+            os.close(fd)
     return act
 
 

@@ -9,7 +9,6 @@ import ctypes
 import errno
 import os
 import re
-import sys
 
 import numpy as np
 import pytest
@@ -147,9 +146,14 @@ def test_tile_buffers_are_lent_and_reused(tmp_path, monkeypatch):
         made.append(int(np.prod(shape)) * np.dtype(dtype).itemsize)
         return real(shape, dtype)
 
-    for name, mod in list(sys.modules.items()):  # every user of it but the cut (strip copies)
-        if name.startswith("hybridckpt") and getattr(mod, "aligned_empty", None) is real and mod is not chunk_files:
-            monkeypatch.setattr(mod, "aligned_empty", counted)
+    # where tiles get their buffers: the stream (a fresh one a tile, before) and the pool (after);
+    # not the cut's strip copies (chunk_files) nor the read side's spans and bounce buffers
+    # (`ByteSource.read_span`, `io.direct_read`: aligned for O_DIRECT reads, none of them a tile)
+    from hybridckpt.io import aligned_pool
+
+    for mod in (stream, aligned_pool):
+        monkeypatch.setattr(mod, "aligned_empty", counted)
+    assert chunk_files.aligned_empty is real
     opts = stream.StreamOptions(tile_bytes=8192, inflight_bytes=65536, chunk_bytes=4096)
     import_checkpoint(sample_path(), tmp_path / "ck", mesh=fit("fsdp=2,tp=2"), stream_options=opts)
     assert opts.stats.tiles >= 40
