@@ -64,9 +64,13 @@ def redirect(r: Redirect) -> None:
 
 
 def release(r: Redirect) -> None:
+    """`r` no longer redirects; TensorStore's requests while it did are set aside (not reads)."""
+    from hybridckpt.io.remote import ts_kvstore
+
     with _lock:
         if r in _redirects:
             _redirects.remove(r)
+    ts_kvstore.set_aside()
 
 
 def _find(path: str) -> tuple[Redirect, str] | None:
