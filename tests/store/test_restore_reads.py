@@ -252,48 +252,71 @@ FIRST_AXIS_CUT = ("layers.up.kernel", "layers.gate.kernel", "layers.q.kernel")  
 
 @pytest.fixture
 def counted_copies(monkeypatch):
-    """(chunk buffers, copies) per array name made by `store.checked` during a restore: every
-    `inner.read_box` of a CheckedArray (a chunk read whole into a fresh buffer) and every
-    `copy_into` out of one (a piece cut from that buffer into its shard)."""
+    """Per array name, what `store.checked` did during a restore: `buffers`, every `inner.read_box`
+    of a CheckedArray (a chunk read whole into a fresh buffer); `copies`, every `copy_into` (a
+    piece copied into its shard); `crcs`, every CRC-32 call over a buffer (`_crc`); `row_crcs`,
+    every CRC-32 call continued row by row (`checksum.crc32_update`); and `lent`, the buffers
+    the restore's scratch pool made (`io.aligned_pool`), all names together."""
     import threading
     from collections import Counter
 
+    from hybridckpt import checksum
     from hybridckpt.containers.orbax import reader
+    from hybridckpt.io import aligned_pool
 
-    buffers, copies, where = Counter(), Counter(), threading.local()
-    piece, read_box, copy = checked.CheckedArray._piece, reader.OrbaxArray.read_box, checked.copy_into
+    counts = {k: Counter() for k in ("buffers", "copies", "crcs", "row_crcs", "lent")}
+    where = threading.local()
+    piece, read_box, copy, crc = checked.CheckedArray._piece, reader.OrbaxArray.read_box, checked.copy_into, checked._crc
+    update, made = checksum.crc32_update, aligned_pool.aligned_empty
 
     def _piece(self, *a, **k):
         where.name = self.name
-        return piece(self, *a, **k)
+        try:
+            return piece(self, *a, **k)
+        finally:
+            where.name = None
 
-    def _read_box(self, box):
-        buffers[self.name] += 1
-        return read_box(self, box)
-
-    def _copy(dst, src):
-        copies[getattr(where, "name", None)] += 1
-        return copy(dst, src)
+    def counted(kind, fn):
+        def call(*a, **k):
+            counts[kind][getattr(where, "name", None)] += 1
+            return fn(*a, **k)
+        return call
 
     monkeypatch.setattr(checked.CheckedArray, "_piece", _piece)
-    monkeypatch.setattr(reader.OrbaxArray, "read_box", _read_box)
-    monkeypatch.setattr(checked, "copy_into", _copy)
-    return buffers, copies
+    monkeypatch.setattr(reader.OrbaxArray, "read_box", lambda self, box: (counts["buffers"].update([self.name]),
+                                                                          read_box(self, box))[1])
+    monkeypatch.setattr(checked, "copy_into", counted("copies", copy))
+    monkeypatch.setattr(checked, "_crc", counted("crcs", crc))
+    monkeypatch.setattr(checksum, "crc32_update", counted("row_crcs", update))
+    monkeypatch.setattr(aligned_pool, "aligned_empty", counted("lent", made))
+    return counts
 
 
-def test_a_piece_of_a_chunk_cut_on_its_first_axis_is_read_into_its_shard(store, many_readers, counted_copies):
+def test_a_piece_of_a_chunk_cut_on_its_first_axis_is_read_without_a_chunk_buffer(store, many_readers,
+                                                                                 counted_copies):
     """fsdp=2,tp=2 -> fsdp=4 cuts the rows of every kernel chunk of q/gate/up in two: each half is
-    one run of the chunk file, read by preadv straight into the rows of its shard and checked by
-    the CRC-32s of the halves combined (`checksum.crc32_of_pieces`). Before, each such chunk was
-    read whole into a fresh buffer and both halves copied out of it: 1 buffer and 2 copies a
-    chunk; now none. Every byte is still read once and checked, and the values are the source's."""
+    one run of the chunk file, read by one pread into a buffer the restore's scratch pool lends
+    (reused: its pages mapped already), checked by one CRC-32 call, and copied into the rows of
+    its shard by one numpy copy; the chunk is checked by the CRC-32s of its halves combined
+    (`checksum.crc32_of_pieces`). No fresh chunk buffer (before 0b62e03: one a chunk and 2
+    copies), and no CRC-32 call a row (before this change: the half read by preadv straight into
+    the shard's rows and its CRC-32 continued row by row, a Python call per row: 64 a half here,
+    192k in the 1.1 GB restore of docs/benchmarks.md). Every byte is still read once and
+    checked, and the values are the source's."""
     src, ck = store
-    buffers, copies = counted_copies
+    counts = counted_copies
     cfg, r, read = restore_counted(ck, fit_pair(fit(SAVED), TARGETS[0])[1])
     needed, cut = needed_bytes(ck, r.params)
     assert cut > 0
+    grids = read_trainer_state(ck)["checksum_chunks"]
+    pieces = 0
     for name in FIRST_AXIS_CUT:
-        assert buffers[name] == 0 and copies[name] == 0, (name, buffers, copies)
+        a = naming.flatten(r.params)[name]
+        halves = 2 * int(np.prod([-(-n // c) for n, c in zip(a.shape, grids[f"params.{name}"], strict=True)]))
+        pieces += halves
+        assert counts["buffers"][name] == 0 and counts["row_crcs"][name] == 0, (name, counts)
+        assert counts["crcs"][name] == counts["copies"][name] == halves, (name, counts)
+    assert 0 < sum(counts["lent"].values()) <= 8 * 4 < pieces  # (a buffer a reader thread and size, reused)
     assert needed <= read <= 1.05 * needed
     assert r.profile.stage("checksum").bytes == needed
     same_as_source(src, cfg, r.params)
