@@ -28,6 +28,7 @@ import numpy as np
 from hybridckpt.errors import ConfigError
 from hybridckpt.io import timing
 from hybridckpt.io.direct_io import aligned_empty
+from hybridckpt.io.page_advice import no_huge_pages
 from hybridckpt.lazy import Box, LazyTensor, box_shape, full_box
 
 ENV = "HYBRIDCKPT_IO_THREADS"
@@ -116,10 +117,13 @@ def read_box_parallel(t: LazyTensor, box: Box | None = None, out: np.ndarray | N
     (`io.direct_read`) and `jax.device_put` on a CPU device takes it as the device's buffer
     without a copy (XLA's CPU client aliases host arrays aligned to 64 bytes; numpy's large
     `np.empty` arrays start 16 bytes into a page, so each was copied: a second copy of every
-    restored array, 0.35 GB of a 1.1 GB restore's peak RSS, issue 42)."""
+    restored array, 0.35 GB of a 1.1 GB restore's peak RSS, issue 42); and it is backed by 4 KiB
+    pages, not the huge pages numpy asks for (`io.page_advice`: a quarter less CPU in a warm
+    restore on the 2-core VM of docs/benchmarks.md)."""
     box = full_box(t.shape) if box is None else box
     if out is None:
         out = aligned_empty(box_shape(box), t.dtype)
+        no_huge_pages(out)  # (4 KiB pages: zeroed by the kernel while cached, `io.page_advice`)
     parts = [] if in_worker() else split_box(box, np.dtype(t.dtype).itemsize, io_threads())
     if len(parts) <= 1:
         with timing.stage("read"):

@@ -49,6 +49,7 @@ from hybridckpt.errors import CheckpointError
 from hybridckpt.io.byte_source import ByteSource
 from hybridckpt.io.config_file import read_json
 from hybridckpt.io.direct_io import aligned_empty
+from hybridckpt.io.page_advice import no_huge_pages
 from hybridckpt.io.remote import ts_kvstore
 from hybridckpt.lazy import ArrayTensor, Box, FileRun, LazyTensor, StoredTensor, tiled
 
@@ -139,6 +140,7 @@ class OrbaxArray(LazyTensor):
         raw = self.raw()
         if raw is not None:  # (aligned: a cold chunk file is read into it with O_DIRECT, `io.direct_read`)
             out = aligned_empty(tuple(b - a for a, b in box), self.dtype)
+            no_huge_pages(out)  # (`io.page_advice`)
             raw.read_into(box, out)
             return out
         index = tuple(slice(a, b) for a, b in box)

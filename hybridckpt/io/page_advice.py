@@ -1,0 +1,43 @@
+"""Small pages for the arrays a restore fills (issue 42): `madvise(MADV_NOHUGEPAGE)`.
+
+numpy asks for transparent huge pages on every array of 4 MiB or more (`madvise(MADV_HUGEPAGE)`
+at allocation), so with `/sys/kernel/mm/transparent_hugepage/enabled` at `madvise` (the
+default of most distributions) a restored shard's first touch faults in 2 MiB pages, each zeroed
+whole by the kernel (`folio_zero_user` -> `clear_page_erms`) before the read or copy writes it.
+Measured on the 2-core VM of docs/benchmarks.md ("Run 6 of the restore"), 1.1 GB preadv'd from
+the page cache into one fresh buffer: 0.97-1.50 system CPU-s with huge pages, 0.64-0.80 with 4
+KiB pages (the zeroing of a 2 MiB page runs out of the CPU cache before the copy fills it; a 4
+KiB page is zeroed and filled while cached), and `clear_page_erms` 37-43% of a warm restore's
+CPU samples. `no_huge_pages` marks an array's whole pages small before its first touch: nothing
+is read, mapped or moved; where the platform has no `madvise` or the kernel refuses it, the array
+is left as it was (it is correct either way: only the cost of its first touch differs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+
+import numpy as np
+
+PAGE_BYTES = 4096
+_MADV_NOHUGEPAGE = getattr(mmap, "MADV_NOHUGEPAGE", None)
+MIN_BYTES = 4 << 20  # smaller arrays: numpy does not ask for huge pages (nothing to undo)
+
+try:
+    _madvise = ctypes.CDLL(None, use_errno=True).madvise
+    _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    _madvise.restype = ctypes.c_int
+except (OSError, AttributeError):  # pragma: no cover - a platform without madvise
+    _madvise = None
+
+
+def no_huge_pages(array: np.ndarray) -> bool:
+    """Ask the kernel to back the whole pages inside `array`'s bytes with small pages; True
+    where it agreed (called before the array is first written: pages faulted in already stay)."""
+    if _madvise is None or _MADV_NOHUGEPAGE is None or array.nbytes < MIN_BYTES:
+        return False
+    start = array.ctypes.data
+    first = -(-start // PAGE_BYTES) * PAGE_BYTES
+    last = (start + array.nbytes) // PAGE_BYTES * PAGE_BYTES
+    return last > first and _madvise(first, last - first, _MADV_NOHUGEPAGE) == 0
