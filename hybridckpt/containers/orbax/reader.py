@@ -52,6 +52,8 @@ from hybridckpt.io.direct_io import aligned_empty
 from hybridckpt.io.page_advice import no_huge_pages
 from hybridckpt.io.remote import ts_kvstore
 from hybridckpt.lazy import ArrayTensor, Box, FileRun, LazyTensor, StoredTensor, tiled
+from hybridckpt.lazy.box import block_overlap
+from hybridckpt.lazy.tiled import Tiled
 
 
 class _Item:
@@ -208,7 +210,34 @@ def raw_chunks(name: str, shape: tuple[int, ...], index: ItemIndex) -> LazyTenso
             pieces.append((origin, ArrayTensor(np.frombuffer(value, dtype=dtype).reshape(chunk))))
         else:  # missing (the fill value) or not raw
             return None
-    return tiled(tuple(shape), dtype, pieces)  # (a single whole chunk is itself: 0-d arrays too)
+    if len(pieces) == 1:
+        return tiled(tuple(shape), dtype, pieces)  # (a single whole chunk is itself: 0-d arrays too)
+    return ChunkGrid(tuple(shape), dtype, tuple(pieces), tuple(chunk))
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkGrid(Tiled):
+    """A `Tiled` whose pieces are a regular grid of `chunk`-shaped blocks in C order (a raw
+    array's chunk files): a box reads the blocks it meets, found by their grid index, not by an
+    overlap test of every block (a restore's read of one piece of a 72-chunk array tested all 72:
+    63k tests in a 1.1 GB restore, issue 42)."""
+
+    chunk: tuple[int, ...] = ()
+
+    def read_into(self, box: Box, out: np.ndarray) -> None:
+        if out.size == 0:
+            return
+        grid = [-(-n // c) for n, c in zip(self.shape, self.chunk, strict=True)]
+        ranges = [range(max(0, a // c), min(g, -(-b // c))) for (a, b), c, g in zip(box, self.chunk, grid, strict=True)]
+        for idx in itertools.product(*ranges):
+            pos = 0
+            for i, g in zip(idx, grid, strict=True):
+                pos = pos * g + i
+            offs, block = self.pieces[pos]
+            sub = block_overlap(box, offs, block.shape)
+            if sub is not None:
+                dst = tuple(slice(o + s - a, o + e - a) for (s, e), o, (a, _) in zip(sub, offs, box, strict=True))
+                block.read_into(sub, out[dst])
 
 
 def scalar_int(t: LazyTensor, name: str, where: str) -> int:
