@@ -5,8 +5,8 @@ needs, measured in the same run (issue 42).
 
 `--tree BASE` (another checkout, e.g. `git archive BASE | tar -x -C PATH`) runs instead warm,
 then cold, restores of this code and of BASE's hybridckpt alternating (`compare_trees`): a
-same-run before/after of the restore's seconds, CPU seconds, bytes read with O_DIRECT, `cut`
-copies and peak RSS.
+same-run before/after of the restore's seconds, CPU seconds (and the system part), page faults
+(`ru_minflt`), bytes read with O_DIRECT, `cut` copies and peak RSS.
 
 Writes an HF Llama folder (fp32 safetensors, trained-like values: `orbax_speed.write_hf`) of
 about `--gib` GiB and imports it once onto fsdp=2,tp=2 (8 simulated CPU devices, default flags:
@@ -151,14 +151,15 @@ def child(ck: str) -> dict:
     from hybridckpt.io.byte_source import count_reads
     from hybridckpt.io.read_tally import tally
 
-    t1, cpu = time.perf_counter(), _cpu_s()
+    t1, cpu, before = time.perf_counter(), _cpu_s(), resource.getrusage(resource.RUSAGE_SELF)
     with count_reads() as counter:
         _, r = hybridckpt.restore(ck, RESTORE_MESH, profile=True)
         jax.block_until_ready(r.params)
-    job, cpu = time.perf_counter() - t1, _cpu_s() - cpu
+    job, cpu, after = time.perf_counter() - t1, _cpu_s() - cpu, resource.getrusage(resource.RUSAGE_SELF)
     placed = sum(a.nbytes for a in jax.tree.leaves(r.params))
     direct = sum(v for k, v in counter.items() if isinstance(k, tuple) and k[1] == "direct")  # (O_DIRECT)
-    return {"job_s": job, "cpu_s": cpu, "wall_s": time.perf_counter() - t0, "read_bytes": tally(counter)[0],
+    return {"job_s": job, "cpu_s": cpu, "sys_s": after.ru_stime - before.ru_stime,
+            "faults": after.ru_minflt - before.ru_minflt, "wall_s": time.perf_counter() - t0, "read_bytes": tally(counter)[0],
             "direct_bytes": direct,
             "placed_bytes": placed, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "profile": r.profile.to_json()}
@@ -210,6 +211,8 @@ def _compared(kind: str, runs: dict[str, list]) -> dict:
     cpu = {k: statistics.median(r["cpu_s"] for r in runs[k]) for k in ("this", "tree")}
     row = {"kind": kind, "this_cpu_s": round(cpu["this"], 3), "tree_cpu_s": round(cpu["tree"], 3),
            "this_over_tree_cpu": round(cpu["this"] / cpu["tree"], 3),
+           "sys_s": {k: round(statistics.median(r.get("sys_s", 0) for r in runs[k]), 3) for k in ("this", "tree")},
+           "faults": {k: round(statistics.median(r.get("faults", 0) for r in runs[k])) for k in ("this", "tree")},
            "cpu_runs_s": {k: [round(r["cpu_s"], 3) for r in runs[k]] for k in ("this", "tree")},
            "peak_rss_mb": {k: round(max(r["peak_rss_mb"] for r in runs[k])) for k in ("this", "tree")},
            "this_s": round(med["this"], 3), "tree_s": round(med["tree"], 3), "floor_s": round(med["floor"], 3),
