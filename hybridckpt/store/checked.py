@@ -13,9 +13,10 @@ no byte of it reaches a caller unchecked:
   chunks reads each chunk it touches once (`tests/store/test_restore_reads.py` counts it); only
   past the budget of kept bytes is a later piece read again from the file, that piece alone.
   In a restore (`read_tree` sets `direct`) a piece that is one run of a raw chunk's bytes (cut on
-  its first axis) is read straight into its shard's rows, its CRC-32 taken there; the chunk is
-  compared once its pieces tile it (`checksum.crc32_of_pieces`), else (this process places only
-  some) read whole and compared by `release` before the array is returned: no chunk buffer, no copy.
+  its first axis) is read by one pread into a buffer the restore's scratch pool lends (reused, no
+  fresh chunk buffer), its CRC-32 taken there by one call, and copied into its shard's rows; the
+  chunk is compared once its pieces tile it (`checksum.crc32_of_pieces`), else (this process
+  places only some) read whole and compared by `release` before the array is returned.
   A dry read (`io.byte_source.planning`: an import sizing its tiles) is counted as the real one
   would be and leaves nothing behind: no buffer kept, no chunk marked checked.
 - `file_runs(box, limit)`: an export that copies stored bytes file to file gets runs that carry
