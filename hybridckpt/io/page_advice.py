@@ -33,11 +33,24 @@ except (OSError, AttributeError):  # pragma: no cover - a platform without madvi
 
 
 def no_huge_pages(array: np.ndarray) -> bool:
-    """Ask the kernel to back the whole pages inside `array`'s bytes with small pages; True
-    where it agreed (called before the array is first written: pages faulted in already stay)."""
+    """Ask the kernel to back `array`'s pages with small pages; True where it agreed (called
+    before the array is first written: pages faulted in already stay as they are).
+
+    The range marked is the whole allocation `array` is a view of (numpy's own buffer, which
+    numpy marked MADV_HUGEPAGE from its first whole page on), widened to whole pages: so the
+    mapping numpy split off for it is turned back whole, and no new mapping is split off (a
+    mark on the array's pages alone would leave the allocation's ends apart: one more mapping
+    an array, against the kernel's `vm.max_map_count`). The pages so widened into belong to the
+    allocator's neighbours at most: small pages there change no byte of them."""
     if _madvise is None or _MADV_NOHUGEPAGE is None or array.nbytes < MIN_BYTES:
         return False
-    start = array.ctypes.data
-    first = -(-start // PAGE_BYTES) * PAGE_BYTES
-    last = (start + array.nbytes) // PAGE_BYTES * PAGE_BYTES
+    root = array
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if root.base is None and root.flags.owndata:  # (numpy's allocation: its whole extent)
+        start, end = root.ctypes.data, root.ctypes.data + root.nbytes
+        first, last = start // PAGE_BYTES * PAGE_BYTES, -(-end // PAGE_BYTES) * PAGE_BYTES
+    else:  # (another object's buffer: only the pages inside the array)
+        start, end = array.ctypes.data, array.ctypes.data + array.nbytes
+        first, last = -(-start // PAGE_BYTES) * PAGE_BYTES, end // PAGE_BYTES * PAGE_BYTES
     return last > first and _madvise(first, last - first, _MADV_NOHUGEPAGE) == 0

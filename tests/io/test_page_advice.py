@@ -13,15 +13,34 @@ from hybridckpt.io import page_advice
 from hybridckpt.io.direct_io import aligned_empty
 
 
+def mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
 def test_an_array_marked_before_it_is_written_gets_no_huge_page():
     a = aligned_empty((16 << 20,), np.uint8)  # (numpy asks huge pages for it: the mapping says "hg")
+    before = mappings()
     assert page_advice.no_huge_pages(a)
+    assert mappings() <= before  # (numpy's mapping turned back whole: none split off for the mark)
     a[:] = 7  # (every page faulted in now)
     m = mapping_of(a.ctypes.data)
     assert "nh" in m["flags"] and "hg" not in m["flags"], m
     assert m["huge_kb"] == 0, m
     assert mapping_of(a.ctypes.data + a.nbytes - 1)["range"] == m["range"]  # (the whole array, one mapping)
     assert int(a.sum(dtype=np.int64)) == 7 * a.size  # (the array is as written)
+
+
+def test_many_marked_arrays_add_no_mapping():
+    """Each mark covers the whole allocation numpy made (and split off its mapping for): a
+    restore of thousands of shards must not add a mapping a shard (`vm.max_map_count`)."""
+    arrays = [aligned_empty((5 << 20,), np.uint8) for _ in range(40)]
+    before = mappings()
+    assert all(page_advice.no_huge_pages(a) for a in arrays)
+    assert mappings() <= before
+    for a in arrays:
+        a[:] = 1
+        assert "nh" in mapping_of(a.ctypes.data)["flags"]
 
 
 def test_small_arrays_are_left_alone():
