@@ -15,6 +15,12 @@ casts). Two large numpy calls per strip: the GIL is held for microseconds per st
 threads copy in parallel. On bf16 `[5632, 2048]`: 2.2-2.7 G elements/s on one thread, 3-4.4 on
 two (fp32: 1.5 and 2.5); the square 128-element tiles staged three calls each before reached
 1.63 and 1.77 (the GIL between). Bit for bit the same result: `tests/store/test_streaming.py`.
+
+The strip loop (`transposed_rows`) takes what fills the staging rows as a function: a copy out of
+an array in memory (`copy_into`), or a read of the file's rows straight into them
+(`lazy.StoredTensor`: the transposed tiles of an import, no slab buffer, no copy into the stage,
+`tests/lazy/test_staged_reads.py`). Each thread keeps its staging buffer (`stage_rows`, up to
+STAGE_KEEP_BYTES) instead of making one a copy.
 """
 
 from __future__ import annotations

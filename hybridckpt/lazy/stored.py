@@ -2,8 +2,11 @@
 
 `StoredTensor` is C-contiguous little-endian elements of `dtype` at a byte offset of a
 `ByteSource`; a box that is one run is read with one pread straight into the caller's buffer when
-it is C-contiguous and of the stored dtype; any other box is read by slabs (`ByteSource.read_span`
-where its runs lie close together) and copied by one strided, transposing or casting copy.
+it is C-contiguous and of the stored dtype; a transposing read (`out` contiguous along another
+axis than the file's rows) of one run or of runs a page or more apart is read strip by strip
+straight into the staging rows of its transposing copy (`_rows_into`); any other box is read by
+slabs (`ByteSource.read_span` where its runs lie close together) and copied by one strided,
+transposing or casting copy.
 """
 
 from __future__ import annotations
@@ -52,8 +55,10 @@ class StoredTensor(LazyTensor):
     # read_box: the protocol's (an array of the box's shape, filled by read_into)
 
     def read_into(self, box: Box, out: np.ndarray) -> None:
-        """One run into a C-contiguous `out` of the stored dtype: one pread, no copy. Anything
-        else (many runs, a transposed or cast `out`) is read in slabs of at most SPAN_BYTES:
+        """One run into a C-contiguous `out` of the stored dtype: one pread, no copy. A
+        transposed `out` of one run or runs a page apart: strip by strip into the staging rows of
+        its transposing copy (`_rows_into`). Anything
+        else (many runs, a cast `out`) is read in slabs of at most SPAN_BYTES:
         runs less than a page apart (so the span touches no page the runs do not) as one pread
         of their span, then one strided (transposing, casting) copy out of it; runs further
         apart (`ByteSource.read_runs`: one preadv per batch of runs at most 8 KiB apart, else a
