@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridckpt.io.byte_source import ByteSource
+from hybridckpt.lazy import element_copy
 from hybridckpt.lazy.base import FileRun, LazyTensor, copy_into
 from hybridckpt.lazy.box import Box, box_runs, box_shape, flat_ranges
-from hybridckpt.lazy import element_copy
 
 
 @dataclass(frozen=True, eq=False)
