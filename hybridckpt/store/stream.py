@@ -279,7 +279,6 @@ def plan_tiles(box: Box, chunk: tuple[int, ...], itemsize: int, budget: int) -> 
 
 
 SHORT_READ_BYTES = 4096  # a tile whose reads average less than a page may grow (`box_tiles`)
-GAP_SHARE = 0.25  # a tile that reads more gap bytes than this share of its own may grow (`box_tiles`)
 GROWN_TILE_BYTES = 64 << 20  # the most a tile grows to; at most half the in-flight budget
 
 
@@ -303,11 +302,7 @@ def leaf_tile_bytes(leaf: LazyLeaf, chunk: tuple[int, ...], tile_bytes: int,
     128 B; the device's whole box: 1 KiB). The first tile of the leaf's first box (the lowest,
     whichever process holds it: every process decides alike) is read dry (`planning`: counted,
     not read) at `tile_bytes` (of the first joined box, `first_joined_box`), then at twice that while its reads average under
-    `SHORT_READ_BYTES` and each doubling makes them at least 1.5x longer, or while it reads
-    more gap bytes than `GAP_SHARE` of its own (runs a few KiB apart are read with the bytes
-    between them, `io.read_batches`: the strips the next tile of the same rows reads, so each
-    such row went through the kernel's copy twice; 0.95 GB of gaps for 1.64 GB of an FSDP2
-    import onto fsdp=4) and each doubling cuts that share by at least 1.5x, up to
+    `SHORT_READ_BYTES` and each doubling makes them at least 1.5x longer, up to
     `GROWN_TILE_BYTES` (at most half `inflight_bytes`). Once per leaf (its boxes are alike)."""
     key = (tuple(chunk), tile_bytes, inflight_bytes)
     known = _TILE_BYTES_OF.setdefault(leaf, {})
@@ -322,29 +317,23 @@ def _grown_tile_bytes(leaf: LazyLeaf, box: Box, chunk: tuple[int, ...], budget: 
     tiles = list(plan_tiles(box, chunk, item, budget))
     if len(tiles) < 2 or budget >= limit:
         return budget
-    mean, gaps = _planned_reads(leaf, tiles[0])
-    while (mean < SHORT_READ_BYTES or gaps > GAP_SHARE) and budget < limit:
+    mean = _mean_read_bytes(leaf, tiles[0])
+    while mean < SHORT_READ_BYTES and budget < limit:
         wider = list(plan_tiles(box, chunk, item, min(limit, 2 * budget)))
         if len(wider) == len(tiles):
             break  # the box's chunks allow no larger first tile
-        longer, fewer = _planned_reads(leaf, wider[0])
-        if longer < 1.5 * mean and not (gaps > GAP_SHARE and fewer * 1.5 <= gaps):
+        longer = _mean_read_bytes(leaf, wider[0])
+        if longer < 1.5 * mean:
             break
-        budget, tiles, mean, gaps = min(limit, 2 * budget), wider, longer, fewer
+        budget, tiles, mean = min(limit, 2 * budget), wider, longer
     return budget
 
 
 def _mean_read_bytes(leaf: LazyLeaf, box: Box) -> float:
-    """Bytes per file run of `leaf`'s read of `box` (`_planned_reads`)."""
-    return _planned_reads(leaf, box)[0]
-
-
-def _planned_reads(leaf: LazyLeaf, box: Box) -> tuple[float, float]:
-    """(bytes per file run, gap bytes read per byte) of `leaf`'s read of `box` (runs, not calls:
-    runs close together are one call, `io.byte_source`, but still a strip each; gaps: the bytes
-    between runs that one call reads too), planned (no data byte read; a chunk's header the
-    reader parses on first use is read, as the import would); (inf, 0) for a tensor that reads
-    no file."""
+    """Bytes per file run of `leaf`'s read of `box` (runs, not calls: runs close together are
+    one call, `io.byte_source`, but still a strip each), planned (no data byte read; a chunk's
+    header the reader parses on first use is read, as the import would); inf for a tensor that
+    reads no file."""
     from hybridckpt.io.byte_source import count_reads, planning
     from hybridckpt.io.read_tally import runs_of, tally
 
@@ -352,9 +341,9 @@ def _planned_reads(leaf: LazyLeaf, box: Box) -> tuple[float, float]:
     # values computed from unread buffers (a dequantization) are garbage: no warning about them
     with count_reads(this_thread=True) as c, planning(), np.errstate(all="ignore"):
         leaf.tensor.read_into(box, out)
-    nbytes, _, gaps, _ = tally(c)
+    nbytes, _, _, _ = tally(c)
     runs = runs_of(c)
-    return (nbytes / runs if runs else math.inf), (gaps / nbytes if nbytes else 0.0)
+    return nbytes / runs if runs else math.inf
 
 
 # -- the byte budget ------------------------------------------------------------------------------

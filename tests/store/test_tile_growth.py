@@ -65,26 +65,3 @@ def test_a_grown_save_reads_fewer_times_and_stores_the_same_bytes(tmp_path):
             got[name] = np.asarray(store.restore(1, target_params=target).params["w"])
     assert calls == {"kept": COLS // 32 * ROWS, "grown": COLS // 512 * ROWS}  # a pread a strip
     assert np.array_equal(got["kept"], w.T) and np.array_equal(got["grown"], w.T)
-
-
-def test_tiles_that_read_gaps_grow_to_whole_rows(tmp_path):
-    """A tile of half of each 8 KiB source row (the runs a page apart of an fsdp-cut `[out, in]`
-    kernel) read its runs with the 4 KiB between them (one preadv a batch, `io.read_batches`):
-    the half the next tile reads, so every byte went through the kernel's copy twice. Its runs
-    are not short (4 KiB), but its gap bytes grow it to whole rows: no gap byte read, half the
-    tiles, the saved array the same."""
-    w = np.random.default_rng(1).standard_normal((64, 2048)).astype(np.float32)  # rows of 8 KiB
-    p = str(tmp_path / "w.bin")
-    w.tofile(p)
-    t = lazy.Transpose(lazy.StoredTensor(ByteSource(p), 0, w.shape, np.dtype(np.float32)), (1, 0))
-    box, chunk = ((0, 2048), (0, 64)), (1024, 64)  # 256 KiB chunks: a tile of one is half of each row
-    half = list(stream.plan_tiles(box, chunk, 4, 256 << 10))
-    assert len(half) == 2 and stream._planned_reads(_leaf(t, None), half[0]) == (4096, 63 / 64)  # 63 gaps of 4 KiB
-    assert stream.box_tiles(_leaf(t, None), box, chunk, 256 << 10, inflight_bytes=1 << 20) == [box]
-    opts = stream.StreamOptions(tile_bytes=256 << 10, chunk_bytes=256 << 10, inflight_bytes=1 << 20)
-    with count_reads() as c:
-        save_checkpoint(tmp_path / "ck", 1, {"w": _leaf(t, opts)})
-    assert c[(p, "gap")] == 0 and c[p] == w.nbytes and opts.stats.tiles == 1  # before: 2 tiles, 256 KiB of gaps
-    with CheckpointStore(tmp_path / "ck") as store:
-        target = {"w": jax.ShapeDtypeStruct((2048, 64), np.float32, sharding=SingleDeviceSharding(jax.devices()[0]))}
-        assert np.array_equal(np.asarray(store.restore(1, target_params=target).params["w"]), w.T)
