@@ -20,7 +20,7 @@ The strip loop (`transposed_rows`) takes what fills the staging rows as a functi
 an array in memory (`copy_into`), or a read of the file's rows straight into them
 (`lazy.StoredTensor`: the transposed tiles of an import, no slab buffer, no copy into the stage,
 `tests/lazy/test_staged_reads.py`). Each thread keeps its staging buffer (`stage_rows`, up to
-STAGE_KEEP_BYTES) instead of making one a copy.
+STAGE_KEEP_BYTES) instead of making one a copy, until a save ends (`release_stages`).
 """
 
 from __future__ import annotations
@@ -129,33 +129,51 @@ def transposed_rows(out: np.ndarray, src_dtype, a: int, b: int, fill: RowFill) -
 
 
 STAGE_KEEP_BYTES = 4 << 20  # a thread keeps its staging buffer up to this size (reused strip after strip)
-_local = threading.local()  # .stage: this thread's staging buffer (uint8), .busy: lent
+_lock = threading.Lock()
+_kept: dict[int, dict] = {}  # thread id -> {"stage": its staging buffer (uint8) or None, "busy": lent}
 
 
 @contextmanager
 def stage_rows(h: int, n: int, dtype) -> Iterator[np.ndarray]:
     """`[h, n]` of `dtype`, rows PAD_BYTES (at least one element) longer than `n` elements, so a
     walk down a column touches every cache set (rows a power of two apart map to the same one).
-    Lent from this thread's buffer (kept up to STAGE_KEEP_BYTES): no fresh pages strip after
-    strip, box after box."""
+    Lent from this thread's buffer (kept up to STAGE_KEEP_BYTES, until `release_stages`): no
+    fresh pages strip after strip, box after box."""
     dtype = np.dtype(dtype)
     pad = max(1, PAD_BYTES // dtype.itemsize)
     need = h * (n + pad) * dtype.itemsize
-    mine = getattr(_local, "stage", None)
-    if getattr(_local, "busy", False) or need > STAGE_KEEP_BYTES:
-        mine = None
+    with _lock:
+        mine = _kept.setdefault(threading.get_ident(), {"stage": None, "busy": False})
+        lent = not mine["busy"] and need <= STAGE_KEEP_BYTES
+        if lent:
+            mine["busy"] = True
+            if mine["stage"] is None or len(mine["stage"]) < need:
+                mine["stage"] = np.empty(max(need, 1 << 20), np.uint8)
+                stage_allocations[0] += 1
+            raw = mine["stage"]
+    if not lent:
         raw = np.empty(need, np.uint8)
-    else:
-        if mine is None or len(mine) < need:
-            mine = _local.stage = np.empty(max(need, 1 << 20), np.uint8)
-            stage_allocations[0] += 1
-        raw = mine
-        _local.busy = True
     try:
         yield raw[:need].view(dtype).reshape(h, n + pad)[:, :n]
     finally:
-        if mine is not None:
-            _local.busy = False
+        if lent:
+            with _lock:
+                mine["busy"] = False
+
+
+def release_stages() -> None:
+    """Drop every thread's kept staging buffer that is not lent now (a save is over:
+    `store.stream`); the next transposing copy of a thread makes one again."""
+    with _lock:
+        for tid in list(_kept):
+            if not _kept[tid]["busy"]:
+                del _kept[tid]
+
+
+def kept_stage_bytes() -> int:
+    """Bytes of the staging buffers the threads keep (tests count them)."""
+    with _lock:
+        return sum(len(k["stage"]) for k in _kept.values() if k["stage"] is not None)
 
 
 stage_allocations = [0]  # staging buffers a thread made to keep (tests count them)

@@ -126,3 +126,24 @@ def test_a_file_shorter_than_its_rows_is_one_error_not_zeros(tmp_path):
         tile = np.empty(lazy.box_shape(box)[::-1], np.float32)
         with pytest.raises(FormatError, match="truncated"):
             t.read_into(box, tile.T)
+
+
+def test_a_save_drops_the_staging_buffers_it_kept(tmp_path):
+    """The staging rows a reader thread keeps between tiles are dropped when the save ends (as
+    the save's tile buffers are): nothing of the import stays held in the reader threads."""
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    from hybridckpt.store import save_checkpoint, stream
+
+    x = RNG.standard_normal((256, 1024)).astype(np.float32)
+    path = str(tmp_path / "w.bin")
+    x.tofile(path)
+    t = lazy.StoredTensor(ByteSource(path), 0, x.shape, x.dtype)
+    tile = np.empty((1024, 256), np.float32)
+    t.read_into(((0, 256), (0, 1024)), tile.T)
+    assert element_copy.kept_stage_bytes() > 0  # this thread's, kept
+    opts = stream.StreamOptions(tile_bytes=256 << 10, chunk_bytes=256 << 10)
+    leaf = stream.LazyLeaf(lazy.Transpose(t, (1, 0)), SingleDeviceSharding(jax.devices()[0]), "w", (), opts)
+    save_checkpoint(tmp_path / "ck", 1, {"w": leaf})
+    assert opts.stats.bytes_written == x.nbytes and element_copy.kept_stage_bytes() == 0
