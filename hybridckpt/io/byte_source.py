@@ -235,9 +235,10 @@ class ByteSource:
                 at += want
         _count(self.path, total)
 
-    def read_runs(self, offsets: np.ndarray, run_bytes: int, buffer: memoryview) -> None:
+    def read_runs(self, offsets: np.ndarray, run_bytes: int, buffer: memoryview, stride: int | None = None) -> None:
         """Fill `buffer` (`len(offsets) * run_bytes` bytes) with the runs of `run_bytes` bytes at
-        the file's byte `offsets`, packed in their order. A box of many runs far apart (a target
+        the file's byte `offsets`, packed in their order (`stride`: run k at byte `k * stride` of
+        `buffer` instead, the rows of a padded buffer: `lazy.element_copy.transposed_rows`). A box of many runs far apart (a target
         mesh that cuts a source chunk across its rows: a strip of every row) is millions of them,
         so they are batched (`run_batches`): consecutive runs at most `GAP_PER_CALL_BYTES` apart
         are one `preadv` of their span, each run straight into its place in `buffer` and each gap
@@ -248,18 +249,19 @@ class ByteSource:
         n = len(offsets)
         if n == 0 or run_bytes == 0:
             return
-        if len(buffer) != n * run_bytes:
-            raise ValueError(f"read_runs: a buffer of {len(buffer)} bytes for {n} runs of {run_bytes}")
+        step = run_bytes if stride is None else int(stride)
+        if step < run_bytes or len(buffer) < (n - 1) * step + run_bytes or (stride is None and len(buffer) != n * run_bytes):
+            raise ValueError(f"read_runs: a buffer of {len(buffer)} bytes for {n} runs of {run_bytes}, {step} apart")
         starts, gaps = run_batches(offsets, run_bytes)
         obj = remote_object(self.path)
         if obj is not None:  # a data file in object storage: ranged GETs (coalesced there)
             runs = offsets.tolist()
             _remote_into(self.path, obj, [(o, o + run_bytes) for o in runs], buffer,
-                         list(range(0, n * run_bytes, run_bytes)))
+                         list(range(0, n * step, step)))
         elif not planned():
             if int(np.min(offsets)) < 0:  # a corrupt offset field: pread would fail with EINVAL
                 raise FormatError(f"{self.path}: read at byte {int(np.min(offsets))}, before the start of the file")
-            self._read_batches(offsets.tolist(), run_bytes, buffer, starts.tolist() + [n])
+            self._read_batches(offsets.tolist(), run_bytes, buffer, starts.tolist() + [n], step)
             if timing.enabled():
                 timing.add_bytes(n * run_bytes)
         if _counters or getattr(_thread, "counters", None):
@@ -271,17 +273,18 @@ class ByteSource:
                     if gaps:
                         c[(self.path, "gap")] += gaps
 
-    def _read_batches(self, offsets: list[int], run_bytes: int, buffer: memoryview, bounds: list[int]) -> None:
+    def _read_batches(self, offsets: list[int], run_bytes: int, buffer: memoryview, bounds: list[int],
+                      step: int) -> None:
         """The reads of `read_runs`: runs `bounds[i]:bounds[i + 1]` are one preadv (`run_batches`),
-        its buffers the runs' places in `buffer` interleaved with views of one scratch buffer
-        the length of each gap (one view per distinct length: a cut's gaps are all alike)."""
+        its buffers the runs' places in `buffer` (`step` bytes apart) interleaved with views of one
+        scratch buffer the length of each gap (one view per distinct length: a cut's gaps are all alike)."""
         fd = _fd(self.path)
         scratch = memoryview(bytearray(read_batches.GAP_PER_CALL_BYTES))  # every gap of every batch lands here
         gap_views: dict[int, memoryview] = {}
         for i, j in zip(bounds, bounds[1:], strict=False):
             first, last = offsets[i], offsets[j - 1]
             iov: list = [None] * (2 * (j - i) - 1)
-            iov[0::2] = [buffer[a : a + run_bytes] for a in range(i * run_bytes, j * run_bytes, run_bytes)]
+            iov[0::2] = [buffer[a : a + run_bytes] for a in range(i * step, j * step, step)]
             gaps = [b - a - run_bytes for a, b in zip(offsets[i : j - 1], offsets[i + 1 : j], strict=True)]
             for g in set(gaps) - gap_views.keys():
                 gap_views[g] = scratch[:g]
@@ -295,7 +298,7 @@ class ByteSource:
                 ) from e
             if got != want:  # a short read: the general loop, run by run, finishes it or names the truncation
                 for k in range(i, j):
-                    self._pread_into(offsets[k], buffer[k * run_bytes : (k + 1) * run_bytes])
+                    self._pread_into(offsets[k], buffer[k * step : k * step + run_bytes])
 
     def _pread_into(self, offset: int, buffer: memoryview) -> None:
         want = len(buffer)

@@ -15,11 +15,20 @@ casts). Two large numpy calls per strip: the GIL is held for microseconds per st
 threads copy in parallel. On bf16 `[5632, 2048]`: 2.2-2.7 G elements/s on one thread, 3-4.4 on
 two (fp32: 1.5 and 2.5); the square 128-element tiles staged three calls each before reached
 1.63 and 1.77 (the GIL between). Bit for bit the same result: `tests/store/test_streaming.py`.
+
+The strip loop (`transposed_rows`) takes what fills the staging rows as a function: a copy out of
+an array in memory (`copy_into`), or a read of the file's rows straight into them
+(`lazy.StoredTensor`: the transposed tiles of an import, no slab buffer, no copy into the stage,
+`tests/lazy/test_staged_reads.py`). Each thread keeps its staging buffer (`stage_rows`, up to
+STAGE_KEEP_BYTES) instead of making one a copy, until a save ends (`release_stages`).
 """
 
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -30,7 +39,7 @@ PAD_BYTES = 64  # the staging rows' padding: one cache line
 STAGED_MAX_OUTER = 256  # at most this many 2-D slices (over the other axes) are staged one by one
 
 
-def _fastest_axis(x: np.ndarray) -> int:
+def fastest_axis(x: np.ndarray) -> int:
     """The axis (of length > 1) with the smallest stride: the one contiguous in memory."""
     axes = [i for i, n in enumerate(x.shape) if n > 1]
     return min(axes, key=lambda i: abs(x.strides[i])) if axes else x.ndim - 1
@@ -46,7 +55,7 @@ def copy_into(out: np.ndarray, src: np.ndarray) -> None:
     if out.ndim < 2 or out.size < STRIP_ROWS * STRIP_ROWS or src.shape != out.shape:
         np.copyto(out, src, casting="unsafe")
         return
-    a, b = _fastest_axis(out), _fastest_axis(src)
+    a, b = fastest_axis(out), fastest_axis(src)
     if a == b:
         np.copyto(out, src, casting="unsafe")
         return
@@ -69,22 +78,102 @@ def _as_bits(x: np.ndarray) -> np.ndarray:
 
 
 def _strips(out: np.ndarray, src: np.ndarray, a: int, b: int, others: list[int]) -> None:
-    """The transposing copy over axes `a` (out's contiguous one) and `b` (src's), one 2-D slice
-    of the `others` axes at a time, strip by strip through a padded staging buffer."""
+    """The transposing copy of an array in memory: `transposed_rows` with each strip's rows
+    copied out of `src` into the staging rows."""
     if out.dtype == src.dtype and out.dtype.itemsize in (1, 2, 4, 8):
         out, src = _as_bits(out), _as_bits(src)
-    h, n = min(STRIP_ROWS, out.shape[a]), src.shape[b]  # (the buffer: at most the 2-D slice)
-    pad = max(1, PAD_BYTES // src.dtype.itemsize)
-    stage = np.empty((h, n + pad), dtype=src.dtype)  # [strip index along a, index along b]
-    for rest in np.ndindex(*(out.shape[d] for d in others)):
-        idx: list = [slice(None)] * out.ndim
+
+    def fill(rest: tuple[int, ...], i: int, rows: np.ndarray) -> None:
+        idx: list = [slice(None)] * src.ndim
         for d, r in zip(others, rest, strict=True):
             idx[d] = r
-        o2, s2 = out[tuple(idx)], src[tuple(idx)]  # 2-D, axes in the order (min(a, b), max(a, b))
-        a_first = a < b
-        for i in range(0, o2.shape[0 if a_first else 1], h):
-            k = min(h, o2.shape[0 if a_first else 1] - i)
-            staged = stage[:k, :n] if a_first else stage[:k, :n].T  # laid out like src: b fastest
-            part = (slice(i, i + k), slice(None)) if a_first else (slice(None), slice(i, i + k))
-            np.copyto(staged, s2[part])
-            np.copyto(o2[part], staged, casting="unsafe")
+        idx[a] = slice(i, i + rows.shape[0])
+        part = src[tuple(idx)]  # 2-D, axes in the order (min(a, b), max(a, b))
+        np.copyto(rows if a < b else rows.T, part)
+
+    transposed_rows(out, src.dtype, a, b, fill)
+
+
+RowFill = Callable[[tuple[int, ...], int, np.ndarray], None]
+
+
+def transposed_rows(out: np.ndarray, src_dtype, a: int, b: int, fill: RowFill) -> None:
+    """`out[...] =` a source contiguous along axis `b`, where `out` is contiguous along `a` (a
+    transposing copy), strip by strip: for each index `rest` of the other axes (at most
+    STAGED_MAX_OUTER of them) and each strip of STRIP_ROWS indices from `i` along `a`,
+    `fill(rest, i, rows)` puts the source's elements there into `rows` (`[k, n]`, of
+    `src_dtype`: row `r` the source's line at index `i + r` along `a`, over the `n` indices
+    along `b`; the rows of the padded staging buffer, `stage_rows`), then one numpy copy moves
+    them into `out` (casting as `copy_into` does). `fill` copies them out of an array in memory
+    (`copy_into`) or reads them from a file straight into the staging rows (`lazy.StoredTensor`:
+    no buffer of the whole box, no copy into the staging). Under a read plan
+    (`io.byte_source.planning`) `fill` is called (the reads are counted) but nothing is copied."""
+    src_dtype = np.dtype(src_dtype)
+    if out.dtype == src_dtype and out.dtype.itemsize in (1, 2, 4, 8):
+        out, src_dtype = _as_bits(out), np.dtype(f"u{src_dtype.itemsize}")
+    others = [d for d in range(out.ndim) if d not in (a, b)]
+    h, n = min(STRIP_ROWS, out.shape[a]), out.shape[b]
+    dry = planned()
+    with stage_rows(h, n, src_dtype) as stage:
+        for rest in np.ndindex(*(out.shape[d] for d in others)):
+            idx: list = [slice(None)] * out.ndim
+            for d, r in zip(others, rest, strict=True):
+                idx[d] = r
+            o2 = out[tuple(idx)]  # 2-D, axes in the order (min(a, b), max(a, b))
+            for i in range(0, out.shape[a], h):
+                rows = stage[: min(h, out.shape[a] - i)]
+                fill(rest, i, rows)
+                if not dry:
+                    part = (slice(i, i + len(rows)), slice(None)) if a < b else (slice(None), slice(i, i + len(rows)))
+                    np.copyto(o2[part], rows if a < b else rows.T, casting="unsafe")
+
+
+STAGE_KEEP_BYTES = 4 << 20  # a thread keeps its staging buffer up to this size (reused strip after strip)
+_lock = threading.Lock()
+_kept: dict[int, dict] = {}  # thread id -> {"stage": its staging buffer (uint8) or None, "busy": lent}
+
+
+@contextmanager
+def stage_rows(h: int, n: int, dtype) -> Iterator[np.ndarray]:
+    """`[h, n]` of `dtype`, rows PAD_BYTES (at least one element) longer than `n` elements, so a
+    walk down a column touches every cache set (rows a power of two apart map to the same one).
+    Lent from this thread's buffer (kept up to STAGE_KEEP_BYTES, until `release_stages`): no
+    fresh pages strip after strip, box after box."""
+    dtype = np.dtype(dtype)
+    pad = max(1, PAD_BYTES // dtype.itemsize)
+    need = h * (n + pad) * dtype.itemsize
+    with _lock:
+        mine = _kept.setdefault(threading.get_ident(), {"stage": None, "busy": False})
+        lent = not mine["busy"] and need <= STAGE_KEEP_BYTES
+        if lent:
+            mine["busy"] = True
+            if mine["stage"] is None or len(mine["stage"]) < need:
+                mine["stage"] = np.empty(max(need, 1 << 20), np.uint8)
+                stage_allocations[0] += 1
+            raw = mine["stage"]
+    if not lent:
+        raw = np.empty(need, np.uint8)
+    try:
+        yield raw[:need].view(dtype).reshape(h, n + pad)[:, :n]
+    finally:
+        if lent:
+            with _lock:
+                mine["busy"] = False
+
+
+def release_stages() -> None:
+    """Drop every thread's kept staging buffer that is not lent now (a save is over:
+    `store.stream`); the next transposing copy of a thread makes one again."""
+    with _lock:
+        for tid in list(_kept):
+            if not _kept[tid]["busy"]:
+                del _kept[tid]
+
+
+def kept_stage_bytes() -> int:
+    """Bytes of the staging buffers the threads keep (tests count them)."""
+    with _lock:
+        return sum(len(k["stage"]) for k in _kept.values() if k["stage"] is not None)
+
+
+stage_allocations = [0]  # staging buffers a thread made to keep (tests count them)

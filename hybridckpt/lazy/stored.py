@@ -2,8 +2,11 @@
 
 `StoredTensor` is C-contiguous little-endian elements of `dtype` at a byte offset of a
 `ByteSource`; a box that is one run is read with one pread straight into the caller's buffer when
-it is C-contiguous and of the stored dtype; any other box is read by slabs (`ByteSource.read_span`
-where its runs lie close together) and copied by one strided, transposing or casting copy.
+it is C-contiguous and of the stored dtype; a transposing read (`out` contiguous along another
+axis than the file's rows) of one run or of runs a page or more apart is read strip by strip
+straight into the staging rows of its transposing copy (`_rows_into`); any other box is read by
+slabs (`ByteSource.read_span` where its runs lie close together) and copied by one strided,
+transposing or casting copy.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridckpt.io.byte_source import ByteSource
+from hybridckpt.lazy import element_copy
 from hybridckpt.lazy.base import FileRun, LazyTensor, copy_into
 from hybridckpt.lazy.box import Box, box_runs, box_shape, flat_ranges
 
@@ -51,8 +55,10 @@ class StoredTensor(LazyTensor):
     # read_box: the protocol's (an array of the box's shape, filled by read_into)
 
     def read_into(self, box: Box, out: np.ndarray) -> None:
-        """One run into a C-contiguous `out` of the stored dtype: one pread, no copy. Anything
-        else (many runs, a transposed or cast `out`) is read in slabs of at most SPAN_BYTES:
+        """One run into a C-contiguous `out` of the stored dtype: one pread, no copy. A
+        transposed `out` of one run or runs a page apart: strip by strip into the staging rows of
+        its transposing copy (`_rows_into`). Anything
+        else (many runs, a cast `out`) is read in slabs of at most SPAN_BYTES:
         runs less than a page apart (so the span touches no page the runs do not) as one pread
         of their span, then one strided (transposing, casting) copy out of it; runs further
         apart (`ByteSource.read_runs`: one preadv per batch of runs at most 8 KiB apart, else a
@@ -72,9 +78,50 @@ class StoredTensor(LazyTensor):
             if rows is not None:  # one run of the file into the rows of a strided `out`: no copy
                 self.source.read_scatter(self.offset + int(starts[0]) * item, rows)
                 return
+        if self._rows_into(box, out):
+            return
         for slab in _slabs(self.shape, box, SPAN_BYTES // item):
             where = tuple(slice(a - a0, b - a0) for (a, b), (a0, _) in zip(slab, box, strict=True))
             self._slab_into(slab, out[where])
+
+    def _rows_into(self, box: Box, out: np.ndarray) -> bool:
+        """A transposing read (`out` contiguous along another axis than the file's rows: the
+        `[in, out]` tile of a torch `[out, in]` weight) whose rows are one run or runs at least a
+        page apart, read strip by strip straight into the padded staging rows of the transposing
+        copy (`element_copy.transposed_rows`): one run by `read_scatter` (its rows the staging
+        rows), runs apart by `read_runs` (one preadv a strip, the gaps into scratch). Before, the
+        whole slab was read into a fresh buffer (every page faulted in and zeroed by the kernel:
+        huge pages, numpy advises them for large arrays) and copied into the staging rows again
+        (`memmove`) before the transposing copy. False (nothing read) where the box is not such
+        a read: no transposition, rows under SCATTER_ROW_BYTES, runs closer than a page (one
+        pread of their span, `_slab_into`), too many other slices."""
+        if out.ndim < 2 or out.size < element_copy.STRIP_ROWS ** 2:
+            return False
+        item = np.dtype(self.dtype).itemsize
+        wide = [d for d, (lo, hi) in enumerate(box) if hi - lo > 1]
+        b = wide[-1]  # the file's fastest axis in the box: its rows along b
+        a = element_copy.fastest_axis(out)
+        if a == b or math.prod(self.shape[b + 1:]) != 1 or box_shape(box)[b] * item < SCATTER_ROW_BYTES:
+            return False
+        if math.prod(n for d, n in enumerate(box_shape(box)) if d not in (a, b)) > element_copy.STAGED_MAX_OUTER:
+            return False
+        strides = _strides(self.shape, item)  # bytes
+        row = box_shape(box)[b] * item
+        if strides[a] != row and strides[a] - row < PAGE_BYTES:
+            return False  # runs close together: one pread of their span (`_slab_into`)
+        first = self.offset + sum(lo * s for (lo, _), s in zip(box, strides, strict=True))
+        others = [d for d in range(len(box)) if d not in (a, b)]
+
+        def fill(rest: tuple[int, ...], i: int, rows: np.ndarray) -> None:
+            at = first + i * strides[a] + sum(r * strides[d] for d, r in zip(others, rest, strict=True))
+            if strides[a] == row:  # the strip's rows lie side by side in the file: one run
+                self.source.read_scatter(at, row_views(rows))
+            else:
+                span, step = _strided_span(rows)
+                self.source.read_runs(at + np.arange(len(rows), dtype=np.int64) * strides[a], row, span, step)
+
+        element_copy.transposed_rows(out, self.dtype, a, b, fill)
+        return True
 
     def _slab_into(self, box: Box, out: np.ndarray) -> None:
         starts, run_len = box_runs(self.shape, box)
@@ -138,6 +185,17 @@ def row_views(out: np.ndarray, min_bytes: int = 1) -> list[memoryview] | None:
     for n, s in zip(out.shape[:k], out.strides[:k], strict=True):
         offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * s).reshape(-1)
     return [whole[o: o + step] for o in offsets.tolist()]
+
+
+def _strided_span(rows: np.ndarray) -> tuple[memoryview, int]:
+    """(bytes, step) of a 2-D `rows` whose rows are C-contiguous: one byte view of the memory
+    from its first row's start to its last row's end, and the bytes from row to row."""
+    root = rows
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    whole = memoryview(root.reshape(-1).view(np.uint8))
+    start, step = rows.ctypes.data - root.ctypes.data, rows.strides[0]
+    return whole[start: start + (len(rows) - 1) * step + rows.shape[1] * rows.itemsize], step
 
 
 SCATTER_ROW_BYTES = 512  # rows shorter than this are read in slabs and copied (a preadv view each costs)

@@ -48,7 +48,7 @@ from hybridckpt.containers.orbax.codec import COMPRESSION
 from hybridckpt.io import timing
 from hybridckpt.io.aligned_pool import AlignedPool
 from hybridckpt.io.direct_io import aligned_empty
-from hybridckpt.lazy import Box, LazyTensor, box_shape
+from hybridckpt.lazy import Box, LazyTensor, box_shape, element_copy
 from hybridckpt.plan import box_owners
 
 CHUNK_BYTES = 8 << 20  # zarr chunk target: small against any shard a resharding restore reads
@@ -384,6 +384,7 @@ class _Budget:
             self.active -= 1
             if self.active == 0:
                 self.buffers.clear()  # the save is over: no tile buffer kept past it
+                element_copy.release_stages()  # nor a reader's staging rows (`lazy.element_copy`)
             self.cond.notify_all()
             if wait:
                 await self.cond.wait_for(lambda: self.active == 0)
