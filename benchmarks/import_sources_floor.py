@@ -10,16 +10,16 @@ The sources, one at a time (each deleted before the next is written):
 
 - `dcp`: an FSDP2 run with AdamW saved by `torch.distributed.checkpoint.save` on 2 gloo ranks
   (`import_dcp_floor.write`: every param and moment a DTensor `Shard(0)`, `step`, `param_groups`),
-  the Llama shapes of `consolidate_dcp`, params + two moments about `--gib` GiB, with its HF
+  the Llama shapes of `consolidate_dcp`, params + two moments at least `--gib` GiB, with its HF
   config.json (`--config`);
 - `hf`: transformers' `LlamaForCausalLM(config).save_pretrained(dir, max_shard_size="1GB")`
-  (safetensors shards + index, fp32, the model's own random init), params about `--gib` GiB;
+  (safetensors shards + index, fp32, the model's own random init), params at least `--gib` GiB;
 - `megatron`: Megatron-Core 0.19.2 itself (`tests/real/generators/_megatron_core_run.py train` in
   the side venv `tests/real/make.py megatron_core` makes, ~/.cache/hybridckpt-real/megatron_core):
   Megatron-LM's `setup_model_and_optimizer`, one `train_step`, `save_checkpoint` with
   `--ckpt-format torch_dist` on 4 gloo CPU ranks (TP 2 x DP 2, distributed optimizer,
   `dp_reshardable`), a Llama-like GPT (GQA, SwiGLU, RMSNorm, untied head, fp32), model + the
-  optimizer's fp32 main params and two moments about `--gib` GiB (at least one layer: ~1.2 GiB).
+  optimizer's fp32 main params and two moments at least `--gib` GiB (and one layer: ~1.2 GiB).
 
 Then, per source, each import a fresh `python -m hybridckpt.cli import SRC DST --mesh fsdp=2,tp=2
 --json` (default flags; `--json` turns the account on and prints it) on 8 simulated CPU devices,
@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import socket
@@ -63,6 +64,7 @@ import consolidate_dcp  # noqa: E402
 import floors  # noqa: E402
 import import_dcp_floor  # noqa: E402
 import restore_floor  # noqa: E402
+from consolidate_dcp import FFN, HIDDEN, VOCAB  # noqa: E402
 
 SOURCES = ("dcp", "hf", "megatron")
 IMPORT_MESH, RESTORE_MESH = "fsdp=2,tp=2", "fsdp=4"
@@ -79,8 +81,21 @@ def _env() -> dict:
 
 # ---- the writers: each the real tool -------------------------------------------------------
 
+def dcp_layers(gib: float) -> int:
+    """Layers of `consolidate_dcp`'s Llama whose params and two fp32 moments are at least `gib`
+    GiB (`import_dcp_floor.layers_for` rounds to the nearest: 3.8 GiB for 4)."""
+    per_layer = (4 * HIDDEN * HIDDEN + 3 * HIDDEN * FFN + 2 * HIDDEN) * 4 * 3
+    return max(1, math.ceil((gib * 2**30 - 2 * VOCAB * HIDDEN * 4 * 3) / per_layer))
+
+
+def hf_layers(gib: float) -> int:
+    """Layers of the same Llama whose fp32 params are at least `gib` GiB."""
+    per_layer = (4 * HIDDEN * HIDDEN + 3 * HIDDEN * FFN + 2 * HIDDEN) * 4
+    return max(1, math.ceil((gib * 2**30 - 2 * VOCAB * HIDDEN * 4) / per_layer))
+
+
 def write_dcp(src: str, gib: float) -> dict:
-    layers = import_dcp_floor.layers_for(gib)
+    layers = dcp_layers(gib)
     cfg = src + ".config.json"
     with open(cfg, "w") as f:
         json.dump(consolidate_dcp.hf_config(layers), f)
@@ -102,7 +117,7 @@ def _write_hf(src: str, layers: str) -> None:
 
 
 def write_hf(src: str, gib: float) -> dict:
-    layers = consolidate_dcp.layers_for(gib)
+    layers = hf_layers(gib)
     subprocess.run([sys.executable, HERE, "--_write_hf", src, str(layers)], check=True, capture_output=True)
     return {"writer": f"transformers {version('transformers')} LlamaForCausalLM.save_pretrained("
                       f"max_shard_size='1GB'), fp32, safetensors shards + index", "layers": layers, "config": None}
@@ -110,11 +125,11 @@ def write_hf(src: str, gib: float) -> dict:
 
 def megatron_layers(gib: float) -> int:
     """Layers so that the fp32 model, the distributed optimizer's fp32 main params and AdamW's two
-    moments (16 bytes a parameter, as megatron-core saves them) are about `gib` GiB."""
+    moments (16 bytes a parameter, as megatron-core saves them) are at least `gib` GiB."""
     hd = M_HIDDEN // M_HEADS
     per_layer = (M_HEADS + 2 * M_KV) * hd * M_HIDDEN + M_HIDDEN * M_HEADS * hd + 3 * M_FFN * M_HIDDEN + 2 * M_HIDDEN
     rest = gib * 2**30 / 16 - 2 * M_VOCAB * M_HIDDEN
-    return max(1, round(rest / per_layer))
+    return max(1, math.ceil(rest / per_layer))
 
 
 def write_megatron(src: str, gib: float) -> dict:
