@@ -341,6 +341,7 @@ def bench_restore(ck: str, repeat: int, quiet: bool) -> dict:
         m = sorted(runs["warm"], key=lambda r: r["job_s"])[len(runs["warm"]) // 2]
         print(f"== restore {row['mesh']}, warm: the median run's account ==", flush=True)
         print("\n".join(profile_lines(Profile.from_json(m["profile"]))), flush=True)
+        print(json.dumps(row), flush=True)
     return row
 
 
