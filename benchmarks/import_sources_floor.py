@@ -1,0 +1,407 @@
+"""Benchmark (issue 42, "import at the floor"): sources of `--gib` GiB written by the real tools,
+each imported with default flags against the O_DIRECT write floor of the bytes it writes,
+measured in the same run, with the import's peak RSS and its per-stage account; one restore of
+our store onto another mesh against the read floors.
+
+    python benchmarks/import_sources_floor.py [--gib 4] [--sources dcp,hf,megatron] [--repeat 3]
+        [--restore dcp] [--dir DIR] [--json]
+
+The sources, one at a time (each deleted before the next is written):
+
+- `dcp`: an FSDP2 run with AdamW saved by `torch.distributed.checkpoint.save` on 2 gloo ranks
+  (`import_dcp_floor.write`: every param and moment a DTensor `Shard(0)`, `step`, `param_groups`),
+  the Llama shapes of `consolidate_dcp`, params + two moments at least `--gib` GiB, with its HF
+  config.json (`--config`);
+- `hf`: transformers' `LlamaForCausalLM(config).save_pretrained(dir, max_shard_size="1GB")`
+  (safetensors shards + index, fp32, the model's own random init), params at least `--gib` GiB;
+- `megatron`: Megatron-Core 0.19.2 itself (`tests/real/generators/_megatron_core_run.py train` in
+  the side venv `tests/real/make.py megatron_core` makes, ~/.cache/hybridckpt-real/megatron_core):
+  Megatron-LM's `setup_model_and_optimizer`, one `train_step`, `save_checkpoint` with
+  `--ckpt-format torch_dist` on 4 gloo CPU ranks (TP 2 x DP 2, distributed optimizer,
+  `dp_reshardable`), a Llama-like GPT (GQA, SwiGLU, RMSNorm, untied head, fp32), model + the
+  optimizer's fp32 main params and two moments at least `--gib` GiB (and one layer: ~1.2 GiB).
+
+Then, per source, each import a fresh `python -m hybridckpt.cli import SRC DST --mesh fsdp=2,tp=2
+--json` (default flags; `--json` turns the account on and prints it) on 8 simulated CPU devices,
+page cache warm, bytecode cached: one warm-up (not counted: it says the bytes the import
+writes), the write floors (`floors.measure`, best of 2) before, `--repeat` imports, the floors
+again after. The row: the median import's own seconds (the summary's `seconds`) and its
+process's wall (Python's start included) over the best O_DIRECT floor of the 4, the highest peak
+RSS (`wait4`'s `ru_maxrss` of the child), the account of the median run, and whether the
+account's shares + other/waiting (which sum to the account's wall by construction) cover the
+process's wall within 10% (`account_over_process_wall`).
+
+`--restore SOURCE` (default `dcp`; `none`: skip): the last import of that source (on fsdp=2,tp=2)
+restored onto fsdp=4 (`hybridckpt.restore(ck, "fsdp=4", profile=True)`, params and optimizer
+state, every array blocked on), `--repeat` rounds warm then cold alternating, against
+`restore_floor`'s floors of exactly its chunk files: warm `cat` and pread into fresh buffers,
+cold O_DIRECT reads (the pages dropped with `POSIX_FADV_DONTNEED`).
+Prints one table row per source and a JSON line. Records: docs/benchmarks.md "Sources of 4 GiB
+made by the tools (issue 42)".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from importlib.metadata import version
+
+HERE = os.path.abspath(__file__)
+BENCH = os.path.dirname(HERE)
+TREE = os.path.dirname(BENCH)
+sys.path.insert(0, BENCH)
+
+import consolidate_dcp  # noqa: E402
+import floors  # noqa: E402
+import import_dcp_floor  # noqa: E402
+import restore_floor  # noqa: E402
+from consolidate_dcp import FFN, HIDDEN, VOCAB  # noqa: E402
+
+SOURCES = ("dcp", "hf", "megatron")
+IMPORT_MESH, RESTORE_MESH = "fsdp=2,tp=2", "fsdp=4"
+GENERATORS = os.path.join(TREE, "tests", "real", "generators")
+MEGATRON_VENV = os.path.expanduser("~/.cache/hybridckpt-real/megatron_core")
+# Megatron's model: Llama-like (the shapes of consolidate_dcp with GQA: 16 heads, 8 KV groups)
+M_HIDDEN, M_HEADS, M_KV, M_FFN, M_VOCAB = 2048, 16, 8, 5632, 8192
+M_TP, M_DP = 2, 2
+
+
+def _env() -> dict:
+    return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+
+
+# ---- the writers: each the real tool -------------------------------------------------------
+
+def dcp_layers(gib: float) -> int:
+    """Layers of `consolidate_dcp`'s Llama whose params and two fp32 moments are at least `gib`
+    GiB (`import_dcp_floor.layers_for` rounds to the nearest: 3.8 GiB for 4)."""
+    per_layer = (4 * HIDDEN * HIDDEN + 3 * HIDDEN * FFN + 2 * HIDDEN) * 4 * 3
+    return max(1, math.ceil((gib * 2**30 - 2 * VOCAB * HIDDEN * 4 * 3) / per_layer))
+
+
+def hf_layers(gib: float) -> int:
+    """Layers of the same Llama whose fp32 params are at least `gib` GiB."""
+    per_layer = (4 * HIDDEN * HIDDEN + 3 * HIDDEN * FFN + 2 * HIDDEN) * 4
+    return max(1, math.ceil((gib * 2**30 - 2 * VOCAB * HIDDEN * 4) / per_layer))
+
+
+def write_dcp(src: str, gib: float) -> dict:
+    layers = dcp_layers(gib)
+    cfg = src + ".config.json"
+    with open(cfg, "w") as f:
+        json.dump(consolidate_dcp.hf_config(layers), f)
+    subprocess.run([sys.executable, import_dcp_floor.HERE, "--_write", src, str(layers)], check=True,
+                   capture_output=True)
+    return {"writer": f"torch {version('torch')} torch.distributed.checkpoint.save, 2 gloo ranks, FSDP2 "
+                      f"DTensor Shard(0) params + AdamW exp_avg/exp_avg_sq/step", "layers": layers, "config": cfg}
+
+
+def _write_hf(src: str, layers: str) -> None:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**{k: v for k, v in consolidate_dcp.hf_config(int(layers)).items()
+                                      if k not in ("architectures", "model_type", "torch_dtype")})
+    model = transformers.LlamaForCausalLM(cfg).to(torch.float32)
+    model.save_pretrained(src, max_shard_size="1GB")
+
+
+def write_hf(src: str, gib: float) -> dict:
+    layers = hf_layers(gib)
+    subprocess.run([sys.executable, HERE, "--_write_hf", src, str(layers)], check=True, capture_output=True)
+    return {"writer": f"transformers {version('transformers')} LlamaForCausalLM.save_pretrained("
+                      f"max_shard_size='1GB'), fp32, safetensors shards + index", "layers": layers, "config": None}
+
+
+def megatron_layers(gib: float) -> int:
+    """Layers so that the fp32 model, the distributed optimizer's fp32 main params and AdamW's two
+    moments (16 bytes a parameter, as megatron-core saves them) are at least `gib` GiB."""
+    hd = M_HIDDEN // M_HEADS
+    per_layer = (M_HEADS + 2 * M_KV) * hd * M_HIDDEN + M_HIDDEN * M_HEADS * hd + 3 * M_FFN * M_HIDDEN + 2 * M_HIDDEN
+    rest = gib * 2**30 / 16 - 2 * M_VOCAB * M_HIDDEN
+    return max(1, math.ceil(rest / per_layer))
+
+
+def write_megatron(src: str, gib: float) -> dict:
+    py = os.path.join(MEGATRON_VENV, "bin", "python")
+    if not os.path.exists(py):
+        raise SystemExit(f"{py}: no megatron-core side venv; make it with `python tests/real/make.py megatron_core`")
+    sys.path.insert(0, GENERATORS)
+    from megatron_core import COMMON  # the real cases' Megatron-LM arguments (tests/real)
+
+    layers = megatron_layers(gib)
+    over = {"--num-layers": layers, "--hidden-size": M_HIDDEN, "--num-attention-heads": M_HEADS,
+            "--num-query-groups": M_KV, "--ffn-hidden-size": M_FFN, "--vocab-size": M_VOCAB,
+            "--make-vocab-size-divisible-by": 128, "--train-iters": 1, "--global-batch-size": 2}
+    args = list(COMMON)
+    for k, v in over.items():
+        args[args.index(k) + 1] = str(v)
+    args += ["--tensor-model-parallel-size", str(M_TP), "--pipeline-model-parallel-size", "1", "--save", src]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = src + ".log"
+    with open(log, "w") as f:
+        r = subprocess.run([py, "-m", "torch.distributed.run", f"--nproc-per-node={M_TP * M_DP}", f"--master-port={port}",
+                            os.path.join(GENERATORS, "_megatron_core_run.py"), "train",
+                            json.dumps([[src, "torch_dist", False]]), "--", *args],
+                           stdout=f, stderr=subprocess.STDOUT,
+                           env=dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", PYTHONPATH=""))
+    if r.returncode:
+        with open(log) as f:
+            raise SystemExit(f"megatron-core's save failed ({r.returncode}):\n{f.read()[-4000:]}")
+    os.remove(log)
+    return {"writer": f"megatron-core 0.19.2 save_checkpoint --ckpt-format torch_dist, TP {M_TP} x DP {M_DP} gloo "
+                      f"CPU ranks, distributed optimizer (dp_reshardable), after 1 train_step, fp32",
+            "layers": layers, "config": None}
+
+
+WRITERS = {"dcp": write_dcp, "hf": write_hf, "megatron": write_megatron}
+
+
+# ---- the runs: each a fresh process ---------------------------------------------------------
+
+# A launcher between this process and a measured one: Linux carries the high-water RSS of the
+# process that forks (vfork: its whole life's) into the child's `ru_maxrss` at exec, and this
+# benchmark holds the floors' buffers (a restore's whole store in `fresh_read_floor`); the
+# launcher is a bare Python (~10 MB), so `wait4` there reports the child's own peak.
+LAUNCHER = """
+import json, os, sys, time
+t0 = time.perf_counter()
+pid = os.posix_spawn(sys.argv[2], sys.argv[2:], os.environ)
+_, status, ru = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as f:
+    json.dump({"rc": os.waitstatus_to_exitcode(status), "wall_s": time.perf_counter() - t0,
+               "peak_rss_mib": ru.ru_maxrss / 1024, "cpu_s": ru.ru_utime + ru.ru_stime}, f)
+"""
+
+
+def launch(cmd: list[str], what: str) -> tuple[dict, str]:
+    """Run `cmd` (8 simulated CPU devices) through `LAUNCHER`: (its wall, peak RSS, CPU seconds;
+    its stdout)."""
+    with tempfile.TemporaryDirectory(prefix="launch-") as tmp:
+        res, out, err = (os.path.join(tmp, n) for n in ("res.json", "out", "err"))
+        with open(out, "w") as o, open(err, "w") as e:
+            subprocess.run([sys.executable, "-S", "-c", LAUNCHER, res, *cmd], stdout=o, stderr=e, env=_env(),
+                           check=True)
+        with open(res) as f:
+            r = json.load(f)
+        if r["rc"]:
+            with open(err) as f:
+                raise SystemExit(f"{what} failed ({r['rc']}): {f.read()[-3000:]}")
+        with open(out) as f:
+            return r, f.read()
+
+
+def run_import(src: str, dst: str, cfg: str | None) -> dict:
+    """One `hybridckpt import SRC DST --mesh IMPORT_MESH --json` in a fresh process: its summary
+    (seconds, bytes, account), the process's wall, peak RSS and CPU seconds (`launch`)."""
+    shutil.rmtree(dst, ignore_errors=True)
+    subprocess.run(["sync"], check=True)
+    cmd = [sys.executable, "-m", "hybridckpt.cli", "import", src, dst, "--mesh", IMPORT_MESH, "--json"]
+    if cfg:
+        cmd += ["--config", cfg]
+    r, text = launch(cmd, f"import of {src}")
+    s = json.loads(text[text.index("{"):])
+    return {**r, "job_s": s["seconds"], "bytes": s["bytes"], "tensors": s["tensors"], "profile": s["profile"]}
+
+
+def restore_child(ck: str) -> dict:
+    """One restore onto RESTORE_MESH in this process, params and optimizer state, every array
+    blocked on: its seconds (modules loaded before), the bytes read, the account."""
+    restore_floor._devices()
+    import jax
+
+    import hybridckpt
+    import hybridckpt.jobs.restore
+    import hybridckpt.place  # noqa: F401  (what a restore loads on first use: not its seconds)
+    from hybridckpt.io.byte_source import count_reads
+    from hybridckpt.io.read_tally import tally
+    from hybridckpt.models.family import families
+
+    families()
+    t1 = time.perf_counter()
+    with count_reads() as counter:
+        _, r = hybridckpt.restore(ck, RESTORE_MESH, profile=True)
+        jax.block_until_ready((r.params, r.opt_state))
+    job = time.perf_counter() - t1
+    placed = sum(a.nbytes for a in jax.tree.leaves((r.params, r.opt_state)) if hasattr(a, "nbytes"))
+    return {"job_s": job, "read_bytes": tally(counter)[0], "placed_bytes": placed, "profile": r.profile.to_json()}
+
+
+def run_restore(ck: str) -> dict:
+    """One restore in a fresh process (`restore_child`), with its peak RSS (`launch`)."""
+    r, text = launch([sys.executable, HERE, "--_restore", ck], f"restore of {ck}")
+    return {**json.loads(text.strip().splitlines()[-1]), "peak_rss_mib": r["peak_rss_mib"]}
+
+
+# ---- the rows --------------------------------------------------------------------------------
+
+def _account(run: dict) -> dict:
+    from hybridckpt.io.timing import Profile
+
+    p = Profile.from_json(run["profile"])
+    shares = sum(s.share_s for s in p.stages) + p.other_s
+    return {"account_wall_s": round(p.wall_s, 3), "shares_over_account_wall": round(shares / p.wall_s, 4),
+            "other_share": round(p.other_s / p.wall_s, 3),
+            "account_over_process_wall": round(p.wall_s / run["wall_s"], 3),
+            "busy_s": {s.stage: round(s.busy_s, 3) for s in p.stages}}
+
+
+def bench_import(kind: str, base: str, gib: float, repeat: int, keep_ck: bool, quiet: bool) -> tuple[dict, str | None]:
+    src, ck = os.path.join(base, kind), os.path.join(base, f"{kind}.orbax")
+    t0 = time.perf_counter()
+    made = WRITERS[kind](src, gib)
+    write_s = time.perf_counter() - t0
+    paths = [p for p in floors.files_under(src)]
+    first = run_import(src, ck, made["config"])  # a warm-up, not counted; says the bytes written
+    fl = [floors.measure(paths, os.path.join(base, "floor"), write_bytes=first["bytes"])]
+    runs = [run_import(src, ck, made["config"]) for _ in range(repeat)]
+    fl.append(floors.measure(paths, os.path.join(base, "floor"), write_bytes=first["bytes"]))
+    direct = [f["write_direct_s"] for f in fl if f["write_direct_s"] is not None]
+    floor_s = min(direct) if direct else None
+    med = sorted(runs, key=lambda r: r["job_s"])[len(runs) // 2]
+    job, wall = statistics.median(r["job_s"] for r in runs), statistics.median(r["wall_s"] for r in runs)
+    acc = _account(med)
+    row = {
+        "source": kind, "writer": made["writer"], "layers": made["layers"], "write_s": round(write_s, 1),
+        "source_gib": round(sum(os.path.getsize(p) for p in paths) / 2**30, 3), "files": len(paths),
+        "mesh": IMPORT_MESH, "bytes_written": first["bytes"], "tensors": first["tensors"],
+        "floor_direct_s": round(floor_s, 3) if floor_s else None,
+        "floors_direct_s": [f["write_direct_s"] and round(f["write_direct_s"], 3) for f in fl],
+        "floors_buffered_s": [round(f["write_s"], 3) for f in fl],
+        "median_job_s": round(job, 3), "median_wall_s": round(wall, 3),
+        "job_over_floor": round(job / floor_s, 2) if floor_s else None,
+        "wall_over_floor": round(wall / floor_s, 2) if floor_s else None,
+        "job_s": [round(r["job_s"], 3) for r in runs], "wall_s": [round(r["wall_s"], 3) for r in runs],
+        "cpu_s": round(statistics.median(r["cpu_s"] for r in runs), 2),
+        "peak_rss_mib": round(max(r["peak_rss_mib"] for r in runs)),
+        **acc, "account_within_10pct": abs(acc["account_over_process_wall"] - 1) <= 0.10,
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
+    }
+    if not quiet:
+        from hybridckpt.cli.profile import profile_lines
+        from hybridckpt.io.timing import Profile
+
+        print(f"== {kind}: {row['writer']}; the median import's account ==", flush=True)
+        print("\n".join(profile_lines(Profile.from_json(med["profile"]))), flush=True)
+        print(json.dumps(row), flush=True)
+    shutil.rmtree(src, ignore_errors=True)
+    if made["config"]:
+        os.remove(made["config"])
+    if not keep_ck:
+        shutil.rmtree(ck, ignore_errors=True)
+        return row, None
+    return row, ck
+
+
+def bench_restore(ck: str, repeat: int, quiet: bool) -> dict:
+    files = restore_floor.chunk_files(ck)
+    stored = sum(os.path.getsize(p) for p in files)
+    runs: dict[str, list] = {k: [] for k in ("warm", "cold", "cat", "fresh", "direct")}
+    run_restore(ck)  # a warm-up, not counted
+    for i in range(repeat):
+        for kind in ("warm", "cold") if i % 2 == 0 else ("cold", "warm"):
+            if kind == "warm":
+                floors.read_floor(files)
+                runs["cat"].append(floors.read_floor(files))
+                runs["fresh"].append(restore_floor.fresh_read_floor(files))
+                runs["warm"].append(run_restore(ck))
+            else:
+                restore_floor.drop_pages(files)
+                runs["direct"].append(restore_floor.direct_read_floor(files))
+                restore_floor.drop_pages(files)
+                runs["cold"].append(run_restore(ck))
+    med = {k: statistics.median(r["job_s"] if isinstance(r, dict) else r for r in v) for k, v in runs.items()}
+    row = {"mesh": f"{IMPORT_MESH} -> {RESTORE_MESH}", "stored_bytes": stored, "chunk_files": len(files),
+           "warm_s": round(med["warm"], 3), "cold_s": round(med["cold"], 3),
+           "floor_cat_s": round(med["cat"], 3), "floor_fresh_s": round(med["fresh"], 3),
+           "floor_direct_s": round(med["direct"], 3),
+           "warm_over_cat": round(med["warm"] / med["cat"], 2), "warm_over_fresh": round(med["warm"] / med["fresh"], 2),
+           "cold_over_direct": round(med["cold"] / med["direct"], 2),
+           "read_over_stored": round(statistics.median(r["read_bytes"] for r in runs["warm"]) / stored, 4),
+           "placed_bytes": runs["warm"][0]["placed_bytes"],
+           "peak_rss_mib": round(max(r["peak_rss_mib"] for r in runs["warm"] + runs["cold"])),
+           "runs_s": {k: [round(r["job_s"] if isinstance(r, dict) else r, 3) for r in v] for k, v in runs.items()},
+           "load_avg": [round(x, 2) for x in os.getloadavg()]}
+    if not quiet:
+        from hybridckpt.cli.profile import profile_lines
+        from hybridckpt.io.timing import Profile
+
+        m = sorted(runs["warm"], key=lambda r: r["job_s"])[len(runs["warm"]) // 2]
+        print(f"== restore {row['mesh']}, warm: the median run's account ==", flush=True)
+        print("\n".join(profile_lines(Profile.from_json(m["profile"]))), flush=True)
+        print(json.dumps(row), flush=True)
+    return row
+
+
+def table(rows: list[dict], restore: dict | None, restored: str | None) -> str:
+    out = ["| source (writer) | GiB | written | O_DIRECT floor | import (x floor) | process wall (x floor) "
+           "| peak RSS | account / wall |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['source']} | {r['source_gib']:.2f} | {r['bytes_written'] / 2**30:.2f} GiB | "
+                   f"{r['floor_direct_s']} s | {r['median_job_s']} s ({r['job_over_floor']}x) | "
+                   f"{r['median_wall_s']} s ({r['wall_over_floor']}x) | {r['peak_rss_mib']} MiB | "
+                   f"{r['account_over_process_wall']} ({'within' if r['account_within_10pct'] else 'NOT within'} 10%) |")
+    if restore:
+        out.append(f"\nrestore of the {restored} import {restore['mesh']} ({restore['stored_bytes'] / 2**30:.2f} GiB): "
+                   f"warm {restore['warm_s']} s ({restore['warm_over_cat']}x cat {restore['floor_cat_s']} s, "
+                   f"{restore['warm_over_fresh']}x fresh buffers {restore['floor_fresh_s']} s); cold "
+                   f"{restore['cold_s']} s ({restore['cold_over_direct']}x O_DIRECT {restore['floor_direct_s']} s); "
+                   f"peak RSS {restore['peak_rss_mib']} MiB")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gib", type=float, default=4.0)
+    ap.add_argument("--sources", default=",".join(SOURCES))
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--restore", default="dcp", help="the source whose import is restored onto another mesh (none: skip)")
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--json", action="store_true", help="print the JSON line only")
+    ap.add_argument("--_write_hf", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--_restore", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a._write_hf:
+        _write_hf(*a._write_hf)
+        return
+    if a._restore:
+        print(json.dumps(restore_child(a._restore)))
+        return
+    kinds = a.sources.split(",")
+    if bad := [k for k in kinds if k not in SOURCES]:
+        raise SystemExit(f"--sources: unknown {bad}; expected some of {','.join(SOURCES)}")
+    base = a.dir or tempfile.mkdtemp(prefix="hybridckpt-sources-", dir="/tmp")
+    os.makedirs(base, exist_ok=True)
+    floors.cached_bytecode(base)
+    t0 = time.perf_counter()
+    rows, restore = [], None
+    try:
+        for kind in kinds:
+            row, ck = bench_import(kind, base, a.gib, a.repeat, keep_ck=kind == a.restore, quiet=a.json)
+            rows.append(row)
+            if ck:
+                restore = bench_restore(ck, a.repeat, a.json)
+                shutil.rmtree(ck, ignore_errors=True)
+        if not a.json:
+            print(table(rows, restore, a.restore), flush=True)
+        print(json.dumps({"gib": a.gib, "repeat": a.repeat, "cpus": os.cpu_count(), "rows": rows, "restore": restore,
+                          "restored": a.restore if restore else None, "seconds": round(time.perf_counter() - t0)}))
+    finally:
+        if a.dir is None:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
