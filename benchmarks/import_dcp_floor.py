@@ -110,10 +110,10 @@ def child(src: str, dst: str, cfg: str, mesh: str, variant: str) -> dict:
         elif v == "nojoin":
             stream.joined_boxes = sorted
     s = import_checkpoint(src, dst, mesh=mesh, config=cfg, overwrite=True, profile=True)
-    import resource
+    from hybridckpt.cli.output import peak_rss_gib  # VmHWM: ru_maxrss would carry the parent's peak
 
     return {"wall_s": time.perf_counter() - t0, "job_s": s.seconds, "bytes": s.bytes, "tensors": s.tensors,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_rss_mib": peak_rss_gib() * 1024,
             "profile": s.profile.to_json()}
 
 

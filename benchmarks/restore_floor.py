@@ -148,6 +148,7 @@ def child(ck: str) -> dict:
     from hybridckpt.models.family import families
 
     families()  # (every model family's package, imported on the first config read: ~0.4 s here)
+    from hybridckpt.cli.output import peak_rss_gib  # VmHWM: ru_maxrss would carry the parent's peak
     from hybridckpt.io.byte_source import count_reads
     from hybridckpt.io.read_tally import tally
 
@@ -161,7 +162,7 @@ def child(ck: str) -> dict:
     return {"job_s": job, "cpu_s": cpu, "sys_s": after.ru_stime - before.ru_stime,
             "faults": after.ru_minflt - before.ru_minflt, "wall_s": time.perf_counter() - t0, "read_bytes": tally(counter)[0],
             "direct_bytes": direct,
-            "placed_bytes": placed, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "placed_bytes": placed, "peak_rss_mb": peak_rss_gib() * 1024,
             "profile": r.profile.to_json()}
 
 

@@ -1,7 +1,7 @@
 """What the CLI prints: the progress bar, sizes and rates in units that fit, one-line summaries.
 
 Sizes are bytes shown as B / kB / MB / GB (powers of 1000); rates as MB/s below 1 GB/s, else GB/s;
-peak memory is the process's peak resident set (`ru_maxrss`) in GiB.
+peak memory is the process's own peak resident set (`VmHWM`) in GiB.
 """
 
 from __future__ import annotations
@@ -24,6 +24,17 @@ def job_finished() -> None:
 
 
 def peak_rss_gib() -> float:
+    """This process's peak resident set in GiB: `VmHWM` of /proc/self/status, the peak of its own
+    memory map. Not `ru_maxrss`: Linux carries the high-water RSS of the process that forked this
+    one into it at exec, so a CLI started from a large process (a notebook, a trainer) reported
+    that process's peak. `ru_maxrss` only where /proc has no VmHWM (not Linux)."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) / 1024**2  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
 
 
