@@ -6,6 +6,10 @@ zeroing of 2 MiB pages was 37-43% of a warm restore's CPU samples). Checked in
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 from fixtures.smaps import mapping_of
 
@@ -18,7 +22,27 @@ def mappings() -> int:
         return sum(1 for _ in f)
 
 
+def in_fresh_process(check: str) -> None:
+    """Run this module's `check` in a new interpreter: what the kernel backs an array with depends
+    on the heap's history (memory an earlier array faulted in as huge pages keeps them, and the
+    kernel merges neighbouring mappings), so a worker that ran other tests cannot tell."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    tests = os.path.dirname(here)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, here, os.environ.get("PYTHONPATH", "")])}
+    code = f"import test_page_advice as t; t.{check}()"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 def test_an_array_marked_before_it_is_written_gets_no_huge_page():
+    in_fresh_process("check_marked_array")
+
+
+def test_many_marked_arrays_add_no_mapping():
+    in_fresh_process("check_many_marked_arrays")
+
+
+def check_marked_array():
     a = aligned_empty((16 << 20,), np.uint8)  # (numpy asks huge pages for it: the mapping says "hg")
     before = mappings()
     assert page_advice.no_huge_pages(a)
@@ -31,7 +55,7 @@ def test_an_array_marked_before_it_is_written_gets_no_huge_page():
     assert int(a.sum(dtype=np.int64)) == 7 * a.size  # (the array is as written)
 
 
-def test_many_marked_arrays_add_no_mapping():
+def check_many_marked_arrays():
     """Each mark covers the whole allocation numpy made (and split off its mapping for): a
     restore of thousands of shards must not add a mapping a shard (`vm.max_map_count`)."""
     arrays = [aligned_empty((5 << 20,), np.uint8) for _ in range(40)]

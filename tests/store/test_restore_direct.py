@@ -209,4 +209,7 @@ def test_the_placed_arrays_are_backed_by_small_pages(store, monkeypatch):
     assert len(shards) > 8
     for s in shards:
         m = mapping_of(s.unsafe_buffer_pointer())
-        assert "nh" in m["flags"] and m["huge_kb"] == 0, (s.shape, m)
+        # (the mark only: whether the kernel then faults small pages is checked in a fresh process
+        # by tests/io/test_page_advice.py; here, in a worker that ran other tests, a shard may sit
+        # in heap memory an earlier array had already faulted in as huge pages)
+        assert "nh" in m["flags"], (s.shape, m)
