@@ -21,7 +21,6 @@ nothing); process-wide and kept after the job (an arena limit cannot be undone).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 
 M_ARENA_MAX = -8  # glibc's malloc.h
@@ -30,8 +29,8 @@ M_ARENA_MAX = -8  # glibc's malloc.h
 @functools.cache
 def _libc():
     """glibc's handle (None elsewhere: musl, macOS)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    try:  # (the process's own symbols: no `find_library`, which runs ldconfig)
+        libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version  # noqa: B018 - glibc only
         libc.mallopt  # noqa: B018
     except (OSError, AttributeError):
