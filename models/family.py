@@ -266,7 +266,7 @@ def family_for_hf(d: Mapping[str, Any], source: str) -> Family:
     if isinstance(archs, str):
         archs = [archs]
     guess = _named_package(d.get("model_type"))  # the folder named as its model_type, alone
-    if guess is not None and (archs[0] in guess.hf_architectures if archs  # (the first one decides, as below)
+    if guess is not None and (next(iter(archs)) in guess.hf_architectures if archs  # (the first decides, as below)
                               else d.get("model_type") in guess.hf_model_types):
         return guess
     for arch in archs:
