@@ -108,10 +108,10 @@ def find(family: str, package: str, name: str) -> Dialect | None:
 
 def dialects(name: str) -> dict[str, Dialect]:
     """Every family's dialect `name`, by family name (sorted); families without one left out."""
-    from hybridckpt.models.family import families
+    from hybridckpt.models.family import speaking
 
     out = {}
-    for fam in families().values():
+    for fam in speaking(name).values():  # (only the families whose folder holds it are imported)
         d = fam.dialect(name)
         if d is not None:
             out[fam.name] = d

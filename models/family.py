@@ -2,7 +2,10 @@
 
 A family is a subpackage `models/<name>/` whose `__init__.py` defines `FAMILY = Family(...)`.
 `families()` imports each subpackage of `models` (pkgutil over `models.__path__`, once) and keeps
-those that define `FAMILY`, so adding a family is adding a folder; nothing else names it.
+those that define `FAMILY`, so adding a family is adding a folder; nothing else names it. The
+lookups a job makes of one family import only the folders they can be in: `family_for_hf` the
+folder named as the config's `model_type` first, `family_of` the config class's own folder,
+`dialects(name)` the folders holding that dialect (`speaking`); each falls back to every family.
 
 What a family gives (JAX-free unless said):
 - `config_cls`: its frozen config dataclass; `family_of(cfg)` goes by the config's type.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 import pkgutil
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
@@ -126,7 +130,8 @@ class Family:
         `models/<family>/dialects/<name>.{rules,py}`), or None when the family has none."""
         from hybridckpt.models import dialect
 
-        _discover()
+        if self.name not in _PACKAGES:
+            _discover()
         package = _PACKAGES.get(self.name)
         return None if package is None else dialect.find(self.name, package, name)
 
@@ -155,20 +160,65 @@ _PACKAGES: dict[str, str] = {}
 
 
 @functools.cache
-def _discover() -> dict[str, Family]:
+def _folders() -> dict[str, str]:
+    """The subpackages of `models`, name -> folder (a listing of its folder: nothing imported)."""
     package = importlib.import_module(__package__)
+    return {info.name: os.path.join(info.module_finder.path, info.name.rpartition(".")[2])
+            for info in pkgutil.iter_modules(package.__path__, prefix=f"{__package__}.") if info.ispkg}
+
+
+def _subpackages() -> tuple[str, ...]:
+    """The names of the subpackages of `models`, in the order `pkgutil` lists them."""
+    return tuple(_folders())
+
+
+def _family_in(package: str) -> Family | None:
+    """The `FAMILY` of the subpackage `package` (imported), or None when it defines none."""
+    fam = getattr(importlib.import_module(package), "FAMILY", None)
+    if fam is None:
+        return None
+    if not isinstance(fam, Family):
+        raise ConfigError(f"{package}.FAMILY: expected a Family, found {type(fam).__name__}")
+    _PACKAGES[fam.name] = package
+    return fam
+
+
+@functools.cache
+def _discover() -> dict[str, Family]:
     found: dict[str, Family] = {}
-    for info in pkgutil.iter_modules(package.__path__, prefix=f"{__package__}."):
-        if not info.ispkg:
-            continue
-        fam = getattr(importlib.import_module(info.name), "FAMILY", None)
+    for name in _subpackages():
+        fam = _family_in(name)
         if fam is None:
             continue
-        if not isinstance(fam, Family):
-            raise ConfigError(f"{info.name}.FAMILY: expected a Family, found {type(fam).__name__}")
-        _check_unique(found, fam, f"{info.name}.FAMILY")
+        _check_unique(found, fam, f"{name}.FAMILY")
         found[fam.name] = fam
-        _PACKAGES[fam.name] = info.name
+    return dict(sorted(found.items()))
+
+
+def _named_package(name: Any) -> Family | None:
+    """The family of the subpackage called `name` (an HF `model_type`, a config's module), imported
+    alone, or None when no subpackage has that name or it defines no family. A job that needs one
+    family (an import of a Llama) imports its package only, not the 27 of them (about 0.1 s of
+    CPU, most of the time an import spent in `open` besides the other formats' readers). Which
+    family a config is stays what `_discover` would say: a field of a family is unique among
+    all (`_check_unique`, tests/models run it), so the family found here is the only one."""
+    if not isinstance(name, str) or f"{__package__}.{name}" not in _subpackages():
+        return None  # (a name from a file picks among our folders only, never an import path)
+    return _family_in(f"{__package__}.{name}")
+
+
+def speaking(dialect: str) -> dict[str, Family]:
+    """The families whose folder holds the dialect `dialect` (`dialects/<dialect>.py` or `.rules`,
+    `models.dialect`), by name (sorted): only their packages are imported (a DCP source asks for
+    torchtitan's: 4 of the 27 families)."""
+    found: dict[str, Family] = {}
+    if not dialect.isidentifier():
+        return found
+    for package, folder in _folders().items():
+        if any(os.path.isfile(os.path.join(folder, "dialects", dialect + ext)) for ext in (".py", ".rules")):
+            fam = _family_in(package)
+            if fam is not None:
+                found[fam.name] = fam
     return dict(sorted(found.items()))
 
 
@@ -179,6 +229,11 @@ def families() -> dict[str, Family]:
 
 def family_of(cfg: Any) -> Family:
     """The family whose `config_cls` is `cfg`'s type (or a base of it)."""
+    module = type(cfg).__module__.split(".")
+    if module[:2] == __package__.split(".") and len(module) > 2:  # its own folder's family first
+        fam = _named_package(module[2])
+        if fam is not None and type(cfg) is fam.config_cls:  # (what the walk below finds first)
+            return fam
     by_cls = {fam.config_cls: fam for fam in _discover().values()}
     for cls in type(cfg).__mro__:
         if cls in by_cls:
@@ -210,6 +265,10 @@ def family_for_hf(d: Mapping[str, Any], source: str) -> Family:
     archs = d.get("architectures") or []
     if isinstance(archs, str):
         archs = [archs]
+    guess = _named_package(d.get("model_type"))  # the folder named as its model_type, alone
+    if guess is not None and (next(iter(archs)) in guess.hf_architectures if archs  # (the first decides, as below)
+                              else d.get("model_type") in guess.hf_model_types):
+        return guess
     for arch in archs:
         for fam in _discover().values():
             if arch in fam.hf_architectures:
