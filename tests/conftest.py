@@ -61,6 +61,7 @@ else:
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(ASKED))))
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+import balance  # noqa: E402
 import jax  # noqa: E402
 import multidevice  # noqa: E402
 import pytest  # noqa: E402
@@ -136,6 +137,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.multidevice)
             if multidevice.is_rerun(str(item.path), tests):
                 item.add_marker(pytest.mark.multidevice_rerun)
+    # the longest files first (tests/balance.py): `-n 2` hands out whole files in this order
+    items[:] = balance.longest_first(items, tests)
 
 
 class MeshGuard:
