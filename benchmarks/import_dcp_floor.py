@@ -109,6 +109,9 @@ def child(src: str, dst: str, cfg: str, mesh: str, variant: str) -> dict:
             read_batches.GAP_PER_CALL_BYTES = int(v[4:])
         elif v == "nojoin":
             stream.joined_boxes = sorted
+    from hybridckpt.io import heap
+
+    heap.share_arenas()  # as `hybridckpt import` does before its job (`io.heap`)
     s = import_checkpoint(src, dst, mesh=mesh, config=cfg, overwrite=True, profile=True)
     from hybridckpt.cli.output import peak_rss_gib  # VmHWM: ru_maxrss would carry the parent's peak
 

@@ -83,6 +83,11 @@ def cmd_import(a) -> int:
     if a.plan:
         return _print_plan(a, params_only=a.params_only, dtype=a.dtype, rules=a.rules,
                            strict_sharding=a.strict_sharding)
+    from hybridckpt.io import heap
+
+    # The CLI owns its process: the import's reader threads share the malloc arenas, not one each
+    # (`io.heap`; process-wide and permanent, so the library's `import_checkpoint` leaves it to its caller)
+    heap.share_arenas()
     with Progress("import", a.quiet) as prog:
         s = import_checkpoint(
             a.src, a.dst, fmt=a.format, mesh=a.mesh, config=a.config, rules=a.rules, param_order=a.param_order,

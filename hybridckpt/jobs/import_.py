@@ -25,7 +25,7 @@ import numpy as np
 
 from hybridckpt import lazy
 from hybridckpt.containers.orbax.keys import NAMES_KEY
-from hybridckpt.io import byte_source, heap, timing
+from hybridckpt.io import byte_source, timing
 from hybridckpt.io.remote import ranged
 from hybridckpt.naming import flatten, nest
 
@@ -212,7 +212,6 @@ def import_checkpoint(
     from hybridckpt.writers.destination import Destination
 
     t0 = time.perf_counter()
-    heap.share_arenas()  # before any reader thread: they share malloc arenas, not one each (`io.heap`)
     asked = ranged.totals()  # a source in a bucket: what this job asks of each host
     if io_threads is not None:
         parallel.set_io_threads(io_threads)

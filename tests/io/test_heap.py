@@ -60,8 +60,12 @@ def test_threads_after_share_arenas_make_no_arena_of_their_own():
     assert a == b  # shared: the arenas there were serve the new threads
 
 
-def test_the_import_shares_arenas_before_its_readers_start(tmp_path, monkeypatch):
+def test_the_cli_import_shares_arenas_before_its_readers_start_and_the_library_does_not(tmp_path, monkeypatch):
+    """`hybridckpt import` owns its process and shares the arenas before any reader starts; the
+    library's `import_checkpoint` runs inside a caller's process and leaves that process-wide,
+    permanent setting to its caller."""
     from hybridckpt import jobs
+    from hybridckpt.cli import main
     from hybridckpt.demo import sample_path
     from hybridckpt.lazy import parallel
 
@@ -74,6 +78,9 @@ def test_the_import_shares_arenas_before_its_readers_start(tmp_path, monkeypatch
         return real_pool()
 
     monkeypatch.setattr(parallel, "pool", pool)
-    jobs.import_checkpoint(sample_path(), str(tmp_path / "ck"))
+    jobs.import_checkpoint(sample_path(), str(tmp_path / "api"))
+    assert "pool" in calls and "share" not in calls  # (the library: the readers ran, no arena setting)
+    calls.clear()
+    assert main(["import", sample_path(), str(tmp_path / "cli"), "--quiet"]) == 0
     assert calls[0] == "share" and calls.count("share") == 1
     assert "pool" in calls  # (the readers ran, after it)
