@@ -99,6 +99,24 @@ def test_restore_of_an_ocdbt_store_from_s3_equals_the_local_restore(zstd_store, 
     assert mine["requests"] >= len(sent) and mine["bytes"] >= sum(r.body_bytes for r in sent)
 
 
+def test_a_chunk_two_devices_share_is_fetched_once_when_their_reads_do_not_overlap(zstd_store, proxy, monkeypatch):
+    """One reader thread: the devices' boxes are read one after the other, so a stored chunk two
+    of them share (saved on fsdp=2, restored onto fsdp=4,tp=2) is asked for again after the first
+    read has ended. TensorStore's default cache pool holds nothing, so each box fetched it anew
+    (2x the chunks' bytes; with 4 threads only when the reads happened not to overlap, as on a
+    loaded machine); the decoded-chunk cache of `ts_spec.context` serves the second box."""
+    from hybridckpt.lazy import parallel
+
+    local, url = zstd_store
+    monkeypatch.setattr(parallel, "_override", 1)
+    _, got = hybridckpt.restore(url, "fsdp=4,tp=2", verify_reads=False)
+    _, want = hybridckpt.restore(str(local.parent), "fsdp=4,tp=2", verify_reads=False)
+    assert leaves((got.params, got.opt_state)) == leaves((want.params, want.opt_state))
+    sent = data_gets(proxy.snapshot(), f"/{BUCKET}/zstd/")
+    needed = sum(chunk_bytes(local / item) for item in ("params", "opt_state"))
+    assert needed <= sum(r.body_bytes for r in sent) <= 1.1 * needed
+
+
 def test_only_the_items_restored_are_fetched(zstd_store, proxy):
     """Without the optimizer: not one byte of its data files leaves the server."""
     local, url = zstd_store
