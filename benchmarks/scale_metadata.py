@@ -129,12 +129,12 @@ _PLAN_CHILD = r"""
 import io, json, os, resource, sys, time, contextlib
 path, mesh, processes = sys.argv[1], sys.argv[2], int(sys.argv[3])
 from hybridckpt.jobs.plan_report import plan_import
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), time.process_time()
 plan = plan_import(path, mesh=mesh, process=0, processes=processes)
-dt = time.perf_counter() - t0
+dt, cpu = time.perf_counter() - t0, time.process_time() - c0
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 p = plan.processes[0]
-print(json.dumps({"seconds": dt, "peak_rss": rss, "bytes_read": p.bytes_read, "reads": p.reads,
+print(json.dumps({"seconds": dt, "cpu": cpu, "peak_rss": rss, "bytes_read": p.bytes_read, "reads": p.reads,
                   "files": len(p.files), "bytes_written": p.bytes_written, "tiles": p.tiles,
                   "devices": len(plan.devices), "tensor_bytes": plan.tensor_bytes, "mesh": plan.mesh}))
 """

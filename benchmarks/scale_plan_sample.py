@@ -50,13 +50,13 @@ def main(argv=None) -> int:
               if isinstance(x, stream.LazyLeaf)]
     t_open = time.perf_counter() - t0
     owner = process_of(a.processes)
-    mine = []  # this process's tiles, cut as the save cuts them (its boxes joined, `stream.owned_tiles`)
+    mine = []  # this process's tiles, cut as that host's save cuts them (its boxes joined, `stream.owned_tiles`)
     for leaf in leaves:
         chunk = stream.chunk_shape(leaf)
         boxes = [box for box, dev in box_owners(leaf.shape, leaf.sharding).items() if owner(dev) == a.process]
         for box in stream.joined_boxes(boxes):
             mine += [(leaf, t) for t in stream.box_tiles(leaf, box, chunk, lt.options.tile_bytes,
-                                                         lt.options.inflight_bytes)]
+                                                         lt.options.inflight_bytes, owner)]
     t_list = time.perf_counter() - t0 - t_open
     total = sum(x.nbytes for x in leaves)
     wbytes = sum(math.prod(b - s for s, b in box) * leaf.dtype.itemsize for leaf, box in mine)

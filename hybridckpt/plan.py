@@ -29,6 +29,7 @@ and export all use.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -282,13 +283,26 @@ def box_holders(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> dict
 
 def box_owners(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> dict[Box, Any]:
     """Each distinct box of the array (all processes) -> the device that owns it: the lowest
-    device id among those holding it. Its process reads it for checksums; it is counted once."""
+    device id among those holding it. Its process reads it for checksums; it is counted once.
+    A fresh dict each call; computed once per (shape, sharding) among the last `OWNERS_KEPT`
+    (a model's leaves share a few: a one-host plan of a 671B MoE asked 270k times for 30)."""
+    try:
+        return dict(_owners(tuple(int(n) for n in shape), sharding))
+    except TypeError:  # a sharding that cannot be hashed: computed every time
+        return dict(_owners.__wrapped__(tuple(int(n) for n in shape), sharding))
+
+
+OWNERS_KEPT = 64  # (shape, sharding) pairs whose owners are kept (~100 KiB each at 512 devices)
+
+
+@functools.lru_cache(maxsize=OWNERS_KEPT)
+def _owners(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> tuple[tuple[Box, Any], ...]:
     owner: dict[Box, Any] = {}
     for dev, index in sharding.devices_indices_map(shape).items():
         box = normalize_box(shape, index)
         if box not in owner or dev.id < owner[box].id:
             owner[box] = dev
-    return owner
+    return tuple(owner.items())
 
 
 def flat_shardings(tree: Any) -> dict[str, Any]:

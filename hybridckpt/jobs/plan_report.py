@@ -128,7 +128,9 @@ def plan_leaves(leaves: list[Any], tile_bytes: int, process: int | None = None,
     device's; a process's boxes joined as the save joins them (`store.stream.joined_boxes`: the
     strips of one row side by side, read once) are the lowest of those devices', cut into the save's tiles (`store.stream.box_tiles`, whose probe of the first tile
     reads the headers a reader parses on first use: counted to that device, as the import reads
-    them then), in the save's order."""
+    them then), in the save's order. With `processes`, the tile size is found on the first box
+    as that host split joins it (`stream.leaf_tile_bytes`'s `owner`), as each host of such a run
+    finds it, not on every device's boxes joined as this one process holds them."""
     from hybridckpt.io.byte_source import count_reads, planning
     from hybridckpt.io.direct_io import aligned_empty
     from hybridckpt.plan import box_owners
@@ -137,20 +139,20 @@ def plan_leaves(leaves: list[Any], tile_bytes: int, process: int | None = None,
     out: dict[int, dict] = {}
     buffers: dict[tuple, np.ndarray] = {}  # one reused buffer per (shape, dtype): no memory growth
     owner = process_of(processes)
+    split = None if processes is None else owner  # the tile size's first box: joined as that host would join it
     for leaf in leaves:
         chunk = chunk_shape(leaf)
         owners = box_owners(leaf.shape, leaf.sharding)
         per_process: dict[int, list] = {}
         for b, dev in owners.items():
             per_process.setdefault(owner(dev), []).append(b)
-        for proc, box in [(p, j) for p in sorted(per_process) for j in joined_boxes(per_process[p])]:
-            if process is not None and proc != process:
-                continue
+        wanted = sorted(per_process) if process is None else [process] if process in per_process else []
+        for proc, box in [(p, j) for p in wanted for j in joined_boxes(per_process[p])]:
             dev = owners[min(b for b in per_process[proc] if inside(b, box))]  # the joined box's lowest device
             d = out.setdefault(dev.id, {"process": proc, "counter": Counter(), "written": 0, "tiles": 0,
                                         "leaves": Counter()})
             with count_reads(this_thread=True, planned_too=False) as probe:  # headers only
-                tiles = box_tiles(leaf, box, chunk, tile_bytes, inflight_bytes or INFLIGHT_BYTES)
+                tiles = box_tiles(leaf, box, chunk, tile_bytes, inflight_bytes or INFLIGHT_BYTES, split)
             counters = [probe]
             for tile in tiles:
                 shape = tuple(b - a for a, b in tile)

@@ -233,14 +233,22 @@ def owned_tiles(leaf: LazyLeaf, chunk: tuple[int, ...], tile_bytes: int,
             for t in box_tiles(leaf, box, chunk, tile_bytes, inflight_bytes)]
 
 
-def first_joined_box(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> Box:
+def first_joined_box(shape: tuple[int, ...], sharding: jax.sharding.Sharding,
+                     owner: Callable[[Any], int] | None = None) -> Box:
     """The joined box (`joined_boxes`) holding the lowest shard box, among the boxes of the
-    process that writes it: the same on every process."""
+    process that writes it: the same on every process. `owner`: a device's process (None: jax's
+    `process_index`; a plan of one host of a run this process is not part of passes the
+    split it simulates, `jobs.plan_report.process_of`, so it joins what that host would)."""
+    owner = owner or _process_index
     owners = box_owners(tuple(shape), sharding)
     first = min(owners)
-    proc = owners[first].process_index
-    mine = joined_boxes([b for b, d in owners.items() if d.process_index == proc])
+    proc = owner(owners[first])
+    mine = joined_boxes([b for b, d in owners.items() if owner(d) == proc])
     return next(j for j in mine if all(a <= x and y <= b for (a, b), (x, y) in zip(j, first, strict=True)))
+
+
+def _process_index(device: Any) -> int:
+    return device.process_index
 
 
 def chunk_shape(leaf: LazyLeaf) -> tuple[int, ...]:
@@ -283,10 +291,10 @@ GROWN_TILE_BYTES = 64 << 20  # the most a tile grows to; at most half the in-fli
 
 
 def box_tiles(leaf: LazyLeaf, box: Box, chunk: tuple[int, ...], tile_bytes: int,
-              inflight_bytes: int = INFLIGHT_BYTES) -> list[Box]:
-    """The tiles of `box` (`plan_tiles`) at the leaf's tile size (`leaf_tile_bytes`): the plan
-    (`jobs.plan_report`) and the import cut the same tiles."""
-    budget = leaf_tile_bytes(leaf, chunk, tile_bytes, inflight_bytes)
+              inflight_bytes: int = INFLIGHT_BYTES, owner: Callable[[Any], int] | None = None) -> list[Box]:
+    """The tiles of `box` (`plan_tiles`) at the leaf's tile size (`leaf_tile_bytes`; `owner`:
+    see `first_joined_box`): the plan (`jobs.plan_report`) and the import cut the same tiles."""
+    budget = leaf_tile_bytes(leaf, chunk, tile_bytes, inflight_bytes, owner)
     return list(plan_tiles(box, chunk, leaf.dtype.itemsize, budget))
 
 
@@ -294,7 +302,7 @@ _TILE_BYTES_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # leaf 
 
 
 def leaf_tile_bytes(leaf: LazyLeaf, chunk: tuple[int, ...], tile_bytes: int,
-                    inflight_bytes: int = INFLIGHT_BYTES) -> int:
+                    inflight_bytes: int = INFLIGHT_BYTES, owner: Callable[[Any], int] | None = None) -> int:
     """The tile size of `leaf`: `tile_bytes`, grown where the source's reads are short. A target
     mesh cutting a tensor across the rows its source stored whole (fsdp on the `in` dim of an
     FSDP2 `[out, in]` weight) reads a strip of every source row, and a tile of fewer chunks
@@ -303,11 +311,12 @@ def leaf_tile_bytes(leaf: LazyLeaf, chunk: tuple[int, ...], tile_bytes: int,
     whichever process holds it: every process decides alike) is read dry (`planning`: counted,
     not read) at `tile_bytes` (of the first joined box, `first_joined_box`), then at twice that while its reads average under
     `SHORT_READ_BYTES` and each doubling makes them at least 1.5x longer, up to
-    `GROWN_TILE_BYTES` (at most half `inflight_bytes`). Once per leaf (its boxes are alike)."""
-    key = (tuple(chunk), tile_bytes, inflight_bytes)
+    `GROWN_TILE_BYTES` (at most half `inflight_bytes`). Once per leaf (its boxes are alike).
+    `owner`: a device's process (`first_joined_box`; None: jax's)."""
+    key = (tuple(chunk), tile_bytes, inflight_bytes, owner)
     known = _TILE_BYTES_OF.setdefault(leaf, {})
     if key not in known:
-        known[key] = _grown_tile_bytes(leaf, first_joined_box(leaf.shape, leaf.sharding), chunk, tile_bytes,
+        known[key] = _grown_tile_bytes(leaf, first_joined_box(leaf.shape, leaf.sharding, owner), chunk, tile_bytes,
                                        min(GROWN_TILE_BYTES, inflight_bytes // 2))
     return known[key]
 

@@ -1,6 +1,6 @@
 """`import --plan` (`jobs.plan_report`): the plan of an import equals what the import then reads.
 
-On two real-tool checkpoints (torchtitan 0.3.0's DCP, Megatron-Core's torch_dist) and a 2- and a
+On three real-tool checkpoints (torchtitan 0.3.0's DCP, dense and MoE, Megatron-Core's torch_dist) and a 2- and a
 4-device mesh: the import is run with one reader thread and each tile it reads is counted
 (`io.byte_source.count_reads` around the save's own `stream.read_tile`); per device (the owner
 of each tile's box), the bytes, preads, gaps and files are exactly those of the plan, and the
@@ -32,6 +32,9 @@ SOURCES = {  # case -> (checkpoint, config)
     "dcp": (os.path.join(CASES, "torchtitan_llama3", "ckpt", "step-3"),
             os.path.join(CASES, "torchtitan_llama3", "config.json")),
     "megatron": (os.path.join(CASES, "megatron_core_dense_dp_reshardable", "ckpt"), None),
+    # torchtitan's MoE: each expert a reshaped slice of its layer's [experts, ...] chunks (DeepSeek V3's layout)
+    "dcp_moe": (os.path.join(CASES, "torchtitan_qwen3_moe", "ckpt", "step-3"),
+                os.path.join(CASES, "torchtitan_qwen3_moe", "config.json")),
 }
 MESHES = ("fsdp=2", "fsdp=2,tp=2")
 
@@ -206,3 +209,43 @@ def test_short_reads_are_named(monkeypatch, capsys):
     assert len(most) == 3 and all("P(" in x or "PartitionSpec(" in x for x in most), most
     assert main(["inspect", src, "--plan", "--mesh", mesh, "--config", config]) == 0
     assert "note: process 0:" in capsys.readouterr().out
+
+
+def test_one_host_plan_cuts_the_tiles_that_host_cuts(tmp_path, monkeypatch):
+    """`--processes N --process P`: a tile size grown from a dry read of the first tile of the
+    first host's joined box (`stream.leaf_tile_bytes`) is that host's box, as on a real N-host
+    run where each device's `process_index` is its host, not every device's box joined as in this
+    one process. A row-major [512, 128] fp32 file cut on its columns over the devices, 2 hosts:
+    the host's own box grows to a smaller tile (2 tiles) than all columns joined would (1 tile)."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from hybridckpt import lazy
+    from hybridckpt.io.byte_source import ByteSource
+    from hybridckpt.jobs.plan_report import plan_leaves, process_of
+
+    n = jax.device_count()
+    rows, cols = 512, 16 * n
+    path = str(tmp_path / "w.bin")
+    np.arange(rows * cols, dtype=np.float32).tofile(path)
+    t = lazy.StoredTensor(ByteSource(path), 0, (rows, cols), np.dtype(np.float32))
+    sharding = NamedSharding(Mesh(np.array(jax.devices()), ("fsdp",)), PartitionSpec(None, "fsdp"))
+    opts = stream.StreamOptions(tile_bytes=4 << 10, chunk_bytes=1 << 10, inflight_bytes=1 << 20)
+
+    def leaf():
+        return stream.LazyLeaf(t, sharding, "w", (), opts)
+
+    hosts = 2
+    mine = process_of(hosts)
+    joined = stream.joined_boxes([b for b, d in box_owners(t.shape, sharding).items() if mine(d) == 0])
+    assert joined == [((0, rows), (0, cols // hosts))]
+    chunk = stream.chunk_shape(leaf())
+    one_process = stream.box_tiles(leaf(), joined[0], chunk, opts.tile_bytes, opts.inflight_bytes)
+    monkeypatch.setattr(stream, "_process_index", mine, raising=False)  # what jax says of each device on 2 hosts
+    that_host = stream.box_tiles(leaf(), joined[0], chunk, opts.tile_bytes, opts.inflight_bytes)
+    monkeypatch.undo()
+    assert (len(one_process), len(that_host)) == (1, 2)
+    planned = plan_leaves([leaf()], opts.tile_bytes, 0, hosts, opts.inflight_bytes)
+    assert [d["tiles"] for d in planned.values()] == [len(that_host)]
+    assert sum(d["written"] for d in planned.values()) == rows * cols // hosts * 4
