@@ -204,7 +204,10 @@ def _named_package(name: Any) -> Family | None:
     all (`_check_unique`, tests/models run it), so the family found here is the only one."""
     if not isinstance(name, str) or f"{__package__}.{name}" not in _subpackages():
         return None  # (a name from a file picks among our folders only, never an import path)
-    return _family_in(f"{__package__}.{name}")
+    package = f"{__package__}.{name}"
+    if _discover.cache_info().currsize:  # every family found already: that registry answers
+        return next((f for f in _discover().values() if _PACKAGES.get(f.name) == package), None)
+    return _family_in(package)
 
 
 def speaking(dialect: str) -> dict[str, Family]:
