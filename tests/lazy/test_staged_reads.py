@@ -16,6 +16,14 @@ from hybridckpt.lazy import element_copy
 RNG = np.random.default_rng(42)
 
 
+def stored(tmp_path, x: np.ndarray):
+    """`x` written to a file as a checkpoint stores it (C order, no header), and the lazy tensor
+    over it: (the file's path, the `StoredTensor`)."""
+    path = str(tmp_path / "w.bin")
+    x.tofile(path)
+    return path, lazy.StoredTensor(ByteSource(path), 0, x.shape, x.dtype)
+
+
 @pytest.fixture
 def copied(monkeypatch):
     """Bytes every `np.copyto` writes (the user-space copies of a read), and the fresh slab
@@ -43,9 +51,7 @@ def copied(monkeypatch):
 ])
 def test_a_transposed_read_copies_each_byte_once_in_user_space(tmp_path, copied, box, what):
     x = RNG.standard_normal((300, 2048)).astype(np.float32)  # torch's [out, in] rows, 8 KiB each
-    path = str(tmp_path / "w.bin")
-    x.tofile(path)
-    t = lazy.StoredTensor(ByteSource(path), 0, x.shape, x.dtype)
+    path, t = stored(tmp_path, x)
     shape = lazy.box_shape(box)
     tile = np.full(shape[::-1], np.nan, np.float32)  # the [in, out] tile a kernel is read into
     with count_reads() as c:
@@ -61,9 +67,7 @@ def test_the_staging_buffer_is_made_once_a_thread(tmp_path):
     """Tile after tile, the staging rows are the same buffer: no fresh pages a strip or a tile
     (before: a fresh slab buffer a tile, its pages zeroed by the kernel, and a stage a tile)."""
     x = RNG.standard_normal((256, 1024)).astype(np.float32)
-    path = str(tmp_path / "w.bin")
-    x.tofile(path)
-    t = lazy.StoredTensor(ByteSource(path), 0, x.shape, x.dtype)
+    path, t = stored(tmp_path, x)
     tile = np.empty((512, 256), np.float32)
     t.read_into(((0, 256), (0, 512)), tile.T)
     made = element_copy.stage_allocations[0]
@@ -83,9 +87,7 @@ def test_staged_reads_cast_and_walk_stacked_layers_exactly(tmp_path, monkeypatch
     monkeypatch.setattr(element_copy, "STRIP_ROWS", 3)
     raw = RNG.bytes(3 * 11 * 700 * np.dtype(src).itemsize)
     x = np.frombuffer(raw, np.dtype(src)).reshape(3, 11, 700)  # NaNs of every payload where float
-    path = str(tmp_path / "w.bin")
-    x.tofile(path)
-    t = lazy.StoredTensor(ByteSource(path), 0, x.shape, x.dtype)
+    path, t = stored(tmp_path, x)
     for box in (((0, 3), (0, 11), (0, 700)), ((1, 3), (2, 9), (100, 650))):
         with np.errstate(invalid="ignore"):
             want = x[tuple(slice(a, b) for a, b in box)].astype(dst)
@@ -102,9 +104,7 @@ def test_staged_reads_cast_and_walk_stacked_layers_exactly(tmp_path, monkeypatch
 
 def test_a_planned_staged_read_counts_the_real_reads_and_writes_nothing(tmp_path):
     x = RNG.standard_normal((300, 2048)).astype(np.float32)
-    path = str(tmp_path / "w.bin")
-    x.tofile(path)
-    t = lazy.StoredTensor(ByteSource(path), 0, x.shape, x.dtype)
+    path, t = stored(tmp_path, x)
     for box in (((0, 160), (0, 2048)), ((0, 300), (0, 1024))):
         tile = np.zeros(lazy.box_shape(box)[::-1], np.float32)
         with count_reads(this_thread=True) as dry, planning():
@@ -137,9 +137,7 @@ def test_a_save_drops_the_staging_buffers_it_kept(tmp_path):
     from hybridckpt.store import save_checkpoint, stream
 
     x = RNG.standard_normal((256, 1024)).astype(np.float32)
-    path = str(tmp_path / "w.bin")
-    x.tofile(path)
-    t = lazy.StoredTensor(ByteSource(path), 0, x.shape, x.dtype)
+    path, t = stored(tmp_path, x)
     tile = np.empty((1024, 256), np.float32)
     t.read_into(((0, 256), (0, 1024)), tile.T)
     assert element_copy.kept_stage_bytes() > 0  # this thread's, kept
