@@ -1,6 +1,10 @@
 """The front door (issue 28): what got in the way of a new user trying the README, the CLI and the
-library on their own checkpoints, each pinned by a test that runs the command as a user would (a
-subprocess, `python -m hybridckpt`, no XLA_FLAGS of ours) and fails on the old behaviour.
+library on their own checkpoints, each pinned by a test that runs the command as a user would and
+fails on the old behaviour. Where the process is the point (`python -m hybridckpt`, `--version`,
+`--debug`'s traceback, no XLA_FLAGS of ours: the CLI's own 8 devices, a JAX backend that cannot
+start, a restore in a fresh interpreter, the demo on its 8 devices) the command runs in a subprocess; elsewhere the CLI's
+`main` runs in this process (`cli`: the same exit code, stdout and stderr, without a fresh
+interpreter's ~2 CPU-s per command).
 
 The export checks load what we wrote with `transformers` itself (model, GenerationConfig,
 tokenizer) and generate with it, against the same calls on the source folder.
@@ -12,14 +16,18 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from importlib import metadata
 from importlib.util import find_spec
 
 import numpy as np
 import pytest
+from meshes import fit
 from real.cases import ckpt
 
+from hybridckpt.cli import main
 from hybridckpt.demo import sample_path
+from hybridckpt.io.byte_source import close_all
 
 CLI = [sys.executable, "-m", "hybridckpt"]
 TOKENS = {"bos_token_id": 64, "eos_token_id": 65, "pad_token_id": 66}
@@ -44,7 +52,42 @@ def ok(*args: str, **kw) -> str:
     return r.stdout
 
 
-def one_line_error(r: subprocess.CompletedProcess) -> str:
+@dataclass(frozen=True)
+class Ran:
+    """What a user sees of one command run in this process: exit code, stdout, stderr."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+class InProcess:
+    """The CLI's `main` in this process, its output captured by `capsys`."""
+
+    def __init__(self, capsys) -> None:
+        self.capsys = capsys
+
+    def run(self, *args: str) -> Ran:
+        self.capsys.readouterr()
+        try:
+            code = main([str(a) for a in args])
+        finally:
+            close_all()
+        out = self.capsys.readouterr()
+        return Ran(code, out.out, out.err)
+
+    def ok(self, *args: str) -> str:
+        r = self.run(*args)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, (args, r.stdout, r.stderr)
+        return r.stdout
+
+
+@pytest.fixture
+def cli(capsys) -> InProcess:
+    return InProcess(capsys)
+
+
+def one_line_error(r) -> str:
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr[-2000:])
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("hybridckpt: error: "), r.stderr
     return r.stderr
@@ -94,30 +137,30 @@ def generate(folder) -> tuple[list[int], np.ndarray, object]:
 # -- exports a user can generate with ------------------------------------------------------------
 
 
-def test_an_export_of_our_store_loads_and_generates_in_transformers_as_the_source(hf_llama, tmp_path):
-    out = ok("import", str(hf_llama), str(tmp_path / "ck"), "--mesh", "fsdp=2,tp=2", "--quiet")
+def test_an_export_of_our_store_loads_and_generates_in_transformers_as_the_source(hf_llama, tmp_path, cli):
+    out = cli.ok("import", str(hf_llama), str(tmp_path / "ck"), "--mesh", fit("fsdp=2,tp=2"), "--quiet")
     assert "matched nothing" not in out  # (the family's own rules are not the user's business)
-    ins = json.loads(ok("inspect", str(tmp_path / "ck"), "--json"))
+    ins = json.loads(cli.ok("inspect", str(tmp_path / "ck"), "--json"))
     assert ins["files"] == ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
-    ok("export", str(tmp_path / "ck"), str(tmp_path / "out"), "--quiet")
+    cli.ok("export", str(tmp_path / "ck"), str(tmp_path / "out"), "--quiet")
     for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (tmp_path / "out" / name).read_bytes() == (hf_llama / name).read_bytes(), name  # as they were
     want, got = generate(hf_llama), generate(tmp_path / "out")
     assert got[0] == want[0] and np.array_equal(got[1], want[1]) and got[2] == want[2]
     # a cast export says its dtype; nothing else of the config changes
-    ok("export", str(tmp_path / "ck"), str(tmp_path / "bf16"), "--dtype", "bfloat16", "--quiet")
+    cli.ok("export", str(tmp_path / "ck"), str(tmp_path / "bf16"), "--dtype", "bfloat16", "--quiet")
     cast = json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert cast == json.loads((hf_llama / "config.json").read_text()) | {"dtype": "bfloat16"}
     tokens, _, dtype = generate(tmp_path / "bf16")
     assert str(dtype) == "torch.bfloat16" and len(tokens) > 3
 
 
-def test_a_source_without_an_hf_config_exports_one_with_a_generation_config(tmp_path):
+def test_a_source_without_an_hf_config_exports_one_with_a_generation_config(tmp_path, cli):
     """Meta's Llama 3.1 (the real tool's files): config.json is the family's, RoPE scaling in both
     transformers spellings, and a generation_config.json is written so GenerationConfig loads."""
     transformers = pytest.importorskip("transformers")
-    ok("import", ckpt("meta_llama31_mp1"), str(tmp_path / "ck"), "--quiet")
-    ok("export", str(tmp_path / "ck"), str(tmp_path / "out"), "--quiet")
+    cli.ok("import", ckpt("meta_llama31_mp1"), str(tmp_path / "ck"), "--quiet")
+    cli.ok("export", str(tmp_path / "ck"), str(tmp_path / "out"), "--quiet")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["torch_dtype"] in ("float32", "bfloat16") and config["rope_scaling"]["rope_type"] == "llama3"
     assert json.loads((tmp_path / "out" / "generation_config.json").read_text()) == {"_from_model_config": True}
@@ -126,7 +169,7 @@ def test_a_source_without_an_hf_config_exports_one_with_a_generation_config(tmp_
     assert model.config.rope_parameters["rope_type"] == "llama3"
 
 
-def test_a_config_given_with_config_travels_with_its_tokenizer(hf_llama, tmp_path):
+def test_a_config_given_with_config_travels_with_its_tokenizer(hf_llama, tmp_path, cli):
     """A source with no config of its own (a model-agnostic safetensors file here) imported with
     --config: that config.json (token ids and all) and the files beside it reach the export."""
     from safetensors.numpy import load_file, save_file
@@ -134,14 +177,14 @@ def test_a_config_given_with_config_travels_with_its_tokenizer(hf_llama, tmp_pat
     (tmp_path / "weights").mkdir()
     save_file(load_file(str(hf_llama / "model.safetensors")), str(tmp_path / "weights" / "model.safetensors"))
     (tmp_path / "weights" / "config.json").write_text("{}")  # a folder's own config.json, overridden
-    ok("import", str(tmp_path / "weights"), str(tmp_path / "ck"), "--config", str(hf_llama / "config.json"),
-       "--format", "hf", "--quiet")
-    ok("export", str(tmp_path / "ck"), str(tmp_path / "out"), "--quiet")
+    cli.ok("import", str(tmp_path / "weights"), str(tmp_path / "ck"), "--config", str(hf_llama / "config.json"),
+           "--format", "hf", "--quiet")
+    cli.ok("export", str(tmp_path / "ck"), str(tmp_path / "out"), "--quiet")
     assert (tmp_path / "out" / "config.json").read_bytes() == (hf_llama / "config.json").read_bytes()
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (hf_llama / "tokenizer.json").read_bytes()
 
 
-def test_a_family_hybridckpt_has_no_model_for_comes_back_as_transformers_saved_it(tmp_path):
+def test_a_family_hybridckpt_has_no_model_for_comes_back_as_transformers_saved_it(tmp_path, cli):
     """Phi (no family here): imported under its own names, exported with its own config.json and
     generation config; transformers' logits of the export equal the source's, bit for bit."""
     transformers = pytest.importorskip("transformers")
@@ -151,10 +194,10 @@ def test_a_family_hybridckpt_has_no_model_for_comes_back_as_transformers_saved_i
                                  num_attention_heads=4, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     transformers.PhiForCausalLM(cfg).save_pretrained(tmp_path / "phi")
-    out = ok("import", str(tmp_path / "phi"), str(tmp_path / "ck"), "--mesh", "fsdp=2")
+    out = cli.ok("import", str(tmp_path / "phi"), str(tmp_path / "ck"), "--mesh", fit("fsdp=2"))
     assert "PhiForCausalLM, which no model family implements" in out and "with its config.json" in out
     assert "pass --config" not in out
-    ok("export", str(tmp_path / "ck"), str(tmp_path / "out"), "--quiet")
+    cli.ok("export", str(tmp_path / "ck"), str(tmp_path / "out"), "--quiet")
     for name in ("config.json", "generation_config.json"):
         assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "phi" / name).read_bytes(), name
     ids = torch.tensor([[1, 5, 7, 9]])
@@ -163,23 +206,23 @@ def test_a_family_hybridckpt_has_no_model_for_comes_back_as_transformers_saved_i
     assert torch.equal(want, got)
 
 
-def test_carried_files_are_data_checked_on_the_way_out(hf_llama, tmp_path):
+def test_carried_files_are_data_checked_on_the_way_out(hf_llama, tmp_path, cli):
     """A stored file whose bytes changed, or a recorded name that is a path: one line, exit 2,
     nothing written."""
-    ok("import", str(hf_llama), str(tmp_path / "ck"), "--quiet")
+    cli.ok("import", str(hf_llama), str(tmp_path / "ck"), "--quiet")
     stored = tmp_path / "ck" / "0" / "hf_files" / "tokenizer.json"
-    assert "12/12 arrays match their import checksums, 4/4 carried config and tokenizer files" in ok("verify", str(tmp_path / "ck"))
+    assert "12/12 arrays match their import checksums, 4/4 carried config and tokenizer files" in cli.ok("verify", str(tmp_path / "ck"))
     stored.write_bytes(stored.read_bytes().replace(b"t1", b"x1"))
-    checked = run("verify", str(tmp_path / "ck"))
+    checked = cli.run("verify", str(tmp_path / "ck"))
     assert checked.returncode == 1 and "BAD hf_files/tokenizer.json: unreadable:" in checked.stdout
     assert "12/12 arrays match their import checksums, 3/4 carried config and tokenizer files" in checked.stdout
-    err = one_line_error(run("export", str(tmp_path / "ck"), str(tmp_path / "out")))
+    err = one_line_error(cli.run("export", str(tmp_path / "ck"), str(tmp_path / "out")))
     assert "tokenizer.json: CRC-32" in err and not (tmp_path / "out").exists()
     state_file = tmp_path / "ck" / "0" / "trainer_state" / "metadata"
     state = json.loads(state_file.read_text())
     state["hf_files"]["../escape.json"] = state["hf_files"].pop("tokenizer.json")
     state_file.write_text(json.dumps(state))
-    err = one_line_error(run("export", str(tmp_path / "ck"), str(tmp_path / "out")))
+    err = one_line_error(cli.run("export", str(tmp_path / "ck"), str(tmp_path / "out")))
     assert "'../escape.json' is not the plain name of a config or tokenizer file" in err
     assert not (tmp_path / "out").exists() and not (tmp_path / "escape.json").exists()
 
@@ -219,12 +262,12 @@ def test_a_backend_jax_cannot_start_is_one_line_with_the_install_hint(tmp_path):
     assert "unset JAX_PLATFORMS to run on the CPU" in err and not (tmp_path / "ck").exists()
 
 
-def test_inspect_json_has_one_schema_for_every_format(tmp_path):
+def test_inspect_json_has_one_schema_for_every_format(tmp_path, cli):
     from hybridckpt.jobs.inspect import SCHEMA
 
-    ok("import", sample_path(), str(tmp_path / "ck"), "--quiet")
+    cli.ok("import", sample_path(), str(tmp_path / "ck"), "--quiet")
     meta = ckpt("meta_llama31_mp1")
-    infos = {src: json.loads(ok("inspect", src, "--json"))
+    infos = {src: json.loads(cli.ok("inspect", src, "--json"))
              for src in (sample_path(), str(tmp_path / "ck"), meta, ckpt("megatron_lm_dense_torch"))}
     for src, info in infos.items():
         assert list(info) == list(SCHEMA) and info["schema"] == 1, src
@@ -235,27 +278,27 @@ def test_inspect_json_has_one_schema_for_every_format(tmp_path):
                                                      "original_max_position_embeddings": 8192, "rope_type": "llama3"}
 
 
-def test_already_exists_names_the_fix_in_the_callers_words(tmp_path):
+def test_already_exists_names_the_fix_in_the_callers_words(tmp_path, cli):
     from hybridckpt import import_checkpoint
     from hybridckpt.errors import CheckpointError
 
-    ok("import", sample_path(), str(tmp_path / "ck"), "--quiet")
-    err = one_line_error(run("import", sample_path(), str(tmp_path / "ck")))
+    cli.ok("import", sample_path(), str(tmp_path / "ck"), "--quiet")
+    err = one_line_error(cli.run("import", sample_path(), str(tmp_path / "ck")))
     assert "exists and is not empty; pass --overwrite to replace it" in err and "overwrite=True" not in err
     with pytest.raises(CheckpointError) as e:
         import_checkpoint(sample_path(), str(tmp_path / "ck"))
     assert "exists and is not empty; pass overwrite=True to replace it" in str(e.value) and "--" not in str(e.value)
 
 
-def test_a_users_rules_that_match_nothing_are_still_reported(tmp_path):
+def test_a_users_rules_that_match_nothing_are_still_reported(tmp_path, cli):
     rules = tmp_path / "mine.rules"
     rules.write_text("model.* -> model.*\nlm_head.weight -> lm_head.weight\nbackbone.$L.weight -> _\n")
-    out = ok("import", sample_path(), str(tmp_path / "ck"), "--rules", str(rules), "--quiet")
+    out = cli.ok("import", sample_path(), str(tmp_path / "ck"), "--rules", str(rules), "--quiet")
     assert f"note: rule matched nothing: {rules}:3: backbone.$L.weight -> _" in out and "hf.rules" not in out
 
 
-def test_restore_without_a_mesh_and_without_xla_flags(tmp_path):
-    ok("import", sample_path(), str(tmp_path / "ck"), "--mesh", "fsdp=2,tp=2,pp=2", "--quiet")
+def test_restore_without_a_mesh_and_without_xla_flags(tmp_path, cli):
+    cli.ok("import", sample_path(), str(tmp_path / "ck"), "--mesh", fit("fsdp=2,tp=2,pp=2"), "--quiet")
     script = """
 import hybridckpt, jax
 cfg, r = hybridckpt.restore("ck")
@@ -275,7 +318,7 @@ except hybridckpt.HybridCkptError as e:
 
 
 def test_the_demo_says_its_folder_is_temporary_and_removes_it():
-    out = ok("demo")
+    out = ok("demo")  # (a subprocess: the demo's mesh is the CLI's own 8 devices)
     line = next(x for x in out.splitlines() if x.startswith("folder:"))
     folder = line.split()[1]
     assert "(temporary: deleted when the demo ends" in line and f"removed {folder}" in out
