@@ -5,8 +5,6 @@ fix. Items a..j of the issue, in order."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 
@@ -14,14 +12,6 @@ import hybridckpt
 from hybridckpt.cli import main
 from hybridckpt.demo import sample_path
 from hybridckpt.io.byte_source import close_all
-
-CLI = [sys.executable, "-m", "hybridckpt.cli"]
-
-
-def run(*args: str, cwd=None, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets its own
-    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=timeout,
-                          env=env)
 
 
 def cli(capsys, *args: str) -> tuple[int, str, str]:
@@ -47,19 +37,21 @@ def listing(folder) -> list[str]:
 # -- a: logits --out ----------------------------------------------------------------------------------
 
 
-def test_logits_out_is_written_at_exactly_the_path_given_and_a_missing_folder_is_one_line(tmp_path):
+def test_logits_out_is_written_at_exactly_the_path_given_and_a_missing_folder_is_one_line(tmp_path, capsys,
+                                                                                           monkeypatch):
     src = sample_path()
-    r = run("logits", src, "--tokens", "1,2,3", "--out", "missing/x.npy", cwd=tmp_path)
-    one_line(r.returncode, r.stderr, "--out missing/x.npy", "missing does not exist")
-    assert "Traceback" not in r.stderr and listing(tmp_path) == []
+    monkeypatch.chdir(tmp_path)  # the relative --out paths are the user's, from their folder
+    code, _, err = cli(capsys, "logits", src, "--tokens", "1,2,3", "--out", "missing/x.npy")
+    one_line(code, err, "--out missing/x.npy", "missing does not exist")
+    assert "Traceback" not in err and listing(tmp_path) == []
     (tmp_path / "afile").write_text("mine")
-    r = run("logits", src, "--tokens", "1,2,3", "--out", "afile/x.npy", cwd=tmp_path)
-    one_line(r.returncode, r.stderr, "afile/x.npy")
+    code, _, err = cli(capsys, "logits", src, "--tokens", "1,2,3", "--out", "afile/x.npy")
+    one_line(code, err, "afile/x.npy")
     assert (tmp_path / "afile").read_text() == "mine"
 
-    r = run("logits", src, "--tokens", "1,2,3", "--out", "out.txt", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    assert "written to out.txt" in r.stdout and listing(tmp_path) == ["afile", "out.txt"]
+    code, out, err = cli(capsys, "logits", src, "--tokens", "1,2,3", "--out", "out.txt")
+    assert code == 0, err
+    assert "written to out.txt" in out and listing(tmp_path) == ["afile", "out.txt"]
     expected = hybridckpt.logits(src, [1, 2, 3])
     np.testing.assert_array_equal(np.load(tmp_path / "out.txt"), expected)
 
