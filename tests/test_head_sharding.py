@@ -5,8 +5,9 @@ count, or refused under `--strict-sharding`. Before, the plan divided `heads * h
 heads of 8 values on tp=4 cut each kv head in two, silently, and the tp=3 note said "kv_heads 16".
 
 The configs are transformers' own (`XConfig(...).to_dict()`, read by `models.config_from_hf`);
-the specs are checked on meshes without devices (`abstract_mesh`); the CLI runs in a subprocess
-(8 simulated devices of its own), the import and restore in process on a fitted mesh.
+the specs are checked on meshes without devices (`abstract_mesh`); the CLI's tp=4 runs in this
+process where 4 devices are present, else in a subprocess (8 simulated devices of its own); the
+import and restore in process on a fitted mesh.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -187,14 +189,37 @@ def save_llama(path, *, heads: int = 6, kv_heads: int = 2, seed: int = 0) -> tor
     return m
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
+@dataclass(frozen=True)
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run(capsys, *args: str) -> Ran:
+    """The CLI on `args` (a tp=4 mesh): its `main` in this process when 4 devices are present (no
+    fresh interpreter, ~2 CPU-s), else a child, where the CLI simulates its 8 devices."""
+    import jax
+
+    if jax.device_count() >= 4:
+        from hybridckpt.cli import main
+        from hybridckpt.io.byte_source import close_all
+
+        capsys.readouterr()
+        try:
+            code = main([str(a) for a in args])
+        finally:
+            close_all()
+        out = capsys.readouterr()
+        return Ran(code, out.out, out.err)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI simulates its 8 devices
-    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=600, env=env)
+    r = subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=600, env=env)
+    return Ran(r.returncode, r.stdout, r.stderr)
 
 
-def test_cli_refuses_tp4_over_2_kv_heads_under_strict_sharding_and_notes_it_otherwise(tmp_path):
+def test_cli_refuses_tp4_over_2_kv_heads_under_strict_sharding_and_notes_it_otherwise(tmp_path, capsys):
     save_llama(tmp_path / "src")
-    r = run("import", tmp_path / "src", tmp_path / "ck", "--mesh", "tp=4", "--strict-sharding", "--quiet")
+    r = run(capsys, "import", tmp_path / "src", tmp_path / "ck", "--mesh", "tp=4", "--strict-sharding", "--quiet")
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.startswith("hybridckpt: error: layers.k.kernel: kv_heads 2 do not divide over tp=4"), r.stderr
@@ -202,8 +227,8 @@ def test_cli_refuses_tp4_over_2_kv_heads_under_strict_sharding_and_notes_it_othe
     assert not (tmp_path / "ck").exists() and sorted(os.listdir(tmp_path)) == ["src"]
     lines = (f"kv_heads 2 do not divide over tp=4: layers.k.kernel, layers.v.kernel replicated on tp {STRICT}",
              f"heads 6 do not divide over tp=4: layers.o.kernel, layers.q.kernel replicated on tp {STRICT}")
-    planned = run("import", tmp_path / "src", tmp_path / "ck", "--mesh", "tp=4", "--plan")  # writes nothing
-    r = run("import", tmp_path / "src", tmp_path / "ck", "--mesh", "tp=4", "--quiet")
+    planned = run(capsys, "import", tmp_path / "src", tmp_path / "ck", "--mesh", "tp=4", "--plan")  # writes nothing
+    r = run(capsys, "import", tmp_path / "src", tmp_path / "ck", "--mesh", "tp=4", "--quiet")
     for out in (planned, r):
         assert out.returncode == 0, out.stderr
         for line in lines:
