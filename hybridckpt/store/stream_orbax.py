@@ -15,7 +15,10 @@
    save's byte budget and written: raw chunks to their files by the reader thread itself
    (`containers.orbax.chunk_files`, then each array folder fsync'd), compressed ones through TensorStore
    (small tiles batched into shared OCDBT commits, `_SmallWrites`);
-4. the array metadata is appended to `array_metadatas/process_<i>`, shardings to `_sharding`.
+4. the array metadata is appended to `array_metadatas/process_<i>`; the shardings go to `_sharding`
+   (Orbax's `_async_serialize_shardings`), for a raw item while its tiles are written, awaited
+   with them before the item is committed (Orbax writes it first: that wait, before any read, was
+   the longest of the save's start).
 
 `StreamingCheckpointHandler` is `StandardCheckpointHandler` with that handler registered for
 `LazyLeaf`: a save whose lazy leaves are all raw goes without OCDBT, any other with it.
