@@ -116,11 +116,12 @@ class Plan:
     def step_sharding(self) -> NamedSharding:
         return replicated(self.mesh)
 
-    def with_optimizer(self, optimizer: optim.Optimizer | None) -> Plan:
-        """This plan with (another) optimizer's state planned beside the params."""
+    def with_optimizer(self, optimizer: optim.Optimizer | None, *, declared: bool = False) -> Plan:
+        """This plan with (another) optimizer's state planned beside the params; `declared`: its
+        tree from the optimizer's declared layout, optax not imported (`optim.abstract_state`)."""
         if optimizer is None:
             return Plan(self.mesh, self.param_shapes, self.param_shardings, self.chunk_axes, notes=self.notes)
-        shapes = optim.abstract_state(optimizer, self.param_shapes)
+        shapes = optim.abstract_state(optimizer, self.param_shapes, declared=declared)
         rep = replicated(self.mesh)
         shardings = jax.tree.map(lambda _: rep, shapes, is_leaf=_has_shape)
         for slot in optimizer.slots:
@@ -209,18 +210,20 @@ def for_model(
     optimizer: optim.Optimizer | None = None,
     indivisible: str = "replicate",
     axis_rules: Mapping[str, Any] | str | None = None,
+    declared: bool = False,
 ) -> Plan:
     """The plan of `cfg`'s params (fp32, logical axes from `models`) and optimizer on `mesh`.
 
     axis_rules: overrides of `mesh.DEFAULT_RULES` (a mapping or `experts=fsdp` text); None
-    reads `$HYBRIDCKPT_AXIS_RULES`."""
+    reads `$HYBRIDCKPT_AXIS_RULES`. declared: the optimizer state's tree from its declared
+    layout, not optax's classes (`Plan.with_optimizer`: an import's)."""
     shapes, axes, groups = _model_shapes_axes_groups(cfg)
     replicated_dims: list[Replicated] = []
     rules = merged_axis_rules(axis_rules)
     shardings = tree_shardings(shapes, axes, mesh, rules=rules, indivisible=indivisible, notes=replicated_dims,
                                groups=groups)
     notes = replication_notes(replicated_dims)
-    return Plan(mesh, shapes, shardings, _stacked_axes(axes), notes=notes).with_optimizer(optimizer)
+    return Plan(mesh, shapes, shardings, _stacked_axes(axes), notes=notes).with_optimizer(optimizer, declared=declared)
 
 
 def generic_spec(shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
@@ -239,14 +242,14 @@ def generic_spec(shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
 
 
 def for_named(
-    shapes: Mapping[str, Any], mesh: Mesh, *, optimizer: optim.Optimizer | None = None
+    shapes: Mapping[str, Any], mesh: Mesh, *, optimizer: optim.Optimizer | None = None, declared: bool = False
 ) -> Plan:
     """The plan of a flat named tree (`{"a.b.c": ShapeDtypeStruct}`, dotted names nest) by the
-    generic rule, and of its optimizer state."""
+    generic rule, and of its optimizer state (`declared`: see `for_model`)."""
     flat = {k: jax.ShapeDtypeStruct(tuple(v.shape), np.dtype(v.dtype)) for k, v in shapes.items()}
     shardings = {k: NamedSharding(mesh, generic_spec(v.shape, mesh)) for k, v in flat.items()}
     chunks = {k: () for k in flat}
-    return Plan(mesh, nest(flat), nest(shardings), nest(chunks)).with_optimizer(optimizer)
+    return Plan(mesh, nest(flat), nest(shardings), nest(chunks)).with_optimizer(optimizer, declared=declared)
 
 
 def optax_state_shardings(opt_state_shapes, param_shardings, mesh: Mesh):

@@ -126,9 +126,10 @@ def lazy_targets(
     if opt is not None:
         _check_slots_match_params(named, opened.path)
     if cfg is not None:
-        p = plan.for_model(cfg, jmesh, optimizer=opt, indivisible="error" if strict_sharding else "replicate")
-    else:
-        p = plan.for_named(named.params, jmesh, optimizer=opt)
+        p = plan.for_model(cfg, jmesh, optimizer=opt, indivisible="error" if strict_sharding else "replicate",
+                           declared=True)
+    else:  # (declared: the optimizer state's tree without optax: the files name only its paths)
+        p = plan.for_named(named.params, jmesh, optimizer=opt, declared=True)
     opts = stream_options or stream.StreamOptions()
     opts.on_leaf = progress
     if compression is not None:

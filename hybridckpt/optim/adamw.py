@@ -61,4 +61,5 @@ OPTIMIZER = Optimizer(
     state_paths={"exp_avg": (0, "mu"), "exp_avg_sq": (0, "nu"), "step": (0, "count")},
     make_state=_adamw_state,
     build=build_adamw,
+    layout=(("count", "mu", "nu"), (), ()),  # optax.adamw: scale_by_adam, add_decayed_weights, the learning rate
 )

@@ -85,6 +85,13 @@ class Optimizer:
     make_state:  (abstract or concrete params) -> an optax state of this optimizer with the same
                  tree structure (a function of optax; imported only when called)
     step_name:   the source frameworks' name of the step counter ("step")
+    layout:      the optax state `make_state` builds, declared: its chain's states in order, each
+                 the tuple of its fields (adamw: `(("count", "mu", "nu"), (), ())`, optax's
+                 `ScaleByAdamState` and two `EmptyState`s); every field a slot's `state_name`
+                 or the step's. An import plans the state's tree from it without importing optax
+                 or tracing `make_state` (`optim.abstract_state(..., declared=True)`); None: not
+                 declared (`make_state` traced). tests/optim/test_declared_state.py holds it to
+                 `make_state`'s tree
     build:       (hyper, mask) -> the optax transformation with a checkpoint's recorded
                  hyper-parameters (`hyper`: torch's names, `lr`, `betas`, `eps`, `weight_decay`,
                  ...; `mask`: a params-shaped tree of bools, True where weight decay applies,
@@ -98,6 +105,7 @@ class Optimizer:
     make_state: Callable[[Any], Any]
     step_name: str = "step"
     build: Callable[[Mapping[str, Any], Any], Any] | None = None
+    layout: tuple[tuple[str, ...], ...] | None = None
 
     @property
     def slot_names(self) -> tuple[str, ...]:

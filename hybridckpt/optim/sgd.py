@@ -42,4 +42,5 @@ OPTIMIZER = Optimizer(
     make_state=_sgd_state,
     step_name="",
     build=build_sgd,
+    layout=(("trace",), ()),  # optax.sgd with momentum: trace, the learning rate
 )
