@@ -8,8 +8,10 @@ no byte of it reaches a caller unchecked:
 - `read_into(box, out)`: each grid chunk the box covers whole is read into `out` (or a scratch
   buffer when `out` is strided or cast) and its CRC compared; a chunk the box cuts is read whole
   once, by one thread (`_reading`; another box's thread that needs it meanwhile reads its other
-  chunks first, then waits), checked, its piece cut out and its rest kept (`_HeldChunks`) for the
-  boxes that need the rest, which cut their pieces from memory. So a restore onto a mesh that cuts
+  chunks first, trying the put-off piece again after each, then waits), checked, its piece cut
+  out and its rest kept (`store.held_chunks`) for the boxes that need the rest, which cut their
+  pieces from memory; in a restore the chunk is read into a buffer the scratch pool lends, which
+  the thread that cuts its last piece gives back. So a restore onto a mesh that cuts
   chunks reads each chunk it touches once (`tests/store/test_restore_reads.py` counts it); only
   past the budget of kept bytes is a later piece read again from the file, that piece alone.
   In a restore (`read_tree` sets `direct`) a piece that is one run of a raw chunk's bytes (cut on
