@@ -99,6 +99,9 @@ class RunCheck:
 
 
 SCRATCH_PIECE_BYTES = 8 << 20  # `direct` pieces up to this are read into a lent buffer, then copied
+PLACED_AT_ONCE = 2  # arrays `read_tree` places at a time: the next one's boxes queue behind the
+# one being read, so a reader thread its last boxes leave idle starts the next array at once
+# (one array at a time, the threads waited at each array's end for the slowest box)
 
 
 class CheckedArray(LazyTensor):
@@ -405,7 +408,7 @@ def read_tree(step_dir: str, item: str, target, state: Mapping, *, verify: bool 
     """The item `item` of a step restored onto `target`'s shardings (a tree of
     `jax.ShapeDtypeStruct`), every chunk checked (`CheckedArray`; `verify=False`: as stored; `found`: the item's
     `item_arrays` opened already); leaves the item lacks stay abstract (as Orbax's partial restore leaves them). Each device reads only the chunks its
-    shard touches (`place.to_array`)."""
+    shard touches (`place.to_array`); `PLACED_AT_ONCE` arrays are placed at a time."""
     import os
 
     import jax
@@ -420,17 +423,16 @@ def read_tree(step_dir: str, item: str, target, state: Mapping, *, verify: bool 
     names = {leaf_key(path): recorded_name(item, leaf_key(path), state) for path, _ in flat}
     wanted = {names[k]: found[k] for k in names if k in found}
     checked = checked_arrays(wanted, state, "", folder) if verify else wanted
-    leaves = []
     from hybridckpt.lazy.parallel import io_threads
 
     # (a scratch piece or a chunk being cut a reader thread, and as many chunks kept for the pieces
     # other threads cut from them next; emptied after each array: no free buffer outlives its sizes)
     scratch = AlignedPool(2 * io_threads() * SCRATCH_PIECE_BYTES)
-    for path, leaf in flat:
+
+    def place(path, leaf):
         key = leaf_key(path)
         if key not in found:
-            leaves.append(leaf)
-            continue
+            return leaf
         t = checked[names[key]]
         if isinstance(t, CheckedArray):  # (an unchecked array of the item is named `key` already)
             t.name, t.direct, t.scratch = key, True, scratch  # (pieces straight into the shards: checked whole by `release` below at the latest)
@@ -439,5 +441,16 @@ def read_tree(step_dir: str, item: str, target, state: Mapping, *, verify: bool 
         if isinstance(t, CheckedArray):
             t.release()  # (the rest of chunks cut for another process's devices)
             scratch.clear()
-        leaves.append(arr)
+        return arr
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(PLACED_AT_ONCE, thread_name_prefix="hybridckpt-place") as placing:
+        futures = [placing.submit(place, path, leaf) for path, leaf in flat]
+        try:
+            leaves = [f.result() for f in futures]
+        except BaseException:  # (the first error in leaf order; arrays not begun are not read)
+            for f in futures:
+                f.cancel()
+            raise
     return jax.tree_util.tree_unflatten(treedef, leaves)

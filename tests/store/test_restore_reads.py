@@ -442,3 +442,35 @@ def test_a_chunk_cut_across_its_rows_is_read_into_a_lent_buffer(store, two_reade
     assert checked._HeldChunks.budget_used[0] == 0  # noqa: SLF001  (every kept chunk given back)
     assert needed <= read <= 1.05 * needed
     same_as_source(src, cfg, r.params)
+
+
+def test_the_next_array_is_read_while_a_box_of_the_one_before_is_still_read(store, monkeypatch):
+    """`read_tree` places `PLACED_AT_ONCE` (2) arrays at a time: the next array's boxes queue
+    behind the one being read, so reader threads its last boxes leave idle start the next array
+    instead of waiting at its end for the slowest box. Counted, not timed: the first box read is
+    held back until a box of another array begins (before: none began until the first array was
+    placed, so the hold ran out its guard); values the source's, every byte read once."""
+    import threading
+
+    src, ck = store
+    monkeypatch.setattr(parallel, "_override", 4)  # (put back after the test)
+    began, lock, held = threading.Event(), threading.Lock(), []
+    real = checked.CheckedArray.read_into
+
+    def read_into(self, box, out):
+        with lock:
+            first = not held
+            if first:
+                held.append(self.name)
+        if first:
+            held.append(began.wait(20))  # (a guard against a hang: the old code ran it out)
+        elif self.name != held[0]:
+            began.set()
+        return real(self, box, out)
+
+    monkeypatch.setattr(checked.CheckedArray, "read_into", read_into)
+    cfg, r, read = restore_counted(ck, fit_pair(fit(SAVED), TARGETS[0])[1])
+    assert held[1] is True, held  # (another array's box began while the first was held)
+    needed, _ = needed_bytes(ck, r.params)
+    assert needed <= read <= 1.05 * needed
+    same_as_source(src, cfg, r.params)
