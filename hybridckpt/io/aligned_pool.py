@@ -7,6 +7,8 @@ then the allocator returns it or keeps it in one reader thread's arena, where th
 another thread cannot use it (the import's peak RSS grew past the tiles in flight). `AlignedPool`
 lends buffers instead: a tile borrows one (`lend`, a context manager) and gives it back once its
 chunks are written; the next tile of about the same size reuses it, its pages already mapped.
+A restore lends the same way its scratch pieces and the chunks it reads whole to cut (`borrow`:
+given back by whichever thread cuts the chunk's last piece).
 
 Bound: the buffers the pool holds, lent or free, are at most `limit` bytes (the save's in-flight
 budget, `store.stream.INFLIGHT_BYTES`) plus what is lent beyond it (the budget lets one tile
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import numpy as np
@@ -70,13 +72,25 @@ class AlignedPool:
     def lend(self, shape: tuple[int, ...], dtype) -> Iterator[np.ndarray]:
         """An uninitialised C-contiguous aligned array of `shape` and `dtype`, given back to the
         pool when the block ends: nothing may keep a view of it after that."""
+        out, give = self.borrow(shape, dtype)
+        try:
+            yield out
+        finally:
+            give()
+
+    def borrow(self, shape: tuple[int, ...], dtype) -> tuple[np.ndarray, Callable[[], None]]:
+        """As `lend`, for a buffer given back elsewhere than where it was taken (a restore's
+        chunk kept for the pieces other threads cut from it later, `store.checked`): the array
+        and the callable that gives it back (a second call does nothing)."""
         dtype = np.dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize
-        raw = self._take(nbytes)
-        try:
-            yield raw[:nbytes].view(dtype).reshape(shape)
-        finally:
-            self._give(raw)
+        raw = [self._take(nbytes)]
+
+        def give() -> None:
+            if raw:
+                self._give(raw.pop())
+
+        return raw[0][:nbytes].view(dtype).reshape(shape), give
 
     def clear(self) -> None:
         """Drop every free buffer (the save is over); lent ones are dropped when given back."""

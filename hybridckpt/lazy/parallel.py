@@ -28,7 +28,7 @@ import numpy as np
 from hybridckpt.errors import ConfigError
 from hybridckpt.io import timing
 from hybridckpt.io.direct_io import aligned_empty
-from hybridckpt.io.page_advice import no_huge_pages
+from hybridckpt.io.page_advice import no_huge_pages, populate
 from hybridckpt.lazy import Box, LazyTensor, box_shape, full_box
 
 ENV = "HYBRIDCKPT_IO_THREADS"
@@ -119,14 +119,18 @@ def read_box_parallel(t: LazyTensor, box: Box | None = None, out: np.ndarray | N
     `np.empty` arrays start 16 bytes into a page, so each was copied: a second copy of every
     restored array, 0.35 GB of a 1.1 GB restore's peak RSS, issue 42); and it is backed by 4 KiB
     pages, not the huge pages numpy asks for (`io.page_advice`: a quarter less CPU in a warm
-    restore on the 2-core VM of docs/benchmarks.md)."""
+    restore on the 2-core VM of docs/benchmarks.md), faulted in by one `MADV_POPULATE_WRITE`
+    (`page_advice.populate`) in the thread that fills them, before the first read or copy."""
     box = full_box(t.shape) if box is None else box
-    if out is None:
+    fresh = out is None
+    if fresh:
         out = aligned_empty(box_shape(box), t.dtype)
         no_huge_pages(out)  # (4 KiB pages: zeroed by the kernel while cached, `io.page_advice`)
     parts = [] if in_worker() else split_box(box, np.dtype(t.dtype).itemsize, io_threads())
     if len(parts) <= 1:
         with timing.stage("read"):
+            if fresh:
+                populate(out)  # (its pages faulted in by one call, not one exception a page)
             t.read_into(box, out)
         return out
     origin = [a for a, _ in box]
@@ -134,6 +138,8 @@ def read_box_parallel(t: LazyTensor, box: Box | None = None, out: np.ndarray | N
     def piece(sub: Box) -> None:
         where = tuple(slice(s - o, e - o) for (s, e), o in zip(sub, origin, strict=True))
         with timing.stage("read"):
+            if fresh:
+                populate(out[where])  # (a run of whole rows: contiguous; in the thread that fills it)
             t.read_into(sub, out[where])
 
     for f in [pool().submit(piece, sub) for sub in parts]:

@@ -8,8 +8,10 @@ no byte of it reaches a caller unchecked:
 - `read_into(box, out)`: each grid chunk the box covers whole is read into `out` (or a scratch
   buffer when `out` is strided or cast) and its CRC compared; a chunk the box cuts is read whole
   once, by one thread (`_reading`; another box's thread that needs it meanwhile reads its other
-  chunks first, then waits), checked, its piece cut out and its rest kept (`_HeldChunks`) for the
-  boxes that need the rest, which cut their pieces from memory. So a restore onto a mesh that cuts
+  chunks first, trying the put-off piece again after each, then waits), checked, its piece cut
+  out and its rest kept (`store.held_chunks`) for the boxes that need the rest, which cut their
+  pieces from memory; in a restore the chunk is read into a buffer the scratch pool lends, which
+  the thread that cuts its last piece gives back. So a restore onto a mesh that cuts
   chunks reads each chunk it touches once (`tests/store/test_restore_reads.py` counts it); only
   past the budget of kept bytes is a later piece read again from the file, that piece alone.
   In a restore (`read_tree` sets `direct`) a piece that is one run of a raw chunk's bytes (cut on
@@ -35,7 +37,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import weakref
 from collections.abc import Mapping
 
 import numpy as np
@@ -48,6 +49,10 @@ from hybridckpt.io.byte_source import planned
 from hybridckpt.lazy import Box, FileRun, LazyTensor, box_runs, box_shape, copy_into
 from hybridckpt.lazy.stored import SCATTER_ROW_BYTES, row_bytes, row_views
 from hybridckpt.store.checked_runs import assign
+from hybridckpt.store.held_chunks import (
+    HELD_BYTES,  # (passed at each `keep`: a test lowers it here)
+)
+from hybridckpt.store.held_chunks import HeldChunks as _HeldChunks
 
 CRC_TABLES = "chunk_crc32"  # trainer_state keys (written by `jobs.import_`)
 ARRAY_SPECS = "array_specs"
@@ -93,59 +98,10 @@ class RunCheck:
                 self.array.compare(self.index, self.crc)
 
 
-class _HeldChunks:
-    """Chunks of one array read whole (and checked) for one piece, kept until their other pieces
-    are read, within a budget shared by every array (HELD_BYTES; past it a later piece is read
-    from the file again; what an array holds is given back when it is dropped): a restore onto a
-    mesh that cuts every chunk in two then reads each chunk once, not one and a half times."""
-
-    budget_lock = threading.Lock()
-    budget_used = [0]
-
-    def __init__(self):
-        self._held: dict[int, list] = {}  # position -> [data, elements left]
-        self._bytes = [0]  # held by this array (given back by the finalizer)
-        self._lock = threading.Lock()
-        weakref.finalize(self, _HeldChunks._give_back, self._bytes)
-
-    @staticmethod
-    def _give_back(cell: list) -> None:
-        with _HeldChunks.budget_lock:
-            _HeldChunks.budget_used[0] -= cell[0]
-            cell[0] = 0
-
-    def keep(self, pos: int, data: np.ndarray, left: int) -> None:
-        if left <= 0:
-            return
-        with self._lock, _HeldChunks.budget_lock:
-            if pos in self._held or _HeldChunks.budget_used[0] + data.nbytes > HELD_BYTES:
-                return
-            _HeldChunks.budget_used[0] += data.nbytes
-            self._held[pos] = [data, left]
-            self._bytes[0] += data.nbytes
-
-    def clear(self) -> None:
-        """Drop every chunk kept, giving their bytes back to the budget."""
-        with self._lock:
-            self._held.clear()
-            _HeldChunks._give_back(self._bytes)
-
-    def take(self, pos: int, elements: int) -> np.ndarray | None:
-        with self._lock:
-            entry = self._held.get(pos)
-            if entry is None:
-                return None
-            entry[1] -= elements
-            if entry[1] <= 0:
-                del self._held[pos]
-                self._bytes[0] -= entry[0].nbytes
-                with _HeldChunks.budget_lock:
-                    _HeldChunks.budget_used[0] -= entry[0].nbytes
-            return entry[0]
-
-
-HELD_BYTES = 256 << 20  # chunk bytes all `_HeldChunks` keep at most
 SCRATCH_PIECE_BYTES = 8 << 20  # `direct` pieces up to this are read into a lent buffer, then copied
+PLACED_AT_ONCE = 2  # arrays `read_tree` places at a time: the next one's boxes queue behind the
+# one being read, so a reader thread its last boxes leave idle starts the next array at once
+# (one array at a time, the threads waited at each array's end for the slowest box)
 
 
 class CheckedArray(LazyTensor):
@@ -231,6 +187,8 @@ class CheckedArray(LazyTensor):
                         copy_into(dst, tmp)
             elif not self._piece(pos, cbox, sub, dst, wait=False):
                 later.append((pos, cbox, sub, dst))
+            # (a piece put off is cut as soon as its chunk is kept: the chunk's buffer back sooner)
+            later = [x for x in later if not self._piece(*x, wait=False)]
         for pos, cbox, sub, dst in later:
             self._piece(pos, cbox, sub, dst, wait=True)
 
@@ -263,7 +221,9 @@ class CheckedArray(LazyTensor):
                     self._reading[pos] = mine = threading.Event()
             if held is not None:  # read whole for an earlier piece: the rest comes from memory
                 with timing.stage("cut"):
-                    copy_into(dst, held[piece])
+                    copy_into(dst, held[0][piece])
+                if held[1] is not None:  # (its last piece: the buffer back to the pool)
+                    held[1]()
                 return True
             if reading is not None:  # another thread reads it whole now
                 if not wait:
@@ -273,17 +233,34 @@ class CheckedArray(LazyTensor):
             if mine is None:  # checked, but not kept (over the budget): this piece alone
                 self.inner.read_into(sub, dst)
                 return True
+            give, kept = None, False
             try:  # a piece of a chunk not checked yet: the chunk whole, once, its rest kept
-                tmp = self.inner.read_box(cbox)
+                tmp, give = self._read_chunk(cbox)
                 self.compare(pos, _crc(tmp))
                 with timing.stage("cut"):
                     copy_into(dst, tmp[piece])
-                self._held.keep(pos, tmp, tmp.size - elements)
+                kept = self._held.keep(pos, tmp, tmp.size - elements, give, HELD_BYTES)
             finally:
+                if give is not None and not kept:
+                    give()
                 with self._lock:
                     del self._reading[pos]
                 mine.set()
             return True
+
+    def _read_chunk(self, cbox: Box):
+        """(chunk `cbox` read whole, the callable that gives its buffer back or None): into a
+        buffer `scratch` lends (a restore: its pages mapped already, reused chunk after chunk),
+        else into a fresh one."""
+        if self.scratch is None:
+            return self.inner.read_box(cbox), None
+        tmp, give = self.scratch.borrow(box_shape(cbox), self.dtype)
+        try:
+            self.inner.read_into(cbox, tmp)
+        except BaseException:
+            give()
+            raise
+        return tmp, give
 
     def _direct_piece(self, pos: int, cbox: Box, sub: Box, dst: np.ndarray) -> bool:
         """With `direct` on: read `sub`, a piece of chunk `pos` that is one run of the chunk's
@@ -431,7 +408,7 @@ def read_tree(step_dir: str, item: str, target, state: Mapping, *, verify: bool 
     """The item `item` of a step restored onto `target`'s shardings (a tree of
     `jax.ShapeDtypeStruct`), every chunk checked (`CheckedArray`; `verify=False`: as stored; `found`: the item's
     `item_arrays` opened already); leaves the item lacks stay abstract (as Orbax's partial restore leaves them). Each device reads only the chunks its
-    shard touches (`place.to_array`)."""
+    shard touches (`place.to_array`); `PLACED_AT_ONCE` arrays are placed at a time."""
     import os
 
     import jax
@@ -446,15 +423,16 @@ def read_tree(step_dir: str, item: str, target, state: Mapping, *, verify: bool 
     names = {leaf_key(path): recorded_name(item, leaf_key(path), state) for path, _ in flat}
     wanted = {names[k]: found[k] for k in names if k in found}
     checked = checked_arrays(wanted, state, "", folder) if verify else wanted
-    leaves = []
     from hybridckpt.lazy.parallel import io_threads
 
-    scratch = AlignedPool(io_threads() * SCRATCH_PIECE_BYTES)  # (one buffer a reader thread at a time)
-    for path, leaf in flat:
+    # (a scratch piece or a chunk being cut a reader thread, and as many chunks kept for the pieces
+    # other threads cut from them next; emptied after each array: no free buffer outlives its sizes)
+    scratch = AlignedPool(2 * io_threads() * SCRATCH_PIECE_BYTES)
+
+    def place(path, leaf):
         key = leaf_key(path)
         if key not in found:
-            leaves.append(leaf)
-            continue
+            return leaf
         t = checked[names[key]]
         if isinstance(t, CheckedArray):  # (an unchecked array of the item is named `key` already)
             t.name, t.direct, t.scratch = key, True, scratch  # (pieces straight into the shards: checked whole by `release` below at the latest)
@@ -462,5 +440,17 @@ def read_tree(step_dir: str, item: str, target, state: Mapping, *, verify: bool 
                           with_checksum=False)
         if isinstance(t, CheckedArray):
             t.release()  # (the rest of chunks cut for another process's devices)
-        leaves.append(arr)
+            scratch.clear()
+        return arr
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(PLACED_AT_ONCE, thread_name_prefix="hybridckpt-place") as placing:
+        futures = [placing.submit(place, path, leaf) for path, leaf in flat]
+        try:
+            leaves = [f.result() for f in futures]
+        except BaseException:  # (the first error in leaf order; arrays not begun are not read)
+            for f in futures:
+                f.cancel()
+            raise
     return jax.tree_util.tree_unflatten(treedef, leaves)

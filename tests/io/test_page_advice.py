@@ -2,10 +2,15 @@
 asks for on arrays of 4 MiB or more (`io.page_advice`, issue 42: on the 2-core VM the kernel's
 zeroing of 2 MiB pages was 37-43% of a warm restore's CPU samples). Checked in
 `/proc/self/smaps`, never timed: the mapping holding the array carries the kernel's `nh` flag
-(MADV_NOHUGEPAGE), and once the array is written none of its bytes sit in huge pages."""
+(MADV_NOHUGEPAGE), and once the array is written none of its bytes sit in huge pages.
+
+And their pages are faulted in by one `MADV_POPULATE_WRITE` before the first read or copy
+writes them (`page_advice.populate`, from `lazy.parallel.read_box_parallel`): counted with
+`mincore(2)`, the pages resident when the box's first read starts (before: none)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -72,3 +77,60 @@ def test_small_arrays_are_left_alone():
     for nothing (a restore of many small arrays would multiply mappings)."""
     a = aligned_empty((page_advice.MIN_BYTES // 2,), np.uint8)
     assert not page_advice.no_huge_pages(a)
+
+
+def resident_pages(a: np.ndarray) -> tuple[int, int]:
+    """(pages of `a` resident in memory, pages of `a`) by `mincore(2)`; `a` page-aligned."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = -(-a.nbytes // page_advice.PAGE_BYTES)
+    vec = (ctypes.c_ubyte * pages)()
+    assert a.ctypes.data % page_advice.PAGE_BYTES == 0
+    assert libc.mincore(ctypes.c_void_p(a.ctypes.data), ctypes.c_size_t(a.nbytes), vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec), pages
+
+
+def test_populate_maps_every_page_of_a_fresh_array_and_changes_no_byte():
+    in_fresh_process("check_populate")
+
+
+def test_a_box_read_fills_a_buffer_whose_pages_are_mapped_already():
+    in_fresh_process("check_box_read_populated")
+
+
+def check_populate():
+    a = aligned_empty((6 << 20,), np.uint8)
+    page_advice.no_huge_pages(a)
+    assert resident_pages(a)[0] == 0  # (fresh: nothing faulted in yet)
+    assert page_advice.populate(a)
+    got, pages = resident_pages(a)
+    assert got == pages == (6 << 20) // page_advice.PAGE_BYTES
+    assert not a.any()  # (the kernel's zeroed pages: no byte written)
+    a[:] = 3
+    assert page_advice.populate(a) and int(a.sum(dtype=np.int64)) == 3 * a.size  # (present pages kept as they are)
+    assert not page_advice.populate(a[::2])  # (not contiguous: nothing done)
+    assert not page_advice.populate(np.empty(page_advice.POPULATE_MIN_BYTES // 2, np.uint8))  # (too small to pay)
+
+
+def check_box_read_populated():
+    """Each box a restore reads is a fresh 4 KiB-aligned buffer; its pages are resident when the
+    read starts, in the thread that reads it (one box whole, and a box read in 4 pieces by the
+    pool: each piece's pages). Before, none was resident: each page was faulted in by the first
+    copy or read that wrote it."""
+    from hybridckpt.lazy import LazyTensor, parallel
+
+    class Seen(LazyTensor):
+        def __init__(self, shape):
+            self.shape, self.dtype, self.seen = shape, np.dtype(np.float32), []
+
+        def read_into(self, box, out):
+            self.seen.append(resident_pages(out))
+            out[...] = box[0][0]
+
+    parallel.set_io_threads(4)
+    one = Seen((1024, 1024))  # 4 MiB: read in one piece
+    a = parallel.read_box_parallel(one)
+    assert len(one.seen) == 1 and one.seen[0][0] == one.seen[0][1] == 1024, one.seen
+    four = Seen((4096, 2048))  # 32 MiB: 4 pieces of 8 MiB, each read by a pool thread
+    b = parallel.read_box_parallel(four)
+    assert len(four.seen) == 4 and all(got == pages == 2048 for got, pages in four.seen), four.seen
+    assert not a.any() and sorted(set(b[:, 0].tolist())) == [0, 1024, 2048, 3072]  # (each piece written by its read)
