@@ -56,6 +56,15 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
     if ASKED is not None or _given is None:
         _flags = _COUNT_FLAG.sub("", _flags).strip()
         os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count={ASKED or 8}".strip()
+    # LLVM's optimisation of XLA's CPU code off (level 0, unless `$XLA_FLAGS` names a level): the
+    # tests' computations are tiny, so compiling them is most of their cost, and LLVM's passes
+    # most of a compilation (families/test_models.py: 63 -> 41 CPU-s). Neither level uses
+    # fast-math: a float result may differ from the default level 3's in its last bits only (a
+    # tiny Llama's fp32 logits and gradients: 2.2e-7 at most, its bf16 logits equal), far inside
+    # every tolerance of the tests; the children the tests start inherit the flag, so results
+    # compared across processes come from code compiled alike.
+    if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+        os.environ["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} --xla_backend_optimization_level=0"
 else:
     if ASKED is not None:
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(ASKED))))

@@ -385,7 +385,8 @@ def test_a_family_defined_by_a_table_alone_imports_exports_and_plans(tmp_path):
     (tmp_path / "toy" / "__init__.py").write_text(TOY)
     dirs = [tmp_path / d for d in ("src", "imported", "exported")]
     dirs[0].mkdir()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",  # (the compile level as conftest.py sets it)
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"}
     out = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(TOY_RUN), str(tmp_path), *map(str, dirs)],
         capture_output=True, text=True, timeout=300, env=env,
