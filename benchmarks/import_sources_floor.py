@@ -4,7 +4,7 @@ measured in the same run, with the import's peak RSS and its per-stage account; 
 our store onto another mesh against the read floors.
 
     python benchmarks/import_sources_floor.py [--gib 4] [--sources dcp,hf,megatron] [--repeat 3]
-        [--restore dcp] [--dir DIR] [--json]
+        [--restore dcp] [--tree NAME=PATH] [--dir DIR] [--json]
 
 The sources, one at a time (each deleted before the next is written):
 
@@ -30,6 +30,12 @@ process's wall (Python's start included) over the best O_DIRECT floor of the 4, 
 RSS (`wait4`'s `ru_maxrss` of the child), the account of the median run, and whether the
 account's shares + other/waiting (which sum to the account's wall by construction) cover the
 process's wall within 10% (`account_over_process_wall`).
+
+`--tree NAME=PATH` (repeatable) also runs, alternating with this checkout's (the order turned each
+round), `--repeat` imports of each source by another checkout's code (a base commit unpacked at
+PATH: `git archive main | tar -x -C PATH`), each in a fresh process with PYTHONPATH at it: a
+same-run before/after, its row under `trees` (median seconds, the ratio to the same floor, CPU
+seconds, peak RSS, the busy seconds of each stage of its median run).
 
 `--restore SOURCE` (default `dcp`; `none`: skip): the last import of that source (on fsdp=2,tp=2)
 restored onto fsdp=4 (`hybridckpt.restore(ck, "fsdp=4", profile=True)`, params and optimizer
@@ -186,13 +192,14 @@ with open(sys.argv[1], "w") as f:
 """
 
 
-def launch(cmd: list[str], what: str) -> tuple[dict, str]:
-    """Run `cmd` (8 simulated CPU devices) through `LAUNCHER`: (its wall, peak RSS, CPU seconds;
-    its stdout)."""
+def launch(cmd: list[str], what: str, tree: str | None = None) -> tuple[dict, str]:
+    """Run `cmd` (8 simulated CPU devices; `tree`: with PYTHONPATH at that checkout) through
+    `LAUNCHER`: (its wall, peak RSS, CPU seconds; its stdout)."""
+    env = _env() if tree is None else dict(_env(), PYTHONPATH=os.path.abspath(tree))
     with tempfile.TemporaryDirectory(prefix="launch-") as tmp:
         res, out, err = (os.path.join(tmp, n) for n in ("res.json", "out", "err"))
         with open(out, "w") as o, open(err, "w") as e:
-            subprocess.run([sys.executable, "-S", "-c", LAUNCHER, res, *cmd], stdout=o, stderr=e, env=_env(),
+            subprocess.run([sys.executable, "-S", "-c", LAUNCHER, res, *cmd], stdout=o, stderr=e, env=env,
                            check=True)
         with open(res) as f:
             r = json.load(f)
@@ -203,15 +210,16 @@ def launch(cmd: list[str], what: str) -> tuple[dict, str]:
             return r, f.read()
 
 
-def run_import(src: str, dst: str, cfg: str | None) -> dict:
-    """One `hybridckpt import SRC DST --mesh IMPORT_MESH --json` in a fresh process: its summary
-    (seconds, bytes, account), the process's wall, peak RSS and CPU seconds (`launch`)."""
+def run_import(src: str, dst: str, cfg: str | None, tree: str | None = None) -> dict:
+    """One `hybridckpt import SRC DST --mesh IMPORT_MESH --json` in a fresh process (by the code
+    of the checkout `tree`, default this one's): its summary (seconds, bytes, account), the
+    process's wall, peak RSS and CPU seconds (`launch`)."""
     shutil.rmtree(dst, ignore_errors=True)
     subprocess.run(["sync"], check=True)
     cmd = [sys.executable, "-m", "hybridckpt.cli", "import", src, dst, "--mesh", IMPORT_MESH, "--json"]
     if cfg:
         cmd += ["--config", cfg]
-    r, text = launch(cmd, f"import of {src}")
+    r, text = launch(cmd, f"import of {src}", tree)
     s = json.loads(text[text.index("{"):])
     return {**r, "job_s": s["seconds"], "bytes": s["bytes"], "tensors": s["tensors"], "profile": s["profile"]}
 
@@ -258,7 +266,20 @@ def _account(run: dict) -> dict:
             "busy_s": {s.stage: round(s.busy_s, 3) for s in p.stages}}
 
 
-def bench_import(kind: str, base: str, gib: float, repeat: int, keep_ck: bool, quiet: bool) -> tuple[dict, str | None]:
+def _tree_row(runs: list[dict], floor_s: float | None) -> dict:
+    """A `--tree` checkout's imports: medians, the ratio to the run's floor, CPU, peak RSS, and the
+    busy seconds of each stage of its median run."""
+    job = statistics.median(r["job_s"] for r in runs)
+    med = sorted(runs, key=lambda r: r["job_s"])[len(runs) // 2]
+    return {"median_job_s": round(job, 3), "job_over_floor": round(job / floor_s, 2) if floor_s else None,
+            "median_wall_s": round(statistics.median(r["wall_s"] for r in runs), 3),
+            "job_s": [round(r["job_s"], 3) for r in runs],
+            "cpu_s": round(statistics.median(r["cpu_s"] for r in runs), 2),
+            "peak_rss_mib": round(max(r["peak_rss_mib"] for r in runs)), "busy_s": _account(med)["busy_s"]}
+
+
+def bench_import(kind: str, base: str, gib: float, repeat: int, keep_ck: bool, quiet: bool,
+                 trees: dict[str, str] | None = None) -> tuple[dict, str | None]:
     src, ck = os.path.join(base, kind), os.path.join(base, f"{kind}.orbax")
     t0 = time.perf_counter()
     made = WRITERS[kind](src, gib)
@@ -266,7 +287,12 @@ def bench_import(kind: str, base: str, gib: float, repeat: int, keep_ck: bool, q
     paths = [p for p in floors.files_under(src)]
     first = run_import(src, ck, made["config"])  # a warm-up, not counted; says the bytes written
     fl = [floors.measure(paths, os.path.join(base, "floor"), write_bytes=first["bytes"])]
-    runs = [run_import(src, ck, made["config"]) for _ in range(repeat)]
+    variants = [None, *(trees or {})]
+    by: dict = {v: [] for v in variants}
+    for i in range(repeat):  # alternating, the order turned each round: a slower minute hits all
+        for v in variants if i % 2 == 0 else variants[::-1]:
+            by[v].append(run_import(src, ck, made["config"], None if v is None else trees[v]))
+    runs = by[None]
     fl.append(floors.measure(paths, os.path.join(base, "floor"), write_bytes=first["bytes"]))
     direct = [f["write_direct_s"] for f in fl if f["write_direct_s"] is not None]
     floor_s = min(direct) if direct else None
@@ -289,6 +315,8 @@ def bench_import(kind: str, base: str, gib: float, repeat: int, keep_ck: bool, q
         **acc, "account_within_10pct": abs(acc["account_over_process_wall"] - 1) <= 0.10,
         "load_avg": [round(x, 2) for x in os.getloadavg()],
     }
+    if trees:
+        row["trees"] = {v: _tree_row(by[v], floor_s) for v in trees}
     if not quiet:
         from hybridckpt.cli.profile import profile_lines
         from hybridckpt.io.timing import Profile
@@ -353,6 +381,9 @@ def table(rows: list[dict], restore: dict | None, restored: str | None) -> str:
                    f"{r['floor_direct_s']} s | {r['median_job_s']} s ({r['job_over_floor']}x) | "
                    f"{r['median_wall_s']} s ({r['wall_over_floor']}x) | {r['peak_rss_mib']} MiB | "
                    f"{r['account_over_process_wall']} ({'within' if r['account_within_10pct'] else 'NOT within'} 10%) |")
+        for name, t in r.get("trees", {}).items():
+            out.append(f"| {r['source']}, tree {name} | | | | {t['median_job_s']} s ({t['job_over_floor']}x) | "
+                       f"{t['median_wall_s']} s | {t['peak_rss_mib']} MiB | CPU {t['cpu_s']} s (this tree: {r['cpu_s']} s) |")
     if restore:
         out.append(f"\nrestore of the {restored} import {restore['mesh']} ({restore['stored_bytes'] / 2**30:.2f} GiB): "
                    f"warm {restore['warm_s']} s ({restore['warm_over_cat']}x cat {restore['floor_cat_s']} s, "
@@ -368,6 +399,9 @@ def main() -> None:
     ap.add_argument("--sources", default=",".join(SOURCES))
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--restore", default="dcp", help="the source whose import is restored onto another mesh (none: skip)")
+    ap.add_argument("--tree", action="append", default=[], metavar="NAME=PATH",
+                    help="also run, alternating, imports by the hybridckpt of another checkout (e.g. `git archive "
+                         "main | tar -x -C PATH`): a same-run before/after")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", action="store_true", help="print the JSON line only")
     ap.add_argument("--_write_hf", nargs=2, help=argparse.SUPPRESS)
@@ -379,6 +413,9 @@ def main() -> None:
     if a._restore:
         print(json.dumps(restore_child(a._restore)))
         return
+    trees = dict(t.split("=", 1) for t in a.tree)
+    if bad := [p for p in trees.values() if not os.path.isdir(os.path.join(p, "hybridckpt"))]:
+        raise SystemExit(f"--tree: no hybridckpt checkout at {bad}")
     kinds = a.sources.split(",")
     if bad := [k for k in kinds if k not in SOURCES]:
         raise SystemExit(f"--sources: unknown {bad}; expected some of {','.join(SOURCES)}")
@@ -389,7 +426,7 @@ def main() -> None:
     rows, restore = [], None
     try:
         for kind in kinds:
-            row, ck = bench_import(kind, base, a.gib, a.repeat, keep_ck=kind == a.restore, quiet=a.json)
+            row, ck = bench_import(kind, base, a.gib, a.repeat, keep_ck=kind == a.restore, quiet=a.json, trees=trees)
             rows.append(row)
             if ck:
                 restore = bench_restore(ck, a.repeat, a.json)

@@ -129,7 +129,7 @@ def plan_leaves(leaves: list[Any], tile_bytes: int, process: int | None = None,
     strips of one row side by side, read once) are the lowest of those devices', cut into the save's tiles (`store.stream.box_tiles`, whose probe of the first tile
     reads the headers a reader parses on first use: counted to that device, as the import reads
     them then), in the save's order. With `processes`, the tile size is found on the first box
-    as that host split joins it (`stream.leaf_tile_bytes`'s `owner`), as each host of such a run
+    as that host split joins it (`stream.leaf_tiling`'s `owner`), as each host of such a run
     finds it, not on every device's boxes joined as this one process holds them."""
     from hybridckpt.io.byte_source import count_reads, planning
     from hybridckpt.io.direct_io import aligned_empty

@@ -229,14 +229,15 @@ class Reshape(LazyTensor):
         inside a Megatron optimizer bucket, a ZeRO flat): the box is then read as a stored
         tensor's (close runs in one span, runs far apart in one call) instead of one `read_flat`
         through the views a row (~100 us each: a torch_dist import's bucket views cut by a fsdp
-        mesh are millions of rows). Only the pieces of the source under that span are asked."""
+        mesh are millions of rows). A box that is one run too (a whole parameter of a bucket, or
+        whole rows of it): a stored tensor's box is read straight into `out`, where `read_flat`
+        read it into a fresh array, copied that into a second one, then (`out` a transposed tile)
+        copied that again. Only the pieces of the source under that span are asked."""
         from hybridckpt.lazy.stored import StoredTensor
 
         if len(self.src.shape) != 1:
             return None
         starts, run_len = box_runs(self.shape, box)
-        if len(starts) < 2:
-            return None
         lo, hi = int(starts[0]), int(starts[-1]) + run_len
         runs = self.src.file_runs(((lo, hi),), 1)
         item = np.dtype(self.dtype).itemsize
@@ -279,10 +280,11 @@ class Reshape(LazyTensor):
 
     def _runs_into(self, box: Box, out: np.ndarray) -> None:
         """Fill the C-contiguous `out`: from the file runs of the box's span in the 1-D source
-        (a bucket cut between files) by a `read_runs` call per file (`lazy.span_runs`); else
-        run by run through the source's views (runs that touch merged into one read)."""
+        (a bucket cut between files) by a `read_runs` call per file (`lazy.span_runs`; a box of
+        one run that crosses the cut too: a read per piece, straight into `out`); else run by run
+        through the source's views (runs that touch merged into one read)."""
         starts, run_len = box_runs(self.shape, box)
-        if len(self.src.shape) == 1 and len(starts) > 1:
+        if len(self.src.shape) == 1:
             lo, hi = int(starts[0]), int(starts[-1]) + run_len
             runs = span_runs(self.src, lo, hi)
             if runs is not None:

@@ -9,8 +9,9 @@ commit); only the data path differs (`store.stream_orbax`: the Orbax type handle
   the boxes a process writes are joined where they sit side by side (`joined_boxes`: the strips
   of one source row that a mesh cutting the rows gives its devices are read as whole rows,
   once), and cut into tiles: boxes made of whole chunks of at most `tile_bytes` (`plan_tiles`; a stacked
-  `[layers, ...]` leaf is chunked per layer, so its tiles are whole layers), grown up to 64 MiB
-  where the source's reads are shorter than a page (`box_tiles`);
+  `[layers, ...]` leaf is chunked per layer, so its tiles are whole layers), split along the
+  kernel's last axis where that reads whole rows of a transposed source, and grown up to 64 MiB
+  where the source's reads are short (`box_tiles`, `leaf_tiling`);
 - the reader pool (`hybridckpt.lazy.parallel`) fills a fresh buffer per tile (`read_tile`:
   `LazyTensor.read_into`: preads, casts, TP concatenation) and adds the tile's part of the leaf's
   checksum (`checksum.CHUNKS` on the chunk grid);
@@ -265,15 +266,17 @@ def chunk_shape(leaf: LazyLeaf) -> tuple[int, ...]:
     ))
 
 
-def plan_tiles(box: Box, chunk: tuple[int, ...], itemsize: int, budget: int) -> Iterator[Box]:
+def plan_tiles(box: Box, chunk: tuple[int, ...], itemsize: int, budget: int,
+               order: tuple[int, ...] | None = None) -> Iterator[Box]:
     """Sub-boxes of `box` made of whole chunks (`box` starts on the chunk grid), each at most
-    `budget` bytes where one chunk allows, split along the leading axes first (so a tile of a
-    row-major source is a few long runs)."""
+    `budget` bytes where one chunk allows, split along the axes in `order` first (default: the
+    leading axes first, so a tile of a row-major source is a few long runs; `split_orders`)."""
     nbytes = math.prod(box_shape(box)) * itemsize
     if nbytes <= budget:
         yield box
         return
-    for ax, ((a, b), c) in enumerate(zip(box, chunk, strict=True)):
+    for ax in range(len(box)) if order is None else order:
+        (a, b), c = box[ax], chunk[ax]
         if b - a > c:
             sub = list(box)
             sub[ax] = (a, a + c)
@@ -281,61 +284,106 @@ def plan_tiles(box: Box, chunk: tuple[int, ...], itemsize: int, budget: int) -> 
             step = max(1, budget // max(1, per_chunk_row)) * c
             for s in range(a, b, step):
                 sub[ax] = (s, min(b, s + step))
-                yield from plan_tiles(tuple(sub), chunk, itemsize, budget)
+                yield from plan_tiles(tuple(sub), chunk, itemsize, budget, order)
             return
     yield box  # one chunk larger than the budget
 
 
-SHORT_READ_BYTES = 4096  # a tile whose reads average less than a page may grow (`box_tiles`)
+def split_orders(ndim: int) -> list[tuple[int, ...]]:
+    """The axis orders a leaf's tiles may be split in (`plan_tiles`), the preferred first: (2-D
+    and up) the last two axes swapped, then the leading axes first. The first suits a
+    transposed source: a torch `[out, in]` weight read into a JAX `[in, out]` kernel stores
+    whole `in` rows, so tiles cut along `out` (the kernel's last axis) are runs of whole file
+    rows (one read a strip, nothing skipped), and their chunks whole rows of the tile (written
+    with no copy out of it), where tiles cut along `in` read a strip of every file row (the gaps
+    between read too, or a pread a strip) and copy each chunk out of the tile. A row-major
+    source is the other way round (`leaf_tiling` reads which)."""
+    first = tuple(range(ndim))
+    return [first] if ndim < 2 else [first[:-2] + (ndim - 1, ndim - 2), first]
+
+
+SHORT_READ_BYTES = 64 << 10  # a tile whose reads average less than this may grow, or be split otherwise (`box_tiles`):
+# a call costs ~4 us (`io.read_batches`), the page-cache copy of 64 KiB ~20-30 us
 GROWN_TILE_BYTES = 64 << 20  # the most a tile grows to; at most half the in-flight budget
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """How a leaf's boxes are cut into tiles (`plan_tiles`): at most `budget` bytes each where a
+    chunk allows, split along the axes in `order` first."""
+
+    budget: int
+    order: tuple[int, ...]
 
 
 def box_tiles(leaf: LazyLeaf, box: Box, chunk: tuple[int, ...], tile_bytes: int,
               inflight_bytes: int = INFLIGHT_BYTES, owner: Callable[[Any], int] | None = None) -> list[Box]:
-    """The tiles of `box` (`plan_tiles`) at the leaf's tile size (`leaf_tile_bytes`; `owner`:
+    """The tiles of `box` (`plan_tiles`) as the leaf's tiling cuts them (`leaf_tiling`; `owner`:
     see `first_joined_box`): the plan (`jobs.plan_report`) and the import cut the same tiles."""
-    budget = leaf_tile_bytes(leaf, chunk, tile_bytes, inflight_bytes, owner)
-    return list(plan_tiles(box, chunk, leaf.dtype.itemsize, budget))
+    tiling = leaf_tiling(leaf, chunk, tile_bytes, inflight_bytes, owner)
+    return list(plan_tiles(box, chunk, leaf.dtype.itemsize, tiling.budget, tiling.order))
 
 
-_TILE_BYTES_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # leaf -> {(chunk, sizes): bytes}
+_TILING_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # leaf -> {(chunk, sizes, owner): Tiling}
 
 
-def leaf_tile_bytes(leaf: LazyLeaf, chunk: tuple[int, ...], tile_bytes: int,
-                    inflight_bytes: int = INFLIGHT_BYTES, owner: Callable[[Any], int] | None = None) -> int:
-    """The tile size of `leaf`: `tile_bytes`, grown where the source's reads are short. A target
-    mesh cutting a tensor across the rows its source stored whole (fsdp on the `in` dim of an
-    FSDP2 `[out, in]` weight) reads a strip of every source row, and a tile of fewer chunks
-    along the cut axis cuts each strip again (8 MiB tiles of a 405B fsdp=64 import: strips of
-    128 B; the device's whole box: 1 KiB). The first tile of the leaf's first box (the lowest,
-    whichever process holds it: every process decides alike) is read dry (`planning`: counted,
-    not read) at `tile_bytes` (of the first joined box, `first_joined_box`), then at twice that while its reads average under
-    `SHORT_READ_BYTES` and each doubling makes them at least 1.5x longer, up to
-    `GROWN_TILE_BYTES` (at most half `inflight_bytes`). Once per leaf (its boxes are alike).
-    `owner`: a device's process (`first_joined_box`; None: jax's)."""
+def leaf_tiling(leaf: LazyLeaf, chunk: tuple[int, ...], tile_bytes: int,
+                inflight_bytes: int = INFLIGHT_BYTES, owner: Callable[[Any], int] | None = None) -> Tiling:
+    """The tiling of `leaf`: `tile_bytes` split along the leading axes, unless the source's reads
+    are short. A target mesh cutting a tensor across the rows its source stored whole (fsdp on
+    the `in` dim of a torch `[out, in]` weight) reads a strip of every source row, and a tile
+    of fewer chunks along the cut axis cuts each strip again (8 MiB tiles of a 405B fsdp=64
+    import: strips of 128 B; the device's whole box: 1 KiB). The first tile of the leaf's first
+    box (the lowest, whichever process holds it: every process decides alike) is read dry
+    (`planning`: counted, not read) at `tile_bytes` (of the first joined box,
+    `first_joined_box`), then at twice that while its reads average under `SHORT_READ_BYTES`
+    and each doubling makes them at least 1.5x longer, up to `GROWN_TILE_BYTES` (at most half
+    `inflight_bytes`), for each axis order of `split_orders` in turn until one reads long runs
+    (`_tiling`: a transposed source's tiles cut along the kernel's last axis read whole file
+    rows). Once per leaf (its boxes are alike). `owner`: a device's process
+    (`first_joined_box`; None: jax's)."""
     key = (tuple(chunk), tile_bytes, inflight_bytes, owner)
-    known = _TILE_BYTES_OF.setdefault(leaf, {})
+    known = _TILING_OF.setdefault(leaf, {})
     if key not in known:
-        known[key] = _grown_tile_bytes(leaf, first_joined_box(leaf.shape, leaf.sharding, owner), chunk, tile_bytes,
-                                       min(GROWN_TILE_BYTES, inflight_bytes // 2))
+        known[key] = _tiling(leaf, first_joined_box(leaf.shape, leaf.sharding, owner), chunk, tile_bytes,
+                             min(GROWN_TILE_BYTES, inflight_bytes // 2))
     return known[key]
 
 
-def _grown_tile_bytes(leaf: LazyLeaf, box: Box, chunk: tuple[int, ...], budget: int, limit: int) -> int:
+def _tiling(leaf: LazyLeaf, box: Box, chunk: tuple[int, ...], tile_bytes: int, limit: int) -> Tiling:
+    """`leaf_tiling` on its first box: the first order of `split_orders` whose (grown) tiles
+    read long runs; where none does, the leading axes first unless another order's runs are
+    1.5x longer (the tiles the import cut before orders were tried)."""
+    short: list[tuple[float, Tiling]] = []
+    for order in split_orders(len(chunk)):
+        budget, mean = _grown_tile_bytes(leaf, box, chunk, tile_bytes, limit, order)
+        if mean is None:  # the box is one tile: nothing to choose
+            return Tiling(tile_bytes, tuple(range(len(chunk))))
+        if mean >= SHORT_READ_BYTES:
+            return Tiling(budget, order)
+        short.append((mean, Tiling(budget, order)))
+    mean, tiling = short[-1]  # the leading axes first
+    return next((t for m, t in short if m >= 1.5 * mean), tiling)
+
+
+def _grown_tile_bytes(leaf: LazyLeaf, box: Box, chunk: tuple[int, ...], budget: int, limit: int,
+                      order: tuple[int, ...]) -> tuple[int, float | None]:
+    """(the tile size `leaf_tiling` grows `box`'s first tile to along `order`, the bytes per read
+    run there); (budget, None) where the box is one tile at `budget`."""
     item = leaf.dtype.itemsize
-    tiles = list(plan_tiles(box, chunk, item, budget))
-    if len(tiles) < 2 or budget >= limit:
-        return budget
+    tiles = list(plan_tiles(box, chunk, item, budget, order))
+    if len(tiles) < 2:
+        return budget, None
     mean = _mean_read_bytes(leaf, tiles[0])
     while mean < SHORT_READ_BYTES and budget < limit:
-        wider = list(plan_tiles(box, chunk, item, min(limit, 2 * budget)))
+        wider = list(plan_tiles(box, chunk, item, min(limit, 2 * budget), order))
         if len(wider) == len(tiles):
             break  # the box's chunks allow no larger first tile
         longer = _mean_read_bytes(leaf, wider[0])
         if longer < 1.5 * mean:
             break
         budget, tiles, mean = min(limit, 2 * budget), wider, longer
-    return budget
+    return budget, mean
 
 
 def _mean_read_bytes(leaf: LazyLeaf, box: Box) -> float:

@@ -213,7 +213,7 @@ def test_short_reads_are_named(monkeypatch, capsys):
 
 def test_one_host_plan_cuts_the_tiles_that_host_cuts(tmp_path, monkeypatch):
     """`--processes N --process P`: a tile size grown from a dry read of the first tile of the
-    first host's joined box (`stream.leaf_tile_bytes`) is that host's box, as on a real N-host
+    first host's joined box (`stream.leaf_tiling`) is that host's box, as on a real N-host
     run where each device's `process_index` is its host, not every device's box joined as in this
     one process. A row-major [512, 128] fp32 file cut on its columns over the devices, 2 hosts:
     the host's own box grows to a smaller tile (2 tiles) than all columns joined would (1 tile)."""

@@ -209,7 +209,7 @@ def _dry(t: checked.CheckedArray, boxes) -> int:
 
 def test_a_dry_read_leaves_nothing_a_real_read_would_take(store):
     """A read plan (`io.byte_source.planning`: an import sizing its tiles reads the first one dry,
-    `store.stream.leaf_tile_bytes`) of a box that cuts a chunk is counted as the real read would
+    `store.stream.leaf_tiling`) of a box that cuts a chunk is counted as the real read would
     be, and leaves no state behind: before, it kept its unread buffer as the chunk's rest and
     marked the chunk checked, so a real read that followed took the plan's garbage for its
     values, or read the chunk unchecked."""
