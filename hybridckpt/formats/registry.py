@@ -1,7 +1,8 @@
 """Every checkpoint format, ours included: the one registry of what can be read and written.
 
 A `Format` names its reader (a module of `hybridckpt/formats/` with `detect(path) -> bool`, cheap:
-file names and a few bytes; `open(path, *, config=None) -> SourceCheckpoint`, pure planning from
+file names and a few bytes, and cheap to import: `detect` tries the formats in order on every source,
+so a package imports its detect module and loads its `open` on first use; `open(path, *, config=None) -> SourceCheckpoint`, pure planning from
 metadata, no tensor bytes read; and, where its folders may hold several steps (`step-N/`,
 `checkpoint-N/`, `iter_N/`, `global_stepN/`, `N/`), `steps(path) -> io.step_folders.StepFolders |
 None`) and its writer (`write(request: writers.ExportRequest) -> writers.Written`), each as

@@ -11,10 +11,11 @@ rank's blocks, or a safetensors file). A PaddleFormers `checkpoint-N/` holds thr
 latest (`steps`; `--step` picks another).
 
 Modules:
+- `folders`   `detect`, `steps`: which folders are FlexCheckpoint folders, by file names.
 - `metadata`  the `.metadata` pickle (stubbed classes, checked fields) -> `Block`s.
 - `storage`   the `.distcp` files; global tensors assembled lazily from plain and flattened
               blocks (a box reads only the byte ranges it needs).
-- `reader`    `detect`, `open`: the three folders -> params, Adam moments, masters, the step
+- `reader`    `open`: the three folders -> params, Adam moments, masters, the step
               from the beta pows, trainer state; HF names via the family's flex_checkpoint
               dialect (`reader.hf_rules`).
 - `aoa_syntax` AOA config files and statements (tokens, names, attributes, macro tags).
@@ -25,6 +26,19 @@ Modules:
 
 from __future__ import annotations
 
-from hybridckpt.formats.flex_checkpoint.reader import NAME, detect, open, steps  # noqa: A004 - the format contract
+import importlib
+from typing import Any
+
+from hybridckpt.formats.flex_checkpoint.folders import detect, steps
+
+# the reader (the pickle machine, Paddle's optimizer names) is imported on first use: `detect`
+# imports `folders` only (formats.registry tries it before DCP)
+_WHERE = {"NAME": "reader", "open": "reader"}
 
 __all__ = ["NAME", "detect", "open", "steps"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,7 +27,6 @@ from __future__ import annotations
 import math
 import numbers
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -38,9 +37,7 @@ from hybridckpt.containers.pickle.allow import Policy, Stub, short_repr
 from hybridckpt.containers.pickle.base_policy import BASE_ALLOWED
 from hybridckpt.containers.pickle.machine import safe_load_file
 from hybridckpt.errors import FormatError
-
-DISTCP_RE = re.compile(r"^(?P<rank>\d+)_(?P<id>\d+)\.distcp$")
-METADATA_RE = re.compile(r"^(?P<id>\d+)\.metadata$")
+from hybridckpt.formats.flex_checkpoint.folders import DISTCP_RE, METADATA_RE
 
 FLEX_POLICY = Policy(BASE_ALLOWED, ("paddle.", "paddlenlp.", "paddleformers.", "paddlefleet."))
 """Plain containers and guarded numpy; every paddle / PaddleNLP / PaddleFormers class a stub."""

@@ -1,4 +1,4 @@
-"""`open` and `detect` of FlexCheckpoint folders: PaddleFormers 1.x `checkpoint-N/` (the
+"""`open` of FlexCheckpoint folders (`folders`: `detect`): PaddleFormers 1.x `checkpoint-N/` (the
 default `save_checkpoint_format="flex_checkpoint"`), or one bare `dist.save_state_dict` folder.
 
 A Trainer step folder (PaddlePaddle/PaddleFormers: paddleformers/trainer/trainer.py and
@@ -38,13 +38,17 @@ from hybridckpt import lazy, models
 from hybridckpt.containers.pickle.allow import Stub
 from hybridckpt.containers.pickle.machine import safe_load_file
 from hybridckpt.errors import FormatError, HybridCkptError
-from hybridckpt.formats.flex_checkpoint.metadata import (
+from hybridckpt.formats.flex_checkpoint.folders import (  # noqa: F401 - detect, steps: the format contract
+    CHECKPOINT_DIRS,
     DISTCP_RE,
-    DTYPES,
-    FLEX_POLICY,
+    MASTER,
     METADATA_RE,
-    read_metadata,
+    MODEL,
+    OPTIMIZER,
+    detect,
+    steps,
 )
+from hybridckpt.formats.flex_checkpoint.metadata import DTYPES, FLEX_POLICY, read_metadata
 from hybridckpt.formats.flex_checkpoint.storage import open_tensors
 from hybridckpt.formats.paddle.optimizer import (
     BETA_POWS,
@@ -54,13 +58,10 @@ from hybridckpt.formats.paddle.optimizer import (
     scalar,
 )
 from hybridckpt.io.config_file import config_beside, read_json
-from hybridckpt.io.step_folders import StepFolders, StepPattern, listing
 from hybridckpt.lazy import LazyTensor
 from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
 NAME = "flex-checkpoint"
-MODEL, OPTIMIZER, MASTER = "model_state", "optimizer_state", "master_weight"
-CHECKPOINT_DIRS = StepPattern("checkpoint-")  # the Trainer's `output_dir/checkpoint-{global_step}/`
 DIALECT = "flex_checkpoint"  # models/<family>/dialects/flex_checkpoint.{py,rules}
 CATCH_ALL = "* -> *"  # every tensor no family rule names is stored as HF stores it
 EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -86,33 +87,6 @@ def hf_rules(cfg, notes: list[str]) -> str:
         f"transposed ({' + '.join(texts)})"
     )
     return "\n".join([*texts.values(), CATCH_ALL, ""])
-
-
-def is_flex_folder(path: str) -> bool:
-    """A folder holding `{id}.metadata` and `{rank}_{id}.distcp` files."""
-    try:
-        names = os.listdir(path)
-    except OSError:
-        return False
-    return any(METADATA_RE.match(n) for n in names) and any(DISTCP_RE.match(n) for n in names)
-
-
-def _one(path: str) -> bool:
-    """A step folder (`model_state/` and the rest) or one bare FlexCheckpoint folder."""
-    return os.path.isdir(path) and (is_flex_folder(os.path.join(path, MODEL)) or is_flex_folder(path))
-
-
-def steps(path: str) -> StepFolders | None:
-    """A PaddleFormers output folder's `checkpoint-N/` step folders (each with a FlexCheckpoint
-    `model_state/`; names only), the latest the default; None for one step folder itself."""
-    if not os.path.isdir(path) or _one(path):
-        return None
-    found = listing(path, CHECKPOINT_DIRS, lambda f: is_flex_folder(os.path.join(f, MODEL)))
-    return found if found.folders else None
-
-
-def detect(path: str) -> bool:
-    return _one(path) or steps(path) is not None
 
 
 def _scalar_fields(obj) -> dict:

@@ -13,6 +13,19 @@ and `open` (`reader`).
 
 from __future__ import annotations
 
-from hybridckpt.formats.lightning.reader import NAME, detect, open, steps  # noqa: A004 - the format contract
+import importlib
+from typing import Any
+
+from hybridckpt.formats.lightning.files import detect, steps
+
+# the reader (its HF and optimizer parts) is imported on first use: `detect` imports `files` only
+# (formats.registry tries it before DCP)
+_WHERE = {"NAME": "reader", "open": "reader"}
 
 __all__ = ["NAME", "detect", "open", "steps"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

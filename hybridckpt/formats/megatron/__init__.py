@@ -34,7 +34,9 @@ family's dialect), `optimizer` (one rank's optimizer state decoded), `reader` (`
 
 from __future__ import annotations
 
-from hybridckpt.formats.megatron.config import model_config
+import importlib
+from typing import Any
+
 from hybridckpt.formats.megatron.layout import (
     MODEL_FILE,
     OPTIM_FILE,
@@ -44,7 +46,10 @@ from hybridckpt.formats.megatron.layout import (
     rank_folder,
     steps,
 )
-from hybridckpt.formats.megatron.reader import NAME, open  # noqa: A004 - the format contract
+
+# the reader (the pickle machine, the model and optimizer decoding) is imported on first use: `detect`
+# of any folder, this format's or not, imports `layout` only (formats.registry tries it before DCP)
+_WHERE = {"NAME": "reader", "open": "reader", "model_config": "config"}
 
 __all__ = [
     "MODEL_FILE",
@@ -58,3 +63,9 @@ __all__ = [
     "rank_folder",
     "steps",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -31,7 +31,18 @@ ShardedObjects), `config` (Bridge / NeMo YAML model configs), `model` (model key
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 from hybridckpt.formats.megatron_dist.layout import detect, locate, steps
-from hybridckpt.formats.megatron_dist.reader import NAME, open  # noqa: A004 - the format contract
+
+# the reader is imported on first use: `detect` imports `layout` only (formats.registry tries it before DCP)
+_WHERE = {"NAME": "reader", "open": "reader"}
 
 __all__ = ["NAME", "detect", "locate", "open", "steps"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,12 +10,25 @@ the optimizer's hyper-parameters, and the model config from `--config`, the fold
 output folder above it (which one, said). An output folder reads its latest `checkpoint-N` (`steps`;
 `--step` picks another).
 
-Modules: `folder` (which files, trainer_state / scheduler / training_args), `fsdp` (model and
-optimizer files as tensors and slots), `reader` (`open`, `detect`, `steps`).
+Modules: `folder` (which files, trainer_state / scheduler / training_args; `detect`, `steps`), `fsdp`
+(model and optimizer files as tensors and slots), `reader` (`open`).
 """
 
 from __future__ import annotations
 
-from hybridckpt.formats.trainer.reader import NAME, detect, open, steps  # noqa: A004 - the format contract
+import importlib
+from typing import Any
+
+from hybridckpt.formats.trainer.folder import detect, steps
+
+# the reader (the FSDP, DeepSpeed and HF weights readers) is imported on first use: `detect`
+# imports `folder` only (formats.registry tries it before DCP)
+_WHERE = {"NAME": "reader", "open": "reader"}
 
 __all__ = ["NAME", "detect", "open", "steps"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -89,6 +89,24 @@ def checkpoint_folders(path: str) -> StepFolders:
     return listing(path, CHECKPOINT_DIRS, lambda f: layout(f) is not None)
 
 
+def steps(path: str) -> StepFolders | None:
+    """An output folder's `checkpoint-N` folders (`io.step_folders`), or None when `path` is a
+    checkpoint folder itself or holds none."""
+    path = os.path.abspath(path)
+    if not os.path.isdir(path) or layout(path) is not None:
+        return None
+    found = checkpoint_folders(path)
+    return found if found.folders else None
+
+
+def detect(path: str) -> bool:
+    """A Trainer / accelerate checkpoint folder (`layout`) or an output folder of them (`steps`):
+    names only. Here, not in `reader`, so that detection imports no weights reader."""
+    if not os.path.isdir(path):
+        return False
+    return layout(path) is not None or steps(path) is not None
+
+
 @dataclass(frozen=True)
 class TrainerFiles:
     """The metadata beside the weights (each absent part None / empty)."""

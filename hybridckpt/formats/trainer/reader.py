@@ -17,22 +17,12 @@ from dataclasses import replace
 from hybridckpt.errors import FormatError, UnknownModelError
 from hybridckpt.formats.trainer import folder as files
 from hybridckpt.formats.trainer import fsdp
+from hybridckpt.formats.trainer.folder import detect, steps  # noqa: F401 - the format contract
 from hybridckpt.io.config_file import read_json
 from hybridckpt.io.remote.view import displayed
-from hybridckpt.io.step_folders import StepFolders
 from hybridckpt.source_checkpoint import OptimizerState, SourceCheckpoint
 
 NAME = "hf-trainer"
-
-
-def steps(path: str) -> StepFolders | None:
-    """An output folder's `checkpoint-N` folders (`io.step_folders`), or None when `path` is a
-    checkpoint folder itself or holds none."""
-    path = os.path.abspath(path)
-    if not os.path.isdir(path) or files.layout(path) is not None:
-        return None
-    found = files.checkpoint_folders(path)
-    return found if found.folders else None
 
 
 def resolve(path: str) -> tuple[str, list[str]]:
@@ -44,12 +34,6 @@ def resolve(path: str) -> tuple[str, list[str]]:
     if found is None:
         raise FormatError(f"{path}: no Trainer / accelerate checkpoint files and no checkpoint-N folder holding them")
     return found.folder(found.default), [f"output folder: {found.note(found.default)}"]
-
-
-def detect(path: str) -> bool:
-    if not os.path.isdir(path):
-        return False
-    return files.layout(path) is not None or steps(path) is not None
 
 
 def _config(folder: str, config) -> tuple[object, str | None]:
