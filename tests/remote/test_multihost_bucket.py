@@ -83,6 +83,10 @@ def run_pair(tmp_path, server, commands, faults=({}, {}), heartbeat_s=100, timeo
             with open(tmp_path / f"spec{pid}.json", "w") as f:
                 json.dump(spec, f)
             env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "AWS_PROFILE")}
+            # its spool and bucket views under the test's folder: a worker the test SIGKILLs runs no
+            # clean-up (atexit included), and what it leaves must not pile up in the machine's /tmp
+            os.makedirs(tmp_path / f"tmp{pid}", exist_ok=True)
+            env["TMPDIR"] = str(tmp_path / f"tmp{pid}")
             outs.append(out)
             procs.append(subprocess.Popen([sys.executable, WORKER, str(tmp_path / f"spec{pid}.json")], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
