@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_span_runs import rank_files  # noqa: I001 - tests/lazy is on the path (pytest's import)
 
 from hybridckpt import lazy
-from hybridckpt.io.byte_source import ByteSource, count_reads
+from hybridckpt.io.byte_source import count_reads
 from hybridckpt.lazy import element_copy, stored, views
 
 ROWS, COLS, OFF = 256, 384, 40  # the parameter [ROWS, COLS] fp32 at element OFF of the bucket
@@ -24,12 +25,7 @@ def _bucket(tmp_path, cut: int | None = None):
     parameter's view, its values, the file paths."""
     flat = np.random.default_rng(3).standard_normal(OFF + ROWS * COLS + 24).astype(np.float32)
     cuts = [0, flat.size] if cut is None else [0, cut, flat.size]
-    parts, paths = [], []
-    for r, (a, b) in enumerate(zip(cuts[:-1], cuts[1:], strict=True)):
-        p = str(tmp_path / f"rank{r}.bin")
-        flat[a:b].tofile(p)
-        parts.append(lazy.StoredTensor(ByteSource(p), 0, (b - a,), flat.dtype))
-        paths.append(p)
+    parts, paths = rank_files(tmp_path, flat, cuts)
     bucket = parts[0] if len(parts) == 1 else lazy.concat(parts, 0)
     param = lazy.reshape(lazy.slice_axis(bucket, 0, OFF, OFF + ROWS * COLS), (ROWS, COLS))
     return param, flat[OFF: OFF + ROWS * COLS].reshape(ROWS, COLS), paths

@@ -10,14 +10,21 @@ from hybridckpt.io.byte_source import ByteSource, count_reads, planning
 from hybridckpt.lazy import views
 
 
-def _bucket(tmp_path, flat, cuts):
-    """`flat` saved as one file per piece between `cuts` (a DP rank's shard each), joined."""
+def rank_files(tmp_path, flat, cuts):
+    """`flat` saved as one file per piece between `cuts` (a DP rank's shard each): the pieces as
+    stored tensors, and their paths (also `test_bucket_param_reads.py`'s buckets)."""
     parts, paths = [], []
     for r, (a, b) in enumerate(zip(cuts[:-1], cuts[1:], strict=True)):
         p = str(tmp_path / f"rank{r}.bin")
         flat[a:b].tofile(p)
         parts.append(lazy.StoredTensor(ByteSource(p), 0, (b - a,), flat.dtype))
         paths.append(p)
+    return parts, paths
+
+
+def _bucket(tmp_path, flat, cuts):
+    """`flat` saved as one file per piece between `cuts`, joined."""
+    parts, paths = rank_files(tmp_path, flat, cuts)
     return lazy.concat(parts, 0), paths
 
 
