@@ -220,9 +220,10 @@ class CheckedArray(LazyTensor):
                 if held is None and reading is None and pos not in self._checked:
                     self._reading[pos] = mine = threading.Event()
             if held is not None:  # read whole for an earlier piece: the rest comes from memory
-                with timing.stage("cut"):
-                    copy_into(dst, held[0][piece])
-                if held[1] is not None:  # (its last piece: the buffer back to the pool)
+                try:
+                    with timing.stage("cut"):
+                        copy_into(dst, held[0][piece])
+                finally:  # (after the chunk's last piece and last cut: its buffer back to the pool)
                     held[1]()
                 return True
             if reading is not None:  # another thread reads it whole now

@@ -1,12 +1,19 @@
 """The chunks a restore read whole for one piece, kept for the pieces other boxes cut from them
 (`store.checked.CheckedArray`), within a byte budget every array shares; each kept chunk's buffer
-goes back to the pool that lent it (`io.aligned_pool.AlignedPool.borrow`) when its last piece is
-cut, or when the array is released."""
+goes back to the pool that lent it (`io.aligned_pool.AlignedPool.borrow`) once its last piece is
+cut, or when the array is released.
+
+A buffer goes back only when no thread is still copying out of it: the last piece's `take` can
+come before an earlier piece's copy has ended, and a buffer given back then was lent to the next
+chunk and overwritten under that copy (shards of a restore with wrong bytes, on a loaded machine,
+issue 42's CI). Each `take` is answered with a `done` to call after the copy; the buffer goes back
+at the last `done` of a chunk no further piece will take."""
 
 from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 
@@ -23,7 +30,7 @@ class HeldChunks:
     budget_used = [0]
 
     def __init__(self):
-        self._held: dict[int, list] = {}  # position -> [data, elements left, give back or None]
+        self._held: dict[int, _Kept] = {}  # position -> the chunk kept, while pieces of it are left
         self._bytes = [0]  # held by this array (given back by the finalizer)
         self._lock = threading.Lock()
         weakref.finalize(self, HeldChunks._give_back, self._bytes)
@@ -37,39 +44,70 @@ class HeldChunks:
     def keep(self, pos: int, data: np.ndarray, left: int, give=None, limit: int = HELD_BYTES) -> bool:
         """Keep `data` (chunk `pos`) for pieces of `left` elements more; False where it is not
         kept (nothing left, kept already, past the budget: `limit` bytes kept by all). `give`:
-        gives its buffer back to the pool that lent it, called by `take` for the last piece or
-        by `clear`."""
+        gives its buffer back to the pool that lent it, called once no piece is left to take and
+        no piece taken is being cut (the last `done` of `take`), or by `clear`."""
         if left <= 0:
             return False
         with self._lock, HeldChunks.budget_lock:
             if pos in self._held or HeldChunks.budget_used[0] + data.nbytes > limit:
                 return False
             HeldChunks.budget_used[0] += data.nbytes
-            self._held[pos] = [data, left, give]
+            self._held[pos] = _Kept(data, left, give)
             self._bytes[0] += data.nbytes
             return True
 
     def clear(self) -> None:
-        """Drop every chunk kept, giving their bytes back to the budget and their buffers back."""
+        """Drop every chunk kept, giving their bytes back to the budget; each buffer goes back
+        now, or when the last piece being cut from it is done."""
         with self._lock:
             held, self._held = self._held, {}
             HeldChunks._give_back(self._bytes)
-        for _, _, give in held.values():
-            if give is not None:
-                give()
+            ready = [k for k in held.values() if k.close()]
+        for kept in ready:
+            kept.give()
 
-    def take(self, pos: int, elements: int) -> tuple[np.ndarray, object] | None:
-        """(chunk `pos`, for a piece of `elements`; and for its last piece the callable that gives
-        its buffer back, to call once the piece is cut: None before), or None if not kept."""
+    def take(self, pos: int, elements: int) -> tuple[np.ndarray, Callable[[], None]] | None:
+        """(chunk `pos`, and the callable to call once the piece of `elements` is cut from it:
+        it gives the buffer back after the chunk's last piece), or None if not kept."""
         with self._lock:
-            entry = self._held.get(pos)
-            if entry is None:
+            kept = self._held.get(pos)
+            if kept is None:
                 return None
-            entry[1] -= elements
-            if entry[1] > 0:
-                return entry[0], None
-            del self._held[pos]
-            self._bytes[0] -= entry[0].nbytes
-            with HeldChunks.budget_lock:
-                HeldChunks.budget_used[0] -= entry[0].nbytes
-            return entry[0], entry[2]
+            kept.left -= elements
+            kept.cutting += 1
+            if kept.left <= 0:  # (no piece will take it again: out of the budget now)
+                del self._held[pos]
+                self._bytes[0] -= kept.data.nbytes
+                with HeldChunks.budget_lock:
+                    HeldChunks.budget_used[0] -= kept.data.nbytes
+        return kept.data, lambda: self._done(kept)
+
+    def _done(self, kept: _Kept) -> None:
+        with self._lock:
+            kept.cutting -= 1
+            ready = kept.left <= 0 and kept.close()
+        if ready:
+            kept.give()
+
+
+class _Kept:
+    """One kept chunk: its buffer, the elements its pieces still to take hold, the takes whose
+    cut has not ended, and the callable giving its buffer back (None: a fresh buffer)."""
+
+    __slots__ = ("data", "left", "cutting", "_give", "_closed")
+
+    def __init__(self, data: np.ndarray, left: int, give):
+        self.data, self.left, self.cutting, self._give, self._closed = data, left, 0, give, False
+
+    def close(self) -> bool:
+        """Mark it dropped (no more takes); True once, when its buffer may go back now (no cut
+        under way). Called under the owner's lock."""
+        self.left = 0
+        if self._closed or self.cutting:
+            return False
+        self._closed = True
+        return True
+
+    def give(self) -> None:
+        if self._give is not None:
+            self._give()
