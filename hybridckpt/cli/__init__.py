@@ -179,7 +179,10 @@ def run() -> None:
     """The console entry point: the SIGINT/SIGTERM handler first (a signal at any moment is one
     line and exit 130 or 143), then `main()`."""
     _install(_ON_INTERRUPT)
+    from hybridckpt.cli.profile import own_process
     from hybridckpt.io import interrupts  # noqa: F401 - loaded before any signal needs it
+
+    own_process()  # (an account of its time covers the process from its start: `cli.profile`)
 
     try:
         code = main()

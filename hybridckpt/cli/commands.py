@@ -7,7 +7,7 @@ import json
 import time
 
 from hybridckpt.cli.output import Progress, compact_json, job_finished, peak_rss_gib, size, summary
-from hybridckpt.cli.profile import print_profile, summary_json
+from hybridckpt.cli.profile import in_process, launch_clock, print_profile, summary_json
 from hybridckpt.errors import ConfigError, HybridCkptError
 
 
@@ -88,6 +88,7 @@ def cmd_import(a) -> int:
     # The CLI owns its process: the import's reader threads share the malloc arenas, not one each
     # (`io.heap`; process-wide and permanent, so the library's `import_checkpoint` leaves it to its caller)
     heap.share_arenas()
+    clock = launch_clock()
     with Progress("import", a.quiet) as prog:
         s = import_checkpoint(
             a.src, a.dst, fmt=a.format, mesh=a.mesh, config=a.config, rules=a.rules, param_order=a.param_order,
@@ -96,6 +97,7 @@ def cmd_import(a) -> int:
             direct_io=not a.buffered_writes, verify_reads=not a.no_verify_reads, step=a.step,
             profile=a.profile or a.json,
         )
+    s = in_process(s, clock)
     job_finished()
     if a.json:
         print(json.dumps(summary_json(s), indent=2))
@@ -174,6 +176,7 @@ def writer_options(a) -> dict:
 def cmd_export(a) -> int:
     from hybridckpt.jobs.export import export_checkpoint
 
+    clock = launch_clock()
     with Progress("export", a.quiet) as prog:
         s = export_checkpoint(
             a.src, a.out, fmt=a.format, step=a.step, optimizer=a.optimizer, config=a.config, param_order=a.param_order,
@@ -183,6 +186,7 @@ def cmd_export(a) -> int:
             direct_io=not a.buffered_writes, verify_reads=not a.no_verify_reads,
             options=writer_options(a), profile=a.profile or a.json,
         )
+    s = in_process(s, clock)
     job_finished()
     if a.json:
         print(json.dumps(summary_json(s), indent=2))

@@ -4,14 +4,44 @@ The table: one line per stage (its share of the wall time, its wall-clock and bu
 bytes it moved and their rate per busy second), "other/waiting" (the wall time no stage
 covered), the wall time they sum to, then one line per worker thread: its busy seconds and bytes
 in each stage it entered.
+
+Run as the `hybridckpt` command (`cli.run`, the process is the command's own), the account covers
+the process from its start: a stage "launch" (Python's start and the CLI's modules, until the job
+was called) comes first, and the job's call outside its own account is other/waiting
+(`io.timing.Profile.in_process`); called in-process (`cli.main` from a script or a test), the
+account is the job's alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 from hybridckpt.cli.output import size
+from hybridckpt.io import timing
+
+_own_process = [False]  # set by the console entry point (`cli.run`): the process is this command's
+
+
+def own_process() -> None:
+    """Mark this process as the command's own (`cli.run`): its account starts at the process's start."""
+    _own_process[0] = True
+
+
+def launch_clock() -> tuple[float | None, float]:
+    """(the process's age now, when the process is the command's own, else None; `perf_counter`
+    now): taken just before a command calls its job, for `in_process`."""
+    return (timing.process_age_s() if _own_process[0] else None), time.perf_counter()
+
+
+def in_process(summary: Any, clock: tuple[float | None, float]) -> Any:
+    """`summary` with its profile widened to the process (`Profile.in_process`; `clock` from
+    `launch_clock`); as it is without a profile, or when the process is not the command's own."""
+    launch, t0 = clock
+    if summary.profile is None or launch is None:
+        return summary
+    return dataclasses.replace(summary, profile=summary.profile.in_process(launch, time.perf_counter() - t0))
 
 
 def summary_json(summary: Any) -> dict:

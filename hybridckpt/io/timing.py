@@ -34,12 +34,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-STAGES = ("start", "open", "plan", "read", "cut", "checksum", "write", "sync", "metadata", "transfer", "remove")
+STAGES = ("launch", "start", "open", "plan", "read", "cut", "checksum", "write", "sync", "metadata", "transfer", "remove")
+# launch: a command's process from its start (the kernel's record) until the command called its job:
+# Python's start and the CLI's modules (`Profile.in_process`, the `hybridckpt` command only);
 # start: modules loaded by a first job (JAX, Orbax); open: the source's indexes and headers;
 # plan: names, shardings, tiles; read: source bytes into buffers (with the lazy tensor's casts and
 # joins); cut: tiles cut into chunks, pieces of chunks copied out (copies, padding); checksum:
@@ -105,6 +108,20 @@ class Profile:
             "workers": [{"worker": w.worker, "stage": w.stage, "busy_s": r(w.busy_s), "bytes": w.bytes,
                          "calls": w.calls} for w in self.workers],
         }
+
+    def in_process(self, launch_s: float, call_s: float) -> Profile:
+        """This account widened to the process that ran its job: a stage "launch" of `launch_s`
+        seconds first (the process's start until the job was called: `process_age_s` then), and
+        other/waiting grown by the seconds of the job's call outside the account (`call_s`, the
+        call's wall, minus `wall_s`: the job's set-up before the account opened, its clean-up after).
+        The shares and other/waiting still sum to `wall_s`, now the process's age when the call
+        returned."""
+        launch_s, outside = max(0.0, float(launch_s)), max(0.0, float(call_s) - self.wall_s)
+        launch = StageTime("launch", launch_s, launch_s, launch_s, 0, 1)
+        return dataclasses.replace(self, wall_s=self.wall_s + launch_s + outside, other_s=self.other_s + outside,
+                                   stages=(launch, *(s for s in self.stages if s.stage != "launch")),
+                                   workers=(WorkerTime("MainThread", "launch", launch_s, 0, 1),
+                                            *(w for w in self.workers if w.stage != "launch")))
 
     @classmethod
     def from_json(cls, doc: dict) -> Profile:
@@ -213,6 +230,18 @@ def accounted(job):
         return result if acc is None else dataclasses.replace(result, profile=acc.result())
 
     return run
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started, by the kernel's record (`/proc/self/stat` field 22:
+    clock ticks since boot, 10 ms each, against `CLOCK_BOOTTIME`); None without /proc."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            text = f.read()
+        ticks = int(text[text.rindex(b")") + 2:].split()[19])  # (after the command name, which may hold spaces)
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 def enabled() -> bool:
