@@ -193,4 +193,11 @@ def run() -> None:
     _install(signal.SIG_IGN)
     sys.stdout.flush()
     sys.stderr.flush()
+    import gc
+
+    # Nothing of the job is needed past here, yet Python's exit walks the whole heap (JAX's, Orbax's
+    # and TensorStore's modules and objects) in the cyclic collector's passes: 2-4 s of a loaded
+    # 2-core VM after an import's summary, 0.4-0.7 s with the heap frozen (issue 42; the process's
+    # wall, not the job's). Objects are still freed by their counts, files closed, atexit's hooks run.
+    gc.freeze()
     sys.exit(code)
