@@ -180,11 +180,15 @@ class CheckedArray(LazyTensor):
                 if dst.flags.c_contiguous and dst.dtype == self.dtype:
                     self.inner.read_into(cbox, dst)
                     self.compare(pos, _crc(dst))
-                else:
-                    tmp = self.inner.read_box(cbox)
-                    self.compare(pos, _crc(tmp))
-                    with timing.stage("cut"):
-                        copy_into(dst, tmp)
+                else:  # (strided or cast: read whole into a lent buffer in a restore, then copied)
+                    tmp, give = self._read_chunk(cbox)
+                    try:
+                        self.compare(pos, _crc(tmp))
+                        with timing.stage("cut"):
+                            copy_into(dst, tmp)
+                    finally:
+                        if give is not None:
+                            give()
             elif not self._piece(pos, cbox, sub, dst, wait=False):
                 later.append((pos, cbox, sub, dst))
             # (a piece put off is cut as soon as its chunk is kept: the chunk's buffer back sooner)
