@@ -33,6 +33,7 @@ from hybridckpt.lazy import Box, LazyTensor, box_shape, full_box
 
 ENV = "HYBRIDCKPT_IO_THREADS"
 MIN_PIECE_BYTES = 8 << 20  # bytes: smaller pieces are read in one call
+POPULATE_SLAB_BYTES = 4 << 20  # a fresh box of a chunked array is populated and read by slabs of this
 
 _lock = threading.Lock()
 _override: int | None = None
@@ -127,13 +128,16 @@ def read_box_parallel(t: LazyTensor, box: Box | None = None, out: np.ndarray | N
         out = aligned_empty(box_shape(box), t.dtype)
         no_huge_pages(out)  # (4 KiB pages: zeroed by the kernel while cached, `io.page_advice`)
     parts = [] if in_worker() else split_box(box, np.dtype(t.dtype).itemsize, io_threads())
-    if len(parts) <= 1:
-        with timing.stage("read"):
-            if fresh:
-                populate(out)  # (its pages faulted in by one call, not one exception a page)
-            t.read_into(box, out)
-        return out
     origin = [a for a, _ in box]
+    if len(parts) <= 1:
+        slabs = populate_slabs(box, getattr(t, "chunk", None), np.dtype(t.dtype).itemsize) if fresh else [box]
+        for sub in slabs:
+            where = tuple(slice(s - o, e - o) for (s, e), o in zip(sub, origin, strict=True))
+            with timing.stage("read"):
+                if fresh:
+                    populate(out[where])  # (its pages faulted in by one call, not one exception a page)
+                t.read_into(sub, out[where])
+        return out
 
     def piece(sub: Box) -> None:
         where = tuple(slice(s - o, e - o) for (s, e), o in zip(sub, origin, strict=True))
@@ -144,6 +148,33 @@ def read_box_parallel(t: LazyTensor, box: Box | None = None, out: np.ndarray | N
 
     for f in [pool().submit(piece, sub) for sub in parts]:
         f.result()
+    return out
+
+
+def populate_slabs(box: Box, chunk: Sequence[int] | None, itemsize: int,
+                   min_bytes: int = POPULATE_SLAB_BYTES) -> list[Box]:
+    """`box` as consecutive slabs along its first axis longer than 1, each cut on the chunk grid
+    `chunk` (the stored chunks of a restore's `store.checked.CheckedArray`: a slab cuts no chunk
+    the box holds whole) and at least `min_bytes` (the last may be less); each is populated then
+    read before the next (`read_box_parallel`), so the box's first read starts after one slab's
+    pages are faulted in, not the whole box's, and the populating is spread between the reads
+    instead of all reader threads faulting in whole boxes at once while no read is in flight.
+    `[box]` without a grid of the box's rank."""
+    shape = box_shape(box)
+    axis = next((i for i, s in enumerate(shape) if s > 1), None)
+    if chunk is None or len(chunk) != len(box) or axis is None or chunk[axis] < 1:
+        return [box]
+    row = math.prod(shape) // shape[axis] * itemsize  # bytes of one index of `axis`
+    c, (a, b) = chunk[axis], box[axis]
+    out, lo = [], a
+    while lo < b:
+        hi = lo
+        while hi < b and (hi - lo) * row < min_bytes:
+            hi = min(b, (hi // c + 1) * c)  # (the next chunk boundary)
+        sub = list(box)
+        sub[axis] = (lo, hi)
+        out.append(tuple(sub))
+        lo = hi
     return out
 
 
