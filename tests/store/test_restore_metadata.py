@@ -13,16 +13,18 @@ from __future__ import annotations
 
 from collections import Counter
 
+import test_restore_reads as reads
 from meshes import fit, fit_pair
-from test_restore_reads import SAVED, TARGETS, restore_counted, same_as_source, store  # noqa: F401  (fixture)
 
 from hybridckpt.store import manager
+
+store = reads.store  # (its fixture, by name here)
 
 
 def test_a_restore_reads_the_params_metadata_once(store, monkeypatch):
     src, ck = store
-    reads, real = Counter(), manager.item_metadata
-    monkeypatch.setattr(manager, "item_metadata", lambda m, step, item: (reads.update([item]), real(m, step, item))[1])
-    cfg, r, _ = restore_counted(ck, fit_pair(fit(SAVED), TARGETS[0])[1])
-    assert reads == Counter({"params": 1}), reads  # (before: 2)
-    same_as_source(src, cfg, r.params)
+    seen, real = Counter(), manager.item_metadata
+    monkeypatch.setattr(manager, "item_metadata", lambda m, step, item: (seen.update([item]), real(m, step, item))[1])
+    cfg, r, _ = reads.restore_counted(ck, fit_pair(fit(reads.SAVED), reads.TARGETS[0])[1])
+    assert seen == Counter({"params": 1}), seen  # (before: 2)
+    reads.same_as_source(src, cfg, r.params)

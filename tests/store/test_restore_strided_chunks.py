@@ -14,20 +14,15 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import test_restore_reads as reads
 from meshes import fit, fit_pair
-from test_restore_reads import (  # noqa: F401  (fixtures)
-    SAVED,
-    counted_copies,
-    needed_bytes,
-    restore_counted,
-    same_as_source,
-    store,
-)
 
 from hybridckpt import naming
 from hybridckpt.lazy import parallel
 from hybridckpt.store import checked, read_trainer_state
 
+store, counted_copies = reads.store, reads.counted_copies  # (its fixtures, by name here)
+SAVED, needed_bytes, restore_counted, same_as_source = reads.SAVED, reads.needed_bytes, reads.restore_counted, reads.same_as_source
 WIDER = "fsdp=2"  # boxes of whole rows: each holds the two tp halves of its chunks' rows whole
 
 
