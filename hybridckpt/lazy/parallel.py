@@ -121,7 +121,9 @@ def read_box_parallel(t: LazyTensor, box: Box | None = None, out: np.ndarray | N
     restored array, 0.35 GB of a 1.1 GB restore's peak RSS, issue 42); and it is backed by 4 KiB
     pages, not the huge pages numpy asks for (`io.page_advice`: a quarter less CPU in a warm
     restore on the 2-core VM of docs/benchmarks.md), faulted in by one `MADV_POPULATE_WRITE`
-    (`page_advice.populate`) in the thread that fills them, before the first read or copy."""
+    (`page_advice.populate`) in the thread that fills them, before the first read or copy; for an
+    array stored on a chunk grid (a `chunk` attribute: a restore's checked arrays) slab by slab
+    (`populate_slabs`), each slab's pages just before its reads."""
     box = full_box(t.shape) if box is None else box
     fresh = out is None
     if fresh:
