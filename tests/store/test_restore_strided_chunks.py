@@ -3,9 +3,10 @@ chunk: its rows are strips of the shard's rows) is read into a buffer the restor
 lends, checked there and copied into its shard (issue 42's cold restore).
 
 Before, each such chunk was read into a fresh buffer (`OrbaxArray.read_box`): a fresh allocation
-a chunk, its pages faulted in by the read and freed after the copy (the 16 embedding chunks of
-8 MB in the 1.1 GB restore of docs/benchmarks.md, fsdp=2,tp=2 -> fsdp=4). Counted, not timed:
-no fresh chunk buffer, one CRC-32 call and one copy a chunk, fewer buffers made than chunks
+a chunk, its pages faulted in by the read and freed after the copy (a restore onto fewer devices
+than the import's: onto one device, the 1.1 GB store of docs/benchmarks.md made 520 of them, 20k
+more page faults). Counted, not timed: no fresh chunk buffer, one CRC-32 call a chunk, one copy a
+strided chunk, fewer buffers made than chunks
 read, every byte read once and checked, values the source's.
 """
 
