@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 
+import jax
 import numpy as np
 import test_restore_reads as reads
 from meshes import fit, fit_pair
@@ -40,9 +41,10 @@ def test_a_whole_chunk_strided_in_its_shard_is_read_into_a_lent_buffer(store, co
         strided += n
         if n:
             assert counts["buffers"][name] == 0, (name, counts)  # (before: n, a fresh buffer a chunk)
-    assert strided > 0
-    assert sum(counts["crcs"].values()) == chunks and sum(counts["copies"].values()) == strided, counts
-    assert 0 < sum(counts["lent"].values()) < strided, counts
+    if jax.device_count() >= 4:  # (fsdp=2,tp=2 onto fsdp=2: every box holds its chunks whole)
+        assert strided > 0
+        assert sum(counts["crcs"].values()) == chunks and sum(counts["copies"].values()) == strided, counts
+        assert 0 < sum(counts["lent"].values()) < strided, counts
     assert checked._HeldChunks.budget_used[0] == 0  # noqa: SLF001
     needed, _ = needed_bytes(ck, r.params)
     assert needed == read and r.profile.stage("checksum").bytes == needed
