@@ -135,10 +135,11 @@ def read_box_parallel(t: LazyTensor, box: Box | None = None, out: np.ndarray | N
         slabs = populate_slabs(box, getattr(t, "chunk", None), np.dtype(t.dtype).itemsize) if fresh else [box]
         for sub in slabs:
             where = tuple(slice(s - o, e - o) for (s, e), o in zip(sub, origin, strict=True))
+            dst = out[where] if len(slabs) > 1 else out  # (a 0-d `out[()]` would be a copy)
             with timing.stage("read"):
                 if fresh:
-                    populate(out[where])  # (its pages faulted in by one call, not one exception a page)
-                t.read_into(sub, out[where])
+                    populate(dst)  # (its pages faulted in by one call, not one exception a page)
+                t.read_into(sub, dst)
         return out
 
     def piece(sub: Box) -> None:
