@@ -6,7 +6,8 @@ needs, measured in the same run (issue 42).
 `--tree BASE` (another checkout, e.g. `git archive BASE | tar -x -C PATH`) runs instead warm,
 then cold, restores of this code and of BASE's hybridckpt alternating (`compare_trees`): a
 same-run before/after of the restore's seconds, CPU seconds (and the system part), page faults
-(`ru_minflt`), bytes read with O_DIRECT, `cut` copies and peak RSS.
+(`ru_minflt`), bytes read with O_DIRECT, `cut` copies and peak RSS, and the O_DIRECT reads'
+queue (`_queue`: seconds before the first read, seconds with none in flight, mean in flight).
 
 Writes an HF Llama folder (fp32 safetensors, trained-like values: `orbax_speed.write_hf`) of
 about `--gib` GiB and imports it once onto fsdp=2,tp=2 (8 simulated CPU devices, default flags:
@@ -23,6 +24,8 @@ swapped each round:
 - cold (those files' pages dropped with `posix_fadvise(POSIX_FADV_DONTNEED)`, which needs no root
   and touches no other file): the floor is the same bytes read with `O_DIRECT` into 4 KiB-aligned
   8 MiB buffers, file after file; the row the same restore after the pages are dropped again.
+  Beside it (not the goal's floor) the same reads into fresh buffers all held to the end
+  (`direct_fresh_floor`): what of the restore's distance is the fresh memory its arrays are.
 
 fsdp=2,tp=2 -> fsdp=4 cuts every stored chunk in two (each device needs half the rows of two
 chunks), the case where a CRC-checked read could read a chunk more than once. Prints per kind the
@@ -51,6 +54,7 @@ HERE = os.path.abspath(__file__)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import floors  # noqa: E402
+import numpy as np  # noqa: E402
 from orbax_speed import hf_layers  # noqa: E402
 
 IMPORT_MESH, RESTORE_MESH = "fsdp=2,tp=2", "fsdp=4"
@@ -105,6 +109,39 @@ def direct_read_floor(paths: list[str]) -> float:
                 f.seek(whole)
                 f.read()
     return time.perf_counter() - t0
+
+
+def direct_fresh_floor(paths: list[str]) -> float:
+    """Seconds to read `paths` with O_DIRECT into fresh 4 KiB-aligned buffers of their sizes,
+    backed by 4 KiB pages and all kept until the last is read: the cold read floor plus the fresh
+    memory a restore's arrays are (each page allocated and zeroed by the kernel, as
+    `direct_read_floor`'s reused buffer never is). Not the goal's floor: what of a cold restore's
+    distance to it is that memory. The unaligned tail of a file through the page cache."""
+    from hybridckpt.io import direct_io, page_advice
+
+    held = []
+    t0 = time.perf_counter()
+    for p in paths:
+        n = os.path.getsize(p)
+        whole = n - n % direct_io.DIRECT_ALIGN
+        buf = direct_io.aligned_empty((max(n, 1),), "uint8")
+        page_advice.no_huge_pages(buf)
+        fd = direct_io.open_direct(p, os.O_RDONLY)
+        if fd is None:
+            raise SystemExit(f"{p}: the filesystem refused O_DIRECT")
+        try:
+            if whole and os.preadv(fd, [memoryview(buf)[:whole]], 0) != whole:
+                raise OSError(f"{p}: short read")
+        finally:
+            os.close(fd)
+        if n > whole:
+            with open(p, "rb") as f:
+                f.seek(whole)
+                buf[whole:n] = np.frombuffer(f.read(), np.uint8)
+        held.append(buf)
+    dt = time.perf_counter() - t0
+    del held
+    return dt
 
 
 def fresh_read_floor(paths: list[str]) -> float:
@@ -164,6 +201,7 @@ def child(ck: str) -> dict:
     from hybridckpt.io.byte_source import count_reads
     from hybridckpt.io.read_tally import tally
 
+    reads = _watch_reads()
     t1, cpu, before = time.perf_counter(), _cpu_s(), resource.getrusage(resource.RUSAGE_SELF)
     with count_reads() as counter:
         _, r = hybridckpt.restore(ck, RESTORE_MESH, profile=True)
@@ -175,7 +213,44 @@ def child(ck: str) -> dict:
             "faults": after.ru_minflt - before.ru_minflt, "wall_s": time.perf_counter() - t0, "read_bytes": tally(counter)[0],
             "direct_bytes": direct,
             "placed_bytes": placed, "peak_rss_mb": peak_rss_gib() * 1024,
-            "profile": r.profile.to_json()}
+            "queue": _queue(reads, t1), "profile": r.profile.to_json()}
+
+
+def _watch_reads() -> list:
+    """The (start, end) of every O_DIRECT read (`io.direct_read.read`) from now on, in a list."""
+    import threading
+
+    from hybridckpt.io import direct_read
+
+    seen, lock, real = [], threading.Lock(), direct_read.read
+
+    def read(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return real(*a, **k)
+        finally:
+            with lock:
+                seen.append((t0, time.perf_counter()))
+
+    direct_read.read = read
+    return seen
+
+
+def _queue(reads: list, t1: float) -> dict:
+    """The O_DIRECT reads' queue from the restore's start `t1`: seconds before the first read
+    (the main thread's metadata and plan), seconds between the first read's start and the last's
+    end with none in flight, and the mean number in flight over that span."""
+    if not reads:
+        return {}
+    edges = sorted([(a, 1) for a, _ in reads] + [(b, -1) for _, b in reads])
+    depth, last, idle, area = 0, edges[0][0], 0.0, 0.0
+    for t, d in edges:
+        idle += (t - last) if depth == 0 else 0.0
+        area += depth * (t - last)
+        depth, last = depth + d, t
+    span = edges[-1][0] - edges[0][0]
+    return {"first_read_s": round(edges[0][0] - t1, 3), "none_in_flight_s": round(idle, 3),
+            "mean_in_flight": round(area / span, 2) if span else 0.0}
 
 
 def _cpu_s() -> float:
@@ -203,7 +278,7 @@ def compare_trees(ck: str, files: list[str], tree: str, repeat: int) -> list[dic
     rows = []
     _child(ck, tree)  # (a warm-up of the other checkout's modules, not counted)
     for kind in ("warm", "cold"):
-        runs: dict[str, list] = {"this": [], "tree": [], "floor": []}
+        runs: dict[str, list] = {"this": [], "tree": [], "floor": [], "fresh_floor": []}
         for i in range(repeat):
             if kind == "warm":
                 floors.read_floor(files)
@@ -211,6 +286,8 @@ def compare_trees(ck: str, files: list[str], tree: str, repeat: int) -> list[dic
             else:
                 drop_pages(files)
                 runs["floor"].append(direct_read_floor(files))
+                drop_pages(files)
+                runs["fresh_floor"].append(direct_fresh_floor(files))
             for name in ("this", "tree") if i % 2 == 0 else ("tree", "this"):
                 if kind == "cold":
                     drop_pages(files)
@@ -220,7 +297,7 @@ def compare_trees(ck: str, files: list[str], tree: str, repeat: int) -> list[dic
 
 
 def _compared(kind: str, runs: dict[str, list]) -> dict:
-    med = {k: statistics.median(r["job_s"] if isinstance(r, dict) else r for r in v) for k, v in runs.items()}
+    med = {k: statistics.median(r["job_s"] if isinstance(r, dict) else r for r in v) for k, v in runs.items() if v}
     cpu = {k: statistics.median(r["cpu_s"] for r in runs[k]) for k in ("this", "tree")}
     row = {"kind": kind, "this_cpu_s": round(cpu["this"], 3), "tree_cpu_s": round(cpu["tree"], 3),
            "this_over_tree_cpu": round(cpu["this"] / cpu["tree"], 3),
@@ -233,6 +310,9 @@ def _compared(kind: str, runs: dict[str, list]) -> dict:
            "this_over_tree": round(med["this"] / med["tree"], 3),
            "this_over_floor": round(med["this"] / med["floor"], 2),
            "tree_over_floor": round(med["tree"] / med["floor"], 2),
+           **({"fresh_floor_s": round(med["fresh_floor"], 3), "fresh_floor": "O_DIRECT reads into fresh buffers held",
+               "this_over_fresh_floor": round(med["this"] / med["fresh_floor"], 2),
+               "tree_over_fresh_floor": round(med["tree"] / med["fresh_floor"], 2)} if "fresh_floor" in med else {}),
            "direct_bytes": {k: [r.get("direct_bytes", 0) for r in runs[k]] for k in ("this", "tree")},
            "read_bytes": {k: [r["read_bytes"] for r in runs[k]] for k in ("this", "tree")},
            "this_cut_busy_s": [round(_stage(r, "cut").busy_s, 3) for r in runs["this"]],
@@ -240,11 +320,18 @@ def _compared(kind: str, runs: dict[str, list]) -> dict:
            "this_cut_calls": [_stage(r, "cut").calls for r in runs["this"]],
            "tree_cut_calls": [_stage(r, "cut").calls for r in runs["tree"]],
            "this_checksum_calls": [_stage(r, "checksum").calls for r in runs["this"]],
+           "queue": {k: _median_queue(runs[k]) for k in ("this", "tree")},
            "tree_checksum_calls": [_stage(r, "checksum").calls for r in runs["tree"]],
            "runs_s": {k: [round(r["job_s"] if isinstance(r, dict) else r, 3) for r in v] for k, v in runs.items()},
            "load_average": [round(x, 1) for x in os.getloadavg()]}
     print(json.dumps(row))
     return row
+
+
+def _median_queue(runs: list[dict]) -> dict:
+    """The median of each `_queue` figure over runs (O_DIRECT reads: warm restores have few)."""
+    keys = sorted({k for r in runs for k in r.get("queue", {})})
+    return {k: round(statistics.median(r["queue"][k] for r in runs if k in r.get("queue", {})), 3) for k in keys}
 
 
 def _stage(run: dict, name: str):
@@ -270,6 +357,7 @@ def report(kind: str, runs: list[dict], floor_runs: list[float], floor_name: str
         "read_over_stored": round(med["read_bytes"] / stored, 4),
         "placed_bytes": med["placed_bytes"],
         "peak_rss_mb": round(max(r["peak_rss_mb"] for r in runs)),
+        "queue": _median_queue(runs),
         "restore_runs_s": [round(r["job_s"], 3) for r in runs],
         "floor_runs_s": [round(f, 3) for f in floor_runs],
     }
@@ -306,7 +394,8 @@ def main() -> None:
         if a.tree:
             compare_trees(ck, files, a.tree, a.repeat)
             return
-        runs: dict[str, list] = {"warm": [], "cold": [], "warm_floor": [], "fresh_floor": [], "cold_floor": []}
+        runs: dict[str, list] = {"warm": [], "cold": [], "warm_floor": [], "fresh_floor": [], "cold_floor": [],
+                                 "cold_fresh_floor": []}
         _child(ck)  # a warm-up, not counted: the modules' files cached
         for i in range(a.repeat):
             for kind in ("warm", "cold") if i % 2 == 0 else ("cold", "warm"):
@@ -319,12 +408,15 @@ def main() -> None:
                     drop_pages(files)
                     runs["cold_floor"].append(direct_read_floor(files))
                     drop_pages(files)
+                    runs["cold_fresh_floor"].append(direct_fresh_floor(files))
+                    drop_pages(files)
                     runs["cold"].append(_child(ck))
         print(f"{len(files)} chunk files, {stored / 1e6:.0f} MB; {os.cpu_count()} CPUs; load average "
               f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
         rows = [report("warm", runs["warm"], runs["warm_floor"], "cat to /dev/null, page cache warm", stored),
                 report("warm", runs["warm"], runs["fresh_floor"], "pread into fresh buffers, page cache warm", stored),
-                report("cold", runs["cold"], runs["cold_floor"], "O_DIRECT reads, pages dropped", stored)]
+                report("cold", runs["cold"], runs["cold_floor"], "O_DIRECT reads, pages dropped", stored),
+                report("cold", runs["cold"], runs["cold_fresh_floor"], "O_DIRECT reads into fresh buffers held", stored)]
         print(json.dumps({"gib": a.gib, "repeat": a.repeat, "stored_bytes": stored, "rows": rows}, indent=1))
     finally:
         if a.dir is None:

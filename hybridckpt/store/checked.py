@@ -5,8 +5,9 @@ An import records, per array, the CRC-32 of each chunk of its stored grid (`chec
 `"checksum_chunks"`). `CheckedArray` wraps the lazy reader of an array (`containers.orbax.reader`) so that
 no byte of it reaches a caller unchecked:
 
-- `read_into(box, out)`: each grid chunk the box covers whole is read into `out` (or a scratch
-  buffer when `out` is strided or cast) and its CRC compared; a chunk the box cuts is read whole
+- `read_into(box, out)`: each grid chunk the box covers whole is read into `out` (where `out`
+  is strided or cast: into a buffer the restore's scratch pool lends, else a fresh one, then
+  copied) and its CRC compared; a chunk the box cuts is read whole
   once, by one thread (`_reading`; another box's thread that needs it meanwhile reads its other
   chunks first, trying the put-off piece again after each, then waits), checked, its piece cut
   out and its rest kept (`store.held_chunks`) for the boxes that need the rest, which cut their
@@ -180,11 +181,15 @@ class CheckedArray(LazyTensor):
                 if dst.flags.c_contiguous and dst.dtype == self.dtype:
                     self.inner.read_into(cbox, dst)
                     self.compare(pos, _crc(dst))
-                else:
-                    tmp = self.inner.read_box(cbox)
-                    self.compare(pos, _crc(tmp))
-                    with timing.stage("cut"):
-                        copy_into(dst, tmp)
+                else:  # (strided or cast: read whole into a lent buffer in a restore, then copied)
+                    tmp, give = self._read_chunk(cbox)
+                    try:
+                        self.compare(pos, _crc(tmp))
+                        with timing.stage("cut"):
+                            copy_into(dst, tmp)
+                    finally:
+                        if give is not None:
+                            give()
             elif not self._piece(pos, cbox, sub, dst, wait=False):
                 later.append((pos, cbox, sub, dst))
             # (a piece put off is cut as soon as its chunk is kept: the chunk's buffer back sooner)

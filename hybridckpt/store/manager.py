@@ -140,6 +140,7 @@ class CheckpointStore:
             create=True,
         )
         self._bucket_items: dict[tuple[int, str], bucket_restore.BucketItem | None] = {}
+        self._metadata: dict[tuple[int, str], Any] = {}  # (step, item) -> Orbax's metadata tree, read once
         self._manager = ocp.CheckpointManager(
             self.directory, options=options, handler_registry=handler_registry()
         )
@@ -199,7 +200,10 @@ class CheckpointStore:
         if bucket_restore.in_bucket(str(self.directory)):
             opened = self._bucket_item(step, item)
             return None if opened is None else opened.tree
-        return _unwrapped(where, f"the metadata of {item}", lambda: item_metadata(self._manager, step, item))
+        key = (step, item)  # (a restore asks for the params' twice: its plan, then the restore itself)
+        if key not in self._metadata:
+            self._metadata[key] = _unwrapped(where, f"the metadata of {item}", lambda: item_metadata(self._manager, step, item))
+        return self._metadata[key]
 
     def _bucket_item(self, step: int, item: str) -> bucket_restore.BucketItem | None:
         """`item` of `step` of a store in a bucket, opened once for this store's metadata and
@@ -272,6 +276,7 @@ class CheckpointStore:
         """
         if not force and not self._manager.should_save(step):
             return False
+        self._metadata.clear()  # (a step the policy removes may be saved again under its number)
         state = self._trainer_json(step, params, trainer_state)
         _check_keys(params, f"{self.directory}/{step}/{PARAMS}")
         if opt_state is not None and self.save_optimizer:

@@ -97,6 +97,10 @@ def test_a_box_read_fills_a_buffer_whose_pages_are_mapped_already():
     in_fresh_process("check_box_read_populated")
 
 
+def test_a_box_of_a_chunked_array_is_populated_slab_by_slab():
+    in_fresh_process("check_box_populated_by_slabs")
+
+
 def check_populate():
     a = aligned_empty((6 << 20,), np.uint8)
     page_advice.no_huge_pages(a)
@@ -134,3 +138,36 @@ def check_box_read_populated():
     b = parallel.read_box_parallel(four)
     assert len(four.seen) == 4 and all(got == pages == 2048 for got, pages in four.seen), four.seen
     assert not a.any() and sorted(set(b[:, 0].tolist())) == [0, 1024, 2048, 3072]  # (each piece written by its read)
+
+
+def check_box_populated_by_slabs():
+    """A box of an array stored on a chunk grid (`chunk`: a restore's `store.checked.CheckedArray`)
+    is populated and read slab by slab along its first axis longer than 1, each slab cut on the
+    grid and of at least `POPULATE_SLAB_BYTES` (`parallel.populate_slabs`): when the box's first
+    read starts, one slab's pages are resident, not the box's (before: all 16 MiB, so the first
+    read waited for the whole box to be faulted in, and reader threads starting boxes together
+    all faulted while no read was in flight); each read's own pages are resident when it starts,
+    and the slabs tile the box (every byte written by its read)."""
+    from hybridckpt.lazy import LazyTensor, parallel
+
+    class Chunked(LazyTensor):
+        chunk = (1, 256, 512)  # (16 layers of 1 MiB: 4 a slab)
+
+        def __init__(self):
+            self.shape, self.dtype, self.seen, self.start = (16, 256, 1024), np.dtype(np.float32), [], None
+
+        def read_into(self, box, out):
+            if self.start is None:
+                self.start = out.ctypes.data
+            whole = np.frombuffer((ctypes.c_char * (16 << 20)).from_address(self.start), np.uint8)
+            self.seen.append((box, resident_pages(out), resident_pages(whole)[0]))
+            out[...] = box[0][0]
+
+    parallel.set_io_threads(1)  # (one piece: the box is read by one thread, as in a restore's reader)
+    t = Chunked()
+    a = parallel.read_box_parallel(t)
+    slab = parallel.POPULATE_SLAB_BYTES // page_advice.PAGE_BYTES
+    assert [b[0] for b, _, _ in t.seen] == [(0, 4), (4, 8), (8, 12), (12, 16)], t.seen
+    assert all(got == pages == slab for _, (got, pages), _ in t.seen), t.seen
+    assert t.seen[0][2] == slab, t.seen  # (before: 4096, the whole box resident at the first read)
+    assert [int(a[i, 0, 0]) for i in range(16)] == [4 * (i // 4) for i in range(16)]
