@@ -42,6 +42,12 @@ PAD_BYTES = 64  # the staging rows' padding: one cache line
 STAGED_MAX_OUTER = 256  # at most this many 2-D slices (over the other axes) are staged one by one
 
 
+def too_small(out: np.ndarray) -> bool:
+    """Whether `out` is too small for strips (under a quarter of STRIP_ROWS squared elements:
+    128 x 128): numpy's own copy then."""
+    return out.size < STRIP_ROWS * STRIP_ROWS // 4
+
+
 def fastest_axis(x: np.ndarray) -> int:
     """The axis (of length > 1) with the smallest stride: the one contiguous in memory."""
     axes = [i for i, n in enumerate(x.shape) if n > 1]
@@ -55,7 +61,7 @@ def copy_into(out: np.ndarray, src: np.ndarray) -> None:
     if planned():
         np.broadcast_shapes(src.shape, out.shape)
         return
-    if out.ndim < 2 or out.size < STRIP_ROWS * STRIP_ROWS or src.shape != out.shape:
+    if out.ndim < 2 or too_small(out) or src.shape != out.shape:
         np.copyto(out, src, casting="unsafe")
         return
     a, b = fastest_axis(out), fastest_axis(src)

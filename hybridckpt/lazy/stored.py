@@ -95,7 +95,7 @@ class StoredTensor(LazyTensor):
         (`memmove`) before the transposing copy. False (nothing read) where the box is not such
         a read: no transposition, rows under SCATTER_ROW_BYTES, runs closer than a page (one
         pread of their span, `_slab_into`), too many other slices."""
-        if out.ndim < 2 or out.size < element_copy.STRIP_ROWS ** 2:
+        if out.ndim < 2 or element_copy.too_small(out):
             return False
         item = np.dtype(self.dtype).itemsize
         wide = [d for d, (lo, hi) in enumerate(box) if hi - lo > 1]
