@@ -217,7 +217,7 @@ class ByteSource:
         if offset < 0:  # a corrupt offset field: pread would fail with EINVAL
             raise FormatError(f"{self.path}: read at byte {offset}, before the start of the file")
         at = offset
-        if direct_read.read(_fd(self.path), offset, views):  # a cold range: from the device, no page cache
+        if direct_read.read(_fd(self.path), offset, views, total):  # a cold range: from the device, no page cache
             _count_direct(self.path, total)
             views = []
         for i in range(0, len(views), SCATTER_VIEWS):

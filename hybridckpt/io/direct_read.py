@@ -119,16 +119,20 @@ def is_cold(fd: int, offset: int, nbytes: int) -> bool:
     return got is not None and 2 * got[0] < got[1]
 
 
-def read(fd: int, offset: int, views: Sequence[memoryview]) -> int:
+def read(fd: int, offset: int, views: Sequence[memoryview], total: int | None = None) -> int:
     """Fill `views` in order with the file's bytes from `offset` with O_DIRECT when the range is
     cold (`is_cold`): the bytes so read (all of them), or 0 where it read nothing for certain
-    (warm, refused, the file shorter than the range): then the caller reads buffered."""
+    (warm, refused, the file shorter than the range): then the caller reads buffered.
+    `total`: the views' bytes where the caller knows them. The range is asked about first, so a
+    warm read (every read of an import's page-cache-warm source) makes no pass over its views:
+    the 128 staging rows of each strip of a transposed read were walked three times a strip."""
+    if total is None:
+        total = sum(v.nbytes for v in views)
+    if not is_cold(fd, offset, total):
+        return 0
     if any(v.readonly or not v.c_contiguous for v in views):
         return 0  # (what the buffered read makes of such a buffer, as before)
     views = [v if v.ndim == 1 and v.format == "B" else v.cast("B") for v in views]
-    total = sum(len(v) for v in views)
-    if not is_cold(fd, offset, total):
-        return 0
     align = alignment(fd)
     if align is None:
         return 0

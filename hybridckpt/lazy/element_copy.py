@@ -14,7 +14,7 @@ numpy copy, which walks the staged columns from L1 and writes `out` in contiguou
 casts). Two large numpy calls per strip: the GIL is held for microseconds per strip, so reader
 threads copy in parallel. On bf16 `[5632, 2048]`: 2.2-2.7 G elements/s on one thread, 3-4.4 on
 two (fp32: 1.5 and 2.5); the square 128-element tiles staged three calls each before reached
-1.63 and 1.77 (the GIL between). Bit for bit the same result: `tests/store/test_streaming.py`.
+1.63 and 1.77 (the GIL between). (Measured with strips of 128; 256 since: see STRIP_ROWS.) Bit for bit the same result: `tests/store/test_streaming.py`.
 
 The strip loop (`transposed_rows`) takes what fills the staging rows as a function: a copy out of
 an array in memory (`copy_into`), or a read of the file's rows straight into them
@@ -34,9 +34,18 @@ import numpy as np
 
 from hybridckpt.io.byte_source import planned
 
-STRIP_ROWS = 128  # indices along out's contiguous axis moved per strip (its columns stay in L1)
+STRIP_ROWS = 256  # indices along out's contiguous axis moved per strip (a column: 256 lines, 16 KiB of L1).
+# 256 against 128 (the `[in, out]` tiles of an fp32 import, read and transposed, CPU-s interleaved on
+# the 2-core VM under load): 1.12-1.26x the elements a CPU-second; the copy alone 1.1-1.45x (each
+# `out` row written in runs of 1 KiB, not 512 B; half the numpy calls, preadvs and Python a strip)
 PAD_BYTES = 64  # the staging rows' padding: one cache line
 STAGED_MAX_OUTER = 256  # at most this many 2-D slices (over the other axes) are staged one by one
+
+
+def too_small(out: np.ndarray) -> bool:
+    """Whether `out` is too small for strips (under a quarter of STRIP_ROWS squared elements:
+    128 x 128): numpy's own copy then."""
+    return out.size < STRIP_ROWS * STRIP_ROWS // 4
 
 
 def fastest_axis(x: np.ndarray) -> int:
@@ -52,7 +61,7 @@ def copy_into(out: np.ndarray, src: np.ndarray) -> None:
     if planned():
         np.broadcast_shapes(src.shape, out.shape)
         return
-    if out.ndim < 2 or out.size < STRIP_ROWS * STRIP_ROWS or src.shape != out.shape:
+    if out.ndim < 2 or too_small(out) or src.shape != out.shape:
         np.copyto(out, src, casting="unsafe")
         return
     a, b = fastest_axis(out), fastest_axis(src)
@@ -128,7 +137,8 @@ def transposed_rows(out: np.ndarray, src_dtype, a: int, b: int, fill: RowFill) -
                     np.copyto(o2[part], rows if a < b else rows.T, casting="unsafe")
 
 
-STAGE_KEEP_BYTES = 4 << 20  # a thread keeps its staging buffer up to this size (reused strip after strip)
+STAGE_KEEP_BYTES = 8 << 20  # a thread keeps its staging buffer up to this size (reused strip after strip):
+# 256 fp32 rows of 5632 (the `in` of a SwiGLU down_proj) are 5.8 MB
 _lock = threading.Lock()
 _kept: dict[int, dict] = {}  # thread id -> {"stage": its staging buffer (uint8) or None, "busy": lent}
 

@@ -95,7 +95,7 @@ class StoredTensor(LazyTensor):
         (`memmove`) before the transposing copy. False (nothing read) where the box is not such
         a read: no transposition, rows under SCATTER_ROW_BYTES, runs closer than a page (one
         pread of their span, `_slab_into`), too many other slices."""
-        if out.ndim < 2 or out.size < element_copy.STRIP_ROWS ** 2:
+        if out.ndim < 2 or element_copy.too_small(out):
             return False
         item = np.dtype(self.dtype).itemsize
         wide = [d for d, (lo, hi) in enumerate(box) if hi - lo > 1]
@@ -111,11 +111,17 @@ class StoredTensor(LazyTensor):
             return False  # runs close together: one pread of their span (`_slab_into`)
         first = self.offset + sum(lo * s for (lo, _), s in zip(box, strides, strict=True))
         others = [d for d in range(len(box)) if d not in (a, b)]
+        views: dict[tuple[int, int], list[memoryview]] = {}  # (address, rows) -> the staging rows' views
 
         def fill(rest: tuple[int, ...], i: int, rows: np.ndarray) -> None:
             at = first + i * strides[a] + sum(r * strides[d] for d, r in zip(others, rest, strict=True))
             if strides[a] == row:  # the strip's rows lie side by side in the file: one run
-                self.source.read_scatter(at, row_views(rows))
+                # every strip fills the same staging rows (`element_copy.stage_rows`): their
+                # views made once a box, not a Python memoryview a row a strip
+                key = (rows.ctypes.data, len(rows))
+                if key not in views:
+                    views[key] = row_views(rows)
+                self.source.read_scatter(at, views[key])
             else:
                 span, step = _strided_span(rows)
                 self.source.read_runs(at + np.arange(len(rows), dtype=np.int64) * strides[a], row, span, step)
