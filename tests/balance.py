@@ -99,7 +99,7 @@ COST |= {
 # the figures above scaled by each file's CPU after / before, same session.
 COST |= {
     "io/test_dcp_fast.py": 145,
-    "formats/test_deepspeed.py": 78,
+    "formats/test_deepspeed.py": 81,
     "jobs/test_export_dcp.py": 63,
     "io/test_dcp_records_scale.py": 52,
 }
