@@ -95,6 +95,16 @@ COST |= {
 }
 
 
+# Less work in these files (docs/testing.md, "Less work in io/, remote/, ...", 30 Nov, suite8b):
+# the figures above scaled by each file's CPU after / before, same session.
+COST |= {
+    "io/test_dcp_fast.py": 145,
+    "formats/test_deepspeed.py": 81,
+    "jobs/test_export_dcp.py": 63,
+    "io/test_dcp_records_scale.py": 52,
+}
+
+
 def cost(relpath: str, tests: int) -> float:
     """The estimated seconds of the test file `relpath` (relative to tests/, `/`-separated)
     holding `tests` collected tests."""

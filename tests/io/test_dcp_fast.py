@@ -185,10 +185,32 @@ def flipped_bytes_agree(folder: str, buf: bytes, inside: list[int], n: int, monk
             bad[11 + i] = v
             with open(meta, "wb") as f:
                 f.write(bad)
-            a = _outcome(folder, monkeypatch, general=False)
-            assert a == _outcome(folder, monkeypatch, general=True), (i, v)
-            kinds.add(a[0])
+            kinds.add(same_outcome_as_the_general_machine(folder, monkeypatch, (i, v))[0])
     return kinds
+
+
+def same_outcome_as_the_general_machine(folder: str, monkeypatch, what) -> tuple:
+    """`_outcome` of the specialised reader, asserted equal to the general machine's alone
+    (`what` names the case in the failure). Where the specialised reader gave up (`Fallback`),
+    `read_metadata` already took the general machine's path, the very branch `general=True`
+    forces: that outcome is the general machine's by construction, and is not computed a second
+    time (about 3 in 4 damaged files fall back; the general machine is most of their time)."""
+    fell = []
+    real = dcp_fast.read
+
+    def spy(data, path):
+        try:
+            return real(data, path)
+        except dcp_fast.Fallback:
+            fell.append(path)
+            raise
+
+    with monkeypatch.context() as mp:
+        mp.setattr(dcp_fast, "read", spy)
+        a = _outcome(folder, monkeypatch, general=False)
+    if not fell:
+        assert a == _outcome(folder, monkeypatch, general=True), what
+    return a
 
 
 def _outcome(folder: str, monkeypatch, *, general: bool):
@@ -239,9 +261,7 @@ def test_hostile_bytes_same_outcome_as_the_general_machine(source, written, tmp_
     for name, bad in _mutants(data, np.random.default_rng(29)):
         with open(meta, "wb") as f:
             f.write(bad)
-        a = _outcome(folder, monkeypatch, general=False)
-        b = _outcome(folder, monkeypatch, general=True)
-        assert a == b, name
+        a = same_outcome_as_the_general_machine(folder, monkeypatch, name)
         ok += a[0] == "ok"
         errors += a[0] == "error"
     assert ok and errors  # both kinds of outcome were compared
