@@ -65,6 +65,13 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
     # compared across processes come from code compiled alike.
     if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
         os.environ["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} --xla_backend_optimization_level=0"
+    # XLA:CPU's older (elemental) emitters of fused loops, not its MLIR fusion emitters (unless
+    # `$XLA_FLAGS` names `--xla_cpu_use_fusion_emitters`): the MLIR pipeline is most of what is
+    # left of a tiny model's compilation at level 0 (a gemma2 forward on tp=4,pp=2: 0.56 -> 0.24
+    # CPU-s; docs/testing.md, suite8a). Both emit the same operations in IEEE arithmetic without
+    # fast-math; inherited by the children like the level above.
+    if "--xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
+        os.environ["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} --xla_cpu_use_fusion_emitters=false"
 else:
     if ASKED is not None:
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(ASKED))))
