@@ -104,9 +104,14 @@ def test_an_array_collected_while_the_budget_lock_is_held_does_not_deadlock(monk
     whichever thread allocates at that moment: one inside `keep`, holding `budget_lock`. The
     finalizer giving the collected array's bytes back took that lock again there and the thread
     hung forever (the lock is not reentrant). Forced here: the collection runs inside `keep`."""
+    gc.collect()  # (arrays of earlier tests collected now, their bytes settled by a keep against the real budget)
+    flush = HeldChunks()
+    flush.keep(0, np.zeros(1), 1, limit=1 << 40)
+    flush.clear()
     lock = _OwnerLock()
     monkeypatch.setattr(HeldChunks, "budget_lock", lock)
     monkeypatch.setattr(HeldChunks, "budget_used", [0])
+    monkeypatch.setattr(HeldChunks, "_dropped", [], raising=False)
     gc.disable()
     try:
         dead = HeldChunks()
