@@ -7,7 +7,13 @@ A buffer goes back only when no thread is still copying out of it: the last piec
 come before an earlier piece's copy has ended, and a buffer given back then was lent to the next
 chunk and overwritten under that copy (shards of a restore with wrong bytes, on a loaded machine,
 issue 42's CI). Each `take` is answered with a `done` to call after the copy; the buffer goes back
-at the last `done` of a chunk no further piece will take."""
+at the last `done` of a chunk no further piece will take.
+
+An array dropped with chunks still kept (a failed restore: the error's traceback holds its reader
+frames in a reference cycle) gives its bytes back to the budget when it is collected; a garbage
+collection runs in whichever thread allocates at that moment, possibly one inside `keep` holding
+`budget_lock`, so that finalizer takes no lock (it would wait forever on the lock its own thread
+holds): it queues the bytes (`_dropped`), and the next `keep` or `used` takes them off."""
 
 from __future__ import annotations
 
@@ -28,18 +34,39 @@ class HeldChunks:
 
     budget_lock = threading.Lock()
     budget_used = [0]
+    _dropped: list[int] = []  # bytes of arrays collected since (`_collected`), not yet off budget_used
 
     def __init__(self):
         self._held: dict[int, _Kept] = {}  # position -> the chunk kept, while pieces of it are left
-        self._bytes = [0]  # held by this array (given back by the finalizer)
+        self._bytes = [0]  # held by this array (given back by `clear`, or once collected)
         self._lock = threading.Lock()
-        weakref.finalize(self, HeldChunks._give_back, self._bytes)
+        weakref.finalize(self, HeldChunks._collected, self._bytes)
 
     @staticmethod
     def _give_back(cell: list) -> None:
         with HeldChunks.budget_lock:
             HeldChunks.budget_used[0] -= cell[0]
             cell[0] = 0
+
+    @staticmethod
+    def _collected(cell: list) -> None:
+        """The finalizer: no lock taken (see the module doc); the bytes queued for the next `keep`."""
+        n, cell[0] = cell[0], 0
+        if n:
+            HeldChunks._dropped.append(n)
+
+    @staticmethod
+    def _settle() -> None:
+        """Take the bytes of collected arrays off the budget (call holding `budget_lock`)."""
+        while HeldChunks._dropped:
+            HeldChunks.budget_used[0] -= HeldChunks._dropped.pop()
+
+    @staticmethod
+    def used() -> int:
+        """Chunk bytes all arrays keep now (tests count them)."""
+        with HeldChunks.budget_lock:
+            HeldChunks._settle()
+            return HeldChunks.budget_used[0]
 
     def keep(self, pos: int, data: np.ndarray, left: int, give=None, limit: int = HELD_BYTES) -> bool:
         """Keep `data` (chunk `pos`) for pieces of `left` elements more; False where it is not
@@ -49,6 +76,7 @@ class HeldChunks:
         if left <= 0:
             return False
         with self._lock, HeldChunks.budget_lock:
+            HeldChunks._settle()
             if pos in self._held or HeldChunks.budget_used[0] + data.nbytes > limit:
                 return False
             HeldChunks.budget_used[0] += data.nbytes

@@ -7,9 +7,13 @@ moment; on a busy 2-core machine one restore in three placed a shard with anothe
 
 from __future__ import annotations
 
+import gc
+import threading
+
 import numpy as np
 
 from hybridckpt.io.aligned_pool import AlignedPool
+from hybridckpt.store import held_chunks
 from hybridckpt.store.held_chunks import HeldChunks
 
 
@@ -68,3 +72,68 @@ def test_a_chunk_in_a_fresh_buffer_needs_no_give():
     data, done = held.take(3, 8)
     done()
     assert held.take(3, 1) is None and data.shape == (8,)
+
+
+class _OwnerLock:
+    """`HeldChunks.budget_lock` that notes (in `self_waits`) an acquire by the thread holding it,
+    instead of hanging there: a plain Lock taken again by its holder waits forever."""
+
+    def __init__(self):
+        self._lock, self.owner, self.self_waits = threading.Lock(), None, []
+
+    def acquire(self, blocking=True, timeout=-1):
+        if self.owner == threading.get_ident():
+            self.self_waits.append(threading.get_ident())
+            raise RuntimeError("budget_lock taken again by the thread holding it: a deadlock")
+        got = self._lock.acquire(blocking, timeout)
+        if got:
+            self.owner = threading.get_ident()
+        return got
+
+    def release(self):
+        self.owner = None
+        self._lock.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def test_an_array_collected_while_the_budget_lock_is_held_does_not_deadlock(monkeypatch):
+    """A failed restore leaves its arrays in reference cycles (the error's traceback holds their
+    reader frames), so their `HeldChunks` are freed by a garbage collection, which runs in
+    whichever thread allocates at that moment: one inside `keep`, holding `budget_lock`. The
+    finalizer giving the collected array's bytes back took that lock again there and the thread
+    hung forever (the lock is not reentrant). Forced here: the collection runs inside `keep`."""
+    gc.collect()  # (arrays of earlier tests collected now, their bytes settled by a keep against the real budget)
+    flush = HeldChunks()
+    flush.keep(0, np.zeros(1), 1, limit=1 << 40)
+    flush.clear()
+    lock = _OwnerLock()
+    monkeypatch.setattr(HeldChunks, "budget_lock", lock)
+    monkeypatch.setattr(HeldChunks, "budget_used", [0])
+    monkeypatch.setattr(HeldChunks, "_dropped", [], raising=False)
+    gc.disable()
+    try:
+        dead = HeldChunks()
+        assert dead.keep(0, np.zeros(256, np.float32), 256, limit=1 << 20)
+        dead.cycle = dead  # (garbage only a collection frees, as a failed restore's arrays are)
+        del dead
+
+        class CollectingKept(held_chunks._Kept):
+            __slots__ = ()
+
+            def __init__(self, *args):
+                gc.collect()  # (the collection an allocation inside `keep` starts, lock held)
+                super().__init__(*args)
+
+        monkeypatch.setattr(held_chunks, "_Kept", CollectingKept)
+        live = HeldChunks()
+        assert live.keep(0, np.zeros(64, np.float32), 64, limit=1 << 20)
+    finally:
+        gc.enable()
+    assert lock.self_waits == []
+    assert HeldChunks.used() == 64 * 4  # (the collected array's 1 KiB back in the budget, the live one's kept)
+    live.clear()
+    assert HeldChunks.used() == 0

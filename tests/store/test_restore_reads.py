@@ -171,14 +171,14 @@ def test_the_rest_kept_for_another_process_is_given_back(store):
     chunk = t.chunk
     assert chunk[1] > 1  # (rows of a chunk to cut)
     box = tuple((0, c) for c in chunk[:1]) + ((0, chunk[1] // 2),) + tuple((0, c) for c in chunk[2:])
-    before = checked._HeldChunks.budget_used[0]  # noqa: SLF001
+    before = checked._HeldChunks.used()  # noqa: SLF001
     out = np.empty([b - a for a, b in box], dtype=t.dtype)
     with count_reads() as counter:
         t.read_into(box, out)
     assert tally(counter)[0] == int(np.prod(chunk)) * t.dtype.itemsize  # the chunk whole, to check it
-    assert checked._HeldChunks.budget_used[0] - before == 2 * out.nbytes  # noqa: SLF001  (kept for its other half)
+    assert checked._HeldChunks.used() - before == 2 * out.nbytes  # noqa: SLF001  (kept for its other half)
     t.release()
-    assert checked._HeldChunks.budget_used[0] == before  # noqa: SLF001
+    assert checked._HeldChunks.used() == before  # noqa: SLF001
     up0 = load_file(os.path.join(src, "model.safetensors"))["model.layers.0.mlp.up_proj.weight"].T  # (a kernel)
     assert out[0].tobytes() == np.ascontiguousarray(up0[box[1][0]:box[1][1], box[2][0]:box[2][1]]).tobytes()
 
@@ -439,7 +439,7 @@ def test_a_chunk_cut_across_its_rows_is_read_into_a_lent_buffer(store, two_reade
         assert counts["buffers"][name] == 0, (name, counts)  # (before: n, a fresh buffer a chunk)
         assert counts["crcs"][name] == n and counts["copies"][name] == 2 * n, (name, counts)
     assert 0 < sum(counts["lent"][name] for name in COLUMN_CUT) < chunks, counts
-    assert checked._HeldChunks.budget_used[0] == 0  # noqa: SLF001  (every kept chunk given back)
+    assert checked._HeldChunks.used() == 0  # noqa: SLF001  (every kept chunk given back)
     assert needed <= read <= 1.05 * needed
     same_as_source(src, cfg, r.params)
 

@@ -165,11 +165,11 @@ def read_ranges(obj: RemoteObject, ranges: Sequence[tuple[int, int]],
             raise FormatError(f"{obj.url}: read of bytes [{start}, {end}) outside the object's {obj.size} bytes")
     pieces, holes = _FETCHED.claim(obj, wanted(obj, ranges))
     try:
-        gets = [g for a, b in holes for g in plan_ranges([(a, b)], gap=0)]
+        gets = [g for p in holes for g in plan_ranges([(p.start, p.end)], gap=0)]
         if len(gets) == 1:
-            _FETCHED.fill(obj, gets, [get(obj, *gets[0])])
+            _FETCHED.fill(obj, holes, gets, [get(obj, *gets[0])])
         elif gets:
-            _FETCHED.fill(obj, gets, _pool_map(obj, gets))
+            _FETCHED.fill(obj, holes, gets, _pool_map(obj, gets))
     except BaseException as e:
         _FETCHED.fail(obj, holes, e)
         raise
@@ -197,17 +197,22 @@ class _Piece:
 
 class _Fetched:
     """The byte ranges fetched or in flight, per object (see the module doc): at most
-    `CACHE_BYTES` of fetched bytes, the least recently used dropped first."""
+    `CACHE_BYTES` of fetched bytes, the least recently used dropped first.
+
+    A piece in flight is filled (or failed) through the piece its fetcher claimed, not found
+    again in `pieces`: a `clear` (`forget`, another job's end) may drop it meanwhile, and a
+    piece so dropped was never given its bytes: its fetcher, and every reader that had found it
+    in flight, waited for it forever (a reader thread lost for good)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.pieces: dict[str, list[_Piece]] = {}  # object key -> its pieces (disjoint)
         self.nbytes = 0
 
-    def claim(self, obj: RemoteObject, wanted: list[tuple[int, int]]) -> tuple[list[_Piece], list[tuple[int, int]]]:
+    def claim(self, obj: RemoteObject, wanted: list[tuple[int, int]]) -> tuple[list[_Piece], list[_Piece]]:
         """The pieces that cover `wanted` (sorted, disjoint ranges): those held or in flight,
-        and new ones in flight for the holes, which the caller fetches (`fill`). Returns the
-        pieces overlapping `wanted` and the holes."""
+        and new ones in flight for the holes, which the caller fetches (`fill`, or `fail`).
+        Returns the pieces overlapping `wanted` and the new ones."""
         out: list[_Piece] = []
         holes: list[tuple[int, int]] = []
         with self.lock:
@@ -221,38 +226,40 @@ class _Fetched:
                     at = max(at, p.end)
                 if at < b:
                     holes.append((at, b))
-            for a, b in holes:
-                p = _Piece(a, b, threading.Event())
-                held.append(p)
-                out.append(p)
+            new = [_Piece(a, b, threading.Event()) for a, b in holes]
+            held.extend(new)
+            out.extend(new)
             for p in out:  # used now: the last to be dropped
                 held.remove(p)
                 held.append(p)
-        return out, holes
+        return out, new
 
-    def fill(self, obj: RemoteObject, gets: list[tuple[int, int]], datas: list[bytes]) -> None:
-        """The bytes of the holes `claim` gave, as fetched by `gets`: into their pieces."""
+    def fill(self, obj: RemoteObject, new: list[_Piece], gets: list[tuple[int, int]], datas: list[bytes]) -> None:
+        """The bytes of the pieces `claim` made (`new`), as fetched by `gets`: into them (kept
+        in the cache unless it was cleared meanwhile)."""
         got = dict(zip((a for a, _ in gets), datas, strict=True))
         with self.lock:
-            for p in self.pieces.get(obj.key, []):
-                if not p.done.is_set() and p.start in got:
-                    parts, at = [], p.start
-                    while at < p.end:
-                        parts.append(got[at])
-                        at += len(got[at])
-                    p.data = b"".join(parts) if len(parts) > 1 else parts[0]
+            held = self.pieces.get(obj.key, [])
+            for p in new:
+                parts, at = [], p.start
+                while at < p.end:
+                    parts.append(got[at])
+                    at += len(got[at])
+                p.data = b"".join(parts) if len(parts) > 1 else parts[0]
+                if any(q is p for q in held):  # (else dropped by `clear`: given to its readers, not kept)
                     self.nbytes += p.end - p.start
-                    p.done.set()
+                p.done.set()
             self._evict()
 
-    def fail(self, obj: RemoteObject, holes: list[tuple[int, int]], error: BaseException) -> None:
-        """The holes could not be fetched: their pieces dropped, their waiters given `error`."""
+    def fail(self, obj: RemoteObject, new: list[_Piece], error: BaseException) -> None:
+        """The pieces `claim` made (`new`) could not be fetched: dropped, their waiters given `error`."""
         with self.lock:
             held = self.pieces.get(obj.key, [])
-            for p in [p for p in held if not p.done.is_set() and (p.start, p.end) in holes]:
+            for p in new:
                 p.error = error
                 p.done.set()
-                held.remove(p)
+                if any(q is p for q in held):
+                    held.remove(p)
 
     def _evict(self) -> None:
         """Drop the least recently used fetched pieces past `CACHE_BYTES` (call under `lock`);
