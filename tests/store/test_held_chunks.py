@@ -40,7 +40,7 @@ def test_the_buffer_stays_whole_while_an_earlier_piece_is_still_cut():
 
 def test_the_buffer_goes_back_after_the_last_cut():
     pool, held = AlignedPool(1 << 20), HeldChunks()
-    before = HeldChunks.budget_used[0]  # (shared by every array of the process: others may hold some)
+    before = HeldChunks.used()  # (shared by every array of the process: others may hold some)
     kept_chunk(pool, held)
     _, a = held.take(0, 512)
     _, b = held.take(0, 512)
@@ -48,16 +48,16 @@ def test_the_buffer_goes_back_after_the_last_cut():
     b()
     pool.borrow((4, 256), np.float32)
     assert pool.reuses == 1 and pool.allocations == 1  # given back once, and reused
-    assert HeldChunks.budget_used[0] == before
+    assert HeldChunks.used() == before
 
 
 def test_clear_while_a_piece_is_cut_gives_the_buffer_back_after_it():
     pool, held = AlignedPool(1 << 20), HeldChunks()
-    before = HeldChunks.budget_used[0]
+    before = HeldChunks.used()
     want = kept_chunk(pool, held)
     piece, done = held.take(0, 100)  # part of the chunk taken; the rest never will be (another host's)
     held.clear()
-    assert held.take(0, 100) is None and HeldChunks.budget_used[0] == before
+    assert held.take(0, 100) is None and HeldChunks.used() == before
     other, _ = pool.borrow((4, 256), np.float32)
     other[...] = -1.0
     assert np.array_equal(piece, want) and pool.reuses == 0

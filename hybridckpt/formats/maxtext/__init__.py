@@ -74,19 +74,27 @@ def open(path: str, *, config: Any = None, step: int | None = None):  # noqa: A0
 
 def _leaves(tree: Any, mesh) -> Any:
     """Lazy tensors -> `stream.LazyLeaf`s (replicated on `mesh`, a scanned array chunked one
-    layer at a time); ints -> int32 scalars on the mesh."""
-    import jax
-    import jax.numpy as jnp
+    layer at a time); ints -> int32 scalars, lazy leaves as well.
 
+    Every leaf of the item goes through one Orbax type handler (`stream_orbax.LazyArrayHandler`):
+    two handlers of one save (a step counter placed as a `jax.Array` went to Orbax's own) each
+    record their arrays in the item's `array_metadatas/process_0` by a read-modify-write with an
+    await between the read and the write, in one event loop; the later write lost the other's
+    records and Orbax's commit failed with "No ArrayMetadata found for param_info" (the seventh
+    stop's CI, `test_stored_dtypes.py[maxtext]`, on a loaded machine)."""
+    import jax
+    import numpy as np
+
+    from hybridckpt.lazy.stored import ArrayTensor
     from hybridckpt.store.stream import LazyLeaf, StreamOptions
 
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     opts = StreamOptions()
 
     def one(path, x):
-        if isinstance(x, int):
-            return jax.device_put(jnp.asarray(x, jnp.int32), sharding)
         name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        if isinstance(x, int):  # (a step counter: a lazy leaf too, so one handler writes the item; see below)
+            return LazyLeaf(ArrayTensor(np.asarray(x, np.int32)), sharding, name=name, options=opts)
         stacked = any(f".{s}" in f".{name}" for s in maxtext.STACKS) and x.ndim > maxtext.SCAN_AXIS
         return LazyLeaf(x, sharding, name=name, chunk_axes=(maxtext.SCAN_AXIS,) if stacked else (), options=opts)
 
