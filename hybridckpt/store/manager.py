@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from hybridckpt.errors import CheckpointError, ConfigError
 from hybridckpt.io import timing
 from hybridckpt.io.paths import given
 from hybridckpt.mesh import MeshShape
-from hybridckpt.store import bucket_restore
+from hybridckpt.store import bucket_restore, orbax_io
 from hybridckpt.store.checked import CRC_TABLES, has_crc_tables, read_tree
 from hybridckpt.store.layout import (
     HF_FILES,
@@ -287,6 +288,7 @@ class CheckpointStore:
         state.update(crc_record(trees, state) or {})  # every later read checked, as an import's
         items: dict[str, Any] = {k: standard_save(t) for k, t in trees.items()}
         items[TRAINER_STATE] = ocp.args.JsonSave(state)
+        running = set(threading.enumerate())
         try:
             return bool(
                 self._manager.save(
@@ -298,6 +300,9 @@ class CheckpointStore:
             )
         except ocp.checkpoint_manager.StepAlreadyExistsError as e:
             raise CheckpointError(f"{self.directory}: step {step} already exists") from e
+        except BaseException:
+            orbax_io.join_orbax_threads(running)  # (before the job removes what it wrote)
+            raise
 
     # -- restore
     def restore(

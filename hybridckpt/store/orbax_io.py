@@ -261,3 +261,24 @@ def load_params_metadata(directory: str | os.PathLike, step: int | None = None) 
         raise CheckpointError(f"{manager.directory}/{step}: has no {PARAMS}")
     return as_shape_dtype(meta)
 
+
+ORBAX_THREADS_JOIN_S = 60.0  # seconds a failed save waits at most for the threads Orbax left running
+
+
+def join_orbax_threads(running: set, timeout_s: float = ORBAX_THREADS_JOIN_S) -> None:
+    """Join the threads of Orbax's (`orbax.*` classes) started since `running` (the threads alive
+    before a save) and still alive: a save that failed returns while they run. Orbax writes each
+    item's `_METADATA` in a thread of its own once the item's writes are committed
+    (`write_metadata_after_commits`); one item's failure ended the save while another item's
+    thread was still to write, and its `_METADATA` landed after the job had removed what it wrote
+    (a bucket import's spool, a local import's temporary folder), re-creating the folders (CI,
+    `test_store_s3_spool`, on a loaded machine)."""
+    import threading
+    import time
+
+    deadline = time.monotonic() + max(0.0, timeout_s)
+    for t in threading.enumerate():
+        if t in running or t is threading.current_thread() or not type(t).__module__.startswith("orbax."):
+            continue
+        t.join(max(0.0, deadline - time.monotonic()))
+
