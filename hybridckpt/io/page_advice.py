@@ -9,7 +9,10 @@ Measured on the 2-core VM of docs/benchmarks.md ("Run 6 of the restore"), 1.1 GB
 the page cache into one fresh buffer: 0.97-1.50 system CPU-s with huge pages, 0.64-0.80 with 4
 KiB pages (the zeroing of a 2 MiB page runs out of the CPU cache before the copy fills it; a 4
 KiB page is zeroed and filled while cached), and `clear_page_erms` 37-43% of a warm restore's
-CPU samples. `no_huge_pages` marks the allocation of an array small before its first touch
+CPU samples. And on a VM whose balloon reports free memory to the host (`virtio_balloon`'s free
+page reporting), a huge page is carved from a reported 2 MiB block whose first touch also takes the
+host's faults: 1.7-2.2 CPU-s a GiB populated after a few seconds idle, against 0.30 for 4 KiB pages
+(docs/benchmarks.md, "The cold restore on a quiet VM"). `no_huge_pages` marks the allocation of an array small before its first touch
 (no mapping more than numpy's own mark made): nothing is read, mapped or moved; where the platform has no `madvise` or the kernel refuses it, the array
 is left as it was (it is correct either way: only the cost of its first touch differs).
 
