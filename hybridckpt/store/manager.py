@@ -37,6 +37,7 @@ from hybridckpt.store.layout import (
     leaf_key,
     mesh_of_tree,
     rng_to_json,
+    short_list,
 )
 from hybridckpt.store.orbax_io import (
     as_shape_dtype,
@@ -76,14 +77,28 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(text.split())[:300]}"
 
 
-def _check_keys(tree: Any, where: str) -> None:
-    """Every leaf's joined key is one safe folder name inside the item (`containers.orbax.keys`)."""
+def _check_item(tree: Any, where: str) -> None:
+    """Every leaf's joined key is one safe folder name inside the item (`containers.orbax.keys`),
+    and the item is written by one Orbax type handler: streamed leaves (`stream.LazyLeaf`) and
+    `jax.Array`s in one item are a ConfigError. Each handler records its arrays in the item's
+    `array_metadatas/process_0` by a read-modify-write with an await between, in one event loop:
+    the later write dropped the other's records and Orbax's commit failed ("No ArrayMetadata
+    found for ...", as the MaxText export's step counters did, 40292ab). Wrapping the arrays as
+    lazy leaves instead would leave them out of the CRC tables a caller records from its own
+    leaves (`jobs.import_`)."""
     from hybridckpt.containers.orbax.keys import check_leaf_key
     from hybridckpt.store.stream import LazyLeaf
 
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, LazyLeaf))
-    for path, _leaf in flat:
+    kinds: dict[bool, list[str]] = {True: [], False: []}
+    for path, leaf in flat:
         check_leaf_key(leaf_key(path), where)
+        if isinstance(leaf, LazyLeaf | jax.Array):
+            kinds[isinstance(leaf, LazyLeaf)].append(leaf_key(path))
+    if kinds[True] and kinds[False]:
+        raise ConfigError(f"{where}: mixes streamed leaves (stream.LazyLeaf: {short_list(set(kinds[True]), 4)}) "
+                          f"and jax.Arrays ({short_list(set(kinds[False]), 4)}); Orbax records the two kinds' "
+                          f"arrays apart and loses some: give the item leaves of one kind")
 
 
 class CheckpointStore:
@@ -279,9 +294,9 @@ class CheckpointStore:
             return False
         self._metadata.clear()  # (a step the policy removes may be saved again under its number)
         state = self._trainer_json(step, params, trainer_state)
-        _check_keys(params, f"{self.directory}/{step}/{PARAMS}")
+        _check_item(params, f"{self.directory}/{step}/{PARAMS}")
         if opt_state is not None and self.save_optimizer:
-            _check_keys(opt_state, f"{self.directory}/{step}/{OPT_STATE}")
+            _check_item(opt_state, f"{self.directory}/{step}/{OPT_STATE}")
         trees = {PARAMS: params}
         if opt_state is not None and self.save_optimizer:
             trees[OPT_STATE] = opt_state
