@@ -8,6 +8,7 @@ The on-disk layout and trainer-state keys are described in `store.layout`.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -157,6 +158,7 @@ class CheckpointStore:
         )
         self._bucket_items: dict[tuple[int, str], bucket_restore.BucketItem | None] = {}
         self._metadata: dict[tuple[int, str], Any] = {}  # (step, item) -> Orbax's metadata tree, read once
+        self._states: dict[int, dict] = {}  # step -> its trainer state, read once (callers get copies)
         self._manager = ocp.CheckpointManager(
             self.directory, options=options, handler_registry=handler_registry()
         )
@@ -190,9 +192,18 @@ class CheckpointStore:
         return bool(self._manager.should_save(step))
 
     def trainer_state(self, step: int | None = None) -> dict:
+        """The trainer state of `step` (default: latest), a copy of the caller's own."""
         self._manager.wait_until_finished()
-        step = resolve_step(self._manager, step)
-        return _unwrapped(f"{self.directory}/{step}", "its trainer state", lambda: read_json(self._manager, step))
+        return copy.deepcopy(self._state(resolve_step(self._manager, step)))
+
+    def _state(self, step: int) -> dict:
+        """The trainer state of `step` as read once for this store's life (a save forgets it): a
+        restore asks twice, its plan (`jobs.restore`) then `restore` itself, and each read was an
+        Orbax restore of the item, its CRC tables included. Not to be changed: hand out copies."""
+        if step not in self._states:
+            self._states[step] = _unwrapped(f"{self.directory}/{step}", "its trainer state",
+                                            lambda: read_json(self._manager, step))
+        return self._states[step]
 
     def params_metadata(self, step: int | None = None) -> Any:
         """Saved params as a tree of `jax.ShapeDtypeStruct` (no sharding); reads no arrays."""
@@ -293,6 +304,7 @@ class CheckpointStore:
         if not force and not self._manager.should_save(step):
             return False
         self._metadata.clear()  # (a step the policy removes may be saved again under its number)
+        self._states.clear()
         state = self._trainer_json(step, params, trainer_state)
         _check_item(params, f"{self.directory}/{step}/{PARAMS}")
         if opt_state is not None and self.save_optimizer:
@@ -350,7 +362,7 @@ class CheckpointStore:
         step = resolve_step(manager, step)
         where = f"{self.directory}/{step}"
         with timing.stage("metadata"):
-            state = _unwrapped(where, "its trainer state", lambda: read_json(manager, step))
+            state = self._state(step)  # (read once a step; `Restored` gets a copy)
 
         saved_gbs = state.get("global_batch_size")
         if (
@@ -412,7 +424,7 @@ class CheckpointStore:
             step=step,
             params=out[PARAMS],
             opt_state=out[OPT_STATE] if OPT_STATE in targets else None,
-            trainer_state=state,
+            trainer_state=copy.deepcopy(state),
             topology=topology,
             missing_keys=tuple(sorted(missing)),
             unexpected_keys=tuple(sorted(unexpected)),

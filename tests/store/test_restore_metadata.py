@@ -7,6 +7,10 @@ the item's `_METADATA` and array metadata through Orbax (0.03-0.1 s each on the 
 the main thread while no chunk is read yet). The store now keeps the tree it read per (step,
 item) for its life (a save forgets them). Counted, not timed: one Orbax metadata read an item,
 values the source's.
+
+Its trainer state likewise: `jobs.restore` reads it to plan, `CheckpointStore.restore` read it
+again (an Orbax restore of the `trainer_state` item, its CRC tables included); now once a step,
+each caller handed a copy of its own (a caller may change the dict it gets).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import test_restore_reads as reads
 from meshes import fit, fit_pair
 
 from hybridckpt.store import manager
+from hybridckpt.store.manager import CheckpointStore
 
 store = reads.store  # (its fixture, by name here)
 
@@ -28,3 +33,21 @@ def test_a_restore_reads_the_params_metadata_once(store, monkeypatch):
     cfg, r, _ = reads.restore_counted(ck, fit_pair(fit(reads.SAVED), reads.TARGETS[0])[1])
     assert seen == Counter({"params": 1}), seen  # (before: 2)
     reads.same_as_source(src, cfg, r.params)
+
+
+def test_a_restore_reads_the_trainer_state_once_and_each_caller_gets_its_own(store, monkeypatch):
+    src, ck = store
+    reads_of, real = [], manager.read_json
+    monkeypatch.setattr(manager, "read_json", lambda m, step: (reads_of.append(step), real(m, step))[1])
+    cfg, r, _ = reads.restore_counted(ck, fit_pair(fit(reads.SAVED), reads.TARGETS[0])[1])
+    assert len(reads_of) == 1, reads_of  # (before: 2)
+    reads.same_as_source(src, cfg, r.params)
+    with CheckpointStore(ck) as s:
+        first = s.trainer_state()
+        step = first["step"]
+        first["step"] = -1
+        first["mesh"]["changed"] = 1  # (a nested object too)
+        again = s.trainer_state(step)
+        assert again["step"] == step and "changed" not in again["mesh"]
+        assert again == r.trainer_state and again is not r.trainer_state
+    assert len(reads_of) == 2  # (the new store's one)
