@@ -42,7 +42,6 @@ import re
 import numpy as np
 
 from hybridckpt import models
-from hybridckpt.containers.pickle import torch_save
 from hybridckpt.containers.safetensors_file import read_header
 from hybridckpt.errors import ConfigError, FormatError
 from hybridckpt.formats.rules_files import load_rules
@@ -106,6 +105,9 @@ def _load_states(folder: str) -> tuple[list[str], list[dict[str, LazyTensor]]]:
                 f"{folder}: holds both {SAFETENSORS} and consolidated.NN.pth; which is the model?"
             )
         return [st_file], [dict(read_header(st_file).tensors)]
+    # (imported on a read: detection imports this module for every source)
+    from hybridckpt.containers.pickle import torch_save
+
     files = _files(folder)
     states = []
     for f in files:

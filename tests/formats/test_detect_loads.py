@@ -62,6 +62,20 @@ def test_detecting_a_dcp_folder_imports_only_the_detect_code_of_the_formats_befo
     assert "hybridckpt.formats.dcp.reader" in new  # the chosen one's reader is there
 
 
+def test_the_detect_modules_of_pickle_formats_load_the_pickle_machinery_only_to_read_one():
+    """Megatron's layout, Meta's Llama reader and Lightning's files import the restricted
+    unpickler where they read a pickle, not when they are imported (detection imports them for
+    every source). One fresh interpreter imports the three and lists the pickle modules loaded."""
+    probe = ("import json, sys\n"
+             "import hybridckpt.formats.megatron.layout, hybridckpt.formats.meta_llama, hybridckpt.formats.lightning.files\n"
+             "print(json.dumps(sorted(m for m in sys.modules if m.startswith('hybridckpt.containers.pickle'))))")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == []  # (old code: torch_save and 9 more)
+
+
 def test_the_packages_still_export_their_readers_names():
     """The names imported on first use are the reader's own objects."""
     assert megatron.open is megatron_reader.open and megatron.NAME == megatron_reader.NAME == "megatron"

@@ -20,10 +20,7 @@ import os
 import re
 from collections.abc import Mapping
 
-from hybridckpt.containers.pickle import torch_save
-from hybridckpt.containers.pickle.allow import Policy
 from hybridckpt.errors import FormatError, HybridCkptError, short_repr
-from hybridckpt.formats.dcp.storage import detect as dcp_detect
 from hybridckpt.io.step_folders import MAX_DIGITS, StepFolders, StepPattern
 
 META = "meta.pt"  # Lightning's own state beside the DCP shards (`_METADATA_FILENAME`)
@@ -36,8 +33,17 @@ MAX_ENTRIES = 4096  # a folder with more entries is not listed as a folder of ch
 # LightningModule's `save_hyperparameters()`: an HF config object, an omegaconf `DictConfig` and
 # its type), callback and loop state of Lightning's and torchmetrics' classes. They become inert
 # stubs (nothing imported or run; none of them is read); any other class stays refused.
-POLICY = Policy(stub_prefixes=("lightning.", "pytorch_lightning.", "lightning_fabric.", "omegaconf.", "transformers.",
-                               "torchmetrics."))
+STUB_PREFIXES = ("lightning.", "pytorch_lightning.", "lightning_fabric.", "omegaconf.", "transformers.", "torchmetrics.")
+
+
+def _load(path: str) -> object:
+    """`torch_save.load` of `path` under the stubs above (the pickle machinery imported here, on
+    the first read: detecting a folder that holds no `.ckpt` loads none of it)."""
+    from hybridckpt.containers.pickle import torch_save
+    from hybridckpt.containers.pickle.allow import Policy
+
+    return torch_save.load(path, policy_extra=Policy(stub_prefixes=STUB_PREFIXES))
+
 
 _STEP = re.compile(rf"(?:^|[-_])step=(\d{{1,{MAX_DIGITS}}})(?=$|[-_.])")
 
@@ -67,20 +73,30 @@ def looks_lightning(obj: object) -> bool:
 
 def is_lightning_file(path: str) -> bool:
     """A torch.save zip file whose object is a Lightning checkpoint dict (module doc)."""
-    if not os.path.isfile(path) or not torch_save.is_torch_zip(path):
+    if not os.path.isfile(path):
+        return False
+    # (a file: here, not at the module's import)
+    from hybridckpt.containers.pickle import torch_save
+
+    if not torch_save.is_torch_zip(path):
         return False
     try:
         pkl = torch_save.zip_pickle(path)
         if pkl is None or STATE.encode() not in pkl or not any(k.encode() in pkl for k in MARKS):
             return False
-        return looks_lightning(torch_save.load(path, policy_extra=POLICY))
+        return looks_lightning(_load(path))
     except HybridCkptError:
         return False
 
 
 def is_sharded_folder(path: str) -> bool:
     """A DCP folder with Lightning's `meta.pt` beside its shards."""
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, META)) and dcp_detect(path)
+    if not (os.path.isdir(path) and os.path.isfile(os.path.join(path, META))):
+        return False
+    # (DCP's reader loads the pickle machinery)
+    from hybridckpt.formats.dcp.storage import detect as dcp_detect
+
+    return dcp_detect(path)
 
 
 def holds(path: str) -> bool:
@@ -126,7 +142,7 @@ def load_dict(path: str, what: str) -> Mapping:
     naming the file when it is not a torch file or not a dict."""
     if not os.path.isfile(path):
         raise FormatError(f"{path}: missing ({what})")
-    obj = torch_save.load(path, policy_extra=POLICY)  # (a FormatError naming the file when it is not a torch.save file)
+    obj = _load(path)  # (a FormatError naming the file when it is not a torch.save file)
     if not isinstance(obj, Mapping):
         raise FormatError(f"{path}: expected a dict ({what}), found {type(obj).__name__}")
     for k in obj:

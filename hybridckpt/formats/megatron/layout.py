@@ -20,7 +20,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hybridckpt.containers.pickle import torch_save
 from hybridckpt.errors import FormatError, short_repr
 from hybridckpt.io.config_file import read_small_text
 from hybridckpt.io.step_folders import StepFolders, StepPattern, listing
@@ -131,6 +130,9 @@ def first_file(it_dir: str) -> str:
 
 def load_state(path: str) -> Mapping:
     """A rank file's pickled dict (no tensor bytes read)."""
+    # (imported on a read: detection imports this module for every source)
+    from hybridckpt.containers.pickle import torch_save
+
     state = torch_save.load(path)
     if not isinstance(state, Mapping):
         raise FormatError(f"{path}: expected a dict, found {type(state).__name__}")
