@@ -53,10 +53,12 @@ def test_a_tree_mixing_lazy_leaves_and_arrays_is_refused_naming_the_item(tmp_pat
     assert os.listdir(tmp_path / "ck") == []  # nothing written, the params' item neither
 
 
-@pytest.mark.parametrize("kind", ["lazy", "arrays"])
+@pytest.mark.parametrize("kind", ["lazy", "arrays", "lazy+numpy"])
 def test_one_kind_an_item_saves_and_restores_as_given(tmp_path, slow_records, kind):
+    """(A numpy array goes to Orbax's NumpyHandler, which records no array metadata: allowed.)"""
     a, b, lazy, array = _trees()
-    tree = {"a": lazy(a, "a"), "b": lazy(b, "b")} if kind == "lazy" else {"a": array(a), "b": array(b)}
+    tree = {"lazy": {"a": lazy(a, "a"), "b": lazy(b, "b")}, "arrays": {"a": array(a), "b": array(b)},
+            "lazy+numpy": {"a": lazy(a, "a"), "b": b}}[kind]
     with CheckpointStore(tmp_path / "ck", async_save=False) as store:
         assert store.save(1, tree, force=True)
         targets = {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
