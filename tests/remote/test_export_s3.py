@@ -49,9 +49,10 @@ def download(fs, prefix: str) -> dict[str, bytes]:
 
 def listing(fs, prefix: str) -> dict[str, tuple]:
     """Every object under `prefix` by relative name: (size, ETag, LastModified), from one LIST.
-    What "nothing touched" compares where the bytes were downloaded before: the server's ETag is
-    the MD5 of what was put (of its parts' MD5s, for a multipart upload), so any changed byte
-    changes it, and a rewrite with the same bytes changes LastModified (a download missed that)."""
+    What "nothing touched" compares where every object was downloaded before: the server's ETag
+    is the MD5 of what was put (of its parts' MD5s, for a multipart upload), so any changed byte
+    changes it; a rewrite with the same bytes a second or more later changes LastModified (a
+    download missed that one)."""
     fs.invalidate_cache()
     found = fs.find(prefix, detail=True)
     return {k[len(prefix) + 1:]: (v["size"], v["ETag"], v["LastModified"]) for k, v in found.items()}
