@@ -104,6 +104,14 @@ COST |= {
     "io/test_dcp_records_scale.py": 52,
 }
 
+# Each store downloaded once, "nothing touched" compared by one LIST (docs/testing.md, "Ninth
+# stop: suite9b", 30 Nov): the figures above scaled by the CPU of the files' tests (set-up, call,
+# tear-down, the moto server included) after / before, same session.
+COST |= {
+    "remote/test_multihost_bucket_import.py": 117,
+    "remote/test_store_s3.py": 51,
+}
+
 
 def cost(relpath: str, tests: int) -> float:
     """The estimated seconds of the test file `relpath` (relative to tests/, `/`-separated)

@@ -40,9 +40,32 @@ def refused(result, *must: str) -> str:
 
 
 def download(fs, prefix: str) -> dict[str, bytes]:
-    """Every object under `prefix` by relative name."""
+    """Every object under `prefix` by relative name (one GET each, sent together: `fs.cat` of the
+    listing, one hand-off to s3fs's event loop where `cat_file` each took one per object)."""
     fs.invalidate_cache()
-    return {k[len(prefix) + 1:]: fs.cat_file(k) for k in fs.find(prefix)}
+    keys = fs.find(prefix)
+    return {k[len(prefix) + 1:]: v for k, v in fs.cat(keys).items()} if keys else {}
+
+
+def listing(fs, prefix: str) -> dict[str, tuple]:
+    """Every object under `prefix` by relative name: (size, ETag, LastModified), from one LIST.
+    What "nothing touched" compares where every object was downloaded before: the server's ETag
+    is the MD5 of what was put (of its parts' MD5s, for a multipart upload), so any changed byte
+    changes it; a rewrite with the same bytes a second or more later changes LastModified (a
+    download missed that one)."""
+    fs.invalidate_cache()
+    found = fs.find(prefix, detail=True)
+    return {k[len(prefix) + 1:]: (v["size"], v["ETag"], v["LastModified"]) for k, v in found.items()}
+
+
+def save_files(files: dict[str, bytes], folder) -> None:
+    """`files` (relative name -> bytes, as `download` returns them) written below `folder`: the
+    objects downloaded once, for a check that reads a folder (`stable_digest`)."""
+    for name, data in files.items():
+        path = os.path.join(folder, *name.split("/"))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
 
 
 def local_files(folder) -> dict[str, bytes]:
