@@ -78,6 +78,8 @@ def cmd_import(a) -> int:
 
     if a.profile and a.plan:
         raise ConfigError("--profile accounts for an import's time: --plan imports nothing")
+    if a.replicate_indivisible and a.strict_sharding:  # (the hidden flag of the default the other one turns off)
+        raise ConfigError("--replicate-indivisible: the default, which --strict-sharding turns off; give one of the two")
     if (a.process is not None or a.processes) and not a.plan:
         raise ConfigError("--process and --processes are only for --plan")
     if a.plan:
