@@ -78,9 +78,12 @@ def cmd_import(a) -> int:
 
     if a.profile and a.plan:
         raise ConfigError("--profile accounts for an import's time: --plan imports nothing")
+    if a.replicate_indivisible and a.strict_sharding:  # (the hidden flag of the default the other one turns off)
+        raise ConfigError("--replicate-indivisible: the default, which --strict-sharding turns off; give one of the two")
     if (a.process is not None or a.processes) and not a.plan:
         raise ConfigError("--process and --processes are only for --plan")
     if a.plan:
+        _refuse_writing_flags(a)
         return _print_plan(a, params_only=a.params_only, dtype=a.dtype, rules=a.rules,
                            strict_sharding=a.strict_sharding)
     from hybridckpt.io import heap
@@ -115,6 +118,23 @@ def cmd_import(a) -> int:
     if s.profile is not None:
         print_profile(s.profile)
     return 0
+
+
+def _refuse_writing_flags(a) -> None:
+    """`import --plan` plans from metadata and writes nothing: the flags that only shape the
+    writing or the reading of tensor bytes have nothing to act on there, and are refused (a flag
+    honoured or refused, never ignored) rather than left out of a plan that looks as if it took them."""
+    given = [(flag, why) for flag, on, why in (
+        ("--overwrite", a.overwrite, "DST is not touched"),
+        ("--compression", a.compression != "none", "the plan counts the raw bytes to write, before any codec"),
+        ("--buffered-writes", a.buffered_writes, "nothing is written"),
+        ("--no-verify-reads", a.no_verify_reads, "no chunk is read"),
+        ("--io-threads", a.io_threads is not None, "no tensor byte is read"),
+    ) if on]
+    if given:
+        flag, why = given[0]
+        raise ConfigError(f"{flag}: not for --plan, which reads metadata alone and writes nothing ({why}); "
+                          "drop it, or drop --plan to import")
 
 
 def _print_plan(a, **options) -> int:

@@ -40,7 +40,8 @@ class Format:
     checks its options' values (with whether the optimizer is asked for) before anything is read;
     names: "module:function(src, config, param_order, rules=) -> SourceCheckpoint" that names
     what its reader leaves unnamed until the model config is known (an optimizer state keyed by
-    parameter index: `formats.index_naming`), run by `open_source` right after the reader."""
+    parameter index: `formats.index_naming`), run by `open_source` right after the reader;
+    knobs: the export knobs beside `options` its writer honours (`KNOBS`; `writing` refuses the others)."""
 
     name: str
     detect: str | None = None
@@ -51,6 +52,7 @@ class Format:
     about: str = ""  # what its writer writes, for `--to`'s help
     check: str | None = None  # "module:function(options, optimizer)": its options checked before any read
     names: str | None = None  # "module:function": names its reader's index-keyed optimizer state
+    knobs: tuple[str, ...] = ()  # the `ExportRequest` knobs its writer honours: "max_shard_bytes", "direct_io"
 
     @property
     def reader(self):
@@ -79,28 +81,28 @@ FORMATS: tuple[Format, ...] = (
     _reads("megatron", f"{F}.megatron"),
     _reads("meta-llama", f"{F}.meta_llama"),
     _reads("megatron-dist", f"{F}.megatron_dist", write=f"{F}.megatron_dist.write:write_request", to="megatron",
-           options={"tp": "--tp", "pp": "--pp"},
+           options={"tp": "--tp", "pp": "--pp"}, knobs=("max_shard_bytes", "direct_io"),
            about="a Megatron-Core torch_dist checkpoint (iter_N/) Megatron-LM loads at any tp/pp "
                  "(docs/torch-export.md)"),  # before dcp: a torch_dist folder is a DCP folder too
     _reads("flex-checkpoint", f"{F}.flex_checkpoint"),  # Paddle's {id}.metadata + {rank}_{id}.distcp
     _reads("hf-trainer", f"{F}.trainer", names=BY_INDEX),  # before dcp, deepspeed and hf: a layer over their files
     _reads("lightning", f"{F}.lightning", names=BY_INDEX),  # before dcp and torch: a .ckpt/ folder is DCP, a .ckpt file torch
-    _reads("dcp", f"{F}.dcp", write=f"{F}.dcp.write:write_request", options={"files": "--writers"},
+    _reads("dcp", f"{F}.dcp", write=f"{F}.dcp.write:write_request", options={"files": "--writers"}, knobs=("max_shard_bytes", "direct_io"),
            about="a torch Distributed Checkpoint FSDP2 resumes on any number of ranks (get_state_dict + "
                  "dcp.load + set_state_dict)"),
-    Format("torchtitan", write=f"{F}.dcp.write_torchtitan:write_request", options={"files": "--writers"},
+    Format("torchtitan", write=f"{F}.dcp.write_torchtitan:write_request", options={"files": "--writers"}, knobs=("max_shard_bytes", "direct_io"),
            about="a CheckpointManager folder (step-N/) torchtitan 0.3 resumes"),  # read back as dcp
     _reads("deepspeed-universal", f"{F}.deepspeed.universal"),  # before deepspeed: its tag holds mp_rank_00_model_states.pt
     _reads("deepspeed", f"{F}.deepspeed"),
     _reads("paddle", f"{F}.paddle"),
     _reads("paddle-unified", f"{F}.paddle.unified"),
-    Format("paddlenlp-unified", write=f"{F}.paddle.write_unified:write_export",
+    Format("paddlenlp-unified", write=f"{F}.paddle.write_unified:write_export", knobs=("max_shard_bytes",),
            about="a PaddleNLP unified checkpoint (its names, Linear weights [in, out]; optimizer-*/master_weights-*, "
                  "fp32 masters when --dtype is 16-bit)"),  # read back as paddle-unified
-    Format("paddleformers-unified", write=f"{F}.paddle.write_unified:write_export",
+    Format("paddleformers-unified", write=f"{F}.paddle.write_unified:write_export", knobs=("max_shard_bytes",),
            about="a PaddleFormers unified checkpoint (HF names, [out, in] weights, optimizer state [in, out])"),
     _reads("colossal", f"{F}.colossal"),
-    _reads("hf", f"{F}.hf", write=f"{F}.hf.write:write_export", check=f"{F}.hf.write:check_options",
+    _reads("hf", f"{F}.hf", write=f"{F}.hf.write:write_export", check=f"{F}.hf.write:check_options", knobs=("max_shard_bytes", "direct_io"),
            options={"optimizer_layout": "--optimizer-layout"},
            about="an HF single-card safetensors folder (the default; with --optimizer the slots as "
                  "optimizer*.safetensors)"),
@@ -111,6 +113,14 @@ NAMES: tuple[str, ...] = tuple(f.name for f in READABLE)  # what `--format` acce
 WRITABLE: dict[str, Format] = {"hf": next(f for f in FORMATS if f.name == "hf")}  # the default first
 WRITABLE.update({f.to or f.name: f for f in FORMATS if f.write is not None})
 TO_NAMES: tuple[str, ...] = tuple(WRITABLE)  # what `--to` accepts, the default first
+
+
+KNOBS = {"max_shard_bytes": ("--max-shard-gb", "max_shard_bytes="), "direct_io": ("--buffered-writes", "direct_io=False")}
+
+
+def knob_takers(knob: str) -> str:
+    """The `--to` names whose writer honours `knob` (a key of `KNOBS`)."""
+    return ", ".join(t for t, f in WRITABLE.items() if knob in f.knobs)
 
 
 def takers(option: str) -> str:
@@ -126,10 +136,12 @@ def reading(name: str) -> Format:
     raise FormatError(f"unknown format {name!r} (known: {', '.join(NAMES)})")
 
 
-def writing(to: str, options: Mapping[str, object] = {}, optimizer: bool | None = None) -> Format:  # noqa: B006 - read only
+def writing(to: str, options: Mapping[str, object] = {}, optimizer: bool | None = None,  # noqa: B006 - read only
+            knobs: tuple[str, ...] = ()) -> Format:
     """The format `--to to` writes, or a ConfigError listing them; a ConfigError too for any of
-    `options` (writer options) it does not take or, given `optimizer` (whether the optimizer state
-    is asked for), its `check` refuses: a flag honoured or refused, never ignored."""
+    `options` (writer options) it does not take, any of `knobs` (those of `KNOBS` given, e.g.
+    "direct_io" for --buffered-writes) its writer does not honour or, given `optimizer` (whether
+    the optimizer state is asked for), its `check` refuses: a flag honoured or refused, never ignored."""
     if to not in WRITABLE:
         raise ConfigError(f"--to {to!r}: expected one of {', '.join(TO_NAMES)}")
     fmt = WRITABLE[to]
@@ -139,6 +151,11 @@ def writing(to: str, options: Mapping[str, object] = {}, optimizer: bool | None 
             raise ConfigError(f"{flag}: only for --to {takers(key) or '(none)'} (not --to {to})")
     if fmt.check is not None and optimizer is not None:
         fmt.call("check", options, optimizer)
+    for knob in knobs:
+        if knob not in fmt.knobs:
+            flag, arg = KNOBS[knob]
+            why = f"only for --to {knob_takers(knob)} (--to {to} writes its files its own way)"
+            raise ConfigError(f"{arg}: {why}", cli=f"{flag}: {why}")
     return fmt
 
 
@@ -220,7 +237,7 @@ def open_source(path: str, fmt: str = "auto", *, config=None, step: int | None =
     those skipped in `notes`); `step` picks a step of a source that holds several (default: the format's:
     the latest, or the one its tracker names), a FormatError listing the steps there when it is
     not one of them; our checkpoint's reads are checked against the CRC-32s of its import unless
-    `verify_reads=False`. An optimizer state its reader found keyed by parameter index is named
+    `verify_reads=False` (a ConfigError for any other format: it records no CRC-32s). An optimizer state its reader found keyed by parameter index is named
     by the format's `names` hook, in the order `param_order` gives (names, or a file of them) or
     the model's (`formats.index_naming`; `rules` is the user's rules file); `param_order` for a
     format whose optimizer is never keyed by index is a ConfigError. Its step, its optimizer's
@@ -231,6 +248,10 @@ def open_source(path: str, fmt: str = "auto", *, config=None, step: int | None =
     cfg = config_arg(config)
     if fmt == "auto":
         fmt = detect(path)
+    if not verify_reads and fmt != "orbax":  # a flag honoured or refused, never ignored
+        why = (f"{path} is a {fmt} checkpoint: only ours (Orbax, written by an import) records the CRC-32s "
+               "a read is checked against, so there is no check to turn off")
+        raise ConfigError(f"verify_reads=False: {why}", cli=f"--no-verify-reads: {why}")
     if fmt == "orbax" and url_of(path):  # our store in a bucket: complete, or refused before a read
         store_view(url_of(path))
     mod = reading(fmt).reader

@@ -52,10 +52,13 @@ class ExportJob:
     options: that format's own options (`formats.registry.Format.options`: `files` for dcp and
       torchtitan (the `__R_0.distcp` files), `tp`, `pp` for megatron (the parallel sizes the chunks
       follow), `scan_layers` for maxtext); any other is refused. max_shard_bytes: the largest
-      file (hf) or chunk (the torch layouts: a larger tensor is saved as row blocks).
+      file (hf, the Paddle layouts) or chunk (the torch layouts: a larger tensor is saved as row
+      blocks); refused for maxtext (Orbax lays out its own files).
     direct_io: files written with O_DIRECT through two aligned buffers (default; False: through
-      the page cache, runs copied file to file by the kernel): `io.sequential_file`.
-    verify_reads: a hybridckpt (Orbax) source's chunks checked against their import's CRC-32s.
+      the page cache, runs copied file to file by the kernel): `io.sequential_file`; False is
+      refused for maxtext and the Paddle layouts (their writers take no O_DIRECT path).
+    verify_reads: a hybridckpt (Orbax) source's chunks checked against their import's CRC-32s
+      (False for a source of any other format is refused: it records none).
     io_threads: parallel byte-range readers; progress: called (tensor name, bytes) per tensor.
     profile: also account for the time (`ExportSummary.profile`: seconds, bytes and calls per
       stage and per worker, `io.timing.Profile`); off by default (nothing recorded).
@@ -115,7 +118,9 @@ def _run(src: str | os.PathLike, out: str | os.PathLike, job: ExportJob) -> Expo
         from hybridckpt.writers import ExportRequest
 
     t0 = time.perf_counter()
-    registry.writing(job.to, job.options, job.optimizer)  # a target or option it does not take: refused before anything is read
+    knobs = tuple(k for k, given in (("max_shard_bytes", job.max_shard_bytes is not None),
+                                     ("direct_io", not job.direct_io)) if given)
+    registry.writing(job.to, job.options, job.optimizer, knobs)  # a target, option or knob it does not take: refused before anything is read
     if job.io_threads is not None:
         parallel.set_io_threads(job.io_threads)
     with timing.stage("open"):

@@ -202,8 +202,10 @@ def import_checkpoint(
     compression: the arrays' codec, "none" (default: raw chunks, the fastest write and the
       file-to-file export), "zstd" (Orbax's default, level 1) or "zstd:LEVEL"; see `store.stream`.
     direct_io: raw chunk files of whole 4 KiB blocks written with O_DIRECT, bypassing the page
-      cache (default True; False: buffered writes); see `containers.orbax.chunk_files`.
-    verify_reads: a hybridckpt (Orbax) source's chunks checked against their import's CRC-32s.
+      cache (default True; False: buffered writes, refused with a codec: TensorStore writes
+      compressed chunks); see `containers.orbax.chunk_files`.
+    verify_reads: a hybridckpt (Orbax) source's chunks checked against their import's CRC-32s
+      (False for a source of any other format is refused: it records none).
     param_order: an index-keyed optimizer state's parameter names in index order (names, or a file of one a line; `open_checkpoint`).
     profile: also account for the time (`ImportSummary.profile`: seconds, bytes and calls per stage
       and per worker, `io.timing.Profile`); off by default (nothing recorded).
@@ -225,7 +227,7 @@ def import_checkpoint(
         from hybridckpt.store.save import preflight
 
         preflight(dst, overwrite=overwrite, sources=[opened.path])
-    _check_arguments(mesh, compression)
+    _check_arguments(mesh, compression, direct_io)
     # JAX (and Orbax, TensorStore) only now: a source, destination, mesh or codec refused above is
     # said without loading them (the CLI's usage errors end in a fraction of JAX's import time)
     loading = time.perf_counter()
@@ -304,16 +306,23 @@ def import_checkpoint(
     )
 
 
-def _check_arguments(mesh: Any, compression: str | None) -> None:
+def _check_arguments(mesh: Any, compression: str | None, direct_io: bool | None = None) -> None:
     """The import's arguments that are refused without JAX (`lazy_targets` checks them again, as
-    it must for `jobs.plan_report`): a mesh given as text (`MeshShape.parse`) and the codec."""
+    it must for `jobs.plan_report`): a mesh given as text (`MeshShape.parse`), the codec, and
+    `direct_io=False` (--buffered-writes) with a codec: compressed chunks are written by
+    TensorStore, never by the raw chunk writer that O_DIRECT is a choice of (a flag honoured or
+    refused, never ignored)."""
     from hybridckpt.containers.orbax.codec import parse_compression
+    from hybridckpt.errors import ConfigError
     from hybridckpt.mesh_shape import MeshShape
 
     if isinstance(mesh, str):
         MeshShape.parse(mesh)
-    if compression is not None:
-        parse_compression(compression)
+    codec = parse_compression(compression)[0] if compression is not None else "none"
+    if direct_io is False and codec != "none":
+        why = (f"the raw chunk files alone are written with O_DIRECT or through the page cache; {compression} "
+               "chunks are written by TensorStore, through the page cache always")
+        raise ConfigError(f"direct_io=False: {why}", cli=f"--buffered-writes: {why} (drop one of the two)")
 
 
 def _recorded_hyper(opened: Any, leaves: dict, escaped: dict[str, str]) -> tuple[dict, tuple[str, ...]]:

@@ -136,12 +136,26 @@ def verify(
     side that is a folder of several steps (ours, `step-N/`, `checkpoint-N/`, ...); a side of one
     step is read as it is; neither being one is a CheckpointError. A file of either that changed
     while it was read is a FormatError (`io.byte_source.watch`): the verdict would be of neither.
-    `param_order` names an index-keyed optimizer state of either side (`open_checkpoint`)."""
+    `param_order` names an index-keyed optimizer state of either side (`open_checkpoint`).
+    `verify_reads=False` reads the side(s) that are ours unchecked; with neither ours it is a
+    ConfigError (no format but ours records CRC-32s)."""
     with byte_source.watch() as watched:
         out = _verify(a, b, atol=atol, config=config, progress=progress, params_only=params_only,
                       verify_reads=verify_reads, step=step, param_order=param_order)
         watched.check()
     return out
+
+
+def _ours(path) -> bool:
+    """Whether `path` is one of our (Orbax) checkpoints (False when it cannot be told: opening
+    it then says why)."""
+    from hybridckpt.errors import HybridCkptError
+    from hybridckpt.formats import registry
+
+    try:
+        return registry.detect(os.path.abspath(local_path(path))) == "orbax"
+    except (HybridCkptError, OSError, ValueError):
+        return False
 
 
 def _verify(a, b, *, atol, config, progress, params_only, verify_reads, step, param_order=None):
@@ -152,8 +166,13 @@ def _verify(a, b, *, atol, config, progress, params_only, verify_reads, step, pa
     names, source = order_arg(param_order)
     if names is not None:  # (the side whose optimizer state is keyed by index takes it)
         param_order = IfIndexKeyed(names, source)
-    oa, ob = (open_checkpoint(p, config=config, verify_reads=verify_reads, step=s, param_order=param_order)
-              for p, s in ((a, step_a), (b, step_b)))
+    unchecked = [not verify_reads and _ours(p) for p in (a, b)]  # (only our side has reads to leave unchecked)
+    oa, ob = (open_checkpoint(p, config=config, verify_reads=not u, step=s, param_order=param_order)
+              for p, s, u in ((a, step_a, unchecked[0]), (b, step_b, unchecked[1])))
+    if not verify_reads and not any(unchecked):
+        why = (f"neither {a} ({oa.format}) nor {b} ({ob.format}) is one of our (Orbax) checkpoints, whose "
+               "reads are checked against the CRC-32s their import recorded: there is no check to turn off")
+        raise ConfigError(f"verify_reads=False: {why}", cli=f"--no-verify-reads: {why}")
     if names is not None and not any(param_order.source in n for o in (oa, ob) for n in o.notes):
         raise ConfigError(f"{source}: neither {a} nor {b} holds an optimizer state keyed by parameter index: nothing to order")
     na, nb = _model_named(oa), _model_named(ob)

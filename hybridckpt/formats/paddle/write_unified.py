@@ -96,6 +96,7 @@ def write_export(request) -> Any:
             betas=tuple(betas) if betas else DEFAULT_BETAS,
             dtype=dtype,
             flavour=LAYOUTS[layout],
+            max_shard_bytes=request.max_shard_bytes or MAX_SHARD_BYTES,  # (--max-shard-gb)
         )
         dest.commit()
     return Written(tuple(files), len(params), sum(t.nbytes for t in params.values()), cast_notes(request))
