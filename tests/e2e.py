@@ -68,3 +68,21 @@ def assert_same(got: dict, want: dict, what: str = "params") -> None:
         g, w = np.asarray(got[k]), np.asarray(want[k])
         assert g.dtype == w.dtype and g.shape == w.shape, (what, k, g.dtype, w.dtype, g.shape, w.shape)
         assert np.array_equal(g.view(np.uint8), w.view(np.uint8)), (what, k)
+
+
+def optax_init(tx, params):
+    """`tx.init(params)` as one jitted program (its zeros compiled once, not once per leaf shape
+    and sharding by eager dispatch)."""
+    return jax.jit(tx.init)(params)
+
+
+def optax_step(tx, grads, state, params):
+    """The params after one step of `tx` (`optax.apply_updates(params, tx.update(grads, state,
+    params)[0])`), computed as one jitted program: the same optax code, traced once and compiled
+    once, where eager dispatch compiles each of its elementwise ops for every leaf shape and
+    sharding it meets (about 130 small compilations for a 21-leaf Llama, ~0.9 CPU-s, against one
+    of ~0.1 CPU-s). Float results may differ from eager ones in their last bits (XLA fuses the
+    ops); every caller compares with a tolerance."""
+    import optax
+
+    return jax.jit(lambda g, s, p: optax.apply_updates(p, tx.update(g, s, p)[0]))(grads, state, params)

@@ -21,6 +21,7 @@ import shutil
 import cases
 import numpy as np
 import pytest
+from e2e import optax_init, optax_step
 
 from hybridckpt import jobs, optim
 from hybridckpt.errors import ConfigError, FormatError
@@ -84,18 +85,17 @@ def _optax_step(opened, grads: dict) -> dict[str, np.ndarray]:
     """One step of hybridckpt's optimizer mapping (`optim.for_slots(...).build`: optax.adamw from
     the recorded hyper-parameters, the groups with weight_decay 0 masked) over HF-named arrays."""
     import jax.numpy as jnp
-    import optax
 
     named, hyper = opened.named, opened.hyper
     params = {k: jnp.asarray(named.params[k].materialize()) for k in named.slots["exp_avg"]}  # (a tied copy: none)
     undecayed = {n for g in hyper.get("groups") or [] if g["weight_decay"] == 0 for n in g["params"]}
     tx = optim.for_slots(named.slots).build(hyper, {k: k not in undecayed for k in params})
-    state = tx.init(params)
+    state = optax_init(tx, params)
     adam = state[0]._replace(count=jnp.asarray(named.step, jnp.int32),
                              mu={k: jnp.asarray(named.slots["exp_avg"][k].materialize()) for k in params},
                              nu={k: jnp.asarray(named.slots["exp_avg_sq"][k].materialize()) for k in params})
-    updates, _ = tx.update({k: jnp.asarray(grads[k]) for k in params}, (adam, *state[1:]), params)
-    return {k: np.asarray(v) for k, v in optax.apply_updates(params, updates).items()}
+    after = optax_step(tx, {k: jnp.asarray(grads[k]) for k in params}, (adam, *state[1:]), params)
+    return {k: np.asarray(v) for k, v in after.items()}
 
 
 def _close(got: dict, want: dict) -> bool:

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from e2e import optax_init, optax_step
 from megatron_reference import assert_bitwise, assert_logits_equal_megatron, to_hf
 
 DENSE = "megatron_core_dense_dp_reshardable"
@@ -110,12 +111,12 @@ def _optax_step(params, mu, nu, grads, count: int, man: dict) -> dict[str, np.nd
         h["lr"], b1=h["betas"][0], b2=h["betas"][1], eps=h["eps"], weight_decay=h["weight_decay"],
         mask={k: k not in no_wd for k in p},
     )  # fmt: skip
-    state = tx.init(p)
+    state = optax_init(tx, p)
     adam = state[0]._replace(count=jax.numpy.asarray(count, jax.numpy.int32),
                              mu={k: jax.numpy.asarray(mu[k]) for k in p},
                              nu={k: jax.numpy.asarray(nu[k]) for k in p})  # fmt: skip
-    updates, _ = tx.update({k: jax.numpy.asarray(grads[k]) for k in p}, (adam, *state[1:]), p)
-    return {k: np.asarray(v) for k, v in optax.apply_updates(p, updates).items()}
+    after = optax_step(tx, {k: jax.numpy.asarray(grads[k]) for k in p}, (adam, *state[1:]), p)
+    return {k: np.asarray(v) for k, v in after.items()}
 
 
 def test_next_step_equals_megatron_step(exported):
@@ -194,8 +195,7 @@ def test_hyper_parameters_and_the_rebuilt_optimizer(case, tmp_path):
     g = jax.tree.map(lambda p, t: jax.numpy.asarray(t.materialize(), p.dtype), r.params, naming.nest(grads.params))
 
     def step(tx, state):
-        updates, _ = tx.update(g, state, r.params)
-        out = optax.apply_updates(r.params, updates)
+        out = optax_step(tx, g, state, r.params)
         return {k: v.materialize() for k, v in naming.tree_to_hf(jax.tree.map(np.asarray, out), cfg).items()}
 
     after = expected(case, "param_next")
@@ -204,5 +204,5 @@ def test_hyper_parameters_and_the_rebuilt_optimizer(case, tmp_path):
         np.testing.assert_allclose(got[k], w, rtol=1e-5, atol=1e-7, err_msg=k)
     h = hyper
     plain = optax.adamw(h["lr"], b1=h["betas"][0], b2=h["betas"][1], eps=h["eps"], weight_decay=h["weight_decay"])
-    wrong = step(plain, (r.opt_state[0], *plain.init(r.params)[1:]))
+    wrong = step(plain, (r.opt_state[0], *optax_init(plain, r.params)[1:]))
     assert not all(np.allclose(wrong[k], after[k], rtol=1e-5, atol=1e-7) for k in after)

@@ -19,6 +19,7 @@ import cases
 import jax
 import numpy as np
 import pytest
+from e2e import optax_init, optax_step
 
 from hybridckpt import jobs, naming
 from hybridckpt.formats.registry import detect, open_source
@@ -143,7 +144,7 @@ def _step(work: str, grads_hf: dict, count_delta: int = 0, mask: bool = True) ->
     if not mask:  # the negative control: every param decays
         h = r.trainer_state["optimizer_hyper"]
         tx = optax.adamw(h["lr"], b1=h["betas"][0], b2=h["betas"][1], eps=h["eps"], weight_decay=h["weight_decay"])
-        state = (state[0], *tx.init(r.params)[1:])
+        state = (state[0], *optax_init(tx, r.params)[1:])
     if count_delta:
         state = (state[0]._replace(count=state[0].count + count_delta), *state[1:])
     from hybridckpt import lazy
@@ -151,8 +152,7 @@ def _step(work: str, grads_hf: dict, count_delta: int = 0, mask: bool = True) ->
     grads = naming.hf_to_tree(naming.Named({k: lazy.ArrayTensor(v) for k, v in grads_hf.items()}), cfg).params
     gtree = jax.tree.map(lambda p, g: jax.numpy.asarray(g.materialize(), p.dtype),
                          r.params, naming.nest(grads))
-    updates, _ = tx.update(gtree, state, r.params)
-    after = optax.apply_updates(r.params, updates)
+    after = optax_step(tx, gtree, state, r.params)
     return {k: v.materialize() for k, v in naming.tree_to_hf(jax.tree.map(np.asarray, after), cfg).items()}
 
 
