@@ -51,13 +51,11 @@ def _refs(case: str, kind: str) -> dict[str, np.ndarray]:
 
 
 def meshes() -> tuple[str, str]:
-    """Two different meshes over the devices present (kv heads 2: tp <= 2)."""
-    n = jax.device_count()
-    if n >= 8:
-        return "fsdp=2,tp=2,pp=2", "dp=4,tp=2"
-    if n >= 4:
-        return "tp=2,pp=2", "fsdp=2,tp=2"
-    return "tp=2", "fsdp=2"
+    """Two different meshes over the devices present (kv heads 2: tp <= 2), fitted by
+    `meshes.fit_pair`: on 8 devices fsdp=2,tp=2,pp=2 then dp=4,tp=2; on 1 both dp=1."""
+    from meshes import fit_pair
+
+    return fit_pair("fsdp=2,tp=2,pp=2", "dp=4,tp=2")
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
