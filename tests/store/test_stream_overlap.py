@@ -46,13 +46,14 @@ def test_raw_writes_do_not_wait_for_the_array_metadata(tmp_path, monkeypatch):
     before this change never happened (every create came first), so it gave up and said so."""
     real_read, real_ts = stream.read_tile, stream_orbax.ts
     seen = {"tiles": 0, "tiles_before_first_create": None}
-    first_tile: dict = {}
+    waiting: list = []  # (loop, event) of each create waiting for a tile: several arrays' creates
+    # start together, each must be woken (one event, replaced by the next create, left the first
+    # waiting out its whole bound: 60 s of every run)
 
     def read_tile(*a):
         seen["tiles"] += 1
-        ev = first_tile.get("event")
-        if ev is not None:
-            first_tile["loop"].call_soon_threadsafe(ev.set)
+        for loop, ev in list(waiting):
+            loop.call_soon_threadsafe(ev.set)
         return real_read(*a)
 
     class TS:
@@ -62,14 +63,15 @@ def test_raw_writes_do_not_wait_for_the_array_metadata(tmp_path, monkeypatch):
         @staticmethod
         async def open(*a, create=False, **k):
             if create and seen["tiles_before_first_create"] is None:
-                first_tile["loop"] = asyncio.get_running_loop()
-                first_tile["event"] = ev = asyncio.Event()
+                ev = asyncio.Event()
+                waiting.append((asyncio.get_running_loop(), ev))
                 if not seen["tiles"]:
                     try:  # (bounded: the old order would wait here for ever)
                         await asyncio.wait_for(ev.wait(), 60)
                     except TimeoutError:
                         pass
-                seen["tiles_before_first_create"] = seen["tiles"]
+                if seen["tiles_before_first_create"] is None:
+                    seen["tiles_before_first_create"] = seen["tiles"]
             return await real_ts.open(*a, create=create, **k)
 
     monkeypatch.setattr(stream, "read_tile", read_tile)
