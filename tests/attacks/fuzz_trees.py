@@ -142,6 +142,14 @@ EXTRA: tuple[Target, ...] = (
         _tree_strategy, _whole_run, _CASES),
     Target("DeepSpeed ZeRO-2 model_states", lambda f: _tree_setup(
         f, _ZERO2, "checkpoint-3/global_step3/mp_rank_00_model_states.pt"), _tree_strategy, _whole_run, _CASES),
+    Target("DeepSpeed universal optimizer_state", lambda f: _tree_setup(
+        f, "deepspeed_universal_zero2", "global_step3_universal/zero/optimizer_state.pt"),
+        _tree_strategy, _whole_run, _CASES),
+    Target("DeepSpeed universal param file", lambda f: _tree_setup(
+        f, "deepspeed_universal_zero2", "global_step3_universal/zero/lm_head.weight/exp_avg.pt"),
+        _tree_strategy, _whole_run, _CASES),
+    Target("Lightning .ckpt", lambda f: _tree_setup(f, "lightning_ckpt_index", "step=3.ckpt"),
+           _tree_strategy, _whole_run, _CASES),
     # megatron-core's torch_dist save (DCP `.metadata`, read by the fast reader, then the layout)
     Target("Megatron torch_dist .metadata", lambda f: _bytes_setup(
         f, "megatron_core_dense_dp_reshardable", "iter_0000003/.metadata"),
