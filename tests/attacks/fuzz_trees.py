@@ -32,9 +32,10 @@ def _odd_values():
     import torch
 
     sizes = st.lists(st.sampled_from([-1, 0, 1, 3, 2**31, 2**40, 2**62]), min_size=0, max_size=3)
-    tensors = st.sampled_from(["empty", "int", "half", "scalar", "2d"]).map(
+    tensors = st.sampled_from(["empty", "int", "half", "scalar", "2d", "bool", "complex", "int scalar"]).map(
         lambda k: {"empty": torch.zeros(0), "int": torch.arange(3), "half": torch.ones(2, 2, dtype=torch.float16),
-                   "scalar": torch.tensor(7.0), "2d": torch.ones(5, 3)}[k]
+                   "scalar": torch.tensor(7.0), "2d": torch.ones(5, 3), "bool": torch.ones(4, dtype=torch.bool),
+                   "complex": torch.ones(3, dtype=torch.complex64), "int scalar": torch.tensor(-5)}[k]
     )
     return st.one_of(JSON_VALUES, sizes.map(tuple), sizes.map(lambda s: torch.Size([abs(x) for x in s])), tensors,
                      st.just(_DELETE))
