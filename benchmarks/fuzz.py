@@ -6,7 +6,8 @@ libFuzzer) when it is installed.
 
 The targets and strategies are those of tests/test_fuzz.py (tests/attacks/fuzzers.py): zip
 directory, pickle stream, legacy torch, safetensors header, DCP metadata, Paddle pickle,
-Paddle model_meta JSON, Colossal metadata JSON, HF index JSON. A case passes when the parser
+Paddle model_meta JSON, Colossal metadata JSON, HF index JSON, the whole-checkpoint targets and
+real tools' torch.save files mutated below their CRCs (DeepSpeed, Lightning). A case passes when the parser
 returns or raises a HybridCkptError; any other exception is an escape, a case over 5 s a hang.
 hypothesis runs derandomized by default (the same cases every run; `--seed` draws others) with
 byte and structural mutations; atheris mutates bytes from the target's seed input, guided by
@@ -70,8 +71,12 @@ def _atheris_child(name: str, cases: int, report: str) -> None:
         import hybridckpt.containers.pickle.torch_save  # noqa: F401
         import hybridckpt.containers.safetensors_file  # noqa: F401
         import hybridckpt.formats.colossal  # noqa: F401
+        import hybridckpt.formats.deepspeed  # noqa: F401
         import hybridckpt.formats.hf  # noqa: F401
+        import hybridckpt.formats.lightning  # noqa: F401
+        import hybridckpt.formats.megatron_dist  # noqa: F401
         import hybridckpt.formats.paddle  # noqa: F401
+        import hybridckpt.jobs.open  # noqa: F401 - the whole-checkpoint targets' formats
     from attacks import fuzzers
 
     work = tempfile.mkdtemp(prefix="atheris-")

@@ -3,13 +3,16 @@ safetensors header, DCP metadata, torch's own DCP metadata through the fast read
 pickle, Paddle and Colossal JSON, HF index JSON), and 75 per whole-checkpoint target, each case
 opening and reading a real checkpoint one of whose files is mutated (our store's `_METADATA`,
 `.zarray`, trainer state and a chunk; MaxText's `_METADATA` and `.zarray`s; a PaddleFormers
-FlexCheckpoint's metadata and data file; a Paddle hybrid rank file). Nothing but a project error
-escapes, and no case runs past 5 s (a SIGALRM per case).
+FlexCheckpoint's metadata and data file; a Paddle hybrid rank file), and 50 per target of a real
+tool's torch.save file mutated below its CRCs (`attacks/fuzz_trees.py`: DeepSpeed ZeRO-2 model
+and optim states, DeepSpeed universal files, a Lightning `.ckpt`) or of megatron-core's
+torch_dist `.metadata`. Nothing but a project error escapes, and no case runs past 5 s (a SIGALRM
+per case).
 
 Those are the default profile's counts (CI and the README's command): half of each target's
-`cases`. `HYPOTHESIS_PROFILE=deep` runs all of them (500 per parser, 150 per whole checkpoint;
-about twice this file's CPU). Derandomized (the same cases every run) and without a database;
-`benchmarks/fuzz.py` runs the same targets with 10,000 cases each. Targets and strategies:
+`cases`. `HYPOTHESIS_PROFILE=deep` runs all of them (500 per parser, 150 per whole checkpoint,
+100 per fuzz_trees target; about twice this file's CPU). Derandomized (the same cases every
+run) and without a database; `benchmarks/fuzz.py` runs the same targets with 10,000 cases each. Targets and strategies:
 `tests/attacks/fuzzers.py`.
 """
 

@@ -43,7 +43,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from hybridckpt import checksum
-from hybridckpt.errors import CheckpointError
+from hybridckpt.errors import CheckpointError, short_repr
 from hybridckpt.io import timing
 from hybridckpt.io.aligned_pool import AlignedPool
 from hybridckpt.io.byte_source import planned
@@ -376,7 +376,12 @@ def checked_arrays(arrays: Mapping[str, LazyTensor], state: Mapping, prefix: str
         if name not in tables:
             raise CheckpointError(f"{where}: array {key} has no CRC-32s recorded beside the others (trainer_state)")
         spec = specs.get(name)
-        if isinstance(spec, Mapping) and (list(t.shape) != list(spec.get("shape", [])) or np.dtype(t.dtype).name != spec.get("dtype")):
+        if isinstance(spec, Mapping) and not isinstance(spec.get("shape", []), list):
+            raise CheckpointError(
+                f"{where}: trainer_state {ARRAY_SPECS!r} of array {key}: 'shape' expected a list of sizes, "
+                f"found {short_repr(spec.get('shape'), 60)} ({type(spec.get('shape')).__name__})"
+            )
+        if isinstance(spec, Mapping) and (list(t.shape) != spec.get("shape", []) or np.dtype(t.dtype).name != spec.get("dtype")):
             raise CheckpointError(
                 f"{where}: array {key} is stored as {np.dtype(t.dtype).name} {list(t.shape)} but its import wrote "
                 f"{spec.get('dtype')} {spec.get('shape')}: its metadata (.zarray) was changed"

@@ -255,3 +255,26 @@ def test_our_store_with_adam_betas_nested_is_one_line_on_a_paddle_export(tmp_pat
     assert code == 2 and err.count("\n") == 1, err
     assert f"{store}: trainer state 'adam_betas': expected a list of numbers, found [[0.9], [0.95]]" in err
     assert sorted(os.listdir(tmp_path)) == ["store"]
+
+
+@pytest.mark.parametrize(("rel", "key", "value", "says"), [
+    ("mp_rank_00_model_states.pt", "module", [1], "module: expected a dict, found [1] (list)"),
+    ("mp_rank_00_model_states.pt", "buffer_names", 5, "buffer_names: expected a list, found 5 (int)"),
+    ("mp_rank_00_model_states.pt", "buffer_names", [["b"]], "buffer_names: expected a list of names, found [['b']]"),
+    ("mp_rank_00_model_states.pt", "shared_params", [1], "shared_params: expected a dict, found [1] (list)"),
+    ("mp_rank_00_model_states.pt", "shared_params", {"lm_head.weight": ["x"]},
+     "shared_params: expected a list of names, found ['lm_head.weight', ['x']]"),
+    ("mp_rank_00_model_states.pt", "frozen_param_shapes", [(8,)], "frozen_param_shapes: expected a dict, found [(8,)]"),
+    ("zero_pp_rank_1_mp_rank_00_optim_states.pt", "optimizer_state_dict", 5,
+     "optimizer_state_dict: expected a dict, found 5 (int)"),
+])
+def test_zero_model_and_optim_fields_of_the_wrong_type_are_one_line(tmp_path, capsys, rel, key, value, says):
+    """Found by the fuzz target 'DeepSpeed ZeRO-2 model_states' / 'optim_states'
+    (tests/attacks/fuzz_trees.py): each was an AttributeError or TypeError before."""
+    src = _copy(tmp_path, "hf_trainer_deepspeed_zero2")
+    path = os.path.join(src, "checkpoint-3", "global_step3", rel)
+
+    def edit(sd):
+        sd[key] = value
+    _edit_torch(path, edit)
+    _import_fails(tmp_path, capsys, src, f"{path}: {says}")

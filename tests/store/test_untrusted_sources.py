@@ -211,6 +211,22 @@ def test_a_crc_table_removed_beside_the_other_records_is_refused(store, tmp_path
     assert not np.array_equal(got["w"], TENSORS["w"]) and np.array_equal(got["up"], TENSORS["up"])
 
 
+@pytest.mark.parametrize("shape", [None, 8, "8"], ids=["null", "int", "string"])
+def test_a_recorded_array_spec_whose_shape_is_not_a_list_is_refused(store, tmp_path, capsys, shape):
+    """Found by `benchmarks/fuzz.py --seed 9002` (target 'our store trainer_state'): a `shape`
+    of null in `array_specs` was a TypeError ('NoneType' object is not iterable)."""
+    _, copy, step = _world(store, tmp_path)
+
+    def edit(state):
+        for spec in state["array_specs"].values():
+            spec["shape"] = shape
+    _edit_json(os.path.join(step, "trainer_state", "metadata"), edit)
+    out = os.path.join(tmp_path, "out")
+    code, _, err = cli(capsys, "export", copy, out)  # (inspect reads no array: exits 0)
+    one_line(code, err, "'array_specs' of array", "'shape' expected a list of sizes, found")
+    assert not os.path.exists(out)
+
+
 def test_a_store_with_no_import_records_is_read_as_saved(store, tmp_path, capsys):
     """A step with none of an import's records (a training loop's save) has nothing to check
     against: it is read as saved, not refused."""

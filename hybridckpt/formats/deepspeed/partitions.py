@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-from hybridckpt import lazy
+from hybridckpt import lazy, values
 from hybridckpt.errors import FormatError
 from hybridckpt.formats.deepspeed.files import cut, flat, shape_of
 from hybridckpt.formats.deepspeed.ranks import Rank
@@ -117,7 +117,9 @@ def zero3(ranks: list[Rank], shapes: list[dict], model_file: str):
 
 
 def frozen_params(models: list[dict], stage: int, model_files: list[str]) -> dict[str, LazyTensor]:
-    shapes = models[0].get("frozen_param_shapes") or {}
+    shapes = values.mapping(models[0].get("frozen_param_shapes") or {}, model_files[0], "frozen_param_shapes")
+    fragments = [values.mapping(m.get("frozen_param_fragments") or {}, f, "frozen_param_fragments")
+                 for m, f in zip(models, model_files, strict=True)] if shapes else []
     out = {}
     dp = len(models)
     for name, s in shapes.items():
@@ -125,8 +127,8 @@ def frozen_params(models: list[dict], stage: int, model_files: list[str]) -> dic
         numel = math.prod(shape)
         if stage == 3:
             frags = []
-            for m, f in zip(models, model_files, strict=True):
-                t = (m.get("frozen_param_fragments") or {}).get(name)
+            for m, f in zip(fragments, model_files, strict=True):
+                t = m.get(name)
                 if not isinstance(t, LazyTensor):
                     raise FormatError(f"{f}: no frozen_param_fragments '{name}'")
                 if t.size != math.ceil(numel / dp):
@@ -136,7 +138,7 @@ def frozen_params(models: list[dict], stage: int, model_files: list[str]) -> dic
                 frags.append(flat(t, f))
             out[name] = cut(lazy.concat(frags, 0), 0, numel, shape)
         else:
-            t = (models[0].get("frozen_param_fragments") or {}).get(name)
+            t = fragments[0].get(name)
             if not isinstance(t, LazyTensor) or t.size != numel:
                 raise FormatError(
                     f"{model_files[0]}: frozen_param_fragments '{name}' is not a {shape} tensor"

@@ -91,7 +91,7 @@ def _slots(osd_torch, n: int, what: str) -> tuple[dict[str, list], float | None]
 def read_rank(path: str) -> tuple[int | None, Rank, object]:
     """(zero_stage or None for BF16_Optimizer, the rank's partitions, partition_count)."""
     d = torch_save.load(path)
-    osd = get_key(d, OSD, path)
+    osd = values.mapping(get_key(d, OSD, path), path, OSD)
     zs = _enum_value(osd["zero_stage"], path) if "zero_stage" in osd else None
     if zs == 3:
         groups = values.sequence(get_key(osd, "fp32_flat_groups", path), path, "fp32_flat_groups")

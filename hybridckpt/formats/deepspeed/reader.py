@@ -19,6 +19,7 @@ import os
 import re
 from collections.abc import Mapping
 
+from hybridckpt import values
 from hybridckpt.containers.pickle import torch_save
 from hybridckpt.errors import FormatError
 from hybridckpt.formats.deepspeed import experts
@@ -92,8 +93,8 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         for k in ("global_steps", "global_samples", "skipped_steps", "ds_version", "dp_world_size")
         if k in m0
     }
-    module = m0.get("module") or {}
-    buffer_names = list(m0.get("buffer_names") or [])
+    module = values.mapping(m0.get("module") or {}, model_files[0], "module")
+    buffer_names = _names(m0.get("buffer_names") or [], model_files[0], "buffer_names")
     weights = experts.expert_weights(expert_paths) if expert_paths else {}
     moe_rules = rules_text(MOE_RULES) if expert_paths else ""
     if not optim:
@@ -166,7 +167,8 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         t = module.get(b)
         if isinstance(t, LazyTensor):
             tensors[b] = t
-    shared = m0.get("shared_params") or {}
+    shared = values.mapping(m0.get("shared_params") or {}, model_files[0], "shared_params")
+    _names([*shared, *shared.values()], model_files[0], "shared_params")  # alias -> a param's name
     # stage 1 saves no frozen_param_*: frozen params are only in the (16-bit) module weights
     from_module = [
         k
@@ -214,6 +216,14 @@ def open(path: str, *, config=None) -> SourceCheckpoint:  # noqa: A001 - the for
         trainer=trainer,
         notes=tuple(notes),
     )
+
+
+def _names(value, where: str, key: str) -> list[str]:
+    """`value` as a list of names (strings): `buffer_names`, `shared_params`' sources."""
+    items = values.sequence(value, where, key)
+    if not all(isinstance(n, str) for n in items):
+        raise values.wrong(where, key, "a list of names", value)
+    return items
 
 
 def _model_states(files: list[str]) -> list:
