@@ -16,6 +16,7 @@ import os
 import threading
 from collections import Counter
 
+import jax
 import pytest
 from meshes import fit
 
@@ -211,6 +212,7 @@ def test_short_reads_are_named(monkeypatch, capsys):
     assert "note: process 0:" in capsys.readouterr().out
 
 
+@pytest.mark.skipif(jax.device_count() < 2, reason="2 hosts need 2 devices, one each")
 def test_one_host_plan_cuts_the_tiles_that_host_cuts(tmp_path, monkeypatch):
     """`--processes N --process P`: a tile size grown from a dry read of the first tile of the
     first host's joined box (`stream.leaf_tiling`) is that host's box, as on a real N-host

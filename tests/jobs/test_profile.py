@@ -149,7 +149,7 @@ def test_the_command_accounts_for_its_process_from_its_start(src, tmp_path):
     code = ("import sys, time, runpy; time.sleep(0.5); sys.argv = ['hybridckpt'] + sys.argv[1:]; "
             "runpy.run_module('hybridckpt.cli', run_name='__main__')")
     t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", code, "import", src, str(tmp_path / "ck"), "--mesh", "fsdp=2",
+    done = subprocess.run([sys.executable, "-c", code, "import", src, str(tmp_path / "ck"), "--mesh", fit("fsdp=2"),
                            "--json", "--quiet"], capture_output=True, text=True, timeout=300)
     wall = time.perf_counter() - t0
     assert done.returncode == 0, done.stderr

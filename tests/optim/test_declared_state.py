@@ -12,6 +12,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from meshes import fit
 
 from hybridckpt import optim
 from hybridckpt.demo import sample_path
@@ -71,7 +72,7 @@ def files_of(root: str) -> dict[str, bytes]:
 
 
 def test_declared_import_writes_the_optax_bytes(tmp_path, monkeypatch):
-    declared = import_checkpoint(sample_path(), str(tmp_path / "declared"), mesh="fsdp=2")
+    declared = import_checkpoint(sample_path(), str(tmp_path / "declared"), mesh=fit("fsdp=2"))
     calls = []
     original = optim.abstract_state
 
@@ -80,7 +81,7 @@ def test_declared_import_writes_the_optax_bytes(tmp_path, monkeypatch):
         return original(opt, shapes)  # optax's classes, as before the layouts were declared
 
     monkeypatch.setattr(optim, "abstract_state", traced)
-    by_optax = import_checkpoint(sample_path(), str(tmp_path / "optax"), mesh="fsdp=2")
+    by_optax = import_checkpoint(sample_path(), str(tmp_path / "optax"), mesh=fit("fsdp=2"))
     assert calls == [True]  # the import asked for the declared tree; this one got optax's
     assert declared.with_optimizer and declared.tensors == by_optax.tensors
     a, b = files_of(str(tmp_path / "declared")), files_of(str(tmp_path / "optax"))

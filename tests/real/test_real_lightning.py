@@ -23,6 +23,7 @@ import cases
 import jax
 import numpy as np
 import pytest
+from meshes import fit_pair
 
 from hybridckpt import jobs, naming
 from hybridckpt.formats import registry
@@ -42,12 +43,9 @@ def _refs(case: str, kind: str) -> dict[str, np.ndarray]:
 
 
 def meshes() -> tuple[str, str]:
-    n = jax.device_count()
-    if n >= 8:
-        return "fsdp=2,tp=2,pp=2", "dp=4,tp=2"
-    if n >= 4:
-        return "tp=2,pp=2", "fsdp=2,tp=2"
-    return "tp=2", "fsdp=2"
+    """(import mesh, restore mesh), fitted (`meshes.fit_pair`): a reshard down to 2 devices; on 1
+    both are dp=1 (the same path, the layout unchanged)."""
+    return fit_pair("fsdp=2,tp=2,pp=2", "dp=4,tp=2")
 
 
 def _bitwise(got: dict, want: dict, what: str) -> None:

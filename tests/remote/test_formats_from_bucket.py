@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import pytest
 from fixtures import remote_sources
+from meshes import fit
 from test_remote_import import stable_digest
 
 from hybridckpt.cli import main
@@ -35,7 +36,7 @@ from hybridckpt.io.remote import ranged
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "real"))
 from cases import case_dir, ckpt  # noqa: E402 - tests/real is not a package
 
-MESH = "fsdp=2"
+MESH = fit("fsdp=2")
 
 
 class Case(NamedTuple):

@@ -48,6 +48,9 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multihost_wor
 DATA = (".safetensors", ".distcp")
 LOCAL = max(1, jax.device_count() // 2)  # CPU devices per process
 MESH = fit("tp=4,pp=2", 2 * LOCAL)  # the processes split tp: o_proj and down_proj by columns
+# 2 processes with a device each at least: the devices present must hold them (at 1 device the
+# single-process references on MESH, tp=2, could not be built and 2 processes cannot divide 1 device)
+TWO_PROCESSES = pytest.mark.skipif(jax.device_count() < 2, reason="2 processes need 2 devices, one each")
 
 
 SIZES = {"hidden_size": 256, "intermediate_size": 512, "vocab_size": 512}
@@ -156,6 +159,7 @@ def digest(root) -> dict[str, bytes]:
     return out
 
 
+@TWO_PROCESSES
 def test_two_processes_read_their_own_ranges_from_the_bucket(s3, local_sources, in_bucket, tmp_path, capsys):
     from hybridckpt.cli import main
 
@@ -267,6 +271,7 @@ def test_a_planned_read_costs_what_the_read_asks(ranges):
         (done[("host", "requests")], done[("host", "requested")])
 
 
+@TWO_PROCESSES
 def test_a_process_killed_mid_import_leaves_no_committed_destination(s3, local_sources, tmp_path, capsys):
     """Process 1 is killed (SIGKILL) after its second ranged GET: process 0, the coordinator, never
     puts the destination in place (it waits for process 1 at the save's barriers until the

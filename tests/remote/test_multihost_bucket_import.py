@@ -31,7 +31,7 @@ from urllib.parse import unquote
 import pytest
 from fixtures.remote_sources import client, fresh_bucket
 from test_export_s3 import cli, download, listing, refused, save_files
-from test_multihost_bucket import MESH, digest, run_pair
+from test_multihost_bucket import MESH, TWO_PROCESSES, digest, run_pair
 from test_store_bucket_native import ocdbt_items
 from test_tensorstore_from_bucket import tensors
 
@@ -57,6 +57,7 @@ def _puts(requests, bucket: str, prefix: str = "ck") -> list[str]:
     return [unquote(r.path[len(base):]) for r in requests if r.method == "PUT" and r.path.startswith(base)]
 
 
+@TWO_PROCESSES
 def test_two_processes_import_into_a_bucket_each_uploading_its_own_chunks(s3, bucket, tmp_path, capsys):
     """(one pair of processes for six imports: the second, into ck2, has process 1's fourth
     upload fail; the third, compressed, into ck3; then ck again: refused, then --overwrite;
@@ -141,6 +142,7 @@ def test_two_processes_import_into_a_bucket_each_uploading_its_own_chunks(s3, bu
     assert tensors(open_source(str(tmp_path / "fetchedz"))) == tensors(open_source(str(tmp_path / "localz")))
 
 
+@TWO_PROCESSES
 def test_a_process_killed_mid_upload_leaves_no_commit_marker(s3, bucket, tmp_path, capsys):
     fs, b = bucket
     url = f"s3://{b}/ck"

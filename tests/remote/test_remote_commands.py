@@ -10,6 +10,7 @@ import os
 import boto3
 import pytest
 from fixtures import remote_sources
+from meshes import fit
 
 from hybridckpt.cli import main
 from hybridckpt.errors import FormatError
@@ -47,7 +48,7 @@ def test_inspect_and_verify_from_bucket(s3, local_sources, tmp_path, capsys, nam
 def test_plan_reports_requests_per_host(s3, local_sources, capsys):
     local = local_sources["hf"]
     url = remote_sources.in_bucket(s3, local)
-    mesh = ["--mesh", "fsdp=2,tp=2"]
+    mesh = ["--mesh", fit("fsdp=2,tp=2")]
     here = _json(capsys, ["import", local, "unused", "--plan", "--json", *mesh])
     there = _json(capsys, ["import", url, "unused", "--plan", "--json", *mesh])
     host = f"127.0.0.1:{s3.port}"
@@ -75,7 +76,7 @@ def test_server_killed_mid_import_one_line_nothing_committed(s3_killable, local_
     monkeypatch.setattr(ranged, "get", get_then_cut)
     monkeypatch.setattr(ranged, "BACKOFF_S", 0.01)
     out = tmp_path / "out"
-    err = _error(capsys, ["import", url, str(out), "--mesh", "fsdp=2"])
+    err = _error(capsys, ["import", url, str(out), "--mesh", fit("fsdp=2")])
     assert url in err and "failed after 4 tries" in err and "bytes [" in err
     assert len(calls) >= 5
     assert os.listdir(tmp_path) == []  # nothing committed, nothing left beside it

@@ -12,6 +12,7 @@ import os
 
 import pytest
 from fixtures import remote_sources
+from meshes import cases
 from test_remote_import import stable_digest
 
 from hybridckpt.cli import main
@@ -19,7 +20,7 @@ from hybridckpt.io.byte_source import count_reads
 from hybridckpt.io.read_tally import remote_requests, tally
 
 
-@pytest.mark.parametrize("name,mesh", [("hf", "fsdp=2,tp=2"), ("dcp", "fsdp=4,tp=2")])
+@pytest.mark.parametrize("name,mesh", cases([("hf", "fsdp=2,tp=2"), ("dcp", "fsdp=4,tp=2")]))
 def test_import_from_gcs_equals_import_from_disk(gcs, local_sources, tmp_path, capsys, name, mesh):
     local = local_sources[name]
     url = remote_sources.in_gcs_bucket(local)

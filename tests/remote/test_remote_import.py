@@ -16,6 +16,7 @@ import os
 import pytest
 from attacks.hostile import tree_digest
 from fixtures import remote_sources
+from meshes import cases
 
 from hybridckpt.cli import main
 from hybridckpt.io.byte_source import count_reads
@@ -41,7 +42,7 @@ def stable_digest(root) -> dict[str, bytes]:
     return out
 
 
-@pytest.mark.parametrize("name,mesh", [("hf", "fsdp=2,tp=2"), ("dcp", "fsdp=4,tp=2")])
+@pytest.mark.parametrize("name,mesh", cases([("hf", "fsdp=2,tp=2"), ("dcp", "fsdp=4,tp=2")]))
 def test_import_from_bucket_equals_import_from_disk(s3, local_sources, tmp_path, capsys, name, mesh):
     local = local_sources[name]
     url = remote_sources.in_bucket(s3, local)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from fixtures import s3_server
 from fixtures.counting_proxy import CountingProxy
+from meshes import fit, fit_pair
 from test_export_s3 import client
 
 import hybridckpt
@@ -28,6 +29,7 @@ from hybridckpt.io.read_tally import remote_requests
 from hybridckpt.io.remote import ranged, view
 
 BUCKET = "ocdbt-restore"
+SAVED, TARGET = fit_pair("fsdp=2", "fsdp=4,tp=2")  # a reshard down to 2 devices (1: dp=1 both)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,7 @@ def zstd_store(s3_shared, local_sources, tmp_path_factory):
         local = tmp_path_factory.mktemp("zstd") / "ck"
         for dst in (local, f"s3://{BUCKET}/zstd"):
             assert hybridckpt.cli.main(["import", local_sources["dcp"], str(dst), "--compression", "zstd",
-                                        "--mesh", "fsdp=2"]) == 0
+                                        "--mesh", SAVED]) == 0
     step = os.listdir(local)
     assert os.path.isfile(local / step[0] / "params" / "manifest.ocdbt")  # an OCDBT item
     return local / step[0], f"s3://{BUCKET}/zstd"
@@ -83,9 +85,9 @@ def counted(reads, proxy) -> dict[str, int]:
 @pytest.mark.parametrize("verify_reads", [True, False])
 def test_restore_of_an_ocdbt_store_from_s3_equals_the_local_restore(zstd_store, proxy, verify_reads):
     local, url = zstd_store
-    _, want = hybridckpt.restore(str(local.parent), "fsdp=4,tp=2", verify_reads=verify_reads)
+    _, want = hybridckpt.restore(str(local.parent), TARGET, verify_reads=verify_reads)
     with count_reads() as reads:
-        _, got = hybridckpt.restore(url, "fsdp=4,tp=2", verify_reads=verify_reads)  # another mesh than saved
+        _, got = hybridckpt.restore(url, TARGET, verify_reads=verify_reads)  # another mesh than saved
     a, b = leaves((want.params, want.opt_state)), leaves((got.params, got.opt_state))
     assert sorted(a) == sorted(b) and len(a) > 20
     assert [k for k in a if a[k] != b[k]] == []  # bitwise, params and AdamW moments
@@ -101,7 +103,7 @@ def test_restore_of_an_ocdbt_store_from_s3_equals_the_local_restore(zstd_store, 
 
 def test_a_chunk_two_devices_share_is_fetched_once_when_their_reads_do_not_overlap(zstd_store, proxy, monkeypatch):
     """One reader thread: the devices' boxes are read one after the other, so a stored chunk two
-    of them share (saved on fsdp=2, restored onto fsdp=4,tp=2) is asked for again after the first
+    of them share (saved on fsdp=2, restored onto fsdp=4,tp=2; on 1 device none is shared) is asked for again after the first
     read has ended. TensorStore's default cache pool holds nothing, so each box fetched it anew
     (2x the chunks' bytes; with 4 threads only when the reads happened not to overlap, as on a
     loaded machine); the decoded-chunk cache of `ts_spec.context` serves the second box."""
@@ -109,8 +111,8 @@ def test_a_chunk_two_devices_share_is_fetched_once_when_their_reads_do_not_overl
 
     local, url = zstd_store
     monkeypatch.setattr(parallel, "_override", 1)
-    _, got = hybridckpt.restore(url, "fsdp=4,tp=2", verify_reads=False)
-    _, want = hybridckpt.restore(str(local.parent), "fsdp=4,tp=2", verify_reads=False)
+    _, got = hybridckpt.restore(url, TARGET, verify_reads=False)
+    _, want = hybridckpt.restore(str(local.parent), TARGET, verify_reads=False)
     assert leaves((got.params, got.opt_state)) == leaves((want.params, want.opt_state))
     sent = data_gets(proxy.snapshot(), f"/{BUCKET}/zstd/")
     needed = sum(chunk_bytes(local / item) for item in ("params", "opt_state"))
@@ -120,8 +122,8 @@ def test_a_chunk_two_devices_share_is_fetched_once_when_their_reads_do_not_overl
 def test_only_the_items_restored_are_fetched(zstd_store, proxy):
     """Without the optimizer: not one byte of its data files leaves the server."""
     local, url = zstd_store
-    _, want = hybridckpt.restore(str(local.parent), "tp=2", optimizer=False)
-    _, got = hybridckpt.restore(url, "tp=2", optimizer=False)
+    _, want = hybridckpt.restore(str(local.parent), fit("tp=2"), optimizer=False)
+    _, got = hybridckpt.restore(url, fit("tp=2"), optimizer=False)
     assert got.opt_state is None and leaves(got.params) == leaves(want.params)
     requests = proxy.snapshot()
     assert data_gets(requests, f"/{BUCKET}/zstd/{local.name}/opt_state/") == []
@@ -145,7 +147,7 @@ def test_a_damaged_chunk_in_the_bucket_is_one_line_naming_its_url(zstd_store, s3
     data[loc.offset + loc.length // 2] ^= 0x5A
     fs.pipe_file(obj, bytes(data))
     with pytest.raises(CheckpointError) as e:
-        hybridckpt.restore(f"s3://{damaged}", "fsdp=2")
+        hybridckpt.restore(f"s3://{damaged}", SAVED)
     msg = str(e.value)
     assert "\n" not in msg and f"s3://{damaged}/{local.name}/params" in msg and "hybridckpt-view" not in msg, msg
     assert "layers.q.kernel" in msg and ("CRC-32" in msg or "cannot read" in msg), msg
@@ -167,7 +169,7 @@ def test_the_server_killed_mid_restore_is_one_line(s3_killable, local_sources, m
     monkeypatch.setattr(reader.OrbaxArray, "read_box", kill_on_the_third_read)
     monkeypatch.setattr(ranged, "TRIES", 2)  # (TensorStore's retries as ours: bounded, and brief here)
     with pytest.raises(CheckpointError) as e:
-        hybridckpt.restore("s3://kill/zstd", "fsdp=2")
+        hybridckpt.restore("s3://kill/zstd", SAVED)
     msg = str(e.value)
     assert "\n" not in msg and "s3://kill/zstd/" in msg and "hybridckpt-view" not in msg, msg
     assert len(calls) >= 3
@@ -180,7 +182,7 @@ def test_an_import_summary_counts_every_byte_tensorstore_fetched(zstd_store, pro
 
     _, url = zstd_store
     capsys.readouterr()
-    assert hybridckpt.cli.main(["import", url, str(tmp_path / "out"), "--mesh", "tp=2", "--json"]) == 0
+    assert hybridckpt.cli.main(["import", url, str(tmp_path / "out"), "--mesh", fit("tp=2"), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)["requests"][proxy.endpoint.split("://", 1)[1]]
     gets = [r for r in proxy.snapshot() if r.method == "GET" and "list-type" not in r.query]  # (objects, not LISTs)
     assert data_gets(gets, f"/{BUCKET}/zstd/")  # TensorStore's GETs among them
@@ -196,8 +198,8 @@ def test_an_ocdbt_store_restored_from_gcs_equals_the_local_restore(gcs, zstd_sto
     if not fs.exists("ocdbt-gcs"):
         fs.mkdir("ocdbt-gcs")
     assert hybridckpt.cli.main(["import", local_sources["dcp"], "gs://ocdbt-gcs/zstd", "--compression", "zstd",
-                                "--mesh", "fsdp=2"]) == 0
-    _, want = hybridckpt.restore(str(local.parent), "tp=2", verify_reads=False)
-    _, got = hybridckpt.restore("gs://ocdbt-gcs/zstd", "tp=2", verify_reads=False)
+                                "--mesh", SAVED]) == 0
+    _, want = hybridckpt.restore(str(local.parent), fit("tp=2"), verify_reads=False)
+    _, got = hybridckpt.restore("gs://ocdbt-gcs/zstd", fit("tp=2"), verify_reads=False)
     a, b = leaves((want.params, want.opt_state)), leaves((got.params, got.opt_state))
     assert sorted(a) == sorted(b) and len(a) > 20 and [k for k in a if a[k] != b[k]] == []

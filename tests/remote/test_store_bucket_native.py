@@ -15,6 +15,7 @@ import tempfile
 
 import pytest
 import tensorstore as ts
+from meshes import fit
 from test_export_s3 import cli, client, refused
 from test_remote_import import stable_digest
 from test_tensorstore_from_bucket import tensors
@@ -25,7 +26,7 @@ from hybridckpt.io.remote import commit as markers
 from hybridckpt.store import stream
 from hybridckpt.writers import ownership, remote
 
-ARGS = ("--compression", "zstd", "--mesh", "fsdp=2")
+ARGS = ("--compression", "zstd", "--mesh", fit("fsdp=2"))
 
 
 def _ocdbt_file(rel: str) -> bool:

@@ -10,6 +10,7 @@ import json
 
 import pytest
 from fixtures.remote_sources import cut_uploads, fresh_bucket
+from meshes import fit
 from test_export_s3 import cli, client, download, listing, refused, save_files
 from test_remote_import import stable_digest
 
@@ -27,8 +28,8 @@ def bucket(s3):
 def test_import_to_s3_equals_the_local_import_bitwise(bucket, tmp_path, capsys):
     fs, b = bucket
     dst = f"s3://{b}/ck"
-    assert cli(capsys, "import", sample_path(), tmp_path / "local", "--mesh", "fsdp=2,tp=2")[0] == 0
-    code, out, err = cli(capsys, "import", sample_path(), dst, "--mesh", "fsdp=2,tp=2", "--json")
+    assert cli(capsys, "import", sample_path(), tmp_path / "local", "--mesh", fit("fsdp=2,tp=2"))[0] == 0
+    code, out, err = cli(capsys, "import", sample_path(), dst, "--mesh", fit("fsdp=2,tp=2"), "--json")
     assert code == 0, err
     assert json.loads(out)["destination"] == dst
     got = download(fs, f"{b}/ck")
@@ -50,7 +51,7 @@ def test_overwrite_only_over_a_store_of_ours(bucket, capsys):
     before = listing(fs, f"{b}/ck")  # (each object's size, ETag and time: nothing touched, without a download)
     refused(cli(capsys, "import", sample_path(), dst), "holds an export", "--overwrite")
     assert listing(fs, f"{b}/ck") == before and len(before) > 5
-    assert cli(capsys, "import", sample_path(), dst, "--overwrite", "--mesh", "fsdp=2")[0] == 0
+    assert cli(capsys, "import", sample_path(), dst, "--overwrite", "--mesh", fit("fsdp=2"))[0] == 0
     after = listing(fs, f"{b}/ck")
     marker = json.loads(fs.cat_file(f"{b}/ck/{ownership.MARKER}"))
     assert sorted(marker["files"]) == sorted(set(after) - {ownership.MARKER})

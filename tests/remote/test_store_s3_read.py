@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from fixtures import s3_server
 from fixtures.remote_sources import cut_uploads
+from meshes import fit, fit_pair
 from test_export_s3 import cli, client, local_files, refused
 
 import hybridckpt
@@ -23,7 +24,7 @@ from hybridckpt.io.byte_source import count_reads
 from hybridckpt.io.read_tally import remote_requests
 from hybridckpt.writers import ownership, remote
 
-MESH = "fsdp=2,tp=2"
+MESH, TARGET = fit_pair("fsdp=2,tp=2", "fsdp=4,tp=2")  # a reshard down to 2 devices (1: dp=1 both)
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +49,9 @@ def leaves(tree) -> dict[str, bytes]:
 
 def test_restore_from_s3_equals_restore_from_the_local_copy(stores, s3):
     fs, url, local = stores
-    _, want = hybridckpt.restore(str(local), "fsdp=4,tp=2")
+    _, want = hybridckpt.restore(str(local), TARGET)
     with count_reads() as reads:
-        _, got = hybridckpt.restore(url, "fsdp=4,tp=2")
+        _, got = hybridckpt.restore(url, TARGET)
     a, b = leaves((want.params, want.opt_state)), leaves((got.params, got.opt_state))
     assert sorted(a) == sorted(b) and len(a) > 20
     assert [k for k in a if a[k] != b[k]] == []  # bitwise, every leaf
@@ -107,9 +108,9 @@ def test_restore_without_verify_reads_from_s3_equals_the_local_restore(stores, s
     chunk files by our ranged GETs, unchecked, as the checked restore does (an OCDBT store:
     test_restore_ocdbt_bucket.py)."""
     _, url, local = stores
-    _, want = hybridckpt.restore(str(local), "tp=2", verify_reads=False)
+    _, want = hybridckpt.restore(str(local), fit("tp=2"), verify_reads=False)
     with count_reads() as reads:
-        _, got = hybridckpt.restore(url, "tp=2", verify_reads=False)
+        _, got = hybridckpt.restore(url, fit("tp=2"), verify_reads=False)
     a, b = leaves((want.params, want.opt_state)), leaves((got.params, got.opt_state))
     assert sorted(a) == sorted(b) and len(a) > 20 and [k for k in a if a[k] != b[k]] == []
     chunks = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs_ in os.walk(local) for f in fs_
@@ -133,6 +134,6 @@ def test_our_store_to_and_from_gcs(gcs, stores, tmp_path, capsys):
     got, want = stable_digest(tmp_path / "got"), stable_digest(local)
     assert got.pop(ownership.MARKER) and sorted(got) == sorted(want)
     assert [k for k in want if got[k] != want[k]] == []
-    _, a = hybridckpt.restore(str(local), "tp=2")
-    _, b = hybridckpt.restore("gs://store-gcs/ck", "tp=2")
+    _, a = hybridckpt.restore(str(local), fit("tp=2"))
+    _, b = hybridckpt.restore("gs://store-gcs/ck", fit("tp=2"))
     assert leaves(a.params) == leaves(b.params)

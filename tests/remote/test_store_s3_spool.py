@@ -14,7 +14,9 @@ import re
 import tempfile
 import threading
 
+import jax
 import pytest
+from meshes import fit
 from test_export_s3 import cli, client, refused
 from test_remote_import import stable_digest
 
@@ -89,13 +91,14 @@ def test_chunks_go_up_as_written_and_the_spool_holds_only_those_in_flight(s3, sp
                                                   real_put(self, name, data))[1])
     fs = client(s3)
     fs.mkdir("spooled")
-    assert cli(capsys, "import", sample_path(), tmp_path / "local", "--mesh", "fsdp=2,tp=2")[0] == 0
+    assert cli(capsys, "import", sample_path(), tmp_path / "local", "--mesh", fit("fsdp=2,tp=2"))[0] == 0
     want = stable_digest(tmp_path / "local")
     chunks = {k: v for k, v in want.items() if CHUNK.fullmatch(k.rsplit("/", 1)[-1])}
-    assert len(chunks) > 100
+    # many more chunks than the 4 workers (fewer on fewer devices: 64 on one, as its mesh cuts fewer)
+    assert len(chunks) > (100 if jax.device_count() >= 4 else 40)
     biggest = max(os.path.getsize(tmp_path / "local" / k) for k in chunks)
 
-    code, _, err = cli(capsys, "import", sample_path(), "s3://spooled/ck", "--mesh", "fsdp=2,tp=2")
+    code, _, err = cli(capsys, "import", sample_path(), "s3://spooled/ck", "--mesh", fit("fsdp=2,tp=2"))
     assert code == 0, err
     uploaded = [p.split("spooled/ck/", 1)[1] for *_, p in seen]
     assert sorted(p for p in uploaded if CHUNK.fullmatch(p.rsplit("/", 1)[-1])) == sorted(chunks)

@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 import pytest
+from meshes import fit
 from test_export_s3 import cli, client
 
 from hybridckpt.errors import ConfigError
@@ -70,9 +71,9 @@ def test_maxtext_from_s3_equals_the_local_read(maxtext_s3, s3):
 def test_maxtext_import_from_s3_equals_the_local_import(maxtext_s3, s3, tmp_path, capsys):
     from test_remote_import import stable_digest
 
-    code, _, err = cli(capsys, "import", MAXTEXT, tmp_path / "a", "--config", CONFIG, "--mesh", "fsdp=2")
+    code, _, err = cli(capsys, "import", MAXTEXT, tmp_path / "a", "--config", CONFIG, "--mesh", fit("fsdp=2"))
     assert code == 0, err
-    code, out, err = cli(capsys, "import", maxtext_s3, tmp_path / "b", "--config", CONFIG, "--mesh", "fsdp=2",
+    code, out, err = cli(capsys, "import", maxtext_s3, tmp_path / "b", "--config", CONFIG, "--mesh", fit("fsdp=2"),
                          "--json")
     assert code == 0, err
     import json

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from meshes import fit
 from test_export_s3 import cli, client
 from test_tensorstore_from_bucket import object_bytes, tensors
 
@@ -31,7 +32,7 @@ def zstd_store(s3_shared, tmp_path_factory):
         local = tmp_path_factory.mktemp("zstd") / "ck"
         for dst in (local, "s3://ts-store/zstd"):
             assert hybridckpt.cli.main(["import", sample_path(), str(dst), "--compression", "zstd",
-                                        "--mesh", "fsdp=2"]) == 0
+                                        "--mesh", fit("fsdp=2")]) == 0
     assert any(f == "manifest.ocdbt" for _, _, fs_ in os.walk(local) for f in fs_)
     return str(local), "s3://ts-store/zstd"
 

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from meshes import fit
 
 from hybridckpt.errors import CheckpointError
 from hybridckpt.mesh import as_mesh
@@ -25,7 +26,7 @@ S, D = bucket_restore.SEQUENCE, bucket_restore.DICT
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A training loop's save (Orbax's OCDBT + zstd defaults) of params and AdamW's state."""
-    mesh = as_mesh("fsdp=2")
+    mesh = as_mesh(fit("fsdp=2"))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
     params = {"w": jax.device_put(jnp.arange(32, dtype=jnp.float32).reshape(8, 4), sharding),
               "b": {"x": jnp.ones((3,), jnp.bfloat16)}}

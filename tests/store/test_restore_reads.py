@@ -35,6 +35,9 @@ from hybridckpt.store import checked, read_trainer_state
 D, FFN, HEADS, KV, LAYERS, VOCAB = 256, 512, 4, 2, 2, 512
 SAVED = "fsdp=2,tp=2"
 TARGETS = ("fsdp=4", "tp=4")  # rows of every chunk cut in two; columns cut in two
+# on 1 device SAVED and every target fit to dp=1: each array is one chunk (per layer), read whole
+# into its one shard; what a chunk cut by the target mesh, or a grid of several chunks, does needs 2
+CUT = pytest.mark.skipif(jax.device_count() < 2, reason="a chunk cut by the target mesh needs 2 devices")
 
 
 def shapes() -> dict[str, tuple[int, ...]]:
@@ -292,6 +295,7 @@ def counted_copies(monkeypatch):
     return counts
 
 
+@CUT
 def test_a_piece_of_a_chunk_cut_on_its_first_axis_is_read_without_a_chunk_buffer(store, many_readers,
                                                                                  counted_copies):
     """fsdp=2,tp=2 -> fsdp=4 cuts the rows of every kernel chunk of q/gate/up in two: each half is
@@ -317,7 +321,8 @@ def test_a_piece_of_a_chunk_cut_on_its_first_axis_is_read_without_a_chunk_buffer
         assert counts["buffers"][name] == 0 and counts["row_crcs"][name] == 0, (name, counts)
         assert counts["crcs"][name] == counts["copies"][name] == halves, (name, counts)
     lent = sum(counts["lent"][name] for name in FIRST_AXIS_CUT)
-    assert 0 < lent <= 8 * len(FIRST_AXIS_CUT) < pieces  # (at most one a reader thread and array, reused)
+    assert 0 < lent <= 8 * len(FIRST_AXIS_CUT) and lent < pieces  # (at most one a reader thread and array, reused)
+    assert 8 * len(FIRST_AXIS_CUT) < pieces or jax.device_count() < 4  # (2 devices: 24 pieces, the bound alone)
     assert needed <= read <= 1.05 * needed
     assert r.profile.stage("checksum").bytes == needed
     same_as_source(src, cfg, r.params)
@@ -378,6 +383,7 @@ def test_pieces_crcs_combine_to_the_whole_in_any_order():
     assert checksum.crc32_of_pieces({k: v for k, v in pieces.items() if k}, data.size) is None  # (not all there)
 
 
+@CUT
 def test_a_box_of_the_raw_chunk_grid_visits_only_the_chunks_it_meets(store, monkeypatch):
     """The raw array's chunks are a regular grid (`containers.orbax.reader.ChunkGrid`): a box finds
     the chunks it meets by their grid index. Before, `lazy.Tiled` tested every chunk of the array
@@ -389,7 +395,8 @@ def test_a_box_of_the_raw_chunk_grid_visits_only_the_chunks_it_meets(store, monk
 
     _, ck = store
     grid = _up_kernel(ck).inner.raw()
-    assert isinstance(grid, reader.ChunkGrid) and len(grid.pieces) > 4
+    # (9+ chunks where the saved mesh is fsdp=2,tp=2; on 2 devices, tp=2, 2 x 2: a box of one still tests 1 of 4)
+    assert isinstance(grid, reader.ChunkGrid) and len(grid.pieces) > (4 if jax.device_count() >= 4 else 3)
     tests = []
     real = reader.block_overlap
     monkeypatch.setattr(reader, "block_overlap", lambda *a: (tests.append(1), real(*a))[1])
@@ -417,6 +424,7 @@ def two_readers():
     parallel.set_io_threads(None)
 
 
+@CUT
 def test_a_chunk_cut_across_its_rows_is_read_into_a_lent_buffer(store, two_readers, counted_copies):
     """fsdp=2,tp=2 -> fsdp=4 cuts o/down/embed chunks across their rows (strips of each row), so
     each is read whole once, checked, and both halves cut out of it. The chunk is read into a
@@ -438,7 +446,11 @@ def test_a_chunk_cut_across_its_rows_is_read_into_a_lent_buffer(store, two_reade
         chunks += n
         assert counts["buffers"][name] == 0, (name, counts)  # (before: n, a fresh buffer a chunk)
         assert counts["crcs"][name] == n and counts["copies"][name] == 2 * n, (name, counts)
-    assert 0 < sum(counts["lent"][name] for name in COLUMN_CUT) < chunks, counts
+    lent = sum(counts["lent"][name] for name in COLUMN_CUT)
+    # fewer buffers than chunks (a buffer lent again) on 4+ devices, where it holds in every run; on 2
+    # (tp=2 -> fsdp=2: 10 chunks, each cut into one half of each device's shard) whether one is lent
+    # again depends on the 2 readers' timing: 10 of 10 lent seen once at 2 devices (dev9), so <= there
+    assert 0 < lent < chunks or (jax.device_count() < 4 and 0 < lent <= chunks), counts
     assert checked._HeldChunks.used() == 0  # noqa: SLF001  (every kept chunk given back)
     assert needed <= read <= 1.05 * needed
     same_as_source(src, cfg, r.params)
