@@ -447,10 +447,12 @@ def test_a_chunk_cut_across_its_rows_is_read_into_a_lent_buffer(store, two_reade
         assert counts["buffers"][name] == 0, (name, counts)  # (before: n, a fresh buffer a chunk)
         assert counts["crcs"][name] == n and counts["copies"][name] == 2 * n, (name, counts)
     lent = sum(counts["lent"][name] for name in COLUMN_CUT)
-    # fewer buffers than chunks (a buffer lent again) on 4+ devices, where it holds in every run; on 2
-    # (tp=2 -> fsdp=2: 10 chunks, each cut into one half of each device's shard) whether one is lent
-    # again depends on the 2 readers' timing: 10 of 10 lent seen once at 2 devices (dev9), so <= there
-    assert 0 < lent < chunks or (jax.device_count() < 4 and 0 < lent <= chunks), counts
+    # every chunk through the pool, at most one buffer made a chunk. Whether a buffer is lent again
+    # (fewer made than chunks) depends on the 2 readers' timing: a chunk goes back only when the
+    # other device's box cuts its second half, and both boxes can hold all their chunks first (20 of
+    # 20 made in one CI run at 8 devices, 10 of 10 once at 2). The give-back and the reuse
+    # themselves are counted deterministically in tests/store/test_held_chunks.py.
+    assert 0 < lent <= chunks, counts
     assert checked._HeldChunks.used() == 0  # noqa: SLF001  (every kept chunk given back)
     assert needed <= read <= 1.05 * needed
     same_as_source(src, cfg, r.params)
