@@ -8,13 +8,12 @@ The interleaving is forced here: the record's existence check yields a while, as
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 
 import jax
 import orbax.checkpoint as ocp
-from orbax.checkpoint._src.metadata import array_metadata_store
+from fixtures.orbax_records import slow_record_checks
 
 from hybridckpt.demo import sample_path
 from hybridckpt.jobs.export import export_checkpoint
@@ -22,14 +21,7 @@ from hybridckpt.jobs.import_ import import_checkpoint
 
 
 def test_one_handler_writes_the_item_and_every_array_is_recorded(tmp_path, monkeypatch):
-    real_exists = array_metadata_store.async_path.exists
-
-    async def slow_exists(path):  # (the other handler's write lands between this check and the read)
-        found = await real_exists(path)
-        await asyncio.sleep(0.2)
-        return found
-
-    monkeypatch.setattr(array_metadata_store.async_path, "exists", slow_exists)
+    slow_record_checks(monkeypatch)
     orbax_own = ocp.type_handlers.get_type_handler(jax.Array)
     calls = []
     real_serialize = type(orbax_own).serialize

@@ -12,13 +12,12 @@ from its own leaves (`jobs.import_`), so the mix is an error. Forced here as in
 
 from __future__ import annotations
 
-import asyncio
 import os
 
 import jax
 import numpy as np
 import pytest
-from orbax.checkpoint._src.metadata import array_metadata_store
+from fixtures.orbax_records import slow_record_checks
 
 from hybridckpt.errors import ConfigError
 from hybridckpt.lazy.stored import ArrayTensor
@@ -28,14 +27,7 @@ from hybridckpt.store.stream import LazyLeaf
 
 @pytest.fixture
 def slow_records(monkeypatch):
-    real_exists = array_metadata_store.async_path.exists
-
-    async def slow_exists(path):  # (the other handler's write lands between this check and the read)
-        found = await real_exists(path)
-        await asyncio.sleep(0.2)
-        return found
-
-    monkeypatch.setattr(array_metadata_store.async_path, "exists", slow_exists)
+    slow_record_checks(monkeypatch)
 
 
 def _trees():
