@@ -361,6 +361,7 @@ def bench_restore(ck: str, repeat: int, quiet: bool) -> dict:
            "placed_bytes": runs["warm"][0]["placed_bytes"],
            "peak_rss_mib": round(max(r["peak_rss_mib"] for r in runs["warm"] + runs["cold"])),
            "runs_s": {k: [round(r["job_s"] if isinstance(r, dict) else r, 3) for r in v] for k, v in runs.items()},
+           "floor_fresh_ways": restore_floor.WAYS_SEEN[-repeat:],
            "load_avg": [round(x, 2) for x in os.getloadavg()]}
     if not quiet:
         from hybridckpt.cli.profile import profile_lines

@@ -1,6 +1,7 @@
-"""The benchmarks' baselines (`benchmarks/floors.py`, `benchmarks/kernel_io.py`): the O_DIRECT
-write floor writes the bytes it times, and the kernel's count of bytes read agrees with a count
-that is right and flags one that is not."""
+"""The benchmarks' baselines (`benchmarks/floors.py`, `benchmarks/kernel_io.py`,
+`benchmarks/restore_floor.py`): the O_DIRECT write floor writes the bytes it times, the
+fresh-memory read floors read every byte they time, each way, and the kernel's count of bytes
+read agrees with a count that is right and flags one that is not."""
 
 import os
 import sys
@@ -11,6 +12,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmar
 
 import floors  # noqa: E402
 import kernel_io  # noqa: E402
+import pytest  # noqa: E402
+import restore_floor  # noqa: E402
 from fixtures.direct_probe import direct_supported  # noqa: E402
 
 
@@ -63,3 +66,35 @@ def test_a_wrong_library_count_is_flagged():
     assert not bad["ok"] and "2.000x" in bad["why"]
     warm = kernel_io.cross_check(50 << 20, {"read_bytes": 0, "rchar": 50 << 20})  # cache not dropped
     assert warm["ok"] and warm["source"].startswith("rchar")
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["cached", "direct"])
+def test_fresh_floor_reads_every_byte_each_way(tmp_path, direct):
+    """Each way of the restore's fresh-memory floor (1, 2 or 4 threads; 4 KiB or huge pages;
+    cached or O_DIRECT) holds every file's bytes at the end: a partial last block, whole blocks,
+    less than a block, an empty file."""
+    paths = _files(tmp_path, [(9 << 20) + 123, 8192, 777, 0, 5 << 20])
+    if direct and not direct_supported(str(tmp_path)):
+        pytest.skip("this filesystem refuses O_DIRECT (the floor says so and stops)")
+    want = [open(p, "rb").read() for p in paths]
+    for threads in restore_floor.FLOOR_THREADS:
+        for pages in restore_floor.FLOOR_PAGES:
+            secs, held = restore_floor.fresh_read(paths, threads, pages, direct)
+            assert secs > 0 and [b.tobytes() for b in held] == want, (threads, pages)
+            assert all(b.ctypes.data % 4096 == 0 for b in held if b.size)
+
+
+def test_fresh_floor_stops_on_a_missing_file(tmp_path):
+    paths = _files(tmp_path, [4096, 4096])
+    os.remove(paths[1])
+    with pytest.raises(FileNotFoundError):
+        restore_floor.fresh_read(paths, 2, "small", False)
+
+
+def test_fresh_floor_takes_the_fastest_way_each_in_its_own_process(tmp_path):
+    paths = _files(tmp_path, [1 << 20, 12345])
+    ways = restore_floor.fresh_floor_ways(paths, direct=False)
+    assert set(ways) == {(t, p) for t in restore_floor.FLOOR_THREADS for p in restore_floor.FLOOR_PAGES}
+    assert restore_floor.fresh_read_floor(paths) > 0
+    seen = restore_floor.WAYS_SEEN[-1]
+    assert seen["direct"] is False and len(seen["seconds"]) == len(ways)
