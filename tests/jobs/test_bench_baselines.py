@@ -98,3 +98,5 @@ def test_fresh_floor_takes_the_fastest_way_each_in_its_own_process(tmp_path):
     assert restore_floor.fresh_read_floor(paths) > 0
     seen = restore_floor.WAYS_SEEN[-1]
     assert seen["direct"] is False and len(seen["seconds"]) == len(ways)
+    small = restore_floor.small_pages_floors(direct=False)[-1]
+    assert small == min(v for k, v in seen["seconds"].items() if k.endswith("small pages"))
