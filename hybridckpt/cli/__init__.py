@@ -181,8 +181,10 @@ def run() -> None:
     _install(_ON_INTERRUPT)
     from hybridckpt.cli.profile import own_process
     from hybridckpt.io import interrupts  # noqa: F401 - loaded before any signal needs it
+    from hybridckpt.io.gc_pause import freeze_after_loading
 
     own_process()  # (an account of its time covers the process from its start: `cli.profile`)
+    freeze_after_loading()  # this process lives for one command: the objects of its modules frozen once loaded
 
     try:
         code = main()

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridckpt.io import byte_source, timing
+from hybridckpt.io.gc_pause import loading_modules
 
 Progress = Callable[[str, int], None]  # (tensor name, bytes) after each tensor
 
@@ -111,7 +112,7 @@ def run(src: str | os.PathLike, out: str | os.PathLike, job: ExportJob) -> Expor
 
 @timing.accounted
 def _run(src: str | os.PathLike, out: str | os.PathLike, job: ExportJob) -> ExportSummary:
-    with timing.stage("start"):  # the modules a first job loads
+    with timing.stage("start"), loading_modules():  # the modules a first job loads (`io.gc_pause`)
         from hybridckpt.formats import registry
         from hybridckpt.jobs.open import open_checkpoint
         from hybridckpt.lazy import parallel

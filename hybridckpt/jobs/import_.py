@@ -26,6 +26,7 @@ import numpy as np
 from hybridckpt import lazy
 from hybridckpt.containers.orbax.keys import NAMES_KEY
 from hybridckpt.io import byte_source, timing
+from hybridckpt.io.gc_pause import loading_modules
 from hybridckpt.io.remote import ranged
 from hybridckpt.naming import flatten, nest
 
@@ -231,7 +232,8 @@ def import_checkpoint(
     # JAX (and Orbax, TensorStore) only now: a source, destination, mesh or codec refused above is
     # said without loading them (the CLI's usage errors end in a fraction of JAX's import time)
     loading = time.perf_counter()
-    with timing.stage("start"):  # the modules a first job loads (JAX, Orbax, TensorStore)
+    # (the cyclic GC off while they load, and their objects frozen after in the CLI: `io.gc_pause`)
+    with timing.stage("start"), loading_modules():  # the modules a first job loads (JAX, Orbax, TensorStore)
         import jax
 
         from hybridckpt import models
