@@ -100,3 +100,38 @@ def test_fresh_floor_takes_the_fastest_way_each_in_its_own_process(tmp_path):
     assert seen["direct"] is False and len(seen["seconds"]) == len(ways)
     small = restore_floor.small_pages_floors(direct=False)[-1]
     assert small == min(v for k, v in seen["seconds"].items() if k.endswith("small pages"))
+
+
+def test_a_restores_seconds_leave_out_the_modules_it_loads_on_first_use(tmp_path):
+    """`restore_floor.child` times a restore after `load_restore_modules`: a restore of params
+    and AdamW state then loads no module of JAX, optax, Orbax, TensorStore or the library (the
+    ninth and tenth stops' restores counted optax's import, ~32 ms)."""
+    import json
+    import subprocess
+
+    from hybridckpt.demo import sample_path
+    from hybridckpt.jobs.import_ import import_checkpoint
+
+    ck = str(tmp_path / "ck")
+    import_checkpoint(sample_path(), ck, mesh="fsdp=2")  # (params and AdamW moments)
+    code = f"""
+import json, sys
+sys.path.insert(0, {os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")!r})
+import restore_floor
+restore_floor._devices()
+if sys.argv[1] == "loaded":
+    restore_floor.load_restore_modules()
+import hybridckpt
+before = set(sys.modules)
+_, r = hybridckpt.restore({ck!r}, "fsdp=1")
+assert r.opt_state is not None
+heavy = ("jax", "jaxlib", "optax", "orbax", "tensorstore", "hybridckpt", "flax", "models")
+print(json.dumps(sorted(m for m in set(sys.modules) - before if m.split(".")[0] in heavy)))
+"""
+    got = {}
+    for how in ("loaded", "bare"):
+        out = subprocess.run([sys.executable, "-c", code, how], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-3000:]
+        got[how] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["loaded"] == [], got["loaded"]
+    assert any(m.startswith("optax") for m in got["bare"]), got["bare"]  # what the preload takes out of the timing
