@@ -44,7 +44,7 @@ from hybridckpt.store.orbax_io import (
     as_shape_dtype,
     check_tree,
     handler_registry,
-    item_metadata,
+    items_metadata,
     read_json,
     resolve_step,
     restore_partial,
@@ -227,9 +227,12 @@ class CheckpointStore:
         if bucket_restore.in_bucket(str(self.directory)):
             opened = self._bucket_item(step, item)
             return None if opened is None else opened.tree
-        key = (step, item)  # (a restore asks for the params' twice: its plan, then the restore itself)
-        if key not in self._metadata:
-            self._metadata[key] = _unwrapped(where, f"the metadata of {item}", lambda: item_metadata(self._manager, step, item))
+        key = (step, item)  # (a restore asks for the params' twice, and the optimizer state's: read once)
+        if key not in self._metadata:  # every item of the step at once: Orbax reads them all for any one
+            trees = _unwrapped(where, f"the metadata of {item}", lambda: items_metadata(self._manager, step))
+            for name, tree in trees.items():
+                self._metadata.setdefault((step, name), tree)
+            self._metadata.setdefault(key, None)
         return self._metadata[key]
 
     def _bucket_item(self, step: int, item: str) -> bucket_restore.BucketItem | None:

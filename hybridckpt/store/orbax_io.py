@@ -139,11 +139,21 @@ def resolve_step(manager: ocp.CheckpointManager, step: int | None) -> int:
     return int(step)
 
 
+def items_metadata(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
+    """Every item's saved tree of Orbax ArrayMetadata in `step` (item name -> tree; an item
+    without a tree is left out). One read of the step's metadata: Orbax's `metadata(step)` reads
+    every item's each time it is called (20-30 ms on the 2-core VM for a store's params, AdamW state
+    and trainer state), so a caller that wants two items asks once (`CheckpointStore`)."""
+    meta = manager.metadata(step).item_metadata
+    if meta is None:
+        return {}
+    trees = {name: meta.get(name) for name in meta}
+    return {name: t.tree for name, t in trees.items() if t is not None and hasattr(t, "tree")}
+
+
 def item_metadata(manager: ocp.CheckpointManager, step: int, item: str) -> Any | None:
     """The saved tree of Orbax ArrayMetadata for `item`, or None when the step lacks it."""
-    meta = manager.metadata(step).item_metadata
-    tree = meta.get(item) if meta is not None and item in meta else None
-    return None if tree is None else tree.tree
+    return items_metadata(manager, step).get(item)
 
 
 def as_shape_dtype(meta_tree: Any) -> Any:
