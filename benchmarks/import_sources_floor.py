@@ -227,17 +227,13 @@ def run_import(src: str, dst: str, cfg: str | None, tree: str | None = None) -> 
 def restore_child(ck: str) -> dict:
     """One restore onto RESTORE_MESH in this process, params and optimizer state, every array
     blocked on: its seconds (modules loaded before), the bytes read, the account."""
-    restore_floor._devices()
+    restore_floor.load_restore_modules()  # (what a restore loads on first use: not its seconds)
     import jax
 
     import hybridckpt
-    import hybridckpt.jobs.restore
-    import hybridckpt.place  # noqa: F401  (what a restore loads on first use: not its seconds)
     from hybridckpt.io.byte_source import count_reads
     from hybridckpt.io.read_tally import tally
-    from hybridckpt.models.family import families
 
-    families()
     t1 = time.perf_counter()
     with count_reads() as counter:
         _, r = hybridckpt.restore(ck, RESTORE_MESH, profile=True)
