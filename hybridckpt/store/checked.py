@@ -437,8 +437,9 @@ def read_tree(step_dir: str, item: str, target, state: Mapping, *, verify: bool 
     from hybridckpt.lazy.parallel import io_threads
 
     # (a scratch piece or a chunk being cut a reader thread, and as many chunks kept for the pieces
-    # other threads cut from them next; emptied after each array: no free buffer outlives its sizes)
-    scratch = AlignedPool(2 * io_threads() * SCRATCH_PIECE_BYTES)
+    # other threads cut from them next; each up to SCRATCH_PIECE_BYTES lent a buffer of that size,
+    # reused array after array; larger ones dropped after their array: `io.aligned_pool`'s `unit`)
+    scratch = AlignedPool(2 * io_threads() * SCRATCH_PIECE_BYTES, unit=SCRATCH_PIECE_BYTES)
 
     def place(path, leaf):
         key = leaf_key(path)
@@ -451,17 +452,20 @@ def read_tree(step_dir: str, item: str, target, state: Mapping, *, verify: bool 
                           with_checksum=False)
         if isinstance(t, CheckedArray):
             t.release()  # (the rest of chunks cut for another process's devices)
-            scratch.clear()
+            scratch.trim()
         return arr
 
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(PLACED_AT_ONCE, thread_name_prefix="hybridckpt-place") as placing:
-        futures = [placing.submit(place, path, leaf) for path, leaf in flat]
-        try:
-            leaves = [f.result() for f in futures]
-        except BaseException:  # (the first error in leaf order; arrays not begun are not read)
-            for f in futures:
-                f.cancel()
-            raise
+    try:
+        with ThreadPoolExecutor(PLACED_AT_ONCE, thread_name_prefix="hybridckpt-place") as placing:
+            futures = [placing.submit(place, path, leaf) for path, leaf in flat]
+            try:
+                leaves = [f.result() for f in futures]
+            except BaseException:  # (the first error in leaf order; arrays not begun are not read)
+                for f in futures:
+                    f.cancel()
+                raise
+    finally:
+        scratch.clear()
     return jax.tree_util.tree_unflatten(treedef, leaves)

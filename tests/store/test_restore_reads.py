@@ -320,12 +320,13 @@ def test_a_piece_of_a_chunk_cut_on_its_first_axis_is_read_without_a_chunk_buffer
         pieces += halves
         assert counts["buffers"][name] == 0 and counts["row_crcs"][name] == 0, (name, counts)
         assert counts["crcs"][name] == counts["copies"][name] == halves, (name, counts)
-    # the pool's buffers are made under whichever array's piece first needs one and reused by the
-    # next pieces of any array (so the three arrays' own count can be 0 when others made them):
-    # at most one a reader thread and array, in all, and fewer than the pieces
+    # the pool's buffers (each SCRATCH_PIECE_BYTES: any serves any piece) are made under whichever
+    # array's piece first needs one and reused by the next pieces of every array, so the three
+    # arrays' own count can be 0: in all, at most what the pool's limit holds (2 a reader thread;
+    # before `unit`, matched within 2x and emptied after each array: 30-37 here for 9 arrays)
     lent = sum(counts["lent"][name] for name in FIRST_AXIS_CUT)
     lent_all = sum(counts["lent"].values())
-    assert 0 < lent_all <= 8 * len(naming.flatten(r.params)) and lent < pieces, counts["lent"]
+    assert 0 < lent_all <= 2 * parallel.io_threads() and lent < pieces, counts["lent"]
     assert 8 * len(FIRST_AXIS_CUT) < pieces or jax.device_count() < 4  # (2 devices: 24 pieces, the bound alone)
     assert needed <= read <= 1.05 * needed
     assert r.profile.stage("checksum").bytes == needed
