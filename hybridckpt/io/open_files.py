@@ -46,8 +46,7 @@ def fd(path: str) -> int:
     mine, st = open_regular_stat(path)  # a regular file: never a FIFO (would block) or a device
     with _lock:
         if path not in _fds:
-            _fds[path] = mine
-            _opened[path] = Seen.of(st)
+            _cache(path, mine, st)
             for seen in _watches:
                 seen.setdefault(path, _opened[path])
             return mine
@@ -55,12 +54,16 @@ def fd(path: str) -> int:
     return fd(path)
 
 
-def _open(path: str) -> int:
-    """Open `path`, cache its fd and what it is (one fstat; call under `_lock`)."""
-    fd, st = open_regular_stat(path)  # a regular file: never a FIFO (would block) or a device
+def _cache(path: str, fd: int, st: os.stat_result) -> int:
+    """Cache `fd` as `path`'s descriptor, with what the file was at open (call under `_lock`)."""
     _fds[path] = fd
     _opened[path] = Seen.of(st)
     return fd
+
+
+def _open(path: str) -> int:
+    """Open `path`, cache its fd and what it is (one fstat; call under `_lock`)."""
+    return _cache(path, *open_regular_stat(path))  # a regular file: never a FIFO (would block) or a device
 
 
 def _first_read_in_job(path: str, fd: int, seen: dict[str, Seen]) -> int:

@@ -147,8 +147,7 @@ def items_metadata(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
     meta = manager.metadata(step).item_metadata
     if meta is None:
         return {}
-    trees = {name: meta.get(name) for name in meta}
-    return {name: t.tree for name, t in trees.items() if t is not None and hasattr(t, "tree")}
+    return {name: t.tree for name in meta if (t := meta.get(name)) is not None and hasattr(t, "tree")}
 
 
 def item_metadata(manager: ocp.CheckpointManager, step: int, item: str) -> Any | None:
