@@ -63,6 +63,7 @@ from hybridckpt.lazy.box import (
     full_box,
     grid_boxes,
     normalize_box,
+    one_run,
     shape_problem,
 )
 from hybridckpt.lazy.constructors import (
@@ -96,6 +97,7 @@ __all__ = [
     "full_box",
     "grid_boxes",
     "normalize_box",
+    "one_run",
     "shape_problem",
     # the protocol and file runs
     "FileRun",

@@ -239,6 +239,12 @@ class ChunkGrid(Tiled):
                 dst = tuple(slice(o + s - a, o + e - a) for (s, e), o, (a, _) in zip(sub, offs, box, strict=True))
                 block.read_into(sub, out[dst])
 
+    def chunk_file(self, pos: int) -> tuple[ByteSource, int] | None:
+        """(file, byte offset) of the raw C-order bytes of the chunk at grid position `pos` (C
+        order), or None for a chunk kept inline in the index."""
+        block = self.pieces[pos][1]
+        return (block.source, block.offset) if isinstance(block, StoredTensor) else None
+
 
 def scalar_int(t: LazyTensor, name: str, where: str) -> int:
     """The value of a step counter leaf (`step`, Adam's `count`): a CheckpointError unless it is
