@@ -28,7 +28,7 @@ from hybridckpt.lazy.element_copy import copy_into
 
 class FileRun(NamedTuple):
     """`nbytes` bytes at byte `offset` of `source`: a contiguous piece of a tensor's C-order bytes.
-    `check`, where the bytes are our store's (`store.checked.RunCheck`), must be fed the bytes
+    `check`, where the bytes are our store's (`store.checked_runs.RunCheck`), must be fed the bytes
     (`check.feed(view)`) by whoever copies them, in order: it compares their CRC-32 with the one
     recorded at import once a chunk's last byte has passed."""
 

@@ -61,8 +61,9 @@ def copy_into(out: np.ndarray, src: np.ndarray) -> None:
     if planned():
         np.broadcast_shapes(src.shape, out.shape)
         return
-    if out.ndim < 2 or too_small(out) or src.shape != out.shape:
-        np.copyto(out, src, casting="unsafe")
+    if out.ndim < 2 or src.shape != out.shape or too_small(out) or (
+            out.shape[-1] > 1 and out.strides[-1] == out.itemsize and src.strides[-1] == src.itemsize):
+        np.copyto(out, src, casting="unsafe")  # (numpy's own: small, or rows to rows)
         return
     a, b = fastest_axis(out), fastest_axis(src)
     if a == b:

@@ -23,7 +23,7 @@ no byte of it reaches a caller unchecked:
   A dry read (`io.byte_source.planning`: an import sizing its tiles) is counted as the real one
   would be and leaves nothing behind: no buffer kept, no chunk marked checked.
 - `file_runs(box, limit)`: an export that copies stored bytes file to file gets runs that carry
-  a `RunCheck` per chunk; the copier feeds it the bytes as they pass (into its write buffer, or
+  a `RunCheck` (`store.checked_runs`) per chunk; the copier feeds it the bytes as they pass (into its write buffer, or
   read back where the kernel copied them) and the CRC is compared when a chunk's last byte has
   passed. Only boxes of whole chunks are offered as runs.
 
@@ -50,7 +50,7 @@ from hybridckpt.io.aligned_pool import AlignedPool
 from hybridckpt.io.byte_source import planned
 from hybridckpt.lazy import Box, FileRun, LazyTensor, box_shape, copy_into, one_run
 from hybridckpt.lazy.stored import SCATTER_ROW_BYTES, row_bytes, row_views
-from hybridckpt.store.checked_runs import assign
+from hybridckpt.store.checked_runs import RunCheck, assign
 from hybridckpt.store.held_chunks import (
     HELD_BYTES,  # (passed at each `keep`: a test lowers it here)
 )
@@ -80,24 +80,6 @@ def has_crc_tables(state: Mapping, where: str) -> bool:
         cli=f"{where}: trainer_state[{CRC_TABLES!r}] (the CRC-32 of every stored chunk) {found}: the store's records "
         f"were changed; its reads cannot be checked (--no-verify-reads reads it unchecked)",
     )
-
-
-class RunCheck:
-    """The CRC-32 of one chunk, fed run by run in C order (`feed`); compared once all of the
-    chunk's `nbytes` have passed."""
-
-    def __init__(self, array: CheckedArray, index: int, nbytes: int):
-        self.array, self.index, self.nbytes = array, index, nbytes
-        self.crc, self.fed = 0, 0
-        self._lock = threading.Lock()
-
-    def feed(self, view) -> None:
-        view = memoryview(view).cast("B")
-        with self._lock:
-            self.crc = checksum.crc32_update(view, self.crc)
-            self.fed += len(view)
-            if self.fed == self.nbytes:
-                self.array.compare(self.index, self.crc)
 
 
 SCRATCH_PIECE_BYTES = 8 << 20  # `direct` pieces up to this are read into a lent buffer, then copied
@@ -215,10 +197,10 @@ class CheckedArray(LazyTensor):
             if first:
                 self.inner.read_box(cbox)
             return True
-        piece = tuple(slice(s - a, e - a) for (s, e), (a, _) in zip(sub, cbox, strict=True)) or ...
-        elements = math.prod(box_shape(sub))
         if self.direct and self._direct_piece(pos, cbox, sub, dst):
             return True
+        piece = tuple(slice(s - a, e - a) for (s, e), (a, _) in zip(sub, cbox, strict=True)) or ...
+        elements = math.prod(box_shape(sub))
         while True:
             with self._lock:
                 held = self._held.take(pos, elements)
@@ -301,7 +283,8 @@ class CheckedArray(LazyTensor):
                 for row in row_views(dst):
                     crc = checksum.crc32_update(row, crc)
         else:
-            with self.scratch.lend(dst.shape, dst.dtype) as tmp:
+            tmp, give = self.scratch.borrow(dst.shape, dst.dtype)
+            try:
                 where = self._chunk_file(pos, shape)
                 if where is None:
                     self.inner.read_into(sub, tmp)
@@ -310,10 +293,12 @@ class CheckedArray(LazyTensor):
                 crc = _crc(tmp)
                 with timing.stage("cut"):
                     copy_into(dst, tmp)
+            finally:
+                give()
         with self._lock:
             landed = self._landed.setdefault(pos, {})
             landed[start * item] = (dst.size * item, crc)
-            whole = checksum.crc32_of_pieces(landed, int(np.prod(box_shape(cbox))) * item)
+            whole = checksum.crc32_of_pieces(landed, math.prod(shape) * item)
             if whole is not None:
                 del self._landed[pos]
         if whole is not None:

@@ -4,9 +4,30 @@ its chunk's CRC-32 check (`store.checked.CheckedArray.file_runs`): the bytes a c
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
+from hybridckpt import checksum
 from hybridckpt.lazy import Box, FileRun, box_shape
+
+
+class RunCheck:
+    """The CRC-32 of chunk `index` of `array` (a `store.checked.CheckedArray`), fed run by run in
+    C order (`feed`); compared (`array.compare`) once all of the chunk's `nbytes` have passed."""
+
+    def __init__(self, array, index: int, nbytes: int):
+        self.array, self.index, self.nbytes = array, index, nbytes
+        self.crc, self.fed = 0, 0
+        self._lock = threading.Lock()
+
+    def feed(self, view) -> None:
+        view = memoryview(view).cast("B")
+        with self._lock:
+            self.crc = checksum.crc32_update(view, self.crc)
+            self.fed += len(view)
+            if self.fed == self.nbytes:
+                self.array.compare(self.index, self.crc)
 
 
 def assign(array, box: Box, chunks, runs: list[FileRun]) -> list[FileRun] | None:
