@@ -94,9 +94,9 @@ def needed_bytes(ck: str, params) -> tuple[int, int]:
     return total, cut
 
 
-def restore_counted(ck: str, mesh: str):
+def restore_counted(ck: str, mesh: str, **kw):
     with count_reads() as counter:
-        cfg, r = hybridckpt.restore(ck, mesh, profile=True)
+        cfg, r = hybridckpt.restore(ck, mesh, profile=True, **kw)
     return cfg, r, tally(counter)[0]
 
 
