@@ -156,7 +156,7 @@ class CheckpointStore:
             enable_async_checkpointing=async_save,
             create=True,
         )
-        self._bucket_items: dict[tuple[int, str], bucket_restore.BucketItem | None] = {}
+        self._own_items: dict[tuple[int, str], bucket_restore.BucketItem | None] = {}
         self._metadata: dict[tuple[int, str], Any] = {}  # (step, item) -> Orbax's metadata tree, read once
         self._states: dict[int, dict] = {}  # step -> its trainer state, read once (callers get copies)
         self._manager = ocp.CheckpointManager(
@@ -226,7 +226,7 @@ class CheckpointStore:
         else Orbax's (`_item_metadata`; a leaf only Orbax reads). The trees are equal where both
         read it (tests/store/test_bucket_restore.py); ours skips Orbax's metadata pass over every
         item of the step (10-20 ms of a restore's serial start on the 2-core VM, issue 42)."""
-        opened = self._bucket_item(step, item)
+        opened = self._own_item(step, item)
         return opened.tree if opened is not None else self._item_metadata(step, item)
 
     def _item_metadata(self, step: int, item: str) -> Any:
@@ -235,7 +235,7 @@ class CheckpointStore:
         Orbax would read the view's placeholders)."""
         where = f"{self.directory}/{step}"
         if bucket_restore.in_bucket(str(self.directory)):
-            opened = self._bucket_item(step, item)
+            opened = self._own_item(step, item)
             return None if opened is None else opened.tree
         key = (step, item)  # (a restore asks for the params' twice, and the optimizer state's: read once)
         if key not in self._metadata:  # every item of the step at once: Orbax reads them all for any one
@@ -245,24 +245,24 @@ class CheckpointStore:
             self._metadata.setdefault(key, None)
         return self._metadata[key]
 
-    def _bucket_item(self, step: int, item: str) -> bucket_restore.BucketItem | None:
+    def _own_item(self, step: int, item: str) -> bucket_restore.BucketItem | None:
         """`item` of `step` opened by our reader once for this store's metadata and restores (in
         a bucket: its OCDBT index and arrays' metadata read from the bucket once). None where the
         step lacks it, and for a local item our reader refuses (a leaf only Orbax reads, or
         metadata it finds wrong: Orbax then reads it, or names what is wrong its own way)."""
         key = (step, item)
-        if key not in self._bucket_items:
+        if key not in self._own_items:
             try:
-                self._bucket_items[key] = bucket_restore.open_item(os.path.join(f"{self.directory}/{step}", item))
+                self._own_items[key] = bucket_restore.open_item(os.path.join(f"{self.directory}/{step}", item))
             except CheckpointError:
                 if bucket_restore.in_bucket(str(self.directory)):
                     raise
-                self._bucket_items[key] = None
-        return self._bucket_items[key]
+                self._own_items[key] = None
+        return self._own_items[key]
 
     def _opened(self, step: int, item: str) -> dict | None:
         """The arrays of `item` as opened for its metadata (a store in a bucket), else None."""
-        opened = self._bucket_items.get((step, item))
+        opened = self._own_items.get((step, item))
         return None if opened is None else opened.arrays
 
     # -- save
@@ -324,7 +324,7 @@ class CheckpointStore:
         if not force and not self._manager.should_save(step):
             return False
         self._metadata.clear()  # (a step the policy removes may be saved again under its number)
-        self._bucket_items.clear()
+        self._own_items.clear()
         self._states.clear()
         state = self._trainer_json(step, params, trainer_state)
         _check_item(params, f"{self.directory}/{step}/{PARAMS}")
