@@ -261,7 +261,7 @@ class CheckpointStore:
         return self._own_items[key]
 
     def _opened(self, step: int, item: str) -> dict | None:
-        """The arrays of `item` as opened for its metadata (a store in a bucket), else None."""
+        """The arrays of `item` as our reader opened them for its metadata (`_own_item`), else None."""
         opened = self._own_items.get((step, item))
         return None if opened is None else opened.arrays
 
