@@ -317,9 +317,7 @@ class CheckedArray(LazyTensor):
         """(file, byte offset) of stored chunk `pos` (shape `shape`) where the chunk files lie on
         this array's CRC grid; else None (read through `inner`, which finds the chunks a box meets)."""
         raw = self._raw_chunks()
-        if getattr(raw, "chunk", None) != self.chunk or tuple(raw.pieces[pos][1].shape) != shape:
-            return None
-        return raw.chunk_file(pos)
+        return raw.chunk_file(pos, shape) if getattr(raw, "chunk", None) == self.chunk else None
 
     def release(self) -> None:
         """Give back the chunk bytes kept for pieces not read (another process's devices hold

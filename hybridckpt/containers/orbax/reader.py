@@ -239,11 +239,15 @@ class ChunkGrid(Tiled):
                 dst = tuple(slice(o + s - a, o + e - a) for (s, e), o, (a, _) in zip(sub, offs, box, strict=True))
                 block.read_into(sub, out[dst])
 
-    def chunk_file(self, pos: int) -> tuple[ByteSource, int] | None:
+    def chunk_file(self, pos: int, shape: tuple[int, ...]) -> tuple[ByteSource, int] | None:
         """(file, byte offset) of the raw C-order bytes of the chunk at grid position `pos` (C
-        order), or None for a chunk kept inline in the index."""
+        order) when they are `shape` (its box in the array), or None: a chunk kept inline in the
+        index, or an edge chunk stored padded to the full chunk shape (its rows are longer than
+        the box's, so a run of the box is not a run of the file)."""
         block = self.pieces[pos][1]
-        return (block.source, block.offset) if isinstance(block, StoredTensor) else None
+        if not isinstance(block, StoredTensor) or tuple(block.shape) != tuple(shape):
+            return None
+        return block.source, block.offset
 
 
 def scalar_int(t: LazyTensor, name: str, where: str) -> int:
