@@ -39,9 +39,11 @@ seconds, peak RSS, the busy seconds of each stage of its median run).
 
 `--restore SOURCE` (default `dcp`; `none`: skip): the last import of that source (on fsdp=2,tp=2)
 restored onto fsdp=4 (`hybridckpt.restore(ck, "fsdp=4", profile=True)`, params and optimizer
-state, every array blocked on), `--repeat` rounds warm then cold alternating, against
-`restore_floor`'s floors of exactly its chunk files: warm `cat` and pread into fresh buffers,
-cold O_DIRECT reads (the pages dropped with `POSIX_FADV_DONTNEED`).
+state, every array blocked on), `--repeat` rounds warm then cold alternating, against the floors
+of exactly its chunk files measured in the same round: warm `cat`, cold O_DIRECT reads into one
+reused buffer (the pages dropped with `POSIX_FADV_DONTNEED`), and both kinds' reads into fresh
+memory (`fresh_floors`: the strict floor, the fastest way, and the 4 KiB-page floor, each way and
+the restore in its own process after the same preparation, the restore's place turned each round).
 Prints one table row per source and a JSON line. Records: docs/benchmarks.md "Sources of 4 GiB
 made by the tools (issue 42)".
 """
@@ -68,6 +70,7 @@ sys.path.insert(0, BENCH)
 
 import consolidate_dcp  # noqa: E402
 import floors  # noqa: E402
+import fresh_floors  # noqa: E402
 import import_dcp_floor  # noqa: E402
 import restore_floor  # noqa: E402
 from consolidate_dcp import FFN, HIDDEN, VOCAB  # noqa: E402
@@ -227,7 +230,7 @@ def run_import(src: str, dst: str, cfg: str | None, tree: str | None = None) -> 
 def restore_child(ck: str) -> dict:
     """One restore onto RESTORE_MESH in this process, params and optimizer state, every array
     blocked on: its seconds (modules loaded before), the bytes read, the account."""
-    restore_floor.load_restore_modules()  # (what a restore loads on first use: not its seconds)
+    fresh_floors.load_restore_modules()  # (what a restore loads on first use: not its seconds)
     import jax
 
     import hybridckpt
@@ -330,34 +333,45 @@ def bench_import(kind: str, base: str, gib: float, repeat: int, keep_ck: bool, q
 
 
 def bench_restore(ck: str, repeat: int, quiet: bool) -> dict:
+    """Restores of `ck` onto RESTORE_MESH, warm and cold, `repeat` rounds each, against the
+    floors of the same round: warm `cat`, cold O_DIRECT reads into one reused buffer, and both
+    kinds' fresh-memory ways (`fresh_floors.measured_round`: the restore among them, each in its
+    own process after the same preparation, its place turned each round); medians."""
     files = restore_floor.chunk_files(ck)
     stored = sum(os.path.getsize(p) for p in files)
-    runs: dict[str, list] = {k: [] for k in ("warm", "cold", "cat", "fresh", "direct")}
+    runs: dict[str, list] = {k: [] for k in ("warm", "cold", "cat", "fresh", "fresh_small", "direct", "direct_fresh",
+                                             "direct_fresh_small")}
     run_restore(ck)  # a warm-up, not counted
     for i in range(repeat):
         for kind in ("warm", "cold") if i % 2 == 0 else ("cold", "warm"):
             if kind == "warm":
                 floors.read_floor(files)
                 runs["cat"].append(floors.read_floor(files))
-                runs["fresh"].append(restore_floor.fresh_read_floor(files))
-                runs["warm"].append(run_restore(ck))
             else:
-                restore_floor.drop_pages(files)
+                fresh_floors.drop_pages(files)
                 runs["direct"].append(restore_floor.direct_read_floor(files))
-                restore_floor.drop_pages(files)
-                runs["cold"].append(run_restore(ck))
+            got, ways = fresh_floors.measured_round(files, direct=kind == "cold", turn=i, restore=lambda: run_restore(ck))
+            fresh = "fresh" if kind == "warm" else "direct_fresh"
+            runs[kind].append(got)
+            runs[fresh].append(fresh_floors.fastest(ways))
+            runs[fresh + "_small"].append(fresh_floors.fastest_small(ways))
     med = {k: statistics.median(r["job_s"] if isinstance(r, dict) else r for r in v) for k, v in runs.items()}
     row = {"mesh": f"{IMPORT_MESH} -> {RESTORE_MESH}", "stored_bytes": stored, "chunk_files": len(files),
            "warm_s": round(med["warm"], 3), "cold_s": round(med["cold"], 3),
            "floor_cat_s": round(med["cat"], 3), "floor_fresh_s": round(med["fresh"], 3),
-           "floor_direct_s": round(med["direct"], 3),
+           "floor_fresh_small_s": round(med["fresh_small"], 3), "floor_direct_s": round(med["direct"], 3),
+           "floor_direct_fresh_s": round(med["direct_fresh"], 3),
+           "floor_direct_fresh_small_s": round(med["direct_fresh_small"], 3),
            "warm_over_cat": round(med["warm"] / med["cat"], 2), "warm_over_fresh": round(med["warm"] / med["fresh"], 2),
+           "warm_over_fresh_small": round(med["warm"] / med["fresh_small"], 2),
            "cold_over_direct": round(med["cold"] / med["direct"], 2),
+           "cold_over_direct_fresh": round(med["cold"] / med["direct_fresh"], 2),
+           "cold_over_direct_fresh_small": round(med["cold"] / med["direct_fresh_small"], 2),
            "read_over_stored": round(statistics.median(r["read_bytes"] for r in runs["warm"]) / stored, 4),
            "placed_bytes": runs["warm"][0]["placed_bytes"],
            "peak_rss_mib": round(max(r["peak_rss_mib"] for r in runs["warm"] + runs["cold"])),
            "runs_s": {k: [round(r["job_s"] if isinstance(r, dict) else r, 3) for r in v] for k, v in runs.items()},
-           "floor_fresh_ways": restore_floor.WAYS_SEEN[-repeat:],
+           "floor_fresh_ways": fresh_floors.WAYS_SEEN[-2 * repeat:],
            "load_avg": [round(x, 2) for x in os.getloadavg()]}
     if not quiet:
         from hybridckpt.cli.profile import profile_lines
@@ -384,8 +398,11 @@ def table(rows: list[dict], restore: dict | None, restored: str | None) -> str:
     if restore:
         out.append(f"\nrestore of the {restored} import {restore['mesh']} ({restore['stored_bytes'] / 2**30:.2f} GiB): "
                    f"warm {restore['warm_s']} s ({restore['warm_over_cat']}x cat {restore['floor_cat_s']} s, "
-                   f"{restore['warm_over_fresh']}x fresh buffers {restore['floor_fresh_s']} s); cold "
-                   f"{restore['cold_s']} s ({restore['cold_over_direct']}x O_DIRECT {restore['floor_direct_s']} s); "
+                   f"{restore['warm_over_fresh']}x fresh memory {restore['floor_fresh_s']} s, "
+                   f"{restore['warm_over_fresh_small']}x its 4 KiB pages {restore['floor_fresh_small_s']} s); cold "
+                   f"{restore['cold_s']} s ({restore['cold_over_direct']}x O_DIRECT {restore['floor_direct_s']} s, "
+                   f"{restore['cold_over_direct_fresh']}x into fresh memory {restore['floor_direct_fresh_s']} s, "
+                   f"{restore['cold_over_direct_fresh_small']}x its 4 KiB pages {restore['floor_direct_fresh_small_s']} s); "
                    f"peak RSS {restore['peak_rss_mib']} MiB")
     return "\n".join(out)
 

@@ -15,22 +15,25 @@ raw chunk files, a CRC-32 per chunk). Then, `--repeat` rounds, the order of the 
 swapped each round:
 
 - warm (page cache holds the chunk files, as after an import that read them back or a restore
-  before): two floors, `cat` of exactly the chunk files the restore needs to /dev/null, and the
-  same files pread into fresh buffers all held to the end (`fresh_read_floor`: the memory a
-  restore's arrays are, faulted in, which `cat` never touches; the fastest of 1, 2 and 4
-  threads, 4 KiB or huge pages, each in a fresh process: `fresh_floor`); the row
-  is `hybridckpt.restore(ck, "fsdp=4", profile=True)` in a fresh process, from the call until
-  every array is on its devices (JAX, Orbax and hybridckpt's modules loaded before it: the
+  before): the floors are `cat` of exactly the chunk files the restore needs to /dev/null, and
+  the same files read into fresh buffers all held to the end (the memory a restore's arrays are,
+  faulted in, which `cat` never touches), each way of `fresh_floors` (1, 2 or 4 threads; 4 KiB
+  pages populated first or faulted in by the read, or huge pages) in its own fresh process;
+  the row is `hybridckpt.restore(ck, "fsdp=4", profile=True)` in a fresh process, from the call
+  until every array is on its devices (JAX, Orbax and hybridckpt's modules loaded before it: the
   process's wall, with them, is reported beside it);
 - cold (those files' pages dropped with `posix_fadvise(POSIX_FADV_DONTNEED)`, which needs no root
-  and touches no other file): the floor is the same bytes read with `O_DIRECT` into 4 KiB-aligned
-  8 MiB buffers, file after file; the row the same restore after the pages are dropped again.
-  Beside it (not the goal's floor) the same reads into fresh buffers all held to the end
-  (`direct_fresh_floor`, as strict as the warm one: `fresh_floor`): what of the restore's
-  distance is the fresh memory its arrays are.
+  and touches no other file): the floors are the same bytes read with `O_DIRECT` into one reused
+  4 KiB-aligned 8 MiB buffer, file after file, and the same fresh-memory ways with O_DIRECT;
+  the row the same restore after the pages are dropped again.
 
-Each fresh-memory floor is also printed for 4 KiB pages alone (`small_pages_floors`), the pages a
-restore's arrays are; huge pages are bimodal on a VM whose balloon reports free memory.
+The restore and the fresh-memory ways of a kind run as one round (`fresh_floors.measured_round`):
+each in its own process with the restore's modules loaded, each after the same preparation
+(warm: the files read once; cold: their pages dropped), the restore's place among the ways turned
+each round, so that no way takes memory the restore has just freed while the restore takes memory
+idle for seconds (on a VM whose balloon reports free memory, the history of a page decides its
+cost: `fresh_floors`). Each kind's rows are against the strict floor (the fastest way) and the
+4 KiB-page floor (the fastest way with the pages a restore's arrays are).
 
 fsdp=2,tp=2 -> fsdp=4 cuts every stored chunk in two (each device needs half the rows of two
 chunks), the case where a CRC-checked read could read a chunk more than once. Prints per kind the
@@ -59,7 +62,16 @@ HERE = os.path.abspath(__file__)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import floors  # noqa: E402
-import numpy as np  # noqa: E402
+from fresh_floors import (  # noqa: E402
+    WAYS_SEEN,
+    direct_fresh_floor,
+    drop_pages,
+    fastest,
+    fastest_small,
+    fresh_read_floor,
+    load_restore_modules,
+    measured_round,
+)
 from orbax_speed import hf_layers  # noqa: E402
 
 IMPORT_MESH, RESTORE_MESH = "fsdp=2,tp=2", "fsdp=4"
@@ -67,24 +79,9 @@ CHUNK_FILE = re.compile(r"^\d+(\.\d+)*$")  # a raw chunk file: its grid position
 BLOCK = 8 << 20
 
 
-def _devices() -> None:
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    os.environ["JAX_PLATFORMS"] = "cpu"
-
-
 def chunk_files(ck: str) -> list[str]:
     """The chunk files of every step's params and opt_state (what a restore of it reads)."""
     return sorted(os.path.join(d, f) for d, _, fs in os.walk(ck) for f in fs if CHUNK_FILE.match(f))
-
-
-def drop_pages(paths: list[str]) -> None:
-    """Evict these files' clean pages from the page cache (theirs only: no root, no other file)."""
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def direct_read_floor(paths: list[str]) -> float:
@@ -116,175 +113,10 @@ def direct_read_floor(paths: list[str]) -> float:
     return time.perf_counter() - t0
 
 
-FRESH_WARM = "pread into fresh buffers held, page cache warm (fastest of 1/2/4 threads, 4 KiB or huge pages, a fresh process)"
-FRESH_COLD = "O_DIRECT reads into fresh buffers held (fastest of 1/2/4 threads, 4 KiB or huge pages, a fresh process)"
-FRESH_WARM_SMALL = "pread into fresh buffers held, page cache warm, 4 KiB pages (fastest of 1/2/4 threads, a fresh process)"
-FRESH_COLD_SMALL = "O_DIRECT reads into fresh buffers held, 4 KiB pages (fastest of 1/2/4 threads, a fresh process)"
-FLOOR_THREADS = (1, 2, 4)  # threads a fresh-buffer floor is read with (each whole files): the fastest counts
-FLOOR_PAGES = ("small", "huge")  # 4 KiB pages faulted in by one MADV_POPULATE_WRITE (as a restore's
-# arrays are: `io.page_advice`), or the transparent huge pages numpy asks for: the faster counts
-
-
-def direct_fresh_floor(paths: list[str]) -> float:
-    """Seconds to read `paths` with O_DIRECT into fresh 4 KiB-aligned buffers of their sizes, all
-    kept until the last is read: the cold read floor plus the fresh memory a restore's arrays are
-    (each page allocated and zeroed by the kernel, as `direct_read_floor`'s reused buffer never
-    is). The fastest of `fresh_floor`'s ways (threads, pages), each in a fresh process. The
-    unaligned tail of a file through the page cache."""
-    return fresh_floor(paths, direct=True)
-
-
-def fresh_read_floor(paths: list[str]) -> float:
-    """Seconds to pread `paths` into fresh buffers of their sizes, all kept until the last is
-    read (page cache warm): the bytes in memory the process owns, as a restore's arrays are
-    (`cat` reads into one small buffer the CPU cache holds, and touches no new page). The fastest
-    of `fresh_floor`'s ways (threads, pages), each in a fresh process."""
-    return fresh_floor(paths, direct=False)
-
-
-def fresh_floor(paths: list[str], *, direct: bool) -> float:
-    """The strictest floor of reading `paths` into fresh memory held to the end: the fastest of
-    every way in `FLOOR_THREADS` x `FLOOR_PAGES` (`fresh_floor_ways`)."""
-    ways = fresh_floor_ways(paths, direct=direct)
-    WAYS_SEEN.append({"direct": direct, "seconds": {f"{t} threads, {p} pages": round(s, 3) for (t, p), s in ways.items()}})
-    return min(ways.values())
-
-
-WAYS_SEEN: list[dict] = []  # every `fresh_floor`'s ways, in order (printed with the run's rows)
-
-
-def small_pages_floors(*, direct: bool) -> list[float]:
-    """Per `fresh_floor` measured so far (warm, or with `direct` cold), the fastest of its ways
-    with 4 KiB pages: the pages a restore's arrays are (`io.page_advice`). Huge pages are
-    bimodal on a VM whose balloon reports free memory (cheap on memory freed a moment before,
-    several times dearer on memory reported to the host), which the restore cannot know in
-    advance, so it keeps 4 KiB pages; this floor is the one of that choice, beside the strict
-    one."""
-    return [min(v for k, v in w["seconds"].items() if k.endswith("small pages"))
-            for w in WAYS_SEEN if w["direct"] is direct]
-
-
-def fresh_floor_ways(paths: list[str], *, direct: bool) -> dict[tuple[int, str], float]:
-    """Seconds to read `paths` into fresh memory held to the end, each way of `FLOOR_THREADS` x
-    `FLOOR_PAGES` run in a fresh process (`fresh_read`), as the restore it is compared with is: a
-    process that already freed memory gets it back without the kernel's faults, which no
-    restore's first arrays do (measured, 1.1 GB on the 2-core VM: 0.13 s read by two threads in
-    the process that had just freed the last pass's buffers, 0.43 s in a fresh one). With
-    `direct` the files' pages are dropped before each way (a cold read).
-
-    Several threads are what make this a floor a restore can be held to: on that VM one thread
-    reads and faults in 1.1 GB in 1.22 s cold, two in 0.74 s (one file's pages faulted in while
-    the other's read is in flight), against 0.50 s for the same reads into one reused buffer; the
-    floor before (one thread, in the benchmark's own process) was 1.05 s."""
-    ways = {}
-    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="floor-files-") as f:
-        json.dump(paths, f)
-        f.flush()
-        for threads in FLOOR_THREADS:
-            for pages in FLOOR_PAGES:
-                if direct:
-                    drop_pages(paths)
-                out = subprocess.run([sys.executable, HERE, "--_fresh", f.name, str(threads), pages,
-                                      "direct" if direct else "cached"], check=True, capture_output=True, text=True)
-                ways[threads, pages] = float(out.stdout.strip().splitlines()[-1])
-    return ways
-
-
-def fresh_read(paths: list[str], threads: int, pages: str, direct: bool) -> tuple[float, list[np.ndarray]]:
-    """Seconds for `threads` threads, each taking the next whole file, to read `paths` into fresh
-    4 KiB-aligned buffers of their sizes, all kept until the last is read (and returned, in the
-    order of `paths`); `pages` "small" (4 KiB pages, faulted in by one MADV_POPULATE_WRITE before
-    the read, as a restore does: `io.page_advice`) or "huge" (as numpy allocates: transparent huge
-    pages, faulted in by the read); `direct` reads with O_DIRECT (the unaligned tail of a file
-    through the page cache). The floors call it in a fresh process (`--_fresh`)."""
-    import threading
-
-    from hybridckpt.io import direct_io, page_advice
-
-    if pages not in FLOOR_PAGES:
-        raise ValueError(f"pages={pages!r}: expected one of {FLOOR_PAGES}")
-    held: list = [None] * len(paths)
-    todo = iter(range(len(paths)))
-    lock = threading.Lock()
-    failed: list[BaseException] = []
-
-    def read_one(p: str) -> np.ndarray:
-        n = os.path.getsize(p)
-        whole = n - n % direct_io.DIRECT_ALIGN if direct else n
-        buf = direct_io.aligned_empty((n,), "uint8")
-        if pages == "small":
-            page_advice.no_huge_pages(buf)
-            page_advice.populate(buf)
-        fd = direct_io.open_direct(p, os.O_RDONLY) if direct else os.open(p, os.O_RDONLY)
-        if fd is None:
-            raise SystemExit(f"{p}: the filesystem refused O_DIRECT")
-        try:
-            done = 0
-            while done < whole:
-                got = os.preadv(fd, [memoryview(buf)[done:whole]], done)
-                if got == 0:
-                    raise OSError(f"{p}: short read at {done}")
-                done += got
-        finally:
-            os.close(fd)
-        if n > whole:
-            with open(p, "rb") as f:
-                f.seek(whole)
-                buf[whole:n] = np.frombuffer(f.read(), np.uint8)
-        return buf
-
-    def work() -> None:
-        try:
-            while not failed:
-                with lock:
-                    i = next(todo, None)
-                if i is None:
-                    return
-                held[i] = read_one(paths[i])
-        except BaseException as e:  # (raised by the calling thread)
-            failed.append(e)
-
-    t0 = time.perf_counter()
-    pool = [threading.Thread(target=work) for _ in range(threads)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
-    dt = time.perf_counter() - t0
-    if failed:
-        raise failed[0]
-    return dt, held
-
-
-def load_restore_modules() -> None:
-    """Load what a restore loads on first use, so that a restore's seconds leave it out (a
-    training script that resumes has JAX, optax and the library loaded already): every model
-    family's package (imported on the first config read: ~0.4 s here), and the modules of the
-    optimizer state and the chunk reads (optax alone ~32 ms, ~4-8% of a 1 GB warm restore, was
-    counted in the restores of the ninth and tenth stops). `tests/jobs/test_bench_baselines.py`
-    checks that a restore of params and AdamW state loads nothing of JAX, optax, Orbax or the
-    library after this."""
-    _devices()
-    import jax  # noqa: F401
-    import optax  # noqa: F401
-
-    import hybridckpt  # noqa: F401
-    import hybridckpt.containers.orbax.reader
-    import hybridckpt.formats.orbax_store
-    import hybridckpt.formats.registry
-    import hybridckpt.io.remote.ts_writes
-    import hybridckpt.jobs.restore
-    import hybridckpt.optim.adamw
-    import hybridckpt.optim.index_names
-    import hybridckpt.optim.param_order
-    import hybridckpt.optim.sgd
-    import hybridckpt.optim.torch_optim
-    import hybridckpt.optim.trainer_groups
-    import hybridckpt.place
-    import hybridckpt.store.stream_orbax  # noqa: F401
-    from hybridckpt.models.family import families
-
-    families()
+FRESH_WARM = "pread into fresh buffers held, page cache warm (fastest way: 1/2/4 threads; 4 KiB pages populated or faulted by the read, or huge pages; a fresh process each)"
+FRESH_COLD = "O_DIRECT reads into fresh buffers held (fastest way: 1/2/4 threads; 4 KiB pages populated or faulted by the read, or huge pages; a fresh process each)"
+FRESH_WARM_SMALL = "pread into fresh buffers held, page cache warm, 4 KiB pages (fastest of 1/2/4 threads, populated or faulted by the read)"
+FRESH_COLD_SMALL = "O_DIRECT reads into fresh buffers held, 4 KiB pages (fastest of 1/2/4 threads, populated or faulted by the read)"
 
 
 def child(ck: str) -> dict:
@@ -472,13 +304,7 @@ def main() -> None:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--tree", default=None, help="a base checkout to compare with (warm restores, alternating)")
     ap.add_argument("--_child", help=argparse.SUPPRESS)
-    ap.add_argument("--_fresh", nargs=4, help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a._fresh:
-        listed, threads, pages, how = a._fresh
-        with open(listed) as f:
-            print(fresh_read(json.load(f), int(threads), pages, how == "direct")[0])
-        return
     if a._child:
         print(json.dumps(child(a._child)))
         return
@@ -498,31 +324,30 @@ def main() -> None:
         if a.tree:
             compare_trees(ck, files, a.tree, a.repeat)
             return
-        runs: dict[str, list] = {"warm": [], "cold": [], "warm_floor": [], "fresh_floor": [], "cold_floor": [],
-                                 "cold_fresh_floor": []}
+        runs: dict[str, list] = {k: [] for k in ("warm", "cold", "warm_floor", "fresh_floor", "cold_floor",
+                                                 "cold_fresh_floor", "small_floor", "cold_small_floor")}
         _child(ck)  # a warm-up, not counted: the modules' files cached
         for i in range(a.repeat):
             for kind in ("warm", "cold") if i % 2 == 0 else ("cold", "warm"):
                 if kind == "warm":
                     floors.read_floor(files)  # (pages in)
                     runs["warm_floor"].append(floors.read_floor(files))
-                    runs["fresh_floor"].append(fresh_read_floor(files))
-                    runs["warm"].append(_child(ck))
                 else:
                     drop_pages(files)
                     runs["cold_floor"].append(direct_read_floor(files))
-                    drop_pages(files)
-                    runs["cold_fresh_floor"].append(direct_fresh_floor(files))
-                    drop_pages(files)
-                    runs["cold"].append(_child(ck))
+                # the restore among the fresh-memory ways, each prepared alike, its place turned each round
+                got, ways = measured_round(files, direct=kind == "cold", turn=i, restore=lambda: _child(ck))
+                runs[kind].append(got)
+                runs["fresh_floor" if kind == "warm" else "cold_fresh_floor"].append(fastest(ways))
+                runs["small_floor" if kind == "warm" else "cold_small_floor"].append(fastest_small(ways))
         print(f"{len(files)} chunk files, {stored / 1e6:.0f} MB; {os.cpu_count()} CPUs; load average "
               f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
         rows = [report("warm", runs["warm"], runs["warm_floor"], "cat to /dev/null, page cache warm", stored),
                 report("warm", runs["warm"], runs["fresh_floor"], FRESH_WARM, stored),
                 report("cold", runs["cold"], runs["cold_floor"], "O_DIRECT reads, pages dropped", stored),
                 report("cold", runs["cold"], runs["cold_fresh_floor"], FRESH_COLD, stored),
-                report("warm", runs["warm"], small_pages_floors(direct=False), FRESH_WARM_SMALL, stored),
-                report("cold", runs["cold"], small_pages_floors(direct=True), FRESH_COLD_SMALL, stored)]
+                report("warm", runs["warm"], runs["small_floor"], FRESH_WARM_SMALL, stored),
+                report("cold", runs["cold"], runs["cold_small_floor"], FRESH_COLD_SMALL, stored)]
         print(json.dumps({"gib": a.gib, "repeat": a.repeat, "stored_bytes": stored, "rows": rows,
                           "fresh_floor_ways": WAYS_SEEN}, indent=1))
     finally:

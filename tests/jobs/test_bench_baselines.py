@@ -1,7 +1,8 @@
 """The benchmarks' baselines (`benchmarks/floors.py`, `benchmarks/kernel_io.py`,
-`benchmarks/restore_floor.py`): the O_DIRECT write floor writes the bytes it times, the
-fresh-memory read floors read every byte they time, each way, and the kernel's count of bytes
-read agrees with a count that is right and flags one that is not."""
+`benchmarks/fresh_floors.py`): the O_DIRECT write floor writes the bytes it times, the
+fresh-memory read floors read every byte they time, each way, each in its own process in the
+restore's state and after the same preparation as the restore beside them, and the kernel's count
+of bytes read agrees with a count that is right and flags one that is not."""
 
 import os
 import sys
@@ -11,9 +12,9 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 
 import floors  # noqa: E402
+import fresh_floors  # noqa: E402
 import kernel_io  # noqa: E402
 import pytest  # noqa: E402
-import restore_floor  # noqa: E402
 from fixtures.direct_probe import direct_supported  # noqa: E402
 
 
@@ -70,16 +71,16 @@ def test_a_wrong_library_count_is_flagged():
 
 @pytest.mark.parametrize("direct", [False, True], ids=["cached", "direct"])
 def test_fresh_floor_reads_every_byte_each_way(tmp_path, direct):
-    """Each way of the restore's fresh-memory floor (1, 2 or 4 threads; 4 KiB or huge pages;
-    cached or O_DIRECT) holds every file's bytes at the end: a partial last block, whole blocks,
-    less than a block, an empty file."""
+    """Each way of the restore's fresh-memory floor (1, 2 or 4 threads; 4 KiB pages populated or
+    faulted in by the read, or huge pages; cached or O_DIRECT) holds every file's bytes at the
+    end: a partial last block, whole blocks, less than a block, an empty file."""
     paths = _files(tmp_path, [(9 << 20) + 123, 8192, 777, 0, 5 << 20])
     if direct and not direct_supported(str(tmp_path)):
         pytest.skip("this filesystem refuses O_DIRECT (the floor says so and stops)")
     want = [open(p, "rb").read() for p in paths]
-    for threads in restore_floor.FLOOR_THREADS:
-        for pages in restore_floor.FLOOR_PAGES:
-            secs, held = restore_floor.fresh_read(paths, threads, pages, direct)
+    for threads in fresh_floors.FLOOR_THREADS:
+        for pages in fresh_floors.FLOOR_PAGES:
+            secs, held = fresh_floors.fresh_read(paths, threads, pages, direct)
             assert secs > 0 and [b.tobytes() for b in held] == want, (threads, pages)
             assert all(b.ctypes.data % 4096 == 0 for b in held if b.size)
 
@@ -88,22 +89,66 @@ def test_fresh_floor_stops_on_a_missing_file(tmp_path):
     paths = _files(tmp_path, [4096, 4096])
     os.remove(paths[1])
     with pytest.raises(FileNotFoundError):
-        restore_floor.fresh_read(paths, 2, "small", False)
+        fresh_floors.fresh_read(paths, 2, "small", False)
 
 
-def test_fresh_floor_takes_the_fastest_way_each_in_its_own_process(tmp_path):
+def test_a_round_runs_each_way_and_the_restore_in_turn_each_prepared_alike(tmp_path, monkeypatch):
+    """`measured_round` runs every way of threads x pages and the restore, each after the same
+    preparation (warm: the files read; cold: their pages dropped), the restore's place turned by
+    `turn`; the strict floor is the fastest way, the 4 KiB-page floor the fastest of 4 KiB pages."""
     paths = _files(tmp_path, [1 << 20, 12345])
-    ways = restore_floor.fresh_floor_ways(paths, direct=False)
-    assert set(ways) == {(t, p) for t in restore_floor.FLOOR_THREADS for p in restore_floor.FLOOR_PAGES}
-    assert restore_floor.fresh_read_floor(paths) > 0
-    seen = restore_floor.WAYS_SEEN[-1]
-    assert seen["direct"] is False and len(seen["seconds"]) == len(ways)
-    small = restore_floor.small_pages_floors(direct=False)[-1]
-    assert small == min(v for k, v in seen["seconds"].items() if k.endswith("small pages"))
+    log = []
+    monkeypatch.setattr(fresh_floors, "prepare", lambda p, direct: log.append(("prepare", direct)))
+    fake = {(t, p): 1.0 + t + {"small": 0.5, "fault": 0.25, "huge": 0.0}[p]
+            for t in fresh_floors.FLOOR_THREADS for p in fresh_floors.FLOOR_PAGES}
+    monkeypatch.setattr(fresh_floors, "way_seconds", lambda listed, t, p, d: log.append((t, p)) or fake[t, p])
+    n = len(fake)
+    for turn in (0, 1, n, n + 3):
+        log.clear()
+        got, ways = fresh_floors.measured_round(paths, direct=True, turn=turn,
+                                                restore=lambda: log.append("restore") or {"job_s": 0.5})
+        runs = [x for x in log if x[0] != "prepare"]
+        assert got == {"job_s": 0.5} and ways == fake
+        assert runs.index("restore") == turn % (n + 1) and len(runs) == n + 1
+        assert log[0::2] == [("prepare", True)] * (n + 1)  # each run prepared, cold: pages dropped
+    assert fresh_floors.fastest(ways) == 2.0 and fresh_floors.fastest_small(ways) == 2.25
+    seen = fresh_floors.WAYS_SEEN[-1]
+    assert seen["direct"] is True and len(seen["seconds"]) == n
+
+
+def test_each_way_runs_in_its_own_process_with_the_restores_modules_loaded(tmp_path):
+    """`way_seconds` runs a way in a fresh process that first loads what a restore's process
+    loads (the same process state as the restore it is compared with), and the round's warm
+    preparation reads the files."""
+    import json
+
+    paths = _files(tmp_path, [1 << 20, 12345])
+    listed = tmp_path / "files.json"
+    listed.write_text(json.dumps(paths))
+    assert fresh_floors.way_seconds(str(listed), 2, "fault", False) > 0
+    probe = f"""
+import sys
+sys.path.insert(0, {os.path.dirname(fresh_floors.__file__)!r})
+import fresh_floors
+real = fresh_floors.fresh_read
+def spy(*a):
+    print(all(m in sys.modules for m in ("jax", "optax", "hybridckpt.jobs.restore", "hybridckpt.place")))
+    return real(*a)
+fresh_floors.fresh_read = spy
+fresh_floors.main()
+"""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", probe, "--_way", str(listed), "1", "small", "cached"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    loaded, secs = out.stdout.split()[-2:]
+    assert loaded == "True" and float(secs) > 0  # the restore's modules loaded before the timed reads
+    fresh_floors.prepare(paths, direct=False)  # (reads every file once: no error on a short file)
 
 
 def test_a_restores_seconds_leave_out_the_modules_it_loads_on_first_use(tmp_path):
-    """`restore_floor.child` times a restore after `load_restore_modules`: a restore of params
+    """`restore_floor.child` times a restore after `fresh_floors.load_restore_modules`: a restore of params
     and AdamW state then loads no module of JAX, optax, Orbax, TensorStore or the library (the
     ninth and tenth stops' restores counted optax's import, ~32 ms)."""
     import json
@@ -117,10 +162,10 @@ def test_a_restores_seconds_leave_out_the_modules_it_loads_on_first_use(tmp_path
     code = f"""
 import json, sys
 sys.path.insert(0, {os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")!r})
-import restore_floor
-restore_floor._devices()
+import fresh_floors
+fresh_floors.devices()
 if sys.argv[1] == "loaded":
-    restore_floor.load_restore_modules()
+    fresh_floors.load_restore_modules()
 import hybridckpt
 before = set(sys.modules)
 _, r = hybridckpt.restore({ck!r}, "fsdp=1")

@@ -1,0 +1,245 @@
+"""The fresh-memory read floors a restore is held to, measured beside it round by round (issue 42).
+
+A restore's arrays are memory its process has not touched before: each page is allocated and
+zeroed by the kernel as the bytes land in it, which `cat` (one small buffer the CPU cache holds)
+and an O_DIRECT read into one reused buffer never pay. The floor of a restore is therefore the
+bytes it needs read into fresh memory held to the end, in whichever way is fastest: each way of
+`FLOOR_THREADS` x `FLOOR_PAGES` runs in its own fresh process, and the fastest counts.
+
+The pages, each a way a restore could take:
+- "small": 4 KiB pages faulted in by one `MADV_POPULATE_WRITE` before the read (as the restore's
+  arrays are: `io.page_advice`);
+- "fault": 4 KiB pages faulted in by the read itself (the kernel's copy into them);
+- "huge": numpy's own (transparent huge pages from 4 MiB, faulted in by the read).
+
+What makes the floor fair to the restore beside it, measured on the 2-core VM of
+docs/benchmarks.md ("Thirteenth stop"). On a VM whose balloon reports free memory to the host
+(`virtio_balloon` free page reporting) a fresh page is cheap or dear by its history: memory
+another process freed a moment before is cheap, memory idle for seconds takes the host's faults
+at its first touch. Run back to back, the floors' ways each took memory the way before had just
+freed, while the restore, after `cat` and its modules, did not: at 4.7 GB the 4 KiB-page ways
+came out at 1.5-1.8 s right after a restore and 1.9-2.0 s after the same `cat` a restore follows
+(restores 2.0-2.1 s either way). So:
+- each way's process first loads the modules the restore's process loads
+  (`load_restore_modules`), so that it starts reading as long after the last exit as a restore;
+- every run, each way and the restore, is prepared the same way (`prepare`: warm, the files read
+  once, as the page cache holds them for a restore; cold, their pages dropped);
+- the restore's place among the ways turns each round (`measured_round`'s `turn`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+HERE = os.path.abspath(__file__)
+
+FLOOR_THREADS = (1, 2, 4)  # threads a fresh-buffer floor is read with (each whole files)
+FLOOR_PAGES = ("small", "fault", "huge")
+PAGE_LABELS = {"small": "4 KiB pages populated first", "fault": "4 KiB pages faulted in by the read",
+               "huge": "huge pages (numpy's)"}
+SMALL_PAGES = ("small", "fault")  # the ways of 4 KiB pages, the pages a restore's arrays are
+WAYS_SEEN: list[dict] = []  # every round's ways, in order (printed with the run's rows)
+
+
+def devices() -> None:
+    """8 simulated CPU devices, as the benchmarks' restores and imports run on."""
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def load_restore_modules() -> None:
+    """Load what a restore loads on first use, so that a restore's seconds leave it out (a
+    training script that resumes has JAX, optax and the library loaded already): every model
+    family's package (imported on the first config read: ~0.4 s here), and the modules of the
+    optimizer state and the chunk reads (optax alone ~32 ms, ~4-8% of a 1 GB warm restore, was
+    counted in the restores of the ninth and tenth stops). A floor's process loads them too
+    (the same process state). `tests/jobs/test_bench_baselines.py` checks that a restore of
+    params and AdamW state loads nothing of JAX, optax, Orbax or the library after this."""
+    devices()
+    import jax  # noqa: F401
+    import optax  # noqa: F401
+
+    import hybridckpt  # noqa: F401
+    import hybridckpt.containers.orbax.reader
+    import hybridckpt.formats.orbax_store
+    import hybridckpt.formats.registry
+    import hybridckpt.io.remote.ts_writes
+    import hybridckpt.jobs.restore
+    import hybridckpt.optim.adamw
+    import hybridckpt.optim.index_names
+    import hybridckpt.optim.param_order
+    import hybridckpt.optim.sgd
+    import hybridckpt.optim.torch_optim
+    import hybridckpt.optim.trainer_groups
+    import hybridckpt.place
+    import hybridckpt.store.stream_orbax  # noqa: F401
+    from hybridckpt.models.family import families
+
+    families()
+
+
+def drop_pages(paths: list[str]) -> None:
+    """Evict these files' clean pages from the page cache (theirs only: no root, no other file)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def prepare(paths: list[str], *, direct: bool) -> None:
+    """What precedes every measured run: cold (`direct`), the files' pages dropped; warm, the
+    files read once to /dev/null (in the page cache, as for a restore after an import)."""
+    if direct:
+        drop_pages(paths)
+        return
+    buf = bytearray(1 << 20)
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
+def fresh_read(paths: list[str], threads: int, pages: str, direct: bool) -> tuple[float, list[np.ndarray]]:
+    """Seconds for `threads` threads, each taking the next whole file, to read `paths` into fresh
+    4 KiB-aligned buffers of their sizes, all kept until the last is read (and returned, in the
+    order of `paths`), backed by `pages` (`FLOOR_PAGES`); `direct` reads with O_DIRECT (the
+    unaligned tail of a file through the page cache)."""
+    from hybridckpt.io import direct_io, page_advice
+
+    if pages not in FLOOR_PAGES:
+        raise ValueError(f"pages={pages!r}: expected one of {FLOOR_PAGES}")
+    held: list = [None] * len(paths)
+    todo = iter(range(len(paths)))
+    lock = threading.Lock()
+    failed: list[BaseException] = []
+
+    def read_one(p: str) -> np.ndarray:
+        n = os.path.getsize(p)
+        whole = n - n % direct_io.DIRECT_ALIGN if direct else n
+        buf = direct_io.aligned_empty((n,), "uint8")
+        if pages != "huge":
+            page_advice.no_huge_pages(buf)  # (arrays under 4 MiB: numpy never asks huge pages for them)
+        if pages == "small":
+            page_advice.populate(buf)
+        fd = direct_io.open_direct(p, os.O_RDONLY) if direct else os.open(p, os.O_RDONLY)
+        if fd is None:
+            raise SystemExit(f"{p}: the filesystem refused O_DIRECT")
+        try:
+            done = 0
+            while done < whole:
+                got = os.preadv(fd, [memoryview(buf)[done:whole]], done)
+                if got == 0:
+                    raise OSError(f"{p}: short read at {done}")
+                done += got
+        finally:
+            os.close(fd)
+        if n > whole:
+            with open(p, "rb") as f:
+                f.seek(whole)
+                buf[whole:n] = np.frombuffer(f.read(), np.uint8)
+        return buf
+
+    def work() -> None:
+        try:
+            while not failed:
+                with lock:
+                    i = next(todo, None)
+                if i is None:
+                    return
+                held[i] = read_one(paths[i])
+        except BaseException as e:  # (raised by the calling thread)
+            failed.append(e)
+
+    t0 = time.perf_counter()
+    pool = [threading.Thread(target=work) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    dt = time.perf_counter() - t0
+    if failed:
+        raise failed[0]
+    return dt, held
+
+
+def way_seconds(listed: str, threads: int, pages: str, direct: bool) -> float:
+    """One way in a fresh process (`--_way`), in the restore's process state: its modules loaded
+    first (`load_restore_modules`), then `fresh_read` of the files listed in the JSON file
+    `listed`. A process that already freed memory gets it back without the kernel's faults,
+    which no restore's first arrays do."""
+    out = subprocess.run([sys.executable, HERE, "--_way", listed, str(threads), pages, "direct" if direct else "cached"],
+                         check=True, capture_output=True, text=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def measured_round(paths: list[str], *, direct: bool, turn: int = 0, restore: Callable[[], dict] | None = None
+                   ) -> tuple[dict | None, dict[tuple[int, str], float]]:
+    """One round: every way of `FLOOR_THREADS` x `FLOOR_PAGES` and, given, `restore` (a callable
+    that runs one restore in a fresh process), each prepared the same way first (`prepare`), in
+    an order turned by `turn` (the restore first in round 0, second in round 1, ...): (the
+    restore's result or None, seconds per (threads, pages)). The ways are recorded in
+    `WAYS_SEEN`."""
+    ways = [(t, p) for t in FLOOR_THREADS for p in FLOOR_PAGES]
+    runs: list = ([None] if restore is not None else []) + ways
+    k = turn % len(runs)
+    order = runs[k:] + runs[:k] if restore is None else ways[:k] + [None] + ways[k:]
+    seconds, got = {}, None
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="floor-files-") as f:
+        json.dump(paths, f)
+        f.flush()
+        for way in order:
+            prepare(paths, direct=direct)
+            if way is None:
+                got = restore()
+            else:
+                seconds[way] = way_seconds(f.name, *way, direct)
+    seconds = {w: seconds[w] for w in ways}
+    WAYS_SEEN.append({"direct": direct, "seconds": {f"{t} threads, {PAGE_LABELS[p]}": round(s, 3)
+                                                    for (t, p), s in seconds.items()}})
+    return got, seconds
+
+
+def fastest(ways: dict[tuple[int, str], float]) -> float:
+    """The strict floor of a round: its fastest way."""
+    return min(ways.values())
+
+
+def fastest_small(ways: dict[tuple[int, str], float]) -> float:
+    """The 4 KiB-page floor of a round: its fastest way with the pages a restore's arrays are."""
+    return min(s for (_, p), s in ways.items() if p in SMALL_PAGES)
+
+
+def fresh_read_floor(paths: list[str]) -> float:
+    """The strict floor of reading `paths` (page cache warm) into fresh memory: one round of ways
+    without a restore."""
+    return fastest(measured_round(paths, direct=False)[1])
+
+
+def direct_fresh_floor(paths: list[str]) -> float:
+    """The strict floor of reading `paths` with O_DIRECT (pages dropped) into fresh memory."""
+    return fastest(measured_round(paths, direct=True)[1])
+
+
+def main() -> None:
+    if len(sys.argv) == 6 and sys.argv[1] == "--_way":
+        listed, threads, pages, how = sys.argv[2:]
+        load_restore_modules()
+        with open(listed) as f:
+            print(fresh_read(json.load(f), int(threads), pages, how == "direct")[0])
+        return
+    raise SystemExit("fresh_floors.py is run by restore_floor.py and import_sources_floor.py (--_way)")
+
+
+if __name__ == "__main__":
+    main()
