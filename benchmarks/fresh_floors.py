@@ -7,9 +7,10 @@ bytes it needs read into fresh memory held to the end, in whichever way is faste
 `FLOOR_THREADS` x `FLOOR_PAGES` runs in its own fresh process, and the fastest counts.
 
 The pages, each a way a restore could take:
-- "small": 4 KiB pages faulted in by one `MADV_POPULATE_WRITE` before the read (as the restore's
-  arrays are: `io.page_advice`);
-- "fault": 4 KiB pages faulted in by the read itself (the kernel's copy into them);
+- "small": 4 KiB pages faulted in by one `MADV_POPULATE_WRITE` before the read (`populate`: as
+  the restore's arrays were until the thirteenth stop);
+- "fault": 4 KiB pages faulted in by the read itself (the kernel's copy into them; as the
+  restore's arrays are now: `io.page_advice`);
 - "huge": numpy's own (transparent huge pages from 4 MiB, faulted in by the read).
 
 What makes the floor fair to the restore beside it, measured on the 2-core VM of
@@ -131,7 +132,7 @@ def fresh_read(paths: list[str], threads: int, pages: str, direct: bool) -> tupl
         if pages != "huge":
             page_advice.no_huge_pages(buf)  # (arrays under 4 MiB: numpy never asks huge pages for them)
         if pages == "small":
-            page_advice.populate(buf)
+            populate(buf)
         fd = direct_io.open_direct(p, os.O_RDONLY) if direct else os.open(p, os.O_RDONLY)
         if fd is None:
             raise SystemExit(f"{p}: the filesystem refused O_DIRECT")
@@ -171,6 +172,23 @@ def fresh_read(paths: list[str], threads: int, pages: str, direct: bool) -> tupl
     if failed:
         raise failed[0]
     return dt, held
+
+
+_MADV_POPULATE_WRITE = 23  # (Linux's value on every architecture; Python before 3.13 lacks the name)
+
+
+def populate(array: np.ndarray) -> bool:
+    """Fault in every page of `array` (C-contiguous, fresh) by one `madvise(MADV_POPULATE_WRITE)`
+    (Linux 5.14+), as the restore did before the thirteenth stop; True where the kernel did (the
+    "small" way: without it those pages are faulted in by the read, as the "fault" way's are)."""
+    from hybridckpt.io import page_advice
+
+    if page_advice._madvise is None or not array.flags.c_contiguous or not array.nbytes:
+        return False
+    start, end = array.ctypes.data, array.ctypes.data + array.nbytes
+    first = start // page_advice.PAGE_BYTES * page_advice.PAGE_BYTES
+    last = -(-end // page_advice.PAGE_BYTES) * page_advice.PAGE_BYTES
+    return page_advice._madvise(first, last - first, _MADV_POPULATE_WRITE) == 0
 
 
 def way_seconds(listed: str, threads: int, pages: str, direct: bool) -> float:

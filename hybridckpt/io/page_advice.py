@@ -1,5 +1,4 @@
-"""Small pages for the arrays a restore fills (issue 42): `madvise(MADV_NOHUGEPAGE)`; and their
-pages faulted in by one call before they are filled: `madvise(MADV_POPULATE_WRITE)`.
+"""Small pages for the arrays a restore fills (issue 42): `madvise(MADV_NOHUGEPAGE)`.
 
 numpy asks for transparent huge pages on every array of 4 MiB or more (`madvise(MADV_HUGEPAGE)`
 at allocation), so with `/sys/kernel/mm/transparent_hugepage/enabled` at `madvise` (the
@@ -16,34 +15,27 @@ host's faults: 1.7-2.2 CPU-s a GiB populated after a few seconds idle, against 0
 (no mapping more than numpy's own mark made): nothing is read, mapped or moved; where the platform has no `madvise` or the kernel refuses it, the array
 is left as it was (it is correct either way: only the cost of its first touch differs).
 
-`populate` then faults a fresh array's pages in by one `madvise(MADV_POPULATE_WRITE)` (Linux
-5.14+) before the reads and copies fill it. Each page is still allocated, zeroed and charged,
-but in one pass of the kernel's fault-in loop rather than one page-fault exception a page taken
-in the middle of a copy (a cold restore's `cut` copies into fresh shards were 37% of its CPU
-samples, mostly `exc_page_fault`). Measured on the 2-core VM (load ~8), 512 MiB of fresh 4 KiB
-pages filled by 8 MiB copies: 0.35-0.41 CPU-s faulted by the copy, 0.23-0.27 CPU-s populated
-first then copied. No byte of the array changes (the kernel only maps zeroed pages where none
-were); where the kernel has no MADV_POPULATE_WRITE (EINVAL) or cannot (ENOMEM), nothing is
-done and the first touch faults the pages in as before.
+Their pages are not faulted in ahead of the reads: each is faulted in by the read (the kernel's
+copy) or the copy that first writes it. Faulting a fresh array's pages in first by one
+`madvise(MADV_POPULATE_WRITE)` a 4 MiB slab (the eighth to twelfth stops) was slower on the 2-core
+VM once measured alike (docs/benchmarks.md, "Thirteenth stop"): a 1.1 GB restore 0.52 against
+0.48 s warm and 0.87 against 0.75 s cold (medians of 6 alternating), and 1.1 GB read into fresh
+memory by 2 threads 0.39 against 0.30 s. With several threads the populating calls took the
+same CPU seconds in a longer wall (reading 0.77 GB of pieces into fresh shards, 2 threads: 0.41
+CPU-s in 0.33 s populated first, 0.45 CPU-s in 0.23 s faulted by the copies): the threads waited
+on each other, not on the CPU.
 """
 
 from __future__ import annotations
 
 import ctypes
-import errno
 import mmap
-import sys
 
 import numpy as np
 
 PAGE_BYTES = 4096
 _MADV_NOHUGEPAGE = getattr(mmap, "MADV_NOHUGEPAGE", None)
 MIN_BYTES = 4 << 20  # smaller arrays: numpy does not ask for huge pages (nothing to undo)
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None)
-# (23: Linux's value on every architecture; Python before 3.13 lacks the name)
-POPULATE_MIN_BYTES = 64 << 10  # smaller arrays: a syscall saves less than it costs
-_populate_ok = [True]  # False once the kernel refused MADV_POPULATE_WRITE (EINVAL: older than 5.14)
-
 try:
     _madvise = ctypes.CDLL(None, use_errno=True).madvise
     _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
@@ -75,20 +67,3 @@ def no_huge_pages(array: np.ndarray) -> bool:
         first, last = -(-start // PAGE_BYTES) * PAGE_BYTES, end // PAGE_BYTES * PAGE_BYTES
     return last > first and _madvise(first, last - first, _MADV_NOHUGEPAGE) == 0
 
-
-def populate(array: np.ndarray) -> bool:
-    """Fault in every page holding a byte of `array` (C-contiguous, writable) by one
-    `madvise(MADV_POPULATE_WRITE)`; True where the kernel did. Call on a fresh array, in the
-    thread that then fills it, before it is first written (pages present already are left as
-    they are; no byte changes). False, doing nothing, for an array under `POPULATE_MIN_BYTES`,
-    one not contiguous or read-only, and where the kernel lacks or refuses it."""
-    if (_madvise is None or _MADV_POPULATE_WRITE is None or not _populate_ok[0] or array.nbytes < POPULATE_MIN_BYTES
-            or not array.flags.c_contiguous or not array.flags.writeable):
-        return False
-    start, end = array.ctypes.data, array.ctypes.data + array.nbytes
-    first, last = start // PAGE_BYTES * PAGE_BYTES, -(-end // PAGE_BYTES) * PAGE_BYTES
-    if _madvise(first, last - first, _MADV_POPULATE_WRITE) == 0:
-        return True
-    if ctypes.get_errno() == errno.EINVAL:  # (no such advice on this kernel: not asked again)
-        _populate_ok[0] = False
-    return False

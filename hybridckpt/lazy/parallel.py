@@ -28,12 +28,11 @@ import numpy as np
 from hybridckpt.errors import ConfigError
 from hybridckpt.io import timing
 from hybridckpt.io.direct_io import aligned_empty
-from hybridckpt.io.page_advice import no_huge_pages, populate
+from hybridckpt.io.page_advice import no_huge_pages
 from hybridckpt.lazy import Box, LazyTensor, box_shape, full_box
 
 ENV = "HYBRIDCKPT_IO_THREADS"
 MIN_PIECE_BYTES = 8 << 20  # bytes: smaller pieces are read in one call
-POPULATE_SLAB_BYTES = 4 << 20  # a fresh box of a chunked array is populated and read by slabs of this
 
 _lock = threading.Lock()
 _override: int | None = None
@@ -119,65 +118,29 @@ def read_box_parallel(t: LazyTensor, box: Box | None = None, out: np.ndarray | N
     without a copy (XLA's CPU client aliases host arrays aligned to 64 bytes; numpy's large
     `np.empty` arrays start 16 bytes into a page, so each was copied: a second copy of every
     restored array, 0.35 GB of a 1.1 GB restore's peak RSS, issue 42); and it is backed by 4 KiB
-    pages, not the huge pages numpy asks for (`io.page_advice`: a quarter less CPU in a warm
-    restore on the 2-core VM of docs/benchmarks.md), faulted in by one `MADV_POPULATE_WRITE`
-    (`page_advice.populate`) in the thread that fills them, before the first read or copy; for an
-    array stored on a chunk grid (a `chunk` attribute: a restore's checked arrays) slab by slab
-    (`populate_slabs`), each slab's pages just before its reads."""
+    pages, not the huge pages numpy asks for (`io.page_advice`), each faulted in by the read or
+    copy that first writes it. (Faulting them all in first, by one `MADV_POPULATE_WRITE` a slab,
+    was slower on the 2-core VM of docs/benchmarks.md, "Thirteenth stop": a 1.1 GB restore warm
+    0.52 against 0.48 s, cold 0.87 against 0.75 s, medians of 6 alternating; and reading into
+    fresh memory with 2 threads, 0.39 against 0.30 s.)"""
     box = full_box(t.shape) if box is None else box
-    fresh = out is None
-    if fresh:
+    if out is None:
         out = aligned_empty(box_shape(box), t.dtype)
         no_huge_pages(out)  # (4 KiB pages: zeroed by the kernel while cached, `io.page_advice`)
     parts = [] if in_worker() else split_box(box, np.dtype(t.dtype).itemsize, io_threads())
-    origin = [a for a, _ in box]
     if len(parts) <= 1:
-        slabs = populate_slabs(box, getattr(t, "chunk", None), np.dtype(t.dtype).itemsize) if fresh else [box]
-        for sub in slabs:
-            where = tuple(slice(s - o, e - o) for (s, e), o in zip(sub, origin, strict=True))
-            dst = out[where] if len(slabs) > 1 else out  # (a 0-d `out[()]` would be a copy)
-            with timing.stage("read"):
-                if fresh:
-                    populate(dst)  # (its pages faulted in by one call, not one exception a page)
-                t.read_into(sub, dst)
+        with timing.stage("read"):
+            t.read_into(box, out)
         return out
+    origin = [a for a, _ in box]
 
     def piece(sub: Box) -> None:
         where = tuple(slice(s - o, e - o) for (s, e), o in zip(sub, origin, strict=True))
         with timing.stage("read"):
-            if fresh:
-                populate(out[where])  # (a run of whole rows: contiguous; in the thread that fills it)
             t.read_into(sub, out[where])
 
     for f in [pool().submit(piece, sub) for sub in parts]:
         f.result()
-    return out
-
-
-def populate_slabs(box: Box, chunk: Sequence[int] | None, itemsize: int,
-                   min_bytes: int = POPULATE_SLAB_BYTES) -> list[Box]:
-    """`box` as consecutive slabs along its first axis longer than 1, each cut on the chunk grid
-    `chunk` (the stored chunks of a restore's `store.checked.CheckedArray`: a slab cuts no chunk
-    the box holds whole) and at least `min_bytes` (the last may be less); each is populated then
-    read before the next (`read_box_parallel`), so the box's first read starts after one slab's
-    pages are faulted in, not the whole box's, and the populating is spread between the reads
-    instead of all reader threads faulting in whole boxes at once while no read is in flight.
-    `[box]` without a grid of the box's rank."""
-    shape = box_shape(box)
-    axis = next((i for i, s in enumerate(shape) if s > 1), None)
-    if chunk is None or len(chunk) != len(box) or axis is None or chunk[axis] < 1:
-        return [box]
-    row = math.prod(shape) // shape[axis] * itemsize  # bytes of one index of `axis`
-    c, (a, b) = chunk[axis], box[axis]
-    out, lo = [], a
-    while lo < b:
-        hi = lo
-        while hi < b and (hi - lo) * row < min_bytes:
-            hi = min(b, (hi // c + 1) * c)  # (the next chunk boundary)
-        sub = list(box)
-        sub[axis] = (lo, hi)
-        out.append(tuple(sub))
-        lo = hi
     return out
 
 

@@ -4,9 +4,10 @@ zeroing of 2 MiB pages was 37-43% of a warm restore's CPU samples). Checked in
 `/proc/self/smaps`, never timed: the mapping holding the array carries the kernel's `nh` flag
 (MADV_NOHUGEPAGE), and once the array is written none of its bytes sit in huge pages.
 
-And their pages are faulted in by one `MADV_POPULATE_WRITE` before the first read or copy
-writes them (`page_advice.populate`, from `lazy.parallel.read_box_parallel`): counted with
-`mincore(2)`, the pages resident when the box's first read starts (before: none)."""
+And their pages are faulted in by the reads that fill them, not ahead of them
+(`lazy.parallel.read_box_parallel`; faulting them in first by `MADV_POPULATE_WRITE` measured
+slower, thirteenth stop): counted with `mincore(2)`, the pages resident when a box's read starts
+(none) and after it (all)."""
 
 from __future__ import annotations
 
@@ -89,37 +90,16 @@ def resident_pages(a: np.ndarray) -> tuple[int, int]:
     return sum(v & 1 for v in vec), pages
 
 
-def test_populate_maps_every_page_of_a_fresh_array_and_changes_no_byte():
-    in_fresh_process("check_populate")
+def test_a_box_read_fills_a_buffer_whose_pages_its_reads_fault_in():
+    in_fresh_process("check_box_read_faults_its_pages")
 
 
-def test_a_box_read_fills_a_buffer_whose_pages_are_mapped_already():
-    in_fresh_process("check_box_read_populated")
-
-
-def test_a_box_of_a_chunked_array_is_populated_slab_by_slab():
-    in_fresh_process("check_box_populated_by_slabs")
-
-
-def check_populate():
-    a = aligned_empty((6 << 20,), np.uint8)
-    page_advice.no_huge_pages(a)
-    assert resident_pages(a)[0] == 0  # (fresh: nothing faulted in yet)
-    assert page_advice.populate(a)
-    got, pages = resident_pages(a)
-    assert got == pages == (6 << 20) // page_advice.PAGE_BYTES
-    assert not a.any()  # (the kernel's zeroed pages: no byte written)
-    a[:] = 3
-    assert page_advice.populate(a) and int(a.sum(dtype=np.int64)) == 3 * a.size  # (present pages kept as they are)
-    assert not page_advice.populate(a[::2])  # (not contiguous: nothing done)
-    assert not page_advice.populate(np.empty(page_advice.POPULATE_MIN_BYTES // 2, np.uint8))  # (too small to pay)
-
-
-def check_box_read_populated():
-    """Each box a restore reads is a fresh 4 KiB-aligned buffer; its pages are resident when the
-    read starts, in the thread that reads it (one box whole, and a box read in 4 pieces by the
-    pool: each piece's pages). Before, none was resident: each page was faulted in by the first
-    copy or read that wrote it."""
+def check_box_read_faults_its_pages():
+    """Each box a restore reads is a fresh 4 KiB-aligned buffer whose pages are not faulted in
+    before the read starts, in the thread that reads it (one box whole, and a box read in 4
+    pieces by the pool: each piece's pages); the read that writes them faults them in. (From the
+    eighth to the twelfth stop every page was resident when the read started: populated first,
+    one `MADV_POPULATE_WRITE` a slab.)"""
     from hybridckpt.lazy import LazyTensor, parallel
 
     class Seen(LazyTensor):
@@ -127,47 +107,15 @@ def check_box_read_populated():
             self.shape, self.dtype, self.seen = shape, np.dtype(np.float32), []
 
         def read_into(self, box, out):
-            self.seen.append(resident_pages(out))
-            out[...] = box[0][0]
+            before = resident_pages(out)
+            out[...] = box[0][0] + 1
+            self.seen.append((before, resident_pages(out)))
 
     parallel.set_io_threads(4)
     one = Seen((1024, 1024))  # 4 MiB: read in one piece
     a = parallel.read_box_parallel(one)
-    assert len(one.seen) == 1 and one.seen[0][0] == one.seen[0][1] == 1024, one.seen
+    assert len(one.seen) == 1 and one.seen[0] == ((0, 1024), (1024, 1024)), one.seen
     four = Seen((4096, 2048))  # 32 MiB: 4 pieces of 8 MiB, each read by a pool thread
     b = parallel.read_box_parallel(four)
-    assert len(four.seen) == 4 and all(got == pages == 2048 for got, pages in four.seen), four.seen
-    assert not a.any() and sorted(set(b[:, 0].tolist())) == [0, 1024, 2048, 3072]  # (each piece written by its read)
-
-
-def check_box_populated_by_slabs():
-    """A box of an array stored on a chunk grid (`chunk`: a restore's `store.checked.CheckedArray`)
-    is populated and read slab by slab along its first axis longer than 1, each slab cut on the
-    grid and of at least `POPULATE_SLAB_BYTES` (`parallel.populate_slabs`): when the box's first
-    read starts, one slab's pages are resident, not the box's (before: all 16 MiB, so the first
-    read waited for the whole box to be faulted in, and reader threads starting boxes together
-    all faulted while no read was in flight); each read's own pages are resident when it starts,
-    and the slabs tile the box (every byte written by its read)."""
-    from hybridckpt.lazy import LazyTensor, parallel
-
-    class Chunked(LazyTensor):
-        chunk = (1, 256, 512)  # (16 layers of 1 MiB: 4 a slab)
-
-        def __init__(self):
-            self.shape, self.dtype, self.seen, self.start = (16, 256, 1024), np.dtype(np.float32), [], None
-
-        def read_into(self, box, out):
-            if self.start is None:
-                self.start = out.ctypes.data
-            whole = np.frombuffer((ctypes.c_char * (16 << 20)).from_address(self.start), np.uint8)
-            self.seen.append((box, resident_pages(out), resident_pages(whole)[0]))
-            out[...] = box[0][0]
-
-    parallel.set_io_threads(1)  # (one piece: the box is read by one thread, as in a restore's reader)
-    t = Chunked()
-    a = parallel.read_box_parallel(t)
-    slab = parallel.POPULATE_SLAB_BYTES // page_advice.PAGE_BYTES
-    assert [b[0] for b, _, _ in t.seen] == [(0, 4), (4, 8), (8, 12), (12, 16)], t.seen
-    assert all(got == pages == slab for _, (got, pages), _ in t.seen), t.seen
-    assert t.seen[0][2] == slab, t.seen  # (before: 4096, the whole box resident at the first read)
-    assert [int(a[i, 0, 0]) for i in range(16)] == [4 * (i // 4) for i in range(16)]
+    assert sorted(four.seen) == [((0, 2048), (2048, 2048))] * 4, four.seen
+    assert (a == 1).all() and sorted(set(b[:, 0].tolist())) == [1, 1025, 2049, 3073]  # (each piece written by its read)
