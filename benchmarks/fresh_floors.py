@@ -18,9 +18,9 @@ docs/benchmarks.md ("Thirteenth stop"). On a VM whose balloon reports free memor
 (`virtio_balloon` free page reporting) a fresh page is cheap or dear by its history: memory
 another process freed a moment before is cheap, memory idle for seconds takes the host's faults
 at its first touch. Run back to back, the floors' ways each took memory the way before had just
-freed, while the restore, after `cat` and its modules, did not: at 4.7 GB the 4 KiB-page ways
-came out at 1.5-1.8 s right after a restore and 1.9-2.0 s after the same `cat` a restore follows
-(restores 2.0-2.1 s either way). So:
+freed, while the restore, after `cat` and its modules, did not: at 4.7 GB, 2 threads with 4 KiB
+pages took a median 1.66 s right after a restore (the restores 2.47 s, 6 rounds) and 1.92 s after
+the same `cat` a restore follows (the restores 2.02 s, 4 rounds). So:
 - each way's process first loads the modules the restore's process loads
   (`load_restore_modules`), so that it starts reading as long after the last exit as a restore;
 - every run, each way and the restore, is prepared the same way (`prepare`: warm, the files read
