@@ -44,7 +44,7 @@ from hybridckpt.errors import FormatError
 from hybridckpt.io import direct_read, read_batches, timing
 from hybridckpt.io.direct_io import aligned_empty
 from hybridckpt.io.open_files import Watch, check_watches, close_all, note_remote, opened, watch  # noqa: F401
-from hybridckpt.io.open_files import fd as _fd
+from hybridckpt.io.open_files import held as _held
 from hybridckpt.io.read_batches import run_batches
 from hybridckpt.io.remote import ranged
 from hybridckpt.io.remote.view import remote_object
@@ -188,7 +188,8 @@ class ByteSource:
         obj = remote_object(self.path)
         if obj is not None:
             return obj.size
-        return os.fstat(_fd(self.path)).st_size
+        with _held(self.path) as fd:
+            return os.fstat(fd).st_size
 
     def read_into(self, offset: int, buffer: memoryview) -> None:
         """Fill `buffer` with the bytes at `[offset, offset + len(buffer))` of the file."""
@@ -217,22 +218,23 @@ class ByteSource:
         if offset < 0:  # a corrupt offset field: pread would fail with EINVAL
             raise FormatError(f"{self.path}: read at byte {offset}, before the start of the file")
         at = offset
-        if direct_read.read(_fd(self.path), offset, views, total):  # a cold range: from the device, no page cache
-            _count_direct(self.path, total)
-            views = []
-        for i in range(0, len(views), SCATTER_VIEWS):
-            batch = views[i: i + SCATTER_VIEWS]
-            want = sum(len(v) for v in batch)
-            try:
-                got = os.preadv(_fd(self.path), batch, at)
-            except OSError as e:
-                raise FormatError(f"{self.path}: cannot read bytes [{at}, {at + want}): {e.strerror}") from e
-            if got != want:  # a short read: view by view (which finishes it or names the truncation)
-                for v in batch:
-                    self._pread_into(at, v)
-                    at += len(v)
-            else:
-                at += want
+        with _held(self.path) as fd:
+            if direct_read.read(fd, offset, views, total):  # a cold range: from the device, no page cache
+                _count_direct(self.path, total)
+                views = []
+            for i in range(0, len(views), SCATTER_VIEWS):
+                batch = views[i: i + SCATTER_VIEWS]
+                want = sum(len(v) for v in batch)
+                try:
+                    got = os.preadv(fd, batch, at)
+                except OSError as e:
+                    raise FormatError(f"{self.path}: cannot read bytes [{at}, {at + want}): {e.strerror}") from e
+                if got != want:  # a short read: view by view (which finishes it or names the truncation)
+                    for v in batch:
+                        self._pread_into(at, v)
+                        at += len(v)
+                else:
+                    at += want
         _count(self.path, total)
 
     def read_runs(self, offsets: np.ndarray, run_bytes: int, buffer: memoryview, stride: int | None = None) -> None:
@@ -278,27 +280,27 @@ class ByteSource:
         """The reads of `read_runs`: runs `bounds[i]:bounds[i + 1]` are one preadv (`run_batches`),
         its buffers the runs' places in `buffer` (`step` bytes apart) interleaved with views of one
         scratch buffer the length of each gap (one view per distinct length: a cut's gaps are all alike)."""
-        fd = _fd(self.path)
-        scratch = memoryview(bytearray(read_batches.GAP_PER_CALL_BYTES))  # every gap of every batch lands here
-        gap_views: dict[int, memoryview] = {}
-        for i, j in zip(bounds, bounds[1:], strict=False):
-            first, last = offsets[i], offsets[j - 1]
-            iov: list = [None] * (2 * (j - i) - 1)
-            iov[0::2] = [buffer[a : a + run_bytes] for a in range(i * step, j * step, step)]
-            gaps = [b - a - run_bytes for a, b in zip(offsets[i : j - 1], offsets[i + 1 : j], strict=True)]
-            for g in set(gaps) - gap_views.keys():
-                gap_views[g] = scratch[:g]
-            iov[1::2] = [gap_views[g] for g in gaps]
-            want = last + run_bytes - first
-            try:
-                got = os.preadv(fd, iov, first)
-            except OSError as e:
-                raise FormatError(
-                    f"{self.path}: cannot read bytes [{first}, {first + want}): {e.strerror}"
-                ) from e
-            if got != want:  # a short read: the general loop, run by run, finishes it or names the truncation
-                for k in range(i, j):
-                    self._pread_into(offsets[k], buffer[k * step : k * step + run_bytes])
+        with _held(self.path) as fd:
+            scratch = memoryview(bytearray(read_batches.GAP_PER_CALL_BYTES))  # every gap of every batch lands here
+            gap_views: dict[int, memoryview] = {}
+            for i, j in zip(bounds, bounds[1:], strict=False):
+                first, last = offsets[i], offsets[j - 1]
+                iov: list = [None] * (2 * (j - i) - 1)
+                iov[0::2] = [buffer[a : a + run_bytes] for a in range(i * step, j * step, step)]
+                gaps = [b - a - run_bytes for a, b in zip(offsets[i : j - 1], offsets[i + 1 : j], strict=True)]
+                for g in set(gaps) - gap_views.keys():
+                    gap_views[g] = scratch[:g]
+                iov[1::2] = [gap_views[g] for g in gaps]
+                want = last + run_bytes - first
+                try:
+                    got = os.preadv(fd, iov, first)
+                except OSError as e:
+                    raise FormatError(
+                        f"{self.path}: cannot read bytes [{first}, {first + want}): {e.strerror}"
+                    ) from e
+                if got != want:  # a short read: the general loop, run by run, finishes it or names the truncation
+                    for k in range(i, j):
+                        self._pread_into(offsets[k], buffer[k * step : k * step + run_bytes])
 
     def _pread_into(self, offset: int, buffer: memoryview) -> None:
         want = len(buffer)
@@ -310,24 +312,24 @@ class ByteSource:
             return
         if offset < 0:  # a corrupt offset field: pread would fail with EINVAL
             raise FormatError(f"{self.path}: read at byte {offset}, before the start of the file")
-        fd = _fd(self.path)
-        done = direct_read.read(fd, offset, [buffer])  # a cold range: from the device, no page cache
-        if done:
-            _count_direct(self.path, done)
-        while done < want:
-            try:
-                got = os.preadv(fd, [buffer[done:]], offset + done)
-            except OSError as e:
-                raise FormatError(
-                    f"{self.path}: cannot read bytes [{offset}, {offset + want}): {e.strerror}"
-                ) from e
-            if got == 0:
-                self._changed(fd)
-                raise FormatError(
-                    f"{self.path}: truncated: wanted bytes [{offset}, {offset + want}) "
-                    f"but the file ends at {offset + done}"
-                )
-            done += got
+        with _held(self.path) as fd:
+            done = direct_read.read(fd, offset, [buffer])  # a cold range: from the device, no page cache
+            if done:
+                _count_direct(self.path, done)
+            while done < want:
+                try:
+                    got = os.preadv(fd, [buffer[done:]], offset + done)
+                except OSError as e:
+                    raise FormatError(
+                        f"{self.path}: cannot read bytes [{offset}, {offset + want}): {e.strerror}"
+                    ) from e
+                if got == 0:
+                    self._changed(fd)
+                    raise FormatError(
+                        f"{self.path}: truncated: wanted bytes [{offset}, {offset + want}) "
+                        f"but the file ends at {offset + done}"
+                    )
+                done += got
 
     def _changed(self, fd: int) -> None:
         """At a short read: FormatError saying how the file changed, if it did since opened."""
@@ -337,11 +339,10 @@ class ByteSource:
             if err is not None:
                 raise err
 
-    def _fd_holding(self, offset: int, nbytes: int) -> int:
-        """The open file, checked to hold bytes `[offset, offset + nbytes)` (else FormatError)."""
+    def _check_holds(self, fd: int, offset: int, nbytes: int) -> None:
+        """FormatError unless the open file `fd` holds bytes `[offset, offset + nbytes)`."""
         if offset < 0:
             raise FormatError(f"{self.path}: read at byte {offset}, before the start of the file")
-        fd = _fd(self.path)
         size = os.fstat(fd).st_size
         if offset + nbytes > size:
             self._changed(fd)
@@ -349,7 +350,6 @@ class ByteSource:
                 f"{self.path}: truncated: wanted bytes [{offset}, {offset + nbytes}) but the file "
                 f"ends at {size}"
             )
-        return fd
 
     def read_span(self, offset: int, nbytes: int, run_starts: Sequence[int], run_bytes: int) -> np.ndarray:
         """The bytes `[offset, offset + nbytes)` as a fresh uint8 array, read by pread (the caller
@@ -379,18 +379,19 @@ class ByteSource:
         if remote_object(self.path) is not None:
             self._copy_remote(offset, nbytes, out_fd, out_offset)
             return
-        fd = self._fd_holding(offset, nbytes)
         done = 0
-        while done < nbytes and _HAS_COPY_FILE_RANGE:
-            try:
-                got = os.copy_file_range(fd, out_fd, nbytes - done, offset + done, out_offset + done)
-            except OSError as e:
-                if e.errno in _NO_KERNEL_COPY:
-                    break  # another filesystem or an old kernel: copy through user space
-                raise
-            if got == 0:
-                break  # the end of the file, or a filesystem that reports none: pread decides
-            done += got
+        with _held(self.path) as fd:
+            self._check_holds(fd, offset, nbytes)
+            while done < nbytes and _HAS_COPY_FILE_RANGE:
+                try:
+                    got = os.copy_file_range(fd, out_fd, nbytes - done, offset + done, out_offset + done)
+                except OSError as e:
+                    if e.errno in _NO_KERNEL_COPY:
+                        break  # another filesystem or an old kernel: copy through user space
+                    raise
+                if got == 0:
+                    break  # the end of the file, or a filesystem that reports none: pread decides
+                done += got
         while done < nbytes:
             n = min(COPY_BUFFER_BYTES, nbytes - done)
             buf = memoryview(bytearray(n))
