@@ -31,9 +31,12 @@ from hybridckpt.io.byte_source import count_reads  # noqa: E402
 
 touch, flag = os.environ.get("HYBRIDCKPT_TEST_TOUCH"), os.environ.get("HYBRIDCKPT_TEST_FLAG")
 if touch:
-    _fd, first = byte_source._fd, []
+    import contextlib
 
-    def fd_touched(path):
+    _held, first = byte_source._held, []
+
+    @contextlib.contextmanager
+    def held_touched(path):
         """Process 1 opens `touch` first, then gives it a new mtime and writes `flag`; process 0
         opens it only after `flag` is there (so it sees the file as it is after the change)."""
         if path == touch and not first and jax.process_index() == 0:
@@ -41,16 +44,16 @@ if touch:
                 if os.path.exists(flag):
                     break
                 time.sleep(0.1)
-        fd = _fd(path)  # the job has now recorded the file as it is (`byte_source._fd`)
-        if path == touch and not first:
-            first.append(os.path.exists(flag))
-            if jax.process_index() == 1:
-                st = os.stat(touch)
-                os.utime(touch, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-                open(flag, "w").close()
-        return fd
+        with _held(path) as fd:  # the job has now recorded the file as it is (`byte_source._held`)
+            if path == touch and not first:
+                first.append(os.path.exists(flag))
+                if jax.process_index() == 1:
+                    st = os.stat(touch)
+                    os.utime(touch, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+                    open(flag, "w").close()
+            yield fd
 
-    byte_source._fd = fd_touched
+    byte_source._held = held_touched
 
 error, step = None, None
 with count_reads() as counter:
