@@ -140,7 +140,7 @@ def _check_closed(path: str, seen: Seen) -> None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
-        raise FormatError(f"{path}: read by this job, then gone before its output was committed ({e.strerror})") from e
+        raise FormatError(f"{path} changed while it was read: {e.strerror or e}") from e  # (as `check_fd` says it)
     try:
         check_fd(path, fd, seen)
     finally:

@@ -129,7 +129,14 @@ def test_a_watched_file_changed_after_its_descriptor_was_closed_is_caught(tmp_pa
             w.check()  # nothing changed
             with open(paths[0], "ab") as f:
                 f.write(b"more")
-            with pytest.raises(FormatError, match="/a"):
+            with pytest.raises(FormatError, match="/a changed while it was read: size"):
+                w.check()
+            with open(paths[0], "rb+") as f:  # (back as it was read: size and mtime)
+                f.truncate(4096)
+            os.utime(paths[0], ns=(w.seen[paths[0]].mtime_ns,) * 2)
+            w.check()
+            os.remove(paths[1])  # (closed too: gone since its first read)
+            with pytest.raises(FormatError, match="/b changed while it was read"):
                 w.check()
     finally:
         open_files.close_all()
