@@ -209,9 +209,12 @@ def measured_round(paths: list[str], *, direct: bool, turn: int = 0, restore: Ca
     restore's result or None, seconds per (threads, pages)). The ways are recorded in
     `WAYS_SEEN`."""
     ways = [(t, p) for t in FLOOR_THREADS for p in FLOOR_PAGES]
-    runs: list = ([None] if restore is not None else []) + ways
-    k = turn % len(runs)
-    order = runs[k:] + runs[:k] if restore is None else ways[:k] + [None] + ways[k:]
+    if restore is None:  # (the ways alone: turned by `turn`)
+        k = turn % len(ways)
+        order: list = ways[k:] + ways[:k]
+    else:  # (the restore, None here, at place `turn` among the ways)
+        k = turn % (len(ways) + 1)
+        order = ways[:k] + [None] + ways[k:]
     seconds, got = {}, None
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="floor-files-") as f:
         json.dump(paths, f)
