@@ -56,15 +56,19 @@ class AlignedPool:
         self.reuses = 0
 
     def _take(self, nbytes: int) -> np.ndarray:
+        """A buffer for `nbytes`: a free one (the smallest that fits; of equal ones the one given
+        back last, whose lines the CPU's caches most likely still hold: a restore's scratch
+        pieces, read into and copied out of at once, took the one given back first, the coldest,
+        before the fourteenth stop), else a fresh one."""
         with self._lock:
             unit = self.unit if self.unit and nbytes <= self.unit else 0
             if unit:
                 fits = [i for i, b in enumerate(self._free) if len(b) == unit]
             else:
                 fits = [i for i, b in enumerate(self._free) if nbytes <= len(b) <= 2 * _capacity(nbytes)]
-            if fits:
+            if fits:  # the smallest that fits; of equal ones the last given back (`_take`'s doc)
                 self.reuses += 1
-                return self._free.pop(min(fits, key=lambda i: len(self._free[i])))
+                return self._free.pop(min(fits, key=lambda i: (len(self._free[i]), -i)))
             need = unit or _capacity(nbytes)
             self._free.sort(key=len)
             while self._free and self._held + need > self.limit:
