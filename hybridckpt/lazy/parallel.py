@@ -15,6 +15,7 @@ of a known order ahead of a consumer (the safetensors writer) within a byte wind
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -44,7 +45,10 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
+@functools.cache
 def default_io_threads() -> int:
+    """`min(16, max(4, 2 * cpus))`, the CPUs counted once (`os.cpu_count` reads a file of /sys:
+    it was asked at every box a restore read)."""
     return min(16, max(4, 2 * (os.cpu_count() or 1)))
 
 
