@@ -130,6 +130,15 @@ def write_meta(root: str, layers: int) -> None:
         del sd
 
 
+def set_hf_width(hidden: int) -> None:
+    """The HF Llama's widths from its hidden size: `hidden`, SwiGLU 11/4 of it (2816 for 1024,
+    5632 for 2048: 1B widths, the DCP sources' of `import_sources_floor`), 16 heads, 8 KV heads."""
+    global HF_DIM, HF_FFN, HF_HEADS, HF_KV
+    if hidden < 64 or hidden % 64:
+        raise SystemExit(f"--hidden {hidden}: expected a multiple of 64 (16 heads of a whole multiple of 4)")
+    HF_DIM, HF_FFN, HF_HEADS, HF_KV = hidden, 11 * hidden // 4, 16, 8
+
+
 def hf_layers(gib: float) -> int:
     hd = HF_DIM // HF_HEADS
     per_layer = 4 * (2 * HF_DIM * HF_HEADS * hd + 2 * HF_DIM * HF_KV * hd + 3 * HF_DIM * HF_FFN)
@@ -385,9 +394,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--only", choices=("meta", "hf"))
     ap.add_argument("--_write", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--_hf_hidden", type=int, default=HF_DIM, help=argparse.SUPPRESS)  # (`set_hf_width`)
     ap.add_argument("--_child", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a._write:
+        set_hf_width(a._hf_hidden)
         (write_meta if a._write[0] == "meta" else write_hf)(a._write[1], int(a._write[2]))
         return
     if a._child:

@@ -1,7 +1,7 @@
 """Benchmark: a restore of our store onto another mesh against the read floor of the bytes it
 needs, measured in the same run (issue 42).
 
-    python benchmarks/restore_floor.py [--gib 0.25] [--repeat 3] [--dir DIR] [--tree BASE]
+    python benchmarks/restore_floor.py [--gib 0.25] [--repeat 3] [--dir DIR] [--tree BASE] [--hidden 1024]
 
 `--tree BASE` (another checkout, e.g. `git archive BASE | tar -x -C PATH`) runs instead warm,
 then cold, restores of this code and of BASE's hybridckpt alternating (`compare_trees`): a
@@ -9,8 +9,10 @@ same-run before/after of the restore's seconds, CPU seconds (and the system part
 (`ru_minflt`), bytes read with O_DIRECT, `cut` copies and peak RSS, and the O_DIRECT reads'
 queue (`_queue`: seconds before the first read, seconds with none in flight, mean in flight).
 
-Writes an HF Llama folder (fp32 safetensors, trained-like values: `orbax_speed.write_hf`) of
-about `--gib` GiB and imports it once onto fsdp=2,tp=2 (8 simulated CPU devices, default flags:
+Writes an HF Llama folder (fp32 safetensors, trained-like values: `orbax_speed.write_hf`; hidden
+size `--hidden`, SwiGLU 11/4 of it: 1024 by default, 2048 for 1B widths, whose chunk files are
+4x larger: `orbax_speed.set_hf_width`) of about `--gib` GiB (a `--dir` holding one already is
+reused as it is) and imports it once onto fsdp=2,tp=2 (8 simulated CPU devices, default flags:
 raw chunk files, a CRC-32 per chunk). Then, `--repeat` rounds, the order of the two kinds of run
 swapped each round:
 
@@ -62,6 +64,7 @@ HERE = os.path.abspath(__file__)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import floors  # noqa: E402
+import orbax_speed  # noqa: E402
 from fresh_floors import (  # noqa: E402
     WAYS_SEEN,
     direct_fresh_floor,
@@ -72,7 +75,6 @@ from fresh_floors import (  # noqa: E402
     load_restore_modules,
     measured_round,
 )
-from orbax_speed import hf_layers  # noqa: E402
 
 IMPORT_MESH, RESTORE_MESH = "fsdp=2,tp=2", "fsdp=4"
 CHUNK_FILE = re.compile(r"^\d+(\.\d+)*$")  # a raw chunk file: its grid position
@@ -303,6 +305,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--tree", default=None, help="a base checkout to compare with (warm restores, alternating)")
+    ap.add_argument("--hidden", type=int, default=orbax_speed.HF_DIM, help="the model's hidden size (SwiGLU 11/4 of it)")
     ap.add_argument("--_child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a._child:
@@ -313,8 +316,9 @@ def main() -> None:
     src, ck = os.path.join(base, "hf_src"), os.path.join(base, "orbax")
     try:
         if not os.path.isdir(src):
+            orbax_speed.set_hf_width(a.hidden)
             subprocess.run([sys.executable, os.path.join(os.path.dirname(HERE), "orbax_speed.py"), "--_write", "hf",
-                            src, str(hf_layers(a.gib))], check=True)
+                            src, str(orbax_speed.hf_layers(a.gib)), "--_hf_hidden", str(a.hidden)], check=True)
         if not os.path.isdir(ck):
             subprocess.run([sys.executable, "-m", "hybridckpt.cli", "import", src, ck, "--mesh", IMPORT_MESH,
                             "--quiet"], check=True, env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
