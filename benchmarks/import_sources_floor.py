@@ -43,7 +43,9 @@ state, every array blocked on), `--repeat` rounds warm then cold alternating, ag
 of exactly its chunk files measured in the same round: warm `cat`, cold O_DIRECT reads into one
 reused buffer (the pages dropped with `POSIX_FADV_DONTNEED`), and both kinds' reads into fresh
 memory (`fresh_floors`: the strict floor, the fastest way, and the 4 KiB-page floor, each way and
-the restore in its own process after the same preparation, the restore's place turned each round).
+the restore in its own process after the same preparation, the restore's place turned each round),
+and against its peer, Orbax's own restore of the same store onto the same shardings in the same
+rounds (`orbax_peer`).
 Prints one table row per source and a JSON line. Records: docs/benchmarks.md "Sources of 4 GiB
 made by the tools (issue 42)".
 """
@@ -74,6 +76,7 @@ import fresh_floors  # noqa: E402
 import import_dcp_floor  # noqa: E402
 import restore_floor  # noqa: E402
 from consolidate_dcp import FFN, HIDDEN, VOCAB  # noqa: E402
+from orbax_peer import run_peer  # noqa: E402
 
 SOURCES = ("dcp", "hf", "megatron")
 IMPORT_MESH, RESTORE_MESH = "fsdp=2,tp=2", "fsdp=4"
@@ -340,7 +343,7 @@ def bench_restore(ck: str, repeat: int, quiet: bool) -> dict:
     files = restore_floor.chunk_files(ck)
     stored = sum(os.path.getsize(p) for p in files)
     runs: dict[str, list] = {k: [] for k in ("warm", "cold", "cat", "fresh", "fresh_small", "direct", "direct_fresh",
-                                             "direct_fresh_small")}
+                                             "direct_fresh_small", "peer_warm", "peer_cold")}
     run_restore(ck)  # a warm-up, not counted
     for i in range(repeat):
         for kind in ("warm", "cold") if i % 2 == 0 else ("cold", "warm"):
@@ -355,6 +358,8 @@ def bench_restore(ck: str, repeat: int, quiet: bool) -> dict:
             runs[kind].append(got)
             runs[fresh].append(fresh_floors.fastest(ways))
             runs[fresh + "_small"].append(fresh_floors.fastest_small(ways))
+            fresh_floors.prepare(files, direct=kind == "cold")  # the peer: Orbax's own restore, prepared alike
+            runs[f"peer_{kind}"].append(run_peer(ck, RESTORE_MESH))
     med = {k: statistics.median(r["job_s"] if isinstance(r, dict) else r for r in v) for k, v in runs.items()}
     row = {"mesh": f"{IMPORT_MESH} -> {RESTORE_MESH}", "stored_bytes": stored, "chunk_files": len(files),
            "warm_s": round(med["warm"], 3), "cold_s": round(med["cold"], 3),
@@ -367,6 +372,9 @@ def bench_restore(ck: str, repeat: int, quiet: bool) -> dict:
            "cold_over_direct": round(med["cold"] / med["direct"], 2),
            "cold_over_direct_fresh": round(med["cold"] / med["direct_fresh"], 2),
            "cold_over_direct_fresh_small": round(med["cold"] / med["direct_fresh_small"], 2),
+           "peer": restore_floor.PEER, "peer_warm_s": round(med["peer_warm"], 3), "peer_cold_s": round(med["peer_cold"], 3),
+           "peer_over_warm": round(med["peer_warm"] / med["warm"], 2), "peer_over_cold": round(med["peer_cold"] / med["cold"], 2),
+           "peer_peak_rss_mib": round(max(r["peak_rss_mb"] for r in runs["peer_warm"] + runs["peer_cold"])),
            "read_over_stored": round(statistics.median(r["read_bytes"] for r in runs["warm"]) / stored, 4),
            "placed_bytes": runs["warm"][0]["placed_bytes"],
            "peak_rss_mib": round(max(r["peak_rss_mib"] for r in runs["warm"] + runs["cold"])),
@@ -403,7 +411,9 @@ def table(rows: list[dict], restore: dict | None, restored: str | None) -> str:
                    f"{restore['cold_s']} s ({restore['cold_over_direct']}x O_DIRECT {restore['floor_direct_s']} s, "
                    f"{restore['cold_over_direct_fresh']}x into fresh memory {restore['floor_direct_fresh_s']} s, "
                    f"{restore['cold_over_direct_fresh_small']}x its 4 KiB pages {restore['floor_direct_fresh_small_s']} s); "
-                   f"peak RSS {restore['peak_rss_mib']} MiB")
+                   f"peak RSS {restore['peak_rss_mib']} MiB; Orbax's own restore onto the same shardings: warm "
+                   f"{restore['peer_warm_s']} s ({restore['peer_over_warm']}x ours), cold {restore['peer_cold_s']} s "
+                   f"({restore['peer_over_cold']}x ours), peak RSS {restore['peer_peak_rss_mib']} MiB")
     return "\n".join(out)
 
 

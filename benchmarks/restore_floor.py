@@ -37,6 +37,9 @@ idle for seconds (on a VM whose balloon reports free memory, the history of a pa
 cost: `fresh_floors`). Each kind's rows are against the strict floor (the fastest way) and the
 4 KiB-page floor (the fastest way with the pages a restore's arrays are).
 
+After each kind's round, its peer runs, prepared alike: Orbax's own restore of the same store onto
+the same shardings (`orbax_peer`: what a JAX user without hybridckpt runs; it checks no CRC-32).
+
 fsdp=2,tp=2 -> fsdp=4 cuts every stored chunk in two (each device needs half the rows of two
 chunks), the case where a CRC-checked read could read a chunk more than once. Prints per kind the
 medians (also of the account's own wall time, which leaves out what precedes and follows
@@ -74,7 +77,9 @@ from fresh_floors import (  # noqa: E402
     fresh_read_floor,
     load_restore_modules,
     measured_round,
+    prepare,
 )
+from orbax_peer import run_peer  # noqa: E402
 
 IMPORT_MESH, RESTORE_MESH = "fsdp=2,tp=2", "fsdp=4"
 CHUNK_FILE = re.compile(r"^\d+(\.\d+)*$")  # a raw chunk file: its grid position
@@ -299,6 +304,25 @@ def report(kind: str, runs: list[dict], floor_runs: list[float], floor_name: str
     return row
 
 
+PEER = ("Orbax's own restore (CheckpointManager + StandardRestore onto the same targets: TensorStore's reads, "
+        "no CRC-32 check; a fresh process each, prepared alike)")
+
+
+def peer_row(kind: str, ours: list[dict], peer: list[dict]) -> dict:
+    """Our restore against Orbax's restore of the same store onto the same shardings, the same
+    rounds: medians of seconds and CPU seconds, highest peak RSS."""
+    med = {k: statistics.median(r["job_s"] for r in v) for k, v in (("ours", ours), ("peer", peer))}
+    row = {"kind": kind, "peer": PEER, "restore_s": round(med["ours"], 3), "peer_s": round(med["peer"], 3),
+           "peer_over_restore": round(med["peer"] / med["ours"], 2),
+           "restore_cpu_s": round(statistics.median(r["cpu_s"] for r in ours), 3),
+           "peer_cpu_s": round(statistics.median(r["cpu_s"] for r in peer), 3),
+           "restore_peak_rss_mb": round(max(r["peak_rss_mb"] for r in ours)),
+           "peer_peak_rss_mb": round(max(r["peak_rss_mb"] for r in peer)),
+           "peer_runs_s": [round(r["job_s"], 3) for r in peer]}
+    print(json.dumps(row))
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=0.25)
@@ -329,7 +353,8 @@ def main() -> None:
             compare_trees(ck, files, a.tree, a.repeat)
             return
         runs: dict[str, list] = {k: [] for k in ("warm", "cold", "warm_floor", "fresh_floor", "cold_floor",
-                                                 "cold_fresh_floor", "small_floor", "cold_small_floor")}
+                                                 "cold_fresh_floor", "small_floor", "cold_small_floor",
+                                                 "warm_peer", "cold_peer")}
         _child(ck)  # a warm-up, not counted: the modules' files cached
         for i in range(a.repeat):
             for kind in ("warm", "cold") if i % 2 == 0 else ("cold", "warm"):
@@ -344,6 +369,8 @@ def main() -> None:
                 runs[kind].append(got)
                 runs["fresh_floor" if kind == "warm" else "cold_fresh_floor"].append(fastest(ways))
                 runs["small_floor" if kind == "warm" else "cold_small_floor"].append(fastest_small(ways))
+                prepare(files, direct=kind == "cold")  # the peer: Orbax's own restore, prepared alike
+                runs[f"{kind}_peer"].append(run_peer(ck, RESTORE_MESH))
         print(f"{len(files)} chunk files, {stored / 1e6:.0f} MB; {os.cpu_count()} CPUs; load average "
               f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
         rows = [report("warm", runs["warm"], runs["warm_floor"], "cat to /dev/null, page cache warm", stored),
@@ -352,7 +379,8 @@ def main() -> None:
                 report("cold", runs["cold"], runs["cold_fresh_floor"], FRESH_COLD, stored),
                 report("warm", runs["warm"], runs["small_floor"], FRESH_WARM_SMALL, stored),
                 report("cold", runs["cold"], runs["cold_small_floor"], FRESH_COLD_SMALL, stored)]
-        print(json.dumps({"gib": a.gib, "repeat": a.repeat, "stored_bytes": stored, "rows": rows,
+        peers = [peer_row(kind, runs[kind], runs[f"{kind}_peer"]) for kind in ("warm", "cold")]
+        print(json.dumps({"gib": a.gib, "repeat": a.repeat, "stored_bytes": stored, "rows": rows, "peers": peers,
                           "fresh_floor_ways": WAYS_SEEN}, indent=1))
     finally:
         if a.dir is None:

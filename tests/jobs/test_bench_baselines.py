@@ -185,3 +185,30 @@ print(started, json.dumps(sorted(m for m in set(sys.modules) - before if m.split
     assert got["loaded"] == (True, []), got["loaded"]  # JAX's backend started, nothing left to load
     assert got["bare"][0] is False  # (the restore would start it: 8-11 ms of a 1.1 GB warm restore)
     assert any(m.startswith("optax") for m in got["bare"][1]), got["bare"]  # what the preload takes out of the timing
+
+
+def test_the_orbax_peer_restores_what_our_restore_does_bit_for_bit(tmp_path):
+    """`orbax_peer`: Orbax's own restore of our store onto the targets of our plan (the restore
+    benchmarks' peer) gives the arrays our restore gives, params and AdamW state, on another mesh,
+    with the same shardings; and what it times is Orbax's restore alone, not the plan."""
+    import jax
+    import orbax_peer
+
+    import hybridckpt
+    from hybridckpt.demo import sample_path
+    from hybridckpt.jobs.import_ import import_checkpoint
+
+    ck = str(tmp_path / "ck")
+    import_checkpoint(sample_path(), ck, mesh="fsdp=2")
+    mesh = "tp=2" if len(jax.devices()) >= 2 else "fsdp=1"
+    _, ours = hybridckpt.restore(ck, mesh)
+    step, items = orbax_peer.targets(ck, mesh)
+    assert step == ours.step and set(items) == {"params", "opt_state"}
+    theirs = orbax_peer.orbax_restore(ck, step, items)
+    for mine, peer in ((ours.params, theirs["params"]), (ours.opt_state, theirs["opt_state"])):
+        a, b = jax.tree_util.tree_leaves_with_path(mine), jax.tree.leaves(peer)
+        assert len(a) == len(b) > 0
+        for (path, x), y in zip(a, b, strict=True):
+            assert x.dtype == y.dtype and x.shape == y.shape, path
+            assert x.sharding.is_equivalent_to(y.sharding, x.ndim), path
+            assert np.asarray(x).tobytes() == np.asarray(y).tobytes(), path
