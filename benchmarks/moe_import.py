@@ -10,10 +10,11 @@ Each is imported (`jobs.import_checkpoint`, what `hybridckpt import` runs, param
 `dp=4,fsdp=2` on 8 CPU devices: experts split over dp (4 x 8), their embed axis over fsdp, so
 every expert is cut in two boxes written by two devices. Measured in the import's own process:
 
-- **read ratio**: every `ByteSource.read_into` / `copy_to` / `read_span` call (the one door
-  through which hybridckpt reads checkpoint bytes, `hybridckpt/io/byte_source.py`) is recorded
-  with its file, offset and length (a span read records its runs: its gaps are under a page
-  each, inside the pages its runs touch anyway, and counted apart as gap bytes); the bytes of those reads that fall inside the expert tensors' data ranges
+- **read ratio**: every call of `ByteSource.read_into` / `copy_to` / `read_span` / `read_runs` /
+  `read_scatter` (the doors through which hybridckpt reads checkpoint bytes,
+  `hybridckpt/io/byte_source.py`; `recording`) is recorded with its file, offset and length (a
+  span or batch of runs records its runs: its gaps are under a page each or read into a scratch
+  buffer, and counted apart as gap bytes); the bytes of those reads that fall inside the expert tensors' data ranges
   (`moe_sources.expert_ranges`) over the expert tensors' bytes. 1.00 with every expert byte
   covered = each expert byte read exactly once. (Counting per file, as `count_reads` does, could
   not tell one expert read twice from another never read.)
@@ -34,6 +35,7 @@ a tiny size); `run(layout, gib, base)` writes, measures and cleans up; `benchmar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -42,6 +44,7 @@ import sys
 import tempfile
 import time
 from array import array
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -116,32 +119,64 @@ def read_ratio(reads: dict[str, array], ranges: dict[str, list[tuple[int, int]]]
     }
 
 
+@contextlib.contextmanager
+def recording() -> Iterator[dict[str, array]]:
+    """Inside: every byte range read through `ByteSource`'s doors, per path as flat (offset,
+    length) pairs, 16 bytes a read (`array.frombytes` holds the GIL throughout, so the reader
+    threads' records never interleave); a planned read (`byte_source.planned`: the plan's dry
+    reads, which read nothing) is not recorded. The doors: `read_into` (`read` goes through it),
+    `copy_to`, `read_span` and `read_runs` (their runs: the gaps between runs, under a page each
+    or read into a scratch buffer, are counted apart as gap bytes), `read_scatter` (one run into
+    the rows of a strided buffer). A door left out undercounts, which the kernel's count flags."""
+    from hybridckpt.io.byte_source import ByteSource, planned
+
+    reads: dict[str, array] = {}
+    doors = ("read_into", "copy_to", "read_span", "read_runs", "read_scatter")
+    inner = {d: getattr(ByteSource, d) for d in doors}
+
+    def record(path: str, starts, nbytes) -> None:
+        if planned():  # (the plan thread's dry reads: counted by the plan, read by no one)
+            return
+        pairs = np.empty((len(starts), 2), np.int64)
+        pairs[:, 0], pairs[:, 1] = starts, nbytes
+        reads.setdefault(path, array("q")).frombytes(pairs.tobytes())
+
+    def read_into(self, offset, buffer):
+        record(self.path, [offset], len(buffer))
+        return inner["read_into"](self, offset, buffer)
+
+    def copy_to(self, offset, nbytes, out_fd, out_offset):
+        record(self.path, [offset], nbytes)
+        return inner["copy_to"](self, offset, nbytes, out_fd, out_offset)
+
+    def read_span(self, offset, nbytes, run_starts, run_bytes):
+        record(self.path, np.asarray(run_starts, np.int64) + offset, run_bytes)
+        return inner["read_span"](self, offset, nbytes, run_starts, run_bytes)
+
+    def read_runs(self, offsets, run_bytes, buffer, stride=None):
+        record(self.path, np.asarray(offsets, np.int64), run_bytes)
+        return inner["read_runs"](self, offsets, run_bytes, buffer, stride)
+
+    def read_scatter(self, offset, views):
+        record(self.path, [offset], sum(len(v) for v in views))
+        return inner["read_scatter"](self, offset, views)
+
+    wrapped = {"read_into": read_into, "copy_to": copy_to, "read_span": read_span, "read_runs": read_runs,
+               "read_scatter": read_scatter}
+    for d in doors:
+        setattr(ByteSource, d, wrapped[d])
+    try:
+        yield reads
+    finally:
+        for d in doors:
+            setattr(ByteSource, d, inner[d])
+
+
 def measure(src: str, dst: str, mesh: str = MESH) -> dict:
     """Import `src` into `dst` on `mesh` in this process (JAX's devices already set up), recording
     every byte range read; the figures of the module doc."""
     from hybridckpt import jobs
-    from hybridckpt.io.byte_source import ByteSource
     from hybridckpt.store import stream
-
-    # path -> flat (offset, length) pairs, 16 bytes a read; `array.extend` of a tuple holds the
-    # GIL throughout, so the reader threads' records never interleave
-    reads: dict[str, array] = {}
-    inner_read, inner_copy, inner_span = ByteSource.read_into, ByteSource.copy_to, ByteSource.read_span
-
-    def read_into(self, offset, buffer):
-        reads.setdefault(self.path, array("q")).extend((offset, len(buffer)))
-        return inner_read(self, offset, buffer)
-
-    def copy_to(self, offset, nbytes, out_fd, out_offset):
-        reads.setdefault(self.path, array("q")).extend((offset, nbytes))
-        return inner_copy(self, offset, nbytes, out_fd, out_offset)
-
-    def read_span(self, offset, nbytes, run_starts, run_bytes):
-        """The runs of a span read (its gaps, under a page each, lie in the pages of its runs)."""
-        pairs = np.empty((len(run_starts), 2), np.int64)
-        pairs[:, 0], pairs[:, 1] = np.asarray(run_starts, np.int64) + offset, run_bytes
-        reads.setdefault(self.path, array("q")).frombytes(pairs.tobytes())
-        return inner_span(self, offset, nbytes, run_starts, run_bytes)
 
     ranges = expert_ranges(src)
     path, config_file = src, None
@@ -149,9 +184,8 @@ def measure(src: str, dst: str, mesh: str = MESH) -> dict:
         path, config_file = os.path.join(src, "checkpoint"), os.path.join(src, "config.json")
     opts = stream.StreamOptions()
     rss_before = _status("VmRSS")
-    ByteSource.read_into, ByteSource.copy_to, ByteSource.read_span = read_into, copy_to, read_span
     io0 = kernel_io.proc_io()
-    try:
+    with recording() as reads:
         t0 = time.perf_counter()
         s = jobs.import_checkpoint(
             path,
@@ -163,8 +197,6 @@ def measure(src: str, dst: str, mesh: str = MESH) -> dict:
             config=config_file,
         )
         dt = time.perf_counter() - t0
-    finally:
-        ByteSource.read_into, ByteSource.copy_to, ByteSource.read_span = inner_read, inner_copy, inner_span
     kernel = kernel_io.delta(io0, kernel_io.proc_io())
     files = source_files(src)
     return {
@@ -240,11 +272,33 @@ def run(
             "mesh": mesh,
             "floors": fl,
             "check": check,
+            "expected_ratio": 1.0 + chunk_ends(layout, src),
         }
         return best
     finally:
         shutil.rmtree(src, ignore_errors=True)
         shutil.rmtree(dst, ignore_errors=True)
+
+
+def chunk_ends(layout: str, root: str) -> float:
+    """The expert bytes a DCP import reads besides reading each element once, as a ratio of the
+    expert bytes: each chunk's two ends are read to match or parse its `torch.save` archive
+    (`formats.dcp.chunk`: the first and last `rest = length - element bytes` bytes), and of those
+    `min(rest, element bytes)` are elements; 0 for the safetensors layouts. From torch's own
+    metadata of the source (torch is a benchmark's dependency, never the library's)."""
+    if layout != "titan":
+        return 0.0
+    import torch.distributed.checkpoint as dcp
+    from moe_sources import TITAN_STEP, is_expert
+
+    meta = dcp.FileSystemReader(os.path.join(root, "checkpoint", TITAN_STEP)).read_metadata()
+    extra = total = 0
+    for idx, info in meta.storage_data.items():
+        if is_expert(idx.fqn):
+            md = meta.state_dict_metadata[idx.fqn]
+            n = int(np.prod(md.size)) * md.properties.dtype.itemsize
+            extra, total = extra + min(info.length - n, n), total + n
+    return extra / total if total else 0.0
 
 
 def summary(r: dict) -> str:

@@ -13,7 +13,6 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 
 import moe_import  # noqa: E402
-import moe_sources  # noqa: E402
 from meshes import fit
 
 from hybridckpt.lazy import stored  # noqa: E402
@@ -42,32 +41,12 @@ def source(request, tmp_path_factory):
     return request.param, root
 
 
-def chunk_ends(layout: str, root: str) -> float:
-    """The expert bytes a DCP import reads besides the elements themselves, as a ratio of the
-    expert bytes: each chunk's two ends are read to match or parse its `torch.save` archive
-    (`formats.dcp.chunk`: the first and last `rest = length - element bytes` bytes), and of those
-    `min(rest, element bytes)` are elements (the head and the tail of the archive sum to `rest`);
-    the elements are then read once. 0 for the safetensors layouts. From torch's own metadata."""
-    if layout != "titan":
-        return 0.0
-    import torch.distributed.checkpoint as dcp
-
-    meta = dcp.FileSystemReader(os.path.join(root, "checkpoint", moe_sources.TITAN_STEP)).read_metadata()
-    extra = total = 0
-    for idx, info in meta.storage_data.items():
-        if moe_sources.is_expert(idx.fqn):
-            md = meta.state_dict_metadata[idx.fqn]
-            n = int(np.prod(md.size)) * md.properties.dtype.itemsize
-            extra, total = extra + min(info.length - n, n), total + n
-    return extra / total
-
-
 def test_each_expert_byte_read_once(source, tmp_path):
     layout, root = source
     r = moe_import.measure(root, str(tmp_path / "out"), fit("dp=4,fsdp=2", keep="fsdp"))
     assert r["expert_bytes"] == 2 * 8 * 3 * 64 * 128 * 4
     # once, plus (titan) the ends of each chunk that matching its archive reads: 0.6% here
-    assert r["ratio"] == pytest.approx(1.0 + chunk_ends(layout, root), abs=1e-12) and r["covered"] == 1.0
+    assert r["ratio"] == pytest.approx(1.0 + moe_import.chunk_ends(layout, root), abs=1e-12) and r["covered"] == 1.0
     if layout != "titan":  # headers included, nothing twice (DCP: torch.save's zip headers skipped)
         assert r["bytes_read"] == r["files_bytes"]
     assert 0 < r["largest_tile_bytes"] <= r["peak_inflight_bytes"]
@@ -103,7 +82,7 @@ def test_a_double_read_is_detected(source, tmp_path, monkeypatch):
     for mesh in dict.fromkeys((fit("dp=4,fsdp=2", keep="fsdp"), fit("dp=8"))):  # on 1 device, one
         r = moe_import.measure(root, str(tmp_path / mesh), mesh)
         assert r["covered"] == 1.0
-        assert r["ratio"] == pytest.approx(whole_per_box(layout, mesh) + chunk_ends(layout, root), abs=1e-12)
+        assert r["ratio"] == pytest.approx(whole_per_box(layout, mesh) + moe_import.chunk_ends(layout, root), abs=1e-12)
 
 
 def test_read_ratio_counts_overlaps_and_holes():
@@ -115,3 +94,28 @@ def test_read_ratio_counts_overlaps_and_holes():
     twice_with_hole = {"/f": array("q", [100, 50, 100, 50, 300, 100])}
     r = moe_import.read_ratio(twice_with_hole, ranges)
     assert r["ratio"] == 1.0 and r["covered"] == 0.75  # the ratio alone would pass it
+
+
+def test_the_recorder_sees_every_door_of_byte_source(tmp_path):
+    """`moe_import.recording` records the ranges of every `ByteSource` door a reader uses: a
+    read, a batch of runs (`read_runs`: the door a large tile's strips go through, which the
+    recorder missed until the fifteenth stop: (g) at 1 GiB recorded 0.064x the files the kernel
+    read) and a run into strided rows (`read_scatter`), each range once; and not the plan's dry
+    reads (`planning`), which read nothing (recorded, they made (g) read 1.058x its experts)."""
+    from hybridckpt.io.byte_source import ByteSource, planning
+
+    path = tmp_path / "f"
+    path.write_bytes(bytes(range(256)) * 64)  # 16 KiB
+    src = ByteSource(str(path))
+    with moe_import.recording() as reads:
+        src.read_into(100, memoryview(bytearray(10)))
+        src.read_runs(np.array([1000, 3000, 5000]), 64, memoryview(bytearray(3 * 64)))
+        rows = np.zeros((4, 32), np.uint8)
+        src.read_scatter(8000, [memoryview(r[:16]) for r in rows])
+        with planning():
+            src.read_runs(np.array([0, 4096]), 512, memoryview(bytearray(1024)))
+            src.read_into(200, memoryview(bytearray(10)))
+    got = sorted(map(tuple, np.frombuffer(reads[str(path)], np.int64).reshape(-1, 2).tolist()))
+    assert got == [(100, 10), (1000, 64), (3000, 64), (5000, 64), (8000, 64)]
+    assert rows[1, :16].tobytes() == (bytes(range(256)) * 64)[8016:8032]
+    assert ByteSource.read_runs.__name__ == "read_runs"  # (the doors put back)
