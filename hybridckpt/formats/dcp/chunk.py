@@ -198,7 +198,10 @@ class TorchSaveChunk(Deferred):
 
     def tensor(self) -> LazyTensor:
         t = self._cache.get("t")
-        if t is None:  # two threads may both parse it: harmless, same result
-            t = chunk_tensor(self.path, self.offset, self.length, self.shape, self.dtype, self.fqn)
-            self._cache["t"] = t
+        if t is None:  # parsed by the first thread to ask; the others wait for it (its ends read once)
+            with self._cache.setdefault("lock", threading.Lock()):
+                t = self._cache.get("t")
+                if t is None:
+                    t = chunk_tensor(self.path, self.offset, self.length, self.shape, self.dtype, self.fqn)
+                    self._cache["t"] = t
         return t
