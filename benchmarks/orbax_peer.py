@@ -32,23 +32,17 @@ from fresh_floors import load_restore_modules  # noqa: E402
 
 def targets(ck: str, mesh: str) -> tuple[int, dict]:
     """(step, {item: tree of ShapeDtypeStruct with shardings}) that `hybridckpt.restore(ck,
-    mesh)` restores onto: the same plan, params and (when saved) the optimizer state."""
-    from hybridckpt import optim, plan
-    from hybridckpt.jobs.restore import plan_for
+    mesh)` restores onto (`jobs.restore.targets`: the same code), params and, when saved, the
+    optimizer state."""
+    from hybridckpt.jobs import restore
     from hybridckpt.mesh import as_mesh
     from hybridckpt.store.manager import CheckpointStore
 
     with CheckpointStore(os.path.abspath(ck)) as store:
         state = store.trainer_state(None)
         step = int(state["step"])
-        saved = store.params_metadata(step)
-        has_opt = os.path.isdir(os.path.join(str(store.directory), str(step), "opt_state"))
-        opt = optim.get(state.get("optimizer", optim.DEFAULT)) if has_opt else None
-        p = plan_for(state, saved, as_mesh(mesh), optimizer=opt)
-        out = {"params": p.param_targets(saved)}
-        if opt is not None:
-            out["opt_state"] = plan.with_saved_dtypes(p.opt_targets(), store.opt_state_metadata(step))
-    return step, out
+        _, params, opt_state = restore.targets(store, state, step, as_mesh(mesh))
+    return step, {"params": params, **({"opt_state": opt_state} if opt_state is not None else {})}
 
 
 def orbax_restore(ck: str, step: int, items: dict) -> dict:

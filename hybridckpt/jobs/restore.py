@@ -108,23 +108,33 @@ def _restore(directory, mesh, *, step, optimizer, config, strict_sharding, **res
             mesh = _saved_mesh_if_it_fits(state.get("mesh"))
         jmesh = as_mesh(mesh)
         step = state.get("step", step) if step is None else step
-        with timing.stage("metadata"):
-            saved = store.params_metadata(step)
-        has_opt = os.path.isdir(os.path.join(str(store.directory), str(step), "opt_state"))
-        opt = optim.get(state.get("optimizer", optim.DEFAULT)) if optimizer and has_opt else None
-        with timing.stage("plan"):
-            p = plan_for(state, saved, jmesh, config=config, optimizer=opt,
-                         indivisible="error" if strict_sharding else "replicate")
-        with timing.stage("metadata"):
-            opt_meta = store.opt_state_metadata(step) if opt else None
-        opt_targets = plan.with_saved_dtypes(p.opt_targets(), opt_meta)
-        restored = store.restore(step, target_params=p.param_targets(saved), target_opt_state=opt_targets, **restore_kwargs)
+        p, params, opt_targets = targets(store, state, step, jmesh, optimizer=bool(optimizer), config=config,
+                                         strict_sharding=strict_sharding)
+        restored = store.restore(step, target_params=params, target_opt_state=opt_targets, **restore_kwargs)
         restored = replace(restored, notes=p.notes)
     if optimizer == "from-checkpoint":
-        restored = with_optimizer(restored, opt, state, directory)
+        restored = with_optimizer(restored, p.optimizer, state, directory)
     elif not isinstance(optimizer, bool):
         raise ValueError(f"optimizer={optimizer!r}: expected True, False or 'from-checkpoint'")
     return model_config(state, config), restored
+
+
+def targets(store: CheckpointStore, state: dict, step: int, mesh: jax.sharding.Mesh, *, optimizer: bool = True,
+            config: Any = None, strict_sharding: bool = False) -> tuple[plan.Plan, Any, Any]:
+    """(plan, params targets, optimizer-state targets or None) of `step` of `store` on `mesh`: trees
+    of `jax.ShapeDtypeStruct` carrying the shardings, params and moments in their saved dtypes;
+    the optimizer state's when `optimizer` and the step has one. What `restore` reads onto (and
+    the restore benchmarks' Orbax peer too, `benchmarks/orbax_peer.py`)."""
+    with timing.stage("metadata"):
+        saved = store.params_metadata(step)
+    has_opt = os.path.isdir(os.path.join(str(store.directory), str(step), "opt_state"))
+    opt = optim.get(state.get("optimizer", optim.DEFAULT)) if optimizer and has_opt else None
+    with timing.stage("plan"):
+        p = plan_for(state, saved, mesh, config=config, optimizer=opt,
+                     indivisible="error" if strict_sharding else "replicate")
+    with timing.stage("metadata"):
+        opt_meta = store.opt_state_metadata(step) if opt else None
+    return p, p.param_targets(saved), plan.with_saved_dtypes(p.opt_targets(), opt_meta)
 
 
 def with_optimizer(restored: Restored, opt: optim.Optimizer | None, state: dict, directory: str) -> Restored:
