@@ -122,8 +122,8 @@ def read_ratio(reads: dict[str, array], ranges: dict[str, list[tuple[int, int]]]
 @contextlib.contextmanager
 def recording() -> Iterator[dict[str, array]]:
     """Inside: every byte range read through `ByteSource`'s doors, per path as flat (offset,
-    length) pairs, 16 bytes a read (`array.frombytes` holds the GIL throughout, so the reader
-    threads' records never interleave); a planned read (`byte_source.planned`: the plan's dry
+    length) pairs, 16 bytes a read (`array.extend` of a tuple and `array.frombytes` hold the GIL
+    throughout, so the reader threads' records never interleave); a planned read (`byte_source.planned`: the plan's dry
     reads, which read nothing) is not recorded. The doors: `read_into` (`read` goes through it),
     `copy_to`, `read_span` and `read_runs` (their runs: the gaps between runs, under a page each
     or read into a scratch buffer, are counted apart as gap bytes), `read_scatter` (one run into
@@ -141,12 +141,16 @@ def recording() -> Iterator[dict[str, array]]:
         pairs[:, 0], pairs[:, 1] = starts, nbytes
         reads.setdefault(path, array("q")).frombytes(pairs.tobytes())
 
+    def one(path: str, offset: int, nbytes: int) -> None:  # (one range: no array made)
+        if not planned():
+            reads.setdefault(path, array("q")).extend((offset, nbytes))
+
     def read_into(self, offset, buffer):
-        record(self.path, [offset], len(buffer))
+        one(self.path, offset, len(buffer))
         return inner["read_into"](self, offset, buffer)
 
     def copy_to(self, offset, nbytes, out_fd, out_offset):
-        record(self.path, [offset], nbytes)
+        one(self.path, offset, nbytes)
         return inner["copy_to"](self, offset, nbytes, out_fd, out_offset)
 
     def read_span(self, offset, nbytes, run_starts, run_bytes):
@@ -158,7 +162,7 @@ def recording() -> Iterator[dict[str, array]]:
         return inner["read_runs"](self, offsets, run_bytes, buffer, stride)
 
     def read_scatter(self, offset, views):
-        record(self.path, [offset], sum(len(v) for v in views))
+        one(self.path, offset, sum(len(v) for v in views))
         return inner["read_scatter"](self, offset, views)
 
     wrapped = {"read_into": read_into, "copy_to": copy_to, "read_span": read_span, "read_runs": read_runs,
