@@ -45,6 +45,7 @@ from hybridckpt.models.family import (
     families,
     family_named,
     family_of,
+    speaking,
 )
 from hybridckpt.models.gpt2.config import GPT2Config
 from hybridckpt.models.llama.config import LlamaConfig, meta_ffn_hidden_dim
@@ -75,6 +76,7 @@ __all__ = [
     "param_groups_tree",
     "param_shape_tree",
     "rule_variables",
+    "speaking",
     *_JAX_API,
 ]
 

@@ -2,7 +2,8 @@
 (maxtext, megatron, megatron-dist, flex-checkpoint, hf-trainer, lightning) on every DCP source
 (the benchmark's), so each of them must import only its detect code, never its reader (the
 pickle machine's users, Paddle's optimizer names, the HF reader...). One fresh interpreter
-detects torchtitan's own DCP checkpoint and lists what it imported. Counts, not timings.
+detects torchtitan's own DCP checkpoint and lists what it imported; another opens Megatron-Core's
+own torch_dist checkpoint and lists the model families it imported. Counts, not timings.
 """
 
 from __future__ import annotations
@@ -89,3 +90,44 @@ def test_the_packages_still_export_their_readers_names():
     for pkg in (megatron, megatron_dist, flex_checkpoint, trainer, lightning):
         assert sorted(n for n in pkg.__all__ if not hasattr(pkg, n)) == [], pkg.__name__
         assert not hasattr(pkg, "no_such_name")
+
+
+OPEN_PROBE = r"""
+import json, sys
+from hybridckpt import models
+from hybridckpt.jobs.open import open_checkpoint
+opened = open_checkpoint(sys.argv[1])
+print(json.dumps({"family": models.family_of(opened.config).name, "speaking": sorted(models.speaking("megatron")),
+                  "families": sorted({m.split(".")[2] for m in sys.modules
+                                      if m.startswith("hybridckpt.models.") and m.count(".") >= 2})}))
+"""
+
+
+FAMILIES_PROBE = r"""
+import importlib, json, sys
+for name in sys.argv[1:]:
+    importlib.import_module(f"hybridckpt.models.{name}")
+print(json.dumps(sorted({m.split(".")[2] for m in sys.modules if m.startswith("hybridckpt.models.") and m.count(".") >= 2})))
+"""
+
+
+def test_opening_a_megatron_source_imports_only_the_families_that_speak_megatron():
+    """Which family Megatron args describe is asked of the families with a megatron dialect
+    (11 of the 27), and the model config read by the one found: looking each up by name, then
+    the config by its HF architecture, imported every family's package (about 30 ms of the open
+    and 49 modules an import never used). Megatron-Core's own torch_dist checkpoint."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    src = os.path.join(case_dir("megatron_core_dense_dp_reshardable"), "ckpt")
+    r = subprocess.run([sys.executable, "-c", OPEN_PROBE, src], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["family"] == "llama", got
+    # what importing those families alone loads (mixtral's package imports mistral's)
+    r = subprocess.run([sys.executable, "-c", FAMILIES_PROBE, *got["speaking"]], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    allowed = set(json.loads(r.stdout.strip().splitlines()[-1]))
+    assert "llama" in got["families"] and "gemma2" in os.listdir(os.path.join(root, "models"))
+    loaded = {f for f in got["families"] if os.path.isfile(os.path.join(root, "models", f, "__init__.py"))}
+    assert loaded <= allowed, sorted(loaded - allowed)  # (old code: every family folder, 27)
