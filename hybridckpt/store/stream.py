@@ -49,7 +49,7 @@ from hybridckpt.containers.orbax.codec import COMPRESSION
 from hybridckpt.io import timing
 from hybridckpt.io.aligned_pool import AlignedPool
 from hybridckpt.io.direct_io import aligned_empty
-from hybridckpt.lazy import Box, LazyTensor, box_shape, element_copy
+from hybridckpt.lazy import Box, LazyTensor, box_shape, element_copy, parallel
 from hybridckpt.plan import box_owners
 
 CHUNK_BYTES = 8 << 20  # zarr chunk target: small against any shard a resharding restore reads
@@ -98,7 +98,8 @@ class StreamOptions:
         """The byte budget (and item count) of the save running in this event loop."""
         loop = asyncio.get_running_loop()
         if id(loop) not in self._budgets:
-            self._budgets[id(loop)] = _Budget(self.inflight_bytes, self.stats)
+            # (the pool's buffers: the tiles' budget and a strip's copy a writer, `chunk_files.write_tile`)
+            self._budgets[id(loop)] = _Budget(self.inflight_bytes, self.stats, parallel.write_threads() * self.chunk_bytes)
         return self._budgets[id(loop)]
 
 
@@ -409,12 +410,15 @@ def _mean_read_bytes(leaf: LazyLeaf, box: Box) -> float:
 class _Budget:
     """Bytes of tiles held (read or being written); a tile waits until it fits (or runs alone)."""
 
-    def __init__(self, limit: int, stats: StreamStats):
+    def __init__(self, limit: int, stats: StreamStats, spare_bytes: int = 0):
         self.limit, self.used, self.stats = max(1, int(limit)), 0, stats
         self.active = 0
         self.failed: list[BaseException] = []  # errors of this save: the other tiles stop reading
         self.cond = asyncio.Condition()
-        self.buffers = AlignedPool(self.limit)  # a raw save's tile buffers, reused (`io.aligned_pool`)
+        self.buffers = AlignedPool(self.limit + spare_bytes)  # a raw save's tile buffers, reused (`io.aligned_pool`)
+        # a raw save's tiles held at once (being read, waiting for a writer or written): one a
+        # reader or writer thread, so the tiles read ahead stay few (`stream_orbax._write_tile`)
+        self.tiles = asyncio.Semaphore(parallel.io_threads() + parallel.write_threads())
 
     async def acquire(self, n: int) -> None:
         async with self.cond:

@@ -24,13 +24,13 @@ from hybridckpt.store import stream_orbax
 def test_sharding_record_does_not_hold_back_the_tiles(tmp_path, monkeypatch):
     """Each item's record here waits until a tile has been written, which before this change
     never happened (the record came first), so it gave up and counted none."""
-    real_record, real_copy = stream_orbax.jax_array_handlers._async_serialize_shardings, stream_orbax._copy_tile
+    real_record, real_write = stream_orbax.jax_array_handlers._async_serialize_shardings, stream_orbax._write_tile
     tiles = [0]
     waiting: list = []  # (loop, event) of each record waiting for a tile
     before: list[int] = []  # tiles written when each item's record was written
 
-    def copy_tile(*a):
-        real_copy(*a)
+    def write_tile(*a):
+        real_write(*a)
         tiles[0] += 1
         for loop, ev in list(waiting):
             loop.call_soon_threadsafe(ev.set)
@@ -46,7 +46,7 @@ def test_sharding_record_does_not_hold_back_the_tiles(tmp_path, monkeypatch):
         before.append(tiles[0])
         await real_record(**kw)
 
-    monkeypatch.setattr(stream_orbax, "_copy_tile", copy_tile)
+    monkeypatch.setattr(stream_orbax, "_write_tile", write_tile)
     monkeypatch.setattr(stream_orbax.jax_array_handlers, "_async_serialize_shardings", record)
     ck = tmp_path / "ck"
     s = import_checkpoint(sample_path(), ck, mesh=fit("fsdp=2,tp=2"))
