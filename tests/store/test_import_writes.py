@@ -161,7 +161,7 @@ def test_tile_buffers_are_lent_and_reused(tmp_path, monkeypatch):
     # (tiles held at once: one a reader or writer thread, `parallel.write_pool`, here 15-25 buffers
     # made for 46 tiles of two sizes; a fresh buffer a tile would be one a tile and more)
     assert len(made) <= opts.stats.tiles * 3 // 4
-    # the budget, a strip's spare a writer, and one buffer rounded up to whole MiB
+    # the budget, a strip's copy a writer thread, and one buffer rounded up to whole MiB
     assert sum(made) <= 65536 + parallel.write_threads() * 4096 + (1 << 20)
 
 
