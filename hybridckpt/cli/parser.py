@@ -73,7 +73,8 @@ def _common(sp, *, fmt=True, config=True, io=False, progress=True, step=True) ->
                         "(default: the latest, or the one the tracker file names); an absent step is an error")
     if io:
         sp.add_argument("--io-threads", type=_thread_count, metavar="N",
-                        help="parallel byte-range readers (default: $HYBRIDCKPT_IO_THREADS, else 2 x cores, 4..16)")
+                        help="parallel byte-range readers (default: $HYBRIDCKPT_IO_THREADS, else 2 x cores, 4..16); "
+                             "an import writes its chunks with N + 2 writer threads")
     if config:
         sp.add_argument("--config", help="HF config.json or Meta params.json (or a folder holding one), for sources that carry no model config")
         sp.add_argument("--param-order", metavar="FILE",
