@@ -11,7 +11,7 @@ A restore lends the same way its scratch pieces and the chunks it reads whole to
 given back by whichever thread cuts the chunk's last piece).
 
 Bound: the buffers the pool holds, lent or free, are at most `limit` bytes (the save's in-flight
-budget, `store.stream.INFLIGHT_BYTES`, and a strip's copy a writer thread) plus what is lent beyond it (the budget lets one tile
+budget, `store.stream.INFLIGHT_BYTES`: its tiles' and a strip's copy a writer) plus what is lent beyond it (the budget lets one tile
 larger than itself run alone): a free buffer is dropped before a new one would pass the limit.
 `allocations` counts the fresh buffers made (tests count them, no timing). Thread-safe.
 

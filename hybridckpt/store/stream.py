@@ -56,9 +56,8 @@ CHUNK_BYTES = 8 << 20  # zarr chunk target: small against any shard a resharding
 TILE_BYTES = 8 << 20  # bytes per read/write unit (whole chunks; at least one chunk). 8 MiB against
 # 16: 0.75x the import's peak memory (445 vs 600 MiB, 0.6 GB sources) and 0.93x the wall time of a
 # bf16 Meta import (fp32 HF 1.03x, within noise): less of each tile's buffers is fresh pages
-INFLIGHT_BYTES = 96 << 20  # tiles read but not yet written, across every leaf being saved. The
-# writers take the tiles the readers read (`stream_orbax._write_tile`), so the tiles fill it: with
-# 96 MiB a 4.4 GiB import ran as fast as with 128 (2.45 and 2.49 s, medians of 5) in 0.42 GiB, not 0.44
+INFLIGHT_BYTES = 128 << 20  # a save's tile buffers at most: tiles read but not yet written, across every
+# leaf, and a strip's copy a writer thread (`StreamOptions.budget`; `stream_orbax._write_tile`)
 SMALL_TILE_BYTES = 1 << 20  # tiles under this size (norms, biases, small arrays) are batched:
 SMALL_BATCH_BYTES = 16 << 20  # they share one OCDBT commit per this many bytes
 
@@ -100,8 +99,13 @@ class StreamOptions:
         """The byte budget (and item count) of the save running in this event loop."""
         loop = asyncio.get_running_loop()
         if id(loop) not in self._budgets:
-            # (its pool: the tiles' buffers and a strip's copy a writer, `chunk_files.write_tile`)
-            self._budgets[id(loop)] = _Budget(self.inflight_bytes, self.stats, parallel.write_threads() * self.chunk_bytes)
+            # the writers take the tiles the readers read, so the tiles fill their budget: it leaves room
+            # in the pool for a strip's copy a writer (`chunk_files.write_tile`), at most half of it, and
+            # the buffers stay within `inflight_bytes` (a 4.4 GiB import: 0.38-0.41 GiB of peak RSS;
+            # 128 MiB for the tiles alone: 0.43-0.46 GiB, 4-7% faster; the pool with no room made 146
+            # fresh buffers, not 47)
+            spare = min(parallel.write_threads() * self.chunk_bytes, self.inflight_bytes // 2)
+            self._budgets[id(loop)] = _Budget(self.inflight_bytes - spare, self.stats, spare)
         return self._budgets[id(loop)]
 
 
@@ -417,9 +421,7 @@ class _Budget:
         self.active = 0
         self.failed: list[BaseException] = []  # errors of this save: the other tiles stop reading
         self.cond = asyncio.Condition()
-        # a raw save's tile buffers, reused (`io.aligned_pool`); without room for the strips' copies
-        # the pool dropped and made buffers all along (146 made a 4.4 GiB import, against 18)
-        self.buffers = AlignedPool(self.limit + spare_bytes)
+        self.buffers = AlignedPool(self.limit + spare_bytes)  # a raw save's tile buffers, reused (`io.aligned_pool`)
         # a raw save's tiles held at once (being read, waiting for a writer or written): one a
         # reader or writer thread, so the tiles read ahead stay few (`stream_orbax._write_tile`)
         self.tiles = asyncio.Semaphore(parallel.io_threads() + parallel.write_threads())
