@@ -114,7 +114,7 @@ def write_pool() -> ThreadPoolExecutor:
     with _lock:
         if _write_pool is None or _write_pool_size != n:
             old = _write_pool
-            _write_pool = ThreadPoolExecutor(n, thread_name_prefix="hybridckpt-write", initializer=_mark_worker)
+            _write_pool = ThreadPoolExecutor(n, thread_name_prefix="hybridckpt-chunk-write", initializer=_mark_worker)
             _write_pool_size = n
             if old is not None:
                 old.shutdown(wait=False)

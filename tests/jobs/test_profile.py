@@ -78,6 +78,9 @@ def test_import_restore_export_account_for_every_byte(src, tmp_path):
     assert p.stage("sync").calls >= 1  # (one syncfs an item, or an fsync a chunk file: tests/store/test_import_writes.py)
     assert s.seconds <= p.wall_s
     assert any(w.worker.startswith("hybridckpt-io") and w.stage == "read" for w in p.workers)
+    # the chunk files written by the writer pool, not by the readers (`stream_orbax._write_tile`)
+    written = {w.worker for w in p.workers if w.stage == "write"}
+    assert written and all(w.startswith("hybridckpt-chunk-write") for w in written), written
 
     with count_reads() as counter:
         _, r = hybridckpt.restore(str(tmp_path / "ck"), fit("fsdp=4"), profile=True)
