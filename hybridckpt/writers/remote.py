@@ -7,7 +7,7 @@ writer closes through `io.sequential_file` (safetensors shards, DCP `.distcp` fi
 archives: the bulk of every export) and each raw chunk file of our store or a MaxText target
 (`containers.orbax.chunk_files` calls `sequential_file.closed`: the bulk of an import) is
 uploaded as soon as it is closed and removed from the spool, so the spool holds the files being
-written (at most one chunk per reader thread), not the step. A chunk written into Orbax's
+written (at most one chunk per writer thread, `lazy.parallel.write_pool`), not the step. A chunk written into Orbax's
 temporary folders (`<N>.orbax-checkpoint-tmp/<item>.orbax-checkpoint-tmp/<array>/<chunk>`) goes
 up under the name Orbax's rename at its commit gives it (`final_name`); `commit()` checks that the
 rename happened. The OCDBT databases TensorStore writes (a compressed import) never enter the

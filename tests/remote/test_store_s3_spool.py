@@ -94,7 +94,7 @@ def test_chunks_go_up_as_written_and_the_spool_holds_only_those_in_flight(s3, sp
     assert cli(capsys, "import", sample_path(), tmp_path / "local", "--mesh", fit("fsdp=2,tp=2"))[0] == 0
     want = stable_digest(tmp_path / "local")
     chunks = {k: v for k, v in want.items() if CHUNK.fullmatch(k.rsplit("/", 1)[-1])}
-    # many more chunks than the 4 workers (fewer on fewer devices: 64 on one, as its mesh cuts fewer)
+    # many more chunks than the 6 writers (fewer on fewer devices: 64 on one, as its mesh cuts fewer)
     assert len(chunks) > (100 if jax.device_count() >= 4 else 40)
     biggest = max(os.path.getsize(tmp_path / "local" / k) for k in chunks)
 
@@ -108,7 +108,7 @@ def test_chunks_go_up_as_written_and_the_spool_holds_only_those_in_flight(s3, sp
     assert all(chunk for *_, chunk, _p in seen[:first_commit]) and first_commit == len(chunks)
     peak_files = max(n for n, *_ in seen)
     peak_bytes = max(b for _, b, *_ in seen)
-    workers = parallel.io_threads()  # (each reader thread writes, then uploads, one chunk at a time)
+    workers = parallel.write_threads()  # (each writer thread writes, then uploads, one chunk at a time)
     assert peak_files <= workers < len(chunks) and peak_bytes <= workers * biggest
     assert os.listdir(where) == []  # the spool removed
     folders = {k.rsplit("/", 1)[0] + "/" for k in chunks}
