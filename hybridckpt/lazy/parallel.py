@@ -38,10 +38,7 @@ MIN_PIECE_BYTES = 8 << 20  # bytes: smaller pieces are read in one call
 
 _lock = threading.Lock()
 _override: int | None = None
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
-_write_pool: ThreadPoolExecutor | None = None
-_write_pool_size = 0
+_pools: dict[str, tuple[int, ThreadPoolExecutor]] = {}  # thread name prefix -> (size, pool)
 _local = threading.local()
 _END = object()
 T = TypeVar("T")
@@ -84,18 +81,22 @@ def in_worker() -> bool:
     return getattr(_local, "worker", False)
 
 
-def pool() -> ThreadPoolExecutor:
-    """The shared reader pool, (re)built when the thread count changed."""
-    global _pool, _pool_size
-    n = io_threads()
+def _shared_pool(prefix: str, n: int) -> ThreadPoolExecutor:
+    """The shared pool of `n` threads named `prefix`, (re)built when the thread count changed."""
     with _lock:
-        if _pool is None or _pool_size != n:
-            old = _pool
-            _pool = ThreadPoolExecutor(n, thread_name_prefix="hybridckpt-io", initializer=_mark_worker)
-            _pool_size = n
+        size, got = _pools.get(prefix, (0, None))
+        if got is None or size != n:
+            old = got
+            got = ThreadPoolExecutor(n, thread_name_prefix=prefix, initializer=_mark_worker)
+            _pools[prefix] = (n, got)
             if old is not None:
                 old.shutdown(wait=False)
-        return _pool
+        return got
+
+
+def pool() -> ThreadPoolExecutor:
+    """The shared reader pool (`io_threads`)."""
+    return _shared_pool("hybridckpt-io", io_threads())
 
 
 def write_threads() -> int:
@@ -108,17 +109,8 @@ def write_threads() -> int:
 
 
 def write_pool() -> ThreadPoolExecutor:
-    """The shared writer pool (`write_threads`), (re)built when the thread count changed."""
-    global _write_pool, _write_pool_size
-    n = write_threads()
-    with _lock:
-        if _write_pool is None or _write_pool_size != n:
-            old = _write_pool
-            _write_pool = ThreadPoolExecutor(n, thread_name_prefix="hybridckpt-chunk-write", initializer=_mark_worker)
-            _write_pool_size = n
-            if old is not None:
-                old.shutdown(wait=False)
-        return _write_pool
+    """The shared writer pool (`write_threads`)."""
+    return _shared_pool("hybridckpt-chunk-write", write_threads())
 
 
 def split_box(box: Box, itemsize: int, pieces: int, min_bytes: int = MIN_PIECE_BYTES) -> list[Box]:
