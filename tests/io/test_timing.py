@@ -203,3 +203,32 @@ def test_a_clock_read_before_the_last_event_gives_no_time_twice(clock):
     p = acc.result()
     assert sum(s.share_s for s in p.stages) + p.other_s == p.wall_s == 8.0
     assert (p.stage("write").share_s, p.stage("read").share_s, p.other_s) == (0.5, 1.5, 6.0)
+
+
+def test_many_threads_switching_at_once_lose_no_event():
+    """Stage switches are recorded without a lock and applied in order by whichever thread finds it
+    free (`_Account.switch`): 8 threads x 500 stages entered and left at once (more than
+    `DRAIN_AT` waiting, the lock taken by others) all counted, bytes summed, and the shares and
+    other/waiting still the wall time; nothing left unapplied once the result is taken."""
+    threads, rounds = 8, 500
+    start = threading.Barrier(threads)
+
+    def work():
+        start.wait()
+        for _ in range(rounds):
+            with timing.stage("read", 3):
+                with timing.stage("checksum", 1):
+                    pass
+
+    with timing.account() as acc:
+        pool = [threading.Thread(target=work, name=f"w{i}") for i in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+    p = acc.result()
+    assert not acc.events
+    assert (p.stage("read").calls, p.stage("read").bytes) == (threads * rounds, 3 * threads * rounds)
+    assert (p.stage("checksum").calls, p.stage("checksum").bytes) == (threads * rounds, threads * rounds)
+    assert {w.worker for w in p.workers} == {f"w{i}" for i in range(threads)}
+    assert sum(s.share_s for s in p.stages) + p.other_s == pytest.approx(p.wall_s)
