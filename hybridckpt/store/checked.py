@@ -15,7 +15,7 @@ no byte of it reaches a caller unchecked:
   the thread that cuts its last piece gives back. So a restore onto a mesh that cuts
   chunks reads each chunk it touches once (`tests/store/test_restore_reads.py` counts it); only
   past the budget of kept bytes is a later piece read again from the file, that piece alone.
-  In a restore (`read_tree` sets `direct`) a piece that is one run of a raw chunk's bytes (cut on
+  In a restore (`store.read_item.read_tree` sets `direct`) a piece that is one run of a raw chunk's bytes (cut on
   its first axis) is read by one pread into a buffer the restore's scratch pool lends (reused, no
   fresh chunk buffer), its CRC-32 taken there by one call, and copied into its shard's rows; the
   chunk is compared once its pieces tile it (`checksum.crc32_of_pieces`), else (this process
@@ -83,9 +83,6 @@ def has_crc_tables(state: Mapping, where: str) -> bool:
 
 
 SCRATCH_PIECE_BYTES = 8 << 20  # `direct` pieces up to this are read into a lent buffer, then copied
-PLACED_AT_ONCE = 2  # arrays `read_tree` places at a time: the next one's boxes queue behind the
-# one being read, so a reader thread its last boxes leave idle starts the next array at once
-# (one array at a time, the threads waited at each array's end for the slowest box)
 
 
 class CheckedArray(LazyTensor):
@@ -105,10 +102,10 @@ class CheckedArray(LazyTensor):
         self.direct = False  # pieces read straight into their places, checked whole by `release`
         self._landed: dict[int, dict[int, tuple[int, int]]] = {}  # position -> start byte -> (bytes, CRC)
         self.scratch: AlignedPool | None = None  # buffers `direct` pieces are read into (`read_tree`)
-        self._raw: list | None = None  # [`inner`'s raw chunk files or None], once asked (`_raw_chunks`)
+        self._raw: list | None = None  # [`inner`'s raw chunk files or None], once asked (`raw_grid`)
 
     # -- the grid --------------------------------------------------------------------------------
-    def _chunks(self, box: Box):
+    def chunk_boxes(self, box: Box):
         """(position, clipped chunk box) of every grid chunk `box` overlaps, C order."""
         ranges = [range(a // c, -(-b // c)) for (a, b), c in zip(box, self.chunk, strict=True)]
         for idx in itertools.product(*ranges):
@@ -158,7 +155,7 @@ class CheckedArray(LazyTensor):
         if out.size == 0:
             return
         later = []  # pieces of chunks another thread is reading whole now: taken after the rest
-        for pos, cbox in self._chunks(box):
+        for pos, cbox in self.chunk_boxes(box):
             sub = tuple((max(a, ca), min(b, cb)) for (a, b), (ca, cb) in zip(box, cbox, strict=True))
             dst = out[tuple(slice(s - a, e - a) for (s, e), (a, _) in zip(sub, box, strict=True)) or ...]
             if sub == cbox:  # the whole chunk: read once, checked on the way
@@ -269,7 +266,7 @@ class CheckedArray(LazyTensor):
         `inner`."""
         k, row = row_bytes(dst)
         if not checksum.has_crc32_combine() or dst.dtype != self.dtype or pos in self._checked or k < 0 \
-                or row < SCATTER_ROW_BYTES or self._raw_chunks() is None:
+                or row < SCATTER_ROW_BYTES or self.raw_grid() is None:
             return False
         shape = box_shape(cbox)
         start = one_run(shape, tuple((s - a, e - a) for (s, e), (a, _) in zip(sub, cbox, strict=True)))
@@ -305,7 +302,7 @@ class CheckedArray(LazyTensor):
             self.compare(pos, whole)
         return True
 
-    def _raw_chunks(self):
+    def raw_grid(self):
         """`inner` as its raw chunk files (`containers.orbax.reader.raw_chunks`), or None (an
         array TensorStore decodes: a piece read there would decode its chunk again); asked once."""
         if self._raw is None:
@@ -316,7 +313,7 @@ class CheckedArray(LazyTensor):
     def _chunk_file(self, pos: int, shape: tuple[int, ...]):
         """(file, byte offset) of stored chunk `pos` (shape `shape`) where the chunk files lie on
         this array's CRC grid; else None (read through `inner`, which finds the chunks a box meets)."""
-        raw = self._raw_chunks()
+        raw = self.raw_grid()
         return raw.chunk_file(pos, shape) if getattr(raw, "chunk", None) == self.chunk else None
 
     def release(self) -> None:
@@ -346,7 +343,7 @@ class CheckedArray(LazyTensor):
     def file_runs(self, box: Box, limit: int) -> list[FileRun] | None:
         """The inner runs of a box of whole chunks, each carrying its chunk's `RunCheck`; None
         for a box that cuts a chunk (it is then read and checked by `read_into`)."""
-        chunks = list(self._chunks(box))
+        chunks = list(self.chunk_boxes(box))
         covered = sum(int(np.prod(box_shape(c))) for _, c in chunks)
         if covered != int(np.prod(box_shape(box))):
             return None
@@ -421,59 +418,3 @@ def recorded_name(item: str, key: str, state: Mapping) -> str:
         if key.startswith(prefix):
             return f"{slot.state_name}.{key[len(prefix):]}"
     return "count" if key == opt.orbax_step else key
-
-
-def read_tree(step_dir: str, item: str, target, state: Mapping, *, verify: bool = True, found=None):
-    """The item `item` of a step restored onto `target`'s shardings (a tree of
-    `jax.ShapeDtypeStruct`), every chunk checked (`CheckedArray`; `verify=False`: as stored; `found`: the item's
-    `item_arrays` opened already); leaves the item lacks stay abstract (as Orbax's partial restore leaves them). Each device reads only the chunks its
-    shard touches (`place.to_array`); `PLACED_AT_ONCE` arrays are placed at a time."""
-    import os
-
-    import jax
-
-    from hybridckpt.containers.orbax.reader import item_arrays
-    from hybridckpt.place import to_array
-    from hybridckpt.store.layout import has_shape, leaf_key
-
-    folder = os.path.join(step_dir, item)
-    found = item_arrays(folder) if found is None else found
-    flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=has_shape)
-    names = {leaf_key(path): recorded_name(item, leaf_key(path), state) for path, _ in flat}
-    wanted = {names[k]: found[k] for k in names if k in found}
-    checked = checked_arrays(wanted, state, "", folder) if verify else wanted
-    from hybridckpt.lazy.parallel import io_threads
-
-    # (a scratch piece or a chunk being cut a reader thread, and as many chunks kept for the pieces
-    # other threads cut from them next; each up to SCRATCH_PIECE_BYTES lent a buffer of that size,
-    # reused array after array; larger ones dropped after their array: `io.aligned_pool`'s `unit`)
-    scratch = AlignedPool(2 * io_threads() * SCRATCH_PIECE_BYTES, unit=SCRATCH_PIECE_BYTES)
-
-    def place(path, leaf):
-        key = leaf_key(path)
-        if key not in found:
-            return leaf
-        t = checked[names[key]]
-        if isinstance(t, CheckedArray):  # (an unchecked array of the item is named `key` already)
-            t.name, t.direct, t.scratch = key, True, scratch  # (pieces straight into the shards: checked whole by `release` below at the latest)
-        arr, _ = to_array(t, leaf.sharding, np.dtype(leaf.dtype) if np.dtype(leaf.dtype) != t.dtype else None,
-                          with_checksum=False)
-        if isinstance(t, CheckedArray):
-            t.release()  # (the rest of chunks cut for another process's devices)
-            scratch.trim()
-        return arr
-
-    from concurrent.futures import ThreadPoolExecutor
-
-    try:
-        with ThreadPoolExecutor(PLACED_AT_ONCE, thread_name_prefix="hybridckpt-place") as placing:
-            futures = [placing.submit(place, path, leaf) for path, leaf in flat]
-            try:
-                leaves = [f.result() for f in futures]
-            except BaseException:  # (the first error in leaf order; arrays not begun are not read)
-                for f in futures:
-                    f.cancel()
-                raise
-    finally:
-        scratch.clear()
-    return jax.tree_util.tree_unflatten(treedef, leaves)

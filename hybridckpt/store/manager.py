@@ -27,7 +27,7 @@ from hybridckpt.io import timing
 from hybridckpt.io.paths import given
 from hybridckpt.mesh import MeshShape
 from hybridckpt.store import bucket_restore, orbax_io
-from hybridckpt.store.checked import CRC_TABLES, has_crc_tables, read_tree
+from hybridckpt.store.checked import CRC_TABLES, has_crc_tables
 from hybridckpt.store.layout import (
     HF_FILES,
     OPT_STATE,
@@ -50,6 +50,7 @@ from hybridckpt.store.orbax_io import (
     restore_partial,
     standard_save,
 )
+from hybridckpt.store.read_item import read_tree
 from hybridckpt.store.save_crcs import crc_record
 
 # what an import records about the arrays it wrote: a later save writes other arrays, so a

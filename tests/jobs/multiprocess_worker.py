@@ -7,6 +7,9 @@ this process in CUDA_VISIBLE_DEVICES. With HYBRIDCKPT_TEST_TOUCH=PATH and HYBRID
 process 1 gives PATH a new mtime right after it first opens it and process 0 first opens it after
 that (a source rewritten in place
 while this process reads it); HYBRIDCKPT_TEST_CONFIG=FILE is the import's `config`; a failed import is reported in OUT_JSON as "error" (exit 3).
+With HYBRIDCKPT_TEST_RESTORE=MESH both processes then restore DST onto MESH (over both processes'
+devices) and report the bytes each read and, per param leaf, each of its shards here (index,
+SHA-256 of its bytes).
 """
 
 import json
@@ -61,9 +64,27 @@ with count_reads() as counter:
         step = jobs.import_checkpoint(src, dst, mesh=mesh, config=os.environ.get("HYBRIDCKPT_TEST_CONFIG")).step
     except HybridCkptError as e:
         error = str(e)
+restored, restore_read = None, None
+if error is None and os.environ.get("HYBRIDCKPT_TEST_RESTORE"):
+    import hashlib
+
+    import numpy as np
+
+    import hybridckpt
+    from hybridckpt import naming
+
+    with count_reads() as again:
+        _, r = hybridckpt.restore(dst, os.environ["HYBRIDCKPT_TEST_RESTORE"])
+    restore_read = sum(v for k, v in again.items() if isinstance(k, str))
+    restored = {k: [[[[s.start or 0, s.stop] for s in shard.index],
+                     hashlib.sha256(np.ascontiguousarray(np.asarray(shard.data)).tobytes()).hexdigest()]
+                    for shard in a.addressable_shards]
+                for k, a in naming.flatten(r.params).items()}
 with open(out, "w") as f:
     json.dump(
         {
+            "restored": restored,
+            "restore_read": restore_read,
             "process_index": jax.process_index(),
             "local_devices": len(jax.local_devices()),
             "platform": jax.local_devices()[0].platform,

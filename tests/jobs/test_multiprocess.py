@@ -6,6 +6,8 @@ devices (gloo), on 4 GPUs 2 x 2 GPUs (CUDA_VISIBLE_DEVICES); with one device in 
 process gets one simulated CPU device (two hosts of one device each: one GPU cannot be given to
 two processes)."""
 
+import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -24,7 +26,7 @@ from hybridckpt.formats.hf.write import write_hf
 from hybridckpt.lazy import ArrayTensor
 from hybridckpt.mesh import tree_shardings
 from hybridckpt.plan import abstract_tree
-from hybridckpt.store import CheckpointStore
+from hybridckpt.store import CheckpointStore, read_trainer_state
 
 WORKER = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
 
@@ -54,8 +56,9 @@ def _split() -> tuple[str, int, list[str] | None]:
     return os.environ["JAX_PLATFORMS"], n // 2, visible[:n]
 
 
-def _run_two(src, dst, tmp_path, mesh, touch=None, config=None):
-    """Run the 2-process import of `src` into `dst`; (exit codes, reports, logs, local devices, platform)."""
+def _run_two(src, dst, tmp_path, mesh, touch=None, config=None, restore=None):
+    """Run the 2-process import of `src` into `dst` (then, given `restore`, both processes restore
+    it onto that mesh); (exit codes, reports, logs, local devices, platform)."""
     port = free_port()
     platforms, local, visible = _split()
     platform = "cpu" if platforms == "cpu" else jax.devices()[0].platform
@@ -67,6 +70,8 @@ def _run_two(src, dst, tmp_path, mesh, touch=None, config=None):
         env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "HYBRIDCKPT_TEST_TOUCH")}
         if config is not None:
             env["HYBRIDCKPT_TEST_CONFIG"] = config
+        if restore is not None:
+            env["HYBRIDCKPT_TEST_RESTORE"] = fit(restore, 2 * local)
         if touch is not None:
             env["HYBRIDCKPT_TEST_TOUCH"], env["HYBRIDCKPT_TEST_FLAG"] = touch, str(tmp_path / "touched")
         if visible is not None:
@@ -103,6 +108,37 @@ def test_two_process_import_reads_own_shards_and_restores_on_one_process(source,
     # the checksums the two processes recorded together verify from one process
     assert main(["verify", dst]) == 0
     assert "arrays match their import checksums" in capsys.readouterr().out
+
+
+def test_two_processes_restore_each_its_own_shards_exactly(source, tmp_path):
+    """Both processes restore the store they wrote onto another mesh over all their devices
+    (`store.chunk_fill`): every shard of each process is the source's slice bit for bit, and each
+    reads exactly the stored chunks its own shards meet, each once and whole (a chunk both
+    processes' shards meet, both read: its CRC-32 is the whole chunk's)."""
+    src, hf = source
+    dst = str(tmp_path / "ckpt")
+    codes, reports, logs, local, _ = _run_two(src, dst, tmp_path, "fsdp=2,tp=2,pp=2", restore="fsdp=4,tp=2")
+    assert codes == [0, 0], "\n".join(x[-3000:] for x in logs)
+    cfg = jobs.open_checkpoint(src).config
+    flat = naming.model_rules(cfg).apply(hf, strict=True).tensors  # (tree path -> the source tensor, layers stacked)
+    grids = read_trainer_state(dst)["checksum_chunks"]
+    seen = set()
+    for r in reports:
+        met = 0  # bytes of the stored chunks this process's shards meet: each read once, whole
+        for key, shards in r["restored"].items():
+            full = np.ascontiguousarray(flat[key].materialize())
+            chunk = grids[f"params.{key}"]
+            touched = set()
+            for index, digest in shards:
+                index = [(a, n if b is None else b) for (a, b), n in zip(index, full.shape, strict=True)]
+                part = np.ascontiguousarray(full[tuple(slice(a, b) for a, b in index)])
+                assert hashlib.sha256(part.tobytes()).hexdigest() == digest, (key, index)
+                touched.update(itertools.product(*[range(a // c, -(-b // c)) for (a, b), c in zip(index, chunk, strict=True)]))
+                seen.add(key)
+            for idx in touched:
+                met += int(np.prod([min(n, (i + 1) * c) - i * c for i, c, n in zip(idx, chunk, full.shape, strict=True)])) * full.itemsize
+        assert r["restore_read"] == met, (r["restore_read"], met)
+    assert seen == set(flat)
 
 
 def test_a_source_file_changed_under_process_1_alone_commits_nothing(tmp_path):

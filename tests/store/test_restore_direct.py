@@ -177,18 +177,26 @@ def test_a_damaged_byte_read_with_o_direct_is_caught(store, tmp_path, array, at)
 
 def test_the_placed_arrays_are_the_buffers_read_not_copies(store, monkeypatch):
     """Each shard on a CPU device is the very buffer its box was read into (one per distinct
-    box; replicated boxes share it): before, numpy's unaligned buffers were each copied by
-    `jax.device_put`."""
+    box; replicated boxes share it), whether filled by chunks (`store.chunk_fill`) or box by box:
+    before, numpy's unaligned buffers were each copied by `jax.device_put`."""
+    from hybridckpt.store import chunk_fill
+
     src, ck, _ = store
     buffers: set[int] = set()
-    real = parallel.read_box_parallel
+    real, plan = parallel.read_box_parallel, chunk_fill.ArrayFill.plan
 
     def recorded(t, box=None, out=None):
         got = real(t, box, out)
         buffers.add(got.ctypes.data)
         return got
 
+    def planned(self):
+        ok = plan(self)
+        buffers.update(b.ctypes.data for b in self.buffers.values())
+        return ok
+
     monkeypatch.setattr(parallel, "read_box_parallel", recorded)
+    monkeypatch.setattr(chunk_fill.ArrayFill, "plan", planned)
     cfg, r, _ = restore_counted(ck)
     same_as_source(src, cfg, r.params)
     placed = {s.data.unsafe_buffer_pointer() for a in jax.tree.leaves(r.params) for s in a.addressable_shards}

@@ -13,6 +13,7 @@ bytes).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -251,26 +252,32 @@ def test_a_dry_read_does_not_mark_a_chunk_checked(store, tmp_path):
 # -- pieces read straight into the shards (`CheckedArray.direct`, on in a restore) ------------------
 
 FIRST_AXIS_CUT = ("layers.up.kernel", "layers.gate.kernel", "layers.q.kernel")  # fsdp=4 cuts their rows
+COLUMN_CUT = ("layers.o.kernel", "layers.down.kernel", "embed.embedding")  # fsdp=4 cuts their columns
 
 
 @pytest.fixture
 def counted_copies(monkeypatch):
-    """Per array name, what `store.checked` did during a restore: `buffers`, every `inner.read_box`
-    of a CheckedArray (a chunk read whole into a fresh buffer); `copies`, every `copy_into` (a
-    piece copied into its shard); `crcs`, every CRC-32 call over a buffer (`_crc`); `row_crcs`,
-    every CRC-32 call continued row by row (`checksum.crc32_update`); and `lent`, the buffers
-    the restore's scratch pool made (`io.aligned_pool`), all names together."""
+    """Per array name, what a restore did: box by box (`store.checked`), `buffers`, every
+    `inner.read_box` of a CheckedArray (a chunk read whole into a fresh buffer), `copies`, every
+    `copy_into` (a piece copied into its shard), `crcs`, every CRC-32 call over a buffer (`_crc`),
+    `row_crcs`, every CRC-32 call continued row by row (`checksum.crc32_update`); by chunks
+    (`store.chunk_fill`), `jobs`, every chunk read, `chunk_crcs`, every CRC-32 call of a job,
+    `parts`, every part copied out of a lent buffer, `into_place`, every chunk read straight into
+    its shard; and `lent`, the buffers the restore's scratch pool made (`io.aligned_pool`), all
+    names together."""
     import threading
     from collections import Counter
 
     from hybridckpt import checksum
     from hybridckpt.containers.orbax import reader
     from hybridckpt.io import aligned_pool
+    from hybridckpt.store import chunk_fill
 
-    counts = {k: Counter() for k in ("buffers", "copies", "crcs", "row_crcs", "lent")}
+    kinds = ("buffers", "copies", "crcs", "row_crcs", "lent", "jobs", "chunk_crcs", "parts", "into_place")
+    counts = {k: Counter() for k in kinds}
     where = threading.local()
     piece, read_box, copy, crc = checked.CheckedArray._piece, reader.OrbaxArray.read_box, checked.copy_into, checked._crc
-    update, made = checksum.crc32_update, aligned_pool.aligned_empty
+    update, made, run, crc_of = checksum.crc32_update, aligned_pool.aligned_empty, chunk_fill.ChunkJob.run, checksum.crc32_of
 
     def _piece(self, *a, **k):
         where.name = self.name
@@ -278,6 +285,25 @@ def counted_copies(monkeypatch):
             return piece(self, *a, **k)
         finally:
             where.name = None
+
+    def _run(self, lent):
+        name = self.fill.array.name
+        counts["jobs"][name] += 1
+        if self.into_place is None:
+            counts["parts"][name] += len(self.parts)
+        else:
+            counts["into_place"][name] += 1
+        where.job = name
+        try:
+            return run(self, lent)
+        finally:
+            where.job = None
+
+    def _crc_of(data):
+        job = getattr(where, "job", None)
+        if job is not None:
+            counts["chunk_crcs"][job] += 1
+        return crc_of(data)
 
     def counted(kind, fn):
         def call(*a, **k):
@@ -291,45 +317,88 @@ def counted_copies(monkeypatch):
     monkeypatch.setattr(checked, "copy_into", counted("copies", copy))
     monkeypatch.setattr(checked, "_crc", counted("crcs", crc))
     monkeypatch.setattr(checksum, "crc32_update", counted("row_crcs", update))
+    monkeypatch.setattr(checksum, "crc32_of", _crc_of)
     monkeypatch.setattr(aligned_pool, "aligned_empty", counted("lent", made))
+    monkeypatch.setattr(chunk_fill.ChunkJob, "run", _run)
     return counts
 
 
+def chunk_parts(a, chunk) -> tuple[int, int, int]:
+    """(chunks the devices' boxes meet, parts: the (chunk, distinct box) pairs that meet, chunks
+    read straight into place: met by one box that holds it whole as one run of its bytes) of array
+    `a` on its sharding, its stored grid `chunk`."""
+    boxes = {tuple((s.start or 0, a.shape[d] if s.stop is None else s.stop) for d, s in enumerate(index))
+             for index in a.sharding.devices_indices_map(a.shape).values()}
+    met: dict[tuple, list] = {}
+    for box in boxes:
+        ranges = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(box, chunk, strict=True)]
+        for idx in itertools.product(*ranges):
+            met.setdefault(idx, []).append(box)
+    into_place = 0
+    for idx, held_by in met.items():
+        cbox = [(i * c, min(n, (i + 1) * c)) for i, c, n in zip(idx, chunk, a.shape, strict=True)]
+        box = held_by[0]
+        whole = all(lo <= ca and cb <= hi for (ca, cb), (lo, hi) in zip(cbox, box, strict=True))
+        ext = [cb - ca for ca, cb in cbox]
+        first = next((d for d, e in enumerate(ext) if e > 1), len(ext))
+        one_run = all(ext[d] == box[d][1] - box[d][0] for d in range(first + 1, len(ext)))
+        into_place += len(held_by) == 1 and whole and one_run
+    return len(met), sum(len(v) for v in met.values()), into_place
+
+
 @CUT
-def test_a_piece_of_a_chunk_cut_on_its_first_axis_is_read_without_a_chunk_buffer(store, many_readers,
-                                                                                 counted_copies):
-    """fsdp=2,tp=2 -> fsdp=4 cuts the rows of every kernel chunk of q/gate/up in two: each half is
-    one run of the chunk file, read by one pread into a buffer the restore's scratch pool lends
-    (reused: its pages mapped already), checked by one CRC-32 call, and copied into the rows of
-    its shard by one numpy copy; the chunk is checked by the CRC-32s of its halves combined
-    (`checksum.crc32_of_pieces`). No fresh chunk buffer (before 0b62e03: one a chunk and 2
-    copies), and no CRC-32 call a row (before this change: the half read by preadv straight into
-    the shard's rows and its CRC-32 continued row by row, a Python call per row: 64 a half here,
-    192k in the 1.1 GB restore of docs/benchmarks.md). Every byte is still read once and
-    checked, and the values are the source's."""
+def test_a_chunk_the_target_cuts_is_read_once_and_copied_into_each_shard(store, many_readers, counted_copies):
+    """fsdp=2,tp=2 -> fsdp=4 cuts every kernel chunk in two: on its rows (q/gate/up) or across them
+    (o/down/embed: strips of each row). Each chunk is read whole once (`store.chunk_fill`), by one
+    pread into the buffer its worker borrowed from the restore's scratch pool, checked by one
+    CRC-32 call, and each part copied into its shard. Box by box (before), a chunk cut on its rows
+    was two reads into two lent buffers and two CRC-32 calls joined by `crc32_combine`, and one cut
+    across them was read whole by one box, its rest kept for the other. No fresh chunk buffer, no
+    box-by-box read, at most one buffer the pool made a worker, every byte read once and checked,
+    the values the source's."""
     src, ck = store
     counts = counted_copies
     cfg, r, read = restore_counted(ck, fit_pair(fit(SAVED), TARGETS[0])[1])
     needed, cut = needed_bytes(ck, r.params)
     assert cut > 0
     grids = read_trainer_state(ck)["checksum_chunks"]
-    pieces = 0
-    for name in FIRST_AXIS_CUT:
+    for name in FIRST_AXIS_CUT + COLUMN_CUT:
         a = naming.flatten(r.params)[name]
-        halves = 2 * int(np.prod([-(-n // c) for n, c in zip(a.shape, grids[f"params.{name}"], strict=True)]))
-        pieces += halves
-        assert counts["buffers"][name] == 0 and counts["row_crcs"][name] == 0, (name, counts)
-        assert counts["crcs"][name] == counts["copies"][name] == halves, (name, counts)
-    # the pool's buffers (each SCRATCH_PIECE_BYTES: any serves any piece) are made under whichever
-    # array's piece first needs one and reused by the next pieces of every array, so the three
-    # arrays' own count can be 0: in all, at most what the pool's limit holds (2 a reader thread;
-    # before `unit`, matched within 2x and emptied after each array: 30-37 here for 9 arrays)
-    lent = sum(counts["lent"][name] for name in FIRST_AXIS_CUT)
-    lent_all = sum(counts["lent"].values())
-    assert 0 < lent_all <= 2 * parallel.io_threads() and lent < pieces, counts["lent"]
-    assert 8 * len(FIRST_AXIS_CUT) < pieces or jax.device_count() < 4  # (2 devices: 24 pieces, the bound alone)
-    assert needed <= read <= 1.05 * needed
+        chunks, parts, into_place = chunk_parts(a, grids[f"params.{name}"])
+        assert parts > chunks and into_place == 0, (name, chunks, parts)  # (each chunk cut)
+        assert counts["jobs"][name] == counts["chunk_crcs"][name] == chunks, (name, counts)
+        assert counts["parts"][name] == parts and counts["into_place"][name] == 0, (name, counts)
+        assert counts["buffers"][name] == counts["copies"][name] == counts["row_crcs"][name] == 0, (name, counts)
+    assert 0 < sum(counts["lent"].values()) <= parallel.io_threads(), counts["lent"]
+    assert read == needed
     assert r.profile.stage("checksum").bytes == needed
+    same_as_source(src, cfg, r.params)
+
+
+@pytest.mark.parametrize("target", [SAVED, *TARGETS])
+def test_every_chunk_is_read_once_straight_into_its_shard_where_it_can_be(store, target, counted_copies):
+    """A chunk one box holds whole as one run of its bytes (restored onto the mesh the store was
+    written on, every chunk that is its shard) is read straight into its shard and checked there:
+    no lent buffer, no copy. Each other chunk is read into a lent buffer and each of its parts
+    copied out. Counted against the chunk grid the import recorded: every chunk met read once,
+    every part placed once, at most one buffer the scratch pool made a worker."""
+    src, ck = store
+    counts = counted_copies
+    cfg, r, read = restore_counted(ck, fit_pair(fit(SAVED), target)[1])
+    grids = read_trainer_state(ck)["checksum_chunks"]
+    total_place = 0
+    for name, a in naming.flatten(r.params).items():
+        chunks, parts, into_place = chunk_parts(a, grids[f"params.{name}"])
+        if counts["jobs"][name] == 0:  # (box by box: an array that is one chunk, or a padded edge)
+            continue
+        assert counts["jobs"][name] == chunks and counts["into_place"][name] == into_place, (name, counts)
+        assert counts["parts"][name] == parts - into_place, (name, counts)
+        total_place += into_place
+    if target == SAVED:  # (q/k/v/gate/up: each chunk its box; o/down/embed: chunks narrower than it)
+        assert total_place > 0, counts
+    assert sum(counts["lent"].values()) <= parallel.io_threads(), counts["lent"]
+    needed, _ = needed_bytes(ck, r.params)
+    assert read == needed and r.profile.stage("checksum").bytes == needed
     same_as_source(src, cfg, r.params)
 
 
@@ -419,77 +488,36 @@ def test_a_box_of_the_raw_chunk_grid_visits_only_the_chunks_it_meets(store, monk
         assert got.tobytes() == everything.read_box(box).tobytes()
 
 
-COLUMN_CUT = ("layers.o.kernel", "layers.down.kernel", "embed.embedding")  # fsdp=4 cuts their columns
-
-
-@pytest.fixture
-def two_readers():
-    parallel.set_io_threads(2)
-    yield
-    parallel.set_io_threads(None)
-
-
-@CUT
-def test_a_chunk_cut_across_its_rows_is_read_into_a_lent_buffer(store, two_readers, counted_copies):
-    """fsdp=2,tp=2 -> fsdp=4 cuts o/down/embed chunks across their rows (strips of each row), so
-    each is read whole once, checked, and both halves cut out of it. The chunk is read into a
-    buffer the restore's scratch pool lends (`AlignedPool.borrow`), given back by whichever
-    thread cuts its last half and lent again for a later chunk: its pages are mapped already.
-    Before, each was a fresh buffer (`OrbaxArray.read_box`: 160 in the 1.1 GB restore of
-    docs/benchmarks.md, ~410 MB of pages faulted in and freed again). Counted: no fresh chunk
-    buffer, fewer buffers made than chunks read, one CRC-32 call a chunk and one copy a half,
-    every byte read once, values the source's."""
-    src, ck = store
-    counts = counted_copies
-    cfg, r, read = restore_counted(ck, fit_pair(fit(SAVED), TARGETS[0])[1])
-    needed, _ = needed_bytes(ck, r.params)
-    grids = read_trainer_state(ck)["checksum_chunks"]
-    chunks = 0
-    for name in COLUMN_CUT:
-        a = naming.flatten(r.params)[name]
-        n = int(np.prod([-(-m // c) for m, c in zip(a.shape, grids[f"params.{name}"], strict=True)]))
-        chunks += n
-        assert counts["buffers"][name] == 0, (name, counts)  # (before: n, a fresh buffer a chunk)
-        assert counts["crcs"][name] == n and counts["copies"][name] == 2 * n, (name, counts)
-    lent = sum(counts["lent"][name] for name in COLUMN_CUT)
-    # every chunk through the pool, at most one buffer made a chunk. Whether a buffer is lent again
-    # (fewer made than chunks) depends on the 2 readers' timing: a chunk goes back only when the
-    # other device's box cuts its second half, and both boxes can hold all their chunks first (20 of
-    # 20 made in one CI run at 8 devices, 10 of 10 once at 2). The give-back and the reuse
-    # themselves are counted deterministically in tests/store/test_held_chunks.py.
-    assert 0 < lent <= chunks, counts
-    assert checked._HeldChunks.used() == 0  # noqa: SLF001  (every kept chunk given back)
-    assert needed <= read <= 1.05 * needed
-    same_as_source(src, cfg, r.params)
-
-
-def test_the_next_array_is_read_while_a_box_of_the_one_before_is_still_read(store, monkeypatch):
-    """`read_tree` places `PLACED_AT_ONCE` (2) arrays at a time: the next array's boxes queue
-    behind the one being read, so reader threads its last boxes leave idle start the next array
-    instead of waiting at its end for the slowest box. Counted, not timed: the first box read is
-    held back until a box of another array begins (before: none began until the first array was
-    placed, so the hold ran out its guard); values the source's, every byte read once."""
+def test_the_next_array_is_read_while_a_chunk_of_the_one_before_is_still_read(store, monkeypatch):
+    """The workers take the chunks of every array from one queue in order (`store.chunk_fill`): a
+    worker past its array's last chunk takes the next array's instead of waiting at its end for
+    the slowest chunk. Counted, not timed: the first chunk read is held back until a chunk of
+    another array begins (box by box, before `PLACED_AT_ONCE`: none began until the first array
+    was placed, so the hold ran out its guard); values the source's, every byte read once."""
     import threading
+
+    from hybridckpt.store import chunk_fill
 
     src, ck = store
     monkeypatch.setattr(parallel, "_override", 4)  # (put back after the test)
     began, lock, held = threading.Event(), threading.Lock(), []
-    real = checked.CheckedArray.read_into
+    real = chunk_fill.ChunkJob.run
 
-    def read_into(self, box, out):
+    def run(self, lent):
+        name = self.fill.array.name
         with lock:
             first = not held
             if first:
-                held.append(self.name)
+                held.append(name)
         if first:
-            held.append(began.wait(20))  # (a guard against a hang: the old code ran it out)
-        elif self.name != held[0]:
+            held.append(began.wait(20))  # (a guard against a hang)
+        elif name != held[0]:
             began.set()
-        return real(self, box, out)
+        return real(self, lent)
 
-    monkeypatch.setattr(checked.CheckedArray, "read_into", read_into)
+    monkeypatch.setattr(chunk_fill.ChunkJob, "run", run)
     cfg, r, read = restore_counted(ck, fit_pair(fit(SAVED), TARGETS[0])[1])
-    assert held[1] is True, held  # (another array's box began while the first was held)
+    assert held[1] is True, held  # (another array's chunk began while the first was held)
     needed, _ = needed_bytes(ck, r.params)
-    assert needed <= read <= 1.05 * needed
+    assert read == needed
     same_as_source(src, cfg, r.params)
