@@ -14,7 +14,7 @@ Orbax for such a step is answered here from the bucket itself, by byte ranges:
   `jax.ShapeDtypeStruct` per array: its shape and dtype from our reader
   (`containers.orbax.reader.item_arrays`: a raw item's `.zarray` from the view, an OCDBT item's
   from its index, which TensorStore reads from the bucket, `io.remote.ts_kvstore`);
-- the arrays (`CheckpointStore.restore`, any `verify_reads`) by `store.read_item.read_tree`, each
+- the arrays (`CheckpointStore.restore`, any `verify_reads`) by `store.read_item.read_items`, each
   device reading the chunks of its shard (raw chunks by our ranged GETs, compressed chunks by
   TensorStore from the bucket, its GETs counted for the host: `ts_kvstore.settle`), each chunk
   checked against its import's CRC-32 unless `verify_reads=False` (then read as stored, as Orbax

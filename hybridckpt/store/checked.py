@@ -15,7 +15,7 @@ no byte of it reaches a caller unchecked:
   the thread that cuts its last piece gives back. So a restore onto a mesh that cuts
   chunks reads each chunk it touches once (`tests/store/test_restore_reads.py` counts it); only
   past the budget of kept bytes is a later piece read again from the file, that piece alone.
-  In a restore (`store.read_item.read_tree` sets `direct`) a piece that is one run of a raw chunk's bytes (cut on
+  In a restore (`store.read_item.read_items` sets `direct`) a piece that is one run of a raw chunk's bytes (cut on
   its first axis) is read by one pread into a buffer the restore's scratch pool lends (reused, no
   fresh chunk buffer), its CRC-32 taken there by one call, and copied into its shard's rows; the
   chunk is compared once its pieces tile it (`checksum.crc32_of_pieces`), else (this process
@@ -101,7 +101,7 @@ class CheckedArray(LazyTensor):
         self._planned: set[int] = set()  # chunks a dry read (`io.byte_source.planning`) counted whole
         self.direct = False  # pieces read straight into their places, checked whole by `release`
         self._landed: dict[int, dict[int, tuple[int, int]]] = {}  # position -> start byte -> (bytes, CRC)
-        self.scratch: AlignedPool | None = None  # buffers `direct` pieces are read into (`read_tree`)
+        self.scratch: AlignedPool | None = None  # buffers `direct` pieces are read into (`read_items`)
         self._raw: list | None = None  # [`inner`'s raw chunk files or None], once asked (`raw_grid`)
 
     # -- the grid --------------------------------------------------------------------------------

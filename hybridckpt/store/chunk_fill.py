@@ -1,16 +1,17 @@
 """A restore's arrays filled chunk by chunk: each stored chunk read once, checked whole against its
 CRC-32, and copied into every shard of this process it meets (issue 42).
 
-`store.read_item.read_tree` places an item's arrays on their shardings. An array that is a raw
+`store.read_item.read_items` places the arrays of the items restored on their shardings. An array that is a raw
 chunk grid of our store (`containers.orbax.reader.ChunkGrid`: a file a chunk, the chunks the grid
 of its CRC table) restored in its stored dtype is filled here, not box by box through
 `CheckedArray.read_into`:
 
-- plan (`ArrayFill.plan`, the calling thread, no IO): a 4 KiB-aligned buffer of small pages
+- plan (`ArrayFill.plan`, no IO): a 4 KiB-aligned buffer of small pages
   (`io.page_advice`) for each distinct box of this process's devices (`plan.box_holders`), and a
   `ChunkJob` for each stored chunk those boxes meet: the chunk's file and offset, its shape, and
   its parts, (slice of the chunk, view of a shard buffer) pairs;
-- fill (`ChunkJob.run`, the reader pool's threads, `fill_arrays`): the chunk read by one pread
+- fill (`ChunkJob.run`, the reader pool's threads, `fill_arrays`; the next array planned by the
+  worker that finds the jobs before it running low): the chunk read by one pread
   (O_DIRECT when its pages are not cached, `io.direct_read`) into a buffer the worker borrows
   from the restore's scratch pool, its CRC-32 taken by one call and compared
   (`CheckedArray.compare`), each part copied out; a chunk that is its one part, the whole of a
@@ -169,31 +170,47 @@ class ArrayFill:
 
 
 class _Queue:
-    """The chunk jobs of every array in order, put by the planner and taken by the workers; the
-    first error any of them meets (then no job is given out); and the arrays' `left` counts, all
-    under one condition."""
+    """The arrays to fill (`pending`, planned one at a time by the worker that finds the queue low:
+    no array's planning holds up the reads of those before it), their chunk jobs in order
+    (`items`), the first error any worker meets (then no job is given out), and each array's
+    `left` count, all under one condition."""
 
-    def __init__(self):
+    def __init__(self, fills: Sequence[ArrayFill], low: int):
         self.cv = threading.Condition()
+        self.pending: deque[ArrayFill] = deque(fills)
         self.items: deque[ChunkJob] = deque()
-        self.open = True
+        self.low = low  # jobs left at which the next array is planned
+        self.planning = False
+        self.decided: set[int] = set()  # id() of the fills planned, or found not to plan
         self.error: BaseException | None = None
 
-    def put(self, jobs: Sequence[ChunkJob]) -> None:
-        with self.cv:
-            self.items.extend(jobs)
-            self.cv.notify_all()
-
-    def close(self) -> None:
-        with self.cv:
-            self.open = False
-            self.cv.notify_all()
-
     def take(self) -> ChunkJob | None:
-        with self.cv:
-            while not self.items and self.open and self.error is None:
-                self.cv.wait()
-            return self.items.popleft() if self.items and self.error is None else None
+        """The next job (planning the next array first where the queue is low), or None: no job
+        left, or an error."""
+        while True:
+            with self.cv:
+                if self.error is not None:
+                    return None
+                if self.pending and not self.planning and len(self.items) <= self.low:
+                    fill, self.planning = self.pending.popleft(), True
+                elif self.items:
+                    return self.items.popleft()
+                elif not self.pending and not self.planning:
+                    return None
+                else:
+                    self.cv.wait()
+                    continue
+            try:
+                planned = fill.plan()
+            except BaseException as e:
+                self.fail(e)
+                return None
+            with self.cv:
+                self.planning = False
+                if planned:
+                    self.items.extend(fill.jobs)
+                self.decided.add(id(fill))
+                self.cv.notify_all()
 
     def done(self, job: ChunkJob) -> None:
         with self.cv:
@@ -206,12 +223,14 @@ class _Queue:
             if self.error is None:
                 self.error = error
             self.items.clear()
+            self.pending.clear()
             self.cv.notify_all()
 
     def wait(self, fill: ArrayFill) -> None:
-        """Until `fill`'s jobs are all done; the first error of any job raised here."""
+        """Until `fill` is planned and its jobs all done, or found not to plan; the first error of
+        any job or plan raised here."""
         with self.cv:
-            while fill.left and self.error is None:
+            while (id(fill) not in self.decided or fill.left) and self.error is None:
                 self.cv.wait()
             if self.error is not None:
                 raise self.error
@@ -238,32 +257,24 @@ def _work(queue: _Queue, scratch: AlignedPool) -> None:
 
 def fill_arrays(fills: Sequence[ArrayFill], scratch: AlignedPool) -> Iterator[tuple[ArrayFill, jax.Array]]:
     """(fill, its global array) for each of `fills` that plans (`ArrayFill.plan`), in order, each
-    once its chunks have landed; the chunks read by the reader pool's threads (`parallel.pool`,
-    `io_threads()` of them; inline where this runs in a pool thread) into buffers `scratch` lends.
-    Planning runs here while the workers read the arrays planned before. A fill that does not
-    plan is left for the caller (`planned` False, not yielded)."""
-    queue = _Queue()
+    once its chunks have landed; planned and read by the reader pool's threads (`parallel.pool`,
+    `io_threads()` of them; this thread alone where it is a pool thread) into buffers `scratch`
+    lends, each array planned when the jobs before it run low. A fill that does not plan is left
+    for the caller (`planned` False, not yielded)."""
+    n = parallel.io_threads()
+    queue = _Queue(fills, low=n)
     inline = parallel.in_worker()
-    workers = []
-    planned_fills = []
+    workers = [] if inline else [parallel.pool().submit(_work, queue, scratch) for _ in range(n)]
     try:
-        for fill in fills:
-            if not fill.plan():
-                continue
-            planned_fills.append(fill)
-            queue.put(fill.jobs)
-            if not workers and not inline:
-                workers = [parallel.pool().submit(_work, queue, scratch) for _ in range(parallel.io_threads())]
-        queue.close()
         if inline:
             _work(queue, scratch)
-        for fill in planned_fills:
+        for fill in fills:
             queue.wait(fill)
-            yield fill, fill.place()
+            if fill.planned:
+                yield fill, fill.place()
     except BaseException as e:
         queue.fail(e)
         raise
     finally:
-        queue.close()
         for w in workers:
             w.result()  # (the workers' errors are the queue's, raised above: these only end)

@@ -50,7 +50,7 @@ from hybridckpt.store.orbax_io import (
     restore_partial,
     standard_save,
 )
-from hybridckpt.store.read_item import read_tree
+from hybridckpt.store.read_item import read_items
 from hybridckpt.store.save_crcs import crc_record
 
 # what an import records about the arrays it wrote: a later save writes other arrays, so a
@@ -432,8 +432,8 @@ class CheckpointStore:
 
         try:
             if ours:
-                out = {k: read_tree(str(step_dir), k, t, state, verify=checked, found=self._opened(step, k))
-                       for k, t in targets.items()}
+                out = read_items(str(step_dir), targets, state, verify=checked,
+                                 found={k: self._opened(step, k) for k in targets})
             else:
                 if missing or unexpected:
                     out = {k: restore_partial(step_dir, k, metas[k], t) for k, t in targets.items()}

@@ -162,7 +162,7 @@ def test_a_damaged_chunk_the_target_cuts_is_still_caught(store, tmp_path, many_r
 def test_the_rest_kept_for_another_process_is_given_back(store):
     """A process whose devices need one piece of a cut chunk (the rest is another host's) keeps
     the rest within the shared budget while its boxes are read, and gives it back after
-    (`CheckedArray.release`, called by `read_tree` once an array is placed)."""
+    (`CheckedArray.release`, called by `read_items` once an array is placed)."""
     src, ck = store
     step = next(d for d in os.listdir(ck) if d.isdigit())
     folder = os.path.join(ck, step, "params")
