@@ -201,7 +201,8 @@ class _Queue:
                     self.cv.wait()
                     continue
             try:
-                planned = fill.plan()
+                with timing.stage("plan"):
+                    planned = fill.plan()
             except BaseException as e:
                 self.fail(e)
                 return None
@@ -261,6 +262,8 @@ def fill_arrays(fills: Sequence[ArrayFill], scratch: AlignedPool) -> Iterator[tu
     `io_threads()` of them; this thread alone where it is a pool thread) into buffers `scratch`
     lends, each array planned when the jobs before it run low. A fill that does not plan is left
     for the caller (`planned` False, not yielded)."""
+    if not fills:
+        return
     n = parallel.io_threads()
     queue = _Queue(fills, low=n)
     inline = parallel.in_worker()
