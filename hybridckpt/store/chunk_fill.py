@@ -52,7 +52,7 @@ from hybridckpt.io.aligned_pool import AlignedPool
 from hybridckpt.io.byte_source import ByteSource, planned
 from hybridckpt.io.direct_io import aligned_empty
 from hybridckpt.io.page_advice import no_huge_pages
-from hybridckpt.lazy import Box, box_shape, parallel
+from hybridckpt.lazy import Box, box_shape, box_slices, parallel
 from hybridckpt.plan import box_holders
 from hybridckpt.store.checked import CheckedArray
 
@@ -137,9 +137,7 @@ class ArrayFill:
             no_huge_pages(out)  # (4 KiB pages, faulted in by the copy or read that first writes them)
             for pos, cbox in t.chunk_boxes(box):
                 sub = tuple((max(a, ca), min(b, cb)) for (a, b), (ca, cb) in zip(box, cbox, strict=True))
-                piece = tuple(slice(s - ca, e - ca) for (s, e), (ca, _) in zip(sub, cbox, strict=True))
-                view = out[tuple(slice(s - a, e - a) for (s, e), (a, _) in zip(sub, box, strict=True))]
-                parts.setdefault(pos, (cbox, []))[1].append((piece, view))
+                parts.setdefault(pos, (cbox, []))[1].append((box_slices(sub, cbox), out[box_slices(sub, box)]))
         jobs = []
         for pos, (cbox, got) in parts.items():
             shape = box_shape(cbox)
