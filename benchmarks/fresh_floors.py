@@ -26,12 +26,22 @@ the same `cat` a restore follows (the restores 2.02 s, 4 rounds). So:
 - every run, each way and the restore, is prepared the same way (`prepare`: warm, the files read
   once, as the page cache holds them for a restore; cold, their pages dropped);
 - the restore's place among the ways turns each round (`measured_round`'s `turn`).
+
+And since the nineteenth stop every measured process, each way, each restore and Orbax's restore,
+first backs the memory it is about to fill (`back_memory`: as many bytes as the files it reads,
+touched and given back, then its peak RSS reset), so that each takes memory the host backs
+already, whatever ran before it. Without it the first restore after an import took 5.1 s where
+the next took 1.5 s, the same 1.19M page faults costing 8.8 against 2.1 system CPU-s (the host's
+faults on memory the balloon had reported: docs/benchmarks.md, "Nineteenth stop"), while the
+floor, the fastest of its ways, escaped them by chance. So the floors are what a machine without
+a balloon gives every process, and stricter than before.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -44,10 +54,11 @@ import numpy as np
 HERE = os.path.abspath(__file__)
 
 FLOOR_THREADS = (1, 2, 4)  # threads a fresh-buffer floor is read with (each whole files)
-FLOOR_PAGES = ("small", "fault", "huge")
+FLOOR_PAGES = ("small", "fault", "block", "huge")
 PAGE_LABELS = {"small": "4 KiB pages populated first", "fault": "4 KiB pages faulted in by the read",
-               "huge": "huge pages (numpy's)"}
-SMALL_PAGES = ("small", "fault")  # the ways of 4 KiB pages, the pages a restore's arrays are
+               "block": "4 KiB pages populated a block before its read", "huge": "huge pages (numpy's)"}
+SMALL_PAGES = ("small", "fault", "block")  # the ways of 4 KiB pages, the pages a restore's arrays are
+BLOCK_BYTES = 256 << 10  # the "block" way's step: populated, then read into, while the CPU's L2 holds it
 WAYS_SEEN: list[dict] = []  # every round's ways, in order (printed with the run's rows)
 
 
@@ -144,7 +155,10 @@ def fresh_read(paths: list[str], threads: int, pages: str, direct: bool) -> tupl
         try:
             done = 0
             while done < whole:
-                got = os.preadv(fd, [memoryview(buf)[done:whole]], done)
+                stop = min(whole, done + BLOCK_BYTES) if pages == "block" else whole
+                if pages == "block":
+                    populate(buf[done:stop])
+                got = os.preadv(fd, [memoryview(buf)[done:stop]], done)
                 if got == 0:
                     raise OSError(f"{p}: short read at {done}")
                 done += got
@@ -185,7 +199,8 @@ _MADV_POPULATE_WRITE = 23  # (Linux's value on every architecture; Python before
 def populate(array: np.ndarray) -> bool:
     """Fault in every page of `array` (C-contiguous, fresh) by one `madvise(MADV_POPULATE_WRITE)`
     (Linux 5.14+), as the restore did before the thirteenth stop; True where the kernel did (the
-    "small" way: without it those pages are faulted in by the read, as the "fault" way's are)."""
+    "small" and "block" ways: without it those pages are faulted in by the read, as the "fault"
+    way's are)."""
     from hybridckpt.io import page_advice
 
     if page_advice._madvise is None or not array.flags.c_contiguous or not array.nbytes:
@@ -196,10 +211,46 @@ def populate(array: np.ndarray) -> bool:
     return page_advice._madvise(first, last - first, _MADV_POPULATE_WRITE) == 0
 
 
+def back_memory(nbytes: int) -> bool:
+    """Touch `nbytes` of fresh 4 KiB pages (`populate`) and give them back, then reset this
+    process's peak RSS (`/proc/self/clear_refs`, Linux 4.0+: the peak a parent's `wait4` and
+    `VmHWM` report counts from here): the memory a measured run then takes is memory the guest
+    has just freed and the host still backs (module doc). True where the peak was reset (else
+    the peak RSS includes these bytes: the caller says so)."""
+    from hybridckpt.io import direct_io, page_advice
+
+    if nbytes > 0:
+        buf = direct_io.aligned_empty((nbytes,), "uint8")
+        page_advice.no_huge_pages(buf)
+        if not populate(buf):
+            buf[::page_advice.PAGE_BYTES] = 0
+        del buf
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+CHUNK_FILE = re.compile(r"^\d+(\.\d+)*$")  # a raw chunk file of our store: its grid position
+
+
+def chunk_files(ck: str) -> list[str]:
+    """The chunk files of every step's params and opt_state of our store `ck` (what a restore of
+    it reads)."""
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(ck) for f in fs if CHUNK_FILE.match(f))
+
+
+def files_bytes(paths: list[str]) -> int:
+    """The bytes of `paths` together: what a run that reads them fills (`back_memory`)."""
+    return sum(os.path.getsize(p) for p in paths)
+
+
 def way_seconds(listed: str, threads: int, pages: str, direct: bool) -> float:
     """One way in a fresh process (`--_way`), in the restore's process state: its modules loaded
-    first (`load_restore_modules`), then `fresh_read` of the files listed in the JSON file
-    `listed`. A process that already freed memory gets it back without the kernel's faults,
+    first (`load_restore_modules`), its memory backed (`back_memory`), then `fresh_read` of the
+    files listed in the JSON file `listed`. A process that already freed memory gets it back without the kernel's faults,
     which no restore's first arrays do."""
     out = subprocess.run([sys.executable, HERE, "--_way", listed, str(threads), pages, "direct" if direct else "cached"],
                          check=True, capture_output=True, text=True)
@@ -262,7 +313,9 @@ def main() -> None:
         listed, threads, pages, how = sys.argv[2:]
         load_restore_modules()
         with open(listed) as f:
-            print(fresh_read(json.load(f), int(threads), pages, how == "direct")[0])
+            paths = json.load(f)
+        back_memory(files_bytes(paths))
+        print(fresh_read(paths, int(threads), pages, how == "direct")[0])
         return
     raise SystemExit("fresh_floors.py is run by restore_floor.py and import_sources_floor.py (--_way)")
 

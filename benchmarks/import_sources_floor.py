@@ -56,6 +56,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import shutil
 import socket
 import statistics
@@ -80,6 +81,8 @@ from orbax_peer import run_peer  # noqa: E402
 
 SOURCES = ("dcp", "hf", "megatron")
 IMPORT_MESH, RESTORE_MESH = "fsdp=2,tp=2", "fsdp=4"
+RUN_CPU_FIELDS = ("job_s", "user_s", "system_s", "minor_faults", "major_faults", "machine_iowait_s", "machine_steal_s",
+                  "machine_user_s", "machine_system_s", "machine_idle_s")  # (a restore's record: why a round was slow)
 GENERATORS = os.path.join(TREE, "tests", "real", "generators")
 MEGATRON_VENV = os.path.expanduser("~/.cache/hybridckpt-real/megatron_core")
 # Megatron's model: Llama-like (the shapes of consolidate_dcp with GQA: 16 heads, 8 KV groups)
@@ -234,19 +237,41 @@ def restore_child(ck: str) -> dict:
     """One restore onto RESTORE_MESH in this process, params and optimizer state, every array
     blocked on: its seconds (modules loaded before), the bytes read, the account."""
     fresh_floors.load_restore_modules()  # (what a restore loads on first use: not its seconds)
+    fresh_floors.back_memory(fresh_floors.files_bytes(restore_floor.chunk_files(ck)))  # (as each floor way's)
     import jax
 
     import hybridckpt
     from hybridckpt.io.byte_source import count_reads
     from hybridckpt.io.read_tally import tally
 
+    u0, m0 = resource.getrusage(resource.RUSAGE_SELF), machine_seconds()
     t1 = time.perf_counter()
     with count_reads() as counter:
         _, r = hybridckpt.restore(ck, RESTORE_MESH, profile=True)
         jax.block_until_ready((r.params, r.opt_state))
     job = time.perf_counter() - t1
+    u1, m1 = resource.getrusage(resource.RUSAGE_SELF), machine_seconds()
     placed = sum(a.nbytes for a in jax.tree.leaves((r.params, r.opt_state)) if hasattr(a, "nbytes"))
-    return {"job_s": job, "read_bytes": tally(counter)[0], "placed_bytes": placed, "profile": r.profile.to_json()}
+    return {"job_s": job, "read_bytes": tally(counter)[0], "placed_bytes": placed, "profile": r.profile.to_json(),
+            "user_s": round(u1.ru_utime - u0.ru_utime, 3), "system_s": round(u1.ru_stime - u0.ru_stime, 3),
+            "minor_faults": u1.ru_minflt - u0.ru_minflt, "major_faults": u1.ru_majflt - u0.ru_majflt,
+            **{f"machine_{k}_s": round(m1[k] - m0[k], 3) for k in m0}}
+
+
+def machine_seconds() -> dict[str, float]:
+    """The whole machine's CPU seconds so far (`/proc/stat`, all CPUs): waiting on IO, taken by the
+    hypervisor (steal), and spent by other processes' system and user time included; {} where
+    there is no /proc/stat. A restore's round slower than the rest says here whether the disk or
+    the host was busy."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+    except OSError:
+        return {}
+    tick = os.sysconf("SC_CLK_TCK")
+    names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+    got = dict(zip(names, (int(x) / tick for x in fields), strict=False))
+    return {k: got[k] for k in ("user", "system", "idle", "iowait", "steal") if k in got}
 
 
 def run_restore(ck: str) -> dict:
@@ -379,6 +404,7 @@ def bench_restore(ck: str, repeat: int, quiet: bool) -> dict:
            "placed_bytes": runs["warm"][0]["placed_bytes"],
            "peak_rss_mib": round(max(r["peak_rss_mib"] for r in runs["warm"] + runs["cold"])),
            "runs_s": {k: [round(r["job_s"] if isinstance(r, dict) else r, 3) for r in v] for k, v in runs.items()},
+           "runs_cpu": {k: [{f: r.get(f) for f in RUN_CPU_FIELDS} for r in runs[k]] for k in ("warm", "cold")},
            "floor_fresh_ways": fresh_floors.WAYS_SEEN[-2 * repeat:],
            "load_avg": [round(x, 2) for x in os.getloadavg()]}
     if not quiet:

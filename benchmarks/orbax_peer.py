@@ -27,7 +27,7 @@ import time
 HERE = os.path.abspath(__file__)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from fresh_floors import load_restore_modules  # noqa: E402
+from fresh_floors import back_memory, chunk_files, files_bytes, load_restore_modules  # noqa: E402
 
 
 def targets(ck: str, mesh: str) -> tuple[int, dict]:
@@ -66,6 +66,7 @@ def peer_child(ck: str, mesh: str) -> dict:
     from hybridckpt.cli.output import peak_rss_gib
 
     step, items = targets(ck, mesh)
+    back_memory(files_bytes(chunk_files(ck)))  # (as our restore's and each floor way's)
     r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     out = orbax_restore(ck, step, items)
     job, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)

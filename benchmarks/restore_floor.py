@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import resource
 import shutil
 import statistics
@@ -70,10 +69,13 @@ import floors  # noqa: E402
 import orbax_speed  # noqa: E402
 from fresh_floors import (  # noqa: E402
     WAYS_SEEN,
+    back_memory,
+    chunk_files,
     direct_fresh_floor,
     drop_pages,
     fastest,
     fastest_small,
+    files_bytes,
     fresh_read_floor,
     load_restore_modules,
     measured_round,
@@ -82,13 +84,7 @@ from fresh_floors import (  # noqa: E402
 from orbax_peer import run_peer  # noqa: E402
 
 IMPORT_MESH, RESTORE_MESH = "fsdp=2,tp=2", "fsdp=4"
-CHUNK_FILE = re.compile(r"^\d+(\.\d+)*$")  # a raw chunk file: its grid position
 BLOCK = 8 << 20
-
-
-def chunk_files(ck: str) -> list[str]:
-    """The chunk files of every step's params and opt_state (what a restore of it reads)."""
-    return sorted(os.path.join(d, f) for d, _, fs in os.walk(ck) for f in fs if CHUNK_FILE.match(f))
 
 
 def direct_read_floor(paths: list[str]) -> float:
@@ -131,6 +127,7 @@ def child(ck: str) -> dict:
     the bytes it read from chunk files, its peak RSS and its account."""
     t0 = time.perf_counter()
     load_restore_modules()
+    back_memory(files_bytes(chunk_files(ck)))  # (as each floor way's: `fresh_floors.back_memory`)
     import jax
 
     import hybridckpt

@@ -99,7 +99,7 @@ def test_a_round_runs_each_way_and_the_restore_in_turn_each_prepared_alike(tmp_p
     paths = _files(tmp_path, [1 << 20, 12345])
     log = []
     monkeypatch.setattr(fresh_floors, "prepare", lambda p, direct: log.append(("prepare", direct)))
-    fake = {(t, p): 1.0 + t + {"small": 0.5, "fault": 0.25, "huge": 0.0}[p]
+    fake = {(t, p): 1.0 + t + {"small": 0.5, "fault": 0.25, "block": 0.375, "huge": 0.0}[p]
             for t in fresh_floors.FLOOR_THREADS for p in fresh_floors.FLOOR_PAGES}
     monkeypatch.setattr(fresh_floors, "way_seconds", lambda listed, t, p, d: log.append((t, p)) or fake[t, p])
     n = len(fake)
@@ -212,3 +212,69 @@ def test_the_orbax_peer_restores_what_our_restore_does_bit_for_bit(tmp_path):
             assert x.dtype == y.dtype and x.shape == y.shape, path
             assert x.sharding.is_equivalent_to(y.sharding, x.ndim), path
             assert np.asarray(x).tobytes() == np.asarray(y).tobytes(), path
+
+
+_BACKED = """
+import os, sys
+sys.path.insert(0, {bench!r})
+import numpy as np
+import fresh_floors
+if sys.argv[1] == "reset":
+    assert fresh_floors.back_memory(256 << 20)
+else:  # (the control: the same bytes touched, the peak not reset)
+    b = np.ones(256 << 20, np.uint8)
+    del b
+c = np.ones(16 << 20, np.uint8)  # (what the measured run fills after)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="no /proc/self/clear_refs (not Linux)")
+def test_backing_a_runs_memory_leaves_it_out_of_the_runs_peak_rss(tmp_path):
+    """`fresh_floors.back_memory`: each measured process (a floor way, our restore, Orbax's) first
+    touches and gives back as many bytes as it will fill, so that all take memory the host backs;
+    the peak RSS the benchmark's launcher reports (`wait4`) is then the run's own, not the
+    backing's (without the reset it would be: the control)."""
+    bench = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
+    script = tmp_path / "backed.py"
+    script.write_text(_BACKED.format(bench=os.path.abspath(bench)))
+    import import_sources_floor
+
+    peak = {}  # MiB, as the benchmark's launcher reports a run's (`wait4` of a small process's child)
+    for how in ("reset", "control"):
+        peak[how] = import_sources_floor.launch([sys.executable, str(script), how], how)[0]["peak_rss_mib"]
+    assert peak["control"] > 256  # (the backing shows in a peak not reset)
+    assert peak["reset"] < 200, peak  # (the run's 16 MiB and the interpreter's modules)
+
+
+def test_the_benchmarks_restore_records_why_a_round_was_slow(tmp_path):
+    """`import_sources_floor.restore_child` (each restore of the 4 GiB sources' benchmark, in a
+    fresh process with its memory backed) returns, beside its seconds and bytes, its user and
+    system CPU seconds, its page faults and the machine's CPU seconds by kind (IO wait, steal), so
+    that a round slower than the rest says whether it was the faults, the disk or the host."""
+    import json
+    import subprocess
+
+    from hybridckpt.demo import sample_path
+    from hybridckpt.jobs.import_ import import_checkpoint
+
+    ck = str(tmp_path / "ck")
+    import_checkpoint(sample_path(), ck, mesh="fsdp=1")
+    bench = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    code = f"""
+import json, sys
+sys.path.insert(0, {bench!r})
+import import_sources_floor as m
+m.RESTORE_MESH = "fsdp=1"
+r = m.restore_child({ck!r})
+r.pop("profile")
+print(json.dumps(r))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["placed_bytes"] == r["read_bytes"] > 0 and r["job_s"] > 0
+    assert r["minor_faults"] > 0 and r["major_faults"] >= 0 and r["user_s"] + r["system_s"] > 0
+    import import_sources_floor
+
+    assert set(import_sources_floor.RUN_CPU_FIELDS) <= set(r) | {"job_s"}
+    assert {"machine_iowait_s", "machine_steal_s"} <= set(r)
