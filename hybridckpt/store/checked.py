@@ -93,7 +93,7 @@ class CheckedArray(LazyTensor):
         self.inner, self.chunk, self.crcs = inner, tuple(chunk), crcs
         self.name, self.where = name, where
         self.shape, self.dtype = tuple(inner.shape), np.dtype(inner.dtype)
-        self._grid = tuple(-(-n // c) if n else 0 for n, c in zip(self.shape, self.chunk, strict=True))
+        self.grid = tuple(-(-n // c) if n else 0 for n, c in zip(self.shape, self.chunk, strict=True))  # chunks a dim
         self._checked: set[int] = set()
         self._held = _HeldChunks()
         self._lock = threading.Lock()
@@ -110,7 +110,7 @@ class CheckedArray(LazyTensor):
         ranges = [range(a // c, -(-b // c)) for (a, b), c in zip(box, self.chunk, strict=True)]
         for idx in itertools.product(*ranges):
             pos = 0
-            for i, g in zip(idx, self._grid, strict=True):
+            for i, g in zip(idx, self.grid, strict=True):
                 pos = pos * g + i
             cbox = tuple((i * c, min(n, (i + 1) * c)) for i, c, n in zip(idx, self.chunk, self.shape, strict=True))
             yield pos, cbox
@@ -130,7 +130,7 @@ class CheckedArray(LazyTensor):
 
     def _position(self, pos: int) -> str:
         idx = []
-        for g in reversed(self._grid):
+        for g in reversed(self.grid):
             idx.append(pos % g if g else 0)
             pos = pos // g if g else 0
         return ".".join(str(i) for i in reversed(idx)) or "0"

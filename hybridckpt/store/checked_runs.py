@@ -36,7 +36,7 @@ def assign(array, box: Box, chunks, runs: list[FileRun]) -> list[FileRun] | None
     item = array.dtype.itemsize
     checks = {pos: array.run_check(pos, int(np.prod(box_shape(c))) * item) for pos, c in chunks}
     # the box's C-order element stream, as segments (elements) each inside one chunk
-    segments = segments_of(box, array.chunk, array.shape, array._grid)
+    segments = segments_of(box, array.chunk, array.shape, array.grid)
     out: list[FileRun] = []
     run_iter = iter(runs)
     run = next(run_iter, None)

@@ -121,3 +121,35 @@ def test_a_fill_that_stops_early_takes_no_further_chunk(store, monkeypatch):
     from hybridckpt.lazy import parallel
 
     assert failed and len(ran) <= parallel.io_threads() + 1, len(ran)
+
+
+def test_chunks_neighbouring_in_the_grids_last_dim_are_taken_apart():
+    """`grid_apart`: an array's chunk jobs go last grid dim slowest, so the chunks the reader threads
+    take at once lie in different rows of the grid (whose parts land on different pages of the
+    shards), not side by side in the same rows (whose parts share those pages)."""
+    order = lambda grid: sorted(range(int(np.prod(grid))), key=lambda p: chunk_fill.grid_apart(p, grid))  # noqa: E731
+    assert order((2, 4)) == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert order((3, 2, 2)) == [0, 4, 8, 2, 6, 10, 1, 5, 9, 3, 7, 11]
+    assert order((5,)) == [0, 1, 2, 3, 4] and order((1, 3)) == [0, 1, 2]
+
+
+def test_a_planned_array_takes_its_chunks_apart(store):
+    """The jobs `ArrayFill.plan` makes for an array cut across its grid's last dim come in
+    `grid_apart` order (C order would put a row's chunks side by side), and still one job a chunk."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from hybridckpt.mesh import as_mesh
+
+    _, ck = store
+    t = _up_kernel(ck)
+    assert len(t.grid) == 3 and t.grid[1] > 1 and t.grid[2] > 1, t.grid  # ([layers, embed, ffn]: cut both ways)
+    n = min(4, len(jax.devices()))
+    fill = chunk_fill.ArrayFill(t, NamedSharding(as_mesh(f"fsdp={n}"), P(None, "fsdp", None)))
+    assert fill.plan()
+    got = [job.pos for job in fill.jobs]
+    assert sorted(got) == list(range(int(np.prod(t.grid))))  # (every chunk once)
+    assert got == sorted(got, key=lambda p: chunk_fill.grid_apart(p, t.grid)) and got != sorted(got)
+    grid_rows = [np.unravel_index(p, t.grid)[:-1] for p in got]
+    assert all(a != b for a, b in zip(grid_rows, grid_rows[1:], strict=False) if t.grid[0] * t.grid[1] > 1)
