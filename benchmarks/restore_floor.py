@@ -118,8 +118,8 @@ def direct_read_floor(paths: list[str]) -> float:
 
 FRESH_WARM = "pread into fresh buffers held, page cache warm (fastest way: 1/2/4 threads; 4 KiB pages populated or faulted by the read, or huge pages; a fresh process each)"
 FRESH_COLD = "O_DIRECT reads into fresh buffers held (fastest way: 1/2/4 threads; 4 KiB pages populated or faulted by the read, or huge pages; a fresh process each)"
-FRESH_WARM_SMALL = "pread into fresh buffers held, page cache warm, 4 KiB pages (fastest of 1/2/4 threads, populated or faulted by the read)"
-FRESH_COLD_SMALL = "O_DIRECT reads into fresh buffers held, 4 KiB pages (fastest of 1/2/4 threads, populated or faulted by the read)"
+FRESH_WARM_SMALL = "pread into fresh buffers held, page cache warm, 4 KiB pages (fastest of 1/2/4 threads, populated first, faulted by the read, or populated a block before its read)"
+FRESH_COLD_SMALL = "O_DIRECT reads into fresh buffers held, 4 KiB pages (fastest of 1/2/4 threads, populated first, faulted by the read, or populated a block before its read)"
 
 
 def child(ck: str) -> dict:
