@@ -248,10 +248,11 @@ def files_bytes(paths: list[str]) -> int:
 
 
 def way_seconds(listed: str, threads: int, pages: str, direct: bool) -> float:
-    """One way in a fresh process (`--_way`), in the restore's process state: its modules loaded
-    first (`load_restore_modules`), its memory backed (`back_memory`), then `fresh_read` of the
-    files listed in the JSON file `listed`. A process that already freed memory gets it back without the kernel's faults,
-    which no restore's first arrays do."""
+    """One way in a fresh process (`--_way`), in the restore's process state: its modules loaded first
+    (`load_restore_modules`), its memory backed (`back_memory`), then `fresh_read` of the files
+    listed in the JSON file `listed`. The backing's pages go back to the kernel (their mapping
+    removed), so the reads still take the kernel's fault on each fresh page, as a restore's first
+    arrays do; only the host's faults are spared, for every measured process alike."""
     out = subprocess.run([sys.executable, HERE, "--_way", listed, str(threads), pages, "direct" if direct else "cached"],
                          check=True, capture_output=True, text=True)
     return float(out.stdout.strip().splitlines()[-1])

@@ -23,11 +23,11 @@ of its CRC table) restored in its stored dtype is filled here, not box by box th
 
 The workers take the jobs of every array in order from one queue, so none waits at an array's end
 while another array has chunks left; an array's chunks in `grid_apart` order (last grid dim
-slowest), so the chunks taken at once are in different rows of the shards, not on the same pages. Box by box, a chunk the new mesh cuts in two (every chunk of a
-fsdp=2,tp=2 store restored onto fsdp=4) was two reads, two CRC-32 calls joined by
-`checksum.crc32_combine`, two lent buffers and about 65 us of Python a piece, taken by four reader
-threads in turn under the GIL; here it is one of each a chunk (docs/benchmarks.md, "Eighteenth
-stop": 7% less wall on a 2.3 GB store, 3% on 4.7 GB).
+slowest), so the chunks taken at once are in different rows of the shards, not on the same pages.
+Box by box, a chunk the new mesh cuts in two (every chunk of a fsdp=2,tp=2 store restored onto
+fsdp=4) was two reads, two CRC-32 calls joined by `checksum.crc32_combine`, two lent buffers and
+about 65 us of Python a piece, taken by four reader threads in turn under the GIL; here it is one of
+each a chunk (docs/benchmarks.md, "Eighteenth stop": 7% less wall on a 2.3 GB store, 3% on 4.7 GB).
 
 What each process reads: the chunks its devices' boxes meet, each whole (its CRC-32 is the whole
 chunk's), none of another process's alone. An array that is not such a grid (TensorStore decodes
@@ -116,7 +116,7 @@ def grid_apart(pos: int, grid: Sequence[int]) -> tuple[int, ...]:
     1.16 s: docs/benchmarks.md, "Nineteenth stop".)"""
     index = []
     for n in reversed(grid):
-        pos, i = divmod(pos, n)
+        pos, i = divmod(pos, n) if n else (pos, 0)  # (a dim of 0 chunks: an empty array, no jobs)
         index.append(i)
     return tuple(index)
 
