@@ -50,6 +50,37 @@ def test_direct_floor_writes_the_same_files_or_says_why(tmp_path, monkeypatch):
     assert part is not None and len(kept["0-src0"]) == 5 << 20
 
 
+def test_queued_direct_floor_writes_the_same_bytes_from_several_threads(tmp_path, monkeypatch):
+    """`queued_direct_write_floor` (the O_DIRECT floor with writes queued, as an import's writers
+    keep them): every source byte written once, in pieces of `piece` bytes (files `i-k-name`),
+    a piece's unaligned tail included; the job's `nbytes` bounds it; refused O_DIRECT says so."""
+    paths = _files(tmp_path, [(9 << 20) + 123, 4096, 777])
+    out = tmp_path / "out"
+    kept = {}
+    real_rmtree = floors.shutil.rmtree
+
+    def keep(path, ignore_errors=False):
+        if os.path.isdir(path) and os.listdir(path):
+            kept.update({f: (out / f).read_bytes() for f in os.listdir(path)})
+        real_rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(floors.shutil, "rmtree", keep)
+    secs, note = floors.queued_direct_write_floor(paths, str(out), threads=3, piece=4 << 20)
+    if not direct_supported(str(tmp_path)):
+        assert secs is None and "refused" in note
+        return
+    assert secs > 0 and "queued" in note
+    for i, p in enumerate(paths):
+        pieces = sorted((int(f.split("-")[1]), b) for f, b in kept.items() if f.startswith(f"{i}-"))
+        assert b"".join(b for _, b in pieces) == open(p, "rb").read(), p
+    assert len([f for f in kept if f.startswith("0-")]) == 3  # (9 MiB + 123 B in 4 MiB pieces)
+    kept.clear()
+    part, _ = floors.queued_direct_write_floor(paths, str(out), nbytes=5 << 20, piece=4 << 20)
+    assert part is not None and sum(map(len, kept.values())) == 5 << 20
+    fl = floors.measure(paths, str(out), repeat=1)
+    assert fl["write_direct_s"] == min(fl["write_direct_serial_s"], fl["write_direct_queued_s"])
+
+
 def test_kernel_count_matches_reads_on_a_cold_cache(tmp_path):
     (path,) = _files(tmp_path, [16 << 20])
     note = kernel_io.drop_cache([path])
