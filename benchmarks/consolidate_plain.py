@@ -147,13 +147,7 @@ def write_zero3(out: str, n: int) -> None:
 def _fsync_all(path: str) -> float:
     """fsync every file under `path` (a file or a folder); returns the seconds it took."""
     t0 = time.perf_counter()
-    files = [path] if os.path.isfile(path) else [os.path.join(path, f) for f in os.listdir(path)]
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    floors.fsync_files([path] if os.path.isfile(path) else [os.path.join(path, f) for f in os.listdir(path)])
     return time.perf_counter() - t0
 
 

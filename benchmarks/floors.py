@@ -30,6 +30,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 
@@ -125,8 +126,6 @@ def queued_direct_write_floor(paths: list[str], out_dir: str, nbytes: int | None
     then one `syncfs` of the filesystem (`io.writeback.FilesystemSync`, as an import syncs an
     item; an fsync a file where it cannot) and the folder fsync'd: the same durability. (None,
     why) where the filesystem refuses O_DIRECT. `out_dir` is removed afterwards."""
-    import threading
-
     from hybridckpt.io import direct_io, writeback
 
     align = direct_io.DIRECT_ALIGN
@@ -183,11 +182,7 @@ def queued_direct_write_floor(paths: list[str], out_dir: str, nbytes: int | None
 
     try:
         t0 = time.perf_counter()
-        pool = [threading.Thread(target=work) for _ in range(threads)]
-        for t in pool:
-            t.start()
-        for t in pool:
-            t.join()
+        run_threads(work, threads)
         if failed:
             raise failed[0]
         if refused:
@@ -199,16 +194,31 @@ def queued_direct_write_floor(paths: list[str], out_dir: str, nbytes: int | None
             finally:
                 fs.close()
         else:
-            for dst in written:
-                fd = os.open(dst, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+            fsync_files(written)
         writeback.fsync_folder(out_dir)
         return time.perf_counter() - t0, f"O_DIRECT, {threads} threads queued"
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def run_threads(work, threads: int) -> None:
+    """Run `work` (no arguments) in `threads` threads at once and wait for them all (a floor's
+    workers: each takes its next item from a shared queue and keeps its own errors)."""
+    pool = [threading.Thread(target=work) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+
+
+def fsync_files(paths: list[str]) -> None:
+    """fsync each of `paths` (files)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def read_floor(paths: list[str]) -> float:

@@ -49,6 +49,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import floors
 import numpy as np
 
 HERE = os.path.abspath(__file__)
@@ -182,11 +183,7 @@ def fresh_read(paths: list[str], threads: int, pages: str, direct: bool) -> tupl
             failed.append(e)
 
     t0 = time.perf_counter()
-    pool = [threading.Thread(target=work) for _ in range(threads)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
+    floors.run_threads(work, threads)
     dt = time.perf_counter() - t0
     if failed:
         raise failed[0]
