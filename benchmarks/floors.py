@@ -12,13 +12,15 @@
   filesystem refuses `O_DIRECT` it is None with the reason (`direct_note`). Since the
   nineteenth stop it is the faster of that way and a queued one (`queued_direct_write_floor`:
   4 threads writing 8 MiB files cut from the sources, one syncfs), which the HF import had
-  beaten (0.97x the one-thread way: its writers keep the disk's queue full);
+  beaten (0.97x the one-thread way: its writers keep the disk's queue full); since the
+  twentieth, the queued way also with 16 MiB files (`QUEUED_PIECES`: 4% faster on this VM);
 - read floor: `cat` of every source file to /dev/null, page cache warm (the benchmarks read
   warm sources too): what reading them costs at least.
 
 Each is the best of `repeat` runs (a floor is what the disk did at its fastest; the rows' own
 figures are medians); `measure` returns `{"write_s", "write_direct_s", "write_direct_serial_s",
-"write_direct_queued_s", "direct_note", "read_s", "write_bytes", "read_bytes"}`; `cell(seconds, floor_s)` is a table cell (the floor and our multiple
+"write_direct_queued_s", "write_direct_queued_by_mib", "direct_note", "read_s", "write_bytes",
+"read_bytes"}`; `cell(seconds, floor_s)` is a table cell (the floor and our multiple
 of it) and `write_cell(seconds, floors)` the write floor's cell with both floors.
 """
 
@@ -234,6 +236,11 @@ def files_under(root: str) -> list[str]:
     return sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs)
 
 
+QUEUED_PIECES = (8 << 20, 16 << 20)  # bytes a file of the queued O_DIRECT floor: the import's tile size, and twice
+# it (3.23 GB, 4 threads, 3 alternating rounds on the 2-core VM: 16 MiB files 1.334 s, 8 MiB 1.387 s,
+# 32 MiB 1.352 s, 64 MiB 1.443 s; docs/benchmarks.md "Twentieth stop"): the floor takes the faster
+
+
 def measure(paths: list[str], scratch: str, *, write_bytes: int | None = None, repeat: int = 2) -> dict:
     """Both floors of `paths` (see the module doc); `write_bytes`: how many bytes the job writes
     (default: the files' size)."""
@@ -241,14 +248,20 @@ def measure(paths: list[str], scratch: str, *, write_bytes: int | None = None, r
     wb = total if write_bytes is None else int(write_bytes)
     read_floor(paths)  # warm, as the jobs find them
     direct = [direct_write_floor(paths, scratch, wb) for _ in range(repeat)]
-    queued = [queued_direct_write_floor(paths, scratch, wb) for _ in range(repeat)]
+    by_piece: dict[int, list[float]] = {}
+    for _ in range(repeat):
+        for piece in QUEUED_PIECES:
+            s, _ = queued_direct_write_floor(paths, scratch, wb, piece=piece)
+            if s is not None:
+                by_piece.setdefault(piece, []).append(s)
     secs = [s for s, _ in direct if s is not None]
-    qsecs = [s for s, _ in queued if s is not None]
+    qsecs = [s for runs in by_piece.values() for s in runs]
     return {
         "write_s": min(write_floor(paths, scratch, wb) for _ in range(repeat)),
-        "write_direct_s": min(secs + qsecs) if secs + qsecs else None,  # (the stricter of the two ways)
+        "write_direct_s": min(secs + qsecs) if secs + qsecs else None,  # (the strictest of the ways)
         "write_direct_serial_s": min(secs) if secs else None,
         "write_direct_queued_s": min(qsecs) if qsecs else None,
+        "write_direct_queued_by_mib": {piece >> 20: min(runs) for piece, runs in by_piece.items()},
         "direct_note": direct[0][1],
         "read_s": min(read_floor(paths) for _ in range(repeat)),
         "write_bytes": wb,

@@ -334,6 +334,7 @@ def bench_import(kind: str, base: str, gib: float, repeat: int, keep_ck: bool, q
         "floors_direct_s": [f["write_direct_s"] and round(f["write_direct_s"], 3) for f in fl],
         "floors_direct_serial_s": [f["write_direct_serial_s"] and round(f["write_direct_serial_s"], 3) for f in fl],
         "floors_direct_queued_s": [f["write_direct_queued_s"] and round(f["write_direct_queued_s"], 3) for f in fl],
+        "floors_direct_queued_by_mib": [{k: round(v, 3) for k, v in f["write_direct_queued_by_mib"].items()} for f in fl],
         "floors_buffered_s": [round(f["write_s"], 3) for f in fl],
         "median_job_s": round(job, 3), "median_wall_s": round(wall, 3),
         "job_over_floor": round(job / floor_s, 2) if floor_s else None,

@@ -79,6 +79,9 @@ def test_queued_direct_floor_writes_the_same_bytes_from_several_threads(tmp_path
     assert part is not None and sum(map(len, kept.values())) == 5 << 20
     fl = floors.measure(paths, str(out), repeat=1)
     assert fl["write_direct_s"] == min(fl["write_direct_serial_s"], fl["write_direct_queued_s"])
+    by_piece = fl["write_direct_queued_by_mib"]  # the queued way at each file size, the floor its fastest
+    assert sorted(by_piece) == sorted(p >> 20 for p in floors.QUEUED_PIECES) and len(floors.QUEUED_PIECES) > 1
+    assert fl["write_direct_queued_s"] == min(by_piece.values())
 
 
 def test_kernel_count_matches_reads_on_a_cold_cache(tmp_path):
