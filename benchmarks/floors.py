@@ -13,7 +13,8 @@
   nineteenth stop it is the faster of that way and a queued one (`queued_direct_write_floor`:
   4 threads writing 8 MiB files cut from the sources, one syncfs), which the HF import had
   beaten (0.97x the one-thread way: its writers keep the disk's queue full); since the
-  twentieth, the queued way also with 16 MiB files (`QUEUED_PIECES`: 4% faster on this VM);
+  twentieth, the queued way also with 16 MiB files (`QUEUED_PIECES`: 4% faster in a sweep,
+  each size the faster in half the rounds of the benchmark runs after it);
 - read floor: `cat` of every source file to /dev/null, page cache warm (the benchmarks read
   warm sources too): what reading them costs at least.
 
@@ -239,6 +240,7 @@ def files_under(root: str) -> list[str]:
 QUEUED_PIECES = (8 << 20, 16 << 20)  # bytes a file of the queued O_DIRECT floor: the import's tile size, and twice
 # it (3.23 GB, 4 threads, 3 alternating rounds on the 2-core VM: 16 MiB files 1.334 s, 8 MiB 1.387 s,
 # 32 MiB 1.352 s, 64 MiB 1.443 s; docs/benchmarks.md "Twentieth stop"): the floor takes the faster
+# (in the benchmark runs since, each size was the faster in 9 of 18 rounds)
 
 
 def measure(paths: list[str], scratch: str, *, write_bytes: int | None = None, repeat: int = 2) -> dict:
@@ -249,11 +251,11 @@ def measure(paths: list[str], scratch: str, *, write_bytes: int | None = None, r
     read_floor(paths)  # warm, as the jobs find them
     direct = [direct_write_floor(paths, scratch, wb) for _ in range(repeat)]
     by_piece: dict[int, list[float]] = {}
-    for _ in range(repeat):
+    for _round in range(repeat):
         for piece in QUEUED_PIECES:
-            s, _ = queued_direct_write_floor(paths, scratch, wb, piece=piece)
-            if s is not None:
-                by_piece.setdefault(piece, []).append(s)
+            seconds, _note = queued_direct_write_floor(paths, scratch, wb, piece=piece)
+            if seconds is not None:
+                by_piece.setdefault(piece, []).append(seconds)
     secs = [s for s, _ in direct if s is not None]
     qsecs = [s for runs in by_piece.values() for s in runs]
     return {
