@@ -240,7 +240,7 @@ def files_under(root: str) -> list[str]:
 QUEUED_PIECES = (8 << 20, 16 << 20)  # bytes a file of the queued O_DIRECT floor: the import's tile size, and twice
 # it (3.23 GB, 4 threads, 3 alternating rounds on the 2-core VM: 16 MiB files 1.334 s, 8 MiB 1.387 s,
 # 32 MiB 1.352 s, 64 MiB 1.443 s; docs/benchmarks.md "Twentieth stop"): the floor takes the faster
-# (in the benchmark runs since, each size was the faster in 9 of 18 rounds)
+# (in the benchmark runs since, each size was the faster in half the rounds: 12 of 24)
 
 
 def measure(paths: list[str], scratch: str, *, write_bytes: int | None = None, repeat: int = 2) -> dict:
