@@ -233,6 +233,22 @@ def back_memory(nbytes: int) -> bool:
 CHUNK_FILE = re.compile(r"^\d+(\.\d+)*$")  # a raw chunk file of our store: its grid position
 
 
+def machine_seconds() -> dict[str, float]:
+    """The whole machine's CPU seconds so far (`/proc/stat`, all CPUs): waiting on IO, taken by the
+    hypervisor (steal), and spent by other processes' system and user time included; {} where
+    there is no /proc/stat. A restore's round slower than the rest says here whether the disk or
+    the host was busy."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+    except OSError:
+        return {}
+    tick = os.sysconf("SC_CLK_TCK")
+    names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+    got = dict(zip(names, (int(x) / tick for x in fields), strict=False))
+    return {k: got[k] for k in ("user", "system", "idle", "iowait", "steal") if k in got}
+
+
 def chunk_files(ck: str) -> list[str]:
     """The chunk files of every step's params and opt_state of our store `ck` (what a restore of
     it reads)."""

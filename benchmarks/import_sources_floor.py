@@ -25,11 +25,13 @@ Then, per source, each import a fresh `python -m hybridckpt.cli import SRC DST -
 --json` (default flags; `--json` turns the account on and prints it) on 8 simulated CPU devices,
 page cache warm, bytecode cached: one warm-up (not counted: it says the bytes the import
 writes), the write floors (`floors.measure`, best of 2) before, `--repeat` imports, the floors
-again after. The row: the median import's own seconds (the summary's `seconds`) and its
-process's wall (Python's start included) over the best O_DIRECT floor of the 4, the highest peak
-RSS (`wait4`'s `ru_maxrss` of the child), the account of the median run, and whether the
-account's shares + other/waiting (which sum to the account's wall by construction) cover the
-process's wall within 10% (`account_over_process_wall`).
+again after, and one queued O_DIRECT floor (8 MiB files) just before each import. The row: the
+median import's own seconds (the summary's `seconds`) and its process's wall (Python's start
+included) over the best O_DIRECT floor of the run (the strict figure), the median over the
+imports of each one's seconds over the floor just before it (`job_over_adjacent_floor`: the same
+disk, where its rate drifts within a run, as this VM's does), the highest peak RSS (`wait4`'s
+`ru_maxrss` of the child), the account of the median run, and whether the account's shares +
+other/waiting (the account's wall by construction) cover the process's wall within 10%.
 
 `--tree NAME=PATH` (repeatable) also runs, alternating with this checkout's (the order turned each
 round), `--repeat` imports of each source by another checkout's code (a base commit unpacked at
@@ -244,34 +246,18 @@ def restore_child(ck: str) -> dict:
     from hybridckpt.io.byte_source import count_reads
     from hybridckpt.io.read_tally import tally
 
-    u0, m0 = resource.getrusage(resource.RUSAGE_SELF), machine_seconds()
+    u0, m0 = resource.getrusage(resource.RUSAGE_SELF), fresh_floors.machine_seconds()
     t1 = time.perf_counter()
     with count_reads() as counter:
         _, r = hybridckpt.restore(ck, RESTORE_MESH, profile=True)
         jax.block_until_ready((r.params, r.opt_state))
     job = time.perf_counter() - t1
-    u1, m1 = resource.getrusage(resource.RUSAGE_SELF), machine_seconds()
+    u1, m1 = resource.getrusage(resource.RUSAGE_SELF), fresh_floors.machine_seconds()
     placed = sum(a.nbytes for a in jax.tree.leaves((r.params, r.opt_state)) if hasattr(a, "nbytes"))
     return {"job_s": job, "read_bytes": tally(counter)[0], "placed_bytes": placed, "profile": r.profile.to_json(),
             "user_s": round(u1.ru_utime - u0.ru_utime, 3), "system_s": round(u1.ru_stime - u0.ru_stime, 3),
             "minor_faults": u1.ru_minflt - u0.ru_minflt, "major_faults": u1.ru_majflt - u0.ru_majflt,
             **{f"machine_{k}_s": round(m1[k] - m0[k], 3) for k in m0}}
-
-
-def machine_seconds() -> dict[str, float]:
-    """The whole machine's CPU seconds so far (`/proc/stat`, all CPUs): waiting on IO, taken by the
-    hypervisor (steal), and spent by other processes' system and user time included; {} where
-    there is no /proc/stat. A restore's round slower than the rest says here whether the disk or
-    the host was busy."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()[1:]
-    except OSError:
-        return {}
-    tick = os.sysconf("SC_CLK_TCK")
-    names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
-    got = dict(zip(names, (int(x) / tick for x in fields), strict=False))
-    return {k: got[k] for k in ("user", "system", "idle", "iowait", "steal") if k in got}
 
 
 def run_restore(ck: str) -> dict:
@@ -293,6 +279,19 @@ def _account(run: dict) -> dict:
             "busy_s": {s.stage: round(s.busy_s, 3) for s in p.stages}}
 
 
+def _adjacent(runs: list[dict]) -> dict:
+    """The imports against the floor measured just before each (`adjacent_floor_s`: the queued
+    O_DIRECT way, 8 MiB files): that floor's seconds and the median of the per-pair ratios (None
+    where O_DIRECT was refused). This VM's disk writes a few GB at one rate and then, under
+    sustained writes, at up to 25-50% less (docs/benchmarks.md, "Twenty-first stop"): the best
+    floor of the run may be a moment no import ran in, and a pair sees the same disk."""
+    adj = [r["adjacent_floor_s"] for r in runs]
+    ok = all(a is not None for a in adj)
+    return {"adjacent_floors_s": [a and round(a, 3) for a in adj],
+            "job_over_adjacent_floor": round(statistics.median(r["job_s"] / r["adjacent_floor_s"] for r in runs), 2)
+            if ok and runs else None}
+
+
 def _tree_row(runs: list[dict], floor_s: float | None) -> dict:
     """A `--tree` checkout's imports: medians, the ratio to the run's floor, CPU, peak RSS, and the
     busy seconds of each stage of its median run."""
@@ -300,7 +299,7 @@ def _tree_row(runs: list[dict], floor_s: float | None) -> dict:
     med = sorted(runs, key=lambda r: r["job_s"])[len(runs) // 2]
     return {"median_job_s": round(job, 3), "job_over_floor": round(job / floor_s, 2) if floor_s else None,
             "median_wall_s": round(statistics.median(r["wall_s"] for r in runs), 3),
-            "job_s": [round(r["job_s"], 3) for r in runs],
+            "job_s": [round(r["job_s"], 3) for r in runs], **_adjacent(runs),
             "cpu_s": round(statistics.median(r["cpu_s"] for r in runs), 2),
             "peak_rss_mib": round(max(r["peak_rss_mib"] for r in runs)), "busy_s": _account(med)["busy_s"]}
 
@@ -318,7 +317,9 @@ def bench_import(kind: str, base: str, gib: float, repeat: int, keep_ck: bool, q
     by: dict = {v: [] for v in variants}
     for i in range(repeat):  # alternating, the order turned each round: a slower minute hits all
         for v in variants if i % 2 == 0 else variants[::-1]:
-            by[v].append(run_import(src, ck, made["config"], None if v is None else trees[v]))
+            adjacent = floors.queued_direct_write_floor(paths, os.path.join(base, "floor"), first["bytes"])[0]
+            run = run_import(src, ck, made["config"], None if v is None else trees[v])
+            by[v].append({**run, "adjacent_floor_s": adjacent})
     runs = by[None]
     fl.append(floors.measure(paths, os.path.join(base, "floor"), write_bytes=first["bytes"]))
     direct = [f["write_direct_s"] for f in fl if f["write_direct_s"] is not None]
@@ -340,7 +341,7 @@ def bench_import(kind: str, base: str, gib: float, repeat: int, keep_ck: bool, q
         "job_over_floor": round(job / floor_s, 2) if floor_s else None,
         "wall_over_floor": round(wall / floor_s, 2) if floor_s else None,
         "job_s": [round(r["job_s"], 3) for r in runs], "wall_s": [round(r["wall_s"], 3) for r in runs],
-        "cpu_s": round(statistics.median(r["cpu_s"] for r in runs), 2),
+        **_adjacent(runs), "cpu_s": round(statistics.median(r["cpu_s"] for r in runs), 2),
         "peak_rss_mib": round(max(r["peak_rss_mib"] for r in runs)),
         **acc, "account_within_10pct": abs(acc["account_over_process_wall"] - 1) <= 0.10,
         "load_avg": [round(x, 2) for x in os.getloadavg()],
@@ -422,16 +423,18 @@ def bench_restore(ck: str, repeat: int, quiet: bool) -> dict:
 
 
 def table(rows: list[dict], restore: dict | None, restored: str | None) -> str:
-    out = ["| source (writer) | GiB | written | O_DIRECT floor | import (x floor) | process wall (x floor) "
-           "| peak RSS | account / wall |", "|---|---|---|---|---|---|---|---|"]
+    out = ["| source (writer) | GiB | written | O_DIRECT floor | import (x floor) | x the floor just before (median "
+           "of pairs) | process wall (x floor) | peak RSS | account / wall |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['source']} | {r['source_gib']:.2f} | {r['bytes_written'] / 2**30:.2f} GiB | "
                    f"{r['floor_direct_s']} s | {r['median_job_s']} s ({r['job_over_floor']}x) | "
-                   f"{r['median_wall_s']} s ({r['wall_over_floor']}x) | {r['peak_rss_mib']} MiB | "
+                   f"{r['job_over_adjacent_floor']}x | {r['median_wall_s']} s ({r['wall_over_floor']}x) | "
+                   f"{r['peak_rss_mib']} MiB | "
                    f"{r['account_over_process_wall']} ({'within' if r['account_within_10pct'] else 'NOT within'} 10%) |")
         for name, t in r.get("trees", {}).items():
             out.append(f"| {r['source']}, tree {name} | | | | {t['median_job_s']} s ({t['job_over_floor']}x) | "
-                       f"{t['median_wall_s']} s | {t['peak_rss_mib']} MiB | CPU {t['cpu_s']} s (this tree: {r['cpu_s']} s) |")
+                       f"{t['job_over_adjacent_floor']}x | {t['median_wall_s']} s | {t['peak_rss_mib']} MiB | "
+                       f"CPU {t['cpu_s']} s (this tree: {r['cpu_s']} s) |")
     if restore:
         out.append(f"\nrestore of the {restored} import {restore['mesh']} ({restore['stored_bytes'] / 2**30:.2f} GiB): "
                    f"warm {restore['warm_s']} s ({restore['warm_over_cat']}x cat {restore['floor_cat_s']} s, "
