@@ -282,9 +282,9 @@ def _account(run: dict) -> dict:
 def _adjacent(runs: list[dict]) -> dict:
     """The imports against the floor measured just before each (`adjacent_floor_s`: the queued
     O_DIRECT way, 8 MiB files): that floor's seconds and the median of the per-pair ratios (None
-    where O_DIRECT was refused). This VM's disk writes a few GB at one rate and then, under
-    sustained writes, at up to 25-50% less (docs/benchmarks.md, "Twenty-first stop"): the best
-    floor of the run may be a moment no import ran in, and a pair sees the same disk."""
+    where O_DIRECT was refused). This VM's disk writes a few GB fast and then, under sustained
+    writes, takes 20-50% longer for the same bytes (docs/benchmarks.md, "Twenty-first stop"): the
+    best floor of the run may be a moment no import ran in, and a pair sees the same disk."""
     adj = [r["adjacent_floor_s"] for r in runs]
     ok = all(a is not None for a in adj)
     return {"adjacent_floors_s": [a and round(a, 3) for a in adj],

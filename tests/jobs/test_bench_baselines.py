@@ -316,8 +316,8 @@ print(json.dumps(r))
 
 def test_each_import_is_paired_with_the_floor_written_just_before_it(tmp_path, monkeypatch):
     """`import_sources_floor.bench_import` writes one queued O_DIRECT floor just before each
-    import, so each pair sees the same disk (this VM's writes slow by 25-50% under sustained
-    writes), and reports the median of the per-pair ratios beside the strict ratio to the run's
+    import, so each pair sees the same disk (this VM's writes take 20-50% longer under
+    sustained writes), and reports the median of the per-pair ratios beside the strict ratio to the run's
     best floor."""
     import import_sources_floor as m
 
